@@ -1,0 +1,307 @@
+//! Configuration: the ONLY module that reads environment variables.
+//!
+//! Every value is parsed into a typed setting; a malformed value is an `Error::InvalidConfig`
+//! naming the variable, the value and what is accepted — never a silent default.
+//! Parsing is separated from the environment (`Config::from_lookup`) so tests can feed values.
+
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+/// Which caching policy a device pool uses (`GPUPOOL_POOL`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PoolKind {
+    /// Best fit with splitting and coalescing (default).
+    Split,
+    /// Power-of-two bins, whole blocks (CUDA.jl's `binned`).
+    Binned,
+    /// No caching: every call goes to the upstream.
+    None,
+}
+
+impl PoolKind {
+    pub const ACCEPTED: &'static str = "split | binned | none";
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "split" => Some(PoolKind::Split),
+            "binned" => Some(PoolKind::Binned),
+            "none" | "passthrough" => Some(PoolKind::None),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolKind::Split => "split",
+            PoolKind::Binned => "binned",
+            PoolKind::None => "none",
+        }
+    }
+}
+
+/// Where raw memory comes from (`GPUPOOL_UPSTREAM`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum UpstreamKind {
+    /// `cuMemAlloc` / `cuMemFree` (default).
+    Device,
+    /// `cuMemAllocManaged`.
+    Managed,
+    /// `cuMemAllocAsync` / `cuMemFreeAsync` on the caller's stream.
+    Async,
+    /// Aligned host memory: tests and the no-GPU demo.
+    Host,
+}
+
+impl UpstreamKind {
+    pub const ACCEPTED: &'static str = "device | managed | async | host";
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "device" | "cuda" => Some(UpstreamKind::Device),
+            "managed" => Some(UpstreamKind::Managed),
+            "async" => Some(UpstreamKind::Async),
+            "host" => Some(UpstreamKind::Host),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            UpstreamKind::Device => "device",
+            UpstreamKind::Managed => "managed",
+            UpstreamKind::Async => "async",
+            UpstreamKind::Host => "host",
+        }
+    }
+}
+
+/// A memory limit as written by the user: absolute or relative to the device total.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum LimitSpec {
+    Bytes(usize),
+    /// Percent of the device's total memory, 0 < p <= 100.
+    Percent(f64),
+}
+
+impl LimitSpec {
+    pub const ACCEPTED: &'static str =
+        "bytes (1073741824), a size with unit (512MiB, 8GiB, 8GB, 100KB; B/KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024), or a percentage of device memory (50%)";
+
+    /// Resolve against the device total (needed only for percentages).
+    pub fn resolve(self, device_total: usize) -> usize {
+        match self {
+            LimitSpec::Bytes(b) => b,
+            LimitSpec::Percent(p) => ((device_total as f64) * p / 100.0) as usize,
+        }
+    }
+}
+
+/// Parse `1073741824`, `512MiB`, `8 GiB`, `8GB`, `50%`.
+pub fn parse_limit(s: &str) -> Option<LimitSpec> {
+    let t = s.trim();
+    if let Some(p) = t.strip_suffix('%') {
+        let v: f64 = p.trim().parse().ok()?;
+        return (v.is_finite() && v > 0.0 && v <= 100.0).then_some(LimitSpec::Percent(v));
+    }
+    parse_size(t).map(LimitSpec::Bytes)
+}
+
+/// Parse a byte count with an optional unit. Rejects overflow, negatives, fractions of a byte.
+pub fn parse_size(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return None;
+    }
+    let mult: u128 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "m" | "mb" => 1000u128.pow(2),
+        "g" | "gb" => 1000u128.pow(3),
+        "t" | "tb" => 1000u128.pow(4),
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return None,
+    };
+    let bytes: u128 = if num.contains('.') {
+        // Fractions are accepted with a unit (1.5GiB) and must come to whole bytes after it.
+        let v: f64 = num.parse().ok()?;
+        let b = v * mult as f64;
+        if !b.is_finite() || b.fract() != 0.0 || b > usize::MAX as f64 {
+            return None;
+        }
+        b as u128
+    } else {
+        num.parse::<u128>().ok()?.checked_mul(mult)?
+    };
+    usize::try_from(bytes).ok()
+}
+
+/// Everything the environment can set. Built once per process for the C API.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub pool: PoolKind,
+    pub upstream: UpstreamKind,
+    pub limit: Option<LimitSpec>,
+    /// Capacity of the simulated device behind the host upstream (default: 16 GiB).
+    pub host_capacity: usize,
+    /// `GPUPOOL_DEBUG`: 0 off, 1 leak summary at exit, 2 backtraces for every live allocation.
+    pub debug: u8,
+    /// `GPUPOOL_TRACE`: CSV file receiving one row per event.
+    pub trace: Option<PathBuf>,
+    /// `GPUPOOL_CHECK_INVARIANTS=1`: full invariant scan after every operation (tests).
+    pub check_invariants: bool,
+    /// `GPUPOOL_UNSAFE_IGNORE_STREAMS=1`: TEST ONLY — reuse blocks across streams with no
+    /// synchronisation. Exists so the stream-safety stress test can show it catches a pool
+    /// that ignores streams. Never set it in real programs.
+    pub unsafe_ignore_streams: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            pool: PoolKind::Split,
+            upstream: UpstreamKind::Device,
+            limit: None,
+            host_capacity: 16 << 30,
+            debug: 0,
+            trace: None,
+            check_invariants: false,
+            unsafe_ignore_streams: false,
+        }
+    }
+}
+
+fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        "1" | "true" | "yes" | "on" => Ok(true),
+        _ => Err(Error::InvalidConfig { var, value: v.to_string(), accepted: "0 | 1 (also true/false, yes/no, on/off)" }),
+    }
+}
+
+impl Config {
+    /// Read the process environment.
+    pub fn from_env() -> Result<Config> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Parse from any key → value lookup (tests pass a map).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut c = Config::default();
+        if let Some(v) = get("GPUPOOL_POOL") {
+            c.pool = PoolKind::parse(&v).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_POOL",
+                value: v.clone(),
+                accepted: PoolKind::ACCEPTED,
+            })?;
+        }
+        if let Some(v) = get("GPUPOOL_UPSTREAM") {
+            c.upstream = UpstreamKind::parse(&v).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_UPSTREAM",
+                value: v.clone(),
+                accepted: UpstreamKind::ACCEPTED,
+            })?;
+        }
+        if let Some(v) = get("GPUPOOL_MEMORY_LIMIT") {
+            // An empty value means "unset", the way shells unset variables with VAR=.
+            if !v.trim().is_empty() {
+                let spec = parse_limit(&v).ok_or(Error::InvalidConfig {
+                    var: "GPUPOOL_MEMORY_LIMIT",
+                    value: v.clone(),
+                    accepted: LimitSpec::ACCEPTED,
+                })?;
+                c.limit = Some(spec);
+            }
+        }
+        if let Some(v) = get("GPUPOOL_HOST_CAPACITY") {
+            c.host_capacity = parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_HOST_CAPACITY",
+                value: v.clone(),
+                accepted: "a size greater than zero: bytes or a size with unit (4GiB)",
+            })?;
+        }
+        if let Some(v) = get("GPUPOOL_DEBUG") {
+            c.debug = match v.trim() {
+                "" | "0" => 0,
+                "1" => 1,
+                "2" => 2,
+                _ => {
+                    return Err(Error::InvalidConfig {
+                        var: "GPUPOOL_DEBUG",
+                        value: v,
+                        accepted: "0 (off), 1 (leak summary at exit), 2 (backtrace per live allocation)",
+                    })
+                }
+            };
+        }
+        if let Some(v) = get("GPUPOOL_TRACE") {
+            if !v.trim().is_empty() {
+                c.trace = Some(PathBuf::from(v));
+            }
+        }
+        if let Some(v) = get("GPUPOOL_CHECK_INVARIANTS") {
+            c.check_invariants = bool_flag("GPUPOOL_CHECK_INVARIANTS", &v)?;
+        }
+        if let Some(v) = get("GPUPOOL_UNSAFE_IGNORE_STREAMS") {
+            c.unsafe_ignore_streams = bool_flag("GPUPOOL_UNSAFE_IGNORE_STREAMS", &v)?;
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("1073741824"), Some(1 << 30));
+        assert_eq!(parse_size("512MiB"), Some(512 << 20));
+        assert_eq!(parse_size("8GiB"), Some(8 << 30));
+        assert_eq!(parse_size("8GB"), Some(8_000_000_000));
+        assert_eq!(parse_size("8 gib"), Some(8 << 30));
+        assert_eq!(parse_size("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_size("0.3B"), None);
+        assert_eq!(parse_size("-1"), None);
+        assert_eq!(parse_size("12XB"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("99999999999999999999999TiB"), None);
+    }
+
+    #[test]
+    fn limits_parse() {
+        assert_eq!(parse_limit("50%"), Some(LimitSpec::Percent(50.0)));
+        assert_eq!(parse_limit("150%"), None);
+        assert_eq!(parse_limit("0%"), None);
+        assert_eq!(LimitSpec::Percent(50.0).resolve(1000), 500);
+        assert_eq!(parse_limit("2KiB"), Some(LimitSpec::Bytes(2048)));
+    }
+
+    #[test]
+    fn malformed_values_name_variable_value_and_accepted() {
+        let e = cfg(&[("GPUPOOL_POOL", "fancy")]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("GPUPOOL_POOL") && msg.contains("fancy") && msg.contains("split | binned | none"), "{msg}");
+        let e = cfg(&[("GPUPOOL_MEMORY_LIMIT", "lots")]).unwrap_err();
+        assert!(e.to_string().contains("GPUPOOL_MEMORY_LIMIT") && e.to_string().contains("50%"));
+        assert!(cfg(&[("GPUPOOL_UPSTREAM", "tpu")]).is_err());
+        assert!(cfg(&[("GPUPOOL_DEBUG", "3")]).is_err());
+        assert!(cfg(&[("GPUPOOL_UNSAFE_IGNORE_STREAMS", "maybe")]).is_err());
+    }
+
+    #[test]
+    fn defaults_and_values() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c, Config::default());
+        let c = cfg(&[("GPUPOOL_POOL", "Binned"), ("GPUPOOL_UPSTREAM", "host"), ("GPUPOOL_MEMORY_LIMIT", "50%")]).unwrap();
+        assert_eq!(c.pool, PoolKind::Binned);
+        assert_eq!(c.upstream, UpstreamKind::Host);
+        assert_eq!(c.limit, Some(LimitSpec::Percent(50.0)));
+    }
+}

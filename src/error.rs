@@ -1,0 +1,230 @@
+//! Errors: the one enum every layer returns, its stable numbered status for C, and the
+//! message a user reads (`Display`).
+//!
+//! The status numbers are ABI: never renumber, only append.
+
+use std::ffi::CStr;
+use std::fmt;
+
+/// Status code returned by every `gpupool_*` C function. `0` is success.
+///
+/// The numbers are stable across releases; new codes are only appended.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// A required pointer argument was NULL.
+    NullArgument = 1,
+    /// An argument was out of range or malformed.
+    InvalidArgument = 2,
+    /// The pointer was not returned by this pool, was already freed, or points inside a block.
+    InvalidPointer = 3,
+    /// The device id is negative or no such device exists.
+    InvalidDevice = 4,
+    /// The request could not be satisfied within the device memory or the pool limit.
+    OutOfMemory = 5,
+    /// An environment variable or configuration value was malformed.
+    InvalidConfig = 6,
+    /// The CUDA driver library (libcuda) could not be loaded.
+    NoDriver = 7,
+    /// A CUDA driver call failed.
+    CudaError = 8,
+    /// A bug inside gpupool (a caught panic); the pool state was left as it was.
+    Internal = 9,
+    /// The operation is not possible in the pool's current state (e.g. reconfiguring a
+    /// device that still has live allocations).
+    Busy = 10,
+}
+
+impl Status {
+    /// Short constant description of the status (what `gpupool_status_str` returns).
+    pub fn describe(self) -> &'static CStr {
+        match self {
+            Status::Ok => c"success",
+            Status::NullArgument => c"a required pointer argument is NULL",
+            Status::InvalidArgument => c"invalid argument",
+            Status::InvalidPointer => c"pointer not owned by gpupool (unknown, interior, or already freed)",
+            Status::InvalidDevice => c"invalid device id",
+            Status::OutOfMemory => c"out of memory",
+            Status::InvalidConfig => c"invalid configuration value",
+            Status::NoDriver => c"no CUDA driver (libcuda) available",
+            Status::CudaError => c"CUDA driver call failed",
+            Status::Internal => c"internal error in gpupool (caught panic)",
+            Status::Busy => c"operation not possible while allocations are live",
+        }
+    }
+
+    /// Every status, in numeric order (tests, `gpupool_status_str`).
+    pub const ALL: [Status; 11] = [
+        Status::Ok,
+        Status::NullArgument,
+        Status::InvalidArgument,
+        Status::InvalidPointer,
+        Status::InvalidDevice,
+        Status::OutOfMemory,
+        Status::InvalidConfig,
+        Status::NoDriver,
+        Status::CudaError,
+        Status::Internal,
+        Status::Busy,
+    ];
+}
+
+/// Why a pointer handed to `free` was rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BadPointer {
+    /// Never returned by this pool (and not inside any of its memory).
+    Unknown,
+    /// Inside a block that is currently allocated, but not its start.
+    Interior { block_start: usize, block_size: usize },
+    /// Points at memory the pool holds as free: freed twice, or freed after a reclaim.
+    AlreadyFreed,
+}
+
+/// Everything a user needs to act on an out-of-memory failure.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct OomReport {
+    pub device: i32,
+    pub requested: usize,
+    /// Bytes the pool would have had to reserve to serve the request (after rounding).
+    pub rounded: usize,
+    pub reserved: usize,
+    pub in_use: usize,
+    pub cached: usize,
+    pub largest_free_block: usize,
+    /// 0 = no limit.
+    pub limit: usize,
+    /// Device free/total from the upstream (`cuMemGetInfo`), when it could be read.
+    pub device_free_total: Option<(usize, usize)>,
+    /// True when the pool limit, not the device, refused the request.
+    pub by_limit: bool,
+    /// Name of the active strategy, for the hint.
+    pub strategy: &'static str,
+}
+
+/// The error type of the whole crate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    NullArgument(&'static str),
+    InvalidArgument(String),
+    InvalidPointer { ptr: usize, device: i32, why: BadPointer },
+    InvalidDevice { device: i32, detail: String },
+    OutOfMemory(Box<OomReport>),
+    InvalidConfig { var: &'static str, value: String, accepted: &'static str },
+    NoDriver(String),
+    Cuda { call: &'static str, code: u32, name: String },
+    Internal(String),
+    Busy(String),
+}
+
+impl Error {
+    /// The C status this error maps to.
+    pub fn status(&self) -> Status {
+        match self {
+            Error::NullArgument(_) => Status::NullArgument,
+            Error::InvalidArgument(_) => Status::InvalidArgument,
+            Error::InvalidPointer { .. } => Status::InvalidPointer,
+            Error::InvalidDevice { .. } => Status::InvalidDevice,
+            Error::OutOfMemory(_) => Status::OutOfMemory,
+            Error::InvalidConfig { .. } => Status::InvalidConfig,
+            Error::NoDriver(_) => Status::NoDriver,
+            Error::Cuda { .. } => Status::CudaError,
+            Error::Internal(_) => Status::Internal,
+            Error::Busy(_) => Status::Busy,
+        }
+    }
+}
+
+/// Human-readable byte count: `1.50 GiB (1610612736 bytes)` style, short form.
+pub fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = human_bytes;
+        write!(f, "gpupool: out of memory on device {}: tried to allocate {}", self.device, h(self.requested))?;
+        if self.rounded != self.requested {
+            write!(f, " (rounded to {})", h(self.rounded))?;
+        }
+        if self.by_limit {
+            write!(f, ", which would exceed the pool limit of {}", h(self.limit))?;
+        }
+        write!(f, ". ")?;
+        match self.device_free_total {
+            Some((free, total)) => write!(f, "Device: {} free of {} total. ", h(free), h(total))?,
+            None => write!(f, "Device free/total: unknown. ")?,
+        }
+        write!(
+            f,
+            "Pool: {} reserved, {} in use, {} cached (largest free block {}), limit {}.",
+            h(self.reserved),
+            h(self.in_use),
+            h(self.cached),
+            h(self.largest_free_block),
+            if self.limit == 0 { "none".to_string() } else { h(self.limit) }
+        )?;
+        // The hint names the knob that matches the situation.
+        if self.by_limit {
+            write!(f, " Hint: raise the limit (gpupool_set_limit / GPUPOOL_MEMORY_LIMIT) or free tensors/arrays you no longer need.")
+        } else if self.cached > 0 && self.largest_free_block < self.rounded {
+            write!(
+                f,
+                " Hint: cached memory is fragmented; cached blocks were already released and retried. Free live memory, or try GPUPOOL_POOL={}.",
+                if self.strategy == "split" { "binned" } else { "split" }
+            )
+        } else {
+            write!(f, " Hint: free memory you no longer need, call gpupool_reclaim(), or set a lower GPUPOOL_MEMORY_LIMIT for other processes' sake.")
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NullArgument(what) => write!(f, "gpupool: {what} must not be NULL"),
+            Error::InvalidArgument(msg) => write!(f, "gpupool: invalid argument: {msg}"),
+            Error::InvalidPointer { ptr, device, why } => match why {
+                BadPointer::Unknown => write!(
+                    f,
+                    "gpupool: free of pointer {ptr:#x} on device {device}: this pointer was not allocated by gpupool on this device"
+                ),
+                BadPointer::Interior { block_start, block_size } => write!(
+                    f,
+                    "gpupool: free of pointer {ptr:#x} on device {device}: it points {} bytes inside the live block at {block_start:#x} ({} bytes); pass the pointer that malloc returned",
+                    ptr - block_start,
+                    block_size
+                ),
+                BadPointer::AlreadyFreed => write!(
+                    f,
+                    "gpupool: double free of pointer {ptr:#x} on device {device}: the block is already free"
+                ),
+            },
+            Error::InvalidDevice { device, detail } => write!(f, "gpupool: invalid device {device}: {detail}"),
+            Error::OutOfMemory(r) => write!(f, "{r}"),
+            Error::InvalidConfig { var, value, accepted } => {
+                write!(f, "gpupool: invalid value {value:?} for {var}; accepted: {accepted}")
+            }
+            Error::NoDriver(msg) => write!(f, "gpupool: no CUDA driver: {msg}"),
+            Error::Cuda { call, code, name } => write!(f, "gpupool: CUDA driver call {call} failed: {name} ({code})"),
+            Error::Internal(msg) => write!(f, "gpupool: internal error: {msg}"),
+            Error::Busy(msg) => write!(f, "gpupool: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;

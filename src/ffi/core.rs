@@ -1,0 +1,280 @@
+//! The public C API. Names and signatures here are the contract in `include/gpupool.h`.
+//!
+//! Conventions: every function returning `gpupool_status` leaves the pool unchanged on
+//! failure and keeps a detailed message for `gpupool_last_error` on the calling thread.
+//! Streams are `CUstream` / `cudaStream_t` values passed as `void *` (NULL = legacy default).
+
+use super::boundary::{call, call_value, last_error, opt_str, write_str};
+use crate::config::{PoolKind, UpstreamKind};
+use crate::error::{BadPointer, Error, Status};
+use crate::registry;
+use crate::stats::{Stats, STATS_V1_SIZE};
+use crate::upstream::cuda::driver;
+use std::ffi::{c_char, c_int, c_void};
+
+/// Copy `s` into the caller's struct honouring its `struct_size` (0 = version 1's size).
+///
+/// # Safety
+/// `out` must point to at least `out->struct_size` (or `STATS_V1_SIZE`) writable bytes.
+pub(crate) unsafe fn write_stats(mut s: Stats, out: *mut Stats) {
+    let want = match (*out).struct_size as usize {
+        0 => STATS_V1_SIZE,
+        n => n,
+    };
+    let n = want.min(std::mem::size_of::<Stats>());
+    s.struct_size = n as u32;
+    std::ptr::copy_nonoverlapping(&s as *const Stats as *const u8, out as *mut u8, n);
+}
+
+/// Allocate `size` bytes on `device` for use on `stream`.
+///
+/// `*out_ptr` receives the address (aligned to at least 256 bytes), or NULL on failure.
+/// `size == 0` succeeds with `*out_ptr == NULL`.
+///
+/// # Safety
+/// `out_ptr` must be NULL (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, device: c_int, stream: *mut c_void) -> Status {
+    call(|| {
+        if out_ptr.is_null() {
+            return Err(Error::NullArgument("out_ptr"));
+        }
+        *out_ptr = std::ptr::null_mut();
+        let p = registry::with_pool(device, |pool| pool.malloc(size, stream as usize))?;
+        *out_ptr = p as *mut c_void;
+        Ok(())
+    })
+}
+
+/// Free `ptr` (from `gpupool_malloc` on `device`), whose last use was on `stream`.
+/// Freeing NULL is a no-op. Unknown, interior and already-freed pointers are rejected with
+/// `GPUPOOL_STATUS_INVALID_POINTER` and counted; nothing else changes.
+///
+/// # Safety
+/// No requirement beyond the C prototype: the pointer is only looked up, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> Status {
+    call(|| free_on(ptr as usize, device, stream as usize))
+}
+
+/// Shared by `gpupool_free` and the framework entry points.
+pub(crate) fn free_on(ptr: usize, device: c_int, stream: usize) -> crate::error::Result<()> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    let r = registry::with_existing(device, |pool| pool.free(ptr, stream))?;
+    match r {
+        Some(Ok(())) => Ok(()),
+        Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => {
+            // Say where the pointer does live, if it is ours on another device.
+            let owner = registry::find_owner(ptr);
+            if r.is_none() {
+                registry::with_existing(device, |p| p.count_invalid_free())?;
+            }
+            Err(match owner {
+                Some(d) => Error::InvalidArgument(format!(
+                    "free of pointer {ptr:#x} on device {device}: it was allocated on device {d}; pass that device"
+                )),
+                None => Error::InvalidPointer { ptr, device, why: BadPointer::Unknown },
+            })
+        }
+        Some(Err(e)) => Err(e),
+    }
+}
+
+/// Fill `*out` with `device`'s statistics. Set `out->struct_size = sizeof(gpupool_stats)`
+/// first (0 means the version-1 layout); at most that many bytes are written.
+///
+/// # Safety
+/// `out` must be NULL (rejected) or point to a writable `gpupool_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_get_stats(device: c_int, out: *mut Stats) -> Status {
+    call(|| {
+        if out.is_null() {
+            return Err(Error::NullArgument("out"));
+        }
+        let s = registry::with_pool(device, |p| Ok(p.stats()))?;
+        write_stats(s, out);
+        Ok(())
+    })
+}
+
+/// Return every wholly free cached segment of `device` (-1: all devices) to the upstream.
+/// `*out_released` (optional) receives the bytes released.
+///
+/// # Safety
+/// `out_released` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize) -> Status {
+    call(|| {
+        let mut total = 0;
+        let mut first_err = None;
+        let devices = if device == -1 { registry::existing_devices() } else { vec![device] };
+        for d in devices {
+            match registry::with_existing(d, |p| p.reclaim())? {
+                Some(Ok(n)) => total += n,
+                Some(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                None => {}
+            }
+        }
+        if !out_released.is_null() {
+            *out_released = total;
+        }
+        first_err.map_or(Ok(()), Err)
+    })
+}
+
+/// Cap `device`'s reserved bytes at `bytes` (0 = no limit); cached memory above the cap is
+/// released at once. Overrides `GPUPOOL_MEMORY_LIMIT` for that device.
+#[no_mangle]
+pub extern "C" fn gpupool_set_limit(device: c_int, bytes: usize) -> Status {
+    call(|| registry::with_pool(device, |p| p.set_limit(bytes)))
+}
+
+/// `*out_bytes` receives `device`'s limit (0 = none).
+///
+/// # Safety
+/// `out_bytes` must be NULL (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_get_limit(device: c_int, out_bytes: *mut usize) -> Status {
+    call(|| {
+        if out_bytes.is_null() {
+            return Err(Error::NullArgument("out_bytes"));
+        }
+        *out_bytes = registry::with_pool(device, |p| Ok(p.limit()))?;
+        Ok(())
+    })
+}
+
+fn report(device: c_int, one: impl Fn(&mut crate::pool::Pool) -> String, join: (&str, &str, &str)) -> String {
+    if device == -1 {
+        let parts: Vec<String> =
+            registry::existing_devices().into_iter().filter_map(|d| registry::with_existing(d, &one).ok().flatten()).collect();
+        format!("{}{}{}", join.0, parts.join(join.1), join.2)
+    } else {
+        match registry::with_pool(device, |p| Ok(one(p))) {
+            Ok(s) => s,
+            Err(e) => {
+                super::boundary::record(&e);
+                e.to_string()
+            }
+        }
+    }
+}
+
+/// Human-readable report of `device` (-1: every device in use), like CUDA.jl's
+/// `memory_status()`. snprintf convention: writes at most `len` bytes including the NUL
+/// and returns the report's length (allocate return + 1 bytes for all of it).
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || {
+        let mut s = report(device, |p| p.memory_status(), ("", "", ""));
+        if s.is_empty() {
+            s = "gpupool: no device pool in use yet\n".into();
+        }
+        write_str(&s, buf, len)
+    })
+}
+
+/// The same numbers as JSON: one object for a device, an array for -1. Same buffer
+/// convention as `gpupool_memory_status`.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || {
+        let s = report(device, |p| p.stats_json(), ("[", ",", "]"));
+        write_str(&s, buf, len)
+    })
+}
+
+/// Constant description of a status code (never NULL).
+#[no_mangle]
+pub extern "C" fn gpupool_status_str(status: c_int) -> *const c_char {
+    match Status::ALL.get(status as usize) {
+        Some(s) if status >= 0 => s.describe().as_ptr(),
+        _ => c"unknown gpupool status".as_ptr(),
+    }
+}
+
+/// This thread's last detailed error message (snprintf convention, see
+/// `gpupool_memory_status`). Not cleared by later successful calls.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_last_error(buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || write_str(&last_error(), buf, len))
+}
+
+/// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`) and/or upstream
+/// (`"device"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
+/// Allowed while the device has no live allocations (else `GPUPOOL_STATUS_BUSY`).
+///
+/// # Safety
+/// `pool` and `upstream` must be NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_configure(device: c_int, pool: *const c_char, upstream: *const c_char) -> Status {
+    call(|| {
+        let pk = match opt_str(pool, "pool")? {
+            None => None,
+            Some(s) => Some(PoolKind::parse(s).ok_or_else(|| {
+                Error::InvalidArgument(format!("pool {s:?} is not one of: {}", PoolKind::ACCEPTED))
+            })?),
+        };
+        let uk = match opt_str(upstream, "upstream")? {
+            None => None,
+            Some(s) => Some(UpstreamKind::parse(s).ok_or_else(|| {
+                Error::InvalidArgument(format!("upstream {s:?} is not one of: {}", UpstreamKind::ACCEPTED))
+            })?),
+        };
+        registry::configure(device, pk, uk)
+    })
+}
+
+/// Mark that `stream`'s work uses `ptr` (a live block): its free will also wait for the
+/// work queued on `stream` until the free, before the block can be reused.
+///
+/// # Safety
+/// No requirement beyond the C prototype.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) -> Status {
+    call(|| {
+        let p = ptr as usize;
+        if p == 0 {
+            return Err(Error::NullArgument("ptr"));
+        }
+        match registry::find_owner(p) {
+            Some(d) => registry::with_pool(d, |pool| pool.record_stream(p, stream as usize)),
+            None => Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }),
+        }
+    })
+}
+
+/// `*out_count` receives the number of CUDA devices; `GPUPOOL_STATUS_NO_DRIVER` when
+/// libcuda cannot be loaded (the host upstream still works).
+///
+/// # Safety
+/// `out_count` must be NULL (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_device_count(out_count: *mut c_int) -> Status {
+    call(|| {
+        if out_count.is_null() {
+            return Err(Error::NullArgument("out_count"));
+        }
+        *out_count = driver::device_count()?;
+        Ok(())
+    })
+}
+
+/// The library version, e.g. `"0.1.0"`.
+#[no_mangle]
+pub extern "C" fn gpupool_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
+}

@@ -1,0 +1,29 @@
+//! gpupool: a caching GPU memory pool with a C ABI, shared in one process by CuPy,
+//! PyTorch and C/C++ CUDA programs.
+//!
+//! Module map:
+//! - `error`: the error enum, C status codes, user-facing messages.
+//! - `config`: the only reader of environment variables.
+//! - `block`: blocks, segments, split/merge rules.
+//! - `strategy`: caching policies (`split`, `binned`, `none`).
+//! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`managed`/`async`/`pinned`).
+//! - `stream`: stream identity and the cross-stream reuse rule.
+//! - `stats`: counters and the status/JSON reports.
+//! - `pool`: one device's pool (escalation, limits, live-pointer map).
+//! - `registry`: per-device pools behind locks, created lazily.
+//! - `ffi`: every `extern "C"` function.
+
+pub mod block;
+pub mod config;
+pub mod error;
+pub mod ffi;
+pub mod pool;
+pub mod registry;
+pub mod stats;
+pub mod strategy;
+pub mod stream;
+pub mod upstream;
+
+pub use error::{Error, Status};
+pub use pool::{Pool, PoolOptions};
+pub use stats::Stats;

@@ -1,0 +1,486 @@
+//! One device's pool: the facade that ties a strategy, an upstream and the stream tracker
+//! together, and owns the live-pointer map, the limit, the counters and the OOM escalation.
+//!
+//! Escalation when a request finds no cached block (PyTorch's order):
+//! take cached → flush deferred frees and retry → grow (preferred segment size, then the
+//! minimal one) → release some cached segments and retry → release all cached segments
+//! (and finish deferred frees, synchronising) and retry → out of memory.
+//!
+//! A `Pool` is not thread-safe by itself; `registry.rs` puts each behind one lock.
+
+use crate::block::{Block, Segment};
+use crate::config::{LimitSpec, PoolKind};
+use crate::error::{BadPointer, Error, OomReport, Result};
+use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
+use crate::strategy::{self, Strategy};
+use crate::stream::{StreamHandle, StreamKey, StreamTracker};
+use crate::upstream::{AllocError, EventHandle, Upstream};
+use rustc_hash::FxHashMap;
+
+/// How to build a pool.
+#[derive(Clone, Debug)]
+pub struct PoolOptions {
+    pub kind: PoolKind,
+    pub limit: Option<LimitSpec>,
+    /// Full invariant scan after every operation (tests).
+    pub check_invariants: bool,
+    /// TEST ONLY: ignore streams when reusing blocks (see `Config::unsafe_ignore_streams`).
+    pub unsafe_ignore_streams: bool,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions { kind: PoolKind::Split, limit: None, check_invariants: false, unsafe_ignore_streams: false }
+    }
+}
+
+/// A block handed out and not yet freed.
+#[derive(Clone, Debug)]
+struct Live {
+    block: Block,
+    requested: usize,
+    /// Streams passed to `record_stream`: the free waits for their work too.
+    extra_streams: Vec<StreamHandle>,
+}
+
+/// A free waiting for `record_stream` streams to pass their recorded events.
+struct Pending {
+    block: Block,
+    events: Vec<EventHandle>,
+}
+
+#[derive(Default)]
+struct Counters {
+    used: usize,
+    requested: usize,
+    reserved: usize,
+    peak_used: usize,
+    peak_reserved: usize,
+    allocs: u64,
+    frees: u64,
+    upstream_allocs: u64,
+    upstream_frees: u64,
+    ooms: u64,
+    reclaims: u64,
+    reclaimed_bytes: u64,
+    invalid_frees: u64,
+    deferred_frees: u64,
+}
+
+pub struct Pool {
+    device: i32,
+    strategy: Box<dyn Strategy>,
+    upstream: Box<dyn Upstream>,
+    streams: StreamTracker,
+    live: FxHashMap<usize, Live>,
+    pending: Vec<Pending>,
+    c: Counters,
+    /// Reserved-bytes cap; 0 = none.
+    limit: usize,
+    check: bool,
+}
+
+impl Pool {
+    pub fn new(device: i32, upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Result<Pool> {
+        let mut upstream = upstream;
+        let limit = match opts.limit {
+            None => 0,
+            Some(LimitSpec::Bytes(b)) => b,
+            Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
+        };
+        Ok(Pool {
+            device,
+            strategy: strategy::build(opts.kind),
+            upstream,
+            streams: StreamTracker::new(opts.unsafe_ignore_streams),
+            live: FxHashMap::default(),
+            pending: Vec::new(),
+            c: Counters::default(),
+            limit,
+            check: opts.check_invariants,
+        })
+    }
+
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+    pub fn strategy_name(&self) -> &'static str {
+        self.strategy.name()
+    }
+    pub fn upstream_name(&self) -> &'static str {
+        self.upstream.name()
+    }
+    pub fn live_count(&self) -> usize {
+        self.live.len()
+    }
+    pub fn owns(&self, ptr: usize) -> bool {
+        self.live.contains_key(&ptr)
+    }
+
+    /// Allocate `size` bytes for use on `stream`. Size 0 gives a null pointer (0).
+    pub fn malloc(&mut self, size: usize, stream: StreamHandle) -> Result<usize> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let key = self.streams.key(&mut *self.upstream, stream)?;
+        let rounded = match self.strategy.round(size) {
+            Some(r) => r,
+            None => return Err(self.oom(size, size, false)),
+        };
+        if !self.pending.is_empty() {
+            self.finish_pending(false);
+        }
+        let block = self.find_or_grow(size, rounded, key, stream)?;
+        self.c.used += block.size;
+        self.c.requested += size;
+        self.c.peak_used = self.c.peak_used.max(self.c.used);
+        self.c.allocs += 1;
+        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new() });
+        self.verify();
+        Ok(block.addr)
+    }
+
+    fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+        let (streams, up) = (&mut self.streams, &mut *self.upstream);
+        let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
+        self.strategy.take(rounded, key, &mut gate)
+    }
+
+    fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
+        if let Some(b) = self.take_cached(rounded, key, stream) {
+            return Ok(b);
+        }
+        if self.strategy.flush_deferred() {
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        let preferred = match self.strategy.segment_size(rounded) {
+            Some(s) => s,
+            None => return Err(self.oom(size, rounded, false)),
+        };
+        // Escalation: 0 = as is, 1 = after releasing some cache, 2 = after releasing all.
+        let mut by_limit = false;
+        for stage in 0..3 {
+            match stage {
+                1 => {
+                    self.release_cached(Some(preferred))?;
+                }
+                2 => {
+                    self.finish_pending(true);
+                    self.release_cached(None)?;
+                }
+                _ => {}
+            }
+            if stage > 0 {
+                if let Some(b) = self.take_cached(rounded, key, stream) {
+                    return Ok(b);
+                }
+            }
+            // The preferred segment first; when it does not fit, just the request.
+            let mut sizes = [preferred, rounded];
+            let n = if preferred == rounded { 1 } else { 2 };
+            sizes[..n].sort_unstable_by(|a, b| b.cmp(a));
+            for &seg_size in &sizes[..n] {
+                if self.limit != 0 && seg_size > self.limit.saturating_sub(self.c.reserved) {
+                    by_limit = seg_size == rounded;
+                    continue;
+                }
+                match self.upstream.allocate(seg_size, stream) {
+                    Ok(base) => {
+                        self.c.reserved += seg_size;
+                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                        self.c.upstream_allocs += 1;
+                        if key != StreamKey::LEGACY {
+                            // Stream-ordered upstreams make the memory valid on `stream` only;
+                            // cover it so another stream reusing the remainder waits.
+                            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+                        }
+                        let seg = Segment { base, size: seg_size, stream: key };
+                        return Ok(self.strategy.add_segment(seg, rounded));
+                    }
+                    Err(AllocError::OutOfMemory) => {
+                        by_limit = false;
+                    }
+                    Err(AllocError::Other(e)) => return Err(e),
+                }
+            }
+        }
+        Err(self.oom(size, rounded, by_limit))
+    }
+
+    fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
+        self.c.ooms += 1;
+        Error::OutOfMemory(Box::new(OomReport {
+            device: self.device,
+            requested,
+            rounded,
+            reserved: self.c.reserved,
+            in_use: self.c.used,
+            cached: self.strategy.cached_bytes(),
+            largest_free_block: self.strategy.largest_free_block(),
+            limit: self.limit,
+            device_free_total: self.upstream.mem_info().ok(),
+            by_limit,
+            strategy: self.strategy.name(),
+        }))
+    }
+
+    /// Give wholly free cached segments back to the upstream. Returns the bytes released.
+    fn release_cached(&mut self, want: Option<usize>) -> Result<usize> {
+        let segs = self.strategy.drain_free_segments(want);
+        let mut released = 0;
+        let mut first_err = None;
+        for seg in segs {
+            if let Err(e) = self.release_segment(seg) {
+                first_err.get_or_insert(e);
+            } else {
+                released += seg.size;
+            }
+        }
+        self.c.reclaimed_bytes += released as u64;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
+    fn release_segment(&mut self, seg: Segment) -> Result<()> {
+        if !self.upstream.stream_ordered() {
+            // Work queued on the segment's stream may still touch it.
+            self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        }
+        let h = self.streams.handle_of(seg.stream);
+        self.upstream.deallocate(seg.base, seg.size, h)?;
+        self.c.reserved -= seg.size;
+        self.c.upstream_frees += 1;
+        Ok(())
+    }
+
+    /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
+    pub fn free(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        // Resolve the stream first, so a failure there changes nothing.
+        let key = self.streams.key(&mut *self.upstream, stream)?;
+        let Some(live) = self.live.remove(&ptr) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let mut block = live.block;
+        block.stream = key;
+        self.c.used -= block.size;
+        self.c.requested -= live.requested;
+        self.c.frees += 1;
+        // A failed event record leaves the stream uncovered: its blocks then simply are
+        // not reused across streams (make_safe says no). The free itself succeeds.
+        let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+        let mut events = Vec::new();
+        if !self.streams.ignores_streams() {
+            for &h in &live.extra_streams {
+                if let Ok(ev) = self.streams.record_on(&mut *self.upstream, h) {
+                    events.push(ev);
+                }
+            }
+        }
+        let result = if events.is_empty() {
+            self.put_block(block)
+        } else {
+            self.c.deferred_frees += 1;
+            self.pending.push(Pending { block, events });
+            Ok(())
+        };
+        self.verify();
+        result
+    }
+
+    fn put_block(&mut self, block: Block) -> Result<()> {
+        if let Some(seg) = self.strategy.put(block) {
+            // Not cached (passthrough): straight back, ordered on the freeing stream.
+            let h = self.streams.handle_of(seg.stream);
+            self.upstream.deallocate(seg.base, seg.size, h)?;
+            self.c.reserved -= seg.size;
+            self.c.upstream_frees += 1;
+        }
+        Ok(())
+    }
+
+    /// Move deferred frees whose events completed (all of them, waiting, if `wait`).
+    fn finish_pending(&mut self, wait: bool) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i].events.iter().all(|&ev| {
+                if wait {
+                    self.upstream.event_synchronize(ev).is_ok()
+                } else {
+                    self.upstream.event_query(ev).unwrap_or(false)
+                }
+            });
+            if done {
+                let p = self.pending.swap_remove(i);
+                for ev in p.events {
+                    self.streams.recycle(ev);
+                }
+                let _ = self.put_block(p.block);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn classify_bad_pointer(&self, ptr: usize) -> Error {
+        let why = if self.strategy.is_free_block(ptr) || self.pending.iter().any(|p| p.block.addr == ptr) {
+            BadPointer::AlreadyFreed
+        } else if let Some(l) = self.live.values().find(|l| l.block.addr < ptr && ptr < l.block.end()) {
+            BadPointer::Interior { block_start: l.block.addr, block_size: l.block.size }
+        } else {
+            BadPointer::Unknown
+        };
+        Error::InvalidPointer { ptr, device: self.device, why }
+    }
+
+    /// Count a free of a pointer that no device pool owns (the C layer decides that).
+    pub fn count_invalid_free(&mut self) {
+        self.c.invalid_frees += 1;
+    }
+
+    /// The free of `ptr` will also wait for work queued on `stream` until the free.
+    pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
+        let Some(l) = self.live.get_mut(&ptr) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        if !l.extra_streams.contains(&stream) {
+            l.extra_streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Give every wholly free cached segment back to the upstream. Returns the bytes.
+    pub fn reclaim(&mut self) -> Result<usize> {
+        self.finish_pending(false);
+        self.c.reclaims += 1;
+        let r = self.release_cached(None);
+        self.verify();
+        r
+    }
+
+    /// Set the reserved-bytes cap (0 = none); cached memory above it is released now.
+    pub fn set_limit(&mut self, bytes: usize) -> Result<()> {
+        self.limit = bytes;
+        if bytes != 0 && self.c.reserved > bytes {
+            self.release_cached(Some(self.c.reserved - bytes))?;
+        }
+        self.verify();
+        Ok(())
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Device `(free, total)` from the upstream.
+    pub fn mem_info(&mut self) -> Result<(usize, usize)> {
+        self.upstream.mem_info()
+    }
+
+    pub fn stats(&mut self) -> Stats {
+        let (dev_free, dev_total) = self.upstream.mem_info().unwrap_or((0, 0));
+        Stats {
+            struct_size: std::mem::size_of::<Stats>() as u32,
+            version: STATS_VERSION,
+            used_bytes: self.c.used as u64,
+            free_bytes: (self.c.reserved - self.c.used) as u64,
+            total_bytes: self.c.reserved as u64,
+            n_free_blocks: self.strategy.free_block_count() as u64,
+            n_live_blocks: self.live.len() as u64,
+            requested_bytes: self.c.requested as u64,
+            peak_used_bytes: self.c.peak_used as u64,
+            peak_total_bytes: self.c.peak_reserved as u64,
+            n_allocs: self.c.allocs,
+            n_frees: self.c.frees,
+            n_upstream_allocs: self.c.upstream_allocs,
+            n_upstream_frees: self.c.upstream_frees,
+            n_ooms: self.c.ooms,
+            n_reclaims: self.c.reclaims,
+            reclaimed_bytes: self.c.reclaimed_bytes,
+            n_invalid_frees: self.c.invalid_frees,
+            limit_bytes: self.limit as u64,
+            largest_free_block: self.strategy.largest_free_block().max(self.pending.iter().map(|p| p.block.size).max().unwrap_or(0))
+                as u64,
+            device_free_bytes: dev_free as u64,
+            device_total_bytes: dev_total as u64,
+            n_cross_stream_reuses: self.streams.cross_stream_waits + self.streams.cross_stream_ready,
+            n_deferred_frees: self.c.deferred_frees,
+        }
+    }
+
+    pub fn memory_status(&mut self) -> String {
+        let s = self.stats();
+        render_status(&self.report_context(), &s)
+    }
+
+    pub fn stats_json(&mut self) -> String {
+        let s = self.stats();
+        render_json(&self.report_context(), &s)
+    }
+
+    fn report_context(&self) -> ReportContext<'static> {
+        ReportContext { device: self.device, strategy: self.strategy.name(), upstream: self.upstream.name() }
+    }
+
+    /// Cached free blocks (tests and reports).
+    pub fn free_blocks(&self) -> Vec<Block> {
+        self.strategy.free_blocks()
+    }
+
+    /// Full consistency check of the pool and its strategy.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.strategy.check_invariants()?;
+        let live_bytes: usize = self.live.values().map(|l| l.block.size).sum();
+        if live_bytes != self.c.used {
+            return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
+        }
+        let pending: usize = self.pending.iter().map(|p| p.block.size).sum();
+        if self.c.used + self.strategy.cached_bytes() + pending != self.c.reserved {
+            return Err(format!(
+                "used {} + cached {} + pending {pending} != reserved {}",
+                self.c.used,
+                self.strategy.cached_bytes(),
+                self.c.reserved
+            ));
+        }
+        let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
+        spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
+        spans.extend(self.pending.iter().map(|p| (p.block.addr, p.block.end(), true)));
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].1 > w[1].0 {
+                return Err(format!("blocks overlap: {:#x}..{:#x} and {:#x}..{:#x}", w[0].0, w[0].1, w[1].0, w[1].1));
+            }
+        }
+        for l in self.live.values() {
+            if l.block.addr % crate::block::MIN_ALIGN != 0 || l.requested > l.block.size {
+                return Err(format!("live block {:?} misaligned or short of {}", l.block, l.requested));
+            }
+        }
+        Ok(())
+    }
+
+    fn verify(&self) {
+        if self.check {
+            if let Err(e) = self.check_invariants() {
+                panic!("gpupool invariant violated on device {}: {e}", self.device);
+            }
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // Cached memory goes back; live blocks belong to their owners and are left alone.
+        self.finish_pending(true);
+        let _ = self.release_cached(None);
+        self.streams.destroy_all(&mut *self.upstream);
+    }
+}

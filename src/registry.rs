@@ -1,0 +1,138 @@
+//! The process-wide registry: one lazily created pool per device (and one pinned pool),
+//! each behind its own lock, plus the environment configuration read once.
+//!
+//! Lock choice: `std::sync::Mutex` (futex: a short spin, then the thread parks). Measured
+//! with `cargo bench --bench malloc_free` (see README "Lock choice"): uncontended it costs
+//! about what `spin::Mutex<Yield>` does, and unlike a spin lock it is safe to hold across
+//! the driver calls the grow/reclaim paths make (DESIGN.md: never spin across a driver call).
+
+use crate::config::{Config, PoolKind, UpstreamKind};
+use crate::error::{Error, Result};
+use crate::pool::{Pool, PoolOptions};
+use crate::upstream;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Device ids accepted: `0..MAX_DEVICES` (CUDA upstreams further check the device count).
+pub const MAX_DEVICES: usize = 64;
+
+/// The hot-path lock around each device pool.
+pub type PoolLock<T> = Mutex<T>;
+
+/// A per-device override of the environment's pool/upstream choice (`gpupool_configure`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub pool: PoolKind,
+    pub upstream: UpstreamKind,
+}
+
+struct Slot {
+    pool: PoolLock<Option<Pool>>,
+    choice: Mutex<Option<Choice>>,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY_SLOT: Slot = Slot { pool: Mutex::new(None), choice: Mutex::new(None) };
+static SLOTS: [Slot; MAX_DEVICES] = [EMPTY_SLOT; MAX_DEVICES];
+static PINNED: PoolLock<Option<Pool>> = Mutex::new(None);
+static CONFIG: OnceLock<Result<Config>> = OnceLock::new();
+
+/// The environment's configuration (parsed once; a malformed value is returned as an error
+/// by every call that needs it).
+pub fn config() -> Result<&'static Config> {
+    CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
+}
+
+/// Lock, recovering from poisoning: a panic inside the pool was caught at the C boundary
+/// and reported; the pool itself stays usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| {
+        m.clear_poison();
+        poisoned.into_inner()
+    })
+}
+
+fn slot(device: i32) -> Result<&'static Slot> {
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
+    }
+    Ok(&SLOTS[device as usize])
+}
+
+fn options(cfg: &Config, kind: PoolKind) -> PoolOptions {
+    PoolOptions {
+        kind,
+        limit: cfg.limit,
+        check_invariants: cfg.check_invariants,
+        unsafe_ignore_streams: cfg.unsafe_ignore_streams,
+    }
+}
+
+fn create(device: i32, choice: Option<Choice>) -> Result<Pool> {
+    let cfg = config()?;
+    let c = choice.unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
+    Pool::new(device, up, &options(cfg, c.pool))
+}
+
+/// Run `f` on `device`'s pool, creating it on first use.
+pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    let s = slot(device)?;
+    let mut g = lock(&s.pool);
+    if g.is_none() {
+        let choice = *lock(&s.choice);
+        *g = Some(create(device, choice)?);
+    }
+    f(g.as_mut().expect("pool created above"))
+}
+
+/// Run `f` on `device`'s pool only if it exists.
+pub fn with_existing<R>(device: i32, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
+    let s = slot(device)?;
+    let mut g = lock(&s.pool);
+    Ok(g.as_mut().map(f))
+}
+
+/// Devices whose pools exist.
+pub fn existing_devices() -> Vec<i32> {
+    (0..MAX_DEVICES as i32).filter(|&d| lock(&SLOTS[d as usize].pool).is_some()).collect()
+}
+
+/// The device whose pool has `ptr` live, if any.
+pub fn find_owner(ptr: usize) -> Option<i32> {
+    (0..MAX_DEVICES as i32).find(|&d| lock(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)))
+}
+
+/// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's
+/// pool has no live allocations; its cached memory is released first. A failure (no
+/// driver, bad device) leaves the current pool in place.
+pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
+    let s = slot(device)?;
+    let cfg = config()?;
+    let mut g = lock(&s.pool);
+    if let Some(p) = g.as_ref() {
+        if p.live_count() > 0 {
+            return Err(Error::Busy(format!(
+                "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",
+                p.live_count()
+            )));
+        }
+    }
+    let mut choice = lock(&s.choice);
+    let old = choice.unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let new = Choice { pool: pool.unwrap_or(old.pool), upstream: upstream.unwrap_or(old.upstream) };
+    let fresh = create(device, Some(new))?;
+    *g = Some(fresh); // drops the old pool, which releases its cache
+    *choice = Some(new);
+    Ok(())
+}
+
+/// Run `f` on the pinned host pool, creating it on first use.
+pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    let mut g = lock(&PINNED);
+    if g.is_none() {
+        let cfg = config()?;
+        let up = upstream::build_pinned()?;
+        *g = Some(Pool::new(-1, up, &options(cfg, PoolKind::Split))?);
+    }
+    f(g.as_mut().expect("pinned pool created above"))
+}

@@ -1,0 +1,73 @@
+//! Caching policies. A strategy owns the bookkeeping of cached (free) memory and decides
+//! which block serves a request; the pool (`pool.rs`) owns everything else: the lock, the
+//! live-pointer map, limits, stats, streams and the upstream.
+//!
+//! Adding a strategy is one file here plus one arm in `build`.
+
+pub mod binned;
+pub mod passthrough;
+pub mod split;
+
+use crate::block::{Block, Segment};
+use crate::config::PoolKind;
+use crate::stream::StreamKey;
+
+/// The contract between the pool and a caching policy.
+///
+/// - Blocks passed to `put` are exactly blocks this strategy handed out (`take` or
+///   `add_segment`); the pool validates pointers before calling it.
+/// - `take` may hand a block last used on another stream only if `reusable(that_stream)`
+///   returned true (the pool made it safe, e.g. with `cuStreamWaitEvent`).
+/// - Segments returned by `put` or `drain_free_segments` are no longer referenced by the
+///   strategy; the pool gives them back to the upstream.
+/// - Strategies never call the upstream and never block.
+pub trait Strategy: Send {
+    fn name(&self) -> &'static str;
+
+    /// The size actually handed out for a request of `size` bytes (> 0); `None` when the
+    /// request cannot be represented (overflow): the pool reports out of memory.
+    fn round(&self, size: usize) -> Option<usize>;
+
+    /// How much to ask the upstream for when no cached block serves `rounded` bytes.
+    fn segment_size(&self, rounded: usize) -> Option<usize>;
+
+    /// A cached block of at least `rounded` bytes for `stream`, or `None`.
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block>;
+
+    /// Adopt a fresh upstream segment and carve from it a block of `rounded` bytes.
+    fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block;
+
+    /// Take back a block freed on `block.stream`. Returns a segment to release right away
+    /// (strategies that do not cache).
+    fn put(&mut self, block: Block) -> Option<Segment>;
+
+    /// Move deferred frees into the searchable structures (coalescing them). Returns
+    /// whether anything moved, i.e. whether a retry of `take` may now succeed.
+    fn flush_deferred(&mut self) -> bool {
+        false
+    }
+
+    /// Remove wholly free segments, largest first, until at least `want` bytes are gathered
+    /// (`None`: all of them).
+    fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment>;
+
+    /// Bytes held free (cached).
+    fn cached_bytes(&self) -> usize;
+    fn free_block_count(&self) -> usize;
+    fn largest_free_block(&self) -> usize;
+    /// Every free block (reports, tests, invariant scans).
+    fn free_blocks(&self) -> Vec<Block>;
+    /// Whether `addr` is the start of a block this strategy holds as free (double-free detection).
+    fn is_free_block(&self, addr: usize) -> bool;
+    /// Full consistency scan of the internal structures.
+    fn check_invariants(&self) -> Result<(), String>;
+}
+
+/// Build the strategy for a configured kind.
+pub fn build(kind: PoolKind) -> Box<dyn Strategy> {
+    match kind {
+        PoolKind::Split => Box::new(split::SplitStrategy::new()),
+        PoolKind::Binned => Box::new(binned::BinnedStrategy::new()),
+        PoolKind::None => Box::new(passthrough::Passthrough::new()),
+    }
+}

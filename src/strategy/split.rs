@@ -1,0 +1,404 @@
+//! `split` (default): best fit with splitting and coalescing.
+//!
+//! - Requests are rounded to 512 B.
+//! - Small requests (<= 1 MiB) and large ones live in separate classes: small ones are cut
+//!   from 2 MiB segments, so they never fragment the segments that serve large tensors.
+//!   Large requests below 10 MiB get 20 MiB segments (amortises upstream calls), larger
+//!   ones exactly their size rounded to 2 MiB. (These are PyTorch's measured choices.)
+//! - Best fit per stream: the smallest free block of the request's class that fits, first
+//!   on the requesting stream, then on other streams (which the pool must make safe).
+//! - Splitting: small blocks split when at least 512 B remain; large ones only when more
+//!   than 1 MiB remains (a smaller tail would be a small block stranded in a large segment).
+//! - Coalescing: a freed block merges with free neighbours of the same segment and stream;
+//!   never across segments (upstream allocations are released whole).
+//! - Exact-size fast path: a freed block first goes to a small LIFO cache keyed by
+//!   (stream, size) without coalescing; an identical request takes it back in O(1). The
+//!   cache is flushed (coalesced) before the pool ever grows, after a run of misses, and on
+//!   reclaim, so it never costs reserved memory.
+
+use super::Strategy;
+use crate::block::{round_up, Block, Segment, MIN_ALIGN};
+use crate::stream::StreamKey;
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+
+pub const ROUND: usize = 512;
+pub const SMALL_LIMIT: usize = 1 << 20;
+pub const SMALL_SEGMENT: usize = 2 << 20;
+pub const MID_LIMIT: usize = 10 << 20;
+pub const MID_SEGMENT: usize = 20 << 20;
+pub const LARGE_ROUND: usize = 2 << 20;
+const QUICK_MAX: usize = 16;
+const QUICK_MISS_FLUSH: u32 = 32;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Class {
+    Small,
+    Large,
+}
+
+fn class_of(rounded: usize) -> Class {
+    if rounded <= SMALL_LIMIT {
+        Class::Small
+    } else {
+        Class::Large
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum State {
+    Allocated,
+    Free,
+    /// Freed into the exact-size cache, not yet coalesced.
+    Quick,
+}
+
+#[derive(Copy, Clone, Debug)]
+struct Node {
+    size: usize,
+    /// Address of the previous / next block in the same segment; 0 = none.
+    prev: usize,
+    next: usize,
+    segment: usize,
+    stream: StreamKey,
+    state: State,
+}
+
+#[derive(Copy, Clone, Debug)]
+struct SegInfo {
+    size: usize,
+    class: Class,
+}
+
+type FreeKey = (Class, StreamKey, usize, usize); // (class, stream, size, addr)
+
+#[derive(Default)]
+pub struct SplitStrategy {
+    nodes: FxHashMap<usize, Node>,
+    free_index: BTreeSet<FreeKey>,
+    /// Number of indexed free blocks per (class, stream): lets `take` visit other streams.
+    streams: FxHashMap<(Class, StreamKey), usize>,
+    segments: FxHashMap<usize, SegInfo>,
+    quick: FxHashMap<(StreamKey, usize), Vec<usize>>,
+    quick_count: usize,
+    quick_misses: u32,
+    cached: usize,
+}
+
+impl SplitStrategy {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn index_insert(&mut self, addr: usize, n: &Node) {
+        let class = self.segments[&n.segment].class;
+        self.free_index.insert((class, n.stream, n.size, addr));
+        *self.streams.entry((class, n.stream)).or_insert(0) += 1;
+    }
+
+    fn index_remove(&mut self, addr: usize, n: &Node) {
+        let class = self.segments[&n.segment].class;
+        let removed = self.free_index.remove(&(class, n.stream, n.size, addr));
+        debug_assert!(removed, "free block missing from index");
+        let e = self.streams.get_mut(&(class, n.stream)).expect("stream count present");
+        *e -= 1;
+        if *e == 0 {
+            self.streams.remove(&(class, n.stream));
+        }
+    }
+
+    fn best_fit(&self, class: Class, stream: StreamKey, rounded: usize) -> Option<FreeKey> {
+        let found =
+            self.free_index.range((class, stream, rounded, 0)..=(class, stream, usize::MAX, usize::MAX)).next().copied()?;
+        // Large blocks far bigger than the request are not worth splitting when the tail
+        // would have to stay a stranded small piece; that is handled at split time.
+        Some(found)
+    }
+
+    /// Hand out (part of) the indexed free block `key` for `stream`.
+    fn carve(&mut self, key: FreeKey, rounded: usize, stream: StreamKey) -> Block {
+        let (class, _, size, addr) = key;
+        let node = self.nodes[&addr];
+        self.index_remove(addr, &node);
+        let rest = size - rounded;
+        let min_rest = if class == Class::Small { ROUND } else { SMALL_LIMIT + 1 };
+        let taken = if rest >= min_rest {
+            let rest_addr = addr + rounded;
+            let rest_node = Node { size: rest, prev: addr, next: node.next, segment: node.segment, stream: node.stream, state: State::Free };
+            if node.next != 0 {
+                self.nodes.get_mut(&node.next).expect("next exists").prev = rest_addr;
+            }
+            self.nodes.insert(rest_addr, rest_node);
+            self.index_insert(rest_addr, &rest_node);
+            let n = self.nodes.get_mut(&addr).expect("node exists");
+            n.size = rounded;
+            n.next = rest_addr;
+            rounded
+        } else {
+            size
+        };
+        let n = self.nodes.get_mut(&addr).expect("node exists");
+        n.state = State::Allocated;
+        n.stream = stream;
+        self.cached -= taken;
+        Block { addr, size: taken, segment: n.segment, stream }
+    }
+
+    /// Free `addr` for real: coalesce with free neighbours, then index it.
+    fn free_now(&mut self, addr: usize) {
+        let mut node = self.nodes[&addr];
+        let mut start = addr;
+        if node.next != 0 {
+            let next = self.nodes[&node.next];
+            if next.state == State::Free && next.stream == node.stream {
+                self.index_remove(node.next, &next);
+                self.nodes.remove(&node.next);
+                node.size += next.size;
+                node.next = next.next;
+                if next.next != 0 {
+                    self.nodes.get_mut(&next.next).expect("next exists").prev = start;
+                }
+            }
+        }
+        if node.prev != 0 {
+            let prev = self.nodes[&node.prev];
+            if prev.state == State::Free && prev.stream == node.stream {
+                self.index_remove(node.prev, &prev);
+                self.nodes.remove(&start);
+                start = node.prev;
+                node = Node { size: prev.size + node.size, prev: prev.prev, ..node };
+                if node.next != 0 {
+                    self.nodes.get_mut(&node.next).expect("next exists").prev = start;
+                }
+            }
+        }
+        node.state = State::Free;
+        self.nodes.insert(start, node);
+        self.index_insert(start, &node);
+    }
+
+    fn flush_quick(&mut self) -> bool {
+        if self.quick_count == 0 {
+            return false;
+        }
+        let all: Vec<usize> = self.quick.drain().flat_map(|(_, v)| v).collect();
+        self.quick_count = 0;
+        for a in all {
+            self.free_now(a);
+        }
+        true
+    }
+}
+
+impl Strategy for SplitStrategy {
+    fn name(&self) -> &'static str {
+        "split"
+    }
+
+    fn round(&self, size: usize) -> Option<usize> {
+        // Above isize::MAX no upstream can serve it; say so before any arithmetic can wrap.
+        round_up(size, ROUND).filter(|&s| s <= isize::MAX as usize)
+    }
+
+    fn segment_size(&self, rounded: usize) -> Option<usize> {
+        if rounded <= SMALL_LIMIT {
+            Some(SMALL_SEGMENT)
+        } else if rounded < MID_LIMIT {
+            Some(MID_SEGMENT)
+        } else {
+            round_up(rounded, LARGE_ROUND)
+        }
+    }
+
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+        if self.quick_count > 0 {
+            if let Some(v) = self.quick.get_mut(&(stream, rounded)) {
+                if let Some(addr) = v.pop() {
+                    self.quick_count -= 1;
+                    self.quick_misses = 0;
+                    let n = self.nodes.get_mut(&addr).expect("quick node exists");
+                    n.state = State::Allocated;
+                    self.cached -= rounded;
+                    return Some(Block { addr, size: rounded, segment: n.segment, stream });
+                }
+            }
+            self.quick_misses += 1;
+            if self.quick_misses >= QUICK_MISS_FLUSH {
+                self.quick_misses = 0;
+                self.flush_quick();
+            }
+        }
+        let class = class_of(rounded);
+        if let Some(key) = self.best_fit(class, stream, rounded) {
+            return Some(self.carve(key, rounded, stream));
+        }
+        // Other streams' blocks, best fit first; each needs the pool's permission.
+        let mut cands: Vec<FreeKey> = self
+            .streams
+            .keys()
+            .filter(|(c, s)| *c == class && *s != stream)
+            .filter_map(|&(c, s)| self.best_fit(c, s, rounded))
+            .collect();
+        cands.sort_unstable_by_key(|k| (k.2, k.3));
+        for key in cands {
+            if reusable(key.1) {
+                return Some(self.carve(key, rounded, stream));
+            }
+        }
+        None
+    }
+
+    fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block {
+        let class = class_of(rounded);
+        self.segments.insert(seg.base, SegInfo { size: seg.size, class });
+        self.nodes.insert(
+            seg.base,
+            Node { size: seg.size, prev: 0, next: 0, segment: seg.base, stream: seg.stream, state: State::Free },
+        );
+        let n = self.nodes[&seg.base];
+        self.index_insert(seg.base, &n);
+        self.cached += seg.size;
+        self.carve((class, seg.stream, seg.size, seg.base), rounded, seg.stream)
+    }
+
+    fn put(&mut self, b: Block) -> Option<Segment> {
+        let n = self.nodes.get_mut(&b.addr).expect("pool passes only blocks it got from us");
+        debug_assert_eq!(n.state, State::Allocated);
+        n.stream = b.stream;
+        self.cached += b.size;
+        if self.quick_count < QUICK_MAX {
+            n.state = State::Quick;
+            self.quick.entry((b.stream, b.size)).or_default().push(b.addr);
+            self.quick_count += 1;
+        } else {
+            self.free_now(b.addr);
+        }
+        None
+    }
+
+    fn flush_deferred(&mut self) -> bool {
+        self.flush_quick()
+    }
+
+    fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment> {
+        self.flush_quick();
+        let mut whole: Vec<(usize, usize)> = self
+            .segments
+            .iter()
+            .filter(|(base, info)| {
+                let n = &self.nodes[base];
+                n.state == State::Free && n.size == info.size
+            })
+            .map(|(b, i)| (*b, i.size))
+            .collect();
+        whole.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut out = Vec::new();
+        let mut got = 0;
+        for (base, size) in whole {
+            let n = self.nodes[&base];
+            self.index_remove(base, &n);
+            self.nodes.remove(&base);
+            self.segments.remove(&base);
+            self.cached -= size;
+            got += size;
+            out.push(Segment { base, size, stream: n.stream });
+            if want.is_some_and(|w| got >= w) {
+                break;
+            }
+        }
+        out
+    }
+
+    fn cached_bytes(&self) -> usize {
+        self.cached
+    }
+
+    fn free_block_count(&self) -> usize {
+        self.free_index.len() + self.quick_count
+    }
+
+    fn largest_free_block(&self) -> usize {
+        let indexed = self.free_index.iter().map(|k| k.2).max().unwrap_or(0);
+        let quick = self.quick.iter().filter(|(_, v)| !v.is_empty()).map(|(k, _)| k.1).max().unwrap_or(0);
+        indexed.max(quick)
+    }
+
+    fn free_blocks(&self) -> Vec<Block> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.state != State::Allocated)
+            .map(|(a, n)| Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream })
+            .collect()
+    }
+
+    fn is_free_block(&self, addr: usize) -> bool {
+        self.nodes.get(&addr).is_some_and(|n| n.state != State::Allocated)
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = 0usize;
+        let mut cached = 0usize;
+        let mut indexed = 0usize;
+        let mut quick = 0usize;
+        for (&base, info) in &self.segments {
+            let mut addr = base;
+            let mut prev = 0;
+            let mut total = 0;
+            while addr != 0 {
+                let n = self.nodes.get(&addr).ok_or_else(|| format!("segment {base:#x}: missing node {addr:#x}"))?;
+                if n.prev != prev || n.segment != base {
+                    return Err(format!("node {addr:#x}: bad links {n:?} (expected prev {prev:#x})"));
+                }
+                if addr % MIN_ALIGN != 0 || n.size == 0 {
+                    return Err(format!("node {addr:#x}: misaligned or empty"));
+                }
+                if n.next != 0 && n.next != addr + n.size {
+                    return Err(format!("node {addr:#x}: next {:#x} not adjacent", n.next));
+                }
+                match n.state {
+                    State::Free => {
+                        cached += n.size;
+                        indexed += 1;
+                        if !self.free_index.contains(&(info.class, n.stream, n.size, addr)) {
+                            return Err(format!("free node {addr:#x} not indexed"));
+                        }
+                        if n.next != 0 {
+                            let nx = &self.nodes[&n.next];
+                            if nx.state == State::Free && nx.stream == n.stream {
+                                return Err(format!("free neighbours {addr:#x} and {:#x} not coalesced", n.next));
+                            }
+                        }
+                    }
+                    State::Quick => {
+                        cached += n.size;
+                        quick += 1;
+                        if !self.quick.get(&(n.stream, n.size)).is_some_and(|v| v.contains(&addr)) {
+                            return Err(format!("quick node {addr:#x} missing from the quick cache"));
+                        }
+                    }
+                    State::Allocated => {}
+                }
+                total += n.size;
+                seen += 1;
+                prev = addr;
+                addr = n.next;
+            }
+            if total != info.size {
+                return Err(format!("segment {base:#x}: blocks cover {total} of {} bytes", info.size));
+            }
+        }
+        if seen != self.nodes.len() {
+            return Err(format!("{} nodes, {seen} reachable from segments", self.nodes.len()));
+        }
+        if indexed != self.free_index.len() || quick != self.quick_count {
+            return Err(format!("index {} vs {indexed} free nodes, quick {} vs {quick}", self.free_index.len(), self.quick_count));
+        }
+        if self.streams.values().sum::<usize>() != indexed {
+            return Err("per-stream counts drifted".into());
+        }
+        if cached != self.cached {
+            return Err(format!("cached {} but free nodes hold {cached}", self.cached));
+        }
+        Ok(())
+    }
+}

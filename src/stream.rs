@@ -1,0 +1,219 @@
+//! Streams and events: stream identity, and the rule "is this cached block safe to hand
+//! to stream S".
+//!
+//! The rule (DESIGN.md): a block freed on stream A may go
+//! - to A at once (stream order protects it);
+//! - to B only after an event recorded on A after the free has completed, or after B has
+//!   been made to wait on that event (`cuStreamWaitEvent`).
+//!
+//! One event per stream is re-recorded at each free on that stream (RMM's scheme): the
+//! latest record covers every earlier free, so a single wait makes all of A's frees safe
+//! for B. Events are created once per stream and recycled, never per call.
+//!
+//! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch
+//! and CuPy; it is never destroyed and its handle is valid from any thread, so its event
+//! is recorded lazily — only when another stream wants one of its blocks. Recording later
+//! than the free is conservative (it covers more work) and still correct. User streams and
+//! the per-thread default stream are recorded at free time, because a user stream may be
+//! destroyed later and the per-thread handle names another stream on another thread.
+
+use crate::error::Result;
+use crate::upstream::{EventHandle, Upstream};
+use rustc_hash::FxHashMap;
+
+/// A raw `CUstream` / `cudaStream_t` value as the caller passed it.
+pub type StreamHandle = usize;
+
+/// `0`: the legacy default stream.
+pub const STREAM_DEFAULT: StreamHandle = 0;
+/// `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
+pub const STREAM_LEGACY: StreamHandle = 0x1;
+/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+pub const STREAM_PER_THREAD: StreamHandle = 0x2;
+
+/// A stream's identity for the pool. Handles can be recycled after `cuStreamDestroy`;
+/// keys come from `cuStreamGetId`, unique for the context's lifetime.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamKey(pub u64);
+
+impl StreamKey {
+    /// The legacy default stream (handles 0 and `CU_STREAM_LEGACY`).
+    pub const LEGACY: StreamKey = StreamKey(u64::MAX);
+}
+
+/// Whether a handle names the legacy default stream.
+pub fn is_legacy(h: StreamHandle) -> bool {
+    h == STREAM_DEFAULT || h == STREAM_LEGACY
+}
+
+struct StreamState {
+    /// A handle valid for recording on this stream (for the per-thread stream: only on the
+    /// thread that freed, which is why it is recorded eagerly).
+    handle: StreamHandle,
+    event: Option<EventHandle>,
+    /// True once `event` has a record that covers every free on this stream.
+    recorded: bool,
+}
+
+/// Per-pool stream bookkeeping: identities, one free-event per stream, a pool of spare
+/// events for deferred frees (`record_stream`), and counters.
+pub struct StreamTracker {
+    states: FxHashMap<StreamKey, StreamState>,
+    spare_events: Vec<EventHandle>,
+    /// Test-only: treat every stream as the legacy stream (no synchronisation at all).
+    ignore_streams: bool,
+    /// How many times a stream was made to wait on another's event.
+    pub cross_stream_waits: u64,
+    /// How many cached blocks moved across streams after their event had completed.
+    pub cross_stream_ready: u64,
+}
+
+impl StreamTracker {
+    pub fn new(ignore_streams: bool) -> Self {
+        StreamTracker {
+            states: FxHashMap::default(),
+            spare_events: Vec::new(),
+            ignore_streams,
+            cross_stream_waits: 0,
+            cross_stream_ready: 0,
+        }
+    }
+
+    pub fn ignores_streams(&self) -> bool {
+        self.ignore_streams
+    }
+
+    /// Identity of `handle`. The legacy stream needs no driver call (hot path).
+    pub fn key(&mut self, up: &mut dyn Upstream, handle: StreamHandle) -> Result<StreamKey> {
+        if self.ignore_streams || is_legacy(handle) {
+            return Ok(StreamKey::LEGACY);
+        }
+        up.stream_key(handle)
+    }
+
+    /// Called when a block is freed on `key`/`handle`: make the stream's event cover it.
+    pub fn on_free(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> Result<()> {
+        if key == StreamKey::LEGACY {
+            // Lazy: an earlier record no longer covers this free.
+            if let Some(s) = self.states.get_mut(&key) {
+                s.recorded = false;
+            }
+            return Ok(());
+        }
+        let st = match self.states.get_mut(&key) {
+            Some(s) => s,
+            None => {
+                let ev = match self.spare_events.pop() {
+                    Some(e) => e,
+                    None => up.event_create()?,
+                };
+                self.states.entry(key).or_insert(StreamState { handle, event: Some(ev), recorded: false })
+            }
+        };
+        st.handle = handle;
+        let ev = st.event.expect("non-legacy streams always have an event");
+        up.event_record(ev, handle)?;
+        st.recorded = true;
+        Ok(())
+    }
+
+    /// The event covering every free on `from`, recording the legacy stream's lazily.
+    fn covering_event(&mut self, up: &mut dyn Upstream, from: StreamKey) -> Result<Option<EventHandle>> {
+        if from == StreamKey::LEGACY {
+            let st = match self.states.get_mut(&from) {
+                Some(s) => s,
+                None => {
+                    let ev = up.event_create()?;
+                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false })
+                }
+            };
+            let ev = st.event.expect("legacy state has an event");
+            if !st.recorded {
+                up.event_record(ev, STREAM_LEGACY)?;
+                st.recorded = true;
+            }
+            return Ok(Some(ev));
+        }
+        Ok(self.states.get(&from).and_then(|s| if s.recorded { s.event } else { None }))
+    }
+
+    /// Make blocks freed on `from` safe for use on stream `to`. Returns false when that is
+    /// impossible (a driver call failed); the caller then must not reuse the block.
+    pub fn make_safe(&mut self, up: &mut dyn Upstream, from: StreamKey, to: StreamKey, to_handle: StreamHandle) -> bool {
+        if self.ignore_streams || from == to {
+            return true;
+        }
+        let ev = match self.covering_event(up, from) {
+            Ok(Some(ev)) => ev,
+            // A stream that never freed through us has nothing to cover.
+            Ok(None) => return true,
+            Err(_) => return false,
+        };
+        match up.event_query(ev) {
+            Ok(true) => {
+                self.cross_stream_ready += 1;
+                true
+            }
+            Ok(false) => {
+                let h = if to == StreamKey::LEGACY { STREAM_LEGACY } else { to_handle };
+                if up.stream_wait_event(h, ev).is_ok() {
+                    self.cross_stream_waits += 1;
+                    true
+                } else {
+                    false
+                }
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Block the host until every free on `key` has completed on the device. Used before
+    /// memory freed on that stream goes back to a non-stream-ordered upstream.
+    pub fn synchronize(&mut self, up: &mut dyn Upstream, key: StreamKey) -> Result<()> {
+        if self.ignore_streams {
+            return Ok(());
+        }
+        if let Some(ev) = self.covering_event(up, key)? {
+            up.event_synchronize(ev)?;
+        }
+        Ok(())
+    }
+
+    /// The handle to order an upstream release on, for a block last used on `key`.
+    pub fn handle_of(&self, key: StreamKey) -> StreamHandle {
+        if key == StreamKey::LEGACY {
+            return STREAM_LEGACY;
+        }
+        self.states.get(&key).map(|s| s.handle).unwrap_or(STREAM_LEGACY)
+    }
+
+    /// An event from the spare pool, recorded on `handle` now (for `record_stream` frees).
+    pub fn record_on(&mut self, up: &mut dyn Upstream, handle: StreamHandle) -> Result<EventHandle> {
+        let ev = match self.spare_events.pop() {
+            Some(e) => e,
+            None => up.event_create()?,
+        };
+        if let Err(e) = up.event_record(ev, handle) {
+            self.spare_events.push(ev);
+            return Err(e);
+        }
+        Ok(ev)
+    }
+
+    /// Return an event to the spare pool.
+    pub fn recycle(&mut self, ev: EventHandle) {
+        self.spare_events.push(ev);
+    }
+
+    /// Destroy every event (pool teardown).
+    pub fn destroy_all(&mut self, up: &mut dyn Upstream) {
+        for (_, s) in self.states.drain() {
+            if let Some(e) = s.event {
+                up.event_destroy(e);
+            }
+        }
+        for e in self.spare_events.drain(..) {
+            up.event_destroy(e);
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! CUDA upstreams through cudarc's driver API (dynamically loaded; no link-time libcuda).
+//!
+//! One generic `CudaUpstream<K>` implements the `Upstream` contract (contexts, streams,
+//! events, memory info); each memory kind is one file implementing `MemKind`:
+//! `device.rs` (cuMemAlloc), `managed.rs` (cuMemAllocManaged), `async_.rs`
+//! (cuMemAllocAsync, stream-ordered) and `pinned.rs` (cuMemHostAlloc, page-locked host).
+
+pub mod async_;
+pub mod device;
+pub mod driver;
+pub mod managed;
+pub mod pinned;
+
+use super::{AllocError, EventHandle, Upstream};
+use crate::error::Result;
+use crate::stream::{StreamHandle, StreamKey};
+use cudarc::driver::sys;
+use driver::{check, PrimaryContext};
+
+/// How one kind of CUDA memory is obtained and released. Called with the device's primary
+/// context current.
+pub trait MemKind: Send {
+    const NAME: &'static str;
+    /// The driver call behind `obtain`, for error messages.
+    const ALLOC_CALL: &'static str;
+    /// Whether `release` is ordered on the stream (no synchronisation needed before it).
+    const STREAM_ORDERED: bool = false;
+    /// Returns the driver's status; `CUDA_ERROR_OUT_OF_MEMORY` means "release cache, retry".
+    fn obtain(&mut self, size: usize, stream: sys::CUstream) -> std::result::Result<usize, sys::CUresult>;
+    fn release(&mut self, addr: usize, stream: sys::CUstream) -> Result<()>;
+    /// `(free, total)` of the memory this kind draws on.
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) })?;
+        Ok((free, total))
+    }
+}
+
+pub struct CudaUpstream<K: MemKind> {
+    ctx: PrimaryContext,
+    kind: K,
+}
+
+// SAFETY: the context and event handles are plain driver handles, valid from any thread;
+// every use pushes the primary context first.
+unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
+
+impl<K: MemKind> CudaUpstream<K> {
+    pub fn new(device: i32, kind: K) -> Result<Self> {
+        Ok(CudaUpstream { ctx: PrimaryContext::retain(device)?, kind })
+    }
+}
+
+fn stream_ptr(h: StreamHandle) -> sys::CUstream {
+    h as sys::CUstream
+}
+
+impl<K: MemKind> Upstream for CudaUpstream<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn stream_ordered(&self) -> bool {
+        K::STREAM_ORDERED
+    }
+
+    fn allocate(&mut self, size: usize, stream: StreamHandle) -> std::result::Result<usize, AllocError> {
+        let _g = self.ctx.enter()?;
+        match self.kind.obtain(size, stream_ptr(stream)) {
+            Ok(p) => Ok(p),
+            Err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
+                // The failed call leaves a "sticky" last error in the runtime for some
+                // versions; the driver API does not. Nothing to clear.
+                Err(AllocError::OutOfMemory)
+            }
+            Err(code) => Err(AllocError::Other(driver::cuda_error(K::ALLOC_CALL, code))),
+        }
+    }
+
+    fn deallocate(&mut self, addr: usize, _size: usize, stream: StreamHandle) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        self.kind.release(addr, stream_ptr(stream))
+    }
+
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        let _g = self.ctx.enter()?;
+        self.kind.mem_info()
+    }
+
+    fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
+        let _g = self.ctx.enter()?;
+        let mut id: std::ffi::c_ulonglong = 0;
+        check("cuStreamGetId", unsafe { sys::cuStreamGetId(stream_ptr(handle), &mut id) })?;
+        Ok(StreamKey(id as u64))
+    }
+
+    fn event_create(&mut self) -> Result<EventHandle> {
+        let _g = self.ctx.enter()?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut ev, sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32)
+        })?;
+        Ok(ev as usize)
+    }
+
+    fn event_destroy(&mut self, ev: EventHandle) {
+        if let Ok(_g) = self.ctx.enter() {
+            unsafe { sys::cuEventDestroy_v2(ev as sys::CUevent) };
+        }
+    }
+
+    fn event_record(&mut self, ev: EventHandle, stream: StreamHandle) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        check("cuEventRecord", unsafe { sys::cuEventRecord(ev as sys::CUevent, stream_ptr(stream)) })
+    }
+
+    fn event_query(&mut self, ev: EventHandle) -> Result<bool> {
+        let _g = self.ctx.enter()?;
+        match unsafe { sys::cuEventQuery(ev as sys::CUevent) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            code => Err(driver::cuda_error("cuEventQuery", code)),
+        }
+    }
+
+    fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev as sys::CUevent) })
+    }
+
+    fn stream_wait_event(&mut self, stream: StreamHandle, ev: EventHandle) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream_ptr(stream), ev as sys::CUevent, 0) })
+    }
+}

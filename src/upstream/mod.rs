@@ -1,0 +1,98 @@
+//! Upstreams: where raw memory comes from. An upstream never caches; the pool does.
+//!
+//! Contract every implementation keeps (the pool relies on each point):
+//! - `allocate(size, stream)` returns an address aligned to at least `MIN_ALIGN` (256 B)
+//!   for `size > 0`, or `AllocError::OutOfMemory` when the device/capacity is exhausted
+//!   (the pool then releases cached memory and retries), or `AllocError::Other` for any
+//!   other failure (reported as is, no retry).
+//! - `deallocate(addr, size, stream)` receives exactly an `(addr, size)` pair that
+//!   `allocate` returned; `stream` is the stream whose work last touched it. A
+//!   stream-ordered upstream frees on that stream; the others may assume the pool
+//!   synchronised that stream first.
+//! - `mem_info()` gives device `(free, total)` bytes, for percentage limits and reports.
+//! - The stream/event methods map 1:1 to the CUDA driver's; upstreams without streams
+//!   (host) keep the defaults, in which every event is complete at once.
+//! - Every method is called with the pool's lock held, from any thread.
+
+pub mod cuda;
+pub mod host;
+
+use crate::error::{Error, Result};
+use crate::stream::{StreamHandle, StreamKey};
+
+/// An opaque event (a `CUevent` for the CUDA upstreams).
+pub type EventHandle = usize;
+
+/// Why an upstream allocation failed.
+#[derive(Debug)]
+pub enum AllocError {
+    /// The device (or simulated capacity) has no room: release cache and retry.
+    OutOfMemory,
+    /// Anything else: reported to the caller as is.
+    Other(Error),
+}
+
+impl From<Error> for AllocError {
+    fn from(e: Error) -> Self {
+        AllocError::Other(e)
+    }
+}
+
+pub trait Upstream: Send {
+    /// Short name used in reports (`device`, `managed`, `async`, `host`, `pinned`).
+    fn name(&self) -> &'static str;
+
+    /// True when `deallocate` is ordered on the stream (the `async` upstream), so the pool
+    /// need not synchronise before releasing.
+    fn stream_ordered(&self) -> bool {
+        false
+    }
+
+    fn allocate(&mut self, size: usize, stream: StreamHandle) -> std::result::Result<usize, AllocError>;
+
+    fn deallocate(&mut self, addr: usize, size: usize, stream: StreamHandle) -> Result<()>;
+
+    /// `(free, total)` bytes of the device behind this upstream.
+    fn mem_info(&mut self) -> Result<(usize, usize)>;
+
+    /// Identity of a non-legacy stream handle.
+    fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
+        Ok(StreamKey(handle as u64))
+    }
+
+    fn event_create(&mut self) -> Result<EventHandle> {
+        Ok(0)
+    }
+    fn event_destroy(&mut self, _ev: EventHandle) {}
+    fn event_record(&mut self, _ev: EventHandle, _stream: StreamHandle) -> Result<()> {
+        Ok(())
+    }
+    /// True when all work captured by the event's last record has completed.
+    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        Ok(true)
+    }
+    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+        Ok(())
+    }
+    fn stream_wait_event(&mut self, _stream: StreamHandle, _ev: EventHandle) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Build the upstream for `device`. CUDA kinds check for the driver first and validate the
+/// device id; `host` accepts ids `0..MAX_DEVICES` (simulated devices of `host_capacity`).
+pub fn build(kind: crate::config::UpstreamKind, device: i32, host_capacity: usize) -> Result<Box<dyn Upstream>> {
+    use crate::config::UpstreamKind as K;
+    use cuda::CudaUpstream;
+    Ok(match kind {
+        K::Host => Box::new(host::HostUpstream::new(host_capacity)),
+        K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem)?),
+        K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem)?),
+        K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem)?),
+    })
+}
+
+/// The page-locked host upstream of the pinned pool (events live in device 0's context).
+pub fn build_pinned() -> Result<Box<dyn Upstream>> {
+    Ok(Box::new(cuda::CudaUpstream::new(0, cuda::pinned::PinnedMem)?))
+}
