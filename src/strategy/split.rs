@@ -12,9 +12,9 @@
 //! - Coalescing: a freed block merges with free neighbours of the same segment and stream;
 //!   never across segments (upstream allocations are released whole).
 //! - Exact-size fast path: a freed block first goes to a small LIFO cache keyed by
-//!   (stream, size) without coalescing; an identical request takes it back in O(1). The
-//!   cache is flushed (coalesced) before the pool ever grows, after a run of misses, and on
-//!   reclaim, so it never costs reserved memory.
+//!   (stream, size) without coalescing; an identical request takes it back in O(1). Any
+//!   other request first flushes (coalesces) the cache, so best fit sees the same free
+//!   blocks eager coalescing would give: the cache costs neither fit quality nor memory.
 
 use super::Strategy;
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
@@ -29,7 +29,6 @@ pub const MID_LIMIT: usize = 10 << 20;
 pub const MID_SEGMENT: usize = 20 << 20;
 pub const LARGE_ROUND: usize = 2 << 20;
 const QUICK_MAX: usize = 16;
-const QUICK_MISS_FLUSH: u32 = 32;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Class {
@@ -81,7 +80,6 @@ pub struct SplitStrategy {
     segments: FxHashMap<usize, SegInfo>,
     quick: FxHashMap<(StreamKey, usize), Vec<usize>>,
     quick_count: usize,
-    quick_misses: u32,
     cached: usize,
 }
 
@@ -215,18 +213,15 @@ impl Strategy for SplitStrategy {
             if let Some(v) = self.quick.get_mut(&(stream, rounded)) {
                 if let Some(addr) = v.pop() {
                     self.quick_count -= 1;
-                    self.quick_misses = 0;
                     let n = self.nodes.get_mut(&addr).expect("quick node exists");
                     n.state = State::Allocated;
                     self.cached -= rounded;
                     return Some(Block { addr, size: rounded, segment: n.segment, stream });
                 }
             }
-            self.quick_misses += 1;
-            if self.quick_misses >= QUICK_MISS_FLUSH {
-                self.quick_misses = 0;
-                self.flush_quick();
-            }
+            // A miss coalesces the deferred frees first, so best fit below sees exactly
+            // what eager coalescing would have produced: the cache never costs fit quality.
+            self.flush_quick();
         }
         let class = class_of(rounded);
         if let Some(key) = self.best_fit(class, stream, rounded) {

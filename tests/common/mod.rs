@@ -1,0 +1,38 @@
+//! Helpers shared by the integration tests: pools on the host upstream with the invariant
+//! scan on after every operation, and a pattern writer that proves blocks do not overlap.
+#![allow(dead_code)]
+
+use gpupool::config::PoolKind;
+use gpupool::upstream::host::HostUpstream;
+use gpupool::{Pool, PoolOptions};
+
+pub const MIB: usize = 1 << 20;
+
+pub fn host_pool(kind: PoolKind, capacity: usize) -> Pool {
+    let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
+    Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).expect("host pool")
+}
+
+/// Fill a host block with a tag derived from its address and id.
+pub fn stamp(addr: usize, len: usize, id: u64) {
+    let p = addr as *mut u8;
+    let tag = (id as u8).wrapping_mul(31).wrapping_add(7);
+    // SAFETY: the pool handed us [addr, addr+len) on the host upstream.
+    unsafe {
+        *p.add(len - 1) = tag ^ 0xff;
+        if len > 2 {
+            *p.add(len / 2) = tag.wrapping_add(1);
+        }
+        *p = tag;
+    }
+}
+
+/// Check the tag written by `stamp` is intact (nobody else wrote into the block).
+pub fn intact(addr: usize, len: usize, id: u64) -> bool {
+    let p = addr as *const u8;
+    let tag = (id as u8).wrapping_mul(31).wrapping_add(7);
+    // SAFETY: as in `stamp`.
+    unsafe {
+        *p == tag && (len == 1 || *p.add(len - 1) == tag ^ 0xff) && (len <= 2 || *p.add(len / 2) == tag.wrapping_add(1))
+    }
+}

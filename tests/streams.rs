@@ -1,0 +1,177 @@
+//! The stream rule on CPU, against an upstream whose "device" is busy until the test says
+//! otherwise: a block freed on stream A reaches stream B only after B waited on A's event
+//! (or the event completed); `record_stream` defers the free. The GPU stress test proves
+//! the same on real hardware.
+
+mod common;
+
+use common::MIB;
+use gpupool::config::PoolKind;
+use gpupool::error::Result;
+use gpupool::stream::{StreamHandle, STREAM_LEGACY};
+use gpupool::upstream::host::HostUpstream;
+use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::{Pool, PoolOptions};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Default)]
+struct Device {
+    /// True once all queued work has finished.
+    idle: AtomicBool,
+    log: Mutex<Vec<String>>,
+}
+
+struct BusyUpstream {
+    host: HostUpstream,
+    dev: Arc<Device>,
+    next_event: usize,
+}
+
+impl Upstream for BusyUpstream {
+    fn name(&self) -> &'static str {
+        "busy-host"
+    }
+    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.host.allocate(size, s)
+    }
+    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
+        self.host.deallocate(a, size, s)
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        self.host.mem_info()
+    }
+    fn event_create(&mut self) -> Result<EventHandle> {
+        self.next_event += 1;
+        Ok(self.next_event)
+    }
+    fn event_record(&mut self, ev: EventHandle, s: StreamHandle) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x}"));
+        Ok(())
+    }
+    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        Ok(self.dev.idle.load(Ordering::SeqCst))
+    }
+    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+        self.dev.idle.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+    fn stream_wait_event(&mut self, s: StreamHandle, ev: EventHandle) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("wait {s:#x} on ev{ev}"));
+        Ok(())
+    }
+}
+
+const A: usize = 0xA00;
+const B: usize = 0xB00;
+
+fn pool(kind: PoolKind, ignore: bool) -> (Pool, Arc<Device>) {
+    let dev = Arc::new(Device::default());
+    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, ..Default::default() };
+    (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
+}
+
+fn log(dev: &Device) -> Vec<String> {
+    std::mem::take(&mut *dev.log.lock().unwrap())
+}
+
+fn for_caching(f: impl Fn(PoolKind)) {
+    f(PoolKind::Split);
+    f(PoolKind::Binned);
+}
+
+#[test]
+fn same_stream_reuse_needs_no_wait() {
+    for_caching(|k| {
+        let (mut p, dev) = pool(k, false);
+        let a = p.malloc(MIB, A).unwrap();
+        p.free(a, A).unwrap();
+        log(&dev);
+        assert_eq!(p.malloc(MIB, A).unwrap(), a);
+        assert!(log(&dev).iter().all(|l| !l.starts_with("wait")), "{k:?}: same-stream reuse waited");
+    });
+}
+
+#[test]
+fn cross_stream_reuse_waits_on_the_freeing_streams_event() {
+    for_caching(|k| {
+        let (mut p, dev) = pool(k, false);
+        let a = p.malloc(MIB, A).unwrap();
+        p.free(a, A).unwrap();
+        let l = log(&dev);
+        assert!(l.iter().any(|x| x.ends_with(&format!("on {A:#x}")) && x.starts_with("record")), "{k:?}: free on A records A's event: {l:?}");
+        let b = p.malloc(MIB, B).unwrap();
+        assert_eq!(b, a, "{k:?}: the cached block is reused (after a wait)");
+        let l = log(&dev);
+        assert!(l.iter().any(|x| x.starts_with(&format!("wait {B:#x}"))), "{k:?}: B must wait on A's event before reuse: {l:?}");
+        assert_eq!(p.stats().n_cross_stream_reuses, 1);
+    });
+}
+
+#[test]
+fn completed_event_allows_reuse_without_wait() {
+    for_caching(|k| {
+        let (mut p, dev) = pool(k, false);
+        let a = p.malloc(MIB, A).unwrap();
+        p.free(a, A).unwrap();
+        dev.idle.store(true, Ordering::SeqCst);
+        log(&dev);
+        assert_eq!(p.malloc(MIB, B).unwrap(), a);
+        assert!(log(&dev).iter().all(|l| !l.starts_with("wait")));
+    });
+}
+
+#[test]
+fn legacy_stream_event_is_recorded_lazily() {
+    let (mut p, dev) = pool(PoolKind::Split, false);
+    let a = p.malloc(MIB, 0).unwrap();
+    p.free(a, 0).unwrap();
+    assert!(log(&dev).is_empty(), "the legacy hot path makes no event calls");
+    assert_eq!(p.malloc(MIB, 0).unwrap(), a);
+    p.free(a, 0).unwrap();
+    let b = p.malloc(MIB, B).unwrap();
+    assert_eq!(b, a);
+    let l = log(&dev);
+    assert_eq!(l[0], format!("record ev1 on {STREAM_LEGACY:#x}"), "{l:?}");
+    assert!(l[1].starts_with(&format!("wait {B:#x} on ev1")), "{l:?}");
+}
+
+#[test]
+fn record_stream_defers_the_free_until_that_streams_work_is_done() {
+    for_caching(|k| {
+        let (mut p, dev) = pool(k, false);
+        let a = p.malloc(MIB, A).unwrap();
+        p.record_stream(a, B).unwrap();
+        p.free(a, A).unwrap();
+        assert!(log(&dev).iter().any(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))));
+        // Busy: even stream A may not have it back yet.
+        let other = p.malloc(MIB, A).unwrap();
+        assert_ne!(other, a, "{k:?}: block reused before B's work finished");
+        assert_eq!(p.stats().n_deferred_frees, 1);
+        // Double free of a deferred block is still detected.
+        assert!(p.free(a, A).is_err());
+        dev.idle.store(true, Ordering::SeqCst);
+        assert_eq!(p.malloc(MIB, A).unwrap(), a, "{k:?}: after B's event completes the block is back");
+    });
+}
+
+#[test]
+fn ignoring_streams_is_what_the_unsafe_test_switch_does() {
+    let (mut p, dev) = pool(PoolKind::Split, true);
+    let a = p.malloc(MIB, A).unwrap();
+    p.free(a, A).unwrap();
+    assert_eq!(p.malloc(MIB, B).unwrap(), a);
+    assert!(log(&dev).is_empty(), "no events at all when streams are ignored");
+}
+
+#[test]
+fn reclaim_synchronises_before_releasing_stream_memory() {
+    let (mut p, dev) = pool(PoolKind::Split, false);
+    let a = p.malloc(MIB, A).unwrap();
+    p.free(a, A).unwrap();
+    assert!(!dev.idle.load(Ordering::SeqCst));
+    let n = p.reclaim().unwrap();
+    assert_eq!(n, 2 * MIB);
+    assert!(dev.idle.load(Ordering::SeqCst), "release waited for the stream's event");
+}
