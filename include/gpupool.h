@@ -8,11 +8,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 /* Special stream values (the same numbers as CUDA's CU_STREAM_LEGACY / CU_STREAM_PER_THREAD). */
 #define GPUPOOL_STREAM_LEGACY ((void *)0x1)
 #define GPUPOOL_STREAM_PER_THREAD ((void *)0x2)
-/* Initialise a stats struct before gpupool_get_stats(): sets struct_size. */
-#define GPUPOOL_STATS_INIT { (uint32_t)sizeof(gpupool_stats), 0 }
 
 // Status code returned by every `gpupool_*` C function. `0` is success.
 //
@@ -213,3 +212,15 @@ enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
 #endif  // __cplusplus
 
 #endif  /* GPUPOOL_H */
+
+#ifndef GPUPOOL_STATS_INIT_DEFINED
+#define GPUPOOL_STATS_INIT_DEFINED
+/* A zeroed stats struct with struct_size set, for gpupool_get_stats():
+ *   gpupool_stats s = gpupool_stats_init(); gpupool_get_stats(0, &s); */
+static inline gpupool_stats gpupool_stats_init(void) {
+  gpupool_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = (uint32_t)sizeof s;
+  return s;
+}
+#endif

@@ -1,0 +1,87 @@
+// Stream-safety stress (GPU). Each round: a slow kernel writes pattern A into a block on
+// stream A, a check kernel on A verifies it, the block is freed on A and at once requested
+// on stream B (same size: the pool's first choice is that very block), filled with pattern
+// B, and verified on B after a longer delay. If the pool handed the block to B before A's
+// work finished, one of the two checks sees the other's pattern.
+//
+// usage: stream_stress POOL UPSTREAM ROUNDS_PER_THREAD [--expect-corruption]
+// 8 host threads x 8 shared non-blocking streams. Exit 0 when the outcome matches the
+// expectation (no corruption, or, with the test-only GPUPOOL_UNSAFE_IGNORE_STREAMS=1,
+// corruption detected).
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#include <cuda_runtime.h>
+#include "gpupool.h"
+
+#define THREADS 8
+#define STREAMS 8
+
+__global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }
+__global__ void fill(unsigned *p, size_t n, unsigned v) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+}
+__global__ void verify(const unsigned *p, size_t n, unsigned v, unsigned long long *bad) {
+  unsigned long long mine = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) mine += p[i] != v;
+  if (mine) atomicAdd(bad, mine);
+}
+
+static cudaStream_t streams[STREAMS];
+static unsigned long long *d_bad;
+static std::atomic<long> api_errors{0}, reused{0}, rounds_done{0};
+
+static void worker(int t, int rounds) {
+  std::mt19937 rng(1234 + t);
+  for (int r = 0; r < rounds; r++) {
+    int a = rng() % STREAMS, b = (a + 1 + rng() % (STREAMS - 1)) % STREAMS;
+    // Random sizes from 1 KiB to 8 MiB, log-uniform-ish.
+    size_t n = (size_t)256 << (rng() % 14);
+    n += rng() % n;
+    unsigned pa = 0xA0000000u | (t << 16) | (r & 0xffff), pb = 0xB0000000u | (t << 16) | (r & 0xffff);
+    unsigned *p = nullptr, *q = nullptr;
+    if (gpupool_malloc((void **)&p, n * 4, 0, streams[a])) { api_errors++; continue; }
+    spin<<<1, 1, 0, streams[a]>>>(20000 + rng() % 20000);
+    fill<<<64, 256, 0, streams[a]>>>(p, n, pa);
+    verify<<<64, 256, 0, streams[a]>>>(p, n, pa, d_bad);
+    if (gpupool_free(p, 0, streams[a])) api_errors++;
+    if (gpupool_malloc((void **)&q, n * 4, 0, streams[b])) { api_errors++; continue; }
+    if (q == p) reused++;
+    fill<<<64, 256, 0, streams[b]>>>(q, n, pb);
+    spin<<<1, 1, 0, streams[b]>>>(60000);
+    verify<<<64, 256, 0, streams[b]>>>(q, n, pb, d_bad);
+    if (gpupool_free(q, 0, streams[b])) api_errors++;
+    rounds_done++;
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc < 4) { fprintf(stderr, "usage: %s POOL UPSTREAM ROUNDS [--expect-corruption]\n", argv[0]); return 2; }
+  bool expect_corruption = argc > 4 && !strcmp(argv[4], "--expect-corruption");
+  int rounds = atoi(argv[3]);
+  if (gpupool_configure(0, argv[1], argv[2]) != GPUPOOL_STATUS_OK) {
+    char m[512]; gpupool_last_error(m, sizeof m); fprintf(stderr, "configure: %s\n", m); return 1;
+  }
+  for (auto &s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaMalloc(&d_bad, sizeof *d_bad);
+  cudaMemset(d_bad, 0, sizeof *d_bad);
+  std::vector<std::thread> th;
+  for (int t = 0; t < THREADS; t++) th.emplace_back(worker, t, rounds);
+  for (auto &x : th) x.join();
+  cudaError_t e = cudaDeviceSynchronize();
+  unsigned long long bad = 0;
+  cudaMemcpy(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost);
+  gpupool_stats st = gpupool_stats_init();
+  gpupool_get_stats(0, &st);
+  for (auto &s : streams) cudaStreamDestroy(s);
+  cudaFree(d_bad);
+  bool pass = e == cudaSuccess && api_errors == 0 && st.n_live_blocks == 0 && (expect_corruption ? bad > 0 : bad == 0);
+  printf("stream_stress pool=%s upstream=%s%s rounds=%ld same-block-reuses=%ld corrupted-words=%llu cross-stream=%llu api-errors=%ld cuda=%s -> %s\n",
+         argv[1], argv[2], expect_corruption ? " (streams IGNORED, corruption expected)" : "", rounds_done.load(), reused.load(), bad,
+         (unsigned long long)st.n_cross_stream_reuses, api_errors.load(), cudaGetErrorString(e), pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
