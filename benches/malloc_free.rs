@@ -1,1 +1,118 @@
-fn main(){}
+//! Speed of a cached malloc + free pair.
+//!
+//! - `c_api/*`: through the exported C functions on the host upstream (the hot path every
+//!   framework uses), one thread and 8 threads sharing one device pool.
+//! - `lock/*`: the lock choice. The same `Pool` behind `std::sync::Mutex` and behind
+//!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
+//!   2-core machine, the case where spinning collapses).
+//!
+//! 8-thread figures are wall time per round in which every thread does one pair.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use gpupool::config::PoolKind;
+use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use gpupool::upstream::host::HostUpstream;
+use gpupool::{Pool, PoolOptions};
+use std::ffi::c_void;
+use std::hint::black_box;
+use std::ptr::null_mut;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+const SIZE: usize = 1 << 20;
+
+fn c_pair(device: i32) {
+    let mut p: *mut c_void = null_mut();
+    unsafe {
+        gpupool_malloc(&mut p, black_box(SIZE), device, null_mut());
+        gpupool_free(black_box(p), device, null_mut());
+    }
+}
+
+/// Run `per_thread(iters)` on `threads` threads at once; wall time of the slowest.
+fn parallel(threads: usize, iters: u64, per_thread: impl Fn(u64) + Sync) -> Duration {
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                barrier.wait();
+                per_thread(iters);
+                barrier.wait();
+            });
+        }
+        barrier.wait();
+        let t = Instant::now();
+        barrier.wait();
+        t.elapsed()
+    })
+}
+
+fn c_api(c: &mut Criterion) {
+    unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
+    let mut g = c.benchmark_group("c_api");
+    g.bench_function("pair_1_thread", |b| b.iter(|| c_pair(0)));
+    g.bench_function("pair_8_threads", |b| {
+        b.iter_custom(|iters| {
+            parallel(8, iters, |n| {
+                for _ in 0..n {
+                    c_pair(0)
+                }
+            })
+        })
+    });
+    g.finish();
+}
+
+trait Lock: Send + Sync {
+    fn with(&self, f: &mut dyn FnMut(&mut Pool));
+}
+impl Lock for Mutex<Pool> {
+    fn with(&self, f: &mut dyn FnMut(&mut Pool)) {
+        f(&mut self.lock().unwrap())
+    }
+}
+impl Lock for spin::mutex::SpinMutex<Pool, spin::relax::Yield> {
+    fn with(&self, f: &mut dyn FnMut(&mut Pool)) {
+        f(&mut self.lock())
+    }
+}
+
+fn pool() -> Pool {
+    Pool::new(0, Box::new(HostUpstream::new(1 << 34)), &PoolOptions { kind: PoolKind::Split, ..Default::default() }).unwrap()
+}
+
+fn pair(l: &dyn Lock) {
+    let mut a = 0;
+    l.with(&mut |p| a = p.malloc(black_box(SIZE), 0).unwrap());
+    l.with(&mut |p| p.free(black_box(a), 0).unwrap());
+}
+
+fn locks(c: &mut Criterion) {
+    let mut g = c.benchmark_group("lock");
+    let candidates: Vec<(&str, Arc<dyn Lock>)> = vec![
+        ("std_mutex", Arc::new(Mutex::new(pool()))),
+        ("spin_yield", Arc::new(spin::mutex::SpinMutex::<Pool, spin::relax::Yield>::new(pool()))),
+    ];
+    for (name, l) in candidates {
+        g.bench_function(format!("{name}/1_thread"), |b| b.iter(|| pair(&*l)));
+        for threads in [8usize, 16] {
+            g.bench_function(format!("{name}/{threads}_threads"), |b| {
+                b.iter_custom(|iters| {
+                    parallel(threads, iters, |n| {
+                        for _ in 0..n {
+                            pair(&*l)
+                        }
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+    targets = c_api, locks
+}
+criterion_main!(benches);

@@ -60,6 +60,8 @@ struct StreamState {
 pub struct StreamTracker {
     states: FxHashMap<StreamKey, StreamState>,
     spare_events: Vec<EventHandle>,
+    /// A legacy-stream free happened after the legacy event's last record.
+    legacy_stale: bool,
     /// Test-only: treat every stream as the legacy stream (no synchronisation at all).
     ignore_streams: bool,
     /// How many times a stream was made to wait on another's event.
@@ -73,6 +75,7 @@ impl StreamTracker {
         StreamTracker {
             states: FxHashMap::default(),
             spare_events: Vec::new(),
+            legacy_stale: false,
             ignore_streams,
             cross_stream_waits: 0,
             cross_stream_ready: 0,
@@ -94,10 +97,9 @@ impl StreamTracker {
     /// Called when a block is freed on `key`/`handle`: make the stream's event cover it.
     pub fn on_free(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> Result<()> {
         if key == StreamKey::LEGACY {
-            // Lazy: an earlier record no longer covers this free.
-            if let Some(s) = self.states.get_mut(&key) {
-                s.recorded = false;
-            }
+            // Lazy: an earlier record no longer covers this free. (A flag, not a map
+            // lookup: this is the hot path of PyTorch and CuPy.)
+            self.legacy_stale = true;
             return Ok(());
         }
         let st = match self.states.get_mut(&key) {
@@ -128,6 +130,9 @@ impl StreamTracker {
                 }
             };
             let ev = st.event.expect("legacy state has an event");
+            if std::mem::take(&mut self.legacy_stale) {
+                st.recorded = false;
+            }
             if !st.recorded {
                 up.event_record(ev, STREAM_LEGACY)?;
                 st.recorded = true;

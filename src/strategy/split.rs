@@ -46,10 +46,10 @@ fn class_of(rounded: usize) -> Class {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum State {
+    /// Handed out, or parked in the exact-size cache (which the node does not know about:
+    /// the fast path touches no node).
     Allocated,
     Free,
-    /// Freed into the exact-size cache, not yet coalesced.
-    Quick,
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -78,7 +78,8 @@ pub struct SplitStrategy {
     /// Number of indexed free blocks per (class, stream): lets `take` visit other streams.
     streams: FxHashMap<(Class, StreamKey), usize>,
     segments: FxHashMap<usize, SegInfo>,
-    quick: FxHashMap<(StreamKey, usize), Vec<usize>>,
+    /// Exact-size cache: (stream, size) -> [(addr, segment)], LIFO.
+    quick: FxHashMap<(StreamKey, usize), Vec<(usize, usize)>>,
     quick_count: usize,
     cached: usize,
 }
@@ -179,9 +180,11 @@ impl SplitStrategy {
         if self.quick_count == 0 {
             return false;
         }
-        let all: Vec<usize> = self.quick.drain().flat_map(|(_, v)| v).collect();
+        let all: Vec<(StreamKey, usize)> =
+            self.quick.drain().flat_map(|((stream, _), v)| v.into_iter().map(move |(a, _)| (stream, a))).collect();
         self.quick_count = 0;
-        for a in all {
+        for (stream, a) in all {
+            self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
             self.free_now(a);
         }
         true
@@ -211,12 +214,10 @@ impl Strategy for SplitStrategy {
     fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
         if self.quick_count > 0 {
             if let Some(v) = self.quick.get_mut(&(stream, rounded)) {
-                if let Some(addr) = v.pop() {
+                if let Some((addr, segment)) = v.pop() {
                     self.quick_count -= 1;
-                    let n = self.nodes.get_mut(&addr).expect("quick node exists");
-                    n.state = State::Allocated;
                     self.cached -= rounded;
-                    return Some(Block { addr, size: rounded, segment: n.segment, stream });
+                    return Some(Block { addr, size: rounded, segment, stream });
                 }
             }
             // A miss coalesces the deferred frees first, so best fit below sees exactly
@@ -257,15 +258,14 @@ impl Strategy for SplitStrategy {
     }
 
     fn put(&mut self, b: Block) -> Option<Segment> {
-        let n = self.nodes.get_mut(&b.addr).expect("pool passes only blocks it got from us");
-        debug_assert_eq!(n.state, State::Allocated);
-        n.stream = b.stream;
         self.cached += b.size;
         if self.quick_count < QUICK_MAX {
-            n.state = State::Quick;
-            self.quick.entry((b.stream, b.size)).or_default().push(b.addr);
+            self.quick.entry((b.stream, b.size)).or_default().push((b.addr, b.segment));
             self.quick_count += 1;
         } else {
+            let n = self.nodes.get_mut(&b.addr).expect("pool passes only blocks it got from us");
+            debug_assert_eq!(n.state, State::Allocated);
+            n.stream = b.stream;
             self.free_now(b.addr);
         }
         None
@@ -319,15 +319,20 @@ impl Strategy for SplitStrategy {
     }
 
     fn free_blocks(&self) -> Vec<Block> {
-        self.nodes
+        let free = self
+            .nodes
             .iter()
-            .filter(|(_, n)| n.state != State::Allocated)
-            .map(|(a, n)| Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream })
-            .collect()
+            .filter(|(_, n)| n.state == State::Free)
+            .map(|(a, n)| Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream });
+        let quick = self.quick.iter().flat_map(|(&(stream, size), v)| {
+            v.iter().map(move |&(addr, segment)| Block { addr, size, segment, stream })
+        });
+        free.chain(quick).collect()
     }
 
     fn is_free_block(&self, addr: usize) -> bool {
-        self.nodes.get(&addr).is_some_and(|n| n.state != State::Allocated)
+        self.nodes.get(&addr).is_some_and(|n| n.state == State::Free)
+            || self.quick.values().any(|v| v.iter().any(|&(a, _)| a == addr))
     }
 
     fn check_invariants(&self) -> Result<(), String> {
@@ -335,6 +340,14 @@ impl Strategy for SplitStrategy {
         let mut cached = 0usize;
         let mut indexed = 0usize;
         let mut quick = 0usize;
+        let mut quick_of: FxHashMap<usize, (StreamKey, usize)> = FxHashMap::default();
+        for (&(stream, size), v) in &self.quick {
+            for &(addr, _) in v {
+                if quick_of.insert(addr, (stream, size)).is_some() {
+                    return Err(format!("block {addr:#x} twice in the quick cache"));
+                }
+            }
+        }
         for (&base, info) in &self.segments {
             let mut addr = base;
             let mut prev = 0;
@@ -364,14 +377,16 @@ impl Strategy for SplitStrategy {
                             }
                         }
                     }
-                    State::Quick => {
-                        cached += n.size;
-                        quick += 1;
-                        if !self.quick.get(&(n.stream, n.size)).is_some_and(|v| v.contains(&addr)) {
-                            return Err(format!("quick node {addr:#x} missing from the quick cache"));
+                    State::Allocated => {
+                        if let Some(&(stream, size)) = quick_of.get(&addr) {
+                            if size != n.size || base != n.segment {
+                                return Err(format!("quick block {addr:#x} filed as {size} B, node says {} B", n.size));
+                            }
+                            let _ = stream;
+                            cached += n.size;
+                            quick += 1;
                         }
                     }
-                    State::Allocated => {}
                 }
                 total += n.size;
                 seen += 1;

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU proof, run ON the GPU machine (no Rust there): builds the C examples and GPU tests
+# with CMake against a prebuilt dist/libgpupool.so, runs every GPU test and benchmark, and
+# prints a summary table last. Usage (from the repo root): scripts/gpu_check.sh [OUTDIR]
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-${OUT:-/tmp/gpupool-out}}
+mkdir -p "$OUT"
+LIB="$ROOT/dist/libgpupool.so"
+cd "$ROOT"
+nvidia-smi -L | tee "$OUT/gpu.txt"
+echo "== libgpupool.so dependencies (must not include libcuda)"; ldd "$LIB" | tee -a "$OUT/gpu.txt"
+
+echo "== CMake build (examples + GPU tests)"
+cmake -S . -B build-gpu -DGPUPOOL_LIBRARY="$LIB" -DCMAKE_BUILD_TYPE=Release > "$OUT/cmake.log" 2>&1 \
+  && cmake --build build-gpu -j16 >> "$OUT/cmake.log" 2>&1
+build_rc=$?
+tail -5 "$OUT/cmake.log"
+
+echo "== ctest (every C test, example and GPU test)"
+ctest --test-dir build-gpu --output-on-failure --timeout 300 2>&1 | tee "$OUT/ctest.log"
+cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
+
+if [ -x "$ROOT/scripts/gpu_python.sh" ]; then
+  "$ROOT/scripts/gpu_python.sh" "$OUT"
+fi
+
+echo
+echo "==================== SUMMARY ===================="
+echo "build: $([ $build_rc -eq 0 ] && echo OK || echo FAILED)"
+echo "| test | result | seconds |"
+echo "|---|---|---|"
+grep -E "^ *[0-9]+/[0-9]+ Test +#" "$OUT/ctest.log" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.+ *(\*\*\*)?([A-Za-z ]+[A-Za-z]) +([0-9.]+) sec/| \1 | \3 | \4 |/'
+grep -E "tests passed" "$OUT/ctest.log"
+echo
+echo "key lines:"
+grep -hE "^stream_stress pool=|^limit fill|^device fill|^reclaim released|^conformance .*passed|^cross-stream reuse|^record_stream|threads x|^pinned \(" "$OUT/ctest-full.log" | sort -u
+[ -f "$OUT/python-summary.txt" ] && cat "$OUT/python-summary.txt"
+exit 0

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run every test that this machine can run: Rust tests (unit, conformance, property,
+# threads, header freshness), the C tests under ctest, the installed-package check, the
+# Python tests (skipped where torch/cupy/GPU are missing) and each benchmark once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/ensure_tools.sh
+ensure_cmake
+ensure_pytest
+
+echo "== cargo test"
+cargo test --release
+
+echo "== C tests (cmake + ctest)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j2 >/dev/null
+ctest --test-dir build --output-on-failure
+
+echo "== installed package: find_package(gpupool) and pkg-config"
+prefix=$(mktemp -d)
+cmake --install build --prefix "$prefix" >/dev/null
+cmake -S examples-c/consumer -B build/consumer -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build build/consumer >/dev/null
+LD_LIBRARY_PATH="$prefix/lib" ./build/consumer/consumer host >/dev/null
+PKG_CONFIG_PATH="$prefix/lib/pkgconfig" cc -Wall -Wextra -Werror examples-c/limits.c \
+  $(sed -n 's/^Cflags: //p' "$prefix/lib/pkgconfig/gpupool.pc" | sed "s|\${includedir}|$prefix/include|") \
+  -L"$prefix/lib" -lgpupool -o build/limits_pc
+LD_LIBRARY_PATH="$prefix/lib" ./build/limits_pc host >/dev/null
+echo "installed package OK ($prefix)"
+
+echo "== python tests"
+set +e
+GPUPOOL_LIBRARY="$PWD/target/release/libgpupool.so" python3 -m pytest -q tests/python
+rc=$?
+set -e
+# 5 = no tests collected; anything else non-zero is a failure.
+if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
+
+echo "== benchmarks, each run once (cargo bench -- --test)"
+cargo bench --bench malloc_free -- --test 2>&1 | grep -E "Success|error|panicked" | head -20
+
+echo "== all tests passed"
