@@ -6,7 +6,7 @@
 #include "gpupool.h"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
-#define GP(x) do { gpupool_status s = (x); if (s != GPUPOOL_STATUS_OK) { char m[512]; gpupool_last_error(m, sizeof m); printf("%s: %s\n", #x, m); return 1; } } while (0)
+#define GP(x) do { gpupool_status gp_st_ = (x); if (gp_st_ != GPUPOOL_STATUS_OK) { char m[512]; gpupool_last_error(m, sizeof m); printf("%s: %s\n", #x, m); return 1; } } while (0)
 
 __global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }
 __global__ void fill(unsigned *p, size_t n, unsigned v) { size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; if (i < n) p[i] = v; }

@@ -183,6 +183,18 @@ enum gpupool_status gpupool_device_count(int *out_count);
 // The library version, e.g. `"0.1.0"`.
 const char *gpupool_version(void);
 
+// `void *malloc(void *param, size_t size, int device)`.
+//
+// # Safety
+// Called by CuPy with the GIL held; no other requirement.
+void *gpupool_cupy_malloc(void *param, size_t size, int device);
+
+// `void free(void *param, void *ptr, int device)`: free, then fence the legacy stream.
+//
+// # Safety
+// No requirement beyond the C prototype.
+void gpupool_cupy_free(void *param, void *ptr, int device);
+
 // Allocate `size` bytes of pinned host memory, for use on `stream`.
 //
 // # Safety
@@ -206,6 +218,45 @@ enum gpupool_status gpupool_pinned_get_stats(struct gpupool_stats *out);
 // # Safety
 // `out_released` must be NULL or writable.
 enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
+
+// `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
+// `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of
+// memory, `std::runtime_error` otherwise) that PyTorch turns into a Python `RuntimeError`
+// with gpupool's message. For PyTorch only: C callers use `gpupool_malloc`.
+//
+// # Safety
+// Must be called from C++ code prepared for exceptions (PyTorch is).
+void *gpupool_torch_malloc(size_t size, int device, void *stream);
+
+// `void free(void *ptr, size_t size, int device, cudaStream_t stream)`. The size PyTorch
+// passes is not trusted: the pool looks it up.
+//
+// # Safety
+// No requirement beyond the C prototype.
+void gpupool_torch_free(void *ptr, size_t size, int device, void *stream);
+
+// `init(int device_count)`: loads the driver early so the first allocation does not pay it.
+void gpupool_torch_init(int device_count);
+
+// `reset()`: `torch.cuda.empty_cache()` → release cached memory of every device.
+void gpupool_torch_reset(void);
+
+// `memory_fraction(double fraction, int device)`: `set_per_process_memory_fraction` →
+// the device's pool limit becomes `fraction` × device total memory.
+void gpupool_torch_memory_fraction(double fraction, int device);
+
+// `record_stream(void *ptr, cudaStream_t stream)`: `Tensor.record_stream`.
+//
+// # Safety
+// No requirement beyond the C prototype.
+void gpupool_torch_record_stream(void *ptr, void *stream);
+
+// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
+// IPC handles and CUDA graphs); `*size` receives its length. NULL for unknown pointers.
+//
+// # Safety
+// `size` must be NULL or writable.
+void *gpupool_torch_base_alloc(void *ptr, size_t *size);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -356,6 +356,23 @@ impl Pool {
         Ok(())
     }
 
+    /// The upstream allocation that holds the live block at `ptr`: `(base, size)`.
+    pub fn segment_of(&self, ptr: usize) -> Result<(usize, usize)> {
+        let Some(l) = self.live.get(&ptr) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let base = l.block.segment;
+        Ok((base, self.strategy.segment_len(base).unwrap_or(l.block.size)))
+    }
+
+    /// Enqueue a fence on the legacy default stream now, covering every free so far on it.
+    /// Used by callers that cannot name their stream (CuPy): work on any blocking stream
+    /// issued later waits for legacy-stream work, which waited for all earlier work on
+    /// blocking streams — so memory freed before the fence is safe for them.
+    pub fn legacy_fence(&mut self) -> Result<()> {
+        self.streams.fence_legacy(&mut *self.upstream)
+    }
+
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
         self.finish_pending(false);

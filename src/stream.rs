@@ -172,6 +172,14 @@ impl StreamTracker {
         }
     }
 
+    /// Record the legacy stream's event now if a legacy free happened since its last record.
+    pub fn fence_legacy(&mut self, up: &mut dyn Upstream) -> Result<()> {
+        if self.ignore_streams {
+            return Ok(());
+        }
+        self.covering_event(up, StreamKey::LEGACY).map(|_| ())
+    }
+
     /// Block the host until every free on `key` has completed on the device. Used before
     /// memory freed on that stream goes back to a non-stream-ordered upstream.
     pub fn synchronize(&mut self, up: &mut dyn Upstream, key: StreamKey) -> Result<()> {

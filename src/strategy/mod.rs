@@ -57,6 +57,11 @@ pub trait Strategy: Send {
     fn largest_free_block(&self) -> usize;
     /// Every free block (reports, tests, invariant scans).
     fn free_blocks(&self) -> Vec<Block>;
+    /// Size of the upstream allocation starting at `base`, when the strategy splits segments
+    /// (strategies whose blocks are whole segments return `None`).
+    fn segment_len(&self, _base: usize) -> Option<usize> {
+        None
+    }
     /// Whether `addr` is the start of a block this strategy holds as free (double-free detection).
     fn is_free_block(&self, addr: usize) -> bool;
     /// Full consistency scan of the internal structures.

@@ -330,6 +330,10 @@ impl Strategy for SplitStrategy {
         free.chain(quick).collect()
     }
 
+    fn segment_len(&self, base: usize) -> Option<usize> {
+        self.segments.get(&base).map(|s| s.size)
+    }
+
     fn is_free_block(&self, addr: usize) -> bool {
         self.nodes.get(&addr).is_some_and(|n| n.state == State::Free)
             || self.quick.values().any(|v| v.iter().any(|&(a, _)| a == addr))

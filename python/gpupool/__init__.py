@@ -1,0 +1,180 @@
+"""gpupool: one caching GPU memory pool per device, shared by PyTorch, CuPy and C code.
+
+Thin ctypes wrapper around libgpupool.so. Nothing here is on the per-allocation path:
+PyTorch and CuPy call the library's C functions directly.
+
+    import gpupool
+    gpupool.torch.install()      # PyTorch allocates through gpupool
+    gpupool.cupy.install()       # CuPy too: both share one pool per device
+    print(gpupool.memory_status())
+"""
+
+import ctypes
+import json
+import os
+import pathlib
+
+__all__ = ["GpupoolError", "library_path", "lib", "stats", "stats_json", "memory_status", "reclaim",
+           "set_limit", "get_limit", "configure", "torch", "cupy"]
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_LIB = None
+_PATH = None
+
+
+class GpupoolError(RuntimeError):
+    """A gpupool call failed; `.status` is the numeric gpupool_status."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def _candidates():
+    env = os.environ.get("GPUPOOL_LIBRARY")
+    if env:
+        return [pathlib.Path(env)], True
+    repo = _HERE.parent.parent  # python/gpupool -> repository root (source checkout)
+    return [
+        _HERE / "libgpupool.so",
+        repo / "dist" / "libgpupool.so",
+        repo / "target" / "release" / "libgpupool.so",
+        repo / "target" / "debug" / "libgpupool.so",
+    ], False
+
+
+def library_path():
+    """Where libgpupool.so is: $GPUPOOL_LIBRARY, beside this package, or the build folders."""
+    paths, from_env = _candidates()
+    for p in paths:
+        if p.is_file():
+            return str(p)
+    tried = "\n  ".join(str(p) for p in paths)
+    hint = ("GPUPOOL_LIBRARY is set but names no file" if from_env else
+            "set GPUPOOL_LIBRARY=/path/to/libgpupool.so, copy the library beside this package, "
+            "or build it with `cargo build --release` in the repository")
+    raise OSError(f"gpupool: libgpupool.so not found; looked for:\n  {tried}\n{hint}")
+
+
+class Stats(ctypes.Structure):
+    """gpupool_stats, layout version 1 (see include/gpupool.h)."""
+    _fields_ = [("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (name, ctypes.c_uint64) for name in (
+            "used_bytes", "free_bytes", "total_bytes", "n_free_blocks", "n_live_blocks", "requested_bytes",
+            "peak_used_bytes", "peak_total_bytes", "n_allocs", "n_frees", "n_upstream_allocs",
+            "n_upstream_frees", "n_ooms", "n_reclaims", "reclaimed_bytes", "n_invalid_frees", "limit_bytes",
+            "largest_free_block", "device_free_bytes", "device_total_bytes", "n_cross_stream_reuses",
+            "n_deferred_frees")]
+
+
+def lib():
+    """The loaded library (loaded once, RTLD_GLOBAL so every framework sees the same pool)."""
+    global _LIB, _PATH
+    if _LIB is None:
+        _PATH = library_path()
+        L = ctypes.CDLL(_PATH, mode=ctypes.RTLD_GLOBAL)
+        c_int, c_size, vp, cp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
+        for name, res, args in [
+            ("gpupool_malloc", c_int, [ctypes.POINTER(vp), c_size, c_int, vp]),
+            ("gpupool_free", c_int, [vp, c_int, vp]),
+            ("gpupool_get_stats", c_int, [c_int, ctypes.POINTER(Stats)]),
+            ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_set_limit", c_int, [c_int, c_size]),
+            ("gpupool_get_limit", c_int, [c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_memory_status", c_size, [c_int, cp, c_size]),
+            ("gpupool_stats_json", c_size, [c_int, cp, c_size]),
+            ("gpupool_status_str", cp, [c_int]),
+            ("gpupool_last_error", c_size, [cp, c_size]),
+            ("gpupool_configure", c_int, [c_int, cp, cp]),
+            ("gpupool_version", cp, []),
+        ]:
+            f = getattr(L, name)
+            f.restype, f.argtypes = res, args
+        _LIB = L
+    return _LIB
+
+
+def _last_error():
+    L = lib()
+    n = L.gpupool_last_error(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    L.gpupool_last_error(buf, n + 1)
+    return buf.value.decode(errors="replace")
+
+
+def _check(status):
+    if status != 0:
+        raise GpupoolError(status, _last_error())
+
+
+def _text(fn, device):
+    n = fn(device, None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    fn(device, buf, n + 1)
+    return buf.value.decode(errors="replace")
+
+
+def stats(device=0):
+    """The device pool's counters as a dict (works while PyTorch's memory_stats() cannot)."""
+    s = Stats()
+    s.struct_size = ctypes.sizeof(Stats)
+    _check(lib().gpupool_get_stats(device, ctypes.byref(s)))
+    return {name: getattr(s, name) for name, _ in Stats._fields_[2:]}
+
+
+def memory_status(device=-1):
+    """Human-readable report (device -1: every device in use)."""
+    return _text(lib().gpupool_memory_status, device)
+
+
+def stats_json(device=-1):
+    """The same numbers as memory_status, parsed from gpupool_stats_json."""
+    return json.loads(_text(lib().gpupool_stats_json, device))
+
+
+def reclaim(device=-1):
+    """Return cached memory to the driver; returns the bytes released."""
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_reclaim(device, ctypes.byref(n)))
+    return n.value
+
+
+def _parse_limit(limit, device):
+    if isinstance(limit, int):
+        return limit
+    s = str(limit).strip()
+    if s.endswith("%"):
+        total = stats(device)["device_total_bytes"]
+        return int(total * float(s[:-1]) / 100)
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = s[len(num):].strip().lower()
+    if unit not in units or not num:
+        raise ValueError(f"gpupool: limit {limit!r}: use bytes, a size with unit (8GiB, 512MB) or a percentage (50%)")
+    return int(float(num) * units[unit])
+
+
+def set_limit(limit, device=0):
+    """Cap the device pool's reserved memory: bytes, '8GiB', '512MB' or '50%'; 0 = no limit."""
+    _check(lib().gpupool_set_limit(device, _parse_limit(limit, device)))
+
+
+def get_limit(device=0):
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_get_limit(device, ctypes.byref(n)))
+    return n.value
+
+
+def configure(device=0, pool=None, upstream=None):
+    """Choose the strategy ('split', 'binned', 'none') and/or upstream ('device', 'managed',
+    'async', 'host') of a device before (or between) uses."""
+    enc = lambda v: None if v is None else v.encode()
+    _check(lib().gpupool_configure(device, enc(pool), enc(upstream)))
+
+
+def _fn_address(name):
+    return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+
+
+from . import cupy, torch  # noqa: E402  (submodules use the helpers above)

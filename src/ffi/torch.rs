@@ -1,0 +1,143 @@
+//! PyTorch entry points for `torch.cuda.memory.CUDAPluggableAllocator` (exact signatures;
+//! PyTorch casts to them). The allocation function is C++ (`torch_shim.cpp`): it must throw
+//! on failure. Hooks are installed by `python/gpupool/torch.py` through
+//! `allocator._allocator.set_*_fn(address)`.
+
+use super::boundary::call;
+use super::core::free_on;
+use super::report::void_error;
+use crate::error::{BadPointer, Error};
+use crate::registry;
+use crate::upstream::cuda::driver;
+use std::ffi::{c_int, c_void};
+
+extern "C-unwind" {
+    /// torch_shim.cpp: allocates through `gpupool_malloc`, throws a C++ exception on failure.
+    fn gpupool_torch_malloc_or_throw(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void;
+}
+
+/// `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
+/// `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of
+/// memory, `std::runtime_error` otherwise) that PyTorch turns into a Python `RuntimeError`
+/// with gpupool's message. For PyTorch only: C callers use `gpupool_malloc`.
+///
+/// # Safety
+/// Must be called from C++ code prepared for exceptions (PyTorch is).
+#[no_mangle]
+pub unsafe extern "C-unwind" fn gpupool_torch_malloc(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    gpupool_torch_malloc_or_throw(size, device, stream)
+}
+
+/// `void free(void *ptr, size_t size, int device, cudaStream_t stream)`. The size PyTorch
+/// passes is not trusted: the pool looks it up.
+///
+/// # Safety
+/// No requirement beyond the C prototype.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
+    let _ = size; // the pool knows each block's size
+    let mut err = None;
+    call(|| {
+        free_on(ptr as usize, device, stream as usize).map_err(|e| {
+            err = Some(e.clone());
+            e
+        })
+    });
+    if let Some(e) = err {
+        void_error("gpupool_torch_free", &e);
+    }
+}
+
+/// `init(int device_count)`: loads the driver early so the first allocation does not pay it.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_init(device_count: c_int) {
+    let _ = device_count;
+    let mut err = None;
+    call(|| {
+        driver::ensure_driver().map_err(|e| {
+            err = Some(e.clone());
+            e
+        })
+    });
+    if let Some(e) = err {
+        void_error("gpupool_torch_init", &e);
+    }
+}
+
+/// `reset()`: `torch.cuda.empty_cache()` → release cached memory of every device.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_reset() {
+    let mut first = None;
+    call(|| {
+        for d in registry::existing_devices() {
+            if let Ok(Some(Err(e))) = registry::with_existing(d, |p| p.reclaim()) {
+                first.get_or_insert(e);
+            }
+        }
+        Ok(())
+    });
+    if let Some(e) = first {
+        void_error("gpupool_torch_reset", &e);
+    }
+}
+
+/// `memory_fraction(double fraction, int device)`: `set_per_process_memory_fraction` →
+/// the device's pool limit becomes `fraction` × device total memory.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
+    let mut err = None;
+    call(|| {
+        let r = (|| {
+            if !(fraction.is_finite() && (0.0..=1.0).contains(&fraction)) {
+                return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not within [0, 1]")));
+            }
+            registry::with_pool(device, |p| {
+                let total = p.mem_info()?.1;
+                p.set_limit(((total as f64) * fraction) as usize)
+            })
+        })();
+        r.map_err(|e| {
+            err = Some(e.clone());
+            e
+        })
+    });
+    if let Some(e) = err {
+        void_error("gpupool_torch_memory_fraction", &e);
+    }
+}
+
+/// `record_stream(void *ptr, cudaStream_t stream)`: `Tensor.record_stream`.
+///
+/// # Safety
+/// No requirement beyond the C prototype.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    let st = super::core::gpupool_record_stream(ptr, stream);
+    if st != crate::error::Status::Ok {
+        void_error("gpupool_torch_record_stream", &Error::Internal(super::boundary::last_error()));
+    }
+}
+
+/// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
+/// IPC handles and CUDA graphs); `*size` receives its length. NULL for unknown pointers.
+///
+/// # Safety
+/// `size` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
+    let mut out = std::ptr::null_mut();
+    let st = call(|| {
+        let p = ptr as usize;
+        let dev = registry::find_owner(p).ok_or(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown })?;
+        let (base, len) = registry::with_pool(dev, |pool| pool.segment_of(p))?;
+        if !size.is_null() {
+            *size = len;
+        }
+        out = base as *mut c_void;
+        Ok(())
+    });
+    if st != crate::error::Status::Ok {
+        void_error("gpupool_torch_base_alloc", &Error::Internal(super::boundary::last_error()));
+    }
+    out
+}

@@ -1,0 +1,49 @@
+// PyTorch's CUDAPluggableAllocator calls `void *alloc(size_t, int, cudaStream_t)` and uses
+// whatever comes back as the tensor's storage: a NULL would become a tensor at address 0.
+// PyTorch does call it through C++ frames that translate exceptions into Python errors
+// (and may call it with the GIL released, so the Python C-API is not an option here).
+// So the allocation entry point is this thin C++ function: it calls the Rust core (which
+// never unwinds) and, on failure, throws an exception carrying gpupool's message.
+// std::bad_alloc for out-of-memory, std::runtime_error for anything else.
+#include <cstddef>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+extern "C" {
+int gpupool_malloc(void **out_ptr, size_t size, int device, void *stream);
+size_t gpupool_last_error(char *buf, size_t len);
+}
+
+namespace {
+
+const int kOutOfMemory = 5;  // GPUPOOL_STATUS_OUT_OF_MEMORY
+
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string msg) : msg_(std::move(msg)) {}
+  const char *what() const noexcept override { return msg_.c_str(); }
+
+ private:
+  std::string msg_;
+};
+
+std::string last_error() {
+  size_t n = gpupool_last_error(nullptr, 0);
+  std::string s(n + 1, '\0');
+  gpupool_last_error(&s[0], s.size());
+  s.resize(n);
+  return s;
+}
+
+}  // namespace
+
+// Called only by gpupool_torch_malloc (torch.rs), which Rust exports with the "C-unwind" ABI
+// so this exception may legally pass through it on its way to PyTorch.
+extern "C" void *gpupool_torch_malloc_or_throw(size_t size, int device, void *stream) {
+  void *p = nullptr;
+  int st = gpupool_malloc(&p, size, device, stream);
+  if (st == 0) return p;
+  if (st == kOutOfMemory) throw OutOfMemory(last_error());
+  throw std::runtime_error(last_error());
+}

@@ -1,0 +1,74 @@
+"""Helpers for the Python tests. Every GPU scenario runs in a fresh subprocess: PyTorch's
+allocator can only be swapped before CUDA is initialised, once per process."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _lib():
+    env = os.environ.get("GPUPOOL_LIBRARY")
+    if env:
+        return env
+    for p in (ROOT / "dist" / "libgpupool.so", ROOT / "target" / "release" / "libgpupool.so"):
+        if p.is_file():
+            return str(p)
+    return str(ROOT / "target" / "release" / "libgpupool.so")
+
+
+def run_py(code, env=None, timeout=300):
+    """Run `code` in a fresh interpreter with gpupool importable; returns CompletedProcess."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    e["GPUPOOL_LIBRARY"] = _lib()
+    e["PYTHONUNBUFFERED"] = "1"
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(p):
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p.stdout
+
+
+def _probe(code):
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return p.returncode == 0, (p.stderr.strip().splitlines() or ["?"])[-1]
+
+
+_cache = {}
+
+
+def need(what):
+    """Skip unless `what` ('torch', 'cupy') is importable and sees a GPU."""
+    if what not in _cache:
+        code = {"torch": "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 3)",
+                "cupy": "import cupy,sys; sys.exit(0 if cupy.cuda.runtime.getDeviceCount() > 0 else 3)"}[what]
+        _cache[what] = _probe(code)
+    good, why = _cache[what]
+    if not good:
+        pytest.skip(f"{what} with a GPU is not available here ({why})")
+
+
+@pytest.fixture
+def torch_gpu():
+    need("torch")
+
+
+@pytest.fixture
+def cupy_gpu():
+    need("cupy")
+
+
+@pytest.fixture
+def library():
+    lib = _lib()
+    if not pathlib.Path(lib).is_file():
+        pytest.skip(f"libgpupool.so not built ({lib})")
+    return lib
