@@ -1,0 +1,79 @@
+"""Run the framework churn benchmark (shared/bench/churn.py) for every allocator in one GPU
+session and print the table with ratios against the anchors measured in the same run.
+
+usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO [OUT_JSONL]
+Each allocator runs in its own process (one allocator per process, as churn.py requires).
+"""
+import json
+import os
+import subprocess
+import sys
+
+bench, gp, pt = sys.argv[1], sys.argv[2], sys.argv[3]
+out_path = sys.argv[4] if len(sys.argv) > 4 else None
+churn = os.path.join(bench, "churn.py")
+
+RUNS = [
+    ("torch", "native", ["torch-native"], {}),
+    ("torch", "async", ["torch-async"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+    ("torch", "rmm", ["torch-rmm"], {}),
+    ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
+    ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
+    ("cupy", "native", ["cupy-native"], {}),
+    ("cupy", "async", ["cupy-async"], {}),
+    ("cupy", "rmm", ["cupy-rmm"], {}),
+    ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
+    ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
+]
+
+results = {}
+lines = []
+for fw, name, args, env in RUNS:
+    e = dict(os.environ, **env)
+    p = subprocess.run([sys.executable, churn] + args, env=e, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        print(f"{fw}/{name}: FAILED ({p.returncode}): {p.stderr.strip().splitlines()[-1:] }", flush=True)
+        continue
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[(fw, name, r["work"])] = r
+            lines.append(dict(r, framework=fw, allocator=name))
+            print(f"{fw}/{name}: {line}", flush=True)
+if out_path:
+    with open(out_path, "w") as f:
+        for l in lines:
+            f.write(json.dumps(l) + "\n")
+
+
+def cell(fw, name, work, key="us_per_pair"):
+    r = results.get((fw, name, work))
+    return None if r is None else r[key]
+
+
+def fmt(v, nd=2):
+    return "—" if v is None else f"{v:.{nd}f}"
+
+
+print()
+print("| framework | workload | native | async | RMM | floor | gpupool | gpupool target | met |")
+print("|---|---|---|---|---|---|---|---|---|")
+for fw in ("torch", "cupy"):
+    fixed = {n: cell(fw, n, "fixed") for n in ("native", "async", "rmm", "floor", "gpupool")}
+    churnv = {n: cell(fw, n, "churn") for n in ("native", "async", "rmm", "gpupool")}
+    t_fixed = None if fixed["floor"] is None else fixed["floor"] + 0.15
+    met = "—" if None in (t_fixed, fixed["gpupool"]) else ("yes" if fixed["gpupool"] <= t_fixed else "no")
+    print(f"| {fw} | fixed µs/pair | {fmt(fixed['native'])} | {fmt(fixed['async'])} | {fmt(fixed['rmm'])} | {fmt(fixed['floor'])} | "
+          f"{fmt(fixed['gpupool'])} | ≤ floor+0.15 = {fmt(t_fixed)} | {met} |")
+    t_churn = None if churnv["native"] is None else 0.9 * churnv["native"]
+    met = "—" if None in (t_churn, churnv["gpupool"]) else ("yes" if churnv["gpupool"] <= t_churn else "no")
+    ratio = None if None in (churnv["native"], churnv["gpupool"]) else churnv["gpupool"] / churnv["native"]
+    print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | — | "
+          f"{fmt(churnv['gpupool'])} (×{fmt(ratio)} native) | ≤ 0.9 × native = {fmt(t_churn)} | {met} |")
+    used = {}
+    for n in ("native", "async", "rmm", "gpupool"):
+        r = results.get((fw, n, "churn"))
+        used[n] = None if r is None or not r["live_MiB"] else r["device_used_delta_MiB"] / r["live_MiB"]
+    met = "—" if used["gpupool"] is None else ("yes" if used["gpupool"] <= 1.15 else "no")
+    print(f"| {fw} | churn device used / live | {fmt(used['native'])} | {fmt(used['async'])} | {fmt(used['rmm'])} | — | "
+          f"{fmt(used['gpupool'])} | ≤ 1.15 | {met} |")

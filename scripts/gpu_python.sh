@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Part of scripts/gpu_check.sh: the Python tests (PyTorch, CuPy) and the framework benchmark,
+# on the GPU machine. Expects dist/libgpupool.so, dist/bench/ (a copy of shared/bench) and,
+# for the RMM column, RMM wheels in .whl/.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-/tmp/gpupool-out}
+cd "$ROOT"
+export GPUPOOL_LIBRARY="$ROOT/dist/libgpupool.so" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+echo "== python tests (pytest)"
+python3 -m pytest -v -rs tests/python 2>&1 | tee "$OUT/pytest.log"
+echo "== framework benchmark (churn.py), every allocator in this run"
+gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
+python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+{
+  echo "python tests:"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/pytest.log" | sed -E 's/^tests\/python\///' | sed -E 's/ +\[ *[0-9]+%\]//'
+  grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest.log"
+  echo
+  echo "framework benchmark (µs per alloc+free pair through each framework's plug-in interface):"
+  grep -E "^\|" "$OUT/bench.log"
+} > "$OUT/python-summary.txt"
