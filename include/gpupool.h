@@ -183,6 +183,14 @@ enum gpupool_status gpupool_device_count(int *out_count);
 // The library version, e.g. `"0.1.0"`.
 const char *gpupool_version(void);
 
+// The leak report: every live allocation of every device, largest first. With
+// `GPUPOOL_DEBUG=2` each entry carries the age, stream and symbolised backtrace of its
+// allocation. Same buffer convention as `gpupool_memory_status`.
+//
+// # Safety
+// `buf` must be NULL or point to `len` writable bytes.
+size_t gpupool_report_leaks(char *buf, size_t len);
+
 // `void *malloc(void *param, size_t size, int device)`.
 //
 // # Safety

@@ -11,17 +11,24 @@
 //! - `stats`: counters and the status/JSON reports.
 //! - `pool`: one device's pool (escalation, limits, live-pointer map).
 //! - `registry`: per-device pools behind locks, created lazily.
+//! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
+//! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
+//! - `exit`: at-exit flush of the trace and leak summary.
 //! - `ffi`: every `extern "C"` function.
 
 pub mod block;
 pub mod config;
+pub mod debug;
 pub mod error;
+pub mod exit;
 pub mod ffi;
 pub mod pool;
 pub mod registry;
+pub mod replay;
 pub mod stats;
 pub mod strategy;
 pub mod stream;
+pub mod trace;
 pub mod upstream;
 
 pub use error::{Error, Status};

@@ -10,6 +10,8 @@
 
 use crate::block::{Block, Segment};
 use crate::config::{LimitSpec, PoolKind};
+use crate::debug::{AllocRecord, Leak};
+use crate::trace::{Action, Tracer};
 use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
 use crate::strategy::{self, Strategy};
@@ -26,21 +28,33 @@ pub struct PoolOptions {
     pub check_invariants: bool,
     /// TEST ONLY: ignore streams when reusing blocks (see `Config::unsafe_ignore_streams`).
     pub unsafe_ignore_streams: bool,
+    /// `GPUPOOL_DEBUG` level (0, 1, 2): what each live allocation records.
+    pub debug: u8,
+    /// Where events go (`GPUPOOL_TRACE`), if anywhere.
+    pub tracer: Option<&'static Tracer>,
 }
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { kind: PoolKind::Split, limit: None, check_invariants: false, unsafe_ignore_streams: false }
+        PoolOptions {
+            kind: PoolKind::Split,
+            limit: None,
+            check_invariants: false,
+            unsafe_ignore_streams: false,
+            debug: 0,
+            tracer: None,
+        }
     }
 }
 
 /// A block handed out and not yet freed.
-#[derive(Clone, Debug)]
 struct Live {
     block: Block,
     requested: usize,
     /// Streams passed to `record_stream`: the free waits for their work too.
     extra_streams: Vec<StreamHandle>,
+    /// Leak-tracking record (`GPUPOOL_DEBUG >= 1`).
+    rec: Option<Box<AllocRecord>>,
 }
 
 /// A free waiting for `record_stream` streams to pass their recorded events.
@@ -78,6 +92,8 @@ pub struct Pool {
     /// Reserved-bytes cap; 0 = none.
     limit: usize,
     check: bool,
+    debug: u8,
+    tracer: Option<&'static Tracer>,
 }
 
 impl Pool {
@@ -98,6 +114,8 @@ impl Pool {
             c: Counters::default(),
             limit,
             check: opts.check_invariants,
+            debug: opts.debug,
+            tracer: opts.tracer,
         })
     }
 
@@ -135,7 +153,9 @@ impl Pool {
         self.c.requested += size;
         self.c.peak_used = self.c.peak_used.max(self.c.used);
         self.c.allocs += 1;
-        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new() });
+        let rec = AllocRecord::capture(self.debug, stream);
+        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec });
+        self.trace(stream, Action::Alloc, block.addr, size);
         self.verify();
         Ok(block.addr)
     }
@@ -188,6 +208,7 @@ impl Pool {
                 }
                 match self.upstream.allocate(seg_size, stream) {
                     Ok(base) => {
+                        self.trace(stream, Action::UpstreamAlloc, base, seg_size);
                         self.c.reserved += seg_size;
                         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
                         self.c.upstream_allocs += 1;
@@ -211,6 +232,7 @@ impl Pool {
 
     fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
         self.c.ooms += 1;
+        self.trace(0, Action::Oom, 0, requested);
         Error::OutOfMemory(Box::new(OomReport {
             device: self.device,
             requested,
@@ -252,9 +274,22 @@ impl Pool {
         }
         let h = self.streams.handle_of(seg.stream);
         self.upstream.deallocate(seg.base, seg.size, h)?;
+        self.trace(h, Action::UpstreamFree, seg.base, seg.size);
         self.c.reserved -= seg.size;
         self.c.upstream_frees += 1;
         Ok(())
+    }
+
+    #[inline]
+    fn trace(&self, stream: StreamHandle, action: Action, ptr: usize, size: usize) {
+        if let Some(t) = self.tracer {
+            t.record(self.device, stream, action, ptr, size);
+        }
+    }
+
+    /// Every live allocation, for the leak report.
+    pub fn leaks(&self) -> Vec<Leak> {
+        self.live.values().map(|l| Leak::new(self.device, l.block.addr, l.block.size, l.requested, l.rec.as_deref())).collect()
     }
 
     /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
@@ -269,6 +304,7 @@ impl Pool {
             return Err(self.classify_bad_pointer(ptr));
         };
         let mut block = live.block;
+        self.trace(stream, Action::Free, ptr, live.requested);
         block.stream = key;
         self.c.used -= block.size;
         self.c.requested -= live.requested;
@@ -300,6 +336,7 @@ impl Pool {
             // Not cached (passthrough): straight back, ordered on the freeing stream.
             let h = self.streams.handle_of(seg.stream);
             self.upstream.deallocate(seg.base, seg.size, h)?;
+            self.trace(h, Action::UpstreamFree, seg.base, seg.size);
             self.c.reserved -= seg.size;
             self.c.upstream_frees += 1;
         }
@@ -378,6 +415,7 @@ impl Pool {
         self.finish_pending(false);
         self.c.reclaims += 1;
         let r = self.release_cached(None);
+        self.trace(0, Action::Reclaim, 0, *r.as_ref().unwrap_or(&0));
         self.verify();
         r
     }

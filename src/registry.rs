@@ -58,20 +58,25 @@ fn slot(device: i32) -> Result<&'static Slot> {
     Ok(&SLOTS[device as usize])
 }
 
-fn options(cfg: &Config, kind: PoolKind) -> PoolOptions {
-    PoolOptions {
+fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
+    if cfg.debug >= 1 {
+        crate::exit::register();
+    }
+    Ok(PoolOptions {
         kind,
         limit: cfg.limit,
         check_invariants: cfg.check_invariants,
         unsafe_ignore_streams: cfg.unsafe_ignore_streams,
-    }
+        debug: cfg.debug,
+        tracer: crate::trace::global()?,
+    })
 }
 
 fn create(device: i32, choice: Option<Choice>) -> Result<Pool> {
     let cfg = config()?;
     let c = choice.unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
     let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
-    Pool::new(device, up, &options(cfg, c.pool))
+    Pool::new(device, up, &options(cfg, c.pool)?)
 }
 
 /// Run `f` on `device`'s pool, creating it on first use.
@@ -132,7 +137,22 @@ pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     if g.is_none() {
         let cfg = config()?;
         let up = upstream::build_pinned()?;
-        *g = Some(Pool::new(-1, up, &options(cfg, PoolKind::Split))?);
+        *g = Some(Pool::new(-1, up, &options(cfg, PoolKind::Split)?)?);
     }
     f(g.as_mut().expect("pinned pool created above"))
+}
+
+/// The leak report over every device pool (and the pinned pool): live allocations,
+/// largest first, with what `GPUPOOL_DEBUG` recorded.
+pub fn leak_report() -> String {
+    let mut leaks = Vec::new();
+    for d in existing_devices() {
+        if let Ok(Some(mut l)) = with_existing(d, |p| p.leaks()) {
+            leaks.append(&mut l);
+        }
+    }
+    if let Some(p) = lock(&PINNED).as_ref() {
+        leaks.extend(p.leaks());
+    }
+    crate::debug::render(leaks, config().map(|c| c.debug).unwrap_or(0))
 }

@@ -278,3 +278,14 @@ pub unsafe extern "C" fn gpupool_device_count(out_count: *mut c_int) -> Status {
 pub extern "C" fn gpupool_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
 }
+
+/// The leak report: every live allocation of every device, largest first. With
+/// `GPUPOOL_DEBUG=2` each entry carries the age, stream and symbolised backtrace of its
+/// allocation. Same buffer convention as `gpupool_memory_status`.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_report_leaks(buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || write_str(&registry::leak_report(), buf, len))
+}

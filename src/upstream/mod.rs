@@ -16,6 +16,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod sim;
 
 use crate::error::{Error, Result};
 use crate::stream::{StreamHandle, StreamKey};

@@ -1,0 +1,79 @@
+//! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB]
+
+use gpupool::config::{parse_size, PoolKind};
+use gpupool::error::human_bytes;
+use gpupool::replay::{parse, replay};
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut path = None;
+    let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None];
+    let mut device_size = 80usize << 30;
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--pool" => {
+                i += 1;
+                match args.get(i).map(String::as_str) {
+                    Some("all") => {}
+                    Some(s) => match PoolKind::parse(s) {
+                        Some(k) => pools = vec![k],
+                        None => return fail(&format!("--pool {s:?}: expected split, binned, none or all")),
+                    },
+                    None => return fail("--pool needs a value"),
+                }
+            }
+            "--device-size" => {
+                i += 1;
+                match args.get(i).and_then(|s| parse_size(s)) {
+                    Some(n) if n > 0 => device_size = n,
+                    _ => return fail("--device-size needs a size such as 80GiB"),
+                }
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            p if path.is_none() => path = Some(p.to_string()),
+            other => return fail(&format!("unexpected argument {other:?}")),
+        }
+        i += 1;
+    }
+    let Some(path) = path else { return fail("no trace file given") };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => return fail(&format!("cannot read {path}: {e}")),
+    };
+    let ops = match parse(&text) {
+        Ok(o) => o,
+        Err(e) => return fail(&format!("{path}: {e}")),
+    };
+    println!("{path}: {} alloc/free events, simulated device of {}", ops.len(), human_bytes(device_size));
+    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | OOMs | upstream allocs | ns per op |");
+    println!("|---|---|---|---|---|---|---|");
+    for k in pools {
+        match replay(&ops, k, device_size) {
+            Ok(r) => println!(
+                "| {} | {} | {} | {:.3} | {} | {} | {:.0} |",
+                r.strategy,
+                human_bytes(r.peak_reserved),
+                human_bytes(r.peak_used),
+                r.reserved_over_used_at_peak,
+                r.ooms,
+                r.upstream_allocs,
+                r.ns_per_op
+            ),
+            Err(e) => return fail(&e.to_string()),
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn fail(msg: &str) -> ExitCode {
+    eprintln!("gpupool-replay: {msg}\n{USAGE}");
+    ExitCode::from(2)
+}

@@ -1,0 +1,128 @@
+//! Replay of a `GPUPOOL_TRACE` file against a simulated device: the same allocation
+//! sequence through any strategy, to compare peak reserved memory, fragmentation, OOMs and
+//! time per operation on a user's real workload. `src/bin/gpupool-replay.rs` is the CLI.
+
+use crate::config::PoolKind;
+use crate::error::Error;
+use crate::pool::{Pool, PoolOptions};
+use crate::trace::{Action, HEADER};
+use crate::upstream::sim::SimUpstream;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+/// One `alloc` or `free` row of a trace (other rows are consequences, not inputs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Op {
+    pub device: i32,
+    pub stream: usize,
+    pub alloc: bool,
+    pub ptr: usize,
+    pub size: usize,
+}
+
+fn num(s: &str) -> Option<usize> {
+    match s.strip_prefix("0x") {
+        Some(h) => usize::from_str_radix(h, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+/// Parse a trace; errors name the line.
+pub fn parse(text: &str) -> Result<Vec<Op>, String> {
+    let mut ops = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line == HEADER {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').collect();
+        let bad = || format!("line {}: expected `{HEADER}`, got {line:?}", i + 1);
+        if f.len() != 7 {
+            return Err(bad());
+        }
+        let action = Action::parse(f[4]).ok_or_else(bad)?;
+        let device: i32 = f[2].parse().map_err(|_| bad())?;
+        let (stream, ptr, size) = (num(f[3]).ok_or_else(bad)?, num(f[5]).ok_or_else(bad)?, num(f[6]).ok_or_else(bad)?);
+        match action {
+            Action::Alloc | Action::Free => ops.push(Op { device, stream, alloc: action == Action::Alloc, ptr, size }),
+            _ => {}
+        }
+    }
+    Ok(ops)
+}
+
+/// What a replay measured for one strategy.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub strategy: &'static str,
+    pub allocs: u64,
+    pub frees: u64,
+    pub ooms: u64,
+    /// Frees of pointers whose alloc is not in the trace (trace started late), skipped.
+    pub unmatched_frees: u64,
+    pub peak_reserved: usize,
+    pub peak_used: usize,
+    /// Reserved / used at the moment reserved peaked (1.0 = no overhead).
+    pub reserved_over_used_at_peak: f64,
+    pub ns_per_op: f64,
+    pub upstream_allocs: u64,
+}
+
+/// Replay `ops` through `kind` on a simulated device of `device_size` bytes per device.
+pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, Error> {
+    let mut pools: BTreeMap<i32, Pool> = BTreeMap::new();
+    let mut map: HashMap<(i32, usize), usize> = HashMap::new();
+    let mut r = Report::default();
+    let mut busy = std::time::Duration::ZERO;
+    let mut used_total = 0usize;
+    let mut reserved_total = 0usize;
+    let mut used_at_peak = 0usize;
+    for op in ops {
+        if !pools.contains_key(&op.device) {
+            let opts = PoolOptions { kind, ..Default::default() };
+            pools.insert(op.device, Pool::new(op.device, Box::new(SimUpstream::new(device_size)), &opts)?);
+        }
+        let pool = pools.get_mut(&op.device).expect("inserted above");
+        let before_reserved = pool.stats().total_bytes as usize;
+        let before_used = pool.stats().used_bytes as usize;
+        if op.alloc {
+            let t = Instant::now();
+            let res = pool.malloc(op.size, op.stream);
+            busy += t.elapsed();
+            match res {
+                Ok(p) => {
+                    r.allocs += 1;
+                    if p != 0 {
+                        map.insert((op.device, op.ptr), p);
+                    }
+                }
+                Err(Error::OutOfMemory(_)) => r.ooms += 1,
+                Err(e) => return Err(e),
+            }
+        } else {
+            match map.remove(&(op.device, op.ptr)) {
+                Some(p) => {
+                    let t = Instant::now();
+                    pool.free(p, op.stream)?;
+                    busy += t.elapsed();
+                    r.frees += 1;
+                }
+                None => r.unmatched_frees += 1,
+            }
+        }
+        let s = pool.stats();
+        reserved_total = reserved_total + s.total_bytes as usize - before_reserved;
+        used_total = used_total + s.used_bytes as usize - before_used;
+        if reserved_total > r.peak_reserved {
+            r.peak_reserved = reserved_total;
+            used_at_peak = used_total;
+        }
+        r.peak_used = r.peak_used.max(used_total);
+    }
+    r.strategy = kind.name();
+    r.reserved_over_used_at_peak = if used_at_peak == 0 { 0.0 } else { r.peak_reserved as f64 / used_at_peak as f64 };
+    let n = r.allocs + r.frees;
+    r.ns_per_op = if n == 0 { 0.0 } else { busy.as_nanos() as f64 / n as f64 };
+    r.upstream_allocs = pools.values_mut().map(|p| p.stats().n_upstream_allocs).sum();
+    Ok(r)
+}

@@ -1,0 +1,127 @@
+//! Trace and replay: a known sequence traced through a pool replays to the same peaks; the
+//! shipped trace from a real PyTorch training loop replays on every strategy; the leak
+//! report and status report tell the truth.
+
+use gpupool::config::PoolKind;
+use gpupool::replay::{parse, replay};
+use gpupool::trace::Tracer;
+use gpupool::upstream::host::HostUpstream;
+use gpupool::{Pool, PoolOptions};
+
+const MIB: usize = 1 << 20;
+
+fn traced_run(kind: PoolKind, path: &std::path::Path) -> (usize, usize) {
+    let tracer: &'static Tracer = Box::leak(Box::new(Tracer::open(path).unwrap()));
+    let opts = PoolOptions { kind, tracer: Some(tracer), check_invariants: true, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(4 << 30)), &opts).unwrap();
+    let mut live = Vec::new();
+    let mut x = 12345u64;
+    for i in 0..2000 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        if live.len() > 30 || (i % 3 == 2 && !live.is_empty()) {
+            let a = live.swap_remove((x >> 33) as usize % live.len());
+            p.free(a, 0).unwrap();
+        } else {
+            let size = 1 + (x >> 20) as usize % if i % 7 == 0 { 24 * MIB } else { 300_000 };
+            live.push(p.malloc(size, 0).unwrap());
+        }
+        if i == 1000 {
+            p.reclaim().unwrap();
+        }
+    }
+    for a in live {
+        p.free(a, 0).unwrap();
+    }
+    let s = p.stats();
+    drop(p);
+    tracer.finish();
+    (s.peak_total_bytes as usize, s.peak_used_bytes as usize)
+}
+
+#[test]
+fn known_sequence_replays_to_the_same_peak() {
+    for kind in [PoolKind::Split, PoolKind::Binned, PoolKind::None] {
+        let path = std::env::temp_dir().join(format!("gpupool-trace-{}-{}.csv", kind.name(), std::process::id()));
+        let (peak_reserved, peak_used) = traced_run(kind, &path);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with(gpupool::trace::HEADER));
+        for action in ["alloc", "free", "upstream_alloc", "upstream_free", "reclaim"] {
+            assert!(text.contains(&format!(",{action},")), "{kind:?}: trace has no {action} row");
+        }
+        let ops = parse(&text).unwrap();
+        let r = replay(&ops, kind, 4 << 30).unwrap();
+        assert_eq!(r.peak_used, peak_used, "{kind:?}");
+        // The traced run reclaimed once mid-way; replay does not, so its peak can only be higher.
+        assert!(r.peak_reserved >= peak_reserved, "{kind:?}: {} < {peak_reserved}", r.peak_reserved);
+        assert_eq!((r.ooms, r.unmatched_frees), (0, 0));
+        assert_eq!(r.allocs, r.frees);
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[test]
+fn replay_without_reclaim_reproduces_the_exact_peak() {
+    // Same sequence, no reclaim in the run: the peaks must match to the byte.
+    let path = std::env::temp_dir().join(format!("gpupool-trace-exact-{}.csv", std::process::id()));
+    let tracer: &'static Tracer = Box::leak(Box::new(Tracer::open(&path).unwrap()));
+    let opts = PoolOptions { kind: PoolKind::Split, tracer: Some(tracer), ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(4 << 30)), &opts).unwrap();
+    let sizes = [3 * MIB, 700, 15 * MIB, 40_000, 2 * MIB + 1, 9 * MIB];
+    let mut live: Vec<usize> = sizes.iter().map(|&s| p.malloc(s, 0).unwrap()).collect();
+    p.free(live.remove(2), 0).unwrap();
+    live.push(p.malloc(30 * MIB, 0).unwrap());
+    for a in live {
+        p.free(a, 0).unwrap();
+    }
+    let s = p.stats();
+    drop(p);
+    tracer.finish();
+    let r = replay(&parse(&std::fs::read_to_string(&path).unwrap()).unwrap(), PoolKind::Split, 4 << 30).unwrap();
+    assert_eq!((r.peak_reserved, r.peak_used), (s.peak_total_bytes as usize, s.peak_used_bytes as usize));
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn malformed_trace_names_the_line() {
+    let e = parse("time_ns,thread,device,stream,action,ptr,size\n1,1,0,0x0,alloc,0x10,512\n2,1,0,0x0,explode,0x10,512\n")
+        .unwrap_err();
+    assert!(e.contains("line 3"), "{e}");
+}
+
+#[test]
+fn shipped_pytorch_training_trace_replays_on_every_strategy() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch_mlp_trace.csv");
+    let ops = parse(&std::fs::read_to_string(path).expect("tests/data/torch_mlp_trace.csv is shipped")).unwrap();
+    assert!(ops.len() > 100, "a real training loop makes many allocations ({})", ops.len());
+    let mut peaks = Vec::new();
+    for kind in [PoolKind::Split, PoolKind::Binned, PoolKind::None] {
+        let r = replay(&ops, kind, 80 << 30).unwrap();
+        assert_eq!(r.ooms, 0, "{kind:?}");
+        assert!(r.peak_reserved >= r.peak_used && r.peak_used > 0, "{kind:?}: {r:?}");
+        peaks.push((kind, r.peak_used));
+    }
+    // In-use bytes are the rounded request sizes: the same for split and none up to rounding.
+    assert!(peaks.iter().all(|p| p.1 > 0));
+}
+
+#[test]
+fn leak_report_lists_live_blocks_largest_first_with_backtraces() {
+    let opts = PoolOptions { kind: PoolKind::Split, debug: 2, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &opts).unwrap();
+    #[inline(never)]
+    fn allocate_for_the_leak_test(p: &mut Pool, n: usize) -> usize {
+        p.malloc(n, 0x77).unwrap()
+    }
+    let small = allocate_for_the_leak_test(&mut p, 1000);
+    let _big = allocate_for_the_leak_test(&mut p, 5 * MIB);
+    let freed = p.malloc(4096, 0).unwrap();
+    p.free(freed, 0).unwrap();
+    let report = gpupool::debug::render(p.leaks(), 2);
+    assert!(report.starts_with("gpupool: 2 live allocation(s)"), "{report}");
+    let big_at = report.find("5.00 MiB").expect("big block listed");
+    let small_at = report.find("1.00 KiB").expect("small block listed");
+    assert!(big_at < small_at, "largest first:\n{report}");
+    assert!(report.contains("stream 0x77") && report.contains("age"), "{report}");
+    assert!(report.contains("allocate_for_the_leak_test"), "backtrace names the allocating function:\n{report}");
+    p.free(small, 0).unwrap();
+}
