@@ -13,6 +13,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 echo "== python tests (pytest)"
 python3 -m pytest -v -rs tests/python 2>&1 | tee "$OUT/pytest.log"
+echo "== record a trace of a real PyTorch training loop (test data for gpupool-replay)"
+PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" GPUPOOL_TRACE="$OUT/torch_mlp_trace.csv" python3 scripts/record_torch_trace.py
+wc -l "$OUT/torch_mlp_trace.csv"
 echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
 python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"

@@ -19,6 +19,10 @@ use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
 
+/// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
+pub const UNFENCED_MAX_BLOCKS: usize = 8;
+pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
+
 /// How to build a pool.
 #[derive(Clone, Debug)]
 pub struct PoolOptions {
@@ -88,6 +92,9 @@ pub struct Pool {
     streams: StreamTracker,
     live: FxHashMap<usize, Live>,
     pending: Vec<Pending>,
+    /// Frees from callers without a stream (CuPy) waiting for the next legacy-stream fence.
+    unfenced: Vec<Block>,
+    unfenced_bytes: usize,
     c: Counters,
     /// Reserved-bytes cap; 0 = none.
     limit: usize,
@@ -111,6 +118,8 @@ impl Pool {
             streams: StreamTracker::new(opts.unsafe_ignore_streams),
             live: FxHashMap::default(),
             pending: Vec::new(),
+            unfenced: Vec::new(),
+            unfenced_bytes: 0,
             c: Counters::default(),
             limit,
             check: opts.check_invariants,
@@ -127,6 +136,14 @@ impl Pool {
     }
     pub fn upstream_name(&self) -> &'static str {
         self.upstream.name()
+    }
+    /// Bytes reserved from the upstream (cheap; `stats()` computes more).
+    pub fn reserved_bytes(&self) -> usize {
+        self.c.reserved
+    }
+    /// Bytes in live blocks.
+    pub fn used_bytes(&self) -> usize {
+        self.c.used
     }
     pub fn live_count(&self) -> usize {
         self.live.len()
@@ -170,6 +187,12 @@ impl Pool {
         if let Some(b) = self.take_cached(rounded, key, stream) {
             return Ok(b);
         }
+        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+            self.fence_unfenced();
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
         if self.strategy.flush_deferred() {
             if let Some(b) = self.take_cached(rounded, key, stream) {
                 return Ok(b);
@@ -184,6 +207,7 @@ impl Pool {
         for stage in 0..3 {
             match stage {
                 1 => {
+                    self.fence_unfenced();
                     self.release_cached(Some(preferred))?;
                 }
                 2 => {
@@ -367,7 +391,10 @@ impl Pool {
     }
 
     fn classify_bad_pointer(&self, ptr: usize) -> Error {
-        let why = if self.strategy.is_free_block(ptr) || self.pending.iter().any(|p| p.block.addr == ptr) {
+        let why = if self.strategy.is_free_block(ptr)
+            || self.pending.iter().any(|p| p.block.addr == ptr)
+            || self.unfenced.iter().any(|b| b.addr == ptr)
+        {
             BadPointer::AlreadyFreed
         } else if let Some(l) = self.live.values().find(|l| l.block.addr < ptr && ptr < l.block.end()) {
             BadPointer::Interior { block_start: l.block.addr, block_size: l.block.size }
@@ -410,9 +437,58 @@ impl Pool {
         self.streams.fence_legacy(&mut *self.upstream)
     }
 
+    /// Free for a caller that cannot name its stream (CuPy). The block becomes reusable
+    /// after the next legacy-stream fence (see `legacy_fence`). Fences are batched: they
+    /// cost about a microsecond each, so up to `UNFENCED_MAX_BLOCKS` blocks /
+    /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
+    /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
+    pub fn free_unordered(&mut self, ptr: usize) -> Result<()> {
+        if self.streams.ignores_streams() {
+            return self.free(ptr, crate::stream::STREAM_LEGACY);
+        }
+        if ptr == 0 {
+            return Ok(());
+        }
+        let Some(live) = self.live.remove(&ptr) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        self.trace(crate::stream::STREAM_LEGACY, Action::Free, ptr, live.requested);
+        let mut block = live.block;
+        block.stream = StreamKey::LEGACY;
+        self.c.used -= block.size;
+        self.c.requested -= live.requested;
+        self.c.frees += 1;
+        self.unfenced_bytes += block.size;
+        self.unfenced.push(block);
+        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+            self.fence_unfenced();
+        }
+        self.verify();
+        Ok(())
+    }
+
+    /// Fence the legacy stream and hand every unfenced block to the strategy.
+    fn fence_unfenced(&mut self) {
+        if self.unfenced.is_empty() {
+            return;
+        }
+        // Mark the legacy stream as freed-on so the fence records, then record it.
+        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
+        if self.streams.fence_legacy(&mut *self.upstream).is_err() {
+            // Without a fence the blocks cannot be proven safe: wait for the device instead.
+            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY);
+        }
+        self.unfenced_bytes = 0;
+        for b in std::mem::take(&mut self.unfenced) {
+            let _ = self.put_block(b);
+        }
+    }
+
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
         self.finish_pending(false);
+        self.fence_unfenced();
         self.c.reclaims += 1;
         let r = self.release_cached(None);
         self.trace(0, Action::Reclaim, 0, *r.as_ref().unwrap_or(&0));
@@ -496,7 +572,10 @@ impl Pool {
         if live_bytes != self.c.used {
             return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
         }
-        let pending: usize = self.pending.iter().map(|p| p.block.size).sum();
+        let pending: usize = self.pending.iter().map(|p| p.block.size).sum::<usize>() + self.unfenced_bytes;
+        if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
+            return Err("unfenced byte count drifted".into());
+        }
         if self.c.used + self.strategy.cached_bytes() + pending != self.c.reserved {
             return Err(format!(
                 "used {} + cached {} + pending {pending} != reserved {}",
@@ -508,6 +587,7 @@ impl Pool {
         let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
         spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
         spans.extend(self.pending.iter().map(|p| (p.block.addr, p.block.end(), true)));
+        spans.extend(self.unfenced.iter().map(|b| (b.addr, b.end(), true)));
         spans.sort_unstable();
         for w in spans.windows(2) {
             if w[0].1 > w[1].0 {
@@ -535,6 +615,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         // Cached memory goes back; live blocks belong to their owners and are left alone.
         self.finish_pending(true);
+        self.fence_unfenced();
         let _ = self.release_cached(None);
         self.streams.destroy_all(&mut *self.upstream);
     }

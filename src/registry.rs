@@ -75,8 +75,9 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
 fn create(device: i32, choice: Option<Choice>) -> Result<Pool> {
     let cfg = config()?;
     let c = choice.unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let opts = options(cfg, c.pool)?; // configuration errors (a bad trace path) come first
     let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
-    Pool::new(device, up, &options(cfg, c.pool)?)
+    Pool::new(device, up, &opts)
 }
 
 /// Run `f` on `device`'s pool, creating it on first use.

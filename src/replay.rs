@@ -83,8 +83,8 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
             pools.insert(op.device, Pool::new(op.device, Box::new(SimUpstream::new(device_size)), &opts)?);
         }
         let pool = pools.get_mut(&op.device).expect("inserted above");
-        let before_reserved = pool.stats().total_bytes as usize;
-        let before_used = pool.stats().used_bytes as usize;
+        let before_reserved = pool.reserved_bytes();
+        let before_used = pool.used_bytes();
         if op.alloc {
             let t = Instant::now();
             let res = pool.malloc(op.size, op.stream);
@@ -110,9 +110,8 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
                 None => r.unmatched_frees += 1,
             }
         }
-        let s = pool.stats();
-        reserved_total = reserved_total + s.total_bytes as usize - before_reserved;
-        used_total = used_total + s.used_bytes as usize - before_used;
+        reserved_total = reserved_total + pool.reserved_bytes() - before_reserved;
+        used_total = used_total + pool.used_bytes() - before_used;
         if reserved_total > r.peak_reserved {
             r.peak_reserved = reserved_total;
             used_at_peak = used_total;

@@ -175,3 +175,29 @@ fn reclaim_synchronises_before_releasing_stream_memory() {
     assert_eq!(n, 2 * MIB);
     assert!(dev.idle.load(Ordering::SeqCst), "release waited for the stream's event");
 }
+
+#[test]
+fn stream_less_frees_are_reused_only_after_a_legacy_fence() {
+    use gpupool::pool::UNFENCED_MAX_BLOCKS;
+    let (mut p, dev) = pool(PoolKind::Split, false);
+    let first = p.malloc(MIB, 0).unwrap();
+    p.free_unordered(first).unwrap();
+    assert!(log(&dev).is_empty(), "no fence for a single free (they are batched)");
+    let second = p.malloc(MIB, 0).unwrap();
+    assert_ne!(second, first, "an unfenced block must not be handed out");
+    assert!(p.free_unordered(first).is_err(), "double free of an unfenced block is detected");
+    // Fill the batch: the fence is recorded on the legacy stream and the blocks come back.
+    let mut more = vec![second];
+    for _ in 0..UNFENCED_MAX_BLOCKS - 2 {
+        more.push(p.malloc(MIB, 0).unwrap());
+    }
+    for a in &more {
+        p.free_unordered(*a).unwrap();
+    }
+    let l = log(&dev);
+    assert_eq!(l, vec![format!("record ev1 on {STREAM_LEGACY:#x}")], "one fence for the whole batch");
+    let again = p.malloc(MIB, 0).unwrap();
+    assert!(more.contains(&again) || again == first, "fenced blocks are reused");
+    p.free(again, 0).unwrap();
+    assert_eq!(p.stats().used_bytes, 0);
+}

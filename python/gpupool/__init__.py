@@ -15,7 +15,7 @@ import os
 import pathlib
 
 __all__ = ["GpupoolError", "library_path", "lib", "stats", "stats_json", "memory_status", "reclaim",
-           "set_limit", "get_limit", "configure", "torch", "cupy"]
+           "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy"]
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _LIB = None
@@ -37,8 +37,8 @@ def _candidates():
     repo = _HERE.parent.parent  # python/gpupool -> repository root (source checkout)
     return [
         _HERE / "libgpupool.so",
-        repo / "dist" / "libgpupool.so",
         repo / "target" / "release" / "libgpupool.so",
+        repo / "dist" / "libgpupool.so",
         repo / "target" / "debug" / "libgpupool.so",
     ], False
 
@@ -87,6 +87,7 @@ def lib():
             ("gpupool_last_error", c_size, [cp, c_size]),
             ("gpupool_configure", c_int, [c_int, cp, cp]),
             ("gpupool_version", cp, []),
+            ("gpupool_report_leaks", c_size, [cp, c_size]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args
@@ -130,6 +131,16 @@ def memory_status(device=-1):
 def stats_json(device=-1):
     """The same numbers as memory_status, parsed from gpupool_stats_json."""
     return json.loads(_text(lib().gpupool_stats_json, device))
+
+
+def report_leaks():
+    """Every live allocation, largest first; with GPUPOOL_DEBUG=2 each has its age, stream
+    and the backtrace of the code that allocated it."""
+    L = lib()
+    n = L.gpupool_report_leaks(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    L.gpupool_report_leaks(buf, n + 1)
+    return buf.value.decode(errors="replace")
 
 
 def reclaim(device=-1):

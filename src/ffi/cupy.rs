@@ -1,7 +1,9 @@
 //! CuPy entry points for `cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)`.
 //!
 //! Stream policy (CuPy passes no stream): CuPy blocks are tagged with the legacy default
-//! stream, and every CuPy free enqueues a fence (an event record) on the legacy stream.
+//! stream, and a CuPy-freed block is reused only after a fence (an event record) has been
+//! enqueued on the legacy stream after its free (fences are batched, see
+//! `Pool::free_unordered`).
 //! Work that CuPy later issues on any *blocking* stream — CuPy's default stream, the
 //! per-thread default stream, and `cupy.cuda.Stream()` (non_blocking=False, CuPy's default)
 //! — waits for earlier legacy-stream work, and the fence waited for all earlier work on
@@ -85,8 +87,12 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
     let _ = param;
     let mut err = None;
     call(|| {
-        let r = free_on(ptr as usize, device, STREAM_LEGACY)
-            .and_then(|()| registry::with_pool(device, |p| p.legacy_fence()));
+        let p = ptr as usize;
+        let r = match registry::with_existing(device, |pool| pool.owns(p).then(|| pool.free_unordered(p)))? {
+            Some(Some(r)) => r,
+            // Not live on this device: the shared path produces the right message and count.
+            _ => free_on(p, device, STREAM_LEGACY),
+        };
         r.map_err(|e| {
             err = Some(e.clone());
             e

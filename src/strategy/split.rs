@@ -59,6 +59,8 @@ struct Node {
     prev: usize,
     next: usize,
     segment: usize,
+    /// The segment's class (kept here so the index needs no segment lookup).
+    class: Class,
     stream: StreamKey,
     state: State,
 }
@@ -69,14 +71,16 @@ struct SegInfo {
     class: Class,
 }
 
-type FreeKey = (Class, StreamKey, usize, usize); // (class, stream, size, addr)
+/// A free block in the index: (class, stream, size, addr).
+type FreeKey = (Class, StreamKey, usize, usize);
 
 #[derive(Default)]
 pub struct SplitStrategy {
     nodes: FxHashMap<usize, Node>,
-    free_index: BTreeSet<FreeKey>,
-    /// Number of indexed free blocks per (class, stream): lets `take` visit other streams.
-    streams: FxHashMap<(Class, StreamKey), usize>,
+    /// Free blocks per (class, stream), ordered by (size, addr) for best fit. One small
+    /// set per stream keeps keys to two words, which makes the tree operations cheap.
+    free_index: FxHashMap<(Class, StreamKey), BTreeSet<(usize, usize)>>,
+    free_count: usize,
     segments: FxHashMap<usize, SegInfo>,
     /// Exact-size cache: (stream, size) -> [(addr, segment)], LIFO.
     quick: FxHashMap<(StreamKey, usize), Vec<(usize, usize)>>,
@@ -90,28 +94,25 @@ impl SplitStrategy {
     }
 
     fn index_insert(&mut self, addr: usize, n: &Node) {
-        let class = self.segments[&n.segment].class;
-        self.free_index.insert((class, n.stream, n.size, addr));
-        *self.streams.entry((class, n.stream)).or_insert(0) += 1;
+        self.free_index.entry((n.class, n.stream)).or_default().insert((n.size, addr));
+        self.free_count += 1;
     }
 
     fn index_remove(&mut self, addr: usize, n: &Node) {
-        let class = self.segments[&n.segment].class;
-        let removed = self.free_index.remove(&(class, n.stream, n.size, addr));
+        let class = n.class;
+        let set = self.free_index.get_mut(&(class, n.stream)).expect("stream has a free set");
+        let removed = set.remove(&(n.size, addr));
         debug_assert!(removed, "free block missing from index");
-        let e = self.streams.get_mut(&(class, n.stream)).expect("stream count present");
-        *e -= 1;
-        if *e == 0 {
-            self.streams.remove(&(class, n.stream));
+        if set.is_empty() {
+            self.free_index.remove(&(class, n.stream));
         }
+        self.free_count -= 1;
     }
 
     fn best_fit(&self, class: Class, stream: StreamKey, rounded: usize) -> Option<FreeKey> {
-        let found =
-            self.free_index.range((class, stream, rounded, 0)..=(class, stream, usize::MAX, usize::MAX)).next().copied()?;
-        // Large blocks far bigger than the request are not worth splitting when the tail
-        // would have to stay a stranded small piece; that is handled at split time.
-        Some(found)
+        let set = self.free_index.get(&(class, stream))?;
+        let &(size, addr) = set.range((rounded, 0)..).next()?;
+        Some((class, stream, size, addr))
     }
 
     /// Hand out (part of) the indexed free block `key` for `stream`.
@@ -123,7 +124,7 @@ impl SplitStrategy {
         let min_rest = if class == Class::Small { ROUND } else { SMALL_LIMIT + 1 };
         let taken = if rest >= min_rest {
             let rest_addr = addr + rounded;
-            let rest_node = Node { size: rest, prev: addr, next: node.next, segment: node.segment, stream: node.stream, state: State::Free };
+            let rest_node = Node { size: rest, prev: addr, next: node.next, state: State::Free, ..node };
             if node.next != 0 {
                 self.nodes.get_mut(&node.next).expect("next exists").prev = rest_addr;
             }
@@ -180,13 +181,17 @@ impl SplitStrategy {
         if self.quick_count == 0 {
             return false;
         }
-        let all: Vec<(StreamKey, usize)> =
-            self.quick.drain().flat_map(|((stream, _), v)| v.into_iter().map(move |(a, _)| (stream, a))).collect();
+        // Take the map out (keeping its capacity) so free_now can borrow self.
+        let mut quick = std::mem::take(&mut self.quick);
         self.quick_count = 0;
-        for (stream, a) in all {
-            self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
-            self.free_now(a);
+        for (&(stream, _), v) in quick.iter_mut() {
+            for (a, _) in v.drain(..) {
+                self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
+                self.free_now(a);
+            }
         }
+        quick.clear(); // keeps the table's capacity; empty per-size lists are dropped
+        self.quick = quick;
         true
     }
 }
@@ -230,7 +235,7 @@ impl Strategy for SplitStrategy {
         }
         // Other streams' blocks, best fit first; each needs the pool's permission.
         let mut cands: Vec<FreeKey> = self
-            .streams
+            .free_index
             .keys()
             .filter(|(c, s)| *c == class && *s != stream)
             .filter_map(|&(c, s)| self.best_fit(c, s, rounded))
@@ -249,7 +254,7 @@ impl Strategy for SplitStrategy {
         self.segments.insert(seg.base, SegInfo { size: seg.size, class });
         self.nodes.insert(
             seg.base,
-            Node { size: seg.size, prev: 0, next: 0, segment: seg.base, stream: seg.stream, state: State::Free },
+            Node { size: seg.size, prev: 0, next: 0, segment: seg.base, class, stream: seg.stream, state: State::Free },
         );
         let n = self.nodes[&seg.base];
         self.index_insert(seg.base, &n);
@@ -309,11 +314,11 @@ impl Strategy for SplitStrategy {
     }
 
     fn free_block_count(&self) -> usize {
-        self.free_index.len() + self.quick_count
+        self.free_count + self.quick_count
     }
 
     fn largest_free_block(&self) -> usize {
-        let indexed = self.free_index.iter().map(|k| k.2).max().unwrap_or(0);
+        let indexed = self.free_index.values().filter_map(|s| s.last().map(|k| k.0)).max().unwrap_or(0);
         let quick = self.quick.iter().filter(|(_, v)| !v.is_empty()).map(|(k, _)| k.1).max().unwrap_or(0);
         indexed.max(quick)
     }
@@ -358,7 +363,7 @@ impl Strategy for SplitStrategy {
             let mut total = 0;
             while addr != 0 {
                 let n = self.nodes.get(&addr).ok_or_else(|| format!("segment {base:#x}: missing node {addr:#x}"))?;
-                if n.prev != prev || n.segment != base {
+                if n.prev != prev || n.segment != base || n.class != info.class {
                     return Err(format!("node {addr:#x}: bad links {n:?} (expected prev {prev:#x})"));
                 }
                 if addr % MIN_ALIGN != 0 || n.size == 0 {
@@ -371,7 +376,7 @@ impl Strategy for SplitStrategy {
                     State::Free => {
                         cached += n.size;
                         indexed += 1;
-                        if !self.free_index.contains(&(info.class, n.stream, n.size, addr)) {
+                        if !self.free_index.get(&(info.class, n.stream)).is_some_and(|s| s.contains(&(n.size, addr))) {
                             return Err(format!("free node {addr:#x} not indexed"));
                         }
                         if n.next != 0 {
@@ -404,11 +409,15 @@ impl Strategy for SplitStrategy {
         if seen != self.nodes.len() {
             return Err(format!("{} nodes, {seen} reachable from segments", self.nodes.len()));
         }
-        if indexed != self.free_index.len() || quick != self.quick_count {
-            return Err(format!("index {} vs {indexed} free nodes, quick {} vs {quick}", self.free_index.len(), self.quick_count));
+        let in_sets: usize = self.free_index.values().map(|s| s.len()).sum();
+        if indexed != in_sets || indexed != self.free_count || quick != self.quick_count {
+            return Err(format!(
+                "index {in_sets} (count {}) vs {indexed} free nodes, quick {} vs {quick}",
+                self.free_count, self.quick_count
+            ));
         }
-        if self.streams.values().sum::<usize>() != indexed {
-            return Err("per-stream counts drifted".into());
+        if self.free_index.values().any(|s| s.is_empty()) {
+            return Err("empty per-stream set left in the index".into());
         }
         if cached != self.cached {
             return Err(format!("cached {} but free nodes hold {cached}", self.cached));

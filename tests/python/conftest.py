@@ -15,7 +15,7 @@ def _lib():
     env = os.environ.get("GPUPOOL_LIBRARY")
     if env:
         return env
-    for p in (ROOT / "dist" / "libgpupool.so", ROOT / "target" / "release" / "libgpupool.so"):
+    for p in (ROOT / "target" / "release" / "libgpupool.so", ROOT / "dist" / "libgpupool.so"):
         if p.is_file():
             return str(p)
     return str(ROOT / "target" / "release" / "libgpupool.so")

@@ -14,6 +14,8 @@ def test_stats_status_json_reclaim_limits_on_host(library):
         j = gpupool.stats_json(0)
         assert j["used_bytes"] == s["used_bytes"] and j["upstream"] == "host", j
         assert "3.00 MiB in use" in gpupool.memory_status(0)
+        leaks = gpupool.report_leaks()
+        assert "1 live allocation(s), 3.00 MiB outstanding" in leaks, leaks
         gpupool.set_limit("64MiB", 0)
         assert gpupool.get_limit(0) == 64 << 20
         assert L.gpupool_free(p, 0, None) == 0
