@@ -110,9 +110,35 @@ fn locks(c: &mut Criterion) {
     g.finish();
 }
 
+/// Debug features off must cost nothing measurable: the same pool pair with
+/// `GPUPOOL_DEBUG` 0 (default), 1 (timestamps), 2 (backtraces) and with a trace file.
+fn debug_cost(c: &mut Criterion) {
+    let mut g = c.benchmark_group("debug");
+    let trace_path = std::env::temp_dir().join(format!("gpupool-bench-trace-{}.csv", std::process::id()));
+    let tracer: &'static gpupool::trace::Tracer = Box::leak(Box::new(gpupool::trace::Tracer::open(&trace_path).unwrap()));
+    let variants: Vec<(&str, PoolOptions)> = vec![
+        ("off", PoolOptions::default()),
+        ("debug_1", PoolOptions { debug: 1, ..Default::default() }),
+        ("debug_2_backtraces", PoolOptions { debug: 2, ..Default::default() }),
+        ("trace_on", PoolOptions { tracer: Some(tracer), ..Default::default() }),
+    ];
+    for (name, opts) in variants {
+        let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 34)), &opts).unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let a = p.malloc(black_box(SIZE), 0).unwrap();
+                p.free(black_box(a), 0).unwrap();
+            })
+        });
+    }
+    g.finish();
+    tracer.finish();
+    let _ = std::fs::remove_file(trace_path);
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = c_api, locks
+    targets = c_api, locks, debug_cost
 }
 criterion_main!(benches);

@@ -26,20 +26,29 @@ RUNS = [
     ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
 ]
 
-results = {}
+# Timings on a shared machine drift by tens of percent between minutes; so every allocator
+# runs ROUNDS times, interleaved (round 1 of all, then round 2 of all, ...), and each cell
+# is the median over rounds.
+rounds = int(os.environ.get("ROUNDS", "3"))
+samples = {}
 lines = []
-for fw, name, args, env in RUNS:
-    e = dict(os.environ, **env)
-    p = subprocess.run([sys.executable, churn] + args, env=e, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        print(f"{fw}/{name}: FAILED ({p.returncode}): {p.stderr.strip().splitlines()[-1:] }", flush=True)
-        continue
-    for line in p.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[(fw, name, r["work"])] = r
-            lines.append(dict(r, framework=fw, allocator=name))
-            print(f"{fw}/{name}: {line}", flush=True)
+for rnd in range(rounds):
+    for fw, name, args, env in RUNS:
+        e = dict(os.environ, **env)
+        p = subprocess.run([sys.executable, churn] + args, env=e, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            print(f"{fw}/{name}: FAILED ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        for line in p.stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                samples.setdefault((fw, name, r["work"]), []).append(r)
+                lines.append(dict(r, framework=fw, allocator=name, round=rnd))
+                print(f"round {rnd} {fw}/{name}: {line}", flush=True)
+results = {}
+for k, rs in samples.items():
+    rs = sorted(rs, key=lambda r: r["us_per_pair"])
+    results[k] = rs[len(rs) // 2]
 if out_path:
     with open(out_path, "w") as f:
         for l in lines:
