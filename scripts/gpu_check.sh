@@ -8,18 +8,21 @@ OUT=${1:-${OUT:-/tmp/gpupool-out}}
 mkdir -p "$OUT"
 LIB="$ROOT/dist/libgpupool.so"
 cd "$ROOT"
-nvidia-smi -L | tee "$OUT/gpu.txt"
-echo "== libgpupool.so dependencies (must not include libcuda)"; ldd "$LIB" | tee -a "$OUT/gpu.txt"
+nvidia-smi -L
+echo "== libgpupool.so dependencies (must not include libcuda)"; ldd "$LIB"
 
 echo "== CMake build (examples + GPU tests)"
-cmake -S . -B build-gpu -DGPUPOOL_LIBRARY="$LIB" -DCMAKE_BUILD_TYPE=Release > "$OUT/cmake.log" 2>&1 \
-  && cmake --build build-gpu -j16 >> "$OUT/cmake.log" 2>&1
+cmake -S . -B build-gpu -DGPUPOOL_LIBRARY="$LIB" -DCMAKE_BUILD_TYPE=Release > /tmp/cmake.log 2>&1 \
+  && cmake --build build-gpu -j16 >> /tmp/cmake.log 2>&1
 build_rc=$?
-tail -5 "$OUT/cmake.log"
+tail -5 /tmp/cmake.log
 
 echo "== ctest (every C test, example and GPU test)"
 ctest --test-dir build-gpu --output-on-failure --timeout 300 2>&1 | tee "$OUT/ctest.log"
 cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
+
+echo "== hot-path microbenchmark (no framework)"
+./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
 
 if [ -x "$ROOT/scripts/gpu_python.sh" ]; then
   "$ROOT/scripts/gpu_python.sh" "$OUT"
@@ -35,5 +38,6 @@ grep -E "tests passed" "$OUT/ctest.log"
 echo
 echo "key lines:"
 grep -hE "^stream_stress pool=|^limit fill|^device fill|^reclaim released|^conformance .*passed|^cross-stream reuse|^record_stream|threads x|^pinned \(" "$OUT/ctest-full.log" | sort -u
+[ -f "$OUT/hotpath.log" ] && cat "$OUT/hotpath.log"
 [ -f "$OUT/python-summary.txt" ] && cat "$OUT/python-summary.txt"
 exit 0

@@ -14,16 +14,16 @@ fi
 echo "== python tests (pytest)"
 python3 -m pytest -v -rs tests/python 2>&1 | tee "$OUT/pytest.log"
 echo "== record a trace of a real PyTorch training loop (test data for gpupool-replay)"
-PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" GPUPOOL_TRACE="$OUT/torch_mlp_trace.csv" python3 scripts/record_torch_trace.py
-wc -l "$OUT/torch_mlp_trace.csv"
+PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" GPUPOOL_TRACE=/tmp/torch_mlp_trace.csv python3 scripts/record_torch_trace.py
+wc -l /tmp/torch_mlp_trace.csv
 echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
-python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 {
   echo "python tests:"
   grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/pytest.log" | sed -E 's/^tests\/python\///' | sed -E 's/ +\[ *[0-9]+%\]//'
   grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest.log"
   echo
   echo "framework benchmark (µs per alloc+free pair through each framework's plug-in interface):"
-  grep -E "^\|" "$OUT/bench.log"
+  grep -E "^\||rounds" "$OUT/bench.log"
 } > "$OUT/python-summary.txt"

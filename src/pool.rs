@@ -296,6 +296,11 @@ impl Pool {
             // Work queued on the segment's stream may still touch it.
             self.streams.synchronize(&mut *self.upstream, seg.stream)?;
         }
+        self.give_to_upstream(seg)
+    }
+
+    /// Hand a segment back to the upstream, ordered on the stream that last used it.
+    fn give_to_upstream(&mut self, seg: Segment) -> Result<()> {
         let h = self.streams.handle_of(seg.stream);
         self.upstream.deallocate(seg.base, seg.size, h)?;
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
@@ -356,15 +361,11 @@ impl Pool {
     }
 
     fn put_block(&mut self, block: Block) -> Result<()> {
-        if let Some(seg) = self.strategy.put(block) {
+        match self.strategy.put(block) {
             // Not cached (passthrough): straight back, ordered on the freeing stream.
-            let h = self.streams.handle_of(seg.stream);
-            self.upstream.deallocate(seg.base, seg.size, h)?;
-            self.trace(h, Action::UpstreamFree, seg.base, seg.size);
-            self.c.reserved -= seg.size;
-            self.c.upstream_frees += 1;
+            Some(seg) => self.give_to_upstream(seg),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Move deferred frees whose events completed (all of them, waiting, if `wait`).

@@ -275,11 +275,49 @@ fn reports_agree_with_stats(kind: PoolKind) {
     let a = p.malloc(123_456, LEGACY).unwrap();
     let st = p.stats();
     let json = p.stats_json();
-    assert!(json.contains(&format!("\"used_bytes\":{}", st.used_bytes)), "{json}");
-    assert!(json.contains(&format!("\"total_bytes\":{}", st.total_bytes)));
+    // Every number of the struct appears in the JSON under its own name.
+    for (name, v) in [
+        ("used_bytes", st.used_bytes),
+        ("free_bytes", st.free_bytes),
+        ("total_bytes", st.total_bytes),
+        ("n_free_blocks", st.n_free_blocks),
+        ("n_live_blocks", st.n_live_blocks),
+        ("requested_bytes", st.requested_bytes),
+        ("peak_used_bytes", st.peak_used_bytes),
+        ("peak_total_bytes", st.peak_total_bytes),
+        ("n_allocs", st.n_allocs),
+        ("n_frees", st.n_frees),
+        ("n_upstream_allocs", st.n_upstream_allocs),
+        ("n_upstream_frees", st.n_upstream_frees),
+        ("n_ooms", st.n_ooms),
+        ("n_reclaims", st.n_reclaims),
+        ("reclaimed_bytes", st.reclaimed_bytes),
+        ("n_invalid_frees", st.n_invalid_frees),
+        ("limit_bytes", st.limit_bytes),
+        ("largest_free_block", st.largest_free_block),
+        ("device_free_bytes", st.device_free_bytes),
+        ("device_total_bytes", st.device_total_bytes),
+        ("n_cross_stream_reuses", st.n_cross_stream_reuses),
+        ("n_deferred_frees", st.n_deferred_frees),
+    ] {
+        let field = format!("\"{name}\":{v}");
+        assert!(
+            json.contains(&format!("{field},")) || json.contains(&format!("{field}}}")),
+            "{name}={v} missing from {json}"
+        );
+    }
     assert!(json.contains(&format!("\"strategy\":\"{}\"", kind.name())));
     let text = p.memory_status();
-    assert!(text.contains("in use") && text.contains("reserved") && text.contains("Limit: none"), "{text}");
+    let h = |n: u64| gpupool::error::human_bytes(n as usize);
+    for needle in [
+        format!("{} in use, {} cached, {} reserved", h(st.used_bytes), h(st.free_bytes), h(st.total_bytes)),
+        format!("peak: {} in use, {} reserved", h(st.peak_used_bytes), h(st.peak_total_bytes)),
+        format!("{} live, {} free; largest free block {}", st.n_live_blocks, st.n_free_blocks, h(st.largest_free_block)),
+        format!("{} allocs, {} frees, {} upstream allocs", st.n_allocs, st.n_frees, st.n_upstream_allocs),
+        "Limit: none".to_string(),
+    ] {
+        assert!(text.contains(&needle), "status report lacks {needle:?}:\n{text}");
+    }
     p.free(a, LEGACY).unwrap();
 }
 
