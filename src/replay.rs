@@ -78,11 +78,13 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
     let mut reserved_total = 0usize;
     let mut used_at_peak = 0usize;
     for op in ops {
-        if !pools.contains_key(&op.device) {
-            let opts = PoolOptions { kind, ..Default::default() };
-            pools.insert(op.device, Pool::new(op.device, Box::new(SimUpstream::new(device_size)), &opts)?);
-        }
-        let pool = pools.get_mut(&op.device).expect("inserted above");
+        let pool = match pools.entry(op.device) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let opts = PoolOptions { kind, ..Default::default() };
+                e.insert(Pool::new(op.device, Box::new(SimUpstream::new(device_size)), &opts)?)
+            }
+        };
         let before_reserved = pool.reserved_bytes();
         let before_used = pool.used_bytes();
         if op.alloc {

@@ -21,7 +21,7 @@
 
 use super::boundary::call;
 use super::core::free_on;
-use super::report::void_error;
+use super::report::call_void;
 use crate::error::Error;
 use crate::registry;
 use crate::stream::STREAM_LEGACY;
@@ -64,10 +64,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     call(|| {
         registry::with_pool(device, |p| p.malloc(size, STREAM_LEGACY))
             .map(|a| out = a as *mut c_void)
-            .map_err(|e| {
-                err = Some(e.clone());
-                e
-            })
+            .inspect_err(|e| err = Some(e.clone()))
     });
     if let Some(e) = err {
         let oom = matches!(e, Error::OutOfMemory(_));
@@ -85,20 +82,12 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
     let _ = param;
-    let mut err = None;
-    call(|| {
+    call_void("gpupool_cupy_free", || {
         let p = ptr as usize;
-        let r = match registry::with_existing(device, |pool| pool.owns(p).then(|| pool.free_unordered(p)))? {
+        match registry::with_existing(device, |pool| pool.owns(p).then(|| pool.free_unordered(p)))? {
             Some(Some(r)) => r,
             // Not live on this device: the shared path produces the right message and count.
             _ => free_on(p, device, STREAM_LEGACY),
-        };
-        r.map_err(|e| {
-            err = Some(e.clone());
-            e
-        })
+        }
     });
-    if let Some(e) = err {
-        void_error("gpupool_cupy_free", &e);
-    }
 }

@@ -3,9 +3,8 @@
 //! on failure. Hooks are installed by `python/gpupool/torch.py` through
 //! `allocator._allocator.set_*_fn(address)`.
 
-use super::boundary::call;
 use super::core::free_on;
-use super::report::void_error;
+use super::report::call_void;
 use crate::error::{BadPointer, Error};
 use crate::registry;
 use crate::upstream::cuda::driver;
@@ -36,74 +35,43 @@ pub unsafe extern "C-unwind" fn gpupool_torch_malloc(size: usize, device: c_int,
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let _ = size; // the pool knows each block's size
-    let mut err = None;
-    call(|| {
-        free_on(ptr as usize, device, stream as usize).map_err(|e| {
-            err = Some(e.clone());
-            e
-        })
-    });
-    if let Some(e) = err {
-        void_error("gpupool_torch_free", &e);
-    }
+    call_void("gpupool_torch_free", || free_on(ptr as usize, device, stream as usize));
 }
 
 /// `init(int device_count)`: loads the driver early so the first allocation does not pay it.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_init(device_count: c_int) {
     let _ = device_count;
-    let mut err = None;
-    call(|| {
-        driver::ensure_driver().map_err(|e| {
-            err = Some(e.clone());
-            e
-        })
-    });
-    if let Some(e) = err {
-        void_error("gpupool_torch_init", &e);
-    }
+    call_void("gpupool_torch_init", driver::ensure_driver);
 }
 
 /// `reset()`: `torch.cuda.empty_cache()` → release cached memory of every device.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_reset() {
-    let mut first = None;
-    call(|| {
+    call_void("gpupool_torch_reset", || {
+        let mut first = None;
         for d in registry::existing_devices() {
             if let Ok(Some(Err(e))) = registry::with_existing(d, |p| p.reclaim()) {
                 first.get_or_insert(e);
             }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     });
-    if let Some(e) = first {
-        void_error("gpupool_torch_reset", &e);
-    }
 }
 
 /// `memory_fraction(double fraction, int device)`: `set_per_process_memory_fraction` →
 /// the device's pool limit becomes `fraction` × device total memory.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
-    let mut err = None;
-    call(|| {
-        let r = (|| {
-            if !(fraction.is_finite() && (0.0..=1.0).contains(&fraction)) {
-                return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not within [0, 1]")));
-            }
-            registry::with_pool(device, |p| {
-                let total = p.mem_info()?.1;
-                p.set_limit(((total as f64) * fraction) as usize)
-            })
-        })();
-        r.map_err(|e| {
-            err = Some(e.clone());
-            e
+    call_void("gpupool_torch_memory_fraction", || {
+        if !(fraction.is_finite() && (0.0..=1.0).contains(&fraction)) {
+            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not within [0, 1]")));
+        }
+        registry::with_pool(device, |p| {
+            let total = p.mem_info()?.1;
+            p.set_limit(((total as f64) * fraction) as usize)
         })
     });
-    if let Some(e) = err {
-        void_error("gpupool_torch_memory_fraction", &e);
-    }
 }
 
 /// `record_stream(void *ptr, cudaStream_t stream)`: `Tensor.record_stream`.
@@ -112,10 +80,13 @@ pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
 /// No requirement beyond the C prototype.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    let st = super::core::gpupool_record_stream(ptr, stream);
-    if st != crate::error::Status::Ok {
-        void_error("gpupool_torch_record_stream", &Error::Internal(super::boundary::last_error()));
-    }
+    call_void("gpupool_torch_record_stream", || {
+        let p = ptr as usize;
+        match registry::find_owner(p) {
+            Some(d) => registry::with_pool(d, |pool| pool.record_stream(p, stream as usize)),
+            None => Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }),
+        }
+    });
 }
 
 /// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
@@ -126,7 +97,7 @@ pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
     let mut out = std::ptr::null_mut();
-    let st = call(|| {
+    call_void("gpupool_torch_base_alloc", || {
         let p = ptr as usize;
         let dev = registry::find_owner(p).ok_or(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown })?;
         let (base, len) = registry::with_pool(dev, |pool| pool.segment_of(p))?;
@@ -136,8 +107,5 @@ pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut u
         out = base as *mut c_void;
         Ok(())
     });
-    if st != crate::error::Status::Ok {
-        void_error("gpupool_torch_base_alloc", &Error::Internal(super::boundary::last_error()));
-    }
     out
 }

@@ -9,6 +9,8 @@ use cudarc::driver::sys;
 
 pub struct AsyncMem;
 
+// The stream is an opaque driver handle handed to the driver, never dereferenced here.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 impl MemKind for AsyncMem {
     const ALLOC_CALL: &'static str = "cuMemAllocAsync";
     const NAME: &'static str = "async";
