@@ -292,10 +292,16 @@ impl Pool {
     }
 
     fn release_segment(&mut self, seg: Segment) -> Result<()> {
-        if !self.upstream.stream_ordered() {
-            // Work queued on the segment's stream may still touch it.
-            self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
+            // cuMemFreeAsync on the legacy stream orders the release after its work.
+            return self.give_to_upstream(seg);
         }
+        // Work queued on the segment's stream may still touch it. For a stream-ordered
+        // upstream the release could be queued on that stream instead, but the stream may
+        // since have been destroyed, or be another thread's per-thread stream: wait for its
+        // event and release on the legacy stream.
+        self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg)
     }
 

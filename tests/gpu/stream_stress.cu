@@ -5,7 +5,8 @@
 // work finished, one of the two checks sees the other's pattern.
 //
 // usage: stream_stress POOL UPSTREAM ROUNDS_PER_THREAD [--expect-corruption]
-// 8 host threads x 8 shared non-blocking streams. Exit 0 when the outcome matches the
+// 8 host threads x 8 shared non-blocking streams, plus each thread's per-thread default
+// stream and the legacy default stream. Exit 0 when the outcome matches the
 // expectation (no corruption, or, with the test-only GPUPOOL_UNSAFE_IGNORE_STREAMS=1,
 // corruption detected).
 #include <atomic>
@@ -35,26 +36,35 @@ static cudaStream_t streams[STREAMS];
 static unsigned long long *d_bad;
 static std::atomic<long> api_errors{0}, reused{0}, rounds_done{0};
 
+// The 8 user streams, plus this thread's per-thread default stream and the legacy default
+// stream (non-blocking user streams do not synchronise with it).
+static cudaStream_t pick(int i) {
+  if (i < STREAMS) return streams[i];
+  return i == STREAMS ? cudaStreamPerThread : cudaStreamLegacy;
+}
+
 static void worker(int t, int rounds) {
   std::mt19937 rng(1234 + t);
   for (int r = 0; r < rounds; r++) {
-    int a = rng() % STREAMS, b = (a + 1 + rng() % (STREAMS - 1)) % STREAMS;
+    const int kinds = STREAMS + 2;
+    int ia = rng() % kinds, ib = (ia + 1 + rng() % (kinds - 1)) % kinds;
+    cudaStream_t sa = pick(ia), sb = pick(ib);
     // Random sizes from 1 KiB to 8 MiB, log-uniform-ish.
     size_t n = (size_t)256 << (rng() % 14);
     n += rng() % n;
     unsigned pa = 0xA0000000u | (t << 16) | (r & 0xffff), pb = 0xB0000000u | (t << 16) | (r & 0xffff);
     unsigned *p = nullptr, *q = nullptr;
-    if (gpupool_malloc((void **)&p, n * 4, 0, streams[a])) { api_errors++; continue; }
-    spin<<<1, 1, 0, streams[a]>>>(20000 + rng() % 20000);
-    fill<<<64, 256, 0, streams[a]>>>(p, n, pa);
-    verify<<<64, 256, 0, streams[a]>>>(p, n, pa, d_bad);
-    if (gpupool_free(p, 0, streams[a])) api_errors++;
-    if (gpupool_malloc((void **)&q, n * 4, 0, streams[b])) { api_errors++; continue; }
+    if (gpupool_malloc((void **)&p, n * 4, 0, sa)) { api_errors++; continue; }
+    spin<<<1, 1, 0, sa>>>(20000 + rng() % 20000);
+    fill<<<64, 256, 0, sa>>>(p, n, pa);
+    verify<<<64, 256, 0, sa>>>(p, n, pa, d_bad);
+    if (gpupool_free(p, 0, sa)) api_errors++;
+    if (gpupool_malloc((void **)&q, n * 4, 0, sb)) { api_errors++; continue; }
     if (q == p) reused++;
-    fill<<<64, 256, 0, streams[b]>>>(q, n, pb);
-    spin<<<1, 1, 0, streams[b]>>>(60000);
-    verify<<<64, 256, 0, streams[b]>>>(q, n, pb, d_bad);
-    if (gpupool_free(q, 0, streams[b])) api_errors++;
+    fill<<<64, 256, 0, sb>>>(q, n, pb);
+    spin<<<1, 1, 0, sb>>>(60000);
+    verify<<<64, 256, 0, sb>>>(q, n, pb, d_bad);
+    if (gpupool_free(q, 0, sb)) api_errors++;
     rounds_done++;
   }
 }
@@ -77,6 +87,8 @@ int main(int argc, char **argv) {
   cudaMemcpy(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost);
   gpupool_stats st = gpupool_stats_init();
   gpupool_get_stats(0, &st);
+  size_t released = 0; /* releases segments last used on every kind of stream */
+  if (gpupool_reclaim(0, &released)) api_errors++;
   for (auto &s : streams) cudaStreamDestroy(s);
   cudaFree(d_bad);
   bool pass = e == cudaSuccess && api_errors == 0 && st.n_live_blocks == 0 && (expect_corruption ? bad > 0 : bad == 0);
