@@ -43,11 +43,21 @@ static cudaStream_t pick(int i) {
   return i == STREAMS ? cudaStreamPerThread : cudaStreamLegacy;
 }
 
+// STRESS_KINDS (diagnostics): 0 = user streams only, 1 = + per-thread, 2 = + legacy, 3 = both.
+static int extra_kinds = 3;
+
 static void worker(int t, int rounds) {
   std::mt19937 rng(1234 + t);
   for (int r = 0; r < rounds; r++) {
     const int kinds = STREAMS + 2;
-    int ia = rng() % kinds, ib = (ia + 1 + rng() % (kinds - 1)) % kinds;
+    auto allowed = [](int i) {
+      return i < STREAMS || (i == STREAMS && (extra_kinds & 1)) || (i == STREAMS + 1 && (extra_kinds & 2));
+    };
+    int ia, ib;
+    do {
+      ia = rng() % kinds;
+      ib = (ia + 1 + rng() % (kinds - 1)) % kinds;
+    } while (!allowed(ia) || !allowed(ib));
     cudaStream_t sa = pick(ia), sb = pick(ib);
     // Random sizes from 1 KiB to 8 MiB, log-uniform-ish.
     size_t n = (size_t)256 << (rng() % 14);
@@ -73,6 +83,7 @@ int main(int argc, char **argv) {
   if (argc < 4) { fprintf(stderr, "usage: %s POOL UPSTREAM ROUNDS [--expect-corruption]\n", argv[0]); return 2; }
   bool expect_corruption = argc > 4 && !strcmp(argv[4], "--expect-corruption");
   int rounds = atoi(argv[3]);
+  if (getenv("STRESS_KINDS")) extra_kinds = atoi(getenv("STRESS_KINDS"));
   if (gpupool_configure(0, argv[1], argv[2]) != GPUPOOL_STATUS_OK) {
     char m[512]; gpupool_last_error(m, sizeof m); fprintf(stderr, "configure: %s\n", m); return 1;
   }
@@ -88,7 +99,9 @@ int main(int argc, char **argv) {
   gpupool_stats st = gpupool_stats_init();
   gpupool_get_stats(0, &st);
   size_t released = 0; /* releases segments last used on every kind of stream */
-  if (gpupool_reclaim(0, &released)) api_errors++;
+  fprintf(stderr, "workers done; reclaiming\n");
+  if (!getenv("STRESS_NO_RECLAIM") && gpupool_reclaim(0, &released)) api_errors++;
+  fprintf(stderr, "reclaimed %zu bytes\n", released);
   for (auto &s : streams) cudaStreamDestroy(s);
   cudaFree(d_bad);
   bool pass = e == cudaSuccess && api_errors == 0 && st.n_live_blocks == 0 && (expect_corruption ? bad > 0 : bad == 0);
