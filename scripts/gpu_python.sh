@@ -16,6 +16,10 @@ python3 -m pytest -v -rs tests/python 2>&1 | tee "$OUT/pytest.log"
 echo "== record a trace of a real PyTorch training loop (test data for gpupool-replay)"
 PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" GPUPOOL_TRACE=/tmp/torch_mlp_trace.csv python3 scripts/record_torch_trace.py
 wc -l /tmp/torch_mlp_trace.csv
+if [ -n "${SKIP_BENCH:-}" ]; then
+  { echo "python tests:"; grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/pytest.log" | sed -E 's/^tests\/python\///; s/ +\[ *[0-9]+%\]//'; grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest.log"; } > "$OUT/python-summary.txt"
+  exit 0
+fi
 echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
 ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
