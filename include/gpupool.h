@@ -127,6 +127,14 @@ enum gpupool_status gpupool_reclaim(int device, size_t *out_released);
 // released at once. Overrides `GPUPOOL_MEMORY_LIMIT` for that device.
 enum gpupool_status gpupool_set_limit(int device, size_t bytes);
 
+// The same as `gpupool_set_limit` with the limit written as `GPUPOOL_MEMORY_LIMIT` accepts
+// it: bytes, a size with unit (`"8GiB"`, `"512MB"`) or a percentage of the device (`"50%"`);
+// `"0"` removes the limit.
+//
+// # Safety
+// `limit` must be NULL (rejected) or a NUL-terminated string.
+enum gpupool_status gpupool_set_limit_str(int device, const char *limit);
+
 // `*out_bytes` receives `device`'s limit (0 = none).
 //
 // # Safety

@@ -334,16 +334,8 @@ impl Pool {
         }
         // Resolve the stream first, so a failure there changes nothing.
         let key = self.streams.key(&mut *self.upstream, stream)?;
-        let Some(live) = self.live.remove(&ptr) else {
-            self.c.invalid_frees += 1;
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        let mut block = live.block;
-        self.trace(stream, Action::Free, ptr, live.requested);
-        block.stream = key;
-        self.c.used -= block.size;
-        self.c.requested -= live.requested;
-        self.c.frees += 1;
+        let live = self.take_live(ptr, stream)?;
+        let block = Block { stream: key, ..live.block };
         // A failed event record leaves the stream uncovered: its blocks then simply are
         // not reused across streams (make_safe says no). The free itself succeeds.
         let _ = self.streams.on_free(&mut *self.upstream, key, stream);
@@ -411,9 +403,18 @@ impl Pool {
         Error::InvalidPointer { ptr, device: self.device, why }
     }
 
-    /// Count a free of a pointer that no device pool owns (the C layer decides that).
-    pub fn count_invalid_free(&mut self) {
-        self.c.invalid_frees += 1;
+    /// Remove `ptr` from the live map for a free on `stream` (counted and traced); an
+    /// unknown pointer is counted as an invalid free and changes nothing else.
+    fn take_live(&mut self, ptr: usize, stream: StreamHandle) -> Result<Live> {
+        let Some(live) = self.live.remove(&ptr) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        self.trace(stream, Action::Free, ptr, live.requested);
+        self.c.used -= live.block.size;
+        self.c.requested -= live.requested;
+        self.c.frees += 1;
+        Ok(live)
     }
 
     /// The free of `ptr` will also wait for work queued on `stream` until the free.
@@ -436,16 +437,10 @@ impl Pool {
         Ok((base, self.strategy.segment_len(base).unwrap_or(l.block.size)))
     }
 
-    /// Enqueue a fence on the legacy default stream now, covering every free so far on it.
-    /// Used by callers that cannot name their stream (CuPy): work on any blocking stream
-    /// issued later waits for legacy-stream work, which waited for all earlier work on
-    /// blocking streams — so memory freed before the fence is safe for them.
-    pub fn legacy_fence(&mut self) -> Result<()> {
-        self.streams.fence_legacy(&mut *self.upstream)
-    }
-
     /// Free for a caller that cannot name its stream (CuPy). The block becomes reusable
-    /// after the next legacy-stream fence (see `legacy_fence`). Fences are batched: they
+    /// after the next fence (an event record) on the legacy default stream: work issued
+    /// later on any blocking stream waits for legacy-stream work, which waited for all
+    /// earlier work on blocking streams. Fences are batched: they
     /// cost about a microsecond each, so up to `UNFENCED_MAX_BLOCKS` blocks /
     /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
     /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
@@ -456,16 +451,8 @@ impl Pool {
         if ptr == 0 {
             return Ok(());
         }
-        let Some(live) = self.live.remove(&ptr) else {
-            self.c.invalid_frees += 1;
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        self.trace(crate::stream::STREAM_LEGACY, Action::Free, ptr, live.requested);
-        let mut block = live.block;
-        block.stream = StreamKey::LEGACY;
-        self.c.used -= block.size;
-        self.c.requested -= live.requested;
-        self.c.frees += 1;
+        let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
+        let block = Block { stream: StreamKey::LEGACY, ..live.block };
         self.unfenced_bytes += block.size;
         self.unfenced.push(block);
         if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {

@@ -80,6 +80,7 @@ def lib():
             ("gpupool_get_stats", c_int, [c_int, ctypes.POINTER(Stats)]),
             ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
             ("gpupool_set_limit", c_int, [c_int, c_size]),
+            ("gpupool_set_limit_str", c_int, [c_int, cp]),
             ("gpupool_get_limit", c_int, [c_int, ctypes.POINTER(c_size)]),
             ("gpupool_memory_status", c_size, [c_int, cp, c_size]),
             ("gpupool_stats_json", c_size, [c_int, cp, c_size]),
@@ -150,25 +151,13 @@ def reclaim(device=-1):
     return n.value
 
 
-def _parse_limit(limit, device):
-    if isinstance(limit, int):
-        return limit
-    s = str(limit).strip()
-    if s.endswith("%"):
-        total = stats(device)["device_total_bytes"]
-        return int(total * float(s[:-1]) / 100)
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
-    unit = s[len(num):].strip().lower()
-    if unit not in units or not num:
-        raise ValueError(f"gpupool: limit {limit!r}: use bytes, a size with unit (8GiB, 512MB) or a percentage (50%)")
-    return int(float(num) * units[unit])
-
-
 def set_limit(limit, device=0):
-    """Cap the device pool's reserved memory: bytes, '8GiB', '512MB' or '50%'; 0 = no limit."""
-    _check(lib().gpupool_set_limit(device, _parse_limit(limit, device)))
+    """Cap the device pool's reserved memory: bytes, '8GiB', '512MB' or '50%'; 0 = no limit.
+    Strings are parsed by the library, exactly as GPUPOOL_MEMORY_LIMIT is."""
+    if isinstance(limit, int):
+        _check(lib().gpupool_set_limit(device, limit))
+    else:
+        _check(lib().gpupool_set_limit_str(device, str(limit).encode()))
 
 
 def get_limit(device=0):

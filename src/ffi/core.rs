@@ -59,26 +59,40 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *
 
 /// Shared by `gpupool_free` and the framework entry points.
 pub(crate) fn free_on(ptr: usize, device: c_int, stream: usize) -> crate::error::Result<()> {
+    free_with(ptr, device, |pool| pool.free(ptr, stream))
+}
+
+/// Free `ptr` on `device` with `free` (the pool's stream-ordered or stream-less free). A
+/// pointer unknown to that device's pool is reported with the device that does own it, if any.
+pub(crate) fn free_with(
+    ptr: usize,
+    device: c_int,
+    free: impl FnOnce(&mut crate::pool::Pool) -> crate::error::Result<()>,
+) -> crate::error::Result<()> {
     if ptr == 0 {
         return Ok(());
     }
-    let r = registry::with_existing(device, |pool| pool.free(ptr, stream))?;
-    match r {
+    match registry::with_existing(device, free)? {
         Some(Ok(())) => Ok(()),
-        Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => {
-            // Say where the pointer does live, if it is ours on another device.
-            let owner = registry::find_owner(ptr);
-            if r.is_none() {
-                registry::with_existing(device, |p| p.count_invalid_free())?;
-            }
-            Err(match owner {
-                Some(d) => Error::InvalidArgument(format!(
-                    "free of pointer {ptr:#x} on device {device}: it was allocated on device {d}; pass that device"
-                )),
-                None => Error::InvalidPointer { ptr, device, why: BadPointer::Unknown },
-            })
-        }
+        Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => Err(match registry::find_owner(ptr) {
+            Some(d) => Error::InvalidArgument(format!(
+                "free of pointer {ptr:#x} on device {device}: it was allocated on device {d}; pass that device"
+            )),
+            None => Error::InvalidPointer { ptr, device, why: BadPointer::Unknown },
+        }),
         Some(Err(e)) => Err(e),
+    }
+}
+
+/// Mark that `stream` uses the live block `ptr` (any device): shared by the C API and the
+/// PyTorch hook.
+pub(crate) fn record_stream_any(ptr: usize, stream: usize) -> crate::error::Result<()> {
+    if ptr == 0 {
+        return Err(Error::NullArgument("ptr"));
+    }
+    match registry::find_owner(ptr) {
+        Some(d) => registry::with_pool(d, |pool| pool.record_stream(ptr, stream)),
+        None => Err(Error::InvalidPointer { ptr, device: -1, why: BadPointer::Unknown }),
     }
 }
 
@@ -131,6 +145,26 @@ pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize
 #[no_mangle]
 pub extern "C" fn gpupool_set_limit(device: c_int, bytes: usize) -> Status {
     call(|| registry::with_pool(device, |p| p.set_limit(bytes)))
+}
+
+/// The same as `gpupool_set_limit` with the limit written as `GPUPOOL_MEMORY_LIMIT` accepts
+/// it: bytes, a size with unit (`"8GiB"`, `"512MB"`) or a percentage of the device (`"50%"`);
+/// `"0"` removes the limit.
+///
+/// # Safety
+/// `limit` must be NULL (rejected) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_set_limit_str(device: c_int, limit: *const c_char) -> Status {
+    call(|| {
+        let text = opt_str(limit, "limit")?.ok_or(Error::NullArgument("limit"))?;
+        let spec = crate::config::parse_limit(text).ok_or_else(|| {
+            Error::InvalidArgument(format!("limit {text:?}; accepted: {}", crate::config::LimitSpec::ACCEPTED))
+        })?;
+        registry::with_pool(device, |p| {
+            let total = p.mem_info()?.1;
+            p.set_limit(spec.resolve(total))
+        })
+    })
 }
 
 /// `*out_bytes` receives `device`'s limit (0 = none).
@@ -245,16 +279,7 @@ pub unsafe extern "C" fn gpupool_configure(device: c_int, pool: *const c_char, u
 /// No requirement beyond the C prototype.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) -> Status {
-    call(|| {
-        let p = ptr as usize;
-        if p == 0 {
-            return Err(Error::NullArgument("ptr"));
-        }
-        match registry::find_owner(p) {
-            Some(d) => registry::with_pool(d, |pool| pool.record_stream(p, stream as usize)),
-            None => Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }),
-        }
-    })
+    call(|| record_stream_any(ptr as usize, stream as usize))
 }
 
 /// `*out_count` receives the number of CUDA devices; `GPUPOOL_STATUS_NO_DRIVER` when

@@ -20,7 +20,7 @@
 //! whose text is gpupool's message.
 
 use super::boundary::call;
-use super::core::free_on;
+use super::core::free_with;
 use super::report::call_void;
 use crate::error::Error;
 use crate::registry;
@@ -82,12 +82,6 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
     let _ = param;
-    call_void("gpupool_cupy_free", || {
-        let p = ptr as usize;
-        match registry::with_existing(device, |pool| pool.owns(p).then(|| pool.free_unordered(p)))? {
-            Some(Some(r)) => r,
-            // Not live on this device: the shared path produces the right message and count.
-            _ => free_on(p, device, STREAM_LEGACY),
-        }
-    });
+    let p = ptr as usize;
+    call_void("gpupool_cupy_free", || free_with(p, device, |pool| pool.free_unordered(p)));
 }

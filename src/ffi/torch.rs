@@ -3,7 +3,7 @@
 //! on failure. Hooks are installed by `python/gpupool/torch.py` through
 //! `allocator._allocator.set_*_fn(address)`.
 
-use super::core::free_on;
+use super::core::{free_on, record_stream_any};
 use super::report::call_void;
 use crate::error::{BadPointer, Error};
 use crate::registry;
@@ -80,13 +80,7 @@ pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
 /// No requirement beyond the C prototype.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    call_void("gpupool_torch_record_stream", || {
-        let p = ptr as usize;
-        match registry::find_owner(p) {
-            Some(d) => registry::with_pool(d, |pool| pool.record_stream(p, stream as usize)),
-            None => Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }),
-        }
-    });
+    call_void("gpupool_torch_record_stream", || record_stream_any(ptr as usize, stream as usize));
 }
 
 /// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
