@@ -10,6 +10,7 @@
 // expectation (no corruption, or, with the test-only GPUPOOL_UNSAFE_IGNORE_STREAMS=1,
 // corruption detected).
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +36,18 @@ __global__ void verify(const unsigned *p, size_t n, unsigned v, unsigned long lo
 static cudaStream_t streams[STREAMS];
 static unsigned long long *d_bad;
 static std::atomic<long> api_errors{0}, reused{0}, rounds_done{0};
+// Diagnostics: what each worker is doing (a watchdog prints it when progress stalls), and
+// STRESS_RAW=1 to call cudaMallocAsync / cudaFreeAsync directly instead of gpupool.
+static std::atomic<int> phase[THREADS];
+static bool raw_async = false, no_exit_sync = false;
+static int alloc_on(void **p, size_t n, cudaStream_t s) {
+  if (raw_async) return cudaMallocAsync(p, n, s) != cudaSuccess;
+  return gpupool_malloc(p, n, 0, s);
+}
+static int free_on(void *p, cudaStream_t s) {
+  if (raw_async) return cudaFreeAsync(p, s) != cudaSuccess;
+  return gpupool_free(p, 0, s);
+}
 
 // The 8 user streams, plus this thread's per-thread default stream and the legacy default
 // stream (non-blocking user streams do not synchronise with it).
@@ -64,19 +77,32 @@ static void worker(int t, int rounds) {
     n += rng() % n;
     unsigned pa = 0xA0000000u | (t << 16) | (r & 0xffff), pb = 0xB0000000u | (t << 16) | (r & 0xffff);
     unsigned *p = nullptr, *q = nullptr;
-    if (gpupool_malloc((void **)&p, n * 4, 0, sa)) { api_errors++; continue; }
+    phase[t] = 1;
+    if (alloc_on((void **)&p, n * 4, sa)) { api_errors++; continue; }
+    phase[t] = 2;
     spin<<<1, 1, 0, sa>>>(20000 + rng() % 20000);
     fill<<<64, 256, 0, sa>>>(p, n, pa);
     verify<<<64, 256, 0, sa>>>(p, n, pa, d_bad);
-    if (gpupool_free(p, 0, sa)) api_errors++;
-    if (gpupool_malloc((void **)&q, n * 4, 0, sb)) { api_errors++; continue; }
+    phase[t] = 3;
+    if (free_on(p, sa)) api_errors++;
+    phase[t] = 4;
+    if (alloc_on((void **)&q, n * 4, sb)) { api_errors++; continue; }
     if (q == p) reused++;
+    phase[t] = 5;
     fill<<<64, 256, 0, sb>>>(q, n, pb);
     spin<<<1, 1, 0, sb>>>(60000);
     verify<<<64, 256, 0, sb>>>(q, n, pb, d_bad);
-    if (gpupool_free(q, 0, sb)) api_errors++;
+    phase[t] = 6;
+    if (free_on(q, sb)) api_errors++;
     rounds_done++;
   }
+  // A well-behaved thread drains its per-thread default stream before it exits. Without
+  // this, the driver can leave work of exited threads' per-thread streams unfinished when
+  // stream-ordered (cudaMallocAsync) frees are pending there: cudaDeviceSynchronize never
+  // returns, with or without gpupool (STRESS_NO_EXIT_SYNC=1 STRESS_RAW=1 shows it).
+  phase[t] = 7;
+  if (!no_exit_sync) cudaStreamSynchronize(cudaStreamPerThread);
+  phase[t] = 0;
 }
 
 int main(int argc, char **argv) {
@@ -84,6 +110,8 @@ int main(int argc, char **argv) {
   bool expect_corruption = argc > 4 && !strcmp(argv[4], "--expect-corruption");
   int rounds = atoi(argv[3]);
   if (getenv("STRESS_KINDS")) extra_kinds = atoi(getenv("STRESS_KINDS"));
+  raw_async = getenv("STRESS_RAW") && !strcmp(getenv("STRESS_RAW"), "1");
+  no_exit_sync = getenv("STRESS_NO_EXIT_SYNC") && !strcmp(getenv("STRESS_NO_EXIT_SYNC"), "1");
   if (gpupool_configure(0, argv[1], argv[2]) != GPUPOOL_STATUS_OK) {
     char m[512]; gpupool_last_error(m, sizeof m); fprintf(stderr, "configure: %s\n", m); return 1;
   }
@@ -92,7 +120,25 @@ int main(int argc, char **argv) {
   cudaMemset(d_bad, 0, sizeof *d_bad);
   std::vector<std::thread> th;
   for (int t = 0; t < THREADS; t++) th.emplace_back(worker, t, rounds);
+  std::atomic<bool> done{false};
+  // Main is about to wait in cudaDeviceSynchronize; phases all 0 then means the stall is there.
+  std::thread watchdog([&] {
+    long last = -1;
+    for (int tick = 0; !done; tick++) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (tick % 100 != 99) continue;
+      long now = rounds_done.load();
+      if (now == last) {
+        fprintf(stderr, "stream_stress: no progress for 10 s at %ld rounds; worker phases (1 alloc A, 2 launch A, 3 free A, 4 alloc B, 5 launch B, 6 free B, 7 exit sync, 0 done):", now);
+        for (int i = 0; i < THREADS; i++) fprintf(stderr, " %d", phase[i].load());
+        fprintf(stderr, "\n");
+      }
+      last = now;
+    }
+  });
   for (auto &x : th) x.join();
+  done = true;
+  watchdog.join();
   cudaError_t e = cudaDeviceSynchronize();
   unsigned long long bad = 0;
   cudaMemcpy(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost);
