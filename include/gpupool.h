@@ -167,7 +167,7 @@ const char *gpupool_status_str(int status);
 size_t gpupool_last_error(char *buf, size_t len);
 
 // Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`) and/or upstream
-// (`"device"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
+// (`"device"`, `"vmm"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
 // Allowed while the device has no live allocations (else `GPUPOOL_STATUS_BUSY`).
 //
 // # Safety

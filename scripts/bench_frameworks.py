@@ -19,11 +19,13 @@ RUNS = [
     ("torch", "rmm", ["torch-rmm"], {}),
     ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
     ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
+    ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
     ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
     ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
+    ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
 ]
 
 # Timings on a shared machine drift by tens of percent between minutes; so every allocator
@@ -65,30 +67,37 @@ def fmt(v, nd=2):
     return "—" if v is None else f"{v:.{nd}f}"
 
 
+GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
+UPSTREAM_OF = {"gpupool": os.environ.get("GPUPOOL_UPSTREAM", "device (default)"), "gpupool-vmm": "vmm"}
+
+
 def table(results, title):
     print()
     print(title)
-    print("| framework | workload | native | async | RMM | floor | gpupool | gpupool target | met |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| framework | workload | native | async | RMM | floor | gpupool variant | gpupool | target | met |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for fw in ("torch", "cupy"):
-        fixed = {n: cell(results, fw, n, "fixed") for n in ("native", "async", "rmm", "floor", "gpupool")}
-        churnv = {n: cell(results, fw, n, "churn") for n in ("native", "async", "rmm", "gpupool")}
-        t_fixed = None if fixed["floor"] is None else fixed["floor"] + 0.15
-        met = "—" if None in (t_fixed, fixed["gpupool"]) else ("yes" if fixed["gpupool"] <= t_fixed else "no")
-        print(f"| {fw} | fixed µs/pair | {fmt(fixed['native'])} | {fmt(fixed['async'])} | {fmt(fixed['rmm'])} | {fmt(fixed['floor'])} | "
-              f"{fmt(fixed['gpupool'])} | ≤ floor+0.15 = {fmt(t_fixed)} | {met} |")
-        t_churn = None if churnv["native"] is None else 0.9 * churnv["native"]
-        met = "—" if None in (t_churn, churnv["gpupool"]) else ("yes" if churnv["gpupool"] <= t_churn else "no")
-        ratio = None if None in (churnv["native"], churnv["gpupool"]) else churnv["gpupool"] / churnv["native"]
-        print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | — | "
-              f"{fmt(churnv['gpupool'])} (×{fmt(ratio)} native) | ≤ 0.9 × native = {fmt(t_churn)} | {met} |")
-        used = {}
-        for n in ("native", "async", "rmm", "gpupool"):
-            r = results.get((fw, n, "churn"))
-            used[n] = None if r is None or not r["live_MiB"] else r["device_used_delta_MiB"] / r["live_MiB"]
-        met = "—" if used["gpupool"] is None else ("yes" if used["gpupool"] <= 1.15 else "no")
-        print(f"| {fw} | churn device used / live | {fmt(used['native'])} | {fmt(used['async'])} | {fmt(used['rmm'])} | — | "
-              f"{fmt(used['gpupool'])} | ≤ 1.15 | {met} |")
+        for gpn in GPUPOOL_VARIANTS:
+            names = ("native", "async", "rmm", "floor", gpn)
+            fixed = {n: cell(results, fw, n, "fixed") for n in names}
+            churnv = {n: cell(results, fw, n, "churn") for n in names}
+            label = UPSTREAM_OF.get(gpn, gpn)
+            t_fixed = None if fixed["floor"] is None else fixed["floor"] + 0.15
+            met = "—" if None in (t_fixed, fixed[gpn]) else ("yes" if fixed[gpn] <= t_fixed else "no")
+            print(f"| {fw} | fixed µs/pair | {fmt(fixed['native'])} | {fmt(fixed['async'])} | {fmt(fixed['rmm'])} | {fmt(fixed['floor'])} | "
+                  f"{label} | {fmt(fixed[gpn])} | ≤ floor+0.15 = {fmt(t_fixed)} | {met} |")
+            t_churn = None if churnv["native"] is None else 0.9 * churnv["native"]
+            met = "—" if None in (t_churn, churnv[gpn]) else ("yes" if churnv[gpn] <= t_churn else "no")
+            ratio = None if None in (churnv["native"], churnv[gpn]) else churnv[gpn] / churnv["native"]
+            print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | — | "
+                  f"{label} | {fmt(churnv[gpn])} (×{fmt(ratio)} native) | ≤ 0.9 × native = {fmt(t_churn)} | {met} |")
+            used = {}
+            for n in ("native", "async", "rmm", gpn):
+                r = results.get((fw, n, "churn"))
+                used[n] = None if r is None or not r["live_MiB"] else r["device_used_delta_MiB"] / r["live_MiB"]
+            met = "—" if used[gpn] is None else ("yes" if used[gpn] <= 1.15 else "no")
+            print(f"| {fw} | churn device used / live | {fmt(used['native'])} | {fmt(used['async'])} | {fmt(used['rmm'])} | — | "
+                  f"{label} | {fmt(used[gpn])} | ≤ 1.15 | {met} |")
 
 
 table(by_median, f"median of {rounds} interleaved rounds:")

@@ -46,17 +46,21 @@ pub enum UpstreamKind {
     Managed,
     /// `cuMemAllocAsync` / `cuMemFreeAsync` on the caller's stream.
     Async,
+    /// Page-mapped device memory (`cuMemCreate` + `cuMemMap`): pages inside segments can
+    /// be given back.
+    Vmm,
     /// Aligned host memory: tests and the no-GPU demo.
     Host,
 }
 
 impl UpstreamKind {
-    pub const ACCEPTED: &'static str = "device | managed | async | host";
+    pub const ACCEPTED: &'static str = "device | vmm | managed | async | host";
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "device" | "cuda" => Some(UpstreamKind::Device),
             "managed" => Some(UpstreamKind::Managed),
             "async" => Some(UpstreamKind::Async),
+            "vmm" => Some(UpstreamKind::Vmm),
             "host" => Some(UpstreamKind::Host),
             _ => None,
         }
@@ -66,6 +70,7 @@ impl UpstreamKind {
             UpstreamKind::Device => "device",
             UpstreamKind::Managed => "managed",
             UpstreamKind::Async => "async",
+            UpstreamKind::Vmm => "vmm",
             UpstreamKind::Host => "host",
         }
     }
@@ -154,6 +159,9 @@ pub struct Config {
     /// synchronisation. Exists so the stream-safety stress test can show it catches a pool
     /// that ignores streams. Never set it in real programs.
     pub unsafe_ignore_streams: bool,
+    /// `GPUPOOL_DECAY`: allocations a cached byte may sit unneeded before it goes back to
+    /// the driver (`decay.rs`); 0 / `off` keeps everything cached until reclaim.
+    pub decay_window: usize,
 }
 
 impl Default for Config {
@@ -167,6 +175,7 @@ impl Default for Config {
             trace: None,
             check_invariants: false,
             unsafe_ignore_streams: false,
+            decay_window: crate::decay::DEFAULT_WINDOW,
         }
     }
 }
@@ -244,6 +253,16 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_UNSAFE_IGNORE_STREAMS") {
             c.unsafe_ignore_streams = bool_flag("GPUPOOL_UNSAFE_IGNORE_STREAMS", &v)?;
+        }
+        if let Some(v) = get("GPUPOOL_DECAY") {
+            c.decay_window = match v.trim().to_ascii_lowercase().as_str() {
+                "off" | "never" => 0,
+                t => t.parse().map_err(|_| Error::InvalidConfig {
+                    var: "GPUPOOL_DECAY",
+                    value: v.to_string(),
+                    accepted: "a number of allocations (default 8192), or 0 / off to keep all cached memory",
+                })?,
+            };
         }
         Ok(c)
     }

@@ -6,7 +6,7 @@
 //! - `config`: the only reader of environment variables.
 //! - `block`: blocks, segments, split/merge rules.
 //! - `strategy`: caching policies (`split`, `binned`, `none`).
-//! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`managed`/`async`/`pinned`).
+//! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`vmm`/`managed`/`async`/`pinned`).
 //! - `stream`: stream identity and the cross-stream reuse rule.
 //! - `stats`: counters and the status/JSON reports.
 //! - `pool`: one device's pool (escalation, limits, live-pointer map).
@@ -19,7 +19,9 @@
 pub mod block;
 pub mod config;
 pub mod debug;
+pub mod decay;
 pub mod error;
+pub mod pages;
 pub mod exit;
 pub mod ffi;
 pub mod pool;

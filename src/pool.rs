@@ -11,6 +11,8 @@
 use crate::block::{Block, Segment};
 use crate::config::{LimitSpec, PoolKind};
 use crate::debug::{AllocRecord, Leak};
+use crate::decay::Decay;
+use crate::pages::Holes;
 use crate::trace::{Action, Tracer};
 use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
@@ -36,6 +38,8 @@ pub struct PoolOptions {
     pub debug: u8,
     /// Where events go (`GPUPOOL_TRACE`), if anywhere.
     pub tracer: Option<&'static Tracer>,
+    /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
+    pub decay_window: usize,
 }
 
 impl Default for PoolOptions {
@@ -47,6 +51,7 @@ impl Default for PoolOptions {
             unsafe_ignore_streams: false,
             debug: 0,
             tracer: None,
+            decay_window: crate::decay::DEFAULT_WINDOW,
         }
     }
 }
@@ -83,6 +88,9 @@ struct Counters {
     reclaimed_bytes: u64,
     invalid_frees: u64,
     deferred_frees: u64,
+    /// Page runs recommitted / decommitted (page-mapped upstreams).
+    commits: u64,
+    decommits: u64,
 }
 
 pub struct Pool {
@@ -101,6 +109,9 @@ pub struct Pool {
     check: bool,
     debug: u8,
     tracer: Option<&'static Tracer>,
+    decay: Option<Decay>,
+    /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
+    holes: Holes,
 }
 
 impl Pool {
@@ -111,6 +122,7 @@ impl Pool {
             Some(LimitSpec::Bytes(b)) => b,
             Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
         };
+        let upstream_page = upstream.page_size();
         Ok(Pool {
             device,
             strategy: strategy::build(opts.kind),
@@ -125,6 +137,8 @@ impl Pool {
             check: opts.check_invariants,
             debug: opts.debug,
             tracer: opts.tracer,
+            decay: Decay::new(opts.decay_window),
+            holes: Holes::new(upstream_page),
         })
     }
 
@@ -144,6 +158,10 @@ impl Pool {
     /// Bytes in live blocks.
     pub fn used_bytes(&self) -> usize {
         self.c.used
+    }
+    /// Page runs recommitted and decommitted so far (page-mapped upstreams).
+    pub fn page_ops(&self) -> (u64, u64) {
+        (self.c.commits, self.c.decommits)
     }
     pub fn live_count(&self) -> usize {
         self.live.len()
@@ -165,7 +183,15 @@ impl Pool {
         if !self.pending.is_empty() {
             self.finish_pending(false);
         }
-        let block = self.find_or_grow(size, rounded, key, stream)?;
+        let mut block = self.find_or_grow(size, rounded, key, stream)?;
+        if !self.holes.is_empty() {
+            if let Err(e) = self.commit_block(&block) {
+                // Back to the cache as it was taken (its pages stay decommitted). A block
+                // straddling pages may need more memory than a fresh segment: try one.
+                let _ = self.strategy.put(block);
+                block = self.grow(size, rounded, key, stream, false).map_err(|_| e)?;
+            }
+        }
         self.c.used += block.size;
         self.c.requested += size;
         self.c.peak_used = self.c.peak_used.max(self.c.used);
@@ -173,6 +199,9 @@ impl Pool {
         let rec = AllocRecord::capture(self.debug, stream);
         self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec });
         self.trace(stream, Action::Alloc, block.addr, size);
+        if let Some(cap) = self.decay.as_mut().and_then(|d| d.on_malloc(self.c.used)) {
+            self.shrink_to(cap);
+        }
         self.verify();
         Ok(block.addr)
     }
@@ -198,6 +227,13 @@ impl Pool {
                 return Ok(b);
             }
         }
+        self.grow(size, rounded, key, stream, true)
+    }
+
+    /// Reserve a new segment and carve the block from it, escalating (release some cache,
+    /// then all of it) when the upstream or the limit refuses; `retake`: between stages,
+    /// try the cache again (false when the cached candidate is known not to fit).
+    fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
         let preferred = match self.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
@@ -216,7 +252,7 @@ impl Pool {
                 }
                 _ => {}
             }
-            if stage > 0 {
+            if stage > 0 && retake {
                 if let Some(b) = self.take_cached(rounded, key, stream) {
                     return Ok(b);
                 }
@@ -226,6 +262,9 @@ impl Pool {
             let n = if preferred == rounded { 1 } else { 2 };
             sizes[..n].sort_unstable_by(|a, b| b.cmp(a));
             for &seg_size in &sizes[..n] {
+                if stage == 0 {
+                    self.decay_before_grow(seg_size);
+                }
                 if self.limit != 0 && seg_size > self.limit.saturating_sub(self.c.reserved) {
                     by_limit = seg_size == rounded;
                     continue;
@@ -254,6 +293,98 @@ impl Pool {
         Err(self.oom(size, rounded, by_limit))
     }
 
+    /// About to reserve `grow` more bytes because no cached block fits: first give back
+    /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
+    /// this request anyway.
+    fn decay_before_grow(&mut self, grow: usize) {
+        let Some(d) = &self.decay else { return };
+        let cap = d.cap(self.c.used + grow).saturating_sub(grow);
+        self.shrink_to(cap);
+    }
+
+    /// Bring reserved memory down towards `cap`: wholly free segments first, then the pages
+    /// inside free blocks (page-mapped upstreams). Best effort: what cannot be released
+    /// (a failed driver call) simply stays cached.
+    fn shrink_to(&mut self, cap: usize) {
+        if self.c.reserved <= cap || self.strategy.cached_bytes() == self.holes.bytes() {
+            return;
+        }
+        let _ = self.release_cached(Some(self.c.reserved - cap));
+        if self.c.reserved > cap {
+            let got = self.decommit_free(self.c.reserved - cap);
+            self.c.reclaimed_bytes += got as u64;
+        }
+    }
+
+    /// Decommit the pages inside free blocks, longest idle first, until `want` bytes went
+    /// back. Each block's stream is synchronised first: no queued kernel may touch a page
+    /// that is unmapped. Returns the bytes decommitted.
+    fn decommit_free(&mut self, want: usize) -> usize {
+        if !self.holes.supported() {
+            return 0;
+        }
+        let blocks = self.strategy.decommit_candidates();
+        let mut synced: Vec<StreamKey> = Vec::new();
+        let mut got = 0;
+        for b in blocks {
+            if got >= want {
+                break;
+            }
+            let Some((start, end)) = self.holes.interior(b.addr, b.size) else { continue };
+            let runs = self.holes.committed_runs(b.segment, start, end);
+            if runs.is_empty() {
+                continue;
+            }
+            if !synced.contains(&b.stream) {
+                if self.streams.synchronize(&mut *self.upstream, b.stream).is_err() {
+                    continue;
+                }
+                synced.push(b.stream);
+            }
+            for (s, l) in runs {
+                if self.upstream.decommit(s, l).is_ok() {
+                    self.holes.mark_decommitted(b.segment, s, l);
+                    self.c.reserved -= l;
+                    self.c.decommits += 1;
+                    self.trace(0, Action::PageDecommit, s, l);
+                    got += l;
+                }
+            }
+        }
+        got
+    }
+
+    /// Recommit the decommitted pages under a block about to be handed out. Out of memory
+    /// releases the rest of the cache once and retries; a failure leaves the block free.
+    fn commit_block(&mut self, block: &Block) -> Result<()> {
+        for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
+            let mut retried = false;
+            loop {
+                let over_limit = self.limit != 0 && l > self.limit.saturating_sub(self.c.reserved);
+                let res = if over_limit { Err(AllocError::OutOfMemory) } else { self.upstream.commit(s, l) };
+                match res {
+                    Ok(()) => {
+                        self.holes.mark_committed(block.segment, s, l);
+                        self.c.reserved += l;
+                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                        self.c.commits += 1;
+                        self.trace(0, Action::PageCommit, s, l);
+                        break;
+                    }
+                    Err(AllocError::OutOfMemory) if !retried => {
+                        retried = true;
+                        self.finish_pending(true);
+                        let _ = self.release_cached(None);
+                        let _ = self.decommit_free(usize::MAX);
+                    }
+                    Err(AllocError::OutOfMemory) => return Err(self.oom(block.size, block.size, over_limit)),
+                    Err(AllocError::Other(e)) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
         self.c.ooms += 1;
         self.trace(0, Action::Oom, 0, requested);
@@ -263,7 +394,7 @@ impl Pool {
             rounded,
             reserved: self.c.reserved,
             in_use: self.c.used,
-            cached: self.strategy.cached_bytes(),
+            cached: self.strategy.cached_bytes() - self.holes.bytes(),
             largest_free_block: self.strategy.largest_free_block(),
             limit: self.limit,
             device_free_total: self.upstream.mem_info().ok(),
@@ -278,10 +409,11 @@ impl Pool {
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {
-            if let Err(e) = self.release_segment(seg) {
-                first_err.get_or_insert(e);
-            } else {
-                released += seg.size;
+            match self.release_segment(seg) {
+                Ok(n) => released += n,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
         self.c.reclaimed_bytes += released as u64;
@@ -291,7 +423,8 @@ impl Pool {
         }
     }
 
-    fn release_segment(&mut self, seg: Segment) -> Result<()> {
+    /// Returns the bytes of memory (committed pages) that went back.
+    fn release_segment(&mut self, seg: Segment) -> Result<usize> {
         if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
             // cuMemFreeAsync on the legacy stream orders the release after its work.
             return self.give_to_upstream(seg);
@@ -306,13 +439,15 @@ impl Pool {
     }
 
     /// Hand a segment back to the upstream, ordered on the stream that last used it.
-    fn give_to_upstream(&mut self, seg: Segment) -> Result<()> {
+    /// Returns the bytes of memory (committed pages) that went back.
+    fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
         let h = self.streams.handle_of(seg.stream);
         self.upstream.deallocate(seg.base, seg.size, h)?;
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
-        self.c.reserved -= seg.size;
+        let committed = seg.size - self.holes.remove_segment(seg.base);
+        self.c.reserved -= committed;
         self.c.upstream_frees += 1;
-        Ok(())
+        Ok(committed)
     }
 
     #[inline]
@@ -361,7 +496,7 @@ impl Pool {
     fn put_block(&mut self, block: Block) -> Result<()> {
         match self.strategy.put(block) {
             // Not cached (passthrough): straight back, ordered on the freeing stream.
-            Some(seg) => self.give_to_upstream(seg),
+            Some(seg) => self.give_to_upstream(seg).map(|_| ()),
             None => Ok(()),
         }
     }
@@ -484,7 +619,11 @@ impl Pool {
         self.finish_pending(false);
         self.fence_unfenced();
         self.c.reclaims += 1;
-        let r = self.release_cached(None);
+        let r = self.release_cached(None).map(|n| {
+            let pages = self.decommit_free(usize::MAX);
+            self.c.reclaimed_bytes += pages as u64;
+            n + pages
+        });
         self.trace(0, Action::Reclaim, 0, *r.as_ref().unwrap_or(&0));
         self.verify();
         r
@@ -570,13 +709,21 @@ impl Pool {
         if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
             return Err("unfenced byte count drifted".into());
         }
-        if self.c.used + self.strategy.cached_bytes() + pending != self.c.reserved {
+        if self.c.used + self.strategy.cached_bytes() + pending != self.c.reserved + self.holes.bytes() {
             return Err(format!(
-                "used {} + cached {} + pending {pending} != reserved {}",
+                "used {} + cached {} + pending {pending} != reserved {} + decommitted {}",
                 self.c.used,
                 self.strategy.cached_bytes(),
-                self.c.reserved
+                self.c.reserved,
+                self.holes.bytes()
             ));
+        }
+        let in_holes = |b: &Block| !self.holes.missing_runs(b.segment, b.addr, b.size).is_empty();
+        if let Some(l) = self.live.values().find(|l| in_holes(&l.block)) {
+            return Err(format!("live block {:?} overlaps decommitted pages", l.block));
+        }
+        if let Some(p) = self.pending.iter().find(|p| in_holes(&p.block)) {
+            return Err(format!("deferred block {:?} overlaps decommitted pages", p.block));
         }
         let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
         spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));

@@ -69,6 +69,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         unsafe_ignore_streams: cfg.unsafe_ignore_streams,
         debug: cfg.debug,
         tracer: crate::trace::global()?,
+        decay_window: cfg.decay_window,
     })
 }
 

@@ -10,12 +10,13 @@ use crate::upstream::sim::SimUpstream;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-/// One `alloc` or `free` row of a trace (other rows are consequences, not inputs).
+/// One `alloc`, `free` or `reclaim` row of a trace: what the user did (the other rows are
+/// the pool's consequences, not inputs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Op {
     pub device: i32,
     pub stream: usize,
-    pub alloc: bool,
+    pub action: Action,
     pub ptr: usize,
     pub size: usize,
 }
@@ -44,7 +45,7 @@ pub fn parse(text: &str) -> Result<Vec<Op>, String> {
         let device: i32 = f[2].parse().map_err(|_| bad())?;
         let (stream, ptr, size) = (num(f[3]).ok_or_else(bad)?, num(f[5]).ok_or_else(bad)?, num(f[6]).ok_or_else(bad)?);
         match action {
-            Action::Alloc | Action::Free => ops.push(Op { device, stream, alloc: action == Action::Alloc, ptr, size }),
+            Action::Alloc | Action::Free | Action::Reclaim => ops.push(Op { device, stream, action, ptr, size }),
             _ => {}
         }
     }
@@ -66,10 +67,25 @@ pub struct Report {
     pub reserved_over_used_at_peak: f64,
     pub ns_per_op: f64,
     pub upstream_allocs: u64,
+    pub upstream_frees: u64,
+    /// Page runs recommitted / decommitted inside segments.
+    pub commits: u64,
+    pub decommits: u64,
+    /// Reserved and requested-live bytes after the last event (what a benchmark that reads
+    /// device memory at the end sees).
+    pub end_reserved: usize,
+    pub end_requested: usize,
 }
 
-/// Replay `ops` through `kind` on a simulated device of `device_size` bytes per device.
+/// Replay `ops` through `kind` (default options) on a simulated device of `device_size`
+/// bytes per device.
 pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, Error> {
+    replay_with(ops, &PoolOptions { kind, ..Default::default() }, device_size)
+}
+
+/// Replay `ops` through pools built with `opts`.
+pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize) -> Result<Report, Error> {
+    let kind = opts.kind;
     let mut pools: BTreeMap<i32, Pool> = BTreeMap::new();
     let mut map: HashMap<(i32, usize), usize> = HashMap::new();
     let mut r = Report::default();
@@ -81,13 +97,14 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
         let pool = match pools.entry(op.device) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => {
-                let opts = PoolOptions { kind, ..Default::default() };
-                e.insert(Pool::new(op.device, Box::new(SimUpstream::new(device_size)), &opts)?)
+                e.insert(Pool::new(op.device, Box::new(SimUpstream::new(device_size)), opts)?)
             }
         };
         let before_reserved = pool.reserved_bytes();
         let before_used = pool.used_bytes();
-        if op.alloc {
+        if op.action == Action::Reclaim {
+            pool.reclaim()?;
+        } else if op.action == Action::Alloc {
             let t = Instant::now();
             let res = pool.malloc(op.size, op.stream);
             busy += t.elapsed();
@@ -124,6 +141,15 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
     r.reserved_over_used_at_peak = if used_at_peak == 0 { 0.0 } else { r.peak_reserved as f64 / used_at_peak as f64 };
     let n = r.allocs + r.frees;
     r.ns_per_op = if n == 0 { 0.0 } else { busy.as_nanos() as f64 / n as f64 };
-    r.upstream_allocs = pools.values_mut().map(|p| p.stats().n_upstream_allocs).sum();
+    for p in pools.values_mut() {
+        let (c, d) = p.page_ops();
+        r.commits += c;
+        r.decommits += d;
+        let st = p.stats();
+        r.upstream_allocs += st.n_upstream_allocs;
+        r.upstream_frees += st.n_upstream_frees;
+        r.end_reserved += st.total_bytes as usize;
+        r.end_requested += st.requested_bytes as usize;
+    }
     Ok(r)
 }

@@ -2,7 +2,9 @@
 //! background thread so the hot path only sends a small record down a channel.
 //!
 //! Columns: `time_ns,thread,device,stream,action,ptr,size`; actions: `alloc`, `free`,
-//! `upstream_alloc`, `upstream_free`, `reclaim`, `oom`. `gpupool-replay` reads this format.
+//! `upstream_alloc`, `upstream_free`, `page_commit`, `page_decommit` (pages backed again /
+//! given back inside a segment), `reclaim`, `oom`. `gpupool-replay` reads this format and
+//! replays the user's actions in it: `alloc`, `free`, `reclaim`.
 
 use crate::error::{Error, Result};
 use std::io::Write;
@@ -21,6 +23,8 @@ pub enum Action {
     Free,
     UpstreamAlloc,
     UpstreamFree,
+    PageCommit,
+    PageDecommit,
     Reclaim,
     Oom,
 }
@@ -32,6 +36,8 @@ impl Action {
             Action::Free => "free",
             Action::UpstreamAlloc => "upstream_alloc",
             Action::UpstreamFree => "upstream_free",
+            Action::PageCommit => "page_commit",
+            Action::PageDecommit => "page_decommit",
             Action::Reclaim => "reclaim",
             Action::Oom => "oom",
         }
@@ -42,6 +48,8 @@ impl Action {
             "free" => Action::Free,
             "upstream_alloc" => Action::UpstreamAlloc,
             "upstream_free" => Action::UpstreamFree,
+            "page_commit" => Action::PageCommit,
+            "page_decommit" => Action::PageDecommit,
             "reclaim" => Action::Reclaim,
             "oom" => Action::Oom,
             _ => return None,

@@ -1,18 +1,20 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
-use gpupool::replay::{parse, replay};
+use gpupool::pool::PoolOptions;
+use gpupool::replay::{parse, replay_with};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut path = None;
     let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None];
     let mut device_size = 80usize << 30;
+    let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -34,6 +36,17 @@ fn main() -> ExitCode {
                     _ => return fail("--device-size needs a size such as 80GiB"),
                 }
             }
+            "--decay" => {
+                i += 1;
+                match args.get(i).map(String::as_str) {
+                    Some("off") => decay_window = 0,
+                    Some(s) => match s.parse() {
+                        Ok(n) => decay_window = n,
+                        Err(_) => return fail(&format!("--decay {s:?}: expected a number of allocations or off")),
+                    },
+                    None => return fail("--decay needs a value"),
+                }
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -53,18 +66,25 @@ fn main() -> ExitCode {
         Err(e) => return fail(&format!("{path}: {e}")),
     };
     println!("{path}: {} alloc/free events, simulated device of {}", ops.len(), human_bytes(device_size));
-    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | OOMs | upstream allocs | ns per op |");
-    println!("|---|---|---|---|---|---|---|");
+    let decay = if decay_window == 0 { "off".to_string() } else { format!("{decay_window} allocations") };
+    println!("cache decay window: {decay}");
+    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | ns per op |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for k in pools {
-        match replay(&ops, k, device_size) {
+        let opts = PoolOptions { kind: k, decay_window, ..Default::default() };
+        match replay_with(&ops, &opts, device_size) {
             Ok(r) => println!(
-                "| {} | {} | {} | {:.3} | {} | {} | {:.0} |",
+                "| {} | {} | {} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {:.0} |",
                 r.strategy,
                 human_bytes(r.peak_reserved),
                 human_bytes(r.peak_used),
                 r.reserved_over_used_at_peak,
+                r.end_reserved as f64 / r.end_requested.max(1) as f64,
                 r.ooms,
                 r.upstream_allocs,
+                r.upstream_frees,
+                r.commits,
+                r.decommits,
                 r.ns_per_op
             ),
             Err(e) => return fail(&e.to_string()),

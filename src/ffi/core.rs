@@ -248,7 +248,7 @@ pub unsafe extern "C" fn gpupool_last_error(buf: *mut c_char, len: usize) -> usi
 }
 
 /// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`) and/or upstream
-/// (`"device"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
+/// (`"device"`, `"vmm"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
 /// Allowed while the device has no live allocations (else `GPUPOOL_STATUS_BUSY`).
 ///
 /// # Safety

@@ -51,6 +51,14 @@ pub trait Strategy: Send {
     /// (`None`: all of them).
     fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment>;
 
+    /// Every free block (deferred frees flushed first), in the order their pages should be
+    /// decommitted: longest idle first where the strategy knows, since memory freed moments
+    /// ago is the likeliest to be wanted again at once.
+    fn decommit_candidates(&mut self) -> Vec<Block> {
+        self.flush_deferred();
+        self.free_blocks()
+    }
+
     /// Bytes held free (cached).
     fn cached_bytes(&self) -> usize;
     fn free_block_count(&self) -> usize;

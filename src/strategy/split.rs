@@ -63,6 +63,9 @@ struct Node {
     class: Class,
     stream: StreamKey,
     state: State,
+    /// The strategy's clock when this block last became free (page decommit goes to the
+    /// longest idle first).
+    freed_at: u64,
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -86,6 +89,8 @@ pub struct SplitStrategy {
     quick: FxHashMap<(StreamKey, usize), Vec<(usize, usize)>>,
     quick_count: usize,
     cached: usize,
+    /// Operations so far (takes + puts): the clock of `Node::freed_at`.
+    clock: u64,
 }
 
 impl SplitStrategy {
@@ -173,6 +178,7 @@ impl SplitStrategy {
             }
         }
         node.state = State::Free;
+        node.freed_at = self.clock;
         self.nodes.insert(start, node);
         self.index_insert(start, &node);
     }
@@ -217,6 +223,7 @@ impl Strategy for SplitStrategy {
     }
 
     fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+        self.clock += 1;
         if self.quick_count > 0 {
             if let Some(v) = self.quick.get_mut(&(stream, rounded)) {
                 if let Some((addr, segment)) = v.pop() {
@@ -254,7 +261,16 @@ impl Strategy for SplitStrategy {
         self.segments.insert(seg.base, SegInfo { size: seg.size, class });
         self.nodes.insert(
             seg.base,
-            Node { size: seg.size, prev: 0, next: 0, segment: seg.base, class, stream: seg.stream, state: State::Free },
+            Node {
+                size: seg.size,
+                prev: 0,
+                next: 0,
+                segment: seg.base,
+                class,
+                stream: seg.stream,
+                state: State::Free,
+                freed_at: self.clock,
+            },
         );
         let n = self.nodes[&seg.base];
         self.index_insert(seg.base, &n);
@@ -263,6 +279,7 @@ impl Strategy for SplitStrategy {
     }
 
     fn put(&mut self, b: Block) -> Option<Segment> {
+        self.clock += 1;
         self.cached += b.size;
         if self.quick_count < QUICK_MAX {
             self.quick.entry((b.stream, b.size)).or_default().push((b.addr, b.segment));
@@ -333,6 +350,19 @@ impl Strategy for SplitStrategy {
             v.iter().map(move |&(addr, segment)| Block { addr, size, segment, stream })
         });
         free.chain(quick).collect()
+    }
+
+    fn decommit_candidates(&mut self) -> Vec<Block> {
+        self.flush_quick();
+        let mut idle: Vec<(u64, Block)> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.state == State::Free)
+            .map(|(a, n)| (n.freed_at, Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream }))
+            .collect();
+        // Longest idle first (least likely to be wanted soon), then largest.
+        idle.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.size.cmp(&a.1.size)).then(a.1.addr.cmp(&b.1.addr)));
+        idle.into_iter().map(|(_, b)| b).collect()
     }
 
     fn segment_len(&self, base: usize) -> Option<usize> {

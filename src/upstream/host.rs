@@ -3,22 +3,51 @@
 //! It exists so the pool logic is testable on machines without a GPU and the demo runs
 //! anywhere. It never stands in for a GPU test. Its "device" has `capacity` bytes, so
 //! out-of-memory paths and percentage limits behave as on a GPU.
+//!
+//! It is page-mapped like the `vmm` upstream: `decommit` makes pages inaccessible
+//! (`PROT_NONE`) and gives their memory to the OS (`MADV_DONTNEED`), `commit` makes them
+//! accessible again. A pool bug that hands out a decommitted page therefore crashes the
+//! CPU tests instead of passing silently.
 
 use super::{AllocError, Upstream};
 use crate::block::MIN_ALIGN;
 use crate::error::Result;
 use crate::stream::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
+use std::collections::BTreeSet;
+
+/// Page size of the host upstream: the GPU's mapping granularity (as the replay's simulated
+/// device), so a trace recorded here replays to the same figures.
+pub const HOST_PAGE: usize = super::sim::SIM_PAGE;
 
 pub struct HostUpstream {
     capacity: usize,
     allocated: usize,
+    /// Decommitted pages (inaccessible; not counted as allocated).
+    decommitted: BTreeSet<usize>,
 }
 
 impl HostUpstream {
     pub fn new(capacity: usize) -> Self {
-        HostUpstream { capacity, allocated: 0 }
+        HostUpstream { capacity, allocated: 0, decommitted: BTreeSet::new() }
     }
+}
+
+/// Segments of at least a page are page aligned, so their interior pages are theirs alone.
+fn layout(size: usize) -> Option<Layout> {
+    let align = if size >= HOST_PAGE { HOST_PAGE } else { MIN_ALIGN };
+    Layout::from_size_align(size, align).ok()
+}
+
+fn protect(addr: usize, len: usize, prot: libc::c_int) -> Result<()> {
+    // SAFETY: the range is whole pages inside a live allocation of ours.
+    if unsafe { libc::mprotect(addr as *mut libc::c_void, len, prot) } != 0 {
+        return Err(crate::error::Error::Internal(format!(
+            "mprotect({addr:#x}, {len}) failed: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
 }
 
 impl Upstream for HostUpstream {
@@ -30,7 +59,7 @@ impl Upstream for HostUpstream {
         if size == 0 || size > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
-        let layout = Layout::from_size_align(size, MIN_ALIGN).map_err(|_| AllocError::OutOfMemory)?;
+        let layout = layout(size).ok_or(AllocError::OutOfMemory)?;
         // SAFETY: size > 0 checked above.
         let p = unsafe { alloc(layout) };
         if p.is_null() {
@@ -41,9 +70,43 @@ impl Upstream for HostUpstream {
     }
 
     fn deallocate(&mut self, addr: usize, size: usize, _stream: StreamHandle) -> Result<()> {
+        // Decommitted pages become ordinary memory again before the allocator reuses them.
+        let holes: Vec<usize> = self.decommitted.range(addr..addr + size).copied().collect();
+        for &p in &holes {
+            protect(p, HOST_PAGE, libc::PROT_READ | libc::PROT_WRITE)?;
+            self.decommitted.remove(&p);
+        }
+        let layout = layout(size).expect("the pool hands back sizes that allocate accepted");
         // SAFETY: the pool only hands back (addr, size) pairs that `allocate` returned.
-        unsafe { dealloc(addr as *mut u8, Layout::from_size_align_unchecked(size, MIN_ALIGN)) };
-        self.allocated -= size;
+        unsafe { dealloc(addr as *mut u8, layout) };
+        self.allocated -= size - holes.len() * HOST_PAGE;
+        Ok(())
+    }
+
+    fn page_size(&self) -> usize {
+        HOST_PAGE
+    }
+
+    fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        if len > self.capacity - self.allocated {
+            return Err(AllocError::OutOfMemory);
+        }
+        protect(addr, len, libc::PROT_READ | libc::PROT_WRITE)?;
+        for p in (addr..addr + len).step_by(HOST_PAGE) {
+            self.decommitted.remove(&p);
+        }
+        self.allocated += len;
+        Ok(())
+    }
+
+    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+        protect(addr, len, libc::PROT_NONE)?;
+        // SAFETY: whole pages of ours, now inaccessible; their contents are discarded.
+        unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        for p in (addr..addr + len).step_by(HOST_PAGE) {
+            self.decommitted.insert(p);
+        }
+        self.allocated -= len;
         Ok(())
     }
 

@@ -12,6 +12,11 @@
 //! - `mem_info()` gives device `(free, total)` bytes, for percentage limits and reports.
 //! - The stream/event methods map 1:1 to the CUDA driver's; upstreams without streams
 //!   (host) keep the defaults, in which every event is complete at once.
+//! - Page-mapped upstreams (`page_size() > 0`: `vmm`, `host`, the simulated device) can
+//!   `decommit` whole pages inside a segment, keeping the addresses reserved, and
+//!   `commit` them again. The pool calls `decommit` only on pages of free blocks whose
+//!   streams it synchronised, and `commit` before handing such pages out; `deallocate`
+//!   of a segment with decommitted pages releases what is still committed.
 //! - Every method is called with the pool's lock held, from any thread.
 
 pub mod cuda;
@@ -40,7 +45,7 @@ impl From<Error> for AllocError {
 }
 
 pub trait Upstream: Send {
-    /// Short name used in reports (`device`, `managed`, `async`, `host`, `pinned`).
+    /// Short name used in reports (`device`, `vmm`, `managed`, `async`, `host`, `pinned`).
     fn name(&self) -> &'static str;
 
     /// True when `deallocate` is ordered on the stream (the `async` upstream), so the pool
@@ -55,6 +60,21 @@ pub trait Upstream: Send {
 
     /// `(free, total)` bytes of the device behind this upstream.
     fn mem_info(&mut self) -> Result<(usize, usize)>;
+
+    /// Granularity of `commit` / `decommit` (a power of two), or 0 when whole segments are
+    /// the only unit this upstream can give back.
+    fn page_size(&self) -> usize {
+        0
+    }
+    /// Back the page-aligned range `[addr, addr + len)` of a segment with memory again.
+    fn commit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
+        Err(AllocError::Other(Error::Internal("this upstream cannot commit pages".into())))
+    }
+    /// Give back the memory of the page-aligned range `[addr, addr + len)` of a segment,
+    /// keeping the addresses. No queued work may touch it.
+    fn decommit(&mut self, _addr: usize, _len: usize) -> Result<()> {
+        Err(Error::Internal("this upstream cannot decommit pages".into()))
+    }
 
     /// Identity of a non-legacy stream handle.
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
@@ -90,6 +110,7 @@ pub fn build(kind: crate::config::UpstreamKind, device: i32, host_capacity: usiz
         K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem)?),
         K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem)?),
         K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem)?),
+        K::Vmm => Box::new(CudaUpstream::new(device, cuda::vmm::VmmMem::new())?),
     })
 }
 

@@ -1,6 +1,6 @@
 /* The conformance suite through the C API, for one strategy x upstream given on the command
  * line: `test_conformance POOL UPSTREAM [DEVICE]`. It never touches the memory it gets, so
- * the same program checks the host upstream in CI and device/managed/async on a GPU.
+ * the same program checks the host upstream in CI and device/vmm/managed/async on a GPU.
  * Checks: alignment, no overlap, reuse after free, coalescing (split), exact stats, limits,
  * reclaim returns exactly the cached bytes, bad input changes nothing. */
 #include <stdint.h>

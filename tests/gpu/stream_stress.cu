@@ -151,8 +151,8 @@ int main(int argc, char **argv) {
   for (auto &s : streams) cudaStreamDestroy(s);
   cudaFree(d_bad);
   bool pass = e == cudaSuccess && api_errors == 0 && st.n_live_blocks == 0 && (expect_corruption ? bad > 0 : bad == 0);
-  printf("stream_stress pool=%s upstream=%s%s rounds=%ld same-block-reuses=%ld corrupted-words=%llu cross-stream=%llu api-errors=%ld cuda=%s -> %s\n",
+  printf("stream_stress pool=%s upstream=%s%s rounds=%ld same-block-reuses=%ld corrupted-words=%llu cross-stream=%llu released-by-decay=%llu api-errors=%ld cuda=%s -> %s\n",
          argv[1], argv[2], expect_corruption ? " (streams IGNORED, corruption expected)" : "", rounds_done.load(), reused.load(), bad,
-         (unsigned long long)st.n_cross_stream_reuses, api_errors.load(), cudaGetErrorString(e), pass ? "PASS" : "FAIL");
+         (unsigned long long)st.n_cross_stream_reuses, (unsigned long long)st.reclaimed_bytes, api_errors.load(), cudaGetErrorString(e), pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }

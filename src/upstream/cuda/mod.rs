@@ -3,13 +3,15 @@
 //! One generic `CudaUpstream<K>` implements the `Upstream` contract (contexts, streams,
 //! events, memory info); each memory kind is one file implementing `MemKind`:
 //! `device.rs` (cuMemAlloc), `managed.rs` (cuMemAllocManaged), `async_.rs`
-//! (cuMemAllocAsync, stream-ordered) and `pinned.rs` (cuMemHostAlloc, page-locked host).
+//! (cuMemAllocAsync, stream-ordered), `vmm.rs` (page-mapped, pages can be given back inside
+//! a segment) and `pinned.rs` (cuMemHostAlloc, page-locked host).
 
 pub mod async_;
 pub mod device;
 pub mod driver;
 pub mod managed;
 pub mod pinned;
+pub mod vmm;
 
 use super::{AllocError, EventHandle, Upstream};
 use crate::error::Result;
@@ -28,6 +30,20 @@ pub trait MemKind: Send {
     /// Returns the driver's status; `CUDA_ERROR_OUT_OF_MEMORY` means "release cache, retry".
     fn obtain(&mut self, size: usize, stream: sys::CUstream) -> std::result::Result<usize, sys::CUresult>;
     fn release(&mut self, addr: usize, stream: sys::CUstream) -> Result<()>;
+    /// Called once with the context current, before any other call.
+    fn init(&mut self, _device: sys::CUdevice) -> Result<()> {
+        Ok(())
+    }
+    /// Page granularity of `commit` / `decommit`; 0 = not page-mapped.
+    fn page_size(&self) -> usize {
+        0
+    }
+    fn commit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), sys::CUresult> {
+        Err(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
+    }
+    fn decommit(&mut self, _addr: usize, _len: usize) -> Result<()> {
+        check("decommit", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
+    }
     /// `(free, total)` of the memory this kind draws on.
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         let (mut free, mut total) = (0usize, 0usize);
@@ -47,7 +63,12 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        Ok(CudaUpstream { ctx: PrimaryContext::retain(device)?, kind })
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind };
+        {
+            let _g = up.ctx.enter()?;
+            up.kind.init(up.ctx.device)?;
+        }
+        Ok(up)
     }
 }
 
@@ -85,6 +106,24 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         let _g = self.ctx.enter()?;
         self.kind.mem_info()
+    }
+
+    fn page_size(&self) -> usize {
+        self.kind.page_size()
+    }
+
+    fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let _g = self.ctx.enter()?;
+        match self.kind.commit(addr, len) {
+            Ok(()) => Ok(()),
+            Err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => Err(AllocError::OutOfMemory),
+            Err(code) => Err(AllocError::Other(driver::cuda_error("cuMemCreate/cuMemMap", code))),
+        }
+    }
+
+    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        self.kind.decommit(addr, len)
     }
 
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
