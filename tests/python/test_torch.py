@@ -31,6 +31,17 @@ def test_mlp_training_matches_native_allocator(torch_gpu):
     assert losses(native) == losses(pooled)
 
 
+def test_mlp_training_on_page_mapped_memory_with_fast_decay_matches_native(torch_gpu):
+    # vmm upstream, decay every 64 allocations: pages are decommitted and recommitted while
+    # kernels run; the training must not notice.
+    native = ok(run_py(MLP, env=DET))
+    code = "import gpupool; gpupool.torch.install()\n" + MLP.replace("\n    ", "\n") + \
+        "s = gpupool.stats(0); print('STATS', s['n_upstream_allocs'], s['reclaimed_bytes'])\n"
+    pooled = ok(run_py(code, env=dict(DET, GPUPOOL_UPSTREAM="vmm", GPUPOOL_DECAY="64")))
+    assert losses(native) == losses(pooled)
+    print([l for l in pooled.splitlines() if l.startswith("STATS")])
+
+
 def test_stats_answer_and_empty_cache_returns_memory_to_driver(torch_gpu):
     ok(run_py("""
         import gpupool, torch
