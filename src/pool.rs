@@ -495,8 +495,11 @@ impl Pool {
 
     fn put_block(&mut self, block: Block) -> Result<()> {
         match self.strategy.put(block) {
-            // Not cached (passthrough): straight back, ordered on the freeing stream.
-            Some(seg) => self.give_to_upstream(seg).map(|_| ()),
+            // Not cached (passthrough): straight back. A stream-ordered upstream orders the
+            // release on the freeing stream; any other first waits for that stream's work
+            // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
+            Some(seg) if self.upstream.stream_ordered() => self.give_to_upstream(seg).map(|_| ()),
+            Some(seg) => self.release_segment(seg).map(|_| ()),
             None => Ok(()),
         }
     }
