@@ -20,12 +20,14 @@ RUNS = [
     ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
     ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
     ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
+    ("torch", "gpupool-nodecay", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "off"}),
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
     ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
     ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
     ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
+    ("cupy", "gpupool-nodecay", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "off"}),
 ]
 
 # Timings on a shared machine drift by tens of percent between minutes; so every allocator
@@ -68,7 +70,7 @@ def fmt(v, nd=2):
 
 
 GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
-UPSTREAM_OF = {"gpupool": os.environ.get("GPUPOOL_UPSTREAM", "device (default)"), "gpupool-vmm": "vmm"}
+UPSTREAM_OF = {"gpupool": "default (device, decay 8192)", "gpupool-vmm": "vmm, decay 8192", "gpupool-nodecay": "device, decay off"}
 
 
 def table(results, title):

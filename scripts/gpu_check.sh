@@ -23,6 +23,8 @@ cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
 
 echo "== hot-path microbenchmark (no framework)"
 ./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
+echo "== driver call costs behind the upstreams (no gpupool)"
+./build-gpu/driver_costs 2>&1 | tee -a "$OUT/hotpath.log"
 
 if [ -x "$ROOT/scripts/gpu_python.sh" ]; then
   "$ROOT/scripts/gpu_python.sh" "$OUT"

@@ -77,14 +77,15 @@ pub struct Report {
     pub end_requested: usize,
 }
 
-/// Replay `ops` through `kind` (default options) on a simulated device of `device_size`
-/// bytes per device.
+/// Replay `ops` through `kind` (default options) on a simulated `device`-like GPU of
+/// `device_size` bytes per device.
 pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, Error> {
-    replay_with(ops, &PoolOptions { kind, ..Default::default() }, device_size)
+    replay_with(ops, &PoolOptions { kind, ..Default::default() }, device_size, false)
 }
 
-/// Replay `ops` through pools built with `opts`.
-pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize) -> Result<Report, Error> {
+/// Replay `ops` through pools built with `opts`; `paged`: simulate the `vmm` upstream
+/// (pages inside segments can be given back) instead of `device`.
+pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bool) -> Result<Report, Error> {
     let kind = opts.kind;
     let mut pools: BTreeMap<i32, Pool> = BTreeMap::new();
     let mut map: HashMap<(i32, usize), usize> = HashMap::new();
@@ -97,7 +98,7 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize) -> Result
         let pool = match pools.entry(op.device) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => {
-                e.insert(Pool::new(op.device, Box::new(SimUpstream::new(device_size)), opts)?)
+                e.insert(Pool::new(op.device, Box::new(SimUpstream::with_pages(device_size, paged)), opts)?)
             }
         };
         let before_reserved = pool.reserved_bytes();

@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -7,7 +7,7 @@ use gpupool::pool::PoolOptions;
 use gpupool::replay::{parse, replay_with};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -15,6 +15,7 @@ fn main() -> ExitCode {
     let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None];
     let mut device_size = 80usize << 30;
     let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
+    let mut paged = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -47,6 +48,14 @@ fn main() -> ExitCode {
                     None => return fail("--decay needs a value"),
                 }
             }
+            "--upstream" => {
+                i += 1;
+                match args.get(i).map(String::as_str) {
+                    Some("device") => paged = false,
+                    Some("vmm") => paged = true,
+                    _ => return fail("--upstream needs device or vmm"),
+                }
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -67,12 +76,13 @@ fn main() -> ExitCode {
     };
     println!("{path}: {} alloc/free events, simulated device of {}", ops.len(), human_bytes(device_size));
     let decay = if decay_window == 0 { "off".to_string() } else { format!("{decay_window} allocations") };
-    println!("cache decay window: {decay}");
+    let upstream = if paged { "vmm (pages inside segments can go back)" } else { "device (whole segments only)" };
+    println!("cache decay window: {decay}; simulated upstream: {upstream}");
     println!("| strategy | peak reserved | peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | ns per op |");
     println!("|---|---|---|---|---|---|---|---|---|");
     for k in pools {
         let opts = PoolOptions { kind: k, decay_window, ..Default::default() };
-        match replay_with(&ops, &opts, device_size) {
+        match replay_with(&ops, &opts, device_size, paged) {
             Ok(r) => println!(
                 "| {} | {} | {} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {:.0} |",
                 r.strategy,

@@ -16,12 +16,20 @@ pub struct SimUpstream {
     next: usize,
     /// Decommitted pages (they do not count as allocated).
     decommitted: BTreeSet<usize>,
+    /// Whether pages can be decommitted (`vmm`-like) or only whole segments (`device`-like).
+    paged: bool,
 }
 
 impl SimUpstream {
+    /// A `device`-like simulated GPU: only whole segments go back.
     pub fn new(capacity: usize) -> Self {
+        Self::with_pages(capacity, false)
+    }
+
+    /// `paged`: pages inside segments can be given back, as with the `vmm` upstream.
+    pub fn with_pages(capacity: usize, paged: bool) -> Self {
         // Start high and leave gaps so distinct segments are never adjacent by accident.
-        SimUpstream { capacity, allocated: 0, next: 1 << 44, decommitted: BTreeSet::new() }
+        SimUpstream { capacity, allocated: 0, next: 1 << 44, decommitted: BTreeSet::new(), paged }
     }
 }
 
@@ -47,7 +55,11 @@ impl Upstream for SimUpstream {
         Ok(())
     }
     fn page_size(&self) -> usize {
-        SIM_PAGE
+        if self.paged {
+            SIM_PAGE
+        } else {
+            0
+        }
     }
     fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         if len > self.capacity - self.allocated {
