@@ -3,12 +3,17 @@
 //! report and status report tell the truth.
 
 use gpupool::config::PoolKind;
-use gpupool::replay::{parse, replay};
+use gpupool::replay::{parse, replay, replay_with, Report};
 use gpupool::trace::Tracer;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::{Pool, PoolOptions};
 
 const MIB: usize = 1 << 20;
+
+/// Replay as the host upstream behaves (page-mapped, like `vmm`), to compare with host runs.
+fn replay_like_host(ops: &[gpupool::replay::Op], kind: PoolKind) -> Report {
+    replay_with(ops, &PoolOptions { kind, ..Default::default() }, 4 << 30, true).unwrap()
+}
 
 fn traced_run(kind: PoolKind, path: &std::path::Path) -> (usize, usize) {
     let tracer: &'static Tracer = Box::leak(Box::new(Tracer::open(path).unwrap()));
@@ -49,7 +54,7 @@ fn known_sequence_replays_to_the_same_peak() {
             assert!(text.contains(&format!(",{action},")), "{kind:?}: trace has no {action} row");
         }
         let ops = parse(&text).unwrap();
-        let r = replay(&ops, kind, 4 << 30).unwrap();
+        let r = replay_like_host(&ops, kind);
         // The replay repeats the user's actions, the mid-way reclaim included, on a device
         // with the same page size: the same decisions, so the same peaks to the byte.
         assert_eq!((r.peak_used, r.peak_reserved), (peak_used, peak_reserved), "{kind:?}");
@@ -76,7 +81,7 @@ fn replay_without_reclaim_reproduces_the_exact_peak() {
     let s = p.stats();
     drop(p);
     tracer.finish();
-    let r = replay(&parse(&std::fs::read_to_string(&path).unwrap()).unwrap(), PoolKind::Split, 4 << 30).unwrap();
+    let r = replay_like_host(&parse(&std::fs::read_to_string(&path).unwrap()).unwrap(), PoolKind::Split);
     assert_eq!((r.peak_reserved, r.peak_used), (s.peak_total_bytes as usize, s.peak_used_bytes as usize));
     let _ = std::fs::remove_file(path);
 }
