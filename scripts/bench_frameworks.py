@@ -21,6 +21,7 @@ RUNS = [
     ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
     ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
     ("torch", "gpupool-nodecay", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "off"}),
+    ("torch", "gpupool-decay32k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "32768"}),
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
@@ -28,6 +29,7 @@ RUNS = [
     ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
     ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm"}),
     ("cupy", "gpupool-nodecay", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "off"}),
+    ("cupy", "gpupool-decay32k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "32768"}),
 ]
 
 # Timings on a shared machine drift by tens of percent between minutes; so every allocator
@@ -70,7 +72,8 @@ def fmt(v, nd=2):
 
 
 GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
-UPSTREAM_OF = {"gpupool": "default (device, decay 8192)", "gpupool-vmm": "vmm, decay 8192", "gpupool-nodecay": "device, decay off"}
+UPSTREAM_OF = {"gpupool": "default (device, decay 8192)", "gpupool-vmm": "vmm, decay 8192", "gpupool-nodecay": "device, decay off",
+               "gpupool-decay32k": "device, decay 32768"}
 
 
 def table(results, title):

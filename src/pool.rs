@@ -88,9 +88,11 @@ struct Counters {
     reclaimed_bytes: u64,
     invalid_frees: u64,
     deferred_frees: u64,
-    /// Page runs recommitted / decommitted (page-mapped upstreams).
+    /// Page runs recommitted / decommitted (page-mapped upstreams), and their bytes.
     commits: u64,
     decommits: u64,
+    commit_bytes: u64,
+    upstream_alloc_bytes: u64,
 }
 
 pub struct Pool {
@@ -162,6 +164,10 @@ impl Pool {
     /// Page runs recommitted and decommitted so far (page-mapped upstreams).
     pub fn page_ops(&self) -> (u64, u64) {
         (self.c.commits, self.c.decommits)
+    }
+    /// Bytes obtained from the upstream so far: new segments, and pages recommitted.
+    pub fn obtained_bytes(&self) -> (u64, u64) {
+        (self.c.upstream_alloc_bytes, self.c.commit_bytes)
     }
     pub fn live_count(&self) -> usize {
         self.live.len()
@@ -275,6 +281,7 @@ impl Pool {
                         self.c.reserved += seg_size;
                         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
                         self.c.upstream_allocs += 1;
+                        self.c.upstream_alloc_bytes += seg_size as u64;
                         if key != StreamKey::LEGACY {
                             // Stream-ordered upstreams make the memory valid on `stream` only;
                             // cover it so another stream reusing the remainder waits.
@@ -368,6 +375,7 @@ impl Pool {
                         self.c.reserved += l;
                         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
                         self.c.commits += 1;
+                        self.c.commit_bytes += l as u64;
                         self.trace(0, Action::PageCommit, s, l);
                         break;
                     }

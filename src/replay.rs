@@ -71,6 +71,9 @@ pub struct Report {
     /// Page runs recommitted / decommitted inside segments.
     pub commits: u64,
     pub decommits: u64,
+    /// Bytes of new segments and of recommitted pages (what the driver had to map).
+    pub segment_bytes: u64,
+    pub commit_bytes: u64,
     /// Reserved and requested-live bytes after the last event (what a benchmark that reads
     /// device memory at the end sees).
     pub end_reserved: usize,
@@ -143,6 +146,9 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bo
     let n = r.allocs + r.frees;
     r.ns_per_op = if n == 0 { 0.0 } else { busy.as_nanos() as f64 / n as f64 };
     for p in pools.values_mut() {
+        let (sb, cb) = p.obtained_bytes();
+        r.segment_bytes += sb;
+        r.commit_bytes += cb;
         let (c, d) = p.page_ops();
         r.commits += c;
         r.decommits += d;
