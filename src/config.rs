@@ -260,7 +260,7 @@ impl Config {
                 t => t.parse().map_err(|_| Error::InvalidConfig {
                     var: "GPUPOOL_DECAY",
                     value: v.to_string(),
-                    accepted: "a number of allocations (default 8192), or 0 / off to keep all cached memory",
+                    accepted: "a number of allocations (default 32768), or 0 / off to keep all cached memory",
                 })?,
             };
         }

@@ -16,7 +16,7 @@ use crate::pages::Holes;
 use crate::trace::{Action, Tracer};
 use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
-use crate::strategy::{self, Strategy};
+use crate::strategy::{self, ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
@@ -316,7 +316,7 @@ impl Pool {
         if self.c.reserved <= cap || self.strategy.cached_bytes() == self.holes.bytes() {
             return;
         }
-        let _ = self.release_cached(Some(self.c.reserved - cap));
+        let _ = self.release_in_order(Some(self.c.reserved - cap), ReleaseOrder::OldestFirst);
         if self.c.reserved > cap {
             let got = self.decommit_free(self.c.reserved - cap);
             self.c.reclaimed_bytes += got as u64;
@@ -413,7 +413,11 @@ impl Pool {
 
     /// Give wholly free cached segments back to the upstream. Returns the bytes released.
     fn release_cached(&mut self, want: Option<usize>) -> Result<usize> {
-        let segs = self.strategy.drain_free_segments(want);
+        self.release_in_order(want, ReleaseOrder::LargestFirst)
+    }
+
+    fn release_in_order(&mut self, want: Option<usize>, order: ReleaseOrder) -> Result<usize> {
+        let segs = self.strategy.drain_free_segments(want, order);
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {

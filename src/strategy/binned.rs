@@ -3,7 +3,7 @@
 //! size, or by a new upstream allocation of that size. No splitting, no coalescing: fast
 //! and predictable, at the price of up to 2x internal waste.
 
-use super::Strategy;
+use super::{ReleaseOrder, Strategy};
 use crate::block::{Block, Segment};
 use crate::stream::StreamKey;
 use rustc_hash::FxHashMap;
@@ -72,7 +72,7 @@ impl Strategy for BinnedStrategy {
         None
     }
 
-    fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, want: Option<usize>, _order: ReleaseOrder) -> Vec<Segment> {
         let mut sizes: Vec<usize> = self.bins.keys().copied().collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let mut out = Vec::new();

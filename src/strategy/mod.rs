@@ -12,6 +12,15 @@ use crate::block::{Block, Segment};
 use crate::config::PoolKind;
 use crate::stream::StreamKey;
 
+/// Which cached segments go back first.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ReleaseOrder {
+    /// Out of memory, limits: the fewest upstream calls for the bytes wanted.
+    LargestFirst,
+    /// Decay: the segments idle longest, least likely to be wanted again soon.
+    OldestFirst,
+}
+
 /// The contract between the pool and a caching policy.
 ///
 /// - Blocks passed to `put` are exactly blocks this strategy handed out (`take` or
@@ -47,9 +56,9 @@ pub trait Strategy: Send {
         false
     }
 
-    /// Remove wholly free segments, largest first, until at least `want` bytes are gathered
-    /// (`None`: all of them).
-    fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment>;
+    /// Remove wholly free segments in `order` until at least `want` bytes are gathered
+    /// (`None`: all of them). Strategies without a clock use largest first.
+    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment>;
 
     /// Every free block (deferred frees flushed first), in the order their pages should be
     /// decommitted: longest idle first where the strategy knows, since memory freed moments

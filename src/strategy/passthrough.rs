@@ -1,7 +1,7 @@
 //! `none`: no caching. Every request is its own upstream allocation and every free goes
 //! straight back (with the `async` upstream this is CuPy's `MemoryAsyncPool`).
 
-use super::Strategy;
+use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
 use crate::stream::StreamKey;
 
@@ -33,7 +33,7 @@ impl Strategy for Passthrough {
     fn put(&mut self, b: Block) -> Option<Segment> {
         Some(Segment { base: b.addr, size: b.size, stream: b.stream })
     }
-    fn drain_free_segments(&mut self, _: Option<usize>) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, _: Option<usize>, _: ReleaseOrder) -> Vec<Segment> {
         Vec::new()
     }
     fn cached_bytes(&self) -> usize {

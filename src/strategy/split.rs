@@ -16,7 +16,7 @@
 //!   other request first flushes (coalesces) the cache, so best fit sees the same free
 //!   blocks eager coalescing would give: the cache costs neither fit quality nor memory.
 
-use super::Strategy;
+use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
 use crate::stream::StreamKey;
 use rustc_hash::FxHashMap;
@@ -297,7 +297,7 @@ impl Strategy for SplitStrategy {
         self.flush_quick()
     }
 
-    fn drain_free_segments(&mut self, want: Option<usize>) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment> {
         self.flush_quick();
         let mut whole: Vec<(usize, usize)> = self
             .segments
@@ -308,7 +308,10 @@ impl Strategy for SplitStrategy {
             })
             .map(|(b, i)| (*b, i.size))
             .collect();
-        whole.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        match order {
+            ReleaseOrder::LargestFirst => whole.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0))),
+            ReleaseOrder::OldestFirst => whole.sort_unstable_by_key(|&(base, _)| (self.nodes[&base].freed_at, base)),
+        }
         let mut out = Vec::new();
         let mut got = 0;
         for (base, size) in whole {
