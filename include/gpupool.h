@@ -52,9 +52,10 @@ typedef struct gpupool_stats {
   uint32_t version;
   // Bytes in blocks handed out and not yet freed (CuPy's `used_bytes`).
   uint64_t used_bytes;
-  // Bytes reserved from the upstream but not in use: cached (CuPy's `free_bytes`).
+  // Bytes held from the upstream but not in use: cached (CuPy's `free_bytes`).
   uint64_t free_bytes;
-  // Bytes reserved from the upstream (CuPy's `total_bytes`).
+  // Bytes of memory held from the upstream (CuPy's `total_bytes`): segments, less the
+  // pages decommitted inside them (`vmm`, `host`).
   uint64_t total_bytes;
   // Cached free blocks (CuPy's `n_free_blocks`).
   uint64_t n_free_blocks;
@@ -71,7 +72,7 @@ typedef struct gpupool_stats {
   uint64_t n_ooms;
   // Calls of reclaim (explicit, or `empty_cache`).
   uint64_t n_reclaims;
-  // Bytes given back to the upstream by reclaims and OOM recovery.
+  // Bytes given back to the upstream by reclaims, OOM recovery and cache decay.
   uint64_t reclaimed_bytes;
   // Frees of pointers gpupool did not own (unknown, interior, double).
   uint64_t n_invalid_frees;

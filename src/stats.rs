@@ -24,9 +24,10 @@ pub struct Stats {
     pub version: u32,
     /// Bytes in blocks handed out and not yet freed (CuPy's `used_bytes`).
     pub used_bytes: u64,
-    /// Bytes reserved from the upstream but not in use: cached (CuPy's `free_bytes`).
+    /// Bytes held from the upstream but not in use: cached (CuPy's `free_bytes`).
     pub free_bytes: u64,
-    /// Bytes reserved from the upstream (CuPy's `total_bytes`).
+    /// Bytes of memory held from the upstream (CuPy's `total_bytes`): segments, less the
+    /// pages decommitted inside them (`vmm`, `host`).
     pub total_bytes: u64,
     /// Cached free blocks (CuPy's `n_free_blocks`).
     pub n_free_blocks: u64,
@@ -43,7 +44,7 @@ pub struct Stats {
     pub n_ooms: u64,
     /// Calls of reclaim (explicit, or `empty_cache`).
     pub n_reclaims: u64,
-    /// Bytes given back to the upstream by reclaims and OOM recovery.
+    /// Bytes given back to the upstream by reclaims, OOM recovery and cache decay.
     pub reclaimed_bytes: u64,
     /// Frees of pointers gpupool did not own (unknown, interior, double).
     pub n_invalid_frees: u64,
