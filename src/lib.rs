@@ -9,7 +9,10 @@
 //! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`vmm`/`managed`/`async`/`pinned`).
 //! - `stream`: stream identity and the cross-stream reuse rule.
 //! - `stats`: counters and the status/JSON reports.
-//! - `pool`: one device's pool (escalation, limits, live-pointer map).
+//! - `pool`: one device's pool (escalation, limits, live-pointer map); `pool/release.rs`
+//!   gives memory back (segments, decommitted pages).
+//! - `decay`: how much cached memory to keep (the recent in-use peak).
+//! - `pages`: the books of pages decommitted inside segments.
 //! - `registry`: per-device pools behind locks, created lazily.
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.

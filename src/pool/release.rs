@@ -1,0 +1,157 @@
+//! Giving memory back: releasing wholly free segments (reclaim, limits, out-of-memory
+//! escalation, cache decay), decommitting the pages inside free blocks on page-mapped
+//! upstreams, and recommitting them before a block that covers them is handed out.
+
+use super::Pool;
+use crate::block::{Block, Segment};
+use crate::error::Result;
+use crate::stream::StreamKey;
+use crate::strategy::ReleaseOrder;
+use crate::trace::Action;
+use crate::upstream::AllocError;
+
+impl Pool {
+    /// About to reserve `grow` more bytes because no cached block fits: first give back
+    /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
+    /// this request anyway.
+    pub(super) fn decay_before_grow(&mut self, grow: usize) {
+        let Some(d) = &self.decay else { return };
+        let cap = d.cap(self.c.used + grow).saturating_sub(grow);
+        self.shrink_to(cap);
+    }
+
+    /// Bring reserved memory down towards `cap`: wholly free segments first, then the pages
+    /// inside free blocks (page-mapped upstreams). Best effort: what cannot be released
+    /// (a failed driver call) simply stays cached.
+    pub(super) fn shrink_to(&mut self, cap: usize) {
+        if self.c.reserved <= cap || self.strategy.cached_bytes() == self.holes.bytes() {
+            return;
+        }
+        let _ = self.release_in_order(Some(self.c.reserved - cap), ReleaseOrder::OldestFirst);
+        if self.c.reserved > cap {
+            let got = self.decommit_free(self.c.reserved - cap);
+            self.c.reclaimed_bytes += got as u64;
+        }
+    }
+
+    /// Decommit the pages inside free blocks, longest idle first, until `want` bytes went
+    /// back. Each block's stream is synchronised first: no queued kernel may touch a page
+    /// that is unmapped. Returns the bytes decommitted.
+    pub(super) fn decommit_free(&mut self, want: usize) -> usize {
+        if !self.holes.supported() {
+            return 0;
+        }
+        let blocks = self.strategy.decommit_candidates();
+        let mut synced: Vec<StreamKey> = Vec::new();
+        let mut got = 0;
+        for b in blocks {
+            if got >= want {
+                break;
+            }
+            let Some((start, end)) = self.holes.interior(b.addr, b.size) else { continue };
+            let runs = self.holes.committed_runs(b.segment, start, end);
+            if runs.is_empty() {
+                continue;
+            }
+            if !synced.contains(&b.stream) {
+                if self.streams.synchronize(&mut *self.upstream, b.stream).is_err() {
+                    continue;
+                }
+                synced.push(b.stream);
+            }
+            for (s, l) in runs {
+                if self.upstream.decommit(s, l).is_ok() {
+                    self.holes.mark_decommitted(b.segment, s, l);
+                    self.c.reserved -= l;
+                    self.c.decommits += 1;
+                    self.trace(0, Action::PageDecommit, s, l);
+                    got += l;
+                }
+            }
+        }
+        got
+    }
+
+    /// Recommit the decommitted pages under a block about to be handed out. Out of memory
+    /// releases the rest of the cache once and retries; a failure leaves the block free.
+    pub(super) fn commit_block(&mut self, block: &Block) -> Result<()> {
+        for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
+            let mut retried = false;
+            loop {
+                let over_limit = self.limit != 0 && l > self.limit.saturating_sub(self.c.reserved);
+                let res = if over_limit { Err(AllocError::OutOfMemory) } else { self.upstream.commit(s, l) };
+                match res {
+                    Ok(()) => {
+                        self.holes.mark_committed(block.segment, s, l);
+                        self.c.reserved += l;
+                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                        self.c.commits += 1;
+                        self.c.commit_bytes += l as u64;
+                        self.trace(0, Action::PageCommit, s, l);
+                        break;
+                    }
+                    Err(AllocError::OutOfMemory) if !retried => {
+                        retried = true;
+                        self.finish_pending(true);
+                        let _ = self.release_cached(None);
+                        let _ = self.decommit_free(usize::MAX);
+                    }
+                    Err(AllocError::OutOfMemory) => return Err(self.oom(block.size, block.size, over_limit)),
+                    Err(AllocError::Other(e)) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Give wholly free cached segments back to the upstream. Returns the bytes released.
+    pub(super) fn release_cached(&mut self, want: Option<usize>) -> Result<usize> {
+        self.release_in_order(want, ReleaseOrder::LargestFirst)
+    }
+
+    fn release_in_order(&mut self, want: Option<usize>, order: ReleaseOrder) -> Result<usize> {
+        let segs = self.strategy.drain_free_segments(want, order);
+        let mut released = 0;
+        let mut first_err = None;
+        for seg in segs {
+            match self.release_segment(seg) {
+                Ok(n) => released += n,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.c.reclaimed_bytes += released as u64;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
+    /// Returns the bytes of memory (committed pages) that went back.
+    pub(super) fn release_segment(&mut self, seg: Segment) -> Result<usize> {
+        if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
+            // cuMemFreeAsync on the legacy stream orders the release after its work.
+            return self.give_to_upstream(seg);
+        }
+        // Work queued on the segment's stream may still touch it. For a stream-ordered
+        // upstream the release could be queued on that stream instead, but the stream may
+        // since have been destroyed, or be another thread's per-thread stream: wait for its
+        // event and release on the legacy stream.
+        self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        let seg = Segment { stream: StreamKey::LEGACY, ..seg };
+        self.give_to_upstream(seg)
+    }
+
+    /// Hand a segment back to the upstream, ordered on the stream that last used it.
+    /// Returns the bytes of memory (committed pages) that went back.
+    pub(super) fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
+        let h = self.streams.handle_of(seg.stream);
+        self.upstream.deallocate(seg.base, seg.size, h)?;
+        self.trace(h, Action::UpstreamFree, seg.base, seg.size);
+        let committed = seg.size - self.holes.remove_segment(seg.base);
+        self.c.reserved -= committed;
+        self.c.upstream_frees += 1;
+        Ok(committed)
+    }
+}
