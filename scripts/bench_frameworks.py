@@ -22,6 +22,7 @@ RUNS = [
     ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
     ("torch", "gpupool-nodecay", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "off"}),
     ("torch", "gpupool-decay8k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "8192"}),
+    ("torch", "gpupool-async", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "async"}),
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
@@ -30,7 +31,13 @@ RUNS = [
     ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
     ("cupy", "gpupool-nodecay", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "off"}),
     ("cupy", "gpupool-decay8k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "8192"}),
+    ("cupy", "gpupool-async", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "async"}),
 ]
+
+# ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay).
+_only = os.environ.get("ALLOCATORS")
+if _only:
+    RUNS = [r for r in RUNS if r[1] in _only.split(",")]
 
 # Timings on a shared machine drift by tens of percent between minutes; so every allocator
 # runs ROUNDS times, interleaved (round 1 of all, then round 2 of all, ...), and each cell
@@ -73,7 +80,8 @@ def fmt(v, nd=2):
 
 GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
 UPSTREAM_OF = {"gpupool": "default (device, decay 32768)", "gpupool-vmm": "vmm, decay 8192",
-               "gpupool-nodecay": "device, decay off", "gpupool-decay8k": "device, decay 8192"}
+               "gpupool-nodecay": "device, decay off", "gpupool-decay8k": "device, decay 8192",
+               "gpupool-async": "async (segments from the driver's pool), decay 32768"}
 
 
 def table(results, title):
