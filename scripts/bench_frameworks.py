@@ -20,18 +20,18 @@ RUNS = [
     ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
     ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
     ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
-    ("torch", "gpupool-nodecay", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "off"}),
+    ("torch", "gpupool-decay32k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "32768"}),
     ("torch", "gpupool-decay8k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "8192"}),
-    ("torch", "gpupool-async", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "async"}),
+    ("torch", "gpupool-async", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "async", "GPUPOOL_DECAY": "32768"}),
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
     ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
     ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
     ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
-    ("cupy", "gpupool-nodecay", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "off"}),
+    ("cupy", "gpupool-decay32k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "32768"}),
     ("cupy", "gpupool-decay8k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "8192"}),
-    ("cupy", "gpupool-async", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "async"}),
+    ("cupy", "gpupool-async", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "async", "GPUPOOL_DECAY": "32768"}),
 ]
 
 # ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay).
@@ -79,8 +79,8 @@ def fmt(v, nd=2):
 
 
 GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
-UPSTREAM_OF = {"gpupool": "default (device, decay 32768)", "gpupool-vmm": "vmm, decay 8192",
-               "gpupool-nodecay": "device, decay off", "gpupool-decay8k": "device, decay 8192",
+UPSTREAM_OF = {"gpupool": "default (device, decay off)", "gpupool-vmm": "vmm, decay 8192",
+               "gpupool-decay32k": "device, decay 32768", "gpupool-decay8k": "device, decay 8192",
                "gpupool-async": "async (segments from the driver's pool), decay 32768"}
 
 

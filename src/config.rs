@@ -260,7 +260,7 @@ impl Config {
                 t => t.parse().map_err(|_| Error::InvalidConfig {
                     var: "GPUPOOL_DECAY",
                     value: v.to_string(),
-                    accepted: "a number of allocations (default 32768), or 0 / off to keep all cached memory",
+                    accepted: "a number of allocations (32768 is a good start), or 0 / off (the default) to keep all cached memory",
                 })?,
             };
         }

@@ -8,6 +8,8 @@
 //! per allocation, a short scan per epoch) and, once per epoch, releases wholly free
 //! segments until reserved memory is at most that recent peak plus a headroom.
 //!
+//! Off by default (`DEFAULT_WINDOW`): each release can synchronise the device.
+//!
 //! A loop that reuses the same memory every iteration keeps its peak inside the window and
 //! never sees a release; only memory idle for a whole window goes back (the idea of
 //! jemalloc's decay and the driver pool's release threshold, counted in allocations rather
@@ -16,11 +18,14 @@
 /// Epochs in the window; the window is `EPOCHS` x the epoch length.
 const EPOCHS: usize = 8;
 
-/// Default window in allocations (`GPUPOOL_DECAY`). On the shared churn benchmark's
-/// sequence (`gpupool-replay --decay N`), 8192 ends at 1.23x the live bytes with ~540
-/// segment allocations, 32768 at 1.21x with ~310: a longer window costs far fewer driver
-/// calls for about the same footprint (the end figure is sensitive to trim timing).
-pub const DEFAULT_WINDOW: usize = 32768;
+/// Default window (`GPUPOOL_DECAY`): 0, decay off. Every release of `cuMemAlloc` memory is a
+/// `cuMemFree`, which synchronises the whole device; a pool that releases on its own would
+/// insert device-wide stalls into GPU-bound programs whose live set wanders (dynamic shapes),
+/// which is why PyTorch's allocator never frees in steady state. Decay is for programs whose
+/// limit is memory. Windows measured on the shared churn benchmark's sequence
+/// (`gpupool-replay --decay N`): 8192 ends at 1.23x the live bytes with ~540 segment
+/// allocations, 32768 at 1.21x with ~310 (off: 1.53x, 83).
+pub const DEFAULT_WINDOW: usize = 0;
 
 /// Headroom above the recent peak, in 1/64ths (2/64 = 3.1 %): room for fragmentation and
 /// for the next allocations, so the pool does not release what it must re-reserve at once.
