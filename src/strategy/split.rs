@@ -28,7 +28,7 @@ pub const SMALL_SEGMENT: usize = 2 << 20;
 pub const MID_LIMIT: usize = 10 << 20;
 pub const MID_SEGMENT: usize = 20 << 20;
 pub const LARGE_ROUND: usize = 2 << 20;
-const QUICK_MAX: usize = 16;
+const QUICK_MAX: usize = 64;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Class {
