@@ -13,26 +13,28 @@ bench, gp, pt = sys.argv[1], sys.argv[2], sys.argv[3]
 out_path = sys.argv[4] if len(sys.argv) > 4 else None
 churn = os.path.join(bench, "churn.py")
 
+# gpupool configurations: (name, label in the table, environment).
+GPUPOOL_CONFIGS = [
+    ("gpupool", "default (device, decay off)", {}),
+    ("gpupool-vmm", "vmm, decay 8192", {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
+    ("gpupool-decay32k", "device, decay 32768", {"GPUPOOL_DECAY": "32768"}),
+    ("gpupool-decay8k", "device, decay 8192", {"GPUPOOL_DECAY": "8192"}),
+    ("gpupool-async", "async (segments from the driver's pool), decay 32768", {"GPUPOOL_UPSTREAM": "async", "GPUPOOL_DECAY": "32768"}),
+]
+PLUGIN = {"torch": ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"],
+          "cupy": ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"]}
+
 RUNS = [
     ("torch", "native", ["torch-native"], {}),
     ("torch", "async", ["torch-async"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
     ("torch", "rmm", ["torch-rmm"], {}),
     ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
-    ("torch", "gpupool", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {}),
-    ("torch", "gpupool-vmm", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
-    ("torch", "gpupool-decay32k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "32768"}),
-    ("torch", "gpupool-decay8k", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_DECAY": "8192"}),
-    ("torch", "gpupool-async", ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"], {"GPUPOOL_UPSTREAM": "async", "GPUPOOL_DECAY": "32768"}),
+] + [("torch", name, PLUGIN["torch"], env) for name, _, env in GPUPOOL_CONFIGS] + [
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
     ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
-    ("cupy", "gpupool", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {}),
-    ("cupy", "gpupool-vmm", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
-    ("cupy", "gpupool-decay32k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "32768"}),
-    ("cupy", "gpupool-decay8k", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_DECAY": "8192"}),
-    ("cupy", "gpupool-async", ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"], {"GPUPOOL_UPSTREAM": "async", "GPUPOOL_DECAY": "32768"}),
-]
+] + [("cupy", name, PLUGIN["cupy"], env) for name, _, env in GPUPOOL_CONFIGS]
 
 # ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay).
 _only = os.environ.get("ALLOCATORS")
@@ -79,9 +81,7 @@ def fmt(v, nd=2):
 
 
 GPUPOOL_VARIANTS = [n for n in dict.fromkeys(r[1] for r in RUNS) if n.startswith("gpupool")]
-UPSTREAM_OF = {"gpupool": "default (device, decay off)", "gpupool-vmm": "vmm, decay 8192",
-               "gpupool-decay32k": "device, decay 32768", "gpupool-decay8k": "device, decay 8192",
-               "gpupool-async": "async (segments from the driver's pool), decay 32768"}
+UPSTREAM_OF = {name: label for name, label, _ in GPUPOOL_CONFIGS}
 
 
 def table(results, title):

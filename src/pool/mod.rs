@@ -275,7 +275,7 @@ impl Pool {
                 if stage == 0 {
                     self.decay_before_grow(seg_size);
                 }
-                if self.limit != 0 && seg_size > self.limit.saturating_sub(self.c.reserved) {
+                if self.over_limit(seg_size) {
                     by_limit = seg_size == rounded;
                     continue;
                 }
@@ -302,6 +302,11 @@ impl Pool {
             }
         }
         Err(self.oom(size, rounded, by_limit))
+    }
+
+    /// Whether reserving `bytes` more would pass the limit (0 = no limit).
+    fn over_limit(&self, bytes: usize) -> bool {
+        self.limit != 0 && bytes > self.limit.saturating_sub(self.c.reserved)
     }
 
     fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {

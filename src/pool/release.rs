@@ -78,7 +78,7 @@ impl Pool {
         for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
             let mut retried = false;
             loop {
-                let over_limit = self.limit != 0 && l > self.limit.saturating_sub(self.c.reserved);
+                let over_limit = self.over_limit(l);
                 let res = if over_limit { Err(AllocError::OutOfMemory) } else { self.upstream.commit(s, l) };
                 match res {
                     Ok(()) => {
