@@ -6,12 +6,18 @@
 //!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
 //!   2-core machine, the case where spinning collapses).
 //!
+//! - `churn/*`: shared/bench/churn.py's `churn` workload on the pool alone (256 live slots,
+//!   each step frees a random slot and allocates a log-uniform size in [512 B, 32 MiB]) on a
+//!   simulated 80 GiB device: the cost of a pair when sizes never repeat, where best fit,
+//!   splitting and coalescing do real work. Time per step (one free + one malloc).
+//!
 //! 8-thread figures are wall time per round in which every thread does one pair.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use gpupool::config::PoolKind;
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
 use gpupool::upstream::host::HostUpstream;
+use gpupool::upstream::sim::SimUpstream;
 use gpupool::{Pool, PoolOptions};
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -136,9 +142,52 @@ fn debug_cost(c: &mut Criterion) {
     let _ = std::fs::remove_file(trace_path);
 }
 
+/// The churn sequence: (slot, size) pairs, log-uniform sizes in [512 B, 32 MiB]. A fixed
+/// splitmix64 stream so every run (and every strategy) sees the same sequence.
+fn churn_sequence(n: usize) -> Vec<(usize, usize)> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let (lo, hi) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
+    (0..n)
+        .map(|_| {
+            let slot = (next() % 256) as usize;
+            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            (slot, (lo + u * (hi - lo)).exp() as usize)
+        })
+        .collect()
+}
+
+fn churn(c: &mut Criterion) {
+    let mut g = c.benchmark_group("churn");
+    let seq = churn_sequence(1 << 16);
+    for (name, kind, decay) in [("split", PoolKind::Split, 0), ("split_decay_8192", PoolKind::Split, 8192), ("binned", PoolKind::Binned, 0)] {
+        let opts = PoolOptions { kind, decay_window: decay, ..Default::default() };
+        let mut p = Pool::new(0, Box::new(SimUpstream::new(80 << 30)), &opts).unwrap();
+        let mut slots = [0usize; 256];
+        let mut i = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let (slot, size) = seq[i % seq.len()];
+                i += 1;
+                if slots[slot] != 0 {
+                    p.free(slots[slot], 0).unwrap();
+                }
+                slots[slot] = p.malloc(black_box(size), 0).unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = c_api, locks, debug_cost
+    targets = c_api, locks, debug_cost, churn
 }
 criterion_main!(benches);

@@ -1,16 +1,18 @@
 """Run the framework churn benchmark (shared/bench/churn.py) for every allocator in one GPU
 session and print the table with ratios against the anchors measured in the same run.
 
-usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO [OUT_JSONL]
+usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO CHURN_FLOOR_SO [OUT_JSONL]
 Each allocator runs in its own process (one allocator per process, as churn.py requires).
+CHURN_FLOOR_SO: tests/gpu/churn_floor.c built, the `churn` workload's floor (distinct
+addresses at next to no cost; shared/bench's floor plug-in serves `fixed` only).
 """
 import json
 import os
 import subprocess
 import sys
 
-bench, gp, pt = sys.argv[1], sys.argv[2], sys.argv[3]
-out_path = sys.argv[4] if len(sys.argv) > 4 else None
+bench, gp, pt, cf = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+out_path = sys.argv[5] if len(sys.argv) > 5 else None
 churn = os.path.join(bench, "churn.py")
 
 # gpupool configurations: (name, label in the table, environment).
@@ -29,11 +31,13 @@ RUNS = [
     ("torch", "async", ["torch-async"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
     ("torch", "rmm", ["torch-rmm"], {}),
     ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
+    ("torch", "churn-floor", ["torch-plugin", cf, "cf_malloc", "cf_free"], {"ONLY": "churn"}),
 ] + [("torch", name, PLUGIN["torch"], env) for name, _, env in GPUPOOL_CONFIGS] + [
     ("cupy", "native", ["cupy-native"], {}),
     ("cupy", "async", ["cupy-async"], {}),
     ("cupy", "rmm", ["cupy-rmm"], {}),
     ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
+    ("cupy", "churn-floor", ["cupy-cfunc", cf, "cf_cupy_malloc", "cf_cupy_free"], {"ONLY": "churn"}),
 ] + [("cupy", name, PLUGIN["cupy"], env) for name, _, env in GPUPOOL_CONFIGS]
 
 # ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay).
@@ -89,11 +93,13 @@ def table(results, title):
     print(title)
     print("| framework | workload | native | async | RMM | floor | gpupool variant | gpupool | target | met |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    print("(floor for churn: tests/gpu/churn_floor.c, an allocator that costs next to nothing)")
     for fw in ("torch", "cupy"):
         for gpn in GPUPOOL_VARIANTS:
             names = ("native", "async", "rmm", "floor", gpn)
             fixed = {n: cell(results, fw, n, "fixed") for n in names}
             churnv = {n: cell(results, fw, n, "churn") for n in names}
+            churnv["floor"] = cell(results, fw, "churn-floor", "churn")
             label = UPSTREAM_OF.get(gpn, gpn)
             t_fixed = None if fixed["floor"] is None else fixed["floor"] + 0.15
             met = "—" if None in (t_fixed, fixed[gpn]) else ("yes" if fixed[gpn] <= t_fixed else "no")
@@ -102,7 +108,7 @@ def table(results, title):
             t_churn = None if churnv["native"] is None else 0.9 * churnv["native"]
             met = "—" if None in (t_churn, churnv[gpn]) else ("yes" if churnv[gpn] <= t_churn else "no")
             ratio = None if None in (churnv["native"], churnv[gpn]) else churnv[gpn] / churnv["native"]
-            print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | — | "
+            print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | {fmt(churnv['floor'])} | "
                   f"{label} | {fmt(churnv[gpn])} (×{fmt(ratio)} native) | ≤ 0.9 × native = {fmt(t_churn)} | {met} |")
             used = {}
             for n in ("native", "async", "rmm", gpn):

@@ -25,7 +25,8 @@ if [ -n "${SKIP_BENCH:-}" ]; then
 fi
 echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
-ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+gcc -O2 -shared -fPIC -I/usr/local/cuda/include tests/gpu/churn_floor.c -L/usr/local/cuda/lib64 -lcuda -o /tmp/churn_floor.so
+ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 {
   if [ -f "$OUT/pytest.log" ]; then
     echo "python tests:"

@@ -5,6 +5,7 @@
 //! Adding a strategy is one file here plus one arm in `build`.
 
 pub mod binned;
+pub mod bins;
 pub mod passthrough;
 pub mod split;
 

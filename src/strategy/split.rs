@@ -6,7 +6,8 @@
 //!   Large requests below 10 MiB get 20 MiB segments (amortises upstream calls), larger
 //!   ones exactly their size rounded to 2 MiB. (These are PyTorch's measured choices.)
 //! - Best fit per stream: the smallest free block of the request's class that fits, first
-//!   on the requesting stream, then on other streams (which the pool must make safe).
+//!   on the requesting stream, then on other streams (which the pool must make safe). The
+//!   index is `bins.rs` (exact best fit without a tree walk).
 //! - Splitting: small blocks split when at least 512 B remain; large ones only when more
 //!   than 1 MiB remains (a smaller tail would be a small block stranded in a large segment).
 //! - Coalescing: a freed block merges with free neighbours of the same segment and stream;
@@ -16,11 +17,11 @@
 //!   other request first flushes (coalesces) the cache, so best fit sees the same free
 //!   blocks eager coalescing would give: the cache costs neither fit quality nor memory.
 
+use super::bins::FreeBins;
 use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
 use crate::stream::StreamKey;
 use rustc_hash::FxHashMap;
-use std::collections::BTreeSet;
 
 pub const ROUND: usize = 512;
 pub const SMALL_LIMIT: usize = 1 << 20;
@@ -80,14 +81,14 @@ type FreeKey = (Class, StreamKey, usize, usize);
 #[derive(Default)]
 pub struct SplitStrategy {
     nodes: FxHashMap<usize, Node>,
-    /// Free blocks per (class, stream), ordered by (size, addr) for best fit. One small
-    /// set per stream keeps keys to two words, which makes the tree operations cheap.
-    free_index: FxHashMap<(Class, StreamKey), BTreeSet<(usize, usize)>>,
+    /// Free blocks per (class, stream). An emptied index stays (a stream that frees again
+    /// soon would rebuild it); reclaims prune them.
+    free_index: FxHashMap<(Class, StreamKey), FreeBins>,
     free_count: usize,
     segments: FxHashMap<usize, SegInfo>,
-    /// Exact-size cache: (stream, size) -> [(addr, segment)], LIFO.
-    quick: FxHashMap<(StreamKey, usize), Vec<(usize, usize)>>,
-    quick_count: usize,
+    /// Exact-size cache, LIFO: (stream, size, addr, segment). A flat list: it holds at most
+    /// `QUICK_MAX` entries and a hit is nearly always the last one.
+    quick: Vec<(StreamKey, usize, usize, usize)>,
     cached: usize,
     /// Operations so far (takes + puts): the clock of `Node::freed_at`.
     clock: u64,
@@ -99,24 +100,19 @@ impl SplitStrategy {
     }
 
     fn index_insert(&mut self, addr: usize, n: &Node) {
-        self.free_index.entry((n.class, n.stream)).or_default().insert((n.size, addr));
+        self.free_index.entry((n.class, n.stream)).or_default().insert(n.size, addr);
         self.free_count += 1;
     }
 
     fn index_remove(&mut self, addr: usize, n: &Node) {
-        let class = n.class;
-        let set = self.free_index.get_mut(&(class, n.stream)).expect("stream has a free set");
-        let removed = set.remove(&(n.size, addr));
+        let set = self.free_index.get_mut(&(n.class, n.stream)).expect("stream has a free set");
+        let removed = set.remove(n.size, addr);
         debug_assert!(removed, "free block missing from index");
-        if set.is_empty() {
-            self.free_index.remove(&(class, n.stream));
-        }
         self.free_count -= 1;
     }
 
     fn best_fit(&self, class: Class, stream: StreamKey, rounded: usize) -> Option<FreeKey> {
-        let set = self.free_index.get(&(class, stream))?;
-        let &(size, addr) = set.range((rounded, 0)..).next()?;
+        let (size, addr) = self.free_index.get(&(class, stream))?.best_fit(rounded)?;
         Some((class, stream, size, addr))
     }
 
@@ -184,19 +180,15 @@ impl SplitStrategy {
     }
 
     fn flush_quick(&mut self) -> bool {
-        if self.quick_count == 0 {
+        if self.quick.is_empty() {
             return false;
         }
-        // Take the map out (keeping its capacity) so free_now can borrow self.
+        // Take the list out (keeping its capacity) so free_now can borrow self.
         let mut quick = std::mem::take(&mut self.quick);
-        self.quick_count = 0;
-        for (&(stream, _), v) in quick.iter_mut() {
-            for (a, _) in v.drain(..) {
-                self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
-                self.free_now(a);
-            }
+        for (stream, _, a, _) in quick.drain(..) {
+            self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
+            self.free_now(a);
         }
-        quick.clear(); // keeps the table's capacity; empty per-size lists are dropped
         self.quick = quick;
         true
     }
@@ -224,13 +216,11 @@ impl Strategy for SplitStrategy {
 
     fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
         self.clock += 1;
-        if self.quick_count > 0 {
-            if let Some(v) = self.quick.get_mut(&(stream, rounded)) {
-                if let Some((addr, segment)) = v.pop() {
-                    self.quick_count -= 1;
-                    self.cached -= rounded;
-                    return Some(Block { addr, size: rounded, segment, stream });
-                }
+        if !self.quick.is_empty() {
+            if let Some(i) = self.quick.iter().rposition(|q| q.0 == stream && q.1 == rounded) {
+                let (_, _, addr, segment) = self.quick.remove(i);
+                self.cached -= rounded;
+                return Some(Block { addr, size: rounded, segment, stream });
             }
             // A miss coalesces the deferred frees first, so best fit below sees exactly
             // what eager coalescing would have produced: the cache never costs fit quality.
@@ -281,9 +271,8 @@ impl Strategy for SplitStrategy {
     fn put(&mut self, b: Block) -> Option<Segment> {
         self.clock += 1;
         self.cached += b.size;
-        if self.quick_count < QUICK_MAX {
-            self.quick.entry((b.stream, b.size)).or_default().push((b.addr, b.segment));
-            self.quick_count += 1;
+        if self.quick.len() < QUICK_MAX {
+            self.quick.push((b.stream, b.size, b.addr, b.segment));
         } else {
             let n = self.nodes.get_mut(&b.addr).expect("pool passes only blocks it got from us");
             debug_assert_eq!(n.state, State::Allocated);
@@ -299,6 +288,7 @@ impl Strategy for SplitStrategy {
 
     fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment> {
         self.flush_quick();
+        self.free_index.retain(|_, set| !set.is_empty());
         let mut whole: Vec<(usize, usize)> = self
             .segments
             .iter()
@@ -334,12 +324,12 @@ impl Strategy for SplitStrategy {
     }
 
     fn free_block_count(&self) -> usize {
-        self.free_count + self.quick_count
+        self.free_count + self.quick.len()
     }
 
     fn largest_free_block(&self) -> usize {
-        let indexed = self.free_index.values().filter_map(|s| s.last().map(|k| k.0)).max().unwrap_or(0);
-        let quick = self.quick.iter().filter(|(_, v)| !v.is_empty()).map(|(k, _)| k.1).max().unwrap_or(0);
+        let indexed = self.free_index.values().filter_map(|s| s.largest().map(|k| k.0)).max().unwrap_or(0);
+        let quick = self.quick.iter().map(|q| q.1).max().unwrap_or(0);
         indexed.max(quick)
     }
 
@@ -349,9 +339,7 @@ impl Strategy for SplitStrategy {
             .iter()
             .filter(|(_, n)| n.state == State::Free)
             .map(|(a, n)| Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream });
-        let quick = self.quick.iter().flat_map(|(&(stream, size), v)| {
-            v.iter().map(move |&(addr, segment)| Block { addr, size, segment, stream })
-        });
+        let quick = self.quick.iter().map(|&(stream, size, addr, segment)| Block { addr, size, segment, stream });
         free.chain(quick).collect()
     }
 
@@ -374,7 +362,7 @@ impl Strategy for SplitStrategy {
 
     fn is_free_block(&self, addr: usize) -> bool {
         self.nodes.get(&addr).is_some_and(|n| n.state == State::Free)
-            || self.quick.values().any(|v| v.iter().any(|&(a, _)| a == addr))
+            || self.quick.iter().any(|q| q.2 == addr)
     }
 
     fn check_invariants(&self) -> Result<(), String> {
@@ -383,11 +371,12 @@ impl Strategy for SplitStrategy {
         let mut indexed = 0usize;
         let mut quick = 0usize;
         let mut quick_of: FxHashMap<usize, (StreamKey, usize)> = FxHashMap::default();
-        for (&(stream, size), v) in &self.quick {
-            for &(addr, _) in v {
-                if quick_of.insert(addr, (stream, size)).is_some() {
-                    return Err(format!("block {addr:#x} twice in the quick cache"));
-                }
+        if self.quick.len() > QUICK_MAX {
+            return Err(format!("{} blocks in the quick cache (max {QUICK_MAX})", self.quick.len()));
+        }
+        for &(stream, size, addr, _) in &self.quick {
+            if quick_of.insert(addr, (stream, size)).is_some() {
+                return Err(format!("block {addr:#x} twice in the quick cache"));
             }
         }
         for (&base, info) in &self.segments {
@@ -409,7 +398,7 @@ impl Strategy for SplitStrategy {
                     State::Free => {
                         cached += n.size;
                         indexed += 1;
-                        if !self.free_index.get(&(info.class, n.stream)).is_some_and(|s| s.contains(&(n.size, addr))) {
+                        if !self.free_index.get(&(info.class, n.stream)).is_some_and(|s| s.contains(n.size, addr)) {
                             return Err(format!("free node {addr:#x} not indexed"));
                         }
                         if n.next != 0 {
@@ -443,14 +432,12 @@ impl Strategy for SplitStrategy {
             return Err(format!("{} nodes, {seen} reachable from segments", self.nodes.len()));
         }
         let in_sets: usize = self.free_index.values().map(|s| s.len()).sum();
-        if indexed != in_sets || indexed != self.free_count || quick != self.quick_count {
+        if indexed != in_sets || indexed != self.free_count || quick != self.quick.len() {
             return Err(format!(
                 "index {in_sets} (count {}) vs {indexed} free nodes, quick {} vs {quick}",
-                self.free_count, self.quick_count
+                self.free_count,
+                self.quick.len()
             ));
-        }
-        if self.free_index.values().any(|s| s.is_empty()) {
-            return Err("empty per-stream set left in the index".into());
         }
         if cached != self.cached {
             return Err(format!("cached {} but free nodes hold {cached}", self.cached));
