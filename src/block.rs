@@ -28,6 +28,9 @@ pub struct Block {
     pub segment: usize,
     /// Stream whose work last touched this block (its free stream while cached).
     pub stream: StreamKey,
+    /// The strategy's own name for the block (`split`: its node's slot), so a free finds
+    /// the bookkeeping without an address lookup; 0 for strategies that need none.
+    pub handle: u32,
 }
 
 impl Block {
@@ -64,7 +67,7 @@ mod tests {
 
     #[test]
     fn split_and_merge_rules() {
-        let b = Block { addr: 4096, size: 4096, segment: 4096, stream: StreamKey::LEGACY };
+        let b = Block { addr: 4096, size: 4096, segment: 4096, stream: StreamKey::LEGACY, handle: 0 };
         let (a, r) = b.split(1024);
         assert_eq!((a.addr, a.size, r.addr, r.size), (4096, 1024, 5120, 3072));
         assert!(a.can_merge(&r));

@@ -25,9 +25,13 @@ fn bin_of(size: usize) -> usize {
     octave * SUBS + ((size >> (octave - SUB_BITS as usize)) & (SUBS - 1))
 }
 
-/// Free blocks of one (class, stream), as (size, address) pairs.
+/// A filed block: (size, address, the strategy's node for it). Ordered by size, then
+/// address (addresses are unique, so the node never decides).
+pub type Entry = (usize, usize, u32);
+
+/// Free blocks of one (class, stream).
 pub struct FreeBins {
-    bins: Vec<Vec<(usize, usize)>>,
+    bins: Vec<Vec<Entry>>,
     nonempty: [u64; WORDS],
     len: usize,
 }
@@ -47,9 +51,9 @@ impl FreeBins {
         self.len == 0
     }
 
-    pub fn insert(&mut self, size: usize, addr: usize) {
+    pub fn insert(&mut self, size: usize, addr: usize, node: u32) {
         let b = bin_of(size);
-        self.bins[b].push((size, addr));
+        self.bins[b].push((size, addr, node));
         self.nonempty[b / 64] |= 1 << (b % 64);
         self.len += 1;
     }
@@ -58,7 +62,7 @@ impl FreeBins {
     pub fn remove(&mut self, size: usize, addr: usize) -> bool {
         let b = bin_of(size);
         let bin = &mut self.bins[b];
-        let Some(i) = bin.iter().position(|&e| e == (size, addr)) else {
+        let Some(i) = bin.iter().position(|e| (e.0, e.1) == (size, addr)) else {
             return false;
         };
         bin.swap_remove(i);
@@ -70,11 +74,11 @@ impl FreeBins {
     }
 
     pub fn contains(&self, size: usize, addr: usize) -> bool {
-        self.bins[bin_of(size)].contains(&(size, addr))
+        self.bins[bin_of(size)].iter().any(|e| (e.0, e.1) == (size, addr))
     }
 
     /// The smallest entry of at least `size` bytes (lowest address among equals).
-    pub fn best_fit(&self, size: usize) -> Option<(usize, usize)> {
+    pub fn best_fit(&self, size: usize) -> Option<Entry> {
         let b = bin_of(size);
         if let Some(e) = self.bins[b].iter().filter(|e| e.0 >= size).min() {
             return Some(*e);
@@ -84,14 +88,14 @@ impl FreeBins {
     }
 
     /// The largest entry, if any.
-    pub fn largest(&self) -> Option<(usize, usize)> {
+    pub fn largest(&self) -> Option<Entry> {
         let w = (0..WORDS).rev().find(|&w| self.nonempty[w] != 0)?;
         let b = w * 64 + 63 - self.nonempty[w].leading_zeros() as usize;
         self.bins[b].iter().max().copied()
     }
 
     /// Every entry (no particular order).
-    pub fn iter(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = Entry> + '_ {
         self.bins.iter().flatten().copied()
     }
 
@@ -149,19 +153,19 @@ mod tests {
                 0 => {
                     let addr = (rnd() % 4096) as usize * 4096;
                     if set.insert((size, addr)) {
-                        bins.insert(size, addr);
+                        bins.insert(size, addr, (addr / 4096) as u32);
                     }
                 }
                 1 => {
                     let want = set.range((size, 0)..).next().copied();
-                    assert_eq!(bins.best_fit(size), want, "best fit for {size}");
+                    assert_eq!(bins.best_fit(size).map(|e| (e.0, e.1)), want, "best fit for {size}");
                     if let Some((s, a)) = want {
                         set.remove(&(s, a));
                         assert!(bins.remove(s, a));
                         assert!(!bins.remove(s, a));
                     }
                 }
-                _ => assert_eq!(bins.largest(), set.last().copied()),
+                _ => assert_eq!(bins.largest().map(|e| (e.0, e.1)), set.last().copied()),
             }
             assert_eq!(bins.len(), set.len());
         }

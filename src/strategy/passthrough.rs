@@ -28,7 +28,7 @@ impl Strategy for Passthrough {
         None
     }
     fn add_segment(&mut self, seg: Segment, _rounded: usize) -> Block {
-        Block { addr: seg.base, size: seg.size, segment: seg.base, stream: seg.stream }
+        Block { addr: seg.base, size: seg.size, segment: seg.base, stream: seg.stream, handle: 0 }
     }
     fn put(&mut self, b: Block) -> Option<Segment> {
         Some(Segment { base: b.addr, size: b.size, stream: b.stream })

@@ -16,6 +16,11 @@
 //!   (stream, size) without coalescing; an identical request takes it back in O(1). Any
 //!   other request first flushes (coalesces) the cache, so best fit sees the same free
 //!   blocks eager coalescing would give: the cache costs neither fit quality nor memory.
+//! - Bookkeeping: one node per block in a slab (a `Vec` with a free list); neighbours link
+//!   by slot and each handed-out `Block` carries its slot (`Block::handle`), so a step of
+//!   take, split, free and coalesce does no address hashing. A churn step (free a random
+//!   block, allocate a random size) costs ~1/3 of what it did with address-keyed maps and
+//!   an ordered set (`cargo bench --bench malloc_free -- churn`).
 
 use super::bins::FreeBins;
 use super::{ReleaseOrder, Strategy};
@@ -30,6 +35,10 @@ pub const MID_LIMIT: usize = 10 << 20;
 pub const MID_SEGMENT: usize = 20 << 20;
 pub const LARGE_ROUND: usize = 2 << 20;
 const QUICK_MAX: usize = 64;
+
+/// A node slot; `NIL` = no neighbour.
+type Slot = u32;
+const NIL: Slot = u32::MAX;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Class {
@@ -51,14 +60,17 @@ enum State {
     /// the fast path touches no node).
     Allocated,
     Free,
+    /// The slot holds no block (on the slab's free list).
+    Vacant,
 }
 
 #[derive(Copy, Clone, Debug)]
 struct Node {
+    addr: usize,
     size: usize,
-    /// Address of the previous / next block in the same segment; 0 = none.
-    prev: usize,
-    next: usize,
+    /// Slots of the previous / next block in the same segment.
+    prev: Slot,
+    next: Slot,
     segment: usize,
     /// The segment's class (kept here so the index needs no segment lookup).
     class: Class,
@@ -73,22 +85,26 @@ struct Node {
 struct SegInfo {
     size: usize,
     class: Class,
+    /// Slot of the segment's first block.
+    first: Slot,
 }
 
-/// A free block in the index: (class, stream, size, addr).
-type FreeKey = (Class, StreamKey, usize, usize);
+/// A free block in the index: (class, stream, size, addr, slot).
+type FreeKey = (Class, StreamKey, usize, usize, Slot);
 
 #[derive(Default)]
 pub struct SplitStrategy {
-    nodes: FxHashMap<usize, Node>,
+    /// The slab of nodes, and its vacant slots.
+    nodes: Vec<Node>,
+    vacant: Vec<Slot>,
     /// Free blocks per (class, stream). An emptied index stays (a stream that frees again
     /// soon would rebuild it); reclaims prune them.
     free_index: FxHashMap<(Class, StreamKey), FreeBins>,
     free_count: usize,
     segments: FxHashMap<usize, SegInfo>,
-    /// Exact-size cache, LIFO: (stream, size, addr, segment). A flat list: it holds at most
-    /// `QUICK_MAX` entries and a hit is nearly always the last one.
-    quick: Vec<(StreamKey, usize, usize, usize)>,
+    /// Exact-size cache, LIFO: (stream, size, addr, segment, slot). A flat list: it holds at
+    /// most `QUICK_MAX` entries and a hit is nearly always the last one.
+    quick: Vec<(StreamKey, usize, usize, usize, Slot)>,
     cached: usize,
     /// Operations so far (takes + puts): the clock of `Node::freed_at`.
     clock: u64,
@@ -99,84 +115,110 @@ impl SplitStrategy {
         Self::default()
     }
 
-    fn index_insert(&mut self, addr: usize, n: &Node) {
-        self.free_index.entry((n.class, n.stream)).or_default().insert(n.size, addr);
+    fn alloc_slot(&mut self, node: Node) -> Slot {
+        match self.vacant.pop() {
+            Some(s) => {
+                self.nodes[s as usize] = node;
+                s
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as Slot
+            }
+        }
+    }
+
+    fn free_slot(&mut self, s: Slot) {
+        self.nodes[s as usize].state = State::Vacant;
+        self.vacant.push(s);
+    }
+
+    fn block_of(&self, s: Slot) -> Block {
+        let n = &self.nodes[s as usize];
+        Block { addr: n.addr, size: n.size, segment: n.segment, stream: n.stream, handle: s }
+    }
+
+    fn index_insert(&mut self, s: Slot) {
+        let n = &self.nodes[s as usize];
+        self.free_index.entry((n.class, n.stream)).or_default().insert(n.size, n.addr, s);
         self.free_count += 1;
     }
 
-    fn index_remove(&mut self, addr: usize, n: &Node) {
+    fn index_remove(&mut self, s: Slot) {
+        let n = &self.nodes[s as usize];
         let set = self.free_index.get_mut(&(n.class, n.stream)).expect("stream has a free set");
-        let removed = set.remove(n.size, addr);
+        let removed = set.remove(n.size, n.addr);
         debug_assert!(removed, "free block missing from index");
         self.free_count -= 1;
     }
 
     fn best_fit(&self, class: Class, stream: StreamKey, rounded: usize) -> Option<FreeKey> {
-        let (size, addr) = self.free_index.get(&(class, stream))?.best_fit(rounded)?;
-        Some((class, stream, size, addr))
+        let (size, addr, slot) = self.free_index.get(&(class, stream))?.best_fit(rounded)?;
+        Some((class, stream, size, addr, slot))
     }
 
     /// Hand out (part of) the indexed free block `key` for `stream`.
     fn carve(&mut self, key: FreeKey, rounded: usize, stream: StreamKey) -> Block {
-        let (class, _, size, addr) = key;
-        let node = self.nodes[&addr];
-        self.index_remove(addr, &node);
+        let (class, _, size, addr, s) = key;
+        self.index_remove(s);
+        let node = self.nodes[s as usize];
         let rest = size - rounded;
         let min_rest = if class == Class::Small { ROUND } else { SMALL_LIMIT + 1 };
         let taken = if rest >= min_rest {
-            let rest_addr = addr + rounded;
-            let rest_node = Node { size: rest, prev: addr, next: node.next, state: State::Free, ..node };
-            if node.next != 0 {
-                self.nodes.get_mut(&node.next).expect("next exists").prev = rest_addr;
+            let rest_node = Node { addr: addr + rounded, size: rest, prev: s, next: node.next, state: State::Free, ..node };
+            let r = self.alloc_slot(rest_node);
+            if node.next != NIL {
+                self.nodes[node.next as usize].prev = r;
             }
-            self.nodes.insert(rest_addr, rest_node);
-            self.index_insert(rest_addr, &rest_node);
-            let n = self.nodes.get_mut(&addr).expect("node exists");
+            self.index_insert(r);
+            let n = &mut self.nodes[s as usize];
             n.size = rounded;
-            n.next = rest_addr;
+            n.next = r;
             rounded
         } else {
             size
         };
-        let n = self.nodes.get_mut(&addr).expect("node exists");
+        let n = &mut self.nodes[s as usize];
         n.state = State::Allocated;
         n.stream = stream;
         self.cached -= taken;
-        Block { addr, size: taken, segment: n.segment, stream }
+        self.block_of(s)
     }
 
-    /// Free `addr` for real: coalesce with free neighbours, then index it.
-    fn free_now(&mut self, addr: usize) {
-        let mut node = self.nodes[&addr];
-        let mut start = addr;
-        if node.next != 0 {
-            let next = self.nodes[&node.next];
+    /// Free slot `s` for real: coalesce with free neighbours, then index it.
+    fn free_now(&mut self, s: Slot) {
+        let mut node = self.nodes[s as usize];
+        let mut start = s;
+        if node.next != NIL {
+            let nx = node.next;
+            let next = self.nodes[nx as usize];
             if next.state == State::Free && next.stream == node.stream {
-                self.index_remove(node.next, &next);
-                self.nodes.remove(&node.next);
+                self.index_remove(nx);
+                self.free_slot(nx);
                 node.size += next.size;
                 node.next = next.next;
-                if next.next != 0 {
-                    self.nodes.get_mut(&next.next).expect("next exists").prev = start;
+                if next.next != NIL {
+                    self.nodes[next.next as usize].prev = start;
                 }
             }
         }
-        if node.prev != 0 {
-            let prev = self.nodes[&node.prev];
+        if node.prev != NIL {
+            let pv = node.prev;
+            let prev = self.nodes[pv as usize];
             if prev.state == State::Free && prev.stream == node.stream {
-                self.index_remove(node.prev, &prev);
-                self.nodes.remove(&start);
-                start = node.prev;
-                node = Node { size: prev.size + node.size, prev: prev.prev, ..node };
-                if node.next != 0 {
-                    self.nodes.get_mut(&node.next).expect("next exists").prev = start;
+                self.index_remove(pv);
+                self.free_slot(start);
+                start = pv;
+                node = Node { addr: prev.addr, size: prev.size + node.size, prev: prev.prev, ..node };
+                if node.next != NIL {
+                    self.nodes[node.next as usize].prev = start;
                 }
             }
         }
         node.state = State::Free;
         node.freed_at = self.clock;
-        self.nodes.insert(start, node);
-        self.index_insert(start, &node);
+        self.nodes[start as usize] = node;
+        self.index_insert(start);
     }
 
     fn flush_quick(&mut self) -> bool {
@@ -185,12 +227,17 @@ impl SplitStrategy {
         }
         // Take the list out (keeping its capacity) so free_now can borrow self.
         let mut quick = std::mem::take(&mut self.quick);
-        for (stream, _, a, _) in quick.drain(..) {
-            self.nodes.get_mut(&a).expect("quick block has a node").stream = stream;
-            self.free_now(a);
+        for (stream, _, _, _, s) in quick.drain(..) {
+            self.nodes[s as usize].stream = stream;
+            self.free_now(s);
         }
         self.quick = quick;
         true
+    }
+
+    /// Slots of every node in `state` (reports and scans; not the hot path).
+    fn slots_in(&self, state: State) -> impl Iterator<Item = Slot> + '_ {
+        (0..self.nodes.len() as Slot).filter(move |&s| self.nodes[s as usize].state == state)
     }
 }
 
@@ -218,9 +265,9 @@ impl Strategy for SplitStrategy {
         self.clock += 1;
         if !self.quick.is_empty() {
             if let Some(i) = self.quick.iter().rposition(|q| q.0 == stream && q.1 == rounded) {
-                let (_, _, addr, segment) = self.quick.remove(i);
+                let (_, _, addr, segment, handle) = self.quick.remove(i);
                 self.cached -= rounded;
-                return Some(Block { addr, size: rounded, segment, stream });
+                return Some(Block { addr, size: rounded, segment, stream, handle });
             }
             // A miss coalesces the deferred frees first, so best fit below sees exactly
             // what eager coalescing would have produced: the cache never costs fit quality.
@@ -248,36 +295,35 @@ impl Strategy for SplitStrategy {
 
     fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block {
         let class = class_of(rounded);
-        self.segments.insert(seg.base, SegInfo { size: seg.size, class });
-        self.nodes.insert(
-            seg.base,
-            Node {
-                size: seg.size,
-                prev: 0,
-                next: 0,
-                segment: seg.base,
-                class,
-                stream: seg.stream,
-                state: State::Free,
-                freed_at: self.clock,
-            },
-        );
-        let n = self.nodes[&seg.base];
-        self.index_insert(seg.base, &n);
+        let s = self.alloc_slot(Node {
+            addr: seg.base,
+            size: seg.size,
+            prev: NIL,
+            next: NIL,
+            segment: seg.base,
+            class,
+            stream: seg.stream,
+            state: State::Free,
+            freed_at: self.clock,
+        });
+        self.segments.insert(seg.base, SegInfo { size: seg.size, class, first: s });
+        self.index_insert(s);
         self.cached += seg.size;
-        self.carve((class, seg.stream, seg.size, seg.base), rounded, seg.stream)
+        self.carve((class, seg.stream, seg.size, seg.base, s), rounded, seg.stream)
     }
 
     fn put(&mut self, b: Block) -> Option<Segment> {
         self.clock += 1;
         self.cached += b.size;
+        debug_assert!(
+            self.nodes.get(b.handle as usize).is_some_and(|n| n.addr == b.addr && n.state == State::Allocated),
+            "pool passes only blocks it got from us"
+        );
         if self.quick.len() < QUICK_MAX {
-            self.quick.push((b.stream, b.size, b.addr, b.segment));
+            self.quick.push((b.stream, b.size, b.addr, b.segment, b.handle));
         } else {
-            let n = self.nodes.get_mut(&b.addr).expect("pool passes only blocks it got from us");
-            debug_assert_eq!(n.state, State::Allocated);
-            n.stream = b.stream;
-            self.free_now(b.addr);
+            self.nodes[b.handle as usize].stream = b.stream;
+            self.free_now(b.handle);
         }
         None
     }
@@ -289,29 +335,31 @@ impl Strategy for SplitStrategy {
     fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment> {
         self.flush_quick();
         self.free_index.retain(|_, set| !set.is_empty());
-        let mut whole: Vec<(usize, usize)> = self
+        let mut whole: Vec<(usize, SegInfo)> = self
             .segments
             .iter()
-            .filter(|(base, info)| {
-                let n = &self.nodes[base];
+            .filter(|(_, info)| {
+                let n = &self.nodes[info.first as usize];
                 n.state == State::Free && n.size == info.size
             })
-            .map(|(b, i)| (*b, i.size))
+            .map(|(b, i)| (*b, *i))
             .collect();
         match order {
-            ReleaseOrder::LargestFirst => whole.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0))),
-            ReleaseOrder::OldestFirst => whole.sort_unstable_by_key(|&(base, _)| (self.nodes[&base].freed_at, base)),
+            ReleaseOrder::LargestFirst => whole.sort_unstable_by(|a, b| b.1.size.cmp(&a.1.size).then(a.0.cmp(&b.0))),
+            ReleaseOrder::OldestFirst => {
+                whole.sort_unstable_by_key(|&(base, info)| (self.nodes[info.first as usize].freed_at, base))
+            }
         }
         let mut out = Vec::new();
         let mut got = 0;
-        for (base, size) in whole {
-            let n = self.nodes[&base];
-            self.index_remove(base, &n);
-            self.nodes.remove(&base);
+        for (base, info) in whole {
+            let stream = self.nodes[info.first as usize].stream;
+            self.index_remove(info.first);
+            self.free_slot(info.first);
             self.segments.remove(&base);
-            self.cached -= size;
-            got += size;
-            out.push(Segment { base, size, stream: n.stream });
+            self.cached -= info.size;
+            got += info.size;
+            out.push(Segment { base, size: info.size, stream });
             if want.is_some_and(|w| got >= w) {
                 break;
             }
@@ -334,23 +382,16 @@ impl Strategy for SplitStrategy {
     }
 
     fn free_blocks(&self) -> Vec<Block> {
-        let free = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.state == State::Free)
-            .map(|(a, n)| Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream });
-        let quick = self.quick.iter().map(|&(stream, size, addr, segment)| Block { addr, size, segment, stream });
+        let free = self.slots_in(State::Free).map(|s| self.block_of(s));
+        let quick =
+            self.quick.iter().map(|&(stream, size, addr, segment, handle)| Block { addr, size, segment, stream, handle });
         free.chain(quick).collect()
     }
 
     fn decommit_candidates(&mut self) -> Vec<Block> {
         self.flush_quick();
-        let mut idle: Vec<(u64, Block)> = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.state == State::Free)
-            .map(|(a, n)| (n.freed_at, Block { addr: *a, size: n.size, segment: n.segment, stream: n.stream }))
-            .collect();
+        let mut idle: Vec<(u64, Block)> =
+            self.slots_in(State::Free).map(|s| (self.nodes[s as usize].freed_at, self.block_of(s))).collect();
         // Longest idle first (least likely to be wanted soon), then largest.
         idle.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.size.cmp(&a.1.size)).then(a.1.addr.cmp(&b.1.addr)));
         idle.into_iter().map(|(_, b)| b).collect()
@@ -361,8 +402,7 @@ impl Strategy for SplitStrategy {
     }
 
     fn is_free_block(&self, addr: usize) -> bool {
-        self.nodes.get(&addr).is_some_and(|n| n.state == State::Free)
-            || self.quick.iter().any(|q| q.2 == addr)
+        self.slots_in(State::Free).any(|s| self.nodes[s as usize].addr == addr) || self.quick.iter().any(|q| q.2 == addr)
     }
 
     fn check_invariants(&self) -> Result<(), String> {
@@ -370,66 +410,69 @@ impl Strategy for SplitStrategy {
         let mut cached = 0usize;
         let mut indexed = 0usize;
         let mut quick = 0usize;
-        let mut quick_of: FxHashMap<usize, (StreamKey, usize)> = FxHashMap::default();
+        let mut quick_of: FxHashMap<Slot, (StreamKey, usize, usize)> = FxHashMap::default();
         if self.quick.len() > QUICK_MAX {
             return Err(format!("{} blocks in the quick cache (max {QUICK_MAX})", self.quick.len()));
         }
-        for &(stream, size, addr, _) in &self.quick {
-            if quick_of.insert(addr, (stream, size)).is_some() {
+        for &(stream, size, addr, _, s) in &self.quick {
+            if quick_of.insert(s, (stream, size, addr)).is_some() {
                 return Err(format!("block {addr:#x} twice in the quick cache"));
             }
         }
         for (&base, info) in &self.segments {
-            let mut addr = base;
-            let mut prev = 0;
+            let mut s = info.first;
+            let mut prev = NIL;
             let mut total = 0;
-            while addr != 0 {
-                let n = self.nodes.get(&addr).ok_or_else(|| format!("segment {base:#x}: missing node {addr:#x}"))?;
+            let mut addr = base;
+            while s != NIL {
+                let n = self.nodes.get(s as usize).ok_or_else(|| format!("segment {base:#x}: slot {s} out of range"))?;
+                if n.state == State::Vacant || n.addr != addr {
+                    return Err(format!("segment {base:#x}: slot {s} is {n:?}, expected a block at {addr:#x}"));
+                }
                 if n.prev != prev || n.segment != base || n.class != info.class {
-                    return Err(format!("node {addr:#x}: bad links {n:?} (expected prev {prev:#x})"));
+                    return Err(format!("node {addr:#x}: bad links {n:?} (expected prev {prev})"));
                 }
                 if addr % MIN_ALIGN != 0 || n.size == 0 {
                     return Err(format!("node {addr:#x}: misaligned or empty"));
-                }
-                if n.next != 0 && n.next != addr + n.size {
-                    return Err(format!("node {addr:#x}: next {:#x} not adjacent", n.next));
                 }
                 match n.state {
                     State::Free => {
                         cached += n.size;
                         indexed += 1;
-                        if !self.free_index.get(&(info.class, n.stream)).is_some_and(|s| s.contains(n.size, addr)) {
+                        if !self.free_index.get(&(info.class, n.stream)).is_some_and(|set| set.contains(n.size, addr)) {
                             return Err(format!("free node {addr:#x} not indexed"));
                         }
-                        if n.next != 0 {
-                            let nx = &self.nodes[&n.next];
+                        if n.next != NIL {
+                            let nx = &self.nodes[n.next as usize];
                             if nx.state == State::Free && nx.stream == n.stream {
-                                return Err(format!("free neighbours {addr:#x} and {:#x} not coalesced", n.next));
+                                return Err(format!("free neighbours {addr:#x} and {:#x} not coalesced", nx.addr));
                             }
                         }
                     }
                     State::Allocated => {
-                        if let Some(&(stream, size)) = quick_of.get(&addr) {
-                            if size != n.size || base != n.segment {
-                                return Err(format!("quick block {addr:#x} filed as {size} B, node says {} B", n.size));
+                        if let Some(&(_, size, qaddr)) = quick_of.get(&s) {
+                            if size != n.size || qaddr != addr {
+                                return Err(format!("quick block {qaddr:#x} ({size} B) filed as slot {s}, {n:?}"));
                             }
-                            let _ = stream;
                             cached += n.size;
                             quick += 1;
                         }
                     }
+                    State::Vacant => unreachable!("checked above"),
                 }
                 total += n.size;
+                addr += n.size;
                 seen += 1;
-                prev = addr;
-                addr = n.next;
+                prev = s;
+                s = n.next;
             }
             if total != info.size {
                 return Err(format!("segment {base:#x}: blocks cover {total} of {} bytes", info.size));
             }
         }
-        if seen != self.nodes.len() {
-            return Err(format!("{} nodes, {seen} reachable from segments", self.nodes.len()));
+        let occupied = self.nodes.len() - self.vacant.len();
+        if seen != occupied || self.vacant.iter().any(|&s| self.nodes[s as usize].state != State::Vacant) {
+            return Err(format!("{occupied} occupied slots, {seen} reachable from segments"));
         }
         let in_sets: usize = self.free_index.values().map(|s| s.len()).sum();
         if indexed != in_sets || indexed != self.free_count || quick != self.quick.len() {
