@@ -40,10 +40,15 @@ RUNS = [
     ("cupy", "churn-floor", ["cupy-cfunc", cf, "cf_cupy_malloc", "cf_cupy_free"], {"ONLY": "churn"}),
 ] + [("cupy", name, PLUGIN["cupy"], env) for name, _, env in GPUPOOL_CONFIGS]
 
-# ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay).
+# ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay);
+# FRAMEWORKS=torch or cupy one framework (a full run of both passes the GPU machine's
+# 10-minute limit per command).
 _only = os.environ.get("ALLOCATORS")
 if _only:
     RUNS = [r for r in RUNS if r[1] in _only.split(",")]
+_fws = os.environ.get("FRAMEWORKS")
+if _fws:
+    RUNS = [r for r in RUNS if r[0] in _fws.split(",")]
 
 # Timings on a shared machine drift by tens of percent between minutes; so every allocator
 # runs ROUNDS times, interleaved (round 1 of all, then round 2 of all, ...), and each cell
@@ -95,6 +100,8 @@ def table(results, title):
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("(floor for churn: tests/gpu/churn_floor.c, an allocator that costs next to nothing)")
     for fw in ("torch", "cupy"):
+        if not any(k[0] == fw for k in results):
+            continue
         for gpn in GPUPOOL_VARIANTS:
             names = ("native", "async", "rmm", "floor", gpn)
             fixed = {n: cell(results, fw, n, "fixed") for n in names}
