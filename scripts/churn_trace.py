@@ -3,15 +3,31 @@
 
     python3 scripts/churn_trace.py > /tmp/churn.csv
     cargo run --release --bin gpupool-replay -- /tmp/churn.csv --pool split [--decay N|off] [--upstream device|vmm]
+
+`--bounds` prints instead what no pool can beat: the live bytes at the end, and what a pool
+without any fragmentation or rounding would hold at the end if it kept the peak of the last
+W allocations (the quantity cache decay tracks), as a multiple of the live bytes.
 """
 import math
 import random
 import sys
 
-n = int(sys.argv[1]) if len(sys.argv) > 1 else 100000
+args = [a for a in sys.argv[1:] if a != "--bounds"]
+n = int(args[0]) if args else 100000
 rng = random.Random(1234)  # churn.py's seed and draw order
 lo, hi = math.log(512), math.log(32 << 20)
 seq = [(rng.randrange(256), int(math.exp(rng.uniform(lo, hi)))) for _ in range(n)]
+if "--bounds" in sys.argv:
+    sizes, live, series = [0] * 256, 0, []
+    for s, size in seq:
+        live += size - sizes[s]
+        sizes[s] = size
+        series.append(live)
+    end = series[-1]
+    print(f"live at the end {end / 2**20:.0f} MiB, all-time peak {max(series) / 2**20:.0f} MiB")
+    for w in (1024, 8192, 32768, n):
+        print(f"peak of the last {w} allocations / live at the end: {max(series[-w:]) / end:.3f}")
+    sys.exit(0)
 slots = [None] * 256
 print("time_ns,thread,device,stream,action,ptr,size")
 t = 0
