@@ -1,7 +1,7 @@
 //! Speed of a cached malloc + free pair.
 //!
 //! - `c_api/*`: through the exported C functions on the host upstream (the hot path every
-//!   framework uses), one thread and 8 threads sharing one device pool.
+//!   framework uses), one thread and 8 threads sharing one device pool; CuPy's entry points.
 //! - `lock/*`: the lock choice. The same `Pool` behind `std::sync::Mutex` and behind
 //!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
 //!   2-core machine, the case where spinning collapses).
@@ -16,6 +16,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use gpupool::config::PoolKind;
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use gpupool::ffi::cupy::{gpupool_cupy_free, gpupool_cupy_malloc};
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::sim::SimUpstream;
 use gpupool::{Pool, PoolOptions};
@@ -57,6 +58,13 @@ fn c_api(c: &mut Criterion) {
     unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
     let mut g = c.benchmark_group("c_api");
     g.bench_function("pair_1_thread", |b| b.iter(|| c_pair(0)));
+    // CuPy's entry points: no stream, frees fenced in batches on the legacy stream.
+    g.bench_function("cupy_pair_1_thread", |b| {
+        b.iter(|| unsafe {
+            let p = gpupool_cupy_malloc(null_mut(), black_box(SIZE), 0);
+            gpupool_cupy_free(null_mut(), black_box(p), 0);
+        })
+    });
     g.bench_function("pair_8_threads", |b| {
         b.iter_custom(|iters| {
             parallel(8, iters, |n| {
