@@ -54,37 +54,6 @@ fn free_pages_between_live_blocks_go_back_and_come_back_before_reuse() {
     assert_eq!(p.stats().total_bytes, 0);
 }
 
-#[test]
-fn a_request_prefers_committed_memory_over_a_closer_fit_that_needs_a_recommit() {
-    let mut p = pool(0);
-    // One 20 MiB segment: a0 [0, 4) MiB, spacer [4, 6), a2 [6, 12), spacer [12, 14), tail.
-    let a0 = p.malloc(4 * MIB, 0).unwrap();
-    let s1 = p.malloc(2 * MIB, 0).unwrap();
-    let a2 = p.malloc(6 * MIB, 0).unwrap();
-    let s3 = p.malloc(2 * MIB, 0).unwrap();
-    assert_eq!((s1 - a0, a2 - a0, s3 - a0), (4 * MIB, 6 * MIB, 12 * MIB), "layout");
-    p.free(a0, 0).unwrap();
-    p.reclaim().unwrap(); // a0's pages (and the tail's) are decommitted
-    p.free(a2, 0).unwrap(); // a2 stays committed
-    let (commits, _) = p.page_ops();
-    let total = p.stats().total_bytes;
-    // Best fit alone would pick a0 (exactly 4 MiB) and map its pages again.
-    let b = p.malloc(4 * MIB, 0).unwrap();
-    assert_eq!(b, a2, "the committed block serves the request");
-    assert_eq!(p.page_ops().0, commits, "no page was recommitted");
-    assert_eq!(p.stats().total_bytes, total);
-    fill(b, 4 * MIB, 7);
-    // With no committed block that fits, the closer fit is recommitted as before.
-    let c = p.malloc(4 * MIB, 0).unwrap();
-    assert_eq!(c, a0);
-    assert!(p.page_ops().0 > commits);
-    fill(c, 4 * MIB, 8);
-    assert!(all(b, 4 * MIB, 7) && all(c, 4 * MIB, 8));
-    for x in [b, c, s1, s3] {
-        p.free(x, 0).unwrap();
-    }
-}
-
 /// A seeded churn like the framework benchmark (live slots replaced at random, log-uniform
 /// sizes), with every block's bytes checked before it is freed.
 fn churn(p: &mut Pool, steps: usize) -> (u64, u64) {

@@ -219,15 +219,7 @@ impl Pool {
     fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         let (streams, up) = (&mut self.streams, &mut *self.upstream);
         let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
-        if self.holes.is_empty() {
-            return self.strategy.take(rounded, key, &mut gate);
-        }
-        // Some cached memory is decommitted: prefer a block that needs no recommit (each
-        // recommit is a driver round trip, and memory committed but unused is what decay
-        // would give back next).
-        let holes = &self.holes;
-        let mut ready = |addr: usize, segment: usize| holes.missing_runs(segment, addr, rounded).is_empty();
-        self.strategy.take_preferring(rounded, key, &mut gate, &mut ready)
+        self.strategy.take(rounded, key, &mut gate)
     }
 
     fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {

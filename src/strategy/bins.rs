@@ -87,24 +87,6 @@ impl FreeBins {
         self.bins[next].iter().min().copied()
     }
 
-    /// Up to `n` entries of at least `size` bytes, smallest first (lowest address among
-    /// equals): the best fit, then the next best ones.
-    pub fn best_fits(&self, size: usize, n: usize) -> Vec<Entry> {
-        let mut out: Vec<Entry> = Vec::with_capacity(n);
-        let mut b = bin_of(size);
-        while out.len() < n {
-            let start = out.len();
-            out.extend(self.bins[b].iter().filter(|e| e.0 >= size));
-            out[start..].sort_unstable();
-            match self.next_nonempty(b + 1) {
-                Some(next) => b = next,
-                None => break,
-            }
-        }
-        out.truncate(n);
-        out
-    }
-
     /// The largest entry, if any.
     pub fn largest(&self) -> Option<Entry> {
         let w = (0..WORDS).rev().find(|&w| self.nonempty[w] != 0)?;
@@ -183,12 +165,7 @@ mod tests {
                         assert!(!bins.remove(s, a));
                     }
                 }
-                _ => {
-                    assert_eq!(bins.largest().map(|e| (e.0, e.1)), set.last().copied());
-                    let want: Vec<_> = set.range((size, 0)..).take(5).copied().collect();
-                    let got: Vec<_> = bins.best_fits(size, 5).iter().map(|e| (e.0, e.1)).collect();
-                    assert_eq!(got, want, "five best fits for {size}");
-                }
+                _ => assert_eq!(bins.largest().map(|e| (e.0, e.1)), set.last().copied()),
             }
             assert_eq!(bins.len(), set.len());
         }

@@ -44,20 +44,6 @@ pub trait Strategy: Send {
     /// A cached block of at least `rounded` bytes for `stream`, or `None`.
     fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block>;
 
-    /// Like `take`, but among the few best fits on `stream` prefer one whose first `rounded`
-    /// bytes `ready(addr, segment)` accepts (page-mapped upstreams: memory still committed,
-    /// so handing it out needs no driver call). Falls back to what `take` would give.
-    fn take_preferring(
-        &mut self,
-        rounded: usize,
-        stream: StreamKey,
-        reusable: &mut dyn FnMut(StreamKey) -> bool,
-        ready: &mut dyn FnMut(usize, usize) -> bool,
-    ) -> Option<Block> {
-        let _ = ready;
-        self.take(rounded, stream, reusable)
-    }
-
     /// Adopt a fresh upstream segment and carve from it a block of `rounded` bytes.
     fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block;
 

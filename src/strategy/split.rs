@@ -35,13 +35,6 @@ pub const MID_LIMIT: usize = 10 << 20;
 pub const MID_SEGMENT: usize = 20 << 20;
 pub const LARGE_ROUND: usize = 2 << 20;
 const QUICK_MAX: usize = 64;
-/// How many of the best fits `take_preferring` looks at for one that needs no commit. In the
-/// benchmark's churn on `vmm` with decay 8192 (`gpupool-replay --upstream vmm --decay 8192`),
-/// 1183 of 1325 page commits happened while a committed free block that fit was cached.
-/// Looking at 1 / 4 / 16 / 64 best fits: 18.9 / 14.7 / 14.9 / 14.1 GiB mapped over the run,
-/// 1.117 / 1.110 / 1.110 / 1.106x the live bytes at the end. 16 bounds the scan (each look is
-/// a lookup in the books of decommitted pages) where most of the gain already is.
-const PREFER_SCAN: usize = 16;
 
 /// A node slot; `NIL` = no neighbour.
 type Slot = u32;
@@ -298,31 +291,6 @@ impl Strategy for SplitStrategy {
             }
         }
         None
-    }
-
-    fn take_preferring(
-        &mut self,
-        rounded: usize,
-        stream: StreamKey,
-        reusable: &mut dyn FnMut(StreamKey) -> bool,
-        ready: &mut dyn FnMut(usize, usize) -> bool,
-    ) -> Option<Block> {
-        // The exact-size cache holds only blocks whose memory is committed (decommitting
-        // flushes it first), so the plain path serves those.
-        if self.quick.iter().any(|q| q.0 == stream && q.1 == rounded) {
-            return self.take(rounded, stream, reusable);
-        }
-        self.flush_quick();
-        let class = class_of(rounded);
-        let fits = match self.free_index.get(&(class, stream)) {
-            Some(set) => set.best_fits(rounded, PREFER_SCAN),
-            None => Vec::new(),
-        };
-        if let Some(&(size, addr, slot)) = fits.iter().find(|e| ready(e.1, self.nodes[e.2 as usize].segment)) {
-            self.clock += 1;
-            return Some(self.carve((class, stream, size, addr, slot), rounded, stream));
-        }
-        self.take(rounded, stream, reusable)
     }
 
     fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block {
