@@ -97,8 +97,10 @@ pub struct SplitStrategy {
     /// The slab of nodes, and its vacant slots.
     nodes: Vec<Node>,
     vacant: Vec<Slot>,
-    /// Free blocks per (class, stream). An emptied index stays (a stream that frees again
-    /// soon would rebuild it); reclaims prune them.
+    /// Free blocks per (class, stream). The legacy stream's indexes stay when emptied (it
+    /// is every framework's hot stream, and an index costs a few KiB to build); other
+    /// streams' go as soon as they empty, so programs that create many streams do not
+    /// accumulate them.
     free_index: FxHashMap<(Class, StreamKey), FreeBins>,
     free_count: usize,
     segments: FxHashMap<usize, SegInfo>,
@@ -146,9 +148,13 @@ impl SplitStrategy {
 
     fn index_remove(&mut self, s: Slot) {
         let n = &self.nodes[s as usize];
-        let set = self.free_index.get_mut(&(n.class, n.stream)).expect("stream has a free set");
+        let key = (n.class, n.stream);
+        let set = self.free_index.get_mut(&key).expect("stream has a free set");
         let removed = set.remove(n.size, n.addr);
         debug_assert!(removed, "free block missing from index");
+        if set.is_empty() && key.1 != StreamKey::LEGACY {
+            self.free_index.remove(&key);
+        }
         self.free_count -= 1;
     }
 
@@ -484,6 +490,9 @@ impl Strategy for SplitStrategy {
         }
         if cached != self.cached {
             return Err(format!("cached {} but free nodes hold {cached}", self.cached));
+        }
+        if self.free_index.iter().any(|(k, set)| set.is_empty() && k.1 != StreamKey::LEGACY) {
+            return Err("an empty index of a non-legacy stream was kept".into());
         }
         Ok(())
     }
