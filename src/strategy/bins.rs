@@ -94,11 +94,6 @@ impl FreeBins {
         self.bins[b].iter().max().copied()
     }
 
-    /// Every entry (no particular order).
-    pub fn iter(&self) -> impl Iterator<Item = Entry> + '_ {
-        self.bins.iter().flatten().copied()
-    }
-
     /// First non-empty bin at or after `from`.
     fn next_nonempty(&self, from: usize) -> Option<usize> {
         let mut w = from / 64;
