@@ -1,7 +1,9 @@
 //! Speed of a cached malloc + free pair.
 //!
 //! - `c_api/*`: through the exported C functions on the host upstream (the hot path every
-//!   framework uses), one thread and 8 threads sharing one device pool; CuPy's entry points.
+//!   framework uses), one thread and 8 threads sharing one device pool; CuPy's entry points;
+//!   the churn step below through the C API. `GPUPOOL_THREAD_CACHE=0 cargo bench` measures
+//!   the same without the per-thread fast path (`src/thread_cache.rs`).
 //! - `lock/*`: the lock choice. The same `Pool` behind `std::sync::Mutex` and behind
 //!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
 //!   2-core machine, the case where spinning collapses).
@@ -63,6 +65,19 @@ fn c_api(c: &mut Criterion) {
         b.iter(|| unsafe {
             let p = gpupool_cupy_malloc(null_mut(), black_box(SIZE), 0);
             gpupool_cupy_free(null_mut(), black_box(p), 0);
+        })
+    });
+    // shared/bench/churn.py's churn through the C API (see `churn/*` below): sizes never
+    // repeat, so every step takes the locked path; what the thread cache costs there.
+    unsafe { gpupool_configure(5, c"split".as_ptr(), c"host".as_ptr()) };
+    let seq = churn_sequence(1 << 16);
+    let (mut slots, mut i) = ([null_mut::<c_void>(); 256], 0);
+    g.bench_function("churn_step", |b| {
+        b.iter(|| unsafe {
+            let (slot, size) = seq[i % seq.len()];
+            i += 1;
+            gpupool_free(slots[slot], 5, null_mut());
+            gpupool_malloc(&mut slots[slot], black_box(size), 5, null_mut());
         })
     });
     g.bench_function("pair_8_threads", |b| {

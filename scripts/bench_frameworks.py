@@ -18,6 +18,7 @@ churn = os.path.join(bench, "churn.py")
 # gpupool configurations: (name, label in the table, environment).
 GPUPOOL_CONFIGS = [
     ("gpupool", "default (device, decay off)", {}),
+    ("gpupool-notc", "default without the thread cache", {"GPUPOOL_THREAD_CACHE": "0"}),
     ("gpupool-vmm", "vmm, decay 8192", {"GPUPOOL_UPSTREAM": "vmm", "GPUPOOL_DECAY": "8192"}),
     ("gpupool-decay32k", "device, decay 32768", {"GPUPOOL_DECAY": "32768"}),
     ("gpupool-decay8k", "device, decay 8192", {"GPUPOOL_DECAY": "8192"}),

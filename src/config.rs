@@ -162,6 +162,8 @@ pub struct Config {
     /// `GPUPOOL_DECAY`: allocations a cached byte may sit unneeded before it goes back to
     /// the driver (`decay.rs`); 0 / `off` keeps everything cached until reclaim.
     pub decay_window: usize,
+    /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`thread_cache.rs`).
+    pub thread_cache: bool,
 }
 
 impl Default for Config {
@@ -176,6 +178,7 @@ impl Default for Config {
             check_invariants: false,
             unsafe_ignore_streams: false,
             decay_window: crate::decay::DEFAULT_WINDOW,
+            thread_cache: true,
         }
     }
 }
@@ -254,6 +257,9 @@ impl Config {
         if let Some(v) = get("GPUPOOL_UNSAFE_IGNORE_STREAMS") {
             c.unsafe_ignore_streams = bool_flag("GPUPOOL_UNSAFE_IGNORE_STREAMS", &v)?;
         }
+        if let Some(v) = get("GPUPOOL_THREAD_CACHE") {
+            c.thread_cache = bool_flag("GPUPOOL_THREAD_CACHE", &v)?;
+        }
         if let Some(v) = get("GPUPOOL_DECAY") {
             c.decay_window = match v.trim().to_ascii_lowercase().as_str() {
                 "off" | "never" => 0,
@@ -312,6 +318,8 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_UPSTREAM", "tpu")]).is_err());
         assert!(cfg(&[("GPUPOOL_DEBUG", "3")]).is_err());
         assert!(cfg(&[("GPUPOOL_UNSAFE_IGNORE_STREAMS", "maybe")]).is_err());
+        assert!(cfg(&[("GPUPOOL_THREAD_CACHE", "sometimes")]).is_err());
+        assert!(!cfg(&[("GPUPOOL_THREAD_CACHE", "0")]).unwrap().thread_cache);
     }
 
     #[test]

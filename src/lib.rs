@@ -14,6 +14,8 @@
 //! - `decay`: how much cached memory to keep (the recent in-use peak).
 //! - `pages`: the books of pages decommitted inside segments.
 //! - `registry`: per-device pools behind locks, created lazily.
+//! - `thread_cache`: the per-thread fast path for same-size reuse on the legacy stream
+//!   (`pool/thread_caches.rs` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `exit`: at-exit flush of the trace and leak summary.
@@ -33,6 +35,7 @@ pub mod replay;
 pub mod stats;
 pub mod strategy;
 pub mod stream;
+pub mod thread_cache;
 pub mod trace;
 pub mod upstream;
 

@@ -70,6 +70,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         debug: cfg.debug,
         tracer: crate::trace::global()?,
         decay_window: cfg.decay_window,
+        thread_cache: cfg.thread_cache,
     })
 }
 
@@ -116,7 +117,8 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
     let s = slot(device)?;
     let cfg = config()?;
     let mut g = lock(&s.pool);
-    if let Some(p) = g.as_ref() {
+    if let Some(p) = g.as_mut() {
+        p.flush_thread_caches();
         if p.live_count() > 0 {
             return Err(Error::Busy(format!(
                 "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",

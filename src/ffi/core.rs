@@ -7,8 +7,10 @@
 use super::boundary::{call, call_value, last_error, opt_str, write_str};
 use crate::config::{PoolKind, UpstreamKind};
 use crate::error::{BadPointer, Error, Status};
+use crate::pool::NO_OWNER;
 use crate::registry;
 use crate::stats::{Stats, STATS_V1_SIZE};
+use crate::thread_cache;
 use crate::upstream::cuda::driver;
 use std::ffi::{c_char, c_int, c_void};
 
@@ -40,9 +42,20 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
             return Err(Error::NullArgument("out_ptr"));
         }
         *out_ptr = std::ptr::null_mut();
-        let p = registry::with_pool(device, |pool| pool.malloc(size, stream as usize))?;
-        *out_ptr = p as *mut c_void;
+        *out_ptr = malloc_on(size, device, stream as usize)? as *mut c_void;
         Ok(())
+    })
+}
+
+/// Shared by `gpupool_malloc` and the framework entry points: the calling thread's fast
+/// path first (`thread_cache.rs`), else the pool under its lock.
+pub(crate) fn malloc_on(size: usize, device: c_int, stream: usize) -> crate::error::Result<usize> {
+    thread_cache::malloc_with(device, size, stream, |current| {
+        registry::with_pool(device, |pool| {
+            let attached = pool.attach_thread(current, stream);
+            let owner = attached.as_ref().map_or(NO_OWNER, |a| a.0);
+            Ok((pool.malloc_owned(size, stream, owner), attached))
+        })
     })
 }
 
@@ -59,6 +72,9 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *
 
 /// Shared by `gpupool_free` and the framework entry points.
 pub(crate) fn free_on(ptr: usize, device: c_int, stream: usize) -> crate::error::Result<()> {
+    if ptr != 0 && thread_cache::try_free(device, ptr, stream) {
+        return Ok(());
+    }
     free_with(ptr, device, |pool| pool.free(ptr, stream))
 }
 

@@ -18,10 +18,15 @@ use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
 use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
+use crate::thread_cache::{Hold, ThreadCache};
 use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
+use thread_caches::ThreadCaches;
+pub use thread_caches::NO_OWNER;
 
 mod release;
+mod thread_caches;
 
 /// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
 /// A legacy-stream event record costs 0.26–0.52 µs on the H200 (`hotpath_bench`); 32 blocks
@@ -44,6 +49,10 @@ pub struct PoolOptions {
     pub tracer: Option<&'static Tracer>,
     /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
     pub decay_window: usize,
+    /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream frees for their next
+    /// allocation of the same size (`thread_cache.rs`); ignored where every operation must
+    /// reach the pool (debug records, trace, the `none` strategy).
+    pub thread_cache: bool,
 }
 
 impl Default for PoolOptions {
@@ -56,6 +65,7 @@ impl Default for PoolOptions {
             debug: 0,
             tracer: None,
             decay_window: crate::decay::DEFAULT_WINDOW,
+            thread_cache: true,
         }
     }
 }
@@ -68,6 +78,8 @@ struct Live {
     extra_streams: Vec<StreamHandle>,
     /// Leak-tracking record (`GPUPOOL_DEBUG >= 1`).
     rec: Option<Box<AllocRecord>>,
+    /// The thread cache that may hold this block (`NO_OWNER`: none).
+    owner: u32,
 }
 
 /// A free waiting for `record_stream` streams to pass their recorded events.
@@ -118,6 +130,8 @@ pub struct Pool {
     decay: Option<Decay>,
     /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
     holes: Holes,
+    /// Threads' fast-path caches for this pool (`thread_cache.rs`).
+    caches: ThreadCaches,
 }
 
 impl Pool {
@@ -145,6 +159,9 @@ impl Pool {
             tracer: opts.tracer,
             decay: Decay::new(opts.decay_window),
             holes: Holes::new(upstream_page),
+            caches: ThreadCaches::new(
+                opts.thread_cache && opts.debug == 0 && opts.tracer.is_none() && opts.kind != PoolKind::None && device >= 0,
+            ),
         })
     }
 
@@ -173,8 +190,9 @@ impl Pool {
     pub fn obtained_bytes(&self) -> (u64, u64) {
         (self.c.upstream_alloc_bytes, self.c.commit_bytes)
     }
+    /// Live allocations (blocks parked in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
-        self.live.len()
+        self.live.len() - self.caches.parked().len()
     }
     pub fn owns(&self, ptr: usize) -> bool {
         self.live.contains_key(&ptr)
@@ -182,6 +200,60 @@ impl Pool {
 
     /// Allocate `size` bytes for use on `stream`. Size 0 gives a null pointer (0).
     pub fn malloc(&mut self, size: usize, stream: StreamHandle) -> Result<usize> {
+        self.malloc_owned(size, stream, NO_OWNER)
+    }
+
+    /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
+    /// is the (pool id, cache id) the thread already has for this device. Its parked blocks
+    /// come back first (so this allocation can use their memory). Returns the cache id to
+    /// pass to `malloc_owned`, and a new cache for the thread to install, if one was made.
+    /// `None`: no fast path here (disabled, or not the legacy stream).
+    pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
+        if !self.caches.enabled() || !crate::stream::is_legacy(stream) {
+            return None;
+        }
+        for p in self.caches.reap() {
+            self.release_parked(p);
+        }
+        let (id, fresh) = self.caches.attach(current)?;
+        for p in self.caches.take_parked_of(id) {
+            self.release_parked(p);
+        }
+        Some((id, fresh))
+    }
+
+    /// Thread caches registered with this pool (exited threads' until the next locked
+    /// operation reaps them).
+    pub fn thread_cache_count(&self) -> usize {
+        self.caches.count()
+    }
+
+    /// Give every block parked in a thread cache back to the pool (reclaim, limits, growth,
+    /// reconfiguration).
+    pub fn flush_thread_caches(&mut self) {
+        let mut parked = self.caches.reap();
+        parked.extend(self.caches.take_all_parked());
+        for p in parked {
+            self.release_parked(p);
+        }
+    }
+
+    /// Free a block taken out of a thread cache: its user freed it already (counted then).
+    fn release_parked(&mut self, ptr: usize) {
+        let counted = self.c.frees;
+        let _ = self.free(ptr, crate::stream::STREAM_LEGACY);
+        self.c.frees = counted;
+    }
+
+    /// Bytes and requested bytes of the blocks parked in thread caches.
+    fn parked_bytes(&self) -> (usize, usize, usize) {
+        let parked = self.caches.parked();
+        let n = parked.len();
+        parked.iter().filter_map(|p| self.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
+    }
+
+    /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
+    pub fn malloc_owned(&mut self, size: usize, stream: StreamHandle, owner: u32) -> Result<usize> {
         if size == 0 {
             return Ok(0);
         }
@@ -204,10 +276,15 @@ impl Pool {
         }
         self.c.used += block.size;
         self.c.requested += size;
-        self.c.peak_used = self.c.peak_used.max(self.c.used);
+        if self.c.used > self.c.peak_used {
+            // `used` counts blocks parked in thread caches, which their users freed: the
+            // peak must not (rarely reached: only when a new peak is possible).
+            let parked = if self.caches.enabled() { self.parked_bytes().1 } else { 0 };
+            self.c.peak_used = self.c.peak_used.max(self.c.used - parked);
+        }
         self.c.allocs += 1;
         let rec = AllocRecord::capture(self.debug, stream);
-        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec });
+        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner });
         self.trace(stream, Action::Alloc, block.addr, size);
         if let Some(cap) = self.decay.as_mut().and_then(|d| d.on_malloc(self.c.used)) {
             self.shrink_to(cap);
@@ -233,6 +310,15 @@ impl Pool {
             }
         }
         if self.strategy.flush_deferred() {
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        // Blocks parked in thread caches before new memory: the fast path never makes the
+        // pool grow.
+        if self.caches.enabled() && self.caches.any_parked() {
+            self.flush_thread_caches();
+            self.strategy.flush_deferred();
             if let Some(b) = self.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
@@ -336,7 +422,12 @@ impl Pool {
 
     /// Every live allocation, for the leak report.
     pub fn leaks(&self) -> Vec<Leak> {
-        self.live.values().map(|l| Leak::new(self.device, l.block.addr, l.block.size, l.requested, l.rec.as_deref())).collect()
+        let parked = self.caches.parked();
+        self.live
+            .values()
+            .filter(|l| !parked.contains(&l.block.addr))
+            .map(|l| Leak::new(self.device, l.block.addr, l.block.size, l.requested, l.rec.as_deref()))
+            .collect()
     }
 
     /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
@@ -406,6 +497,7 @@ impl Pool {
 
     fn classify_bad_pointer(&self, ptr: usize) -> Error {
         let why = if self.strategy.is_free_block(ptr)
+            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_parked(l.owner, ptr))
             || self.pending.iter().any(|p| p.block.addr == ptr)
             || self.unfenced.iter().any(|b| b.addr == ptr)
         {
@@ -425,6 +517,12 @@ impl Pool {
             self.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
+        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr) == Some(Hold::Parked) {
+            // Its thread freed it already and keeps it for reuse: a double free.
+            self.live.insert(ptr, live);
+            self.c.invalid_frees += 1;
+            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+        }
         self.trace(stream, Action::Free, ptr, live.requested);
         self.c.used -= live.block.size;
         self.c.requested -= live.requested;
@@ -437,6 +535,10 @@ impl Pool {
         let Some(l) = self.live.get_mut(&ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        // Its free must now reach the pool (which waits for `stream`): off the fast path.
+        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr) == Some(Hold::Parked) {
+            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+        }
         if !l.extra_streams.contains(&stream) {
             l.extra_streams.push(stream);
         }
@@ -496,6 +598,7 @@ impl Pool {
 
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
+        self.flush_thread_caches();
         self.finish_pending(false);
         self.fence_unfenced();
         self.c.reclaims += 1;
@@ -513,6 +616,7 @@ impl Pool {
     pub fn set_limit(&mut self, bytes: usize) -> Result<()> {
         self.limit = bytes;
         if bytes != 0 && self.c.reserved > bytes {
+            self.flush_thread_caches();
             self.release_cached(Some(self.c.reserved - bytes))?;
         }
         self.verify();
@@ -530,19 +634,24 @@ impl Pool {
 
     pub fn stats(&mut self) -> Stats {
         let (dev_free, dev_total) = self.upstream.mem_info().unwrap_or((0, 0));
+        // Blocks parked in thread caches count as freed (their users freed them), and the
+        // fast path's operations as operations.
+        let (n_parked, parked, parked_requested) = self.parked_bytes();
+        let (fast_allocs, fast_frees) = self.caches.fast_counts();
+        let used = self.c.used - parked;
         Stats {
             struct_size: std::mem::size_of::<Stats>() as u32,
             version: STATS_VERSION,
-            used_bytes: self.c.used as u64,
-            free_bytes: (self.c.reserved - self.c.used) as u64,
+            used_bytes: used as u64,
+            free_bytes: (self.c.reserved - used) as u64,
             total_bytes: self.c.reserved as u64,
-            n_free_blocks: self.strategy.free_block_count() as u64,
-            n_live_blocks: self.live.len() as u64,
-            requested_bytes: self.c.requested as u64,
+            n_free_blocks: (self.strategy.free_block_count() + n_parked) as u64,
+            n_live_blocks: (self.live.len() - n_parked) as u64,
+            requested_bytes: (self.c.requested - parked_requested) as u64,
             peak_used_bytes: self.c.peak_used as u64,
             peak_total_bytes: self.c.peak_reserved as u64,
-            n_allocs: self.c.allocs,
-            n_frees: self.c.frees,
+            n_allocs: self.c.allocs + fast_allocs,
+            n_frees: self.c.frees + fast_frees,
             n_upstream_allocs: self.c.upstream_allocs,
             n_upstream_frees: self.c.upstream_frees,
             n_ooms: self.c.ooms,
@@ -618,6 +727,13 @@ impl Pool {
         for l in self.live.values() {
             if l.block.addr % crate::block::MIN_ALIGN != 0 || l.requested > l.block.size {
                 return Err(format!("live block {:?} misaligned or short of {}", l.block, l.requested));
+            }
+        }
+        // A thread cache holds only live blocks recorded as its own (a snapshot: owners
+        // change HANDED <-> PARKED concurrently, never the pointer).
+        for (id, p, how) in self.caches.held() {
+            if !self.live.get(&p).is_some_and(|l| l.owner == id) {
+                return Err(format!("thread cache {id} holds {p:#x} ({how:?}), which is not its live block"));
             }
         }
         Ok(())

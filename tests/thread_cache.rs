@@ -1,0 +1,264 @@
+//! The per-thread fast path (`src/thread_cache.rs`) through the C API, on the host upstream:
+//! same-size reuse skips the pool, yet statistics, double-free detection, frees from other
+//! threads, reclaim, limits, thread exit and reconfiguration behave exactly as without it.
+//! Each test uses its own device id (tests run in parallel in one process).
+
+use gpupool::ffi::core::*;
+use gpupool::{Stats, Status};
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::null_mut;
+
+const MIB: usize = 1 << 20;
+
+fn host(device: i32) {
+    assert_eq!(unsafe { gpupool_configure(device, c"split".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+}
+
+fn last() -> String {
+    let mut buf = vec![0u8; 1024];
+    unsafe { gpupool_last_error(buf.as_mut_ptr() as *mut c_char, buf.len()) };
+    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
+
+fn stats(device: i32) -> Stats {
+    let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
+    assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, Status::Ok);
+    s
+}
+
+fn malloc_on(size: usize, device: i32, stream: usize) -> usize {
+    let mut p: *mut c_void = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, size, device, stream as *mut c_void) }, Status::Ok, "{}", last());
+    p as usize
+}
+
+fn malloc(size: usize, device: i32) -> usize {
+    malloc_on(size, device, 0)
+}
+
+fn free(p: usize, device: i32) -> Status {
+    unsafe { gpupool_free(p as *mut c_void, device, null_mut()) }
+}
+
+fn check(device: i32) {
+    gpupool::registry::with_pool(device, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
+#[test]
+fn same_size_reuse_is_fast_and_stats_stay_exact() {
+    let d = 20;
+    host(d);
+    let a = malloc(MIB, d);
+    assert_eq!(free(a, d), Status::Ok);
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.requested_bytes), (0, 0, 0), "a parked block reads as freed");
+    assert_eq!((s.n_allocs, s.n_frees), (1, 1));
+    assert_eq!(s.free_bytes, s.total_bytes);
+    assert!(gpupool::thread_cache::current(d).is_some(), "the thread got a cache");
+    for i in 0..1000 {
+        let b = malloc(MIB, d);
+        assert_eq!(b, a, "round {i}: the parked block comes back");
+        assert_eq!(stats(d).used_bytes, MIB as u64);
+        assert_eq!(free(b, d), Status::Ok);
+    }
+    let s = stats(d);
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes, s.n_upstream_allocs), (1001, 1001, 0, 1));
+    assert_eq!(s.peak_used_bytes, MIB as u64);
+    // Another size: the locked path, which first returns the parked block to the pool.
+    let c = malloc(MIB / 2, d);
+    check(d);
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs), ((MIB / 2) as u64, 1, 1002));
+    assert_eq!(free(c, d), Status::Ok);
+    let mut leaks = vec![0u8; 4096];
+    unsafe { gpupool_report_leaks(leaks.as_mut_ptr() as *mut c_char, leaks.len()) };
+    let report = CStr::from_bytes_until_nul(&leaks).unwrap().to_str().unwrap();
+    assert!(!report.contains(&format!("{a:#x}")), "parked blocks are not leaks: {report}");
+}
+
+#[test]
+fn double_free_of_a_parked_block_is_caught_on_any_thread() {
+    let d = 21;
+    host(d);
+    let a = malloc(4096, d);
+    assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(free(a, d), Status::InvalidPointer, "second free on the same thread");
+    assert!(last().contains("double free"), "{}", last());
+    let st = std::thread::spawn(move || (free(a, d), last())).join().unwrap();
+    assert_eq!(st.0, Status::InvalidPointer, "second free on another thread");
+    assert!(st.1.contains("double free"), "{}", st.1);
+    assert_eq!(unsafe { gpupool_record_stream(a as *mut c_void, null_mut()) }, Status::InvalidPointer);
+    let s = stats(d);
+    assert_eq!((s.n_invalid_frees, s.n_frees, s.used_bytes), (2, 1, 0));
+    // The block is still good for its thread's next allocation of that size.
+    assert_eq!(malloc(4096, d), a);
+    assert_eq!(free(a, d), Status::Ok);
+    check(d);
+}
+
+#[test]
+fn a_block_freed_by_another_thread_leaves_the_fast_path() {
+    let d = 22;
+    host(d);
+    let a = malloc(8192, d);
+    assert_eq!(std::thread::spawn(move || free(a, d)).join().unwrap(), Status::Ok);
+    assert_eq!(stats(d).used_bytes, 0);
+    // The allocating thread may not park it any more: its free is a double free.
+    assert_eq!(free(a, d), Status::InvalidPointer);
+    assert!(last().contains("double free"), "{}", last());
+    check(d);
+    // record_stream takes a block off the fast path too: its free waits for the stream.
+    let b = malloc(8192, d);
+    assert_eq!(unsafe { gpupool_record_stream(b as *mut c_void, 0x77 as *mut c_void) }, Status::Ok);
+    assert_eq!(free(b, d), Status::Ok);
+    check(d);
+    assert_eq!(stats(d).n_deferred_frees, 1, "the free went through the pool and was deferred");
+}
+
+#[test]
+fn other_streams_never_take_the_fast_path() {
+    let d = 23;
+    host(d);
+    let s = 0x5000usize;
+    let a = malloc_on(MIB, d, s);
+    assert!(!gpupool::thread_cache::try_free(d, a, s), "a user stream's free goes to the pool");
+    assert_eq!(unsafe { gpupool_free(a as *mut c_void, d, s as *mut c_void) }, Status::Ok);
+    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, s), None);
+    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, 0), None, "nothing was parked");
+    check(d);
+}
+
+#[test]
+fn reclaim_limits_and_growth_reach_parked_blocks() {
+    let d = 24;
+    host(d);
+    // A thread parks a 64 MiB block (its own segment), then waits.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        let a = malloc(64 * MIB, d);
+        assert_eq!(free(a, d), Status::Ok);
+        tx.send(a).unwrap();
+        go_rx.recv().unwrap();
+        // After another thread took the block, this thread's cache no longer offers it.
+        let b = malloc(64 * MIB, d);
+        assert_eq!(free(b, d), Status::Ok);
+    });
+    let a = rx.recv().unwrap();
+    assert_eq!(stats(d).total_bytes, 64 << 20);
+    // Growth: with a limit of one segment, another thread's request is served by the
+    // parked block instead of failing.
+    assert_eq!(gpupool_set_limit(d, 64 * MIB), Status::Ok);
+    let b = malloc(64 * MIB, d);
+    assert_eq!(b, a, "the parked block was flushed and reused");
+    assert_eq!(stats(d).n_upstream_allocs, 1);
+    assert_eq!(free(b, d), Status::Ok);
+    go_tx.send(()).unwrap();
+    t.join().unwrap();
+    assert_eq!(gpupool_set_limit(d, 0), Status::Ok);
+    // Reclaim from this thread returns what the exited thread had parked.
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    let s = stats(d);
+    assert_eq!((s.total_bytes, s.used_bytes, s.n_live_blocks), (0, 0, 0), "everything went back");
+    assert_eq!(s.n_allocs, s.n_frees);
+    check(d);
+}
+
+#[test]
+fn exited_threads_caches_are_flushed_and_dropped() {
+    let d = 25;
+    host(d);
+    // All allocate before any exits, so none of them reaps another's cache.
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(50));
+    let threads: Vec<_> = (0..50)
+        .map(|_| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let a = malloc(3000, d);
+                assert_eq!(free(a, d), Status::Ok);
+                barrier.wait();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = stats(d);
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (50, 50, 0));
+    let caches = || gpupool::registry::with_pool(d, |p| Ok(p.thread_cache_count())).unwrap();
+    assert_eq!(caches(), 50, "exited threads' caches wait for the next locked operation");
+    // The next locked allocation reaps the orphans; their parked blocks go back.
+    let a = malloc(100, d);
+    assert_eq!(caches(), 1, "only this thread's cache is left");
+    assert_eq!(stats(d).n_free_blocks, 1, "the 50 parked blocks coalesced back into one free block");
+    assert_eq!(free(a, d), Status::Ok);
+    check(d);
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    assert_eq!(stats(d).total_bytes, 0);
+}
+
+#[test]
+fn reconfiguring_flushes_parked_blocks_and_starts_clean() {
+    let d = 26;
+    host(d);
+    let a = malloc(MIB, d);
+    assert_eq!(free(a, d), Status::Ok);
+    // The parked block is not a live allocation: reconfiguring is allowed.
+    assert_eq!(unsafe { gpupool_configure(d, c"binned".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+    assert_eq!(free(a, d), Status::InvalidPointer, "the old pool's block is gone");
+    let b = malloc(MIB, d);
+    assert_eq!(free(b, d), Status::Ok);
+    assert_eq!(malloc(MIB, d), b, "the fast path works with the new pool");
+    assert_eq!(free(b, d), Status::Ok);
+    let s = stats(d);
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (2, 2, 0));
+    check(d);
+}
+
+#[test]
+fn threads_hammering_with_cross_thread_frees_stay_consistent() {
+    let d = 27;
+    host(d);
+    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+    let consumer = std::thread::spawn(move || {
+        let mut n = 0;
+        for p in rx {
+            assert_eq!(free(p, d), Status::Ok);
+            n += 1;
+        }
+        n
+    });
+    let workers: Vec<_> = (0..8)
+        .map(|t| {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..5000usize {
+                    let size = [256, 4096, MIB, 3 * MIB][(i + t) % 4];
+                    let p = malloc(size, d);
+                    match i % 5 {
+                        0 => tx.send(p).unwrap(),
+                        1 => held.push(p),
+                        _ => assert_eq!(free(p, d), Status::Ok),
+                    }
+                    if held.len() > 3 {
+                        assert_eq!(free(held.remove(0), d), Status::Ok);
+                    }
+                }
+                for p in held {
+                    assert_eq!(free(p, d), Status::Ok);
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(consumer.join().unwrap(), 8 * 1000);
+    check(d);
+    let s = stats(d);
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes, s.n_live_blocks, s.n_invalid_frees), (40000, 40000, 0, 0, 0));
+}
