@@ -262,3 +262,68 @@ fn threads_hammering_with_cross_thread_frees_stay_consistent() {
     let s = stats(d);
     assert_eq!((s.n_allocs, s.n_frees, s.used_bytes, s.n_live_blocks, s.n_invalid_frees), (40000, 40000, 0, 0, 0));
 }
+
+fn cupy_malloc(size: usize, device: i32) -> usize {
+    let p = unsafe { gpupool::ffi::cupy::gpupool_cupy_malloc(null_mut(), size, device) } as usize;
+    assert_ne!(p, 0, "{}", last());
+    p
+}
+
+fn cupy_free(p: usize, device: i32) {
+    unsafe { gpupool::ffi::cupy::gpupool_cupy_free(null_mut(), p as *mut c_void, device) };
+}
+
+#[test]
+fn cupy_frees_are_reused_only_after_a_batched_fence() {
+    use gpupool::thread_cache::FENCE_BATCH;
+    let d = 28;
+    host(d);
+    // Until a fence is recorded no CuPy-freed block comes back, so each allocation is new.
+    let mut seen = Vec::new();
+    for _ in 0..FENCE_BATCH {
+        let p = cupy_malloc(MIB, d);
+        assert!(!seen.contains(&p), "{p:#x} reused before a fence");
+        seen.push(p);
+        cupy_free(p, d);
+    }
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs, s.n_frees), (0, 0, FENCE_BATCH as u64, FENCE_BATCH as u64));
+    // The next allocation records one fence; from then on the batch cycles.
+    for i in 0..10 * FENCE_BATCH {
+        let p = cupy_malloc(MIB, d);
+        assert!(seen.contains(&p), "round {i}: {p:#x} is not one of the fenced blocks");
+        cupy_free(p, d);
+    }
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees, s.n_invalid_frees), (0, 11 * FENCE_BATCH as u64, 11 * FENCE_BATCH as u64, 0));
+    check(d);
+    // A double free of a kept block is counted, not fatal; nothing changes.
+    let p = cupy_malloc(MIB, d);
+    cupy_free(p, d);
+    cupy_free(p, d);
+    assert_eq!(stats(d).n_invalid_frees, 1);
+    check(d);
+    // Reclaim takes the magazine back too, fenced or not.
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    let s = stats(d);
+    assert_eq!((s.total_bytes, s.used_bytes, s.n_live_blocks), (0, 0, 0));
+    check(d);
+}
+
+#[test]
+fn blocks_cross_between_cupy_and_legacy_stream_frees() {
+    let d = 29;
+    host(d);
+    // A CuPy allocation freed through the C API (e.g. a DLPack export) leaves the magazine.
+    let p = cupy_malloc(4096, d);
+    assert_eq!(free(p, d), Status::Ok);
+    cupy_free(p, d);
+    assert_eq!(stats(d).n_invalid_frees, 1, "its CuPy free after that is a double free");
+    // A legacy-stream allocation freed by CuPy goes through the pool's fenced path.
+    let q = malloc(4096, d);
+    cupy_free(q, d);
+    assert_eq!(stats(d).used_bytes, 0);
+    assert_eq!(free(q, d), Status::InvalidPointer);
+    check(d);
+}

@@ -7,7 +7,6 @@
 use super::boundary::{call, call_value, last_error, opt_str, write_str};
 use crate::config::{PoolKind, UpstreamKind};
 use crate::error::{BadPointer, Error, Status};
-use crate::pool::NO_OWNER;
 use crate::registry;
 use crate::stats::{Stats, STATS_V1_SIZE};
 use crate::thread_cache;
@@ -50,13 +49,7 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
 /// Shared by `gpupool_malloc` and the framework entry points: the calling thread's fast
 /// path first (`thread_cache.rs`), else the pool under its lock.
 pub(crate) fn malloc_on(size: usize, device: c_int, stream: usize) -> crate::error::Result<usize> {
-    thread_cache::malloc_with(device, size, stream, |current| {
-        registry::with_pool(device, |pool| {
-            let attached = pool.attach_thread(current, stream);
-            let owner = attached.as_ref().map_or(NO_OWNER, |a| a.0);
-            Ok((pool.malloc_owned(size, stream, owner), attached))
-        })
-    })
+    thread_cache::malloc(device, size, stream)
 }
 
 /// Free `ptr` (from `gpupool_malloc` on `device`), whose last use was on `stream`.

@@ -3,7 +3,7 @@
 //! Stream policy (CuPy passes no stream): CuPy blocks are tagged with the legacy default
 //! stream, and a CuPy-freed block is reused only after a fence (an event record) has been
 //! enqueued on the legacy stream after its free (fences are batched, see
-//! `Pool::free_unordered`).
+//! `Pool::free_unordered`, and per thread `thread_cache.rs`'s magazine).
 //! Work that CuPy later issues on any *blocking* stream — CuPy's default stream, the
 //! per-thread default stream, and `cupy.cuda.Stream()` (non_blocking=False, CuPy's default)
 //! — waits for earlier legacy-stream work, and the fence waited for all earlier work on
@@ -23,8 +23,7 @@ use super::boundary::call;
 use super::core::free_with;
 use super::report::call_void;
 use crate::error::Error;
-use crate::registry;
-use crate::stream::STREAM_LEGACY;
+use crate::thread_cache;
 use std::ffi::{c_char, c_int, c_void, CString};
 
 type PyErrSetString = unsafe extern "C" fn(*mut c_void, *const c_char);
@@ -62,7 +61,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     let mut out = std::ptr::null_mut();
     let mut err: Option<Error> = None;
     call(|| {
-        registry::with_pool(device, |p| p.malloc(size, STREAM_LEGACY))
+        thread_cache::malloc_unordered(device, size)
             .map(|a| out = a as *mut c_void)
             .inspect_err(|e| err = Some(e.clone()))
     });
@@ -83,5 +82,10 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
 pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
     let _ = param;
     let p = ptr as usize;
-    call_void("gpupool_cupy_free", || free_with(p, device, |pool| pool.free_unordered(p)));
+    call_void("gpupool_cupy_free", || {
+        if p != 0 && thread_cache::try_free_unordered(device, p) {
+            return Ok(());
+        }
+        free_with(p, device, |pool| pool.free_unordered(p))
+    });
 }

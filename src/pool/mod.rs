@@ -23,7 +23,7 @@ use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use thread_caches::ThreadCaches;
-pub use thread_caches::NO_OWNER;
+pub use thread_caches::{owner_of, NO_OWNER};
 
 mod release;
 mod thread_caches;
@@ -192,7 +192,7 @@ impl Pool {
     }
     /// Live allocations (blocks parked in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
-        self.live.len() - self.caches.parked().len()
+        self.live.len() - self.caches.kept().len()
     }
     pub fn owns(&self, ptr: usize) -> bool {
         self.live.contains_key(&ptr)
@@ -204,22 +204,20 @@ impl Pool {
     }
 
     /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
-    /// is the (pool id, cache id) the thread already has for this device. Its parked blocks
-    /// come back first (so this allocation can use their memory). Returns the cache id to
-    /// pass to `malloc_owned`, and a new cache for the thread to install, if one was made.
-    /// `None`: no fast path here (disabled, or not the legacy stream).
+    /// is the (pool id, cache id) the thread already has for this device. Exited threads'
+    /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
+    /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
+    /// fast path here (disabled, or not the legacy stream).
     pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
         if !self.caches.enabled() || !crate::stream::is_legacy(stream) {
             return None;
         }
-        for p in self.caches.reap() {
-            self.release_parked(p);
+        if self.caches.has_orphans() {
+            for (p, hold) in self.caches.reap() {
+                self.release_kept(p, hold);
+            }
         }
-        let (id, fresh) = self.caches.attach(current)?;
-        for p in self.caches.take_parked_of(id) {
-            self.release_parked(p);
-        }
-        Some((id, fresh))
+        self.caches.attach(current)
     }
 
     /// Thread caches registered with this pool (exited threads' until the next locked
@@ -231,23 +229,38 @@ impl Pool {
     /// Give every block parked in a thread cache back to the pool (reclaim, limits, growth,
     /// reconfiguration).
     pub fn flush_thread_caches(&mut self) {
-        let mut parked = self.caches.reap();
-        parked.extend(self.caches.take_all_parked());
-        for p in parked {
-            self.release_parked(p);
+        let mut kept = self.caches.reap();
+        kept.extend(self.caches.take_all_kept(false));
+        for (p, hold) in kept {
+            self.release_kept(p, hold);
         }
     }
 
     /// Free a block taken out of a thread cache: its user freed it already (counted then).
-    fn release_parked(&mut self, ptr: usize) {
+    /// A CuPy free not yet fenced joins the pool's unfenced frees.
+    pub fn release_kept(&mut self, ptr: usize, hold: Hold) {
         let counted = self.c.frees;
-        let _ = self.free(ptr, crate::stream::STREAM_LEGACY);
+        let _ = match hold {
+            Hold::Unfenced => self.free_unordered(ptr),
+            _ => self.free(ptr, crate::stream::STREAM_LEGACY),
+        };
         self.c.frees = counted;
     }
 
-    /// Bytes and requested bytes of the blocks parked in thread caches.
+    /// Enqueue a fence on the legacy stream now: CuPy frees made before it may be reused
+    /// (`free_unordered`'s rule; the thread caches' magazines batch them).
+    pub fn fence_legacy_now(&mut self) {
+        // Mark the legacy stream as freed-on so the fence records, then record it.
+        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
+        if self.streams.fence_legacy(&mut *self.upstream).is_err() {
+            // Without a fence the blocks cannot be proven safe: wait for the device instead.
+            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY);
+        }
+    }
+
+    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
     fn parked_bytes(&self) -> (usize, usize, usize) {
-        let parked = self.caches.parked();
+        let parked = self.caches.kept();
         let n = parked.len();
         parked.iter().filter_map(|p| self.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
@@ -314,10 +327,13 @@ impl Pool {
                 return Ok(b);
             }
         }
-        // Blocks parked in thread caches before new memory: the fast path never makes the
-        // pool grow.
-        if self.caches.enabled() && self.caches.any_parked() {
-            self.flush_thread_caches();
+        // Reusable blocks kept in thread caches before new memory: the fast path never makes
+        // the pool grow. (Unfenced CuPy frees could not serve this request; pressure below
+        // takes them too.)
+        if self.caches.enabled() && self.caches.any_reusable() {
+            for (p, hold) in self.caches.take_all_kept(true) {
+                self.release_kept(p, hold);
+            }
             self.strategy.flush_deferred();
             if let Some(b) = self.take_cached(rounded, key, stream) {
                 return Ok(b);
@@ -339,10 +355,13 @@ impl Pool {
         for stage in 0..3 {
             match stage {
                 1 => {
+                    self.flush_thread_caches();
                     self.fence_unfenced();
                     self.release_cached(Some(preferred))?;
                 }
                 2 => {
+                    self.flush_thread_caches();
+                    self.fence_unfenced();
                     self.finish_pending(true);
                     self.release_cached(None)?;
                 }
@@ -422,7 +441,7 @@ impl Pool {
 
     /// Every live allocation, for the leak report.
     pub fn leaks(&self) -> Vec<Leak> {
-        let parked = self.caches.parked();
+        let parked = self.caches.kept();
         self.live
             .values()
             .filter(|l| !parked.contains(&l.block.addr))
@@ -497,7 +516,7 @@ impl Pool {
 
     fn classify_bad_pointer(&self, ptr: usize) -> Error {
         let why = if self.strategy.is_free_block(ptr)
-            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_parked(l.owner, ptr))
+            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
             || self.pending.iter().any(|p| p.block.addr == ptr)
             || self.unfenced.iter().any(|b| b.addr == ptr)
         {
@@ -517,7 +536,7 @@ impl Pool {
             self.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
-        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr) == Some(Hold::Parked) {
+        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
             // Its thread freed it already and keeps it for reuse: a double free.
             self.live.insert(ptr, live);
             self.c.invalid_frees += 1;
@@ -536,7 +555,7 @@ impl Pool {
             return Err(self.classify_bad_pointer(ptr));
         };
         // Its free must now reach the pool (which waits for `stream`): off the fast path.
-        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr) == Some(Hold::Parked) {
+        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
             return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
         }
         if !l.extra_streams.contains(&stream) {
@@ -584,12 +603,7 @@ impl Pool {
         if self.unfenced.is_empty() {
             return;
         }
-        // Mark the legacy stream as freed-on so the fence records, then record it.
-        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
-        if self.streams.fence_legacy(&mut *self.upstream).is_err() {
-            // Without a fence the blocks cannot be proven safe: wait for the device instead.
-            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY);
-        }
+        self.fence_legacy_now();
         self.unfenced_bytes = 0;
         for b in std::mem::take(&mut self.unfenced) {
             let _ = self.put_block(b);

@@ -5,12 +5,30 @@
 //! owner threads, which change them without the lock, so every read here is a snapshot and
 //! every change a compare-and-swap (see `thread_cache.rs` for the protocol).
 
-use crate::thread_cache::{Hold, ThreadCache};
+use crate::thread_cache::{Hold, Kind, ThreadCache};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// `Live::owner` of a block no thread cache may hold.
 pub const NO_OWNER: u32 = u32::MAX;
+/// `Live::owner` bit: the block lives in the cache's magazine (CuPy's stream-less frees).
+const UNORDERED_BIT: u32 = 1 << 31;
+
+/// The `Live::owner` value for cache `id`'s word set `kind`.
+pub fn owner_of(id: u32, kind: Kind) -> u32 {
+    match kind {
+        Kind::Ordered => id,
+        Kind::Unordered => id | UNORDERED_BIT,
+    }
+}
+
+fn split_owner(owner: u32) -> (u32, Kind) {
+    if owner & UNORDERED_BIT != 0 {
+        (owner & !UNORDERED_BIT, Kind::Unordered)
+    } else {
+        (owner, Kind::Ordered)
+    }
+}
 
 /// Pools get distinct ids, so a thread's cache from a pool that was since replaced
 /// (`gpupool_configure`) is recognised as stale.
@@ -69,52 +87,57 @@ impl ThreadCaches {
         self.all().count()
     }
 
-    pub fn get(&self, id: u32) -> Option<&ThreadCache> {
+    fn get(&self, id: u32) -> Option<&ThreadCache> {
         self.caches.get(id as usize).and_then(|c| c.as_deref())
     }
 
-    /// Clear HANDED(`ptr`) in cache `owner`; `Some(Hold::Parked)` if its thread freed it.
+    /// Clear HANDED(`ptr`) in the cache named by `owner` (a `Live::owner`). `Some(hold)`
+    /// other than `Handed`: its thread freed it already (a double free).
     pub fn claim(&self, owner: u32, ptr: usize) -> Option<Hold> {
-        self.get(owner).and_then(|c| c.claim(ptr))
+        let (id, kind) = split_owner(owner);
+        self.get(id).and_then(|c| c.claim(kind, ptr))
     }
 
-    /// Whether `ptr` sits parked in cache `owner` (i.e. was freed already).
-    pub fn is_parked(&self, owner: u32, ptr: usize) -> bool {
-        self.get(owner).is_some_and(|c| c.held().any(|h| h == (ptr, Hold::Parked)))
+    /// Whether `ptr` is kept (freed) in the cache named by `owner`.
+    pub fn is_kept(&self, owner: u32, ptr: usize) -> bool {
+        let (id, _) = split_owner(owner);
+        self.get(id).is_some_and(|c| c.held().any(|(_, p, h)| p == ptr && h != Hold::Handed))
     }
 
     fn all(&self) -> impl Iterator<Item = &ThreadCache> {
         self.caches.iter().flatten().map(|c| &**c)
     }
 
-    /// Whether any thread has parked blocks (cheap: a few atomic loads per thread).
-    pub fn any_parked(&self) -> bool {
-        self.all().any(|c| c.held().any(|(_, h)| h == Hold::Parked))
+    /// Whether any thread keeps freed blocks that are reusable now (a few atomic loads per
+    /// thread).
+    pub fn any_reusable(&self) -> bool {
+        self.all().any(|c| c.held().any(|(_, _, h)| h == Hold::Reusable))
     }
 
-    /// Every parked block, by owner (reports; the snapshot may be a moment old).
-    pub fn parked(&self) -> Vec<usize> {
-        self.all().flat_map(|c| c.held().filter(|(_, h)| *h == Hold::Parked).map(|(p, _)| p)).collect()
+    /// Every kept (freed) block (reports; the snapshot may be a moment old).
+    pub fn kept(&self) -> Vec<usize> {
+        self.all().flat_map(|c| c.held().filter(|(_, _, h)| *h != Hold::Handed).map(|(_, p, _)| p)).collect()
     }
 
-    /// Every block held by any cache, with its cache id (invariant scan).
+    /// Every block held by any cache, with its `Live::owner` value (invariant scan).
     pub fn held(&self) -> Vec<(u32, usize, Hold)> {
-        self.all().flat_map(|c| c.held().map(move |(p, h)| (c.id(), p, h))).collect()
+        self.all().flat_map(|c| c.held().map(move |(k, p, h)| (owner_of(c.id(), k), p, h))).collect()
     }
 
-    /// Empty the parked words of cache `id`; the caller frees the blocks.
-    pub fn take_parked_of(&self, id: u32) -> Vec<usize> {
-        self.get(id).map(ThreadCache::take_parked).unwrap_or_default()
+    /// Empty every cache's kept words (only the REUSABLE ones if `reusable_only`); the
+    /// caller frees the blocks as their hold says.
+    pub fn take_all_kept(&self, reusable_only: bool) -> Vec<(usize, Hold)> {
+        self.all().flat_map(|c| c.take_kept(reusable_only)).collect()
     }
 
-    /// Empty every cache's parked words; the caller frees the blocks.
-    pub fn take_all_parked(&self) -> Vec<usize> {
-        self.all().flat_map(ThreadCache::take_parked).collect()
+    /// Whether some owner thread has exited (one atomic load).
+    pub fn has_orphans(&self) -> bool {
+        self.orphans.load(Ordering::Acquire) != 0
     }
 
-    /// Drop the caches of exited threads; returns their parked blocks for the caller to free.
-    pub fn reap(&mut self) -> Vec<usize> {
-        if self.orphans.load(Ordering::Acquire) == 0 {
+    /// Drop the caches of exited threads; returns their kept blocks for the caller to free.
+    pub fn reap(&mut self) -> Vec<(usize, Hold)> {
+        if !self.has_orphans() {
             return Vec::new();
         }
         let mut out = Vec::new();
@@ -123,7 +146,7 @@ impl ThreadCaches {
             if !c.is_orphaned() {
                 continue;
             }
-            out.extend(c.take_parked());
+            out.extend(c.take_kept(false));
             let (a, f) = c.fast_counts();
             self.retired.0 += a;
             self.retired.1 += f;
