@@ -38,7 +38,9 @@
 //!   REUSABLE. One lock and one event record serve `FENCE_BATCH` pairs, as the pool's own
 //!   batching does.
 //! - Off where every operation must reach the pool: `GPUPOOL_DEBUG`, `GPUPOOL_TRACE`,
-//!   `GPUPOOL_POOL=none`, `GPUPOOL_THREAD_CACHE=0`.
+//!   `GPUPOOL_POOL=none`, `GPUPOOL_THREAD_CACHE=0`; and under the test-only
+//!   `GPUPOOL_UNSAFE_IGNORE_STREAMS`, whose pool must reuse at once to show the stream tests
+//!   catch it.
 
 use crate::error::{Error, Result};
 use crate::pool::Pool;

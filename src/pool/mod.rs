@@ -49,9 +49,10 @@ pub struct PoolOptions {
     pub tracer: Option<&'static Tracer>,
     /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
     pub decay_window: usize,
-    /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream frees for their next
-    /// allocation of the same size (`thread_cache.rs`); ignored where every operation must
-    /// reach the pool (debug records, trace, the `none` strategy).
+    /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream and CuPy frees for
+    /// their next allocation of the same size (`thread_cache.rs`); ignored where every
+    /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
+    /// test mode).
     pub thread_cache: bool,
 }
 
@@ -160,7 +161,14 @@ impl Pool {
             decay: Decay::new(opts.decay_window),
             holes: Holes::new(upstream_page),
             caches: ThreadCaches::new(
-                opts.thread_cache && opts.debug == 0 && opts.tracer.is_none() && opts.kind != PoolKind::None && device >= 0,
+                // Off where every operation must reach the pool, and in the unsafe test mode
+                // (whose point is a pool that reuses at once, the way the cache never does).
+                opts.thread_cache
+                    && opts.debug == 0
+                    && opts.tracer.is_none()
+                    && opts.kind != PoolKind::None
+                    && !opts.unsafe_ignore_streams
+                    && device >= 0,
             ),
         })
     }
