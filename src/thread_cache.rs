@@ -58,8 +58,10 @@ pub const WORDS: usize = 4;
 pub const MAGAZINE: usize = 32;
 /// Unfenced CuPy frees that make the owner's next locked allocation record a fence.
 pub const FENCE_BATCH: usize = 24;
-/// ...or this many bytes of them (the pool's own bound for unfenced frees).
-pub const FENCE_BYTES: usize = crate::pool::UNFENCED_MAX_BYTES;
+/// ...or this many bytes of them: half the pool's own bound for its unfenced frees, so a
+/// thread's magazine and the pool's batch together hold at most 1.5× what the pool alone
+/// did before there were thread caches (memory waiting for a fence cannot serve requests).
+pub const FENCE_BYTES: usize = crate::pool::UNFENCED_MAX_BYTES / 2;
 
 const EMPTY: usize = 0;
 /// Tag bits of kept words (block addresses are at least 256-byte aligned).
