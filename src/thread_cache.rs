@@ -186,6 +186,22 @@ impl<const N: usize> Words<N> {
         }
     }
 
+    /// Owner: take back the UNFENCED words whose requested size is not `size`; returns
+    /// their count and bytes.
+    fn take_unfenced_other_than(&self, size: usize, out: &mut Vec<(usize, Hold)>) -> (usize, usize) {
+        // SAFETY: owner thread only.
+        let sizes = unsafe { &*self.sizes.get() };
+        let mut taken = (0, 0);
+        for (w, &s) in self.w.iter().zip(sizes) {
+            let cur = w.load(Ordering::Relaxed);
+            if cur & TAGS == UNFENCED && s != size && w.compare_exchange(cur, EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                out.push((cur & !TAGS, Hold::Unfenced));
+                taken = (taken.0 + 1, taken.1 + s);
+            }
+        }
+        taken
+    }
+
     /// Owner: keep `ptr` (tagged `tag`) if this thread holds it HANDED; its size.
     fn keep(&self, ptr: usize, tag: usize) -> Option<usize> {
         for (i, w) in self.w.iter().enumerate() {
@@ -428,10 +444,16 @@ fn locked_malloc(
         if let Some(p) = cache.reuse(kind, size) {
             return (Ok(p), fresh);
         }
-        // A miss: the fenced blocks of other sizes go back, so this request may use them.
-        let mut ready = Vec::new();
-        cache.unordered.take_reusable(&mut ready);
-        for (p, hold) in ready {
+        // A miss. The fenced blocks of other sizes go back, so this request may use them;
+        // so do unfenced ones of other sizes, into the pool's own batch: the magazine holds
+        // frees only while the thread keeps asking for their sizes. (A thread whose sizes
+        // never repeat thus hands the pool each free at its next allocation, which makes the
+        // same decisions as without the cache.)
+        let mut back = Vec::new();
+        cache.unordered.take_reusable(&mut back);
+        let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
+        *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
+        for (p, hold) in back {
             pool.release_kept(p, hold);
         }
     }

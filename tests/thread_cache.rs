@@ -327,3 +327,33 @@ fn blocks_cross_between_cupy_and_legacy_stream_frees() {
     assert_eq!(free(q, d), Status::InvalidPointer);
     check(d);
 }
+
+#[test]
+fn the_magazine_holds_cupy_frees_only_while_their_sizes_repeat() {
+    let d = 31;
+    host(d);
+    let kept = || gpupool::registry::with_pool(d, |p| Ok(p.kept_blocks())).unwrap();
+    // Sizes that never repeat (a churning program): each free reaches the pool's own batch
+    // at the thread's next allocation, as it would without the cache.
+    let mut live: Vec<usize> = Vec::new();
+    for i in 0..2000usize {
+        let size = 4096 + (i * 7919) % 65536 * 64;
+        live.push(cupy_malloc(size, d));
+        if live.len() > 8 {
+            cupy_free(live.remove(i % 8), d);
+        }
+        assert!(kept() <= 1, "step {i}: the magazine kept {} frees of sizes not asked for again", kept());
+    }
+    for p in live {
+        cupy_free(p, d);
+    }
+    // A repeating size keeps its frees until a fence makes them reusable.
+    for _ in 0..5 {
+        let p = cupy_malloc(3 * MIB, d);
+        cupy_free(p, d);
+    }
+    assert_eq!(kept(), 5);
+    check(d);
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees), (0, 2005, 2005));
+}

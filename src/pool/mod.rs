@@ -234,6 +234,11 @@ impl Pool {
         self.caches.count()
     }
 
+    /// Blocks freed by their users and kept in thread caches (tests, reports).
+    pub fn kept_blocks(&self) -> usize {
+        self.caches.kept().len()
+    }
+
     /// Give every block parked in a thread cache back to the pool (reclaim, limits, growth,
     /// reconfiguration).
     pub fn flush_thread_caches(&mut self) {
