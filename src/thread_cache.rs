@@ -108,7 +108,17 @@ struct Words<const N: usize> {
     /// REUSABLE words the owner may have (owner only; an upper bound, since the pool may
     /// empty some): a miss with none skips the scan, the common case of a churning thread.
     reusable: UnsafeCell<usize>,
+    /// Non-empty words as of the owner's last `remember` (owner only; an upper bound): a
+    /// free with none skips the scan.
+    occupied: UnsafeCell<usize>,
+    /// The sizes of this set's last `RECENT` locked allocations (owner only): a block is
+    /// remembered only if its size was asked for recently, so a thread whose sizes never
+    /// repeat (churn) pays no scans, and its blocks none in the pool (`Live::owner` unset).
+    recent: UnsafeCell<([usize; RECENT], usize)>,
 }
+
+/// Locked allocations whose sizes `Words::repeats` remembers.
+const RECENT: usize = 8;
 
 impl<const N: usize> Words<N> {
     fn new() -> Self {
@@ -117,6 +127,8 @@ impl<const N: usize> Words<N> {
             sizes: UnsafeCell::new([0; N]),
             victim: UnsafeCell::new(0),
             reusable: UnsafeCell::new(0),
+            occupied: UnsafeCell::new(0),
+            recent: UnsafeCell::new(([0; RECENT], 0)),
         }
     }
 
@@ -202,10 +214,28 @@ impl<const N: usize> Words<N> {
         taken
     }
 
+    /// Owner, before a locked allocation of `size`: whether this size was asked for among
+    /// the last `RECENT` locked allocations (then the block is worth remembering).
+    fn repeats(&self, size: usize) -> bool {
+        // SAFETY: owner thread only.
+        let (sizes, next) = unsafe { &mut *self.recent.get() };
+        let seen = sizes.contains(&size);
+        sizes[*next] = size;
+        *next = (*next + 1) % RECENT;
+        seen
+    }
+
     /// Owner: keep `ptr` (tagged `tag`) if this thread holds it HANDED; its size.
     fn keep(&self, ptr: usize, tag: usize) -> Option<usize> {
+        // SAFETY: owner thread only.
+        let occupied = unsafe { &mut *self.occupied.get() };
+        if *occupied == 0 {
+            return None;
+        }
+        let mut seen = 0;
         for (i, w) in self.w.iter().enumerate() {
-            if w.load(Ordering::Relaxed) == ptr {
+            let cur = w.load(Ordering::Relaxed);
+            if cur == ptr {
                 if w.compare_exchange(ptr, ptr | tag, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                     // SAFETY: owner thread only.
                     unsafe {
@@ -217,7 +247,10 @@ impl<const N: usize> Words<N> {
                 }
                 return None; // the pool claimed it meanwhile
             }
+            seen += (cur != EMPTY) as usize;
         }
+        // Not here: the scan counted what is (the pool may have emptied words meanwhile).
+        *occupied = seen;
         None
     }
 
@@ -236,7 +269,8 @@ impl<const N: usize> Words<N> {
     /// oldest HANDED one. Kept words are never overwritten (they would be lost to the pool).
     fn remember(&self, ptr: usize, size: usize) {
         // SAFETY: owner thread only.
-        let (sizes, victim) = unsafe { (&mut *self.sizes.get(), &mut *self.victim.get()) };
+        let (sizes, victim, occupied) = unsafe { (&mut *self.sizes.get(), &mut *self.victim.get(), &mut *self.occupied.get()) };
+        *occupied = self.w.iter().filter(|w| w.load(Ordering::Relaxed) != EMPTY).count() + 1;
         let i = match self.w.iter().position(|w| w.load(Ordering::Relaxed) == EMPTY) {
             Some(i) => i,
             None => match (0..N).map(|k| (*victim + k) % N).find(|&i| self.w[i].load(Ordering::Relaxed) & TAGS == 0) {
@@ -451,17 +485,24 @@ fn locked_malloc(
         // same decisions as without the cache.)
         let mut back = Vec::new();
         cache.unordered.take_reusable(&mut back);
-        let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
-        *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
+        if unfenced.0 != 0 {
+            let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
+            *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
+        }
         for (p, hold) in back {
             pool.release_kept(p, hold);
         }
     }
+    let words_repeat = match kind {
+        Kind::Ordered => cache.ordered.repeats(size),
+        Kind::Unordered => cache.unordered.repeats(size),
+    };
+    if !words_repeat || size == 0 {
+        return (pool.malloc(size, stream), fresh);
+    }
     let r = pool.malloc_owned(size, stream, crate::pool::owner_of(id, kind));
     if let Ok(p) = r {
-        if p != 0 {
-            cache.remember(kind, p, size);
-        }
+        cache.remember(kind, p, size);
     }
     (r, fresh)
 }

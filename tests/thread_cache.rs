@@ -44,15 +44,30 @@ fn check(device: i32) {
     gpupool::registry::with_pool(device, |p| Ok(p.check_invariants())).unwrap().unwrap();
 }
 
+/// Blocks freed by their users and kept in thread caches.
+fn kept(device: i32) -> usize {
+    gpupool::registry::with_pool(device, |p| Ok(p.kept_blocks())).unwrap()
+}
+
+/// Allocate `size` and free it: a size enters the thread cache once it repeats.
+fn warm(size: usize, device: i32) {
+    let p = malloc(size, device);
+    assert_eq!(free(p, device), Status::Ok);
+}
+
 #[test]
 fn same_size_reuse_is_fast_and_stats_stay_exact() {
     let d = 20;
     host(d);
+    let first = malloc(MIB, d);
+    assert_eq!(free(first, d), Status::Ok);
+    assert_eq!(kept(d), 0, "a size met once is not kept");
     let a = malloc(MIB, d);
     assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(kept(d), 1, "a repeating size is");
     let s = stats(d);
     assert_eq!((s.used_bytes, s.n_live_blocks, s.requested_bytes), (0, 0, 0), "a parked block reads as freed");
-    assert_eq!((s.n_allocs, s.n_frees), (1, 1));
+    assert_eq!((s.n_allocs, s.n_frees), (2, 2));
     assert_eq!(s.free_bytes, s.total_bytes);
     assert!(gpupool::thread_cache::current(d).is_some(), "the thread got a cache");
     for i in 0..1000 {
@@ -62,13 +77,14 @@ fn same_size_reuse_is_fast_and_stats_stay_exact() {
         assert_eq!(free(b, d), Status::Ok);
     }
     let s = stats(d);
-    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes, s.n_upstream_allocs), (1001, 1001, 0, 1));
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes, s.n_upstream_allocs), (1002, 1002, 0, 1));
     assert_eq!(s.peak_used_bytes, MIB as u64);
     // Another size: the locked path, which first returns the parked block to the pool.
     let c = malloc(MIB / 2, d);
     check(d);
     let s = stats(d);
-    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs), ((MIB / 2) as u64, 1, 1002));
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs), ((MIB / 2) as u64, 1, 1003));
+    assert_eq!(kept(d), 0);
     assert_eq!(free(c, d), Status::Ok);
     let mut leaks = vec![0u8; 4096];
     unsafe { gpupool_report_leaks(leaks.as_mut_ptr() as *mut c_char, leaks.len()) };
@@ -80,8 +96,10 @@ fn same_size_reuse_is_fast_and_stats_stay_exact() {
 fn double_free_of_a_parked_block_is_caught_on_any_thread() {
     let d = 21;
     host(d);
+    warm(4096, d);
     let a = malloc(4096, d);
     assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(kept(d), 1);
     assert_eq!(free(a, d), Status::InvalidPointer, "second free on the same thread");
     assert!(last().contains("double free"), "{}", last());
     let st = std::thread::spawn(move || (free(a, d), last())).join().unwrap();
@@ -89,7 +107,7 @@ fn double_free_of_a_parked_block_is_caught_on_any_thread() {
     assert!(st.1.contains("double free"), "{}", st.1);
     assert_eq!(unsafe { gpupool_record_stream(a as *mut c_void, null_mut()) }, Status::InvalidPointer);
     let s = stats(d);
-    assert_eq!((s.n_invalid_frees, s.n_frees, s.used_bytes), (2, 1, 0));
+    assert_eq!((s.n_invalid_frees, s.n_frees, s.used_bytes), (2, 2, 0));
     // The block is still good for its thread's next allocation of that size.
     assert_eq!(malloc(4096, d), a);
     assert_eq!(free(a, d), Status::Ok);
@@ -100,7 +118,9 @@ fn double_free_of_a_parked_block_is_caught_on_any_thread() {
 fn a_block_freed_by_another_thread_leaves_the_fast_path() {
     let d = 22;
     host(d);
+    warm(8192, d);
     let a = malloc(8192, d);
+    assert_eq!(gpupool::registry::with_pool(d, |p| Ok(p.thread_cache_count())).unwrap(), 1);
     assert_eq!(std::thread::spawn(move || free(a, d)).join().unwrap(), Status::Ok);
     assert_eq!(stats(d).used_bytes, 0);
     // The allocating thread may not park it any more: its free is a double free.
@@ -136,8 +156,10 @@ fn reclaim_limits_and_growth_reach_parked_blocks() {
     let (tx, rx) = std::sync::mpsc::channel();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let t = std::thread::spawn(move || {
+        warm(64 * MIB, d);
         let a = malloc(64 * MIB, d);
         assert_eq!(free(a, d), Status::Ok);
+        assert_eq!(kept(d), 1);
         tx.send(a).unwrap();
         go_rx.recv().unwrap();
         // After another thread took the block, this thread's cache no longer offers it.
@@ -175,6 +197,7 @@ fn exited_threads_caches_are_flushed_and_dropped() {
         .map(|_| {
             let barrier = barrier.clone();
             std::thread::spawn(move || {
+                warm(3000, d);
                 let a = malloc(3000, d);
                 assert_eq!(free(a, d), Status::Ok);
                 barrier.wait();
@@ -185,12 +208,14 @@ fn exited_threads_caches_are_flushed_and_dropped() {
         t.join().unwrap();
     }
     let s = stats(d);
-    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (50, 50, 0));
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (100, 100, 0));
+    assert_eq!(kept(d), 50, "each exited thread left a kept block");
     let caches = || gpupool::registry::with_pool(d, |p| Ok(p.thread_cache_count())).unwrap();
     assert_eq!(caches(), 50, "exited threads' caches wait for the next locked operation");
     // The next locked allocation reaps the orphans; their parked blocks go back.
     let a = malloc(100, d);
     assert_eq!(caches(), 1, "only this thread's cache is left");
+    assert_eq!(kept(d), 0);
     assert_eq!(stats(d).n_free_blocks, 1, "the 50 parked blocks coalesced back into one free block");
     assert_eq!(free(a, d), Status::Ok);
     check(d);
@@ -203,17 +228,21 @@ fn exited_threads_caches_are_flushed_and_dropped() {
 fn reconfiguring_flushes_parked_blocks_and_starts_clean() {
     let d = 26;
     host(d);
+    warm(MIB, d);
     let a = malloc(MIB, d);
     assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(kept(d), 1);
     // The parked block is not a live allocation: reconfiguring is allowed.
     assert_eq!(unsafe { gpupool_configure(d, c"binned".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
     assert_eq!(free(a, d), Status::InvalidPointer, "the old pool's block is gone");
+    warm(MIB, d);
     let b = malloc(MIB, d);
     assert_eq!(free(b, d), Status::Ok);
-    assert_eq!(malloc(MIB, d), b, "the fast path works with the new pool");
+    assert_eq!(kept(d), 1, "the fast path works with the new pool");
+    assert_eq!(malloc(MIB, d), b);
     assert_eq!(free(b, d), Status::Ok);
     let s = stats(d);
-    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (2, 2, 0));
+    assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (3, 3, 0));
     check(d);
 }
 
@@ -279,15 +308,17 @@ fn cupy_frees_are_reused_only_after_a_batched_fence() {
     let d = 28;
     host(d);
     // Until a fence is recorded no CuPy-freed block comes back, so each allocation is new.
+    // (The first block of a size is not kept: a size enters the cache once it repeats.)
     let mut seen = Vec::new();
-    for _ in 0..FENCE_BATCH {
+    for _ in 0..=FENCE_BATCH {
         let p = cupy_malloc(MIB, d);
         assert!(!seen.contains(&p), "{p:#x} reused before a fence");
         seen.push(p);
         cupy_free(p, d);
     }
     let s = stats(d);
-    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs, s.n_frees), (0, 0, FENCE_BATCH as u64, FENCE_BATCH as u64));
+    let n = FENCE_BATCH as u64 + 1;
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_allocs, s.n_frees), (0, 0, n, n));
     // The next allocation records one fence; from then on the batch cycles.
     for i in 0..10 * FENCE_BATCH {
         let p = cupy_malloc(MIB, d);
@@ -295,7 +326,7 @@ fn cupy_frees_are_reused_only_after_a_batched_fence() {
         cupy_free(p, d);
     }
     let s = stats(d);
-    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees, s.n_invalid_frees), (0, 11 * FENCE_BATCH as u64, 11 * FENCE_BATCH as u64, 0));
+    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees, s.n_invalid_frees), (0, n + 10 * FENCE_BATCH as u64, n + 10 * FENCE_BATCH as u64, 0));
     check(d);
     // A double free of a kept block is counted, not fatal; nothing changes.
     let p = cupy_malloc(MIB, d);
@@ -316,13 +347,17 @@ fn blocks_cross_between_cupy_and_legacy_stream_frees() {
     let d = 29;
     host(d);
     // A CuPy allocation freed through the C API (e.g. a DLPack export) leaves the magazine.
+    cupy_free(cupy_malloc(4096, d), d);
     let p = cupy_malloc(4096, d);
+    assert_eq!(gpupool::thread_cache::try_malloc(d, 4096, 0), None);
     assert_eq!(free(p, d), Status::Ok);
     cupy_free(p, d);
     assert_eq!(stats(d).n_invalid_frees, 1, "its CuPy free after that is a double free");
     // A legacy-stream allocation freed by CuPy goes through the pool's fenced path.
+    warm(4096, d);
     let q = malloc(4096, d);
     cupy_free(q, d);
+    assert_eq!(kept(d), 0);
     assert_eq!(stats(d).used_bytes, 0);
     assert_eq!(free(q, d), Status::InvalidPointer);
     check(d);
@@ -332,9 +367,8 @@ fn blocks_cross_between_cupy_and_legacy_stream_frees() {
 fn the_magazine_holds_cupy_frees_only_while_their_sizes_repeat() {
     let d = 31;
     host(d);
-    let kept = || gpupool::registry::with_pool(d, |p| Ok(p.kept_blocks())).unwrap();
-    // Sizes that never repeat (a churning program): each free reaches the pool's own batch
-    // at the thread's next allocation, as it would without the cache.
+    // Sizes that never repeat (a churning program): blocks are not even remembered, so each
+    // free reaches the pool's own batch at once, as it would without the cache.
     let mut live: Vec<usize> = Vec::new();
     for i in 0..2000usize {
         let size = 4096 + (i * 7919) % 65536 * 64;
@@ -342,18 +376,26 @@ fn the_magazine_holds_cupy_frees_only_while_their_sizes_repeat() {
         if live.len() > 8 {
             cupy_free(live.remove(i % 8), d);
         }
-        assert!(kept() <= 1, "step {i}: the magazine kept {} frees of sizes not asked for again", kept());
+        assert_eq!(kept(d), 0, "step {i}: the magazine kept frees of sizes not asked for again");
     }
     for p in live {
         cupy_free(p, d);
     }
-    // A repeating size keeps its frees until a fence makes them reusable.
+    // Two repeating sizes in turn: a miss for one hands the other's unfenced frees to the
+    // pool's batch, so the magazine never sits on frees the thread is not asking for.
+    for i in 0..200usize {
+        let p = cupy_malloc([5 * MIB, 6 * MIB][i % 2], d);
+        cupy_free(p, d);
+        assert!(kept(d) <= 1, "step {i}: {} kept", kept(d));
+    }
+    // A repeating size keeps its frees until a fence makes them reusable (from its second
+    // allocation on: the first is what makes it a repeating size).
     for _ in 0..5 {
         let p = cupy_malloc(3 * MIB, d);
         cupy_free(p, d);
     }
-    assert_eq!(kept(), 5);
+    assert_eq!(kept(d), 4);
     check(d);
     let s = stats(d);
-    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees), (0, 2005, 2005));
+    assert_eq!((s.used_bytes, s.n_allocs, s.n_frees), (0, 2205, 2205));
 }
