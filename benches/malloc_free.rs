@@ -3,7 +3,7 @@
 //! - `c_api/*`: through the exported C functions on the host upstream (the hot path every
 //!   framework uses), one thread and 8 threads sharing one device pool; CuPy's entry points;
 //!   the churn step below through the C API. `GPUPOOL_THREAD_CACHE=0 cargo bench` measures
-//!   the same without the per-thread fast path (`src/thread_cache.rs`).
+//!   the same without the per-thread fast path (`src/thread_cache/`).
 //! - `lock/*`: the lock choice. The same `Pool` behind `std::sync::Mutex` and behind
 //!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
 //!   2-core machine, the case where spinning collapses).

@@ -162,7 +162,7 @@ pub struct Config {
     /// `GPUPOOL_DECAY`: allocations a cached byte may sit unneeded before it goes back to
     /// the driver (`decay.rs`); 0 / `off` keeps everything cached until reclaim.
     pub decay_window: usize,
-    /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`thread_cache.rs`).
+    /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`crate::thread_cache`).
     pub thread_cache: bool,
 }
 

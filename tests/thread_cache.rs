@@ -1,4 +1,4 @@
-//! The per-thread fast path (`src/thread_cache.rs`) through the C API, on the host upstream:
+//! The per-thread fast path (`src/thread_cache/`) through the C API, on the host upstream:
 //! same-size reuse skips the pool, yet statistics, double-free detection, frees from other
 //! threads, reclaim, limits, thread exit and reconfiguration behave exactly as without it.
 //! Each test uses its own device id (tests run in parallel in one process).

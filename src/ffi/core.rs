@@ -47,7 +47,7 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
 }
 
 /// Shared by `gpupool_malloc` and the framework entry points: the calling thread's fast
-/// path first (`thread_cache.rs`), else the pool under its lock.
+/// path first (`crate::thread_cache`), else the pool under its lock.
 pub(crate) fn malloc_on(size: usize, device: c_int, stream: usize) -> crate::error::Result<usize> {
     thread_cache::malloc(device, size, stream)
 }

@@ -3,7 +3,7 @@
 //! Stream policy (CuPy passes no stream): CuPy blocks are tagged with the legacy default
 //! stream, and a CuPy-freed block is reused only after a fence (an event record) has been
 //! enqueued on the legacy stream after its free (fences are batched, see
-//! `Pool::free_unordered`, and per thread `thread_cache.rs`'s magazine).
+//! `Pool::free_unordered`, and per thread `thread_cache`'s magazine).
 //! Work that CuPy later issues on any *blocking* stream — CuPy's default stream, the
 //! per-thread default stream, and `cupy.cuda.Stream()` (non_blocking=False, CuPy's default)
 //! — waits for earlier legacy-stream work, and the fence waited for all earlier work on

@@ -18,10 +18,9 @@ use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
 use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
-use crate::thread_cache::{Hold, ThreadCache};
+use crate::thread_cache::Hold;
 use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
-use std::sync::Arc;
 use thread_caches::ThreadCaches;
 pub use thread_caches::{owner_of, NO_OWNER};
 
@@ -50,7 +49,7 @@ pub struct PoolOptions {
     /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
     pub decay_window: usize,
     /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream and CuPy frees for
-    /// their next allocation of the same size (`thread_cache.rs`); ignored where every
+    /// their next allocation of the same size (`crate::thread_cache`); ignored where every
     /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
     /// test mode).
     pub thread_cache: bool,
@@ -131,7 +130,7 @@ pub struct Pool {
     decay: Option<Decay>,
     /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
     holes: Holes,
-    /// Threads' fast-path caches for this pool (`thread_cache.rs`).
+    /// Threads' fast-path caches for this pool (`crate::thread_cache`).
     caches: ThreadCaches,
 }
 
@@ -198,7 +197,7 @@ impl Pool {
     pub fn obtained_bytes(&self) -> (u64, u64) {
         (self.c.upstream_alloc_bytes, self.c.commit_bytes)
     }
-    /// Live allocations (blocks parked in thread caches were freed by their users).
+    /// Live allocations (blocks kept in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
         self.live.len() - self.caches.kept().len()
     }
@@ -211,55 +210,6 @@ impl Pool {
         self.malloc_owned(size, stream, NO_OWNER)
     }
 
-    /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
-    /// is the (pool id, cache id) the thread already has for this device. Exited threads'
-    /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
-    /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
-    /// fast path here (disabled, or not the legacy stream).
-    pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
-        if !self.caches.enabled() || !crate::stream::is_legacy(stream) {
-            return None;
-        }
-        if self.caches.has_orphans() {
-            for (p, hold) in self.caches.reap() {
-                self.release_kept(p, hold);
-            }
-        }
-        self.caches.attach(current)
-    }
-
-    /// Thread caches registered with this pool (exited threads' until the next locked
-    /// operation reaps them).
-    pub fn thread_cache_count(&self) -> usize {
-        self.caches.count()
-    }
-
-    /// Blocks freed by their users and kept in thread caches (tests, reports).
-    pub fn kept_blocks(&self) -> usize {
-        self.caches.kept().len()
-    }
-
-    /// Give every block parked in a thread cache back to the pool (reclaim, limits, growth,
-    /// reconfiguration).
-    pub fn flush_thread_caches(&mut self) {
-        let mut kept = self.caches.reap();
-        kept.extend(self.caches.take_all_kept(false));
-        for (p, hold) in kept {
-            self.release_kept(p, hold);
-        }
-    }
-
-    /// Free a block taken out of a thread cache: its user freed it already (counted then).
-    /// A CuPy free not yet fenced joins the pool's unfenced frees.
-    pub fn release_kept(&mut self, ptr: usize, hold: Hold) {
-        let counted = self.c.frees;
-        let _ = match hold {
-            Hold::Unfenced => self.free_unordered(ptr),
-            _ => self.free(ptr, crate::stream::STREAM_LEGACY),
-        };
-        self.c.frees = counted;
-    }
-
     /// Enqueue a fence on the legacy stream now: CuPy frees made before it may be reused
     /// (`free_unordered`'s rule; the thread caches' magazines batch them).
     pub fn fence_legacy_now(&mut self) {
@@ -269,13 +219,6 @@ impl Pool {
             // Without a fence the blocks cannot be proven safe: wait for the device instead.
             let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY);
         }
-    }
-
-    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
-    fn parked_bytes(&self) -> (usize, usize, usize) {
-        let parked = self.caches.kept();
-        let n = parked.len();
-        parked.iter().filter_map(|p| self.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
@@ -303,9 +246,9 @@ impl Pool {
         self.c.used += block.size;
         self.c.requested += size;
         if self.c.used > self.c.peak_used {
-            // `used` counts blocks parked in thread caches, which their users freed: the
+            // `used` counts blocks kept in thread caches, which their users freed: the
             // peak must not (rarely reached: only when a new peak is possible).
-            let parked = if self.caches.enabled() { self.parked_bytes().1 } else { 0 };
+            let parked = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
             self.c.peak_used = self.c.peak_used.max(self.c.used - parked);
         }
         self.c.allocs += 1;
@@ -661,20 +604,20 @@ impl Pool {
 
     pub fn stats(&mut self) -> Stats {
         let (dev_free, dev_total) = self.upstream.mem_info().unwrap_or((0, 0));
-        // Blocks parked in thread caches count as freed (their users freed them), and the
+        // Blocks kept in thread caches count as freed (their users freed them), and the
         // fast path's operations as operations.
-        let (n_parked, parked, parked_requested) = self.parked_bytes();
+        let (n_kept, kept, kept_requested) = self.kept_bytes();
         let (fast_allocs, fast_frees) = self.caches.fast_counts();
-        let used = self.c.used - parked;
+        let used = self.c.used - kept;
         Stats {
             struct_size: std::mem::size_of::<Stats>() as u32,
             version: STATS_VERSION,
             used_bytes: used as u64,
             free_bytes: (self.c.reserved - used) as u64,
             total_bytes: self.c.reserved as u64,
-            n_free_blocks: (self.strategy.free_block_count() + n_parked) as u64,
-            n_live_blocks: (self.live.len() - n_parked) as u64,
-            requested_bytes: (self.c.requested - parked_requested) as u64,
+            n_free_blocks: (self.strategy.free_block_count() + n_kept) as u64,
+            n_live_blocks: (self.live.len() - n_kept) as u64,
+            requested_bytes: (self.c.requested - kept_requested) as u64,
             peak_used_bytes: self.c.peak_used as u64,
             peak_total_bytes: self.c.peak_reserved as u64,
             n_allocs: self.c.allocs + fast_allocs,

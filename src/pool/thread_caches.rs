@@ -1,10 +1,13 @@
 //! The pool's side of the per-thread fast path (`crate::thread_cache`): which threads'
-//! caches belong to this pool, and emptying their parked blocks back into it.
+//! caches belong to this pool (`ThreadCaches`), and the pool's operations on them: attaching
+//! a thread, taking kept blocks back, and the figures reports subtract.
 //!
 //! Everything here runs under the device lock. The caches' words are shared with their
 //! owner threads, which change them without the lock, so every read here is a snapshot and
-//! every change a compare-and-swap (see `thread_cache.rs` for the protocol).
+//! every change a compare-and-swap (see `crate::thread_cache` for the protocol).
 
+use super::Pool;
+use crate::stream::StreamHandle;
 use crate::thread_cache::{Hold, Kind, ThreadCache};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -160,5 +163,64 @@ impl ThreadCaches {
     /// Fast-path (allocations, frees) of every cache, past and present.
     pub fn fast_counts(&self) -> (u64, u64) {
         self.all().map(ThreadCache::fast_counts).fold(self.retired, |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+}
+
+/// The pool's operations on its thread caches, under the device lock.
+impl Pool {
+    /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
+    /// is the (pool id, cache id) the thread already has for this device. Exited threads'
+    /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
+    /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
+    /// fast path here (disabled, or not the legacy stream).
+    pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
+        if !self.caches.enabled() || !crate::stream::is_legacy(stream) {
+            return None;
+        }
+        if self.caches.has_orphans() {
+            for (p, hold) in self.caches.reap() {
+                self.release_kept(p, hold);
+            }
+        }
+        self.caches.attach(current)
+    }
+
+    /// Thread caches registered with this pool (exited threads' until the next locked
+    /// operation reaps them).
+    pub fn thread_cache_count(&self) -> usize {
+        self.caches.count()
+    }
+
+    /// Blocks freed by their users and kept in thread caches (tests, reports).
+    pub fn kept_blocks(&self) -> usize {
+        self.caches.kept().len()
+    }
+
+    /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,
+    /// reconfiguration).
+    pub fn flush_thread_caches(&mut self) {
+        let mut kept = self.caches.reap();
+        kept.extend(self.caches.take_all_kept(false));
+        for (p, hold) in kept {
+            self.release_kept(p, hold);
+        }
+    }
+
+    /// Free a block taken out of a thread cache: its user freed it already (counted then).
+    /// A CuPy free not yet fenced joins the pool's unfenced frees.
+    pub fn release_kept(&mut self, ptr: usize, hold: Hold) {
+        let counted = self.c.frees;
+        let _ = match hold {
+            Hold::Unfenced => self.free_unordered(ptr),
+            _ => self.free(ptr, crate::stream::STREAM_LEGACY),
+        };
+        self.c.frees = counted;
+    }
+
+    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
+    pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
+        let kept = self.caches.kept();
+        let n = kept.len();
+        kept.iter().filter_map(|p| self.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
 }

@@ -1,0 +1,203 @@
+//! `ThreadCache`: one thread's fast-path state for one device's pool (its two word sets and
+//! counters), with the operations the owner thread and the pool each may perform.
+
+use super::words::{Hold, Words, REUSABLE, UNFENCED};
+use super::{FENCE_BYTES, MAGAZINE, WORDS};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Which word set a block lives in: frees naming the legacy stream, or CuPy's stream-less
+/// frees (the magazine). `Live::owner` records it with the cache id.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Ordered,
+    Unordered,
+}
+
+
+/// One thread's fast-path state for one device's pool.
+pub struct ThreadCache {
+    pub(super) ordered: Words<WORDS>,
+    pub(super) unordered: Words<MAGAZINE>,
+    /// Owner only: count and bytes of UNFENCED words (an upper bound: the pool may have
+    /// emptied some since).
+    pub(super) unfenced: UnsafeCell<(usize, usize)>,
+    /// Fast-path allocations and frees (written by the owner, read by the pool's reports).
+    pub(super) fast_allocs: AtomicU64,
+    pub(super) fast_frees: AtomicU64,
+    /// Set when the owner thread has exited.
+    pub(super) orphaned: AtomicBool,
+    /// The pool's count of orphaned caches, bumped on exit so the pool notices cheaply.
+    pub(super) orphans: Arc<AtomicUsize>,
+    /// Identity of the pool this cache belongs to, and its index there.
+    pub(super) pool_id: u64,
+    pub(super) id: u32,
+}
+
+// SAFETY: the `UnsafeCell`s (`Words::sizes`, `Words::victim`, `unfenced`) are touched only
+// by the owner thread (the thread whose TLS holds the cache; the pool never reads them);
+// everything else is atomic or immutable.
+unsafe impl Sync for ThreadCache {}
+unsafe impl Send for ThreadCache {}
+
+fn bump(c: &AtomicU64) {
+    // Single writer (the owner): a load and a store, no read-modify-write needed.
+    c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+}
+
+impl ThreadCache {
+    pub fn new(pool_id: u64, id: u32, orphans: Arc<AtomicUsize>) -> Self {
+        ThreadCache {
+            ordered: Words::new(),
+            unordered: Words::new(),
+            unfenced: UnsafeCell::new((0, 0)),
+            fast_allocs: AtomicU64::new(0),
+            fast_frees: AtomicU64::new(0),
+            orphaned: AtomicBool::new(false),
+            orphans,
+            pool_id,
+            id,
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+    pub fn pool_id(&self) -> u64 {
+        self.pool_id
+    }
+    pub fn is_orphaned(&self) -> bool {
+        self.orphaned.load(Ordering::Acquire)
+    }
+    /// Fast-path (allocations, frees) so far.
+    pub fn fast_counts(&self) -> (u64, u64) {
+        (self.fast_allocs.load(Ordering::Relaxed), self.fast_frees.load(Ordering::Relaxed))
+    }
+
+    /// Pool side: `ptr` (of word set `kind`) is being freed or detached through the pool.
+    /// Clears HANDED(ptr) (`Some(Hold::Handed)`); another hold means the owner freed it
+    /// already: the caller reports a double free and changes nothing.
+    pub fn claim(&self, kind: Kind, ptr: usize) -> Option<Hold> {
+        match kind {
+            Kind::Ordered => self.ordered.claim(ptr),
+            Kind::Unordered => self.unordered.claim(ptr),
+        }
+    }
+
+    /// Pool side: empty every kept word (only REUSABLE ones if `reusable_only`); the
+    /// caller frees the blocks as their hold says.
+    pub fn take_kept(&self, reusable_only: bool) -> Vec<(usize, Hold)> {
+        let mut out = Vec::new();
+        let pick = |h| !reusable_only || h == Hold::Reusable;
+        self.ordered.take(pick, &mut out);
+        self.unordered.take(pick, &mut out);
+        out
+    }
+
+    /// Pool side: every block in this cache, with its word set and hold.
+    pub fn held(&self) -> impl Iterator<Item = (Kind, usize, Hold)> + '_ {
+        let o = self.ordered.held().map(|(p, h)| (Kind::Ordered, p, h));
+        o.chain(self.unordered.held().map(|(p, h)| (Kind::Unordered, p, h)))
+    }
+
+    pub(super) fn reuse(&self, kind: Kind, size: usize) -> Option<usize> {
+        let p = match kind {
+            Kind::Ordered => self.ordered.reuse(size),
+            Kind::Unordered => self.unordered.reuse(size),
+        }?;
+        bump(&self.fast_allocs);
+        Some(p)
+    }
+
+    pub(super) fn keep(&self, kind: Kind, ptr: usize) -> bool {
+        let kept = match kind {
+            Kind::Ordered => self.ordered.keep(ptr, REUSABLE).is_some(),
+            Kind::Unordered => {
+                // SAFETY: owner thread only.
+                let unfenced = unsafe { &mut *self.unfenced.get() };
+                if unfenced.1 >= FENCE_BYTES {
+                    return false; // enough waiting: this one goes through the pool
+                }
+                match self.unordered.keep(ptr, UNFENCED) {
+                    Some(size) => {
+                        unfenced.0 += 1;
+                        unfenced.1 += size;
+                        true
+                    }
+                    None => false,
+                }
+            }
+        };
+        if kept {
+            bump(&self.fast_frees);
+        }
+        kept
+    }
+
+    pub(super) fn remember(&self, kind: Kind, ptr: usize, size: usize) {
+        match kind {
+            Kind::Ordered => self.ordered.remember(ptr, size),
+            Kind::Unordered => self.unordered.remember(ptr, size),
+        }
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::thread_cache::WORDS;
+
+    fn cache() -> ThreadCache {
+        ThreadCache::new(1, 0, Arc::new(AtomicUsize::new(0)))
+    }
+
+    #[test]
+    fn keep_reuse_and_claim() {
+        let c = cache();
+        c.remember(Kind::Ordered, 0x1000, 100);
+        assert!(c.keep(Kind::Ordered, 0x1000));
+        assert!(!c.keep(Kind::Ordered, 0x1000), "a kept block is not HANDED any more");
+        assert_eq!(c.reuse(Kind::Ordered, 99), None, "sizes must match exactly");
+        assert_eq!(c.reuse(Kind::Ordered, 100), Some(0x1000));
+        assert_eq!(c.fast_counts(), (1, 1));
+        assert_eq!(c.claim(Kind::Ordered, 0x1000), Some(Hold::Handed));
+        assert!(!c.keep(Kind::Ordered, 0x1000), "claimed by the pool: the owner takes the locked path");
+        c.remember(Kind::Ordered, 0x2000, 8);
+        assert!(c.keep(Kind::Ordered, 0x2000));
+        assert_eq!(c.claim(Kind::Ordered, 0x2000), Some(Hold::Reusable), "a free of a kept block is a double free");
+        assert_eq!(c.take_kept(false), vec![(0x2000, Hold::Reusable)]);
+        assert_eq!(c.reuse(Kind::Ordered, 8), None);
+        assert_eq!(c.held().count(), 0);
+    }
+
+    #[test]
+    fn unordered_frees_wait_for_a_fence() {
+        let c = cache();
+        c.remember(Kind::Unordered, 0x4000, 64);
+        assert!(!c.keep(Kind::Ordered, 0x4000), "word sets are separate");
+        assert!(c.keep(Kind::Unordered, 0x4000));
+        assert_eq!(c.reuse(Kind::Unordered, 64), None, "not before a fence");
+        assert_eq!(c.claim(Kind::Unordered, 0x4000), Some(Hold::Unfenced));
+        c.unordered.fenced();
+        assert_eq!(c.reuse(Kind::Unordered, 64), Some(0x4000));
+    }
+
+    #[test]
+    fn remember_replaces_oldest_handed_never_kept() {
+        let c = cache();
+        for i in 1..=WORDS + 2 {
+            c.remember(Kind::Ordered, i * 0x1000, 1);
+        }
+        let held: Vec<usize> = c.held().map(|(_, p, _)| p).collect();
+        assert_eq!(held.len(), WORDS);
+        assert!(!held.contains(&0x1000) && !held.contains(&0x2000), "{held:x?}");
+        for &p in &held {
+            assert!(c.keep(Kind::Ordered, p));
+        }
+        c.remember(Kind::Ordered, 0x9000, 1);
+        assert!(c.held().all(|(_, p, h)| p != 0x9000 && h == Hold::Reusable), "kept blocks are not overwritten");
+    }
+}
+

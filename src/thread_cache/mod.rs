@@ -1,0 +1,238 @@
+//! Per-thread fast path for the legacy default stream: a free followed by an allocation of
+//! the same size on the same thread skips the device lock, the live-pointer map and the
+//! strategy.
+//!
+//! Why: a cached malloc+free pair costs ~120–200 ns through the locked pool, most of it two
+//! uncontended mutex round trips (four atomic read-modify-writes) and the live map. Here a
+//! pair is two compare-and-swaps on words this thread owns.
+//!
+//! How, and why it stays exact:
+//! - Each thread has, per device, a `ThreadCache`: a few atomic words for frees that name
+//!   the legacy stream (PyTorch, the C API) and a magazine for CuPy's stream-less frees. A
+//!   word is EMPTY, HANDED(p) (this thread allocated `p` and may keep it when freed),
+//!   REUSABLE(p) (freed by this thread, waiting for its next allocation of the same size) or,
+//!   in the magazine, UNFENCED(p) (freed by CuPy, not reusable before a fence, see below).
+//! - A kept block stays *live* in the pool's books (its live-map entry names the owning
+//!   cache), so the pool never hands it to anyone else; the pool's reports subtract kept
+//!   blocks (in use, live count, requested, leaks) and add the fast operations to its
+//!   counters, so statistics read as if every free had reached the pool.
+//! - Only the owner thread moves a word from HANDED to kept and back; the pool (under its
+//!   lock, on any thread) moves words to EMPTY: a free of `p` through the pool (another
+//!   thread, another stream) clears HANDED(p), and finding `p` kept there means it was
+//!   freed already (a double free, reported like any other). Every transition is a
+//!   compare-and-swap, so a race between the owner and the pool has one winner and the loser
+//!   falls back to the locked path.
+//! - Kept memory is never lost to the pool: the owner's next locked allocation returns its
+//!   reusable blocks, an allocation that would otherwise grow takes every thread's reusable
+//!   blocks (unfenced ones could not serve it), and reclaim, limits and out-of-memory
+//!   escalation take everything. A thread that exits marks its caches
+//!   orphaned; the pool empties them on its next locked operation.
+//! - Only the legacy default stream takes this path: its handle is the same stream on every
+//!   thread, it is never destroyed, and legacy frees need no event at free time. Other
+//!   streams (whose handles can be destroyed and recycled, or name a different stream per
+//!   thread) always go through the pool.
+//! - CuPy's frees name no stream, and the pool's rule for them (`Pool::free_unordered`) is
+//!   that a block is reused only after a fence enqueued on the legacy stream after its free.
+//!   The magazine keeps that rule: a CuPy free marks the word UNFENCED; once enough are
+//!   waiting, the owner's next locked allocation records one fence and makes them all
+//!   REUSABLE. One lock and one event record serve `FENCE_BATCH` pairs, as the pool's own
+//!   batching does.
+//! - Off where every operation must reach the pool: `GPUPOOL_DEBUG`, `GPUPOOL_TRACE`,
+//!   `GPUPOOL_POOL=none`, `GPUPOOL_THREAD_CACHE=0`; and under the test-only
+//!   `GPUPOOL_UNSAFE_IGNORE_STREAMS`, whose pool must reuse at once to show the stream tests
+//!   catch it.
+
+
+mod cache;
+mod words;
+
+pub use cache::{Kind, ThreadCache};
+pub use words::Hold;
+
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::registry::{self, MAX_DEVICES};
+use crate::stream::STREAM_LEGACY;
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Blocks one thread can keep eligible for the fast path on one device for legacy-stream
+/// frees. Four covers the temporaries of a typical step (allocate a few, free them in any
+/// order, repeat).
+pub const WORDS: usize = 4;
+/// Magazine for CuPy's stream-less frees: room for a fence batch plus blocks in use.
+pub const MAGAZINE: usize = 32;
+/// Unfenced CuPy frees that make the owner's next locked allocation record a fence.
+pub const FENCE_BATCH: usize = 24;
+/// ...or this many bytes of them: half the pool's own bound for its unfenced frees, so a
+/// thread's magazine and the pool's batch together hold at most 1.5× what the pool alone
+/// did before there were thread caches (memory waiting for a fence cannot serve requests).
+pub const FENCE_BYTES: usize = crate::pool::UNFENCED_MAX_BYTES / 2;
+
+/// This thread's caches, by device. On thread exit each is marked orphaned.
+struct Mine(RefCell<Vec<Option<Arc<ThreadCache>>>>);
+
+impl Drop for Mine {
+    fn drop(&mut self) {
+        for c in self.0.borrow().iter().flatten() {
+            c.orphaned.store(true, Ordering::Release);
+            c.orphans.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+thread_local! {
+    static MINE: Mine = const { Mine(RefCell::new(Vec::new())) };
+}
+
+fn with_mine<R>(device: i32, f: impl FnOnce(&ThreadCache) -> Option<R>) -> Option<R> {
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return None;
+    }
+    // `try_with`: during thread teardown the TLS may be gone; the locked path still works.
+    MINE.try_with(|m| m.0.borrow().get(device as usize).and_then(|c| c.as_deref()).and_then(f)).ok().flatten()
+}
+
+/// The locked part of an allocation, on the owner thread under the device lock: attach
+/// this thread's cache (making one if needed: `fresh`), let the magazine fence and reuse,
+/// else allocate from the pool and remember the block.
+fn locked_malloc(
+    pool: &mut Pool,
+    kind: Kind,
+    size: usize,
+    stream: usize,
+    mine: Option<&ThreadCache>,
+) -> (Result<usize>, Option<Arc<ThreadCache>>) {
+    let current = mine.map(|c| (c.pool_id, c.id));
+    let Some((id, fresh)) = pool.attach_thread(current, stream) else {
+        return (pool.malloc(size, stream), None);
+    };
+    let cache = match (&fresh, mine) {
+        (Some(f), _) => &**f,
+        (None, Some(m)) => m,
+        // attach_thread keeps a cache only for a thread that has one; never here.
+        (None, None) => return (pool.malloc(size, stream), None),
+    };
+    // This thread's reusable legacy-stream blocks go back first, so this request may use
+    // their memory (a thread whose sizes repeat does not get here).
+    let mut back = Vec::new();
+    cache.ordered.take_reusable(&mut back);
+    for (p, hold) in back {
+        pool.release_kept(p, hold);
+    }
+    if kind == Kind::Unordered && size != 0 {
+        // SAFETY: the owner thread (we run inside its allocation call).
+        let unfenced = unsafe { &mut *cache.unfenced.get() };
+        if unfenced.0 >= FENCE_BATCH || unfenced.1 >= FENCE_BYTES {
+            pool.fence_legacy_now();
+            cache.unordered.fenced();
+            *unfenced = (0, 0);
+        }
+        if let Some(p) = cache.reuse(kind, size) {
+            return (Ok(p), fresh);
+        }
+        // A miss. The fenced blocks of other sizes go back, so this request may use them;
+        // so do unfenced ones of other sizes, into the pool's own batch: the magazine holds
+        // frees only while the thread keeps asking for their sizes. (A thread whose sizes
+        // never repeat thus hands the pool each free at its next allocation, which makes the
+        // same decisions as without the cache.)
+        let mut back = Vec::new();
+        cache.unordered.take_reusable(&mut back);
+        if unfenced.0 != 0 {
+            let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
+            *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
+        }
+        for (p, hold) in back {
+            pool.release_kept(p, hold);
+        }
+    }
+    let words_repeat = match kind {
+        Kind::Ordered => cache.ordered.repeats(size),
+        Kind::Unordered => cache.unordered.repeats(size),
+    };
+    if !words_repeat || size == 0 {
+        return (pool.malloc(size, stream), fresh);
+    }
+    let r = pool.malloc_owned(size, stream, crate::pool::owner_of(id, kind));
+    if let Ok(p) = r {
+        cache.remember(kind, p, size);
+    }
+    (r, fresh)
+}
+
+fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<usize> {
+    let locked = |mine: Option<&ThreadCache>| registry::with_pool(device, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)));
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return locked(None).and_then(|r| r.0);
+    }
+    let d = device as usize;
+    let mut locked = Some(locked);
+    let in_tls = MINE.try_with(|m| {
+        let v = m.0.borrow();
+        let mine = v.get(d).and_then(|c| c.as_deref());
+        if size != 0 {
+            if let Some(p) = mine.and_then(|c| c.reuse(kind, size)) {
+                return Ok(p);
+            }
+        }
+        // The pool never touches this thread-local, so the shared borrow may span the call.
+        let (r, fresh) = (locked.take().expect("called once"))(mine)?;
+        if let Some(fresh) = fresh {
+            drop(v);
+            let mut v = m.0.borrow_mut();
+            if v.len() <= d {
+                v.resize(d + 1, None);
+            }
+            v[d] = Some(fresh);
+        }
+        r
+    });
+    match in_tls {
+        Ok(r) => r,
+        // Thread teardown: the thread-local is gone; the pool alone serves.
+        Err(_) => match locked.take() {
+            Some(f) => f(None).and_then(|r| r.0),
+            None => Err(Error::Internal("thread cache: allocation interrupted by thread exit".into())),
+        },
+    }
+}
+
+/// Allocate `size` bytes on `device` for `stream`: a block this thread kept, else the pool.
+pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
+    if !crate::stream::is_legacy(stream) {
+        return registry::with_pool(device, |pool| pool.malloc(size, stream));
+    }
+    malloc_kind(device, size, stream, Kind::Ordered)
+}
+
+/// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
+/// else the pool.
+pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
+    malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
+}
+
+/// Fast free on the legacy stream: keep `ptr` if this thread allocated it there and still
+/// holds it. `false`: the caller frees through the pool.
+pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
+    crate::stream::is_legacy(stream) && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
+}
+
+/// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
+pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
+    with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
+}
+
+/// A block this thread kept on `device` for `size` bytes, handed out again (tests).
+pub fn try_malloc(device: i32, size: usize, stream: usize) -> Option<usize> {
+    if !crate::stream::is_legacy(stream) {
+        return None;
+    }
+    with_mine(device, |c| c.reuse(Kind::Ordered, size))
+}
+
+/// The (pool id, cache id) of this thread's cache for `device`, if it has one.
+pub fn current(device: i32) -> Option<(u64, u32)> {
+    with_mine(device, |c| Some((c.pool_id, c.id)))
+}
+
