@@ -31,6 +31,7 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Run `f` at the boundary: map its result (or a panic) to a status.
+#[inline]
 pub fn call(f: impl FnOnce() -> Result<()>) -> Status {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => Status::Ok,
