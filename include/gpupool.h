@@ -57,9 +57,10 @@ typedef struct gpupool_stats {
   // Bytes of memory held from the upstream (CuPy's `total_bytes`): segments, less the
   // pages decommitted inside them (`vmm`, `host`).
   uint64_t total_bytes;
-  // Cached free blocks (CuPy's `n_free_blocks`).
+  // Cached free blocks (CuPy's `n_free_blocks`), including blocks freed into a thread's
+  // cache for that thread's next allocation of the same size.
   uint64_t n_free_blocks;
-  // Live allocations.
+  // Live allocations (blocks kept in thread caches were freed: they are not counted).
   uint64_t n_live_blocks;
   // Bytes the callers asked for (before rounding) in live allocations.
   uint64_t requested_bytes;

@@ -29,9 +29,10 @@ pub struct Stats {
     /// Bytes of memory held from the upstream (CuPy's `total_bytes`): segments, less the
     /// pages decommitted inside them (`vmm`, `host`).
     pub total_bytes: u64,
-    /// Cached free blocks (CuPy's `n_free_blocks`).
+    /// Cached free blocks (CuPy's `n_free_blocks`), including blocks freed into a thread's
+    /// cache for that thread's next allocation of the same size.
     pub n_free_blocks: u64,
-    /// Live allocations.
+    /// Live allocations (blocks kept in thread caches were freed: they are not counted).
     pub n_live_blocks: u64,
     /// Bytes the callers asked for (before rounding) in live allocations.
     pub requested_bytes: u64,
