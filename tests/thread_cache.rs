@@ -44,6 +44,12 @@ fn check(device: i32) {
     gpupool::registry::with_pool(device, |p| Ok(p.check_invariants())).unwrap().unwrap();
 }
 
+/// Return every cached segment of `device` to the upstream.
+fn reclaim(device: i32) {
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(device, &mut released) }, Status::Ok);
+}
+
 /// Blocks freed by their users and kept in thread caches.
 fn kept(device: i32) -> usize {
     gpupool::registry::with_pool(device, |p| Ok(p.kept_blocks())).unwrap()
@@ -179,8 +185,7 @@ fn reclaim_limits_and_growth_reach_parked_blocks() {
     t.join().unwrap();
     assert_eq!(gpupool_set_limit(d, 0), Status::Ok);
     // Reclaim from this thread returns what the exited thread had parked.
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     let s = stats(d);
     assert_eq!((s.total_bytes, s.used_bytes, s.n_live_blocks), (0, 0, 0), "everything went back");
     assert_eq!(s.n_allocs, s.n_frees);
@@ -219,8 +224,7 @@ fn exited_threads_caches_are_flushed_and_dropped() {
     assert_eq!(stats(d).n_free_blocks, 1, "the 50 parked blocks coalesced back into one free block");
     assert_eq!(free(a, d), Status::Ok);
     check(d);
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     assert_eq!(stats(d).total_bytes, 0);
 }
 
@@ -335,8 +339,7 @@ fn cupy_frees_are_reused_only_after_a_batched_fence() {
     assert_eq!(stats(d).n_invalid_frees, 1);
     check(d);
     // Reclaim takes the magazine back too, fenced or not.
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     let s = stats(d);
     assert_eq!((s.total_bytes, s.used_bytes, s.n_live_blocks), (0, 0, 0));
     check(d);

@@ -41,15 +41,9 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
             return Err(Error::NullArgument("out_ptr"));
         }
         *out_ptr = std::ptr::null_mut();
-        *out_ptr = malloc_on(size, device, stream as usize)? as *mut c_void;
+        *out_ptr = thread_cache::malloc(device, size, stream as usize)? as *mut c_void;
         Ok(())
     })
-}
-
-/// Shared by `gpupool_malloc` and the framework entry points: the calling thread's fast
-/// path first (`crate::thread_cache`), else the pool under its lock.
-pub(crate) fn malloc_on(size: usize, device: c_int, stream: usize) -> crate::error::Result<usize> {
-    thread_cache::malloc(device, size, stream)
 }
 
 /// Free `ptr` (from `gpupool_malloc` on `device`), whose last use was on `stream`.

@@ -248,8 +248,8 @@ impl Pool {
         if self.c.used > self.c.peak_used {
             // `used` counts blocks kept in thread caches, which their users freed: the
             // peak must not (rarely reached: only when a new peak is possible).
-            let parked = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
-            self.c.peak_used = self.c.peak_used.max(self.c.used - parked);
+            let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
+            self.c.peak_used = self.c.peak_used.max(self.c.used - kept);
         }
         self.c.allocs += 1;
         let rec = AllocRecord::capture(self.debug, stream);
@@ -397,10 +397,10 @@ impl Pool {
 
     /// Every live allocation, for the leak report.
     pub fn leaks(&self) -> Vec<Leak> {
-        let parked = self.caches.kept();
+        let kept = self.caches.kept();
         self.live
             .values()
-            .filter(|l| !parked.contains(&l.block.addr))
+            .filter(|l| !kept.contains(&l.block.addr))
             .map(|l| Leak::new(self.device, l.block.addr, l.block.size, l.requested, l.rec.as_deref()))
             .collect()
     }

@@ -1,0 +1,78 @@
+//! Steps for counting instructions per allocator operation under callgrind (deterministic,
+//! unlike wall time on a shared machine). The figures in the README come from it:
+//!
+//! ```text
+//! cargo build --release --example instr_per_step
+//! for n in 100000 200000; do
+//!   [GPUPOOL_THREAD_CACHE=0] valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+//!     target/release/examples/instr_per_step MODE $n 2>&1 | grep Collected
+//! done
+//! ```
+//! Instructions per step = (count at 200000 - count at 100000) / 100000, which cancels the
+//! set-up. MODE: `pair` / `cupypair` (a cached 1 MiB malloc + free through the C API /
+//! CuPy's entry points), `churn` / `cupychurn` (the `c_api/churn_step` bench's sequence:
+//! free a random one of 256 slots, allocate a log-uniform size in [512 B, 32 MiB]). Runs on
+//! the host upstream; no GPU needed.
+
+use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use gpupool::ffi::cupy::{gpupool_cupy_free, gpupool_cupy_malloc};
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+/// The `c_api/churn_step` bench's sequence (same splitmix64 stream): (slot, size) pairs.
+fn churn_sequence(n: usize) -> Vec<(usize, usize)> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let (lo, hi) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
+    (0..n)
+        .map(|_| {
+            let slot = (next() % 256) as usize;
+            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            (slot, (lo + u * (hi - lo)).exp() as usize)
+        })
+        .collect()
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let usage = "usage: instr_per_step pair|cupypair|churn|cupychurn STEPS";
+    let mode = args.next().expect(usage);
+    let steps: usize = args.next().and_then(|s| s.parse().ok()).expect(usage);
+    const DEVICE: i32 = 0;
+    assert_eq!(unsafe { gpupool_configure(DEVICE, c"split".as_ptr(), c"host".as_ptr()) }, gpupool::Status::Ok);
+    let seq = churn_sequence(1 << 16);
+    let mut slots = [null_mut::<c_void>(); 256];
+    for i in 0..steps {
+        let (slot, size) = seq[i % seq.len()];
+        unsafe {
+            match mode.as_str() {
+                "pair" => {
+                    let mut p = null_mut();
+                    gpupool_malloc(&mut p, 1 << 20, DEVICE, null_mut());
+                    gpupool_free(p, DEVICE, null_mut());
+                }
+                "cupypair" => {
+                    let p = gpupool_cupy_malloc(null_mut(), 1 << 20, DEVICE);
+                    gpupool_cupy_free(null_mut(), p, DEVICE);
+                }
+                "churn" => {
+                    gpupool_free(slots[slot], DEVICE, null_mut());
+                    gpupool_malloc(&mut slots[slot], size, DEVICE, null_mut());
+                }
+                "cupychurn" => {
+                    if !slots[slot].is_null() {
+                        gpupool_cupy_free(null_mut(), slots[slot], DEVICE);
+                    }
+                    slots[slot] = gpupool_cupy_malloc(null_mut(), size, DEVICE);
+                }
+                _ => panic!("{usage}"),
+            }
+        }
+    }
+}
