@@ -27,19 +27,21 @@ GPUPOOL_CONFIGS = [
 PLUGIN = {"torch": ["torch-plugin", gp, "gpupool_torch_malloc", "gpupool_torch_free"],
           "cupy": ["cupy-cfunc", gp, "gpupool_cupy_malloc", "gpupool_cupy_free"]}
 
-RUNS = [
-    ("torch", "native", ["torch-native"], {}),
-    ("torch", "async", ["torch-async"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
-    ("torch", "rmm", ["torch-rmm"], {}),
-    ("torch", "floor", ["torch-plugin", pt, "floor_malloc", "floor_free"], {"ONLY": "fixed"}),
-    ("torch", "churn-floor", ["torch-plugin", cf, "cf_malloc", "cf_free"], {"ONLY": "churn"}),
-] + [("torch", name, PLUGIN["torch"], env) for name, _, env in GPUPOOL_CONFIGS] + [
-    ("cupy", "native", ["cupy-native"], {}),
-    ("cupy", "async", ["cupy-async"], {}),
-    ("cupy", "rmm", ["cupy-rmm"], {}),
-    ("cupy", "floor", ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"], {"ONLY": "fixed"}),
-    ("cupy", "churn-floor", ["cupy-cfunc", cf, "cf_cupy_malloc", "cf_cupy_free"], {"ONLY": "churn"}),
-] + [("cupy", name, PLUGIN["cupy"], env) for name, _, env in GPUPOOL_CONFIGS]
+# Within a round the anchors run right next to gpupool (native, floors, gpupool variants,
+# then async and RMM), so the paired table below compares runs minutes apart at most.
+def _runs(fw, native, floor, churn_floor, others):
+    return ([(fw, "native", native[0], native[1]), (fw, "floor", floor, {"ONLY": "fixed"}),
+             (fw, "churn-floor", churn_floor, {"ONLY": "churn"})]
+            + [(fw, name, PLUGIN[fw], env) for name, _, env in GPUPOOL_CONFIGS] + others)
+
+
+RUNS = _runs("torch", (["torch-native"], {}), ["torch-plugin", pt, "floor_malloc", "floor_free"],
+             ["torch-plugin", cf, "cf_malloc", "cf_free"],
+             [("torch", "async", ["torch-async"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+              ("torch", "rmm", ["torch-rmm"], {})]) + \
+       _runs("cupy", (["cupy-native"], {}), ["cupy-cfunc", pt, "floor_cupy_malloc", "floor_cupy_free"],
+             ["cupy-cfunc", cf, "cf_cupy_malloc", "cf_cupy_free"],
+             [("cupy", "async", ["cupy-async"], {}), ("cupy", "rmm", ["cupy-rmm"], {})])
 
 # ALLOCATORS=native,floor,gpupool,... runs a subset (the anchors native and floor should stay);
 # FRAMEWORKS=torch or cupy one framework (a full run of both passes the GPU machine's
@@ -118,8 +120,9 @@ def table(results, title):
             ratio = None if None in (churnv["native"], churnv[gpn]) else churnv[gpn] / churnv["native"]
             print(f"| {fw} | churn µs/pair | {fmt(churnv['native'])} | {fmt(churnv['async'])} | {fmt(churnv['rmm'])} | {fmt(churnv['floor'])} | "
                   f"{label} | {fmt(churnv[gpn])} (×{fmt(ratio)} native) | ≤ 0.9 × native = {fmt(t_churn)} | {met} |")
-            used = {}
-            for n in ("native", "async", "rmm", gpn):
+            # RMM reserves its pool before churn.py reads its baseline: no comparable figure.
+            used = {"rmm": None}
+            for n in ("native", "async", gpn):
                 r = results.get((fw, n, "churn"))
                 used[n] = None if r is None or not r["live_MiB"] else r["device_used_delta_MiB"] / r["live_MiB"]
             met = "—" if used[gpn] is None else ("yes" if used[gpn] <= 1.15 else "no")
@@ -129,3 +132,32 @@ def table(results, title):
 
 table(by_median, f"median of {rounds} interleaved rounds:")
 table(by_min, f"best of {rounds} interleaved rounds (least disturbed by other load):")
+
+
+def paired():
+    """Per round, gpupool against the anchors of the same round (fixed: minus the floor; churn:
+    over native), median over rounds and the rounds that met the target. On a loaded host the
+    rounds drift together, so this is the steadiest reading of the targets."""
+    by_round = {}
+    for l in lines:
+        by_round[(l["framework"], l["allocator"], l["work"], l["round"])] = l["us_per_pair"]
+    print()
+    print(f"paired by round ({rounds} rounds): median of the per-round figure, rounds meeting the target")
+    print("| framework | gpupool variant | fixed − floor (µs) | met | churn / native | met |")
+    print("|---|---|---|---|---|---|")
+    for fw in ("torch", "cupy"):
+        for gpn in GPUPOOL_VARIANTS:
+            d = [by_round[(fw, gpn, "fixed", r)] - by_round[(fw, "floor", "fixed", r)] for r in range(rounds)
+                 if (fw, gpn, "fixed", r) in by_round and (fw, "floor", "fixed", r) in by_round]
+            q = [by_round[(fw, gpn, "churn", r)] / by_round[(fw, "native", "churn", r)] for r in range(rounds)
+                 if (fw, gpn, "churn", r) in by_round and (fw, "native", "churn", r) in by_round]
+            if not d and not q:
+                continue
+            med = lambda v: sorted(v)[len(v) // 2] if v else None
+            fd, fq = med(d), med(q)
+            print(f"| {fw} | {UPSTREAM_OF.get(gpn, gpn)} | {fmt(fd)} | "
+                  f"{'—' if fd is None else ('yes' if fd <= 0.15 else 'no')} ({sum(x <= 0.15 for x in d)}/{len(d)}) | "
+                  f"×{fmt(fq)} | {'—' if fq is None else ('yes' if fq <= 0.9 else 'no')} ({sum(x <= 0.9 for x in q)}/{len(q)}) |")
+
+
+paired()

@@ -27,6 +27,8 @@ echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include tests/gpu/churn_floor.c -L/usr/local/cuda/lib64 -lcuda -o /tmp/churn_floor.so
 ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+echo "== does the driver's own pool give memory back? (scripts/driver_pool_trim.py)"
+python3 scripts/driver_pool_trim.py "$GPUPOOL_LIBRARY" 2>&1 | tee "$OUT/driver_pool.log"
 {
   if [ -f "$OUT/pytest.log" ]; then
     echo "python tests:"
@@ -36,4 +38,7 @@ ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIB
   fi
   echo "framework benchmark (µs per alloc+free pair through each framework's plug-in interface):"
   grep -E "^\||rounds" "$OUT/bench.log"
+  echo
+  echo "driver pool (used / live after the churn loop, and after cuMemPoolTrimTo(0)):"
+  cat "$OUT/driver_pool.log"
 } > "$OUT/python-summary.txt"
