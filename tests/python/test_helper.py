@@ -34,3 +34,38 @@ def test_missing_library_says_what_it_looked_for():
     p = run_py("import gpupool; gpupool.lib()", env={"GPUPOOL_LIBRARY": "/nonexistent/libgpupool.so"})
     assert p.returncode != 0
     assert "libgpupool.so not found" in p.stderr and "/nonexistent/libgpupool.so" in p.stderr, p.stderr
+
+
+def test_framework_frees_of_bad_pointers_are_counted_and_reported_once_on_host(library):
+    # PyTorch's and CuPy's free entry points return void: a bad pointer must neither crash nor
+    # change the pool; it is counted, and only the first one is written to stderr.
+    p = run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="split", upstream="host")
+        L = gpupool.lib()
+        L.gpupool_torch_malloc.restype = ctypes.c_void_p
+        L.gpupool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        L.gpupool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        L.gpupool_cupy_malloc.restype = ctypes.c_void_p
+        L.gpupool_cupy_malloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        L.gpupool_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        t = L.gpupool_torch_malloc(1 << 20, 0, None)
+        c = L.gpupool_cupy_malloc(None, 1 << 20, 0)
+        before = gpupool.stats(0)
+        L.gpupool_torch_free(0x7000_0000, 64, 0, None)     # never ours
+        L.gpupool_cupy_free(None, 0x7000_0000, 0)          # never ours
+        L.gpupool_torch_free(t + 256, 64, 0, None)         # inside a live block
+        L.gpupool_cupy_free(None, c + 256, 0)              # inside a live block
+        s = gpupool.stats(0)
+        assert s["n_invalid_frees"] == before["n_invalid_frees"] + 4, s
+        assert (s["used_bytes"], s["n_live_blocks"]) == (before["used_bytes"], before["n_live_blocks"]), s
+        L.gpupool_torch_free(t, 1 << 20, 0, None)
+        L.gpupool_cupy_free(None, c, 0)
+        L.gpupool_torch_free(t, 1 << 20, 0, None)          # double free
+        s = gpupool.stats(0)
+        assert s["n_invalid_frees"] == before["n_invalid_frees"] + 5 and s["used_bytes"] == 0, s
+        print("alive")
+    """)
+    assert "alive" in ok(p)
+    assert p.stderr.count("further invalid frees are counted") == 1, p.stderr
+    assert "not allocated by gpupool" in p.stderr, p.stderr
