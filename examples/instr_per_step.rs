@@ -19,25 +19,9 @@ use gpupool::ffi::cupy::{gpupool_cupy_free, gpupool_cupy_malloc};
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
-/// The `c_api/churn_step` bench's sequence (same splitmix64 stream): (slot, size) pairs.
-fn churn_sequence(n: usize) -> Vec<(usize, usize)> {
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let (lo, hi) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
-    (0..n)
-        .map(|_| {
-            let slot = (next() % 256) as usize;
-            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
-            (slot, (lo + u * (hi - lo)).exp() as usize)
-        })
-        .collect()
-}
+#[path = "../benches/common/churn_sequence.rs"]
+mod churn_sequence;
+use churn_sequence::churn_sequence;
 
 fn main() {
     let mut args = std::env::args().skip(1);
