@@ -16,15 +16,20 @@ pub enum PoolKind {
     Binned,
     /// No caching: every call goes to the upstream.
     None,
+    /// Virtual-memory arena: coalescing across one reserved address range, free granules
+    /// moved where a request needs them (`strategy/arena`). Falls back to `split` where the
+    /// device has no virtual memory management.
+    Arena,
 }
 
 impl PoolKind {
-    pub const ACCEPTED: &'static str = "split | binned | none";
+    pub const ACCEPTED: &'static str = "split | binned | none | arena";
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "split" => Some(PoolKind::Split),
             "binned" => Some(PoolKind::Binned),
             "none" | "passthrough" => Some(PoolKind::None),
+            "arena" => Some(PoolKind::Arena),
             _ => None,
         }
     }
@@ -33,6 +38,7 @@ impl PoolKind {
             PoolKind::Split => "split",
             PoolKind::Binned => "binned",
             PoolKind::None => "none",
+            PoolKind::Arena => "arena",
         }
     }
 }
@@ -164,6 +170,9 @@ pub struct Config {
     pub decay_window: usize,
     /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`crate::thread_cache`).
     pub thread_cache: bool,
+    /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
+    /// twice the device's memory).
+    pub arena_va: Option<usize>,
 }
 
 impl Default for Config {
@@ -179,6 +188,7 @@ impl Default for Config {
             unsafe_ignore_streams: false,
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
+            arena_va: None,
         }
     }
 }
@@ -260,6 +270,15 @@ impl Config {
         if let Some(v) = get("GPUPOOL_THREAD_CACHE") {
             c.thread_cache = bool_flag("GPUPOOL_THREAD_CACHE", &v)?;
         }
+        if let Some(v) = get("GPUPOOL_ARENA_VA") {
+            if !v.trim().is_empty() {
+                c.arena_va = Some(parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
+                    var: "GPUPOOL_ARENA_VA",
+                    value: v.clone(),
+                    accepted: "a size greater than zero: bytes or a size with unit (512GiB)",
+                })?);
+            }
+        }
         if let Some(v) = get("GPUPOOL_DECAY") {
             c.decay_window = match v.trim().to_ascii_lowercase().as_str() {
                 "off" | "never" => 0,
@@ -312,7 +331,7 @@ mod tests {
     fn malformed_values_name_variable_value_and_accepted() {
         let e = cfg(&[("GPUPOOL_POOL", "fancy")]).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("GPUPOOL_POOL") && msg.contains("fancy") && msg.contains("split | binned | none"), "{msg}");
+        assert!(msg.contains("GPUPOOL_POOL") && msg.contains("fancy") && msg.contains("split | binned | none | arena"), "{msg}");
         let e = cfg(&[("GPUPOOL_MEMORY_LIMIT", "lots")]).unwrap_err();
         assert!(e.to_string().contains("GPUPOOL_MEMORY_LIMIT") && e.to_string().contains("50%"));
         assert!(cfg(&[("GPUPOOL_UPSTREAM", "tpu")]).is_err());
@@ -320,6 +339,10 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_UNSAFE_IGNORE_STREAMS", "maybe")]).is_err());
         assert!(cfg(&[("GPUPOOL_THREAD_CACHE", "sometimes")]).is_err());
         assert!(!cfg(&[("GPUPOOL_THREAD_CACHE", "0")]).unwrap().thread_cache);
+        assert!(cfg(&[("GPUPOOL_ARENA_VA", "-3")]).is_err());
+        assert!(cfg(&[("GPUPOOL_ARENA_VA", "0")]).is_err());
+        assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "64GiB")]).unwrap().arena_va, Some(64 << 30));
+        assert_eq!(cfg(&[("GPUPOOL_POOL", "arena")]).unwrap().pool, PoolKind::Arena);
     }
 
     #[test]

@@ -70,6 +70,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         debug: cfg.debug,
         tracer: crate::trace::global()?,
         decay_window: cfg.decay_window,
+        arena_va: cfg.arena_va,
         thread_cache: cfg.thread_cache,
     })
 }

@@ -25,6 +25,8 @@ pub enum Action {
     UpstreamFree,
     PageCommit,
     PageDecommit,
+    /// The arena moved a free granule's memory to `ptr` (a stitch).
+    GranuleMove,
     Reclaim,
     Oom,
 }
@@ -38,6 +40,7 @@ impl Action {
             Action::UpstreamFree => "upstream_free",
             Action::PageCommit => "page_commit",
             Action::PageDecommit => "page_decommit",
+            Action::GranuleMove => "granule_move",
             Action::Reclaim => "reclaim",
             Action::Oom => "oom",
         }
@@ -50,6 +53,7 @@ impl Action {
             "upstream_free" => Action::UpstreamFree,
             "page_commit" => Action::PageCommit,
             "page_decommit" => Action::PageDecommit,
+            "granule_move" => Action::GranuleMove,
             "reclaim" => Action::Reclaim,
             "oom" => Action::Oom,
             _ => return None,

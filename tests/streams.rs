@@ -52,9 +52,31 @@ impl Upstream for BusyUpstream {
     fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
         Ok(self.dev.idle.load(Ordering::SeqCst))
     }
-    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+    fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("sync ev{ev}"));
         self.dev.idle.store(true, Ordering::SeqCst);
         Ok(())
+    }
+    // The arena's virtual memory API, from the host upstream; moves are logged.
+    fn vmm_granule(&mut self) -> usize {
+        self.host.vmm_granule()
+    }
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        self.host.vmm_reserve(len)
+    }
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        self.host.vmm_unreserve(base, len)
+    }
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.host.vmm_map_new(addr, len)
+    }
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
+        self.host.vmm_unmap(addr, len)
+    }
+    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("move {from:#x}"));
+        self.host.vmm_move(from, to)
     }
     fn stream_wait_event(&mut self, s: StreamHandle, ev: EventHandle) -> Result<()> {
         self.dev.log.lock().unwrap().push(format!("wait {s:#x} on ev{ev}"));
@@ -79,6 +101,34 @@ fn log(dev: &Device) -> Vec<String> {
 fn for_caching(f: impl Fn(PoolKind)) {
     f(PoolKind::Split);
     f(PoolKind::Binned);
+    f(PoolKind::Arena);
+}
+
+#[test]
+fn arena_moves_another_streams_free_granules_only_after_that_stream_finished() {
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    assert_eq!(p.strategy_name(), "arena");
+    // Four 4 MiB blocks on A; free the 1st and 3rd: 8 MiB free, no 8 MiB in a row.
+    let blocks: Vec<usize> = (0..4).map(|_| p.malloc(4 * MIB, A).unwrap()).collect();
+    p.free(blocks[0], A).unwrap();
+    p.free(blocks[2], A).unwrap();
+    log(&dev);
+    let reserved = p.stats().total_bytes;
+    let big = p.malloc(8 * MIB, B).unwrap();
+    assert_eq!(p.stats().total_bytes, reserved, "the free granules moved: nothing new mapped");
+    let l = log(&dev);
+    let sync = l.iter().position(|x| x.starts_with("sync")).expect("A's work was waited for");
+    let first_move = l.iter().position(|x| x.starts_with("move")).expect("granules moved");
+    assert!(sync < first_move, "moved before A's work finished: {l:?}");
+    p.free(big, B).unwrap();
+    // On A, the moved memory is B's now: reusing it for A needs a wait, not another move.
+    log(&dev);
+    dev.idle.store(false, Ordering::SeqCst);
+    let again = p.malloc(8 * MIB, A).unwrap();
+    assert_eq!(again, big);
+    let l = log(&dev);
+    assert!(l.iter().any(|x| x.starts_with(&format!("wait {A:#x}"))), "{l:?}");
+    assert!(!l.iter().any(|x| x.starts_with("move")), "{l:?}");
 }
 
 #[test]

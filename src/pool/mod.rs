@@ -24,6 +24,7 @@ use rustc_hash::FxHashMap;
 use thread_caches::ThreadCaches;
 pub use thread_caches::{owner_of, NO_OWNER};
 
+mod arena;
 mod release;
 mod thread_caches;
 
@@ -48,6 +49,9 @@ pub struct PoolOptions {
     pub tracer: Option<&'static Tracer>,
     /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
     pub decay_window: usize,
+    /// `GPUPOOL_ARENA_VA`: address space of the arena's large-block range (default: twice
+    /// the device's memory).
+    pub arena_va: Option<usize>,
     /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream and CuPy frees for
     /// their next allocation of the same size (`crate::thread_cache`); ignored where every
     /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
@@ -65,6 +69,7 @@ impl Default for PoolOptions {
             debug: 0,
             tracer: None,
             decay_window: crate::decay::DEFAULT_WINDOW,
+            arena_va: None,
             thread_cache: true,
         }
     }
@@ -132,6 +137,9 @@ pub struct Pool {
     holes: Holes,
     /// Threads' fast-path caches for this pool (`crate::thread_cache`).
     caches: ThreadCaches,
+    /// Why the configured strategy is not the one running (arena without VMM), for the
+    /// status report.
+    notice: Option<String>,
 }
 
 impl Pool {
@@ -142,10 +150,19 @@ impl Pool {
             Some(LimitSpec::Bytes(b)) => b,
             Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
         };
-        let upstream_page = upstream.page_size();
+        let (strategy, notice) = match opts.kind {
+            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va) {
+                Ok(a) => (a, None),
+                Err(why) => (strategy::build(PoolKind::Split), Some(why)),
+            },
+            kind => (strategy::build(kind), None),
+        };
+        // The arena maps granules itself: the page decommit of segment pools stays off.
+        let upstream_page = if strategy.as_arena_ref().is_some() { 0 } else { upstream.page_size() };
         Ok(Pool {
             device,
-            strategy: strategy::build(opts.kind),
+            strategy,
+            notice,
             upstream,
             streams: StreamTracker::new(opts.unsafe_ignore_streams),
             live: FxHashMap::default(),
@@ -300,8 +317,12 @@ impl Pool {
 
     /// Reserve a new segment and carve the block from it, escalating (release some cache,
     /// then all of it) when the upstream or the limit refuses; `retake`: between stages,
-    /// try the cache again (false when the cached candidate is known not to fit).
+    /// try the cache again (false when the cached candidate is known not to fit). The
+    /// arena maps a window instead (`arena.rs`).
     fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
+        if self.strategy.as_arena_ref().is_some() {
+            return self.grow_arena(size, rounded, key, stream, retake);
+        }
         let preferred = match self.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
@@ -640,12 +661,46 @@ impl Pool {
 
     pub fn memory_status(&mut self) -> String {
         let s = self.stats();
-        render_status(&self.report_context(), &s)
+        let mut out = render_status(&self.report_context(), &s);
+        if let Some(n) = &self.notice {
+            out.push_str(&format!("  Notice: {n}\n"));
+        }
+        if let Some((_, text)) = self.arena_report() {
+            out.push_str(&text);
+            out.push('\n');
+        }
+        out.push_str(&format!("  Driver calls: {}\n", self.upstream.driver_calls().text()));
+        out
     }
 
     pub fn stats_json(&mut self) -> String {
         let s = self.stats();
-        render_json(&self.report_context(), &s)
+        let mut out = render_json(&self.report_context(), &s);
+        out.pop(); // the closing brace: the pool's own fields follow
+        out.push_str(&format!(",\"driver_calls\":{}", self.upstream.driver_calls().json()));
+        if let Some((json, _)) = self.arena_report() {
+            out.push_str(&format!(",\"arena\":{json}"));
+        }
+        if let Some(n) = &self.notice {
+            out.push_str(&format!(",\"notice\":\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")));
+        }
+        out.push('}');
+        out
+    }
+
+    /// Driver calls made by this pool's upstream so far, by kind.
+    pub fn driver_calls(&self) -> crate::upstream::DriverCalls {
+        self.upstream.driver_calls()
+    }
+
+    /// Why the configured strategy is not running, if it is not (arena without VMM).
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
+    }
+
+    /// The arena's counters, for arena pools.
+    pub fn arena_counters(&self) -> Option<crate::strategy::arena::ArenaCounters> {
+        self.strategy.as_arena_ref().map(|a| a.counters)
     }
 
     fn report_context(&self) -> ReportContext<'static> {
@@ -724,6 +779,7 @@ impl Drop for Pool {
         self.finish_pending(true);
         self.fence_unfenced();
         let _ = self.release_cached(None);
+        self.arena_teardown();
         self.streams.destroy_all(&mut *self.upstream);
     }
 }

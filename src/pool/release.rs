@@ -110,6 +110,12 @@ impl Pool {
     }
 
     fn release_in_order(&mut self, want: Option<usize>, order: ReleaseOrder) -> Result<usize> {
+        if self.strategy.as_arena_ref().is_some() {
+            // Whole free granules rather than segments; a failed unmap keeps its granule.
+            let released = self.arena_release(want, order);
+            self.c.reclaimed_bytes += released as u64;
+            return Ok(released);
+        }
         let segs = self.strategy.drain_free_segments(want, order);
         let mut released = 0;
         let mut first_err = None;

@@ -4,6 +4,7 @@
 //!
 //! Adding a strategy is one file here plus one arm in `build`.
 
+pub mod arena;
 pub mod binned;
 pub mod bins;
 pub mod passthrough;
@@ -84,12 +85,21 @@ pub trait Strategy: Send {
     fn is_free_block(&self, addr: usize) -> bool;
     /// Full consistency scan of the internal structures.
     fn check_invariants(&self) -> Result<(), String>;
+
+    /// The arena, which grows by mapping granules rather than by segments (`pool/arena.rs`).
+    fn as_arena(&mut self) -> Option<&mut arena::ArenaStrategy> {
+        None
+    }
+    fn as_arena_ref(&self) -> Option<&arena::ArenaStrategy> {
+        None
+    }
 }
 
-/// Build the strategy for a configured kind.
+/// Build the strategy for a configured kind. The arena needs address space reserved from
+/// the upstream first: `Pool::new` builds it (and asks here for its fallback, `split`).
 pub fn build(kind: PoolKind) -> Box<dyn Strategy> {
     match kind {
-        PoolKind::Split => Box::new(split::SplitStrategy::new()),
+        PoolKind::Split | PoolKind::Arena => Box::new(split::SplitStrategy::new()),
         PoolKind::Binned => Box::new(binned::BinnedStrategy::new()),
         PoolKind::None => Box::new(passthrough::Passthrough::new()),
     }

@@ -8,8 +8,13 @@
 //! (`PROT_NONE`) and gives their memory to the OS (`MADV_DONTNEED`), `commit` makes them
 //! accessible again. A pool bug that hands out a decommitted page therefore crashes the
 //! CPU tests instead of passing silently.
+//!
+//! It also has the virtual memory API of the `arena` strategy (`host_vmm.rs`), drawing on
+//! the same capacity, and counts the calls it stands in for as the CUDA upstreams count
+//! driver calls.
 
-use super::{AllocError, Upstream};
+use super::host_vmm::HostVmm;
+use super::{AllocError, DriverCalls, Upstream};
 use crate::block::MIN_ALIGN;
 use crate::error::Result;
 use crate::stream::{StreamHandle, StreamKey, STREAM_PER_THREAD};
@@ -25,11 +30,19 @@ pub struct HostUpstream {
     allocated: usize,
     /// Decommitted pages (inaccessible; not counted as allocated).
     decommitted: BTreeSet<usize>,
+    vmm: HostVmm,
+    calls: DriverCalls,
 }
 
 impl HostUpstream {
     pub fn new(capacity: usize) -> Self {
-        HostUpstream { capacity, allocated: 0, decommitted: BTreeSet::new() }
+        HostUpstream {
+            capacity,
+            allocated: 0,
+            decommitted: BTreeSet::new(),
+            vmm: HostVmm::new(HOST_PAGE),
+            calls: DriverCalls::default(),
+        }
     }
 }
 
@@ -56,6 +69,7 @@ impl Upstream for HostUpstream {
     }
 
     fn allocate(&mut self, size: usize, _stream: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.calls.malloc += 1;
         if size == 0 || size > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
@@ -70,6 +84,7 @@ impl Upstream for HostUpstream {
     }
 
     fn deallocate(&mut self, addr: usize, size: usize, _stream: StreamHandle) -> Result<()> {
+        self.calls.free += 1;
         // Decommitted pages become ordinary memory again before the allocator reuses them.
         let holes: Vec<usize> = self.decommitted.range(addr..addr + size).copied().collect();
         for &p in &holes {
@@ -88,6 +103,7 @@ impl Upstream for HostUpstream {
     }
 
     fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.calls.mem_map += 1;
         if len > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
@@ -100,6 +116,7 @@ impl Upstream for HostUpstream {
     }
 
     fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.calls.mem_unmap += 1;
         protect(addr, len, libc::PROT_NONE)?;
         // SAFETY: whole pages of ours, now inaccessible; their contents are discarded.
         unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
@@ -112,6 +129,54 @@ impl Upstream for HostUpstream {
 
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         Ok((self.capacity - self.allocated, self.capacity))
+    }
+
+    fn vmm_granule(&mut self) -> usize {
+        self.vmm.granule()
+    }
+
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        self.calls.address_reserve += 1;
+        self.vmm.reserve(len)
+    }
+
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        self.calls.address_free += 1;
+        self.vmm.unreserve(base, len)
+    }
+
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let n = (len / self.vmm.granule()) as u64;
+        if len > self.capacity - self.allocated {
+            self.calls.mem_create += 1; // the failing call
+            return Err(AllocError::OutOfMemory);
+        }
+        self.vmm.map_new(addr, len)?;
+        (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
+            (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        self.allocated += len;
+        Ok(())
+    }
+
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        let n = (len / self.vmm.granule()) as u64;
+        self.vmm.unmap(addr, len)?;
+        self.calls.mem_unmap += n;
+        self.calls.mem_release += n;
+        self.allocated -= len;
+        Ok(())
+    }
+
+    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
+        self.vmm.move_granule(from, to)?;
+        self.calls.mem_map += 1;
+        self.calls.set_access += 1;
+        self.calls.mem_unmap += 1;
+        Ok(())
+    }
+
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
     }
 
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {

@@ -17,11 +17,22 @@
 //!   `commit` them again. The pool calls `decommit` only on pages of free blocks whose
 //!   streams it synchronised, and `commit` before handing such pages out; `deallocate`
 //!   of a segment with decommitted pages releases what is still committed.
+//! - Upstreams with the virtual memory management API (`vmm_granule() > 0`: CUDA devices
+//!   that support it, `host`, the simulated device) serve the `arena` strategy: they reserve
+//!   address ranges with nothing behind them, map physical granules into them, move a
+//!   granule's physical memory from one address to another and release it. Addresses passed
+//!   are granule aligned and inside a reservation; the pool never maps a mapped granule,
+//!   and unmaps or moves only granules no queued work touches (it synchronised their stream).
+//! - Every upstream counts the driver calls it makes (`driver_calls`).
 //! - Every method is called with the pool's lock held, from any thread.
 
+pub mod calls;
 pub mod cuda;
 pub mod host;
+pub mod host_vmm;
 pub mod sim;
+
+pub use calls::DriverCalls;
 
 use crate::error::{Error, Result};
 use crate::stream::{StreamHandle, StreamKey};
@@ -74,6 +85,40 @@ pub trait Upstream: Send {
     /// keeping the addresses. No queued work may touch it.
     fn decommit(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream cannot decommit pages".into()))
+    }
+
+    /// Granularity of the virtual memory API (the arena's granule, a power of two), or 0
+    /// when this upstream or device has none. May ask the driver once.
+    fn vmm_granule(&mut self) -> usize {
+        0
+    }
+    /// Reserve `len` (granule multiple) bytes of address space, nothing mapped.
+    fn vmm_reserve(&mut self, _len: usize) -> Result<usize> {
+        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+    /// Give back an address range from `vmm_reserve` (everything in it unmapped).
+    fn vmm_unreserve(&mut self, _base: usize, _len: usize) -> Result<()> {
+        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+    /// Back the unmapped granules of `[addr, addr + len)` with new physical memory, readable
+    /// and writable by the device (and its peers). All or nothing.
+    fn vmm_map_new(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
+        Err(AllocError::Other(Error::Internal("this upstream has no virtual memory API".into())))
+    }
+    /// Unmap the granules of `[addr, addr + len)` and release their physical memory.
+    fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
+        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+    /// Move the physical memory of the granule mapped at `from` to the unmapped granule
+    /// `to`, without allocating: afterwards `from` is unmapped and `to` mapped. It maps at
+    /// `to` before unmapping `from`, so a failure changes nothing.
+    fn vmm_move(&mut self, _from: usize, _to: usize) -> Result<()> {
+        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+
+    /// Driver calls made so far, by kind.
+    fn driver_calls(&self) -> DriverCalls {
+        DriverCalls::default()
     }
 
     /// Identity of a non-legacy stream handle.

@@ -2,8 +2,8 @@
 //! `capacity` bytes without touching memory, so a user's trace can be replayed against an
 //! 80 GiB "GPU" on a laptop.
 
-use super::{AllocError, Upstream};
-use crate::error::Result;
+use super::{AllocError, DriverCalls, Upstream};
+use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
 use std::collections::BTreeSet;
 
@@ -18,6 +18,9 @@ pub struct SimUpstream {
     decommitted: BTreeSet<usize>,
     /// Whether pages can be decommitted (`vmm`-like) or only whole segments (`device`-like).
     paged: bool,
+    /// Granules mapped through the virtual memory API (the arena).
+    mapped: BTreeSet<usize>,
+    calls: DriverCalls,
 }
 
 impl SimUpstream {
@@ -29,7 +32,15 @@ impl SimUpstream {
     /// `paged`: pages inside segments can be given back, as with the `vmm` upstream.
     pub fn with_pages(capacity: usize, paged: bool) -> Self {
         // Start high and leave gaps so distinct segments are never adjacent by accident.
-        SimUpstream { capacity, allocated: 0, next: 1 << 44, decommitted: BTreeSet::new(), paged }
+        SimUpstream {
+            capacity,
+            allocated: 0,
+            next: 1 << 44,
+            decommitted: BTreeSet::new(),
+            paged,
+            mapped: BTreeSet::new(),
+            calls: DriverCalls::default(),
+        }
     }
 }
 
@@ -38,6 +49,7 @@ impl Upstream for SimUpstream {
         "simulated"
     }
     fn allocate(&mut self, size: usize, _stream: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.calls.malloc += 1;
         if size == 0 || size > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
@@ -47,6 +59,7 @@ impl Upstream for SimUpstream {
         Ok(addr)
     }
     fn deallocate(&mut self, addr: usize, size: usize, _stream: StreamHandle) -> Result<()> {
+        self.calls.free += 1;
         let holes: Vec<usize> = self.decommitted.range(addr..addr + size).copied().collect();
         for p in &holes {
             self.decommitted.remove(p);
@@ -77,6 +90,58 @@ impl Upstream for SimUpstream {
         }
         self.allocated -= len;
         Ok(())
+    }
+    fn vmm_granule(&mut self) -> usize {
+        SIM_PAGE
+    }
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        self.calls.address_reserve += 1;
+        let base = self.next;
+        self.next += len.div_ceil(SIM_PAGE) * SIM_PAGE + SIM_PAGE;
+        Ok(base)
+    }
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        self.calls.address_free += 1;
+        if self.mapped.range(base..base + len).next().is_some() {
+            return Err(Error::Internal("simulated vmm: reservation still has mapped granules".into()));
+        }
+        Ok(())
+    }
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.calls.mem_create += (len / SIM_PAGE) as u64;
+        if len > self.capacity - self.allocated {
+            return Err(AllocError::OutOfMemory);
+        }
+        for g in (addr..addr + len).step_by(SIM_PAGE) {
+            assert!(self.mapped.insert(g), "simulated vmm: granule {g:#x} mapped twice");
+        }
+        self.calls.mem_map += (len / SIM_PAGE) as u64;
+        self.calls.set_access += 1;
+        self.allocated += len;
+        Ok(())
+    }
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        for g in (addr..addr + len).step_by(SIM_PAGE) {
+            assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
+        }
+        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
+        self.calls.mem_release += (len / SIM_PAGE) as u64;
+        self.allocated -= len;
+        Ok(())
+    }
+    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
+        if !self.mapped.contains(&from) || self.mapped.contains(&to) {
+            return Err(Error::Internal(format!("simulated vmm: bad move {from:#x} -> {to:#x}")));
+        }
+        self.mapped.remove(&from);
+        self.mapped.insert(to);
+        self.calls.mem_map += 1;
+        self.calls.mem_unmap += 1;
+        self.calls.set_access += 1;
+        Ok(())
+    }
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
     }
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         Ok((self.capacity - self.allocated, self.capacity))

@@ -4,8 +4,11 @@
 //! events, memory info); each memory kind is one file implementing `MemKind`:
 //! `device.rs` (cuMemAlloc), `managed.rs` (cuMemAllocManaged), `async_.rs`
 //! (cuMemAllocAsync, stream-ordered), `vmm.rs` (page-mapped, pages can be given back inside
-//! a segment) and `pinned.rs` (cuMemHostAlloc, page-locked host).
+//! a segment) and `pinned.rs` (cuMemHostAlloc, page-locked host). `address_space.rs` is the
+//! virtual memory API of the `arena` strategy, available beside any kind on devices that
+//! support it. Every driver call is counted (`DriverCalls`).
 
+pub mod address_space;
 pub mod async_;
 pub mod device;
 pub mod driver;
@@ -13,7 +16,8 @@ pub mod managed;
 pub mod pinned;
 pub mod vmm;
 
-use super::{AllocError, EventHandle, Upstream};
+use super::{AllocError, DriverCalls, EventHandle, Upstream};
+use address_space::CudaVmm;
 use crate::error::Result;
 use crate::stream::{StreamHandle, StreamKey};
 use cudarc::driver::sys;
@@ -55,6 +59,9 @@ pub trait MemKind: Send {
 pub struct CudaUpstream<K: MemKind> {
     ctx: PrimaryContext,
     kind: K,
+    /// The arena's virtual memory API: probed on first use; `Some(None)`: not supported.
+    vmm: Option<Option<CudaVmm>>,
+    calls: DriverCalls,
 }
 
 // SAFETY: the context and event handles are plain driver handles, valid from any thread;
@@ -63,12 +70,22 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind };
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default() };
         {
             let _g = up.ctx.enter()?;
             up.kind.init(up.ctx.device)?;
         }
         Ok(up)
+    }
+}
+
+impl<K: MemKind> CudaUpstream<K> {
+    /// The probed VMM API and the call counters (separate borrows of self).
+    fn vmm_parts(&mut self) -> Result<(&mut CudaVmm, &mut DriverCalls)> {
+        match self.vmm.as_mut().and_then(|v| v.as_mut()) {
+            Some(v) => Ok((v, &mut self.calls)),
+            None => Err(crate::error::Error::Internal("arena: this device has no virtual memory API".into())),
+        }
     }
 }
 
@@ -87,6 +104,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn allocate(&mut self, size: usize, stream: StreamHandle) -> std::result::Result<usize, AllocError> {
         let _g = self.ctx.enter()?;
+        self.calls.malloc += 1;
         match self.kind.obtain(size, stream_ptr(stream)) {
             Ok(p) => Ok(p),
             Err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => {
@@ -100,6 +118,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn deallocate(&mut self, addr: usize, _size: usize, stream: StreamHandle) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.calls.free += 1;
         self.kind.release(addr, stream_ptr(stream))
     }
 
@@ -114,6 +133,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         let _g = self.ctx.enter()?;
+        self.calls.mem_map += 1;
         match self.kind.commit(addr, len) {
             Ok(()) => Ok(()),
             Err(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) => Err(AllocError::OutOfMemory),
@@ -123,11 +143,56 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.calls.mem_unmap += 1;
         self.kind.decommit(addr, len)
+    }
+
+    fn vmm_granule(&mut self) -> usize {
+        if self.vmm.is_none() {
+            // A device without VMM (or a failing probe) gets no arena: the pool falls back.
+            let probed = self.ctx.enter().ok().and_then(|_g| CudaVmm::new(self.ctx.device).ok().flatten());
+            self.vmm = Some(probed);
+        }
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.granule())
+    }
+
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.reserve(len, calls)
+    }
+
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.unreserve(base, len, calls)
+    }
+
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.map_new(addr, len, calls)
+    }
+
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.unmap(addr, len, calls)
+    }
+
+    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.move_granule(from, to, calls)
+    }
+
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
     }
 
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
         let _g = self.ctx.enter()?;
+        self.calls.stream_id += 1;
         let mut id: std::ffi::c_ulonglong = 0;
         check("cuStreamGetId", unsafe { sys::cuStreamGetId(stream_ptr(handle), &mut id) })?;
         Ok(StreamKey(id as u64))
@@ -150,11 +215,13 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn event_record(&mut self, ev: EventHandle, stream: StreamHandle) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.calls.event_record += 1;
         check("cuEventRecord", unsafe { sys::cuEventRecord(ev as sys::CUevent, stream_ptr(stream)) })
     }
 
     fn event_query(&mut self, ev: EventHandle) -> Result<bool> {
         let _g = self.ctx.enter()?;
+        self.calls.event_query += 1;
         match unsafe { sys::cuEventQuery(ev as sys::CUevent) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -164,11 +231,13 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.calls.event_sync += 1;
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev as sys::CUevent) })
     }
 
     fn stream_wait_event(&mut self, stream: StreamHandle, ev: EventHandle) -> Result<()> {
         let _g = self.ctx.enter()?;
+        self.calls.stream_wait += 1;
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream_ptr(stream), ev as sys::CUevent, 0) })
     }
 }

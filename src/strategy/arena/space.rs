@@ -1,0 +1,478 @@
+//! One address range of the arena and the books of every byte in it.
+//!
+//! The range is cut into consecutive nodes, each `Allocated` (handed out), `Free` (mapped,
+//! cached) or `Unmapped` (reserved address space with no memory behind it). Free and
+//! allocated nodes may share a granule (blocks are cut at 512 B, granules are 2 MiB);
+//! unmapped nodes are whole granules. So the mapped granules are exactly those covered by
+//! free and allocated nodes, and `used + free == mapped` holds at every step.
+//!
+//! Free nodes merge with free neighbours freed on the same stream, across the whole range
+//! (there are no segment boundaries to stop them), and are filed per stream in `FreeBins`
+//! for exact best fit. Nodes live in a slab linked by slot, as in `split`, so a free finds
+//! its node through `Block::handle` without an address lookup.
+
+use crate::block::Block;
+use crate::strategy::bins::FreeBins;
+use crate::stream::StreamKey;
+use rustc_hash::FxHashMap;
+
+pub type Slot = u32;
+pub const NIL: Slot = u32::MAX;
+
+/// Smallest piece a block is cut to (and the rounding of every request).
+pub const ROUND: usize = 512;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum State {
+    Allocated,
+    Free,
+    Unmapped,
+    /// The slot holds no node.
+    Vacant,
+}
+
+#[derive(Copy, Clone, Debug)]
+pub struct Node {
+    pub addr: usize,
+    pub size: usize,
+    pub prev: Slot,
+    pub next: Slot,
+    pub state: State,
+    /// Free: the stream it was freed on; allocated: the stream it was handed to.
+    pub stream: StreamKey,
+    /// The space's clock when the node last became free (oldest memory is given away first).
+    pub freed_at: u64,
+}
+
+impl Node {
+    pub fn end(&self) -> usize {
+        self.addr + self.size
+    }
+}
+
+/// Whole free granules in a row (`free_granule_runs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FreeRun {
+    pub addr: usize,
+    pub len: usize,
+    /// Streams that freed memory in it: all must be synchronised before it is unmapped.
+    pub streams: Vec<StreamKey>,
+    /// The space's clock when its most recent free happened.
+    pub freed_at: u64,
+}
+
+pub struct Space {
+    pub base: usize,
+    pub len: usize,
+    pub granule: usize,
+    nodes: Vec<Node>,
+    vacant: Vec<Slot>,
+    first: Slot,
+    index: FxHashMap<StreamKey, FreeBins>,
+    free_count: usize,
+    /// Bytes in free nodes (mapped, cached).
+    pub free_bytes: usize,
+    /// Bytes in allocated nodes.
+    pub used_bytes: usize,
+    clock: u64,
+}
+
+impl Space {
+    /// A range of `len` bytes at `base` (both granule aligned), all unmapped.
+    pub fn new(base: usize, len: usize, granule: usize) -> Space {
+        let mut s = Space {
+            base,
+            len,
+            granule,
+            nodes: Vec::new(),
+            vacant: Vec::new(),
+            first: 0,
+            index: FxHashMap::default(),
+            free_count: 0,
+            free_bytes: 0,
+            used_bytes: 0,
+            clock: 0,
+        };
+        s.first = s.alloc_slot(Node {
+            addr: base,
+            size: len,
+            prev: NIL,
+            next: NIL,
+            state: State::Unmapped,
+            stream: StreamKey::LEGACY,
+            freed_at: 0,
+        });
+        s
+    }
+
+    pub fn contains(&self, addr: usize) -> bool {
+        addr >= self.base && addr < self.base + self.len
+    }
+
+    pub fn node(&self, s: Slot) -> &Node {
+        &self.nodes[s as usize]
+    }
+
+    /// Nodes in address order.
+    pub fn walk(&self) -> impl Iterator<Item = (Slot, &Node)> + '_ {
+        let mut s = self.first;
+        std::iter::from_fn(move || {
+            if s == NIL {
+                return None;
+            }
+            let cur = s;
+            s = self.nodes[s as usize].next;
+            Some((cur, &self.nodes[cur as usize]))
+        })
+    }
+
+    fn alloc_slot(&mut self, node: Node) -> Slot {
+        match self.vacant.pop() {
+            Some(s) => {
+                self.nodes[s as usize] = node;
+                s
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as Slot
+            }
+        }
+    }
+
+    fn free_slot(&mut self, s: Slot) {
+        self.nodes[s as usize].state = State::Vacant;
+        self.vacant.push(s);
+    }
+
+    fn block_of(&self, s: Slot) -> Block {
+        let n = &self.nodes[s as usize];
+        Block { addr: n.addr, size: n.size, segment: self.base, stream: n.stream, handle: s }
+    }
+
+    fn index_insert(&mut self, s: Slot) {
+        let n = self.nodes[s as usize];
+        self.index.entry(n.stream).or_default().insert(n.size, n.addr, s);
+        self.free_count += 1;
+        self.free_bytes += n.size;
+    }
+
+    fn index_remove(&mut self, s: Slot) {
+        let n = self.nodes[s as usize];
+        let bins = self.index.get_mut(&n.stream).expect("a free node's stream has an index");
+        let removed = bins.remove(n.size, n.addr);
+        debug_assert!(removed, "free node missing from the index");
+        // Streams come and go; the legacy stream's index is kept (it is the hot path).
+        if bins.is_empty() && n.stream != StreamKey::LEGACY {
+            self.index.remove(&n.stream);
+        }
+        self.free_count -= 1;
+        self.free_bytes -= n.size;
+    }
+
+    /// Insert a new node for `[addr, addr + size)` after `after` (NIL: first).
+    fn link_after(&mut self, after: Slot, node: Node) -> Slot {
+        let next = if after == NIL { self.first } else { self.nodes[after as usize].next };
+        let s = self.alloc_slot(Node { prev: after, next, ..node });
+        if next != NIL {
+            self.nodes[next as usize].prev = s;
+        }
+        if after == NIL {
+            self.first = s;
+        } else {
+            self.nodes[after as usize].next = s;
+        }
+        s
+    }
+
+    fn unlink(&mut self, s: Slot) {
+        let Node { prev, next, .. } = self.nodes[s as usize];
+        if prev != NIL {
+            self.nodes[prev as usize].next = next;
+        } else {
+            self.first = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        }
+        self.free_slot(s);
+    }
+
+    /// Cut node `s` at `at` (inside it); the back part gets a new slot, returned.
+    fn split_at(&mut self, s: Slot, at: usize) -> Slot {
+        let n = self.nodes[s as usize];
+        debug_assert!(at > n.addr && at < n.end());
+        let back = Node { addr: at, size: n.end() - at, ..n };
+        self.nodes[s as usize].size = at - n.addr;
+        self.link_after(s, back)
+    }
+
+    /// Merge `s` (free, or unmapped) with like neighbours; returns the surviving slot.
+    /// Free nodes must be out of the index when called; the caller files the result.
+    fn merge_neighbours(&mut self, mut s: Slot) -> Slot {
+        let alike = |a: &Node, b: &Node| {
+            a.state == b.state && (a.state == State::Unmapped || (a.state == State::Free && a.stream == b.stream))
+        };
+        let next = self.nodes[s as usize].next;
+        if next != NIL && alike(&self.nodes[s as usize], &self.nodes[next as usize]) {
+            if self.nodes[next as usize].state == State::Free {
+                self.index_remove(next);
+            }
+            self.nodes[s as usize].size += self.nodes[next as usize].size;
+            self.unlink(next);
+        }
+        let prev = self.nodes[s as usize].prev;
+        if prev != NIL && alike(&self.nodes[prev as usize], &self.nodes[s as usize]) {
+            if self.nodes[prev as usize].state == State::Free {
+                self.index_remove(prev);
+            }
+            self.nodes[prev as usize].size += self.nodes[s as usize].size;
+            self.nodes[prev as usize].freed_at = self.nodes[prev as usize].freed_at.max(self.nodes[s as usize].freed_at);
+            self.unlink(s);
+            s = prev;
+        }
+        s
+    }
+
+    /// Make `s` a free node on `stream`, merged and filed.
+    fn make_free(&mut self, s: Slot, stream: StreamKey) {
+        self.clock += 1;
+        let n = &mut self.nodes[s as usize];
+        n.state = State::Free;
+        n.stream = stream;
+        n.freed_at = self.clock;
+        let s = self.merge_neighbours(s);
+        self.index_insert(s);
+    }
+
+    /// Hand out the first `rounded` bytes of free node `s` to `stream`.
+    fn carve(&mut self, s: Slot, rounded: usize, stream: StreamKey) -> Block {
+        self.index_remove(s);
+        if self.nodes[s as usize].size > rounded {
+            let rest = self.split_at(s, self.nodes[s as usize].addr + rounded);
+            self.index_insert(rest);
+        }
+        let n = &mut self.nodes[s as usize];
+        n.state = State::Allocated;
+        n.stream = stream;
+        self.used_bytes += rounded;
+        self.block_of(s)
+    }
+
+    /// Best fit among mapped free memory: the requesting stream first, then other
+    /// streams' (best fit first) where `reusable` allows. No driver call.
+    pub fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+        if let Some((_, _, s)) = self.index.get(&stream).and_then(|b| b.best_fit(rounded)) {
+            return Some(self.carve(s, rounded, stream));
+        }
+        let mut cands: Vec<(usize, usize, Slot, StreamKey)> = self
+            .index
+            .iter()
+            .filter(|(k, _)| **k != stream)
+            .filter_map(|(k, b)| b.best_fit(rounded).map(|(size, addr, s)| (size, addr, s, *k)))
+            .collect();
+        cands.sort_unstable();
+        for (_, _, s, from) in cands {
+            if reusable(from) {
+                return Some(self.carve(s, rounded, stream));
+            }
+        }
+        None
+    }
+
+    /// Take back an allocated block freed on `block.stream`.
+    pub fn put(&mut self, block: Block) {
+        let s = block.handle;
+        debug_assert!(self.nodes.get(s as usize).is_some_and(|n| n.addr == block.addr && n.state == State::Allocated));
+        self.used_bytes -= self.nodes[s as usize].size;
+        self.make_free(s, block.stream);
+    }
+
+    /// The node holding `addr`, by walking (planning and tests only: not the hot path).
+    fn node_at(&self, addr: usize) -> Option<Slot> {
+        self.walk().find(|(_, n)| n.addr <= addr && addr < n.end()).map(|(s, _)| s)
+    }
+
+    /// Make `addr` the start of a node (splitting the one holding it; a free node's pieces
+    /// stay filed). Returns that node.
+    fn cut_at(&mut self, addr: usize) -> Slot {
+        let s = self.node_at(addr).expect("address inside the space");
+        if self.nodes[s as usize].addr == addr {
+            return s;
+        }
+        let free = self.nodes[s as usize].state == State::Free;
+        if free {
+            self.index_remove(s);
+        }
+        let back = self.split_at(s, addr);
+        if free {
+            self.index_insert(s);
+            self.index_insert(back);
+        }
+        back
+    }
+
+    /// Granules `[addr, addr + len)` of an unmapped node were mapped: they become free
+    /// memory of `stream` (fresh memory has no pending work on any stream).
+    pub fn mark_mapped(&mut self, addr: usize, len: usize, stream: StreamKey) {
+        if addr + len < self.base + self.len {
+            self.cut_at(addr + len);
+        }
+        let s = self.cut_at(addr);
+        debug_assert!(self.nodes[s as usize].state == State::Unmapped && self.nodes[s as usize].size == len);
+        self.make_free(s, stream);
+    }
+
+    /// Granules `[addr, addr + len)`, all free (possibly across nodes of several streams),
+    /// were unmapped (or their memory moved away).
+    pub fn mark_unmapped(&mut self, addr: usize, len: usize) {
+        if addr + len < self.base + self.len {
+            self.cut_at(addr + len);
+        }
+        let mut s = self.cut_at(addr);
+        while s != NIL && self.nodes[s as usize].addr < addr + len {
+            debug_assert_eq!(self.nodes[s as usize].state, State::Free);
+            self.index_remove(s);
+            self.nodes[s as usize].state = State::Unmapped;
+            s = self.merge_neighbours(s);
+            s = self.nodes[s as usize].next;
+        }
+    }
+
+    /// Hand out `[addr, addr + rounded)`, which lies wholly in free nodes (of streams the
+    /// pool made safe for `stream`): they merge into one node of `stream`, cut around it.
+    pub fn carve_range(&mut self, addr: usize, rounded: usize, stream: StreamKey) -> Block {
+        let mut s = self.node_at(addr).expect("window inside the space");
+        self.index_remove(s);
+        while self.nodes[s as usize].end() < addr + rounded {
+            let next = self.nodes[s as usize].next;
+            debug_assert_eq!(self.nodes[next as usize].state, State::Free, "window crosses a non-free node");
+            self.index_remove(next);
+            self.nodes[s as usize].size += self.nodes[next as usize].size;
+            self.unlink(next);
+        }
+        // Allocated first, so the leftover pieces below do not merge back into it.
+        self.nodes[s as usize].state = State::Allocated;
+        self.nodes[s as usize].stream = stream;
+        if self.nodes[s as usize].addr < addr {
+            let front = s;
+            s = self.split_at(front, addr);
+            self.nodes[front as usize].state = State::Free;
+            let f = self.merge_neighbours(front);
+            self.index_insert(f);
+        }
+        if self.nodes[s as usize].end() > addr + rounded {
+            let back = self.split_at(s, addr + rounded);
+            self.nodes[back as usize].state = State::Free;
+            let b = self.merge_neighbours(back);
+            self.index_insert(b);
+        }
+        self.used_bytes += rounded;
+        self.block_of(s)
+    }
+
+    /// Free memory as whole granules: the granule-aligned interior of each run of adjacent
+    /// free nodes (a granule can span free nodes of several streams), with the streams whose
+    /// work must finish before it is unmapped and when the run was last freed.
+    pub fn free_granule_runs(&self) -> Vec<FreeRun> {
+        let g = self.granule;
+        let mut out = Vec::new();
+        let mut cur: Option<(usize, usize, Vec<StreamKey>, u64)> = None;
+        let mut close = |run: Option<(usize, usize, Vec<StreamKey>, u64)>| {
+            if let Some((start, end, streams, freed_at)) = run {
+                let (a, b) = ((start + g - 1) & !(g - 1), end & !(g - 1));
+                if a < b {
+                    out.push(FreeRun { addr: a, len: b - a, streams, freed_at });
+                }
+            }
+        };
+        for (_, n) in self.walk() {
+            if n.state != State::Free {
+                close(cur.take());
+                continue;
+            }
+            match cur.as_mut() {
+                Some((_, end, streams, freed_at)) => {
+                    *end = n.end();
+                    if !streams.contains(&n.stream) {
+                        streams.push(n.stream);
+                    }
+                    *freed_at = (*freed_at).max(n.freed_at);
+                }
+                None => cur = Some((n.addr, n.end(), vec![n.stream], n.freed_at)),
+            }
+        }
+        close(cur.take());
+        out
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.free_count
+    }
+
+    pub fn largest_free(&self) -> usize {
+        self.index.values().filter_map(|b| b.largest().map(|e| e.0)).max().unwrap_or(0)
+    }
+
+    pub fn free_blocks(&self) -> Vec<Block> {
+        self.walk().filter(|(_, n)| n.state == State::Free).map(|(s, _)| self.block_of(s)).collect()
+    }
+
+    pub fn is_free_block(&self, addr: usize) -> bool {
+        self.walk().any(|(_, n)| n.state == State::Free && n.addr == addr)
+    }
+
+    /// Mapped bytes by the books: the granules touched by free and allocated nodes.
+    pub fn mapped_bytes(&self) -> usize {
+        self.used_bytes + self.free_bytes
+    }
+
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let g = self.granule;
+        let (mut addr, mut prev, mut free, mut used, mut count, mut seen) = (self.base, NIL, 0, 0, 0, 0);
+        let mut last_state = State::Vacant;
+        let mut last_stream = StreamKey::LEGACY;
+        for (s, n) in self.walk() {
+            if n.addr != addr || n.prev != prev || n.size == 0 || n.size % ROUND != 0 {
+                return Err(format!("node {s} {n:?}: expected address {addr:#x}, prev {prev}"));
+            }
+            match n.state {
+                State::Free => {
+                    if !self.index.get(&n.stream).is_some_and(|b| b.contains(n.size, n.addr)) {
+                        return Err(format!("free node {n:?} not in the index"));
+                    }
+                    if last_state == State::Free && last_stream == n.stream {
+                        return Err(format!("free node {n:?} not merged with its free neighbour"));
+                    }
+                    free += n.size;
+                    count += 1;
+                }
+                State::Allocated => used += n.size,
+                State::Unmapped => {
+                    if n.addr % g != 0 || n.size % g != 0 || last_state == State::Unmapped {
+                        return Err(format!("unmapped node {n:?} not whole granules, or not merged"));
+                    }
+                }
+                State::Vacant => return Err(format!("vacant slot {s} linked")),
+            }
+            last_state = n.state;
+            last_stream = n.stream;
+            addr += n.size;
+            prev = s;
+            seen += 1;
+        }
+        if addr != self.base + self.len {
+            return Err(format!("nodes end at {addr:#x}, the space at {:#x}", self.base + self.len));
+        }
+        if free != self.free_bytes || used != self.used_bytes || count != self.free_count {
+            return Err(format!(
+                "books: free {}/{free} bytes, {}/{count} nodes; used {}/{used}",
+                self.free_bytes, self.free_count, self.used_bytes
+            ));
+        }
+        let indexed: usize = self.index.values().map(|b| b.len()).sum();
+        if indexed != count || self.nodes.len() - self.vacant.len() != seen {
+            return Err(format!("{indexed} indexed vs {count} free nodes; {seen} linked slots"));
+        }
+        Ok(())
+    }
+}

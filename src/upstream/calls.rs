@@ -1,0 +1,96 @@
+//! Driver calls counted by kind. Every upstream counts the calls it makes (the CUDA ones
+//! count real driver calls; the host and simulated ones count the calls they stand in
+//! for), so a benchmark can check that a steady-state step makes none and the reports can
+//! show where driver time went.
+
+use std::fmt::Write;
+
+/// Calls made so far, by kind. Plain counters: the upstream is only used under the pool's lock.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    /// Segment allocations and frees (`cuMemAlloc`, `cuMemAllocAsync`, ... and their frees).
+    pub malloc: u64,
+    pub free: u64,
+    /// Virtual memory management: physical allocations, mappings, access grants, address ranges.
+    pub mem_create: u64,
+    pub mem_release: u64,
+    pub mem_map: u64,
+    pub mem_unmap: u64,
+    pub set_access: u64,
+    pub address_reserve: u64,
+    pub address_free: u64,
+    /// Stream ordering.
+    pub event_record: u64,
+    pub event_query: u64,
+    pub event_sync: u64,
+    pub stream_wait: u64,
+    /// `cuStreamGetId` (identity of a non-legacy stream).
+    pub stream_id: u64,
+}
+
+impl DriverCalls {
+    /// Every counter with its JSON / report name.
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
+        [
+            ("malloc", self.malloc),
+            ("free", self.free),
+            ("mem_create", self.mem_create),
+            ("mem_release", self.mem_release),
+            ("mem_map", self.mem_map),
+            ("mem_unmap", self.mem_unmap),
+            ("set_access", self.set_access),
+            ("address_reserve", self.address_reserve),
+            ("address_free", self.address_free),
+            ("event_record", self.event_record),
+            ("event_query", self.event_query),
+            ("event_sync", self.event_sync),
+            ("stream_wait", self.stream_wait),
+            ("stream_id", self.stream_id),
+        ]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.fields().iter().map(|f| f.1).sum()
+    }
+
+    /// Calls that obtain or give back memory (allocation, mapping), the ones a steady-state
+    /// step must never make.
+    pub fn memory_calls(&self) -> u64 {
+        self.malloc + self.free + self.mem_create + self.mem_release + self.mem_map + self.mem_unmap + self.set_access
+    }
+
+    /// `{"malloc":1,...,"total":N}`
+    pub fn json(&self) -> String {
+        let mut o = String::from("{");
+        for (name, n) in self.fields() {
+            let _ = write!(o, "\"{name}\":{n},");
+        }
+        let _ = write!(o, "\"total\":{}}}", self.total());
+        o
+    }
+
+    /// `malloc 1, free 0, ...` listing only the kinds that were called.
+    pub fn text(&self) -> String {
+        let parts: Vec<String> = self.fields().iter().filter(|f| f.1 > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_and_renderings() {
+        let c = DriverCalls { malloc: 2, mem_map: 3, event_record: 4, ..Default::default() };
+        assert_eq!(c.total(), 9);
+        assert_eq!(c.memory_calls(), 5);
+        assert!(c.json().starts_with("{\"malloc\":2,") && c.json().ends_with("\"total\":9}"), "{}", c.json());
+        assert_eq!(c.text(), "malloc 2, mem_map 3, event_record 4");
+        assert_eq!(DriverCalls::default().text(), "none");
+    }
+}

@@ -1,0 +1,191 @@
+//! The driver's virtual memory management API for the `arena` strategy: address ranges
+//! reserved once (`cuMemAddressReserve`), physical granules created (`cuMemCreate`) and
+//! mapped into them (`cuMemMap` + `cuMemSetAccess`), moved from one address to another by
+//! mapping the same handle elsewhere, and released (`cuMemUnmap` + `cuMemRelease`).
+//!
+//! Access is granted to the owning device and to every device that can access it as a
+//! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
+//! memory. Called with the device's primary context current (`CudaUpstream` does that).
+
+use super::driver::{check, cuda_error};
+use crate::error::{Error, Result};
+use crate::upstream::{AllocError, DriverCalls};
+use cudarc::driver::sys;
+use rustc_hash::FxHashMap;
+
+pub struct CudaVmm {
+    prop: sys::CUmemAllocationProp,
+    granule: usize,
+    /// Who may read and write arena memory: the device, then its peers.
+    access: Vec<sys::CUmemAccessDesc>,
+    /// Physical allocation mapped at each granule address.
+    handles: FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
+}
+
+// SAFETY: plain driver handles, valid from any thread.
+unsafe impl Send for CudaVmm {}
+
+impl CudaVmm {
+    /// The device's VMM support, or `None` when it has none.
+    pub fn new(device: sys::CUdevice) -> Result<Option<CudaVmm>> {
+        let mut supported = 0;
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut supported,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+                device,
+            )
+        })?;
+        if supported == 0 {
+            return Ok(None);
+        }
+        // SAFETY: a plain C struct for which all-zero is the documented default.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = device;
+        let mut g = 0usize;
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })?;
+        if !g.is_power_of_two() {
+            return Err(Error::Internal(format!("device allocation granularity {g} is not a power of two")));
+        }
+        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let mut access = vec![sys::CUmemAccessDesc { location: prop.location, flags: rw }];
+        let mut n = 0;
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        for peer in (0..n).filter(|&d| d != device) {
+            let mut can = 0;
+            if unsafe { sys::cuDeviceCanAccessPeer(&mut can, peer, device) } == sys::CUresult::CUDA_SUCCESS && can != 0 {
+                let mut loc = prop.location;
+                loc.id = peer;
+                access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
+            }
+        }
+        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default() }))
+    }
+
+    pub fn granule(&self) -> usize {
+        self.granule
+    }
+
+    pub fn reserve(&mut self, len: usize, calls: &mut DriverCalls) -> Result<usize> {
+        let mut base: sys::CUdeviceptr = 0;
+        calls.address_reserve += 1;
+        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, len, self.granule, 0, 0) })?;
+        Ok(base as usize)
+    }
+
+    pub fn unreserve(&mut self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        calls.address_free += 1;
+        check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base as sys::CUdeviceptr, len) })
+    }
+
+    /// Grant access to `[addr, addr + len)`. A peer the driver refuses (peer access not
+    /// possible after all) is dropped and the grant retried for the rest.
+    fn set_access(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> sys::CUresult {
+        loop {
+            calls.set_access += 1;
+            let r = unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, self.access.as_ptr(), self.access.len()) };
+            if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
+                return r;
+            }
+            self.access.truncate(1);
+        }
+    }
+
+    pub fn map_new(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
+        let g = self.granule;
+        let mut done = 0;
+        let mut failure = None;
+        while done < len {
+            let p = addr + done;
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            calls.mem_create += 1;
+            let r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                failure = Some(("cuMemCreate", r));
+                break;
+            }
+            calls.mem_map += 1;
+            let r = unsafe { sys::cuMemMap(p as sys::CUdeviceptr, g, 0, h, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                calls.mem_release += 1;
+                unsafe { sys::cuMemRelease(h) };
+                failure = Some(("cuMemMap", r));
+                break;
+            }
+            self.handles.insert(p, h);
+            done += g;
+        }
+        if failure.is_none() {
+            let r = self.set_access(addr, len, calls);
+            if r != sys::CUresult::CUDA_SUCCESS {
+                failure = Some(("cuMemSetAccess", r));
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some((call, r)) => {
+                let _ = self.unmap(addr, done, calls);
+                if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    Err(AllocError::OutOfMemory)
+                } else {
+                    Err(AllocError::Other(cuda_error(call, r)))
+                }
+            }
+        }
+    }
+
+    pub fn unmap(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        let mut first_err = None;
+        for p in (addr..addr + len).step_by(self.granule) {
+            let Some(h) = self.handles.remove(&p) else {
+                first_err.get_or_insert(Error::Internal(format!("arena: unmap of {p:#x}, which is not mapped")));
+                continue;
+            };
+            calls.mem_unmap += 1;
+            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
+                first_err.get_or_insert(e);
+            }
+            calls.mem_release += 1;
+            if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Map the handle behind `from` at `to`, then unmap `from`: a failure at any step is
+    /// undone, so the granule stays where it was.
+    pub fn move_granule(&mut self, from: usize, to: usize, calls: &mut DriverCalls) -> Result<()> {
+        let g = self.granule;
+        let Some(&h) = self.handles.get(&from) else {
+            return Err(Error::Internal(format!("arena: move of {from:#x}, which is not mapped")));
+        };
+        calls.mem_map += 1;
+        check("cuMemMap", unsafe { sys::cuMemMap(to as sys::CUdeviceptr, g, 0, h, 0) })?;
+        let undo_to = |calls: &mut DriverCalls| {
+            calls.mem_unmap += 1;
+            unsafe { sys::cuMemUnmap(to as sys::CUdeviceptr, g) };
+        };
+        let r = self.set_access(to, g, calls);
+        if r != sys::CUresult::CUDA_SUCCESS {
+            undo_to(calls);
+            return Err(cuda_error("cuMemSetAccess", r));
+        }
+        calls.mem_unmap += 1;
+        if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(from as sys::CUdeviceptr, g) }) {
+            undo_to(calls);
+            return Err(e);
+        }
+        self.handles.remove(&from);
+        self.handles.insert(to, h);
+        Ok(())
+    }
+}

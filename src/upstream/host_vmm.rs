@@ -1,0 +1,278 @@
+//! The host upstream's virtual memory API: a CPU stand-in for CUDA's `cuMemAddressReserve` /
+//! `cuMemCreate` / `cuMemMap` / `cuMemUnmap` / `cuMemRelease`, so the arena's logic runs in
+//! tests without a GPU.
+//!
+//! Physical memory is a `memfd` file: a granule of physical memory is a granule-sized
+//! offset in it, mapped `MAP_SHARED` at any address, so moving a granule to another address
+//! keeps its bytes, as remapping a CUDA allocation handle does. Reserved address space is
+//! `PROT_NONE`: touching an unmapped granule crashes the test instead of passing silently.
+//! Released granules are punched out of the file (`FALLOC_FL_PUNCH_HOLE`), giving the memory
+//! back to the OS.
+
+use crate::error::{Error, Result};
+use rustc_hash::FxHashMap;
+
+pub struct HostVmm {
+    granule: usize,
+    /// The "physical memory": created on first use.
+    fd: Option<libc::c_int>,
+    file_len: usize,
+    /// File offsets of released granules, for reuse.
+    spare_offsets: Vec<usize>,
+    /// Mapped granule address -> its offset in the file.
+    mapped: FxHashMap<usize, usize>,
+    /// Reservation base -> length.
+    reservations: FxHashMap<usize, usize>,
+}
+
+fn os_error(what: &str) -> Error {
+    Error::Internal(format!("host vmm: {what} failed: {}", std::io::Error::last_os_error()))
+}
+
+impl HostVmm {
+    pub fn new(granule: usize) -> HostVmm {
+        HostVmm {
+            granule,
+            fd: None,
+            file_len: 0,
+            spare_offsets: Vec::new(),
+            mapped: FxHashMap::default(),
+            reservations: FxHashMap::default(),
+        }
+    }
+
+    pub fn granule(&self) -> usize {
+        self.granule
+    }
+
+    /// Bytes of physical memory mapped now.
+    pub fn mapped_bytes(&self) -> usize {
+        self.mapped.len() * self.granule
+    }
+
+    fn fd(&mut self) -> Result<libc::c_int> {
+        if let Some(fd) = self.fd {
+            return Ok(fd);
+        }
+        // SAFETY: a NUL-terminated name; flags are valid.
+        let fd = unsafe { libc::memfd_create(c"gpupool-host-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        self.fd = Some(fd);
+        Ok(fd)
+    }
+
+    pub fn reserve(&mut self, len: usize) -> Result<usize> {
+        let g = self.granule;
+        // Over-reserve by a granule, then trim, so the range is granule aligned.
+        // SAFETY: an anonymous, inaccessible mapping at an address of the kernel's choice.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len + g,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_error("mmap (reserve)"));
+        }
+        let start = p as usize;
+        let base = (start + g - 1) & !(g - 1);
+        // SAFETY: trimming the parts of our own fresh mapping outside [base, base + len).
+        unsafe {
+            if base > start {
+                libc::munmap(p, base - start);
+            }
+            let end = start + len + g;
+            if end > base + len {
+                libc::munmap((base + len) as *mut libc::c_void, end - (base + len));
+            }
+        }
+        self.reservations.insert(base, len);
+        Ok(base)
+    }
+
+    pub fn unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        if self.reservations.get(&base) != Some(&len) {
+            return Err(Error::Internal(format!("host vmm: {base:#x}+{len} is not a reservation")));
+        }
+        if self.mapped.keys().any(|&a| a >= base && a < base + len) {
+            return Err(Error::Internal(format!("host vmm: reservation {base:#x} still has mapped granules")));
+        }
+        self.reservations.remove(&base);
+        // SAFETY: our own reservation, nothing mapped in it.
+        unsafe { libc::munmap(base as *mut libc::c_void, len) };
+        Ok(())
+    }
+
+    fn reserved(&self, addr: usize, len: usize) -> bool {
+        self.reservations.iter().any(|(&b, &l)| addr >= b && addr + len <= b + l)
+    }
+
+    /// Map the file's granule at `off` over `addr`.
+    fn map_at(&mut self, addr: usize, off: usize) -> Result<()> {
+        let fd = self.fd()?;
+        // SAFETY: `addr` is a granule of our own reservation (checked by the callers).
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                self.granule,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                off as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_error("mmap (map)"));
+        }
+        self.mapped.insert(addr, off);
+        Ok(())
+    }
+
+    /// Put inaccessible reserved space back over `addr` (the granule stays reserved).
+    fn unmap_at(&mut self, addr: usize) -> Result<()> {
+        // SAFETY: a granule of our own reservation.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                self.granule,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_error("mmap (unmap)"));
+        }
+        self.mapped.remove(&addr);
+        Ok(())
+    }
+
+    fn new_offset(&mut self) -> Result<usize> {
+        if let Some(off) = self.spare_offsets.pop() {
+            return Ok(off);
+        }
+        let fd = self.fd()?;
+        let off = self.file_len;
+        // SAFETY: growing our own file.
+        if unsafe { libc::ftruncate(fd, (off + self.granule) as libc::off_t) } != 0 {
+            return Err(os_error("ftruncate"));
+        }
+        self.file_len += self.granule;
+        Ok(off)
+    }
+
+    fn release_offset(&mut self, off: usize) {
+        if let Some(fd) = self.fd {
+            // SAFETY: punching a hole in our own file gives its pages back; the size stays.
+            unsafe {
+                libc::fallocate(
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off as libc::off_t,
+                    self.granule as libc::off_t,
+                )
+            };
+        }
+        self.spare_offsets.push(off);
+    }
+
+    /// Map new memory over every granule of `[addr, addr + len)`; all or nothing.
+    pub fn map_new(&mut self, addr: usize, len: usize) -> Result<()> {
+        if !self.reserved(addr, len) || (addr..addr + len).step_by(self.granule).any(|a| self.mapped.contains_key(&a)) {
+            return Err(Error::Internal(format!("host vmm: map of {addr:#x}+{len}: not reserved, or mapped already")));
+        }
+        let mut done = Vec::new();
+        for a in (addr..addr + len).step_by(self.granule) {
+            let res = self.new_offset().and_then(|off| {
+                self.map_at(a, off).inspect_err(|_| self.spare_offsets.push(off))
+            });
+            if let Err(e) = res {
+                for d in done {
+                    let _ = self.unmap(d, self.granule);
+                }
+                return Err(e);
+            }
+            done.push(a);
+        }
+        Ok(())
+    }
+
+    /// Unmap and release every granule of `[addr, addr + len)`.
+    pub fn unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        for a in (addr..addr + len).step_by(self.granule) {
+            let Some(&off) = self.mapped.get(&a) else {
+                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped")));
+            };
+            self.unmap_at(a)?;
+            self.release_offset(off);
+        }
+        Ok(())
+    }
+
+    /// Move the granule mapped at `from` to `to`; its bytes go with it.
+    pub fn move_granule(&mut self, from: usize, to: usize) -> Result<()> {
+        let Some(&off) = self.mapped.get(&from) else {
+            return Err(Error::Internal(format!("host vmm: move of {from:#x}, which is not mapped")));
+        };
+        if !self.reserved(to, self.granule) || self.mapped.contains_key(&to) {
+            return Err(Error::Internal(format!("host vmm: move to {to:#x}: not reserved or mapped")));
+        }
+        // As with CUDA: map the handle at the new address, then unmap the old one.
+        self.map_at(to, off)?;
+        if let Err(e) = self.unmap_at(from) {
+            // Still mapped at `from`: undo the new mapping so the books stay one-to-one.
+            let _ = self.unmap_at(to);
+            self.mapped.insert(from, off);
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostVmm {
+    fn drop(&mut self) {
+        // Live blocks of a dropped pool stay readable until the process ends (as on a
+        // GPU, where the driver keeps memory until the context goes); only the file
+        // descriptor closes, the mappings keep the memory.
+        if let Some(fd) = self.fd.take() {
+            // SAFETY: our own descriptor.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_move_unmap_keeps_bytes_and_protects_unmapped_space() {
+        let g = 2 << 20;
+        let mut v = HostVmm::new(g);
+        let base = v.reserve(8 * g).unwrap();
+        assert_eq!(base % g, 0);
+        v.map_new(base, 2 * g).unwrap();
+        assert_eq!(v.mapped_bytes(), 2 * g);
+        unsafe { *((base + g + 5) as *mut u8) = 42 };
+        v.move_granule(base + g, base + 5 * g).unwrap();
+        assert_eq!(unsafe { *((base + 5 * g + 5) as *const u8) }, 42, "the bytes move with the granule");
+        assert!(v.map_new(base, g).is_err(), "mapped twice");
+        assert!(v.unmap(base + g, g).is_err(), "moved away: not mapped");
+        assert!(v.unreserve(base, 8 * g).is_err(), "still mapped");
+        v.unmap(base, g).unwrap();
+        v.unmap(base + 5 * g, g).unwrap();
+        assert_eq!(v.mapped_bytes(), 0);
+        // A released granule's offset is reused, not grown.
+        v.map_new(base + 3 * g, g).unwrap();
+        assert_eq!(v.file_len, 2 * g);
+        v.unmap(base + 3 * g, g).unwrap();
+        v.unreserve(base, 8 * g).unwrap();
+    }
+}

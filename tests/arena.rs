@@ -1,0 +1,254 @@
+//! The arena on the host upstream's simulated VMM (memfd-backed granules; unmapped address
+//! space is PROT_NONE, so a block handed out over an unmapped granule crashes the test).
+//! What it must show: memory held stays near the live peak however the free space is
+//! scattered, a repeated step makes no driver call, pressure gives whole granules back,
+//! and a device without VMM falls back to `split` with a notice.
+
+mod common;
+
+use common::*;
+use gpupool::config::PoolKind;
+use gpupool::error::{Error, Result};
+use gpupool::stream::StreamHandle;
+use gpupool::upstream::host::HostUpstream;
+use gpupool::upstream::{AllocError, Upstream};
+use gpupool::{Pool, PoolOptions};
+
+const G: usize = 2 * MIB;
+
+/// One step of a fragmenting program: mixed sizes, free every other block, then ask for
+/// one block larger than any free hole, then free everything.
+fn fragmenting_step(p: &mut Pool, step: usize) {
+    let sizes = [11 * MIB + 4096, 700 * 1024, 13 * MIB, 96 * 1024, 17 * MIB + 512, 24 * MIB];
+    let mut live = Vec::new();
+    for i in 0..36 {
+        let size = sizes[(i + step) % sizes.len()];
+        let a = p.malloc(size, 0).unwrap();
+        stamp(a, size, i as u64);
+        live.push((a, size, i as u64));
+    }
+    let mut kept = Vec::new();
+    for (i, b) in live.into_iter().enumerate() {
+        if i % 2 == 0 {
+            assert!(intact(b.0, b.1, b.2));
+            p.free(b.0, 0).unwrap();
+        } else {
+            kept.push(b);
+        }
+    }
+    let big = p.malloc(160 * MIB, 0).unwrap();
+    stamp(big, 160 * MIB, 1000);
+    for (a, s, id) in &kept {
+        assert!(intact(*a, *s, *id), "a live block changed while granules moved");
+    }
+    assert!(intact(big, 160 * MIB, 1000));
+    p.free(big, 0).unwrap();
+    for (a, _, _) in kept {
+        p.free(a, 0).unwrap();
+    }
+}
+
+fn pool(kind: PoolKind, capacity: usize) -> Pool {
+    let opts = PoolOptions { kind, check_invariants: true, thread_cache: false, ..Default::default() };
+    Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap()
+}
+
+#[test]
+fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_calls() {
+    let mut arena = pool(PoolKind::Arena, 4 << 30);
+    let mut split = pool(PoolKind::Split, 4 << 30);
+    for step in 0..3 {
+        fragmenting_step(&mut arena, step);
+        fragmenting_step(&mut split, step);
+    }
+    let (a, s) = (arena.stats(), split.stats());
+    let ratio = |st: &gpupool::Stats| st.peak_total_bytes as f64 / st.peak_used_bytes as f64;
+    println!("peak reserved / peak in use: arena {:.3}, split {:.3}", ratio(&a), ratio(&s));
+    // What the arena cannot move is the partial granules at the edges of the freed blocks
+    // (at most 2 MiB each side of each): under 5% here.
+    assert!(ratio(&a) <= 1.05, "arena holds {:.3}x the live peak", ratio(&a));
+    assert!(ratio(&s) > ratio(&a) + 0.2, "the pattern must fragment split ({:.3})", ratio(&s));
+    assert!(arena.arena_counters().unwrap().granules_moved > 0, "the big block was stitched");
+    // The same step again: everything it needs is mapped where it was.
+    let before = arena.driver_calls();
+    fragmenting_step(&mut arena, 0);
+    fragmenting_step(&mut arena, 1);
+    fragmenting_step(&mut arena, 2);
+    let after = arena.driver_calls();
+    assert_eq!(after, before, "a repeated step called the upstream: {}", after.text());
+}
+
+#[test]
+fn reported_memory_is_what_the_upstream_has_mapped() {
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let a = p.malloc(5 * MIB, 0).unwrap();
+    let b = p.malloc(100, 0).unwrap();
+    let st = p.stats();
+    // 5 MiB -> 3 granules; 100 B -> one granule of the small range.
+    assert_eq!(st.total_bytes as usize, 4 * G);
+    assert_eq!(st.device_total_bytes - st.device_free_bytes, st.total_bytes, "the upstream agrees");
+    let json = p.stats_json();
+    for key in ["\"arena\":{", "\"mapped_bytes\":8388608", "\"driver_calls\":{", "\"mem_create\":4", "\"total\":"] {
+        assert!(json.contains(key), "{key} missing: {json}");
+    }
+    let text = p.memory_status();
+    assert!(text.contains("Arena: 8.00 MiB mapped in 4 granules") && text.contains("Driver calls:"), "{text}");
+    p.free(a, 0).unwrap();
+    p.free(b, 0).unwrap();
+}
+
+#[test]
+fn pressure_gives_whole_granules_back_and_the_limit_holds() {
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let keep = p.malloc(3 * MIB, 0).unwrap(); // granules 0-1, ends mid-granule 1
+    let gone = p.malloc(20 * MIB, 0).unwrap();
+    p.free(gone, 0).unwrap();
+    assert_eq!(p.stats().total_bytes as usize, 12 * G);
+    let released = p.reclaim().unwrap();
+    // The granule shared with the live block stays.
+    assert_eq!(released, 10 * G);
+    assert_eq!(p.stats().total_bytes as usize, 2 * G);
+    p.set_limit(8 * MIB).unwrap();
+    let e = p.malloc(8 * MIB, 0).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(ref r) if r.by_limit), "{e}");
+    let ok = p.malloc(5 * MIB, 0).unwrap();
+    assert!(p.stats().total_bytes as usize <= 8 * MIB);
+    p.free(ok, 0).unwrap();
+    // A limit below what is held releases the free granules at once.
+    p.set_limit(4 * MIB).unwrap();
+    assert_eq!(p.stats().total_bytes as usize, 2 * G);
+    p.free(keep, 0).unwrap();
+    p.set_limit(0).unwrap();
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes, 0);
+}
+
+#[test]
+fn device_out_of_memory_moves_free_granules_instead_of_failing() {
+    // 32 MiB device: 16 granules. Fill it, free every other 2-granule block, ask for 16 MiB.
+    let mut p = pool(PoolKind::Arena, 32 * MIB);
+    let blocks: Vec<usize> = (0..8).map(|_| p.malloc(4 * MIB, 0).unwrap()).collect();
+    assert!(p.malloc(4 * MIB, 0).is_err(), "device full");
+    for a in blocks.iter().step_by(2) {
+        p.free(*a, 0).unwrap();
+    }
+    let big = p.malloc(16 * MIB, 0).expect("16 MiB free, in pieces: moved together");
+    assert_eq!(p.stats().total_bytes as usize, 32 * MIB);
+    let e = p.malloc(MIB * 2, 0).unwrap_err();
+    assert!(e.to_string().contains("out of memory"), "{e}");
+    p.free(big, 0).unwrap();
+}
+
+/// An upstream with no virtual memory API (a device without VMM support).
+struct NoVmm(HostUpstream);
+
+impl Upstream for NoVmm {
+    fn name(&self) -> &'static str {
+        "no-vmm"
+    }
+    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.0.allocate(size, s)
+    }
+    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
+        self.0.deallocate(a, size, s)
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        self.0.mem_info()
+    }
+}
+
+#[test]
+fn without_vmm_the_arena_falls_back_to_split_with_a_notice() {
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(NoVmm(HostUpstream::new(1 << 30))), &opts).unwrap();
+    assert_eq!(p.strategy_name(), "split");
+    assert!(p.notice().is_some_and(|n| n.contains("arena unavailable")));
+    let status = p.memory_status();
+    assert_eq!(status.lines().filter(|l| l.contains("Notice: arena unavailable")).count(), 1, "{status}");
+    assert!(p.stats_json().contains("\"notice\":\"arena unavailable"));
+    let a = p.malloc(MIB, 0).unwrap();
+    p.free(a, 0).unwrap();
+}
+
+/// A long randomized run against a model of the live blocks: several streams, limits,
+/// reclaims; the full invariant scan every 256 operations, every block's contents checked.
+#[test]
+fn long_randomized_run_matches_the_model() {
+    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(60_000);
+    let capacity = 256 * MIB;
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut live: Vec<(usize, usize, u64, StreamHandle)> = Vec::new();
+    let mut limit = 0usize;
+    for id in 0..ops as u64 {
+        let r = next();
+        let stream: StreamHandle = [0usize, 0, 0xA00, 0xB00][(r % 4) as usize];
+        match r % 100 {
+            0..=49 => {
+                let size = match (r >> 8) % 10 {
+                    0..=4 => 1 + (r >> 16) as usize % (64 * 1024),
+                    5..=7 => 1 + (r >> 16) as usize % (4 * MIB),
+                    _ => 1 + (r >> 16) as usize % (40 * MIB),
+                };
+                match p.malloc(size, stream) {
+                    Ok(a) => {
+                        stamp(a, size, id);
+                        live.push((a, size, id, stream));
+                    }
+                    Err(Error::OutOfMemory(rep)) => {
+                        // Legitimate only when live memory plus the request in granules (one
+                        // more for a window's unaligned edges), plus what cannot move (the
+                        // partial granules at the edges of each gap between live blocks),
+                        // passes the cap.
+                        let cap = if limit == 0 { capacity } else { limit.min(capacity) };
+                        let need = rep.rounded.div_ceil(G) * G + G;
+                        let stranded = (live.len() + 1) * 2 * G;
+                        assert!(rep.in_use + need + stranded > cap, "spurious OOM at op {id}: {rep:?}");
+                    }
+                    Err(e) => panic!("unexpected error {e}"),
+                }
+            }
+            50..=93 if !live.is_empty() => {
+                let (a, s, i, st) = live.swap_remove((r >> 8) as usize % live.len());
+                assert!(intact(a, s, i), "block {a:#x} overwritten");
+                let free_on = if r % 7 == 0 { 0xC00 } else { st };
+                p.free(a, free_on).unwrap();
+            }
+            94..=96 => {
+                let before = p.stats().total_bytes;
+                let n = p.reclaim().unwrap();
+                assert_eq!(p.stats().total_bytes, before - n as u64);
+            }
+            97..=98 => {
+                limit = if r % 3 == 0 { 0 } else { (64 + (r >> 8) as usize % 160) * MIB };
+                p.set_limit(limit).unwrap();
+            }
+            _ => {
+                if let Some(&(a, _, _, _)) = live.get((r >> 8) as usize % live.len().max(1)) {
+                    p.record_stream(a, 0xD00).unwrap();
+                }
+            }
+        }
+        if id % 256 == 0 {
+            p.check_invariants().unwrap_or_else(|e| panic!("after op {id}: {e}"));
+        }
+        let st = p.stats();
+        assert_eq!(st.n_live_blocks as usize, live.len());
+        assert_eq!(st.used_bytes + st.free_bytes, st.total_bytes);
+        assert!(st.total_bytes as usize <= capacity);
+    }
+    for (a, s, i, st) in live {
+        assert!(intact(a, s, i));
+        p.free(a, st).unwrap();
+    }
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes, 0);
+    p.check_invariants().unwrap();
+}
