@@ -25,8 +25,8 @@ pub enum Action {
     UpstreamFree,
     PageCommit,
     PageDecommit,
-    /// The arena moved a free granule's memory to `ptr` (a stitch).
-    GranuleMove,
+    /// The arena mapped free granules' memory at a new range `ptr` (a stitch).
+    Stitch,
     Reclaim,
     Oom,
 }
@@ -40,7 +40,7 @@ impl Action {
             Action::UpstreamFree => "upstream_free",
             Action::PageCommit => "page_commit",
             Action::PageDecommit => "page_decommit",
-            Action::GranuleMove => "granule_move",
+            Action::Stitch => "stitch",
             Action::Reclaim => "reclaim",
             Action::Oom => "oom",
         }
@@ -53,7 +53,7 @@ impl Action {
             "upstream_free" => Action::UpstreamFree,
             "page_commit" => Action::PageCommit,
             "page_decommit" => Action::PageDecommit,
-            "granule_move" => Action::GranuleMove,
+            "stitch" => Action::Stitch,
             "reclaim" => Action::Reclaim,
             "oom" => Action::Oom,
             _ => return None,

@@ -63,12 +63,12 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
     }
     let (a, s) = (arena.stats(), split.stats());
     let ratio = |st: &gpupool::Stats| st.peak_total_bytes as f64 / st.peak_used_bytes as f64;
-    println!("peak reserved / peak in use: arena {:.3}, split {:.3}", ratio(&a), ratio(&s));
+    println!("peak reserved / peak in use: arena {:.3}, split {:.3}; {}", ratio(&a), ratio(&s), arena.memory_status());
     // What the arena cannot move is the partial granules at the edges of the freed blocks
     // (at most 2 MiB each side of each): under 5% here.
     assert!(ratio(&a) <= 1.05, "arena holds {:.3}x the live peak", ratio(&a));
     assert!(ratio(&s) > ratio(&a) + 0.2, "the pattern must fragment split ({:.3})", ratio(&s));
-    assert!(arena.arena_counters().unwrap().granules_moved > 0, "the big block was stitched");
+    assert!(arena.arena_counters().unwrap().stitches_made > 0, "the big block was stitched");
     // The same step again: everything it needs is mapped where it was.
     let before = arena.driver_calls();
     fragmenting_step(&mut arena, 0);

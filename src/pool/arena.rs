@@ -1,13 +1,14 @@
 //! The pool's side of the `arena` strategy: reserving its address space, the driver calls
-//! that back a planned window (moving free granules there, mapping new ones for the rest),
-//! and giving whole free granules back under pressure.
+//! that serve a planned growth (new memory under a window, or aliases for a stitch), and
+//! giving whole free granules back under pressure (stitches over them first).
 //!
 //! The strategy plans and keeps the books; every driver call is made here, and the books
 //! are updated after each call that succeeded, so a failure midway leaves them exact.
 
 use super::Pool;
 use crate::error::{Error, Result};
-use crate::strategy::arena::{ArenaStrategy, Growth};
+use crate::block::Block;
+use crate::strategy::arena::{plan::Window, ArenaStrategy, Growth};
 use crate::strategy::{ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
@@ -31,12 +32,22 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::resu
     let round = |n: usize| n.div_ceil(g) * g;
     // Large tensors get twice the device's memory of address space: room for holes left by
     // moved granules. Small blocks get one device's worth.
+    // Stitches get as much as the large range: at most all of it is stitched at once.
     let mut large = round(va_bytes.unwrap_or(total.saturating_mul(2)));
     let small = round(total.min(large));
     let small_base = up.vmm_reserve(small).map_err(|e| format!("arena unavailable: reserving address space failed ({e}); using split"))?;
     loop {
-        match up.vmm_reserve(large) {
-            Ok(base) => return Ok(Box::new(ArenaStrategy::new((small_base, small), (base, large), g))),
+        let reserved = up.vmm_reserve(large).and_then(|b| match up.vmm_reserve(large) {
+            Ok(s) => Ok((b, s)),
+            Err(e) => {
+                let _ = up.vmm_unreserve(b, large);
+                Err(e)
+            }
+        });
+        match reserved {
+            Ok((base, stitch)) => {
+                return Ok(Box::new(ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g)))
+            }
             Err(e) if large <= total / 2 || va_bytes.is_some() => {
                 let _ = up.vmm_unreserve(small_base, small);
                 return Err(format!("arena unavailable: reserving {large} bytes of address space failed ({e}); using split"));
@@ -70,58 +81,58 @@ impl Pool {
                     }
                 }
             }
-            let plan = {
-                let (streams, up) = (&mut self.streams, &mut *self.upstream);
-                let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
-                self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, &mut gate)
-            };
-            let Some(growth) = plan else { continue };
-            if stage == 0 {
-                let new = growth.window.targets.len().saturating_sub(growth.donors.len()) * self.arena().granule();
-                self.decay_before_grow(new);
-            }
-            match self.back_window(&growth, key, stream) {
-                Ok(()) => return Ok(self.arena().carve(&growth, key)),
-                Err(GrowFail::OutOfMemory { by_limit: l }) => by_limit = l,
-                Err(GrowFail::Other(e)) => return Err(e),
+            // Plan and serve; an eviction (stitch cache full) plans again.
+            loop {
+                let plan = {
+                    let (streams, up) = (&mut self.streams, &mut *self.upstream);
+                    let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
+                    self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, &mut gate)
+                };
+                let served = match plan {
+                    None => break,
+                    Some(Growth::Evict { id }) => {
+                        self.drop_stitch(id)?;
+                        continue;
+                    }
+                    Some(Growth::Reuse { id }) => Ok(self.arena().carve_stitch(id, key, true)),
+                    Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
+                    Some(Growth::Window { space, window }) => {
+                        if stage == 0 {
+                            let new = window.targets.len() * self.arena().granule();
+                            self.decay_before_grow(new);
+                        }
+                        self.map_window(&window, key, stream).map(|()| self.arena().carve_window(space, &window, key))
+                    }
+                };
+                match served {
+                    Ok(b) => return Ok(b),
+                    Err(GrowFail::OutOfMemory { by_limit: l }) => {
+                        by_limit = l;
+                        break;
+                    }
+                    Err(GrowFail::Other(e)) => return Err(e),
+                }
             }
         }
         Err(self.oom(size, rounded, by_limit))
     }
 
-    /// Map every target granule of `growth`'s window: donors moved first (their streams
-    /// synchronised: no queued kernel may touch memory that moves), new memory for the rest.
-    fn back_window(&mut self, growth: &Growth, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
+    /// Map new memory under every unmapped granule of `window`, one call per run of
+    /// adjacent granules; the books follow each call that succeeded.
+    fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
+        self.map_granules(&window.targets, key, stream)
+    }
+
+    /// Map new memory under the unmapped granules `t` (ascending), one call per run.
+    fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let g = self.arena().granule();
-        let mut synced: Vec<StreamKey> = Vec::new();
-        let mut failed: Vec<StreamKey> = Vec::new();
-        let mut donors = growth.donors.iter();
-        let mut rest = Vec::new();
-        for &t in &growth.window.targets {
-            let mut placed = false;
-            for d in donors.by_ref() {
-                if !self.sync_all(&d.streams, &mut synced, &mut failed) {
-                    continue;
-                }
-                if self.upstream.vmm_move(d.addr, t).is_ok() {
-                    self.arena().moved(d.space, d.addr, growth.space, t, key);
-                    self.trace(stream, Action::GranuleMove, t, g);
-                    placed = true;
-                    break;
-                }
-            }
-            if !placed {
-                rest.push(t);
-            }
-        }
-        // New memory, one call per run of adjacent granules.
         let mut i = 0;
-        while i < rest.len() {
+        while i < t.len() {
             let mut j = i + 1;
-            while j < rest.len() && rest[j] == rest[j - 1] + g {
+            while j < t.len() && t[j] == t[j - 1] + g {
                 j += 1;
             }
-            let (addr, len) = (rest[i], (j - i) * g);
+            let (addr, len) = (t[i], (j - i) * g);
             if self.over_limit(len) {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
             }
@@ -142,6 +153,33 @@ impl Pool {
         Ok(())
     }
 
+    /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
+    /// homes are free memory whose streams the plan made safe for `stream`; nothing is
+    /// unmapped, so no queued work is disturbed.
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
+        let g = self.arena().granule();
+        self.map_granules(fresh, key, stream)?;
+        for (i, &h) in homes.iter().enumerate() {
+            if let Err(e) = self.upstream.vmm_alias(h, base + i * g) {
+                if i > 0 {
+                    let _ = self.upstream.vmm_unalias(base, i * g);
+                }
+                return Err(GrowFail::Other(e));
+            }
+        }
+        self.trace(stream, Action::Stitch, base, homes.len() * g);
+        let id = self.arena().add_stitch(base, homes);
+        Ok(self.arena().carve_stitch(id, key, false))
+    }
+
+    /// Remove stitch `id`'s aliases and forget it (it is not handed out).
+    fn drop_stitch(&mut self, id: u32) -> Result<()> {
+        let (base, len) = self.arena().stitch_range(id);
+        self.upstream.vmm_unalias(base, len)?;
+        self.arena().drop_stitch(id);
+        Ok(())
+    }
+
     /// Give back whole free granules in `order` until `want` bytes went (`None`: all).
     /// Each run's stream is synchronised first. Returns the bytes released.
     pub(super) fn arena_release(&mut self, want: Option<usize>, order: ReleaseOrder) -> usize {
@@ -156,6 +194,11 @@ impl Pool {
                 continue;
             }
             let (addr, len) = (run.addr, run.len);
+            // Aliases of these granules go first (their stitches are free: the homes are).
+            let over = self.arena().stitches_over(addr, len);
+            if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
+                continue;
+            }
             if self.upstream.vmm_unmap(addr, len).is_ok() {
                 self.arena().unmapped(addr, len);
                 self.c.reserved -= len;
@@ -192,6 +235,10 @@ impl Pool {
         if a.mapped_bytes() != 0 {
             return; // live blocks keep their memory and addresses until the process ends
         }
+        for id in a.free_stitches() {
+            let _ = self.drop_stitch(id);
+        }
+        let a = self.strategy.as_arena_ref().expect("arena pool");
         for (base, len) in a.reservations() {
             let _ = self.upstream.vmm_unreserve(base, len);
         }
@@ -206,27 +253,33 @@ impl Pool {
         let json = format!(
             concat!(
                 "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
-                "\"granules_unmapped\":{},\"granules_moved\":{},\"stitches\":{}}}"
+                "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
+                "\"stitches_dropped\":{},\"granules_aliased\":{}}}"
             ),
             g,
             mapped,
             a.reserved_address_space(),
             c.granules_mapped,
             c.granules_unmapped,
-            c.granules_moved,
-            c.stitches
+            a.stitch_count(),
+            c.stitches_made,
+            c.stitch_reuses,
+            c.stitches_dropped,
+            c.granules_aliased
         );
         let h = crate::error::human_bytes;
         let text = format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, moved {} ({} stitches)",
+            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}; stitches {} cached, {} made, {} reused, {} dropped",
             h(mapped),
             mapped / g,
             h(g),
             h(a.reserved_address_space()),
             c.granules_mapped,
             c.granules_unmapped,
-            c.granules_moved,
-            c.stitches
+            a.stitch_count(),
+            c.stitches_made,
+            c.stitch_reuses,
+            c.stitches_dropped
         );
         Some((json, text))
     }

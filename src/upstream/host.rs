@@ -167,11 +167,16 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
-    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
-        self.vmm.move_granule(from, to)?;
+    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
+        self.vmm.alias(home, to)?;
         self.calls.mem_map += 1;
         self.calls.set_access += 1;
-        self.calls.mem_unmap += 1;
+        Ok(())
+    }
+
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.vmm.unalias(addr, len)?;
+        self.calls.mem_unmap += (len / self.vmm.granule()) as u64;
         Ok(())
     }
 

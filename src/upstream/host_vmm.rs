@@ -3,8 +3,8 @@
 //! tests without a GPU.
 //!
 //! Physical memory is a `memfd` file: a granule of physical memory is a granule-sized
-//! offset in it, mapped `MAP_SHARED` at any address, so moving a granule to another address
-//! keeps its bytes, as remapping a CUDA allocation handle does. Reserved address space is
+//! offset in it, mapped `MAP_SHARED` at any address, so a granule mapped at a second
+//! address (an alias) shows the same bytes, as a CUDA allocation handle mapped twice does. Reserved address space is
 //! `PROT_NONE`: touching an unmapped granule crashes the test instead of passing silently.
 //! Released granules are punched out of the file (`FALLOC_FL_PUNCH_HOLE`), giving the memory
 //! back to the OS.
@@ -21,6 +21,8 @@ pub struct HostVmm {
     spare_offsets: Vec<usize>,
     /// Mapped granule address -> its offset in the file.
     mapped: FxHashMap<usize, usize>,
+    /// Alias address -> the home granule whose memory it shows.
+    aliases: FxHashMap<usize, usize>,
     /// Reservation base -> length.
     reservations: FxHashMap<usize, usize>,
 }
@@ -37,6 +39,7 @@ impl HostVmm {
             file_len: 0,
             spare_offsets: Vec::new(),
             mapped: FxHashMap::default(),
+            aliases: FxHashMap::default(),
             reservations: FxHashMap::default(),
         }
     }
@@ -100,7 +103,7 @@ impl HostVmm {
         if self.reservations.get(&base) != Some(&len) {
             return Err(Error::Internal(format!("host vmm: {base:#x}+{len} is not a reservation")));
         }
-        if self.mapped.keys().any(|&a| a >= base && a < base + len) {
+        if self.mapped.keys().chain(self.aliases.keys()).any(|&a| a >= base && a < base + len) {
             return Err(Error::Internal(format!("host vmm: reservation {base:#x} still has mapped granules")));
         }
         self.reservations.remove(&base);
@@ -210,27 +213,36 @@ impl HostVmm {
             let Some(&off) = self.mapped.get(&a) else {
                 return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped")));
             };
+            if self.aliases.values().any(|&h| h == a) {
+                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which still has an alias")));
+            }
             self.unmap_at(a)?;
             self.release_offset(off);
         }
         Ok(())
     }
 
-    /// Move the granule mapped at `from` to `to`; its bytes go with it.
-    pub fn move_granule(&mut self, from: usize, to: usize) -> Result<()> {
-        let Some(&off) = self.mapped.get(&from) else {
-            return Err(Error::Internal(format!("host vmm: move of {from:#x}, which is not mapped")));
+    /// Map the granule mapped at `home` at `to` too: the same bytes at both addresses.
+    pub fn alias(&mut self, home: usize, to: usize) -> Result<()> {
+        let Some(&off) = self.mapped.get(&home) else {
+            return Err(Error::Internal(format!("host vmm: alias of {home:#x}, which is not mapped")));
         };
-        if !self.reserved(to, self.granule) || self.mapped.contains_key(&to) {
-            return Err(Error::Internal(format!("host vmm: move to {to:#x}: not reserved or mapped")));
+        if !self.reserved(to, self.granule) || self.mapped.contains_key(&to) || self.aliases.contains_key(&to) {
+            return Err(Error::Internal(format!("host vmm: alias at {to:#x}: not reserved, or mapped")));
         }
-        // As with CUDA: map the handle at the new address, then unmap the old one.
         self.map_at(to, off)?;
-        if let Err(e) = self.unmap_at(from) {
-            // Still mapped at `from`: undo the new mapping so the books stay one-to-one.
-            let _ = self.unmap_at(to);
-            self.mapped.insert(from, off);
-            return Err(e);
+        self.mapped.remove(&to); // `map_at` books homes; an alias is booked apart
+        self.aliases.insert(to, home);
+        Ok(())
+    }
+
+    /// Remove the aliases in `[addr, addr + len)`.
+    pub fn unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        for a in (addr..addr + len).step_by(self.granule) {
+            if self.aliases.remove(&a).is_none() {
+                return Err(Error::Internal(format!("host vmm: unalias of {a:#x}, which is no alias")));
+            }
+            self.unmap_at(a)?;
         }
         Ok(())
     }
@@ -253,7 +265,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn map_move_unmap_keeps_bytes_and_protects_unmapped_space() {
+    fn map_alias_unmap_shares_bytes_and_protects_unmapped_space() {
         let g = 2 << 20;
         let mut v = HostVmm::new(g);
         let base = v.reserve(8 * g).unwrap();
@@ -261,13 +273,16 @@ mod tests {
         v.map_new(base, 2 * g).unwrap();
         assert_eq!(v.mapped_bytes(), 2 * g);
         unsafe { *((base + g + 5) as *mut u8) = 42 };
-        v.move_granule(base + g, base + 5 * g).unwrap();
-        assert_eq!(unsafe { *((base + 5 * g + 5) as *const u8) }, 42, "the bytes move with the granule");
+        v.alias(base + g, base + 5 * g).unwrap();
+        assert_eq!(unsafe { *((base + 5 * g + 5) as *const u8) }, 42, "the alias shows the home's bytes");
+        unsafe { *((base + 5 * g + 6) as *mut u8) = 43 };
+        assert_eq!(unsafe { *((base + g + 6) as *const u8) }, 43, "and writes through to it");
         assert!(v.map_new(base, g).is_err(), "mapped twice");
-        assert!(v.unmap(base + g, g).is_err(), "moved away: not mapped");
+        assert!(v.unmap(base + g, g).is_err(), "a home with an alias stays");
         assert!(v.unreserve(base, 8 * g).is_err(), "still mapped");
-        v.unmap(base, g).unwrap();
-        v.unmap(base + 5 * g, g).unwrap();
+        v.unalias(base + 5 * g, g).unwrap();
+        assert!(v.unalias(base + 5 * g, g).is_err());
+        v.unmap(base, 2 * g).unwrap();
         assert_eq!(v.mapped_bytes(), 0);
         // A released granule's offset is reused, not grown.
         v.map_new(base + 3 * g, g).unwrap();

@@ -19,10 +19,11 @@
 //!   of a segment with decommitted pages releases what is still committed.
 //! - Upstreams with the virtual memory management API (`vmm_granule() > 0`: CUDA devices
 //!   that support it, `host`, the simulated device) serve the `arena` strategy: they reserve
-//!   address ranges with nothing behind them, map physical granules into them, move a
-//!   granule's physical memory from one address to another and release it. Addresses passed
-//!   are granule aligned and inside a reservation; the pool never maps a mapped granule,
-//!   and unmaps or moves only granules no queued work touches (it synchronised their stream).
+//!   address ranges with nothing behind them, map physical granules into them, map a
+//!   granule's physical memory at a second address (an alias) and release it. Addresses
+//!   passed are granule aligned and inside a reservation; the pool never maps a mapped
+//!   granule, removes a granule's aliases before unmapping it, and unmaps only granules no
+//!   queued work touches (it synchronised their streams).
 //! - Every upstream counts the driver calls it makes (`driver_calls`).
 //! - Every method is called with the pool's lock held, from any thread.
 
@@ -109,10 +110,13 @@ pub trait Upstream: Send {
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
-    /// Move the physical memory of the granule mapped at `from` to the unmapped granule
-    /// `to`, without allocating: afterwards `from` is unmapped and `to` mapped. It maps at
-    /// `to` before unmapping `from`, so a failure changes nothing.
-    fn vmm_move(&mut self, _from: usize, _to: usize) -> Result<()> {
+    /// Map the physical memory of the granule mapped at `home` at the unmapped granule
+    /// `to` as well (an alias: both addresses show the same bytes), without allocating.
+    fn vmm_alias(&mut self, _home: usize, _to: usize) -> Result<()> {
+        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+    /// Remove the aliases of `[addr, addr + len)` (their memory stays at its home).
+    fn vmm_unalias(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
 

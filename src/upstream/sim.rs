@@ -18,8 +18,9 @@ pub struct SimUpstream {
     decommitted: BTreeSet<usize>,
     /// Whether pages can be decommitted (`vmm`-like) or only whole segments (`device`-like).
     paged: bool,
-    /// Granules mapped through the virtual memory API (the arena).
+    /// Granules mapped through the virtual memory API (the arena), and aliases of them.
     mapped: BTreeSet<usize>,
+    aliases: BTreeSet<usize>,
     calls: DriverCalls,
 }
 
@@ -39,6 +40,7 @@ impl SimUpstream {
             decommitted: BTreeSet::new(),
             paged,
             mapped: BTreeSet::new(),
+            aliases: BTreeSet::new(),
             calls: DriverCalls::default(),
         }
     }
@@ -129,15 +131,21 @@ impl Upstream for SimUpstream {
         self.allocated -= len;
         Ok(())
     }
-    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
-        if !self.mapped.contains(&from) || self.mapped.contains(&to) {
-            return Err(Error::Internal(format!("simulated vmm: bad move {from:#x} -> {to:#x}")));
+    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
+        if !self.mapped.contains(&home) || !self.aliases.insert(to) {
+            return Err(Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {to:#x}")));
         }
-        self.mapped.remove(&from);
-        self.mapped.insert(to);
         self.calls.mem_map += 1;
-        self.calls.mem_unmap += 1;
         self.calls.set_access += 1;
+        Ok(())
+    }
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        for g in (addr..addr + len).step_by(SIM_PAGE) {
+            if !self.aliases.remove(&g) {
+                return Err(Error::Internal(format!("simulated vmm: unalias of {g:#x}, which is no alias")));
+            }
+        }
+        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
         Ok(())
     }
     fn driver_calls(&self) -> DriverCalls {

@@ -7,12 +7,9 @@
 //! memory is already the requester's (no cross-stream wait), then the smallest gap (best
 //! fit of address space, so the range's top is used last).
 //!
-//! The granules to map come first from free memory elsewhere: whole granules inside free
-//! nodes, longest idle first, moved to the window by mapping their physical memory there
-//! (stitching). Only what they cannot cover is new memory. So the arena holds no more
-//! memory than its live blocks need, rounded to granules, however the free space is
-//! scattered; and because the window stays mapped after its block is freed, a step that
-//! repeats finds it free the next time and makes no driver call.
+//! Where a window would need new memory but enough whole free granules lie scattered
+//! elsewhere, a stitch (`stitch.rs`) shows them side by side instead: `stitch_homes` picks
+//! them, longest idle first.
 
 use super::space::{FreeRun, Space, State};
 use crate::stream::StreamKey;
@@ -28,15 +25,6 @@ pub struct Window {
     pub foreign: Vec<StreamKey>,
     /// Bytes of the gap it lies in.
     pub gap: usize,
-}
-
-/// A granule of free memory that can be moved.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Donor {
-    pub space: usize,
-    pub addr: usize,
-    /// Streams whose work must finish before it moves.
-    pub streams: Vec<StreamKey>,
 }
 
 /// The windows of `space` that can hold `len` bytes for `stream`, cheapest first.
@@ -91,30 +79,29 @@ fn window_at(space: &Space, gap: &[super::space::Node], w: usize, len: usize, st
     Window { start: w, len, targets, foreign, gap: gap_len }
 }
 
-/// Up to `want` free granules of `spaces` outside `[avoid_start, avoid_end)` of space
-/// `avoid_space`, longest idle first, each free node giving its highest granules first
-/// (what stays free of it stays in one piece).
-pub fn donors(spaces: &[&Space], want: usize, avoid_space: usize, avoid_start: usize, avoid_end: usize) -> Vec<Donor> {
-    if want == 0 {
-        return Vec::new();
-    }
-    let mut runs: Vec<(usize, FreeRun)> = Vec::new();
-    for (si, sp) in spaces.iter().enumerate() {
-        runs.extend(sp.free_granule_runs().into_iter().map(|r| (si, r)));
-    }
-    runs.sort_unstable_by_key(|(si, r)| (r.freed_at, *si, r.addr));
-    let mut out = Vec::new();
-    for (si, run) in runs {
-        let g = spaces[si].granule;
-        for a in (run.addr..run.addr + run.len).step_by(g).rev() {
-            if si == avoid_space && a < avoid_end && a + g > avoid_start {
-                continue;
-            }
-            out.push(Donor { space: si, addr: a, streams: run.streams.clone() });
-            if out.len() == want {
-                return out;
-            }
+/// Up to `n` free granules of `runs` (whole free granules of the large space, in address
+/// order) for a new stitch, longest idle first, those needing no other stream's permission
+/// before those that do (`reusable` is asked once per run it is about to use); returned in
+/// address order so adjacent ones stay adjacent in the stitch.
+pub fn stitch_homes(runs: &[FreeRun], n: usize, granule: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<usize> {
+    let mut order: Vec<&FreeRun> = runs.iter().collect();
+    order.sort_by_key(|r| (r.streams.iter().any(|&s| s != stream), r.freed_at, r.addr));
+    let mut homes = Vec::with_capacity(n);
+    for r in order {
+        if !r.streams.iter().all(|&s| s == stream || reusable(s)) {
+            continue;
+        }
+        homes.extend((r.addr..r.addr + r.len).step_by(granule).take(n - homes.len()));
+        if homes.len() == n {
+            break;
         }
     }
-    out
+    homes.sort_unstable();
+    homes
+}
+
+/// The run of `runs` (in address order) holding granule `g`.
+pub fn run_of(runs: &[FreeRun], g: usize) -> Option<&FreeRun> {
+    let i = runs.partition_point(|r| r.addr + r.len <= g);
+    runs.get(i).filter(|r| r.addr <= g)
 }

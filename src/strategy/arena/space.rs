@@ -421,6 +421,19 @@ impl Space {
         self.walk().any(|(_, n)| n.state == State::Free && n.addr == addr)
     }
 
+    /// The smallest run of unmapped address space of at least `len` bytes: its start.
+    pub fn unmapped_run(&self, len: usize) -> Option<usize> {
+        self.walk()
+            .filter(|(_, n)| n.state == State::Unmapped && n.size >= len)
+            .min_by_key(|(_, n)| (n.size, n.addr))
+            .map(|(_, n)| n.addr)
+    }
+
+    /// Whether the granule at `g` is mapped (walks: invariant scans only).
+    pub fn is_mapped(&self, g: usize) -> bool {
+        self.node_at(g).is_some_and(|s| self.nodes[s as usize].state != State::Unmapped)
+    }
+
     /// Mapped bytes by the books: the granules touched by free and allocated nodes.
     pub fn mapped_bytes(&self) -> usize {
         self.used_bytes + self.free_bytes

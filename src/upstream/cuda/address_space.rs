@@ -1,7 +1,8 @@
 //! The driver's virtual memory management API for the `arena` strategy: address ranges
 //! reserved once (`cuMemAddressReserve`), physical granules created (`cuMemCreate`) and
-//! mapped into them (`cuMemMap` + `cuMemSetAccess`), moved from one address to another by
-//! mapping the same handle elsewhere, and released (`cuMemUnmap` + `cuMemRelease`).
+//! mapped into them (`cuMemMap` + `cuMemSetAccess`), mapped at a second address (an alias:
+//! the same handle mapped again, how the arena stitches scattered granules into one range),
+//! and released (`cuMemUnmap` + `cuMemRelease`).
 //!
 //! Access is granted to the owning device and to every device that can access it as a
 //! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
@@ -161,31 +162,34 @@ impl CudaVmm {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Map the handle behind `from` at `to`, then unmap `from`: a failure at any step is
-    /// undone, so the granule stays where it was.
-    pub fn move_granule(&mut self, from: usize, to: usize, calls: &mut DriverCalls) -> Result<()> {
+    /// Map the handle behind the granule at `home` at `to` as well.
+    pub fn alias(&mut self, home: usize, to: usize, calls: &mut DriverCalls) -> Result<()> {
         let g = self.granule;
-        let Some(&h) = self.handles.get(&from) else {
-            return Err(Error::Internal(format!("arena: move of {from:#x}, which is not mapped")));
+        let Some(&h) = self.handles.get(&home) else {
+            return Err(Error::Internal(format!("arena: alias of {home:#x}, which is not mapped")));
         };
         calls.mem_map += 1;
         check("cuMemMap", unsafe { sys::cuMemMap(to as sys::CUdeviceptr, g, 0, h, 0) })?;
-        let undo_to = |calls: &mut DriverCalls| {
-            calls.mem_unmap += 1;
-            unsafe { sys::cuMemUnmap(to as sys::CUdeviceptr, g) };
-        };
         let r = self.set_access(to, g, calls);
         if r != sys::CUresult::CUDA_SUCCESS {
-            undo_to(calls);
+            calls.mem_unmap += 1;
+            unsafe { sys::cuMemUnmap(to as sys::CUdeviceptr, g) };
             return Err(cuda_error("cuMemSetAccess", r));
         }
-        calls.mem_unmap += 1;
-        if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(from as sys::CUdeviceptr, g) }) {
-            undo_to(calls);
-            return Err(e);
-        }
-        self.handles.remove(&from);
-        self.handles.insert(to, h);
         Ok(())
+    }
+
+    /// Unmap the aliases of `[addr, addr + len)`; the memory stays mapped at its home.
+    /// One call per granule: each alias is its own mapping, and the driver unmaps whole
+    /// mappings only.
+    pub fn unalias(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        let mut first_err = None;
+        for p in (addr..addr + len).step_by(self.granule) {
+            calls.mem_unmap += 1;
+            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 }

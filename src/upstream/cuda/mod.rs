@@ -180,10 +180,16 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.unmap(addr, len, calls)
     }
 
-    fn vmm_move(&mut self, from: usize, to: usize) -> Result<()> {
+    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
         let _g = self.ctx.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
-        vmm.move_granule(from, to, calls)
+        vmm.alias(home, to, calls)
+    }
+
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        let _g = self.ctx.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.unalias(addr, len, calls)
     }
 
     fn driver_calls(&self) -> DriverCalls {
