@@ -80,6 +80,17 @@ fn c_api(c: &mut Criterion) {
             gpupool_malloc(&mut slots[slot], black_box(size), 5, null_mut());
         })
     });
+    // The same churn on the arena (device 6): what its hot path costs against split's.
+    unsafe { gpupool_configure(6, c"arena".as_ptr(), c"host".as_ptr()) };
+    let (mut slots, mut i) = ([null_mut::<c_void>(); 256], 0);
+    g.bench_function("churn_step_arena", |b| {
+        b.iter(|| unsafe {
+            let (slot, size) = seq[i % seq.len()];
+            i += 1;
+            gpupool_free(slots[slot], 6, null_mut());
+            gpupool_malloc(&mut slots[slot], black_box(size), 6, null_mut());
+        })
+    });
     g.bench_function("pair_8_threads", |b| {
         b.iter_custom(|iters| {
             parallel(8, iters, |n| {
@@ -172,7 +183,7 @@ use churn_sequence::churn_sequence;
 fn churn(c: &mut Criterion) {
     let mut g = c.benchmark_group("churn");
     let seq = churn_sequence(1 << 16);
-    for (name, kind, decay) in [("split", PoolKind::Split, 0), ("split_decay_8192", PoolKind::Split, 8192), ("binned", PoolKind::Binned, 0)] {
+    for (name, kind, decay) in [("split", PoolKind::Split, 0), ("split_decay_8192", PoolKind::Split, 8192), ("binned", PoolKind::Binned, 0), ("arena", PoolKind::Arena, 0)] {
         let opts = PoolOptions { kind, decay_window: decay, ..Default::default() };
         let mut p = Pool::new(0, Box::new(SimUpstream::new(80 << 30)), &opts).unwrap();
         let mut slots = [0usize; 256];

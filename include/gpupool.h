@@ -152,7 +152,10 @@ enum gpupool_status gpupool_get_limit(int device, size_t *out_bytes);
 size_t gpupool_memory_status(int device, char *buf, size_t len);
 
 // The same numbers as JSON: one object for a device, an array for -1. Same buffer
-// convention as `gpupool_memory_status`.
+// convention as `gpupool_memory_status`. Beyond the `gpupool_stats` fields each object
+// has `driver_calls` (calls made by kind, and `total`), `arena` for arena pools (mapped
+// bytes, address space, granules mapped/unmapped, stitches) and `notice` when the
+// configured strategy could not run (arena without virtual memory management).
 //
 // # Safety
 // `buf` must be NULL or point to `len` writable bytes.
@@ -168,7 +171,7 @@ const char *gpupool_status_str(int status);
 // `buf` must be NULL or point to `len` writable bytes.
 size_t gpupool_last_error(char *buf, size_t len);
 
-// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`) and/or upstream
+// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`, `"arena"`) and/or upstream
 // (`"device"`, `"vmm"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
 // Allowed while the device has no live allocations (else `GPUPOOL_STATUS_BUSY`).
 //

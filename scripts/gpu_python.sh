@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Part of scripts/gpu_check.sh: the Python tests (PyTorch, CuPy) and the framework benchmark,
-# on the GPU machine. Expects dist/libgpupool.so, dist/bench/ (a copy of shared/bench) and,
-# for the RMM column, RMM wheels in .whl/. SKIP_BENCH=1: tests only; ONLY_BENCH=1: the
-# benchmark only (the two together pass the device's 10-minute limit per command).
+# Part of scripts/gpu_check.sh: the Python tests (PyTorch, CuPy) and the benchmarks, on the
+# GPU machine. Expects dist/libgpupool.so, dist/bench/ (a copy of shared/bench) and, for the
+# RMM column, RMM wheels in .whl/. SKIP_BENCH=1: tests only; ONLY_BENCH=1: the benchmarks
+# only (the two together pass the device's 10-minute limit per command).
+# WORKLOADS=training,serving,churn: run the workload benchmark (scripts/bench_workloads.py:
+# memory and step time of native, expandable segments, RMM, gpupool split and arena) for
+# those workloads instead of the framework churn benchmark.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/tmp/gpupool-out}
@@ -21,6 +24,12 @@ wc -l /tmp/torch_mlp_trace.csv
 fi
 if [ -n "${SKIP_BENCH:-}" ]; then
   { echo "python tests:"; grep -E "PASSED|FAILED|SKIPPED|ERROR" "$OUT/pytest.log" | sed -E 's/^tests\/python\///; s/ +\[ *[0-9]+%\]//'; grep -E "^=+ .* in [0-9.]+s" "$OUT/pytest.log"; } > "$OUT/python-summary.txt"
+  exit 0
+fi
+if [ -n "${WORKLOADS:-}" ]; then
+  echo "== workload benchmark ($WORKLOADS), every allocator in this run"
+  python3 scripts/bench_workloads.py all --workloads "$WORKLOADS" --out "$OUT/workloads.jsonl" 2>&1 | tee "$OUT/workloads.log"
+  { echo "workload benchmark:"; sed -n '/^### /,$p' "$OUT/workloads.log"; } > "$OUT/python-summary.txt"
   exit 0
 fi
 echo "== framework benchmark (churn.py), every allocator in this run"

@@ -167,7 +167,7 @@ def get_limit(device=0):
 
 
 def configure(device=0, pool=None, upstream=None):
-    """Choose the strategy ('split', 'binned', 'none') and/or upstream ('device', 'vmm', 'managed',
+    """Choose the strategy ('split', 'binned', 'none', 'arena') and/or upstream ('device', 'vmm', 'managed',
     'async', 'host') of a device before (or between) uses."""
     enc = lambda v: None if v is None else v.encode()
     _check(lib().gpupool_configure(device, enc(pool), enc(upstream)))

@@ -219,7 +219,10 @@ pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, 
 }
 
 /// The same numbers as JSON: one object for a device, an array for -1. Same buffer
-/// convention as `gpupool_memory_status`.
+/// convention as `gpupool_memory_status`. Beyond the `gpupool_stats` fields each object
+/// has `driver_calls` (calls made by kind, and `total`), `arena` for arena pools (mapped
+/// bytes, address space, granules mapped/unmapped, stitches) and `notice` when the
+/// configured strategy could not run (arena without virtual memory management).
 ///
 /// # Safety
 /// `buf` must be NULL or point to `len` writable bytes.
@@ -250,7 +253,7 @@ pub unsafe extern "C" fn gpupool_last_error(buf: *mut c_char, len: usize) -> usi
     call_value(0, || write_str(&last_error(), buf, len))
 }
 
-/// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`) and/or upstream
+/// Choose `device`'s strategy (`"split"`, `"binned"`, `"none"`, `"arena"`) and/or upstream
 /// (`"device"`, `"vmm"`, `"managed"`, `"async"`, `"host"`) at run time; NULL keeps the current one.
 /// Allowed while the device has no live allocations (else `GPUPOOL_STATUS_BUSY`).
 ///

@@ -546,6 +546,10 @@ impl Pool {
         let Some(l) = self.live.get(&ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        if self.strategy.as_arena_ref().is_some() {
+            // The arena has no upstream allocations per block: the block is its own range.
+            return Ok((l.block.addr, l.block.size));
+        }
         let base = l.block.segment;
         Ok((base, self.strategy.segment_len(base).unwrap_or(l.block.size)))
     }

@@ -18,7 +18,7 @@ static gpupool_stats stats(void) {
 }
 
 static size_t rounded(size_t n) {
-  if (!strcmp(pool, "split")) return (n + 511) / 512 * 512;
+  if (!strcmp(pool, "split") || !strcmp(pool, "arena")) return (n + 511) / 512 * 512;
   if (!strcmp(pool, "binned")) {
     size_t r = 512;
     while (r < n) r <<= 1;
@@ -158,6 +158,12 @@ int main(int argc, char **argv) {
     return 77; /* ctest SKIP_RETURN_CODE */
   }
   CHECK_STATUS(st, GPUPOOL_STATUS_OK);
+  if (!strcmp(pool, "arena")) {
+    /* The arena must really run (not its fallback) on every upstream with a VMM API. */
+    char json[8192];
+    gpupool_stats_json(dev, json, sizeof json);
+    CHECK(strstr(json, "\"strategy\":\"arena\"") != NULL, "arena fell back: %s", json);
+  }
   alignment_and_overlap();
   reuse_after_free();
   coalescing();
