@@ -94,7 +94,7 @@ impl Pool {
                         self.drop_stitch(id)?;
                         continue;
                     }
-                    Some(Growth::Reuse { id }) => Ok(self.arena().carve_stitch(id, key, true)),
+                    Some(Growth::Reuse { id, granules }) => Ok(self.arena().carve_stitch(id, granules, key, true)),
                     Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
                     Some(Growth::Window { space, window }) => {
                         if stage == 0 {
@@ -168,8 +168,9 @@ impl Pool {
             }
         }
         self.trace(stream, Action::Stitch, base, homes.len() * g);
+        let n = homes.len();
         let id = self.arena().add_stitch(base, homes);
-        Ok(self.arena().carve_stitch(id, key, false))
+        Ok(self.arena().carve_stitch(id, n, key, false))
     }
 
     /// Remove stitch `id`'s aliases and forget it (it is not handed out).

@@ -53,8 +53,8 @@ pub struct ArenaCounters {
 pub enum Growth {
     /// Map new memory under `window.targets` (none: no driver call), then carve the window.
     Window { space: usize, window: plan::Window },
-    /// Hand out cached stitch `id`, whose home granules are all free.
-    Reuse { id: u32 },
+    /// Hand out the first `granules` of cached stitch `id`, whose homes are all free.
+    Reuse { id: u32, granules: usize },
     /// Map new memory under the unmapped granules `fresh` of the large space, then alias
     /// `homes` (free granules, `fresh` among them) side by side at `base` as a new stitch,
     /// and hand it out.
@@ -124,14 +124,15 @@ impl ArenaStrategy {
         let g = self.granule;
         let whole = round_up(rounded, g)?;
         let runs = self.spaces[LARGE].free_granule_runs();
-        // A cached stitch of about this size whose granules are all free: no driver call.
-        let slack = g.max(rounded / 16);
-        for id in self.stitches.candidates(rounded, whole + slack) {
+        // A cached stitch at least this large whose first granules are all free: no
+        // driver call.
+        let k = whole / g;
+        for id in self.stitches.candidates(rounded) {
             let st = self.stitches.get(id);
-            let homes: Option<Vec<&FreeRun>> = st.homes.iter().map(|&h| plan::run_of(&runs, h)).collect();
+            let homes: Option<Vec<&FreeRun>> = st.homes[..k].iter().map(|&h| plan::run_of(&runs, h)).collect();
             if let Some(homes) = homes {
                 if homes.iter().all(|r| r.streams.iter().all(|&s| s == stream || reusable(s))) {
-                    return Some(Growth::Reuse { id });
+                    return Some(Growth::Reuse { id, granules: k });
                 }
             }
         }
@@ -192,10 +193,11 @@ impl ArenaStrategy {
         self.stitches.add(base, homes, self.granule)
     }
 
-    /// Hand out stitch `id` to `stream`: its home granules are booked as allocated.
-    pub fn carve_stitch(&mut self, id: u32, stream: StreamKey, reused: bool) -> Block {
+    /// Hand out the first `granules` of stitch `id` to `stream`: their homes are booked as
+    /// allocated.
+    pub fn carve_stitch(&mut self, id: u32, granules: usize, stream: StreamKey, reused: bool) -> Block {
         let g = self.granule;
-        let homes = self.stitches.get(id).homes.clone();
+        let homes = self.stitches.get(id).homes[..granules].to_vec();
         let mut borrowed = Vec::new();
         let mut i = 0;
         while i < homes.len() {
@@ -211,10 +213,11 @@ impl ArenaStrategy {
         let st = self.stitches.get_mut(id);
         st.borrowed = borrowed;
         st.in_use = true;
+        st.granules_in_use = granules;
         if reused {
             self.counters.stitch_reuses += 1;
         }
-        Block { addr: st.base, size: st.len, segment: self.stitches.base, stream, handle: id }
+        Block { addr: st.base, size: granules * g, segment: self.stitches.base, stream, handle: id }
     }
 
     /// `(base, len)` of stitch `id`, for the pool to remove its aliases before `drop_stitch`.
@@ -342,8 +345,8 @@ impl Strategy for ArenaStrategy {
             }
             // Handed out: its homes are exactly its borrowed nodes; else its homes are mapped.
             let covered: usize = st.borrowed.iter().map(|&b| large.node(b).size).sum();
-            if st.in_use && covered != st.len {
-                return Err(format!("stitch {id}: borrowed nodes cover {covered} of {} bytes", st.len));
+            if st.in_use && covered != st.granules_in_use * g {
+                return Err(format!("stitch {id}: borrowed nodes cover {covered} of {} bytes", st.granules_in_use * g));
             }
             if st.homes.iter().any(|&h| !large.is_mapped(h)) {
                 return Err(format!("stitch {id}: a home granule is not mapped"));
@@ -386,14 +389,14 @@ mod tests {
                     }
                     (a.carve_window(space, &window, stream), window.targets.len())
                 }
-                Growth::Reuse { id } => (a.carve_stitch(id, stream, true), 0),
+                Growth::Reuse { id, granules } => (a.carve_stitch(id, granules, stream, true), 0),
                 Growth::Stitch { base, homes, fresh } => {
                     for &f in &fresh {
                         a.mapped(f, G, stream);
                     }
                     let n = homes.len();
                     let id = a.add_stitch(base, homes);
-                    (a.carve_stitch(id, stream, false), n)
+                    (a.carve_stitch(id, n, stream, false), n)
                 }
                 Growth::Evict { id } => {
                     a.drop_stitch(id);
@@ -443,6 +446,11 @@ mod tests {
         let (again, n) = grow(&mut a, 6 * G, L);
         assert_eq!((again.addr, n, a.counters.stitch_reuses), (big.addr, 0, 1));
         a.put(again);
+        // A smaller request takes a prefix of it, also with no driver call.
+        let (part, n) = grow(&mut a, 4 * G + 512, L);
+        assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 5 * G, 0, 2));
+        assert_eq!(a.cached_bytes(), 3 * G, "only the prefix's granules are booked");
+        a.put(part);
         // A home granule handed out directly makes the stitch unavailable, not wrong.
         let (home, _) = grow(&mut a, 2 * G, L);
         let (other, _) = grow(&mut a, 6 * G, L);

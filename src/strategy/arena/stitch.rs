@@ -2,11 +2,12 @@
 //! time side by side in a range of their own, so one request larger than any free block
 //! gets contiguous addresses without new memory (GMLake's idea).
 //!
-//! A stitch keeps its aliases after its block is freed. While every one of its home
-//! granules is free again, the next request of about its size takes the whole stitch with
-//! no driver call: a training step that repeats stitches once, not every step. While a
-//! stitch is handed out, its home granules are booked as allocated in their space, so
-//! nothing else gets them; when it is freed they become free there again.
+//! A stitch keeps its aliases after its block is freed. The next request of at most its
+//! size whose granules, a prefix of the stitch's, are all free again takes that prefix with
+//! no driver call: a training step that repeats stitches once, not every step, and one
+//! stitch made at the longest sequence serves every shorter one. While a stitch is handed
+//! out, the home granules of its prefix are booked as allocated in their space, so nothing
+//! else gets them; when it is freed they become free there again.
 //!
 //! This file keeps the books (address space for stitches, which home granules each
 //! shows); the pool makes the driver calls (`pool/arena.rs`).
@@ -28,6 +29,8 @@ pub struct Stitch {
     /// While handed out: the home nodes booked for it (one per run of adjacent homes).
     pub borrowed: Vec<Slot>,
     pub in_use: bool,
+    /// Granules handed out (a prefix of `homes`: a stitch serves any smaller request too).
+    pub granules_in_use: usize,
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
 }
@@ -82,7 +85,7 @@ impl Stitches {
             self.free_va.insert(base + len, free_len - len);
         }
         self.clock += 1;
-        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false, last_used: self.clock };
+        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false, granules_in_use: 0, last_used: self.clock };
         let id = match self.vacant.pop() {
             Some(id) => {
                 self.entries[id as usize] = Some(st);
@@ -141,14 +144,15 @@ impl Stitches {
         ids
     }
 
-    /// Free stitches of `min..=max` bytes, smallest first.
-    pub fn candidates(&self, min: usize, max: usize) -> Vec<u32> {
+    /// Free stitches of at least `min` bytes, smallest first (most recently used first
+    /// among equals).
+    pub fn candidates(&self, min: usize) -> Vec<u32> {
         let mut c: Vec<(usize, u64, u32)> = self
             .entries
             .iter()
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|s| (i as u32, s)))
-            .filter(|(_, s)| !s.in_use && s.len >= min && s.len <= max)
+            .filter(|(_, s)| !s.in_use && s.len >= min)
             .map(|(i, s)| (s.len, u64::MAX - s.last_used, i))
             .collect();
         c.sort_unstable();
