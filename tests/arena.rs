@@ -199,6 +199,7 @@ fn long_randomized_run_matches_the_model() {
                 };
                 match p.malloc(size, stream) {
                     Ok(a) => {
+                        assert!(!live.iter().any(|l| l.0 == a), "op {id}: {a:#x} handed out twice");
                         stamp(a, size, id);
                         live.push((a, size, id, stream));
                     }
@@ -236,7 +237,7 @@ fn long_randomized_run_matches_the_model() {
                 }
             }
         }
-        if id % 256 == 0 {
+        if id % 256 == 0 || std::env::var_os("ARENA_DBG").is_some() {
             p.check_invariants().unwrap_or_else(|e| panic!("after op {id}: {e}"));
         }
         let st = p.stats();

@@ -195,9 +195,20 @@ impl Pool {
                 continue;
             }
             let (addr, len) = (run.addr, run.len);
-            // Aliases of these granules go first (their stitches are free: the homes are).
+            // Aliases of these granules go first: free stitches go whole, a handed-out one
+            // (whose prefix in use does not reach free granules) loses its tail.
             let over = self.arena().stitches_over(addr, len);
-            if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
+            let mut unaliased = true;
+            for (id, in_use) in over {
+                let done = if in_use {
+                    let (tail, tail_len) = self.arena().stitch_tail(id);
+                    self.upstream.vmm_unalias(tail, tail_len).map(|()| self.arena().truncate_stitch(id))
+                } else {
+                    self.drop_stitch(id)
+                };
+                unaliased &= done.is_ok();
+            }
+            if !unaliased {
                 continue;
             }
             if self.upstream.vmm_unmap(addr, len).is_ok() {

@@ -232,9 +232,24 @@ impl ArenaStrategy {
         self.counters.stitches_dropped += 1;
     }
 
-    /// Stitches showing granules of `[addr, addr + len)` (all free: their homes are free).
-    pub fn stitches_over(&self, addr: usize, len: usize) -> Vec<u32> {
-        self.stitches.over(addr, len, self.granule)
+    /// Stitches showing granules of `[addr, addr + len)` (free granules: a stitch over them
+    /// is free, or handed out with a prefix that does not reach them), with whether each is
+    /// handed out.
+    pub fn stitches_over(&self, addr: usize, len: usize) -> Vec<(u32, bool)> {
+        self.stitches.over(addr, len, self.granule).into_iter().map(|id| (id, self.stitches.get(id).in_use)).collect()
+    }
+
+    /// `(start, len)` of the part of handed-out stitch `id` beyond the granules in use.
+    pub fn stitch_tail(&self, id: u32) -> (usize, usize) {
+        let st = self.stitches.get(id);
+        let used = st.granules_in_use * self.granule;
+        (st.base + used, st.len - used)
+    }
+
+    /// Cut handed-out stitch `id` down to its granules in use (the pool removed the rest's
+    /// aliases).
+    pub fn truncate_stitch(&mut self, id: u32) {
+        self.stitches.truncate(id, self.granule);
     }
 
     /// Every stitch not handed out (teardown).

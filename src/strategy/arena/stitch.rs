@@ -115,8 +115,34 @@ impl Stitches {
                 }
             }
         }
-        // Give the address space back, merged with free neighbours.
-        let (mut start, mut len) = (st.base, st.len);
+        self.give_back_va(st.base, st.len);
+        st
+    }
+
+    /// Cut stitch `id` (handed out) down to the granules in use, giving back the address
+    /// space of the rest (the pool removed its aliases). Returns the homes cut off.
+    pub fn truncate(&mut self, id: u32, granule: usize) -> Vec<usize> {
+        let st = self.get_mut(id);
+        let keep = st.granules_in_use;
+        let cut: Vec<usize> = st.homes.split_off(keep);
+        let (tail, tail_len) = (st.base + keep * granule, st.len - keep * granule);
+        st.len = keep * granule;
+        for h in &cut {
+            if let Some(v) = self.by_home.get_mut(h) {
+                v.retain(|&x| x != id);
+                if v.is_empty() {
+                    self.by_home.remove(h);
+                }
+            }
+        }
+        if tail_len > 0 {
+            self.give_back_va(tail, tail_len);
+        }
+        cut
+    }
+
+    fn give_back_va(&mut self, start: usize, len: usize) {
+        let (mut start, mut len) = (start, len);
         if let Some((&a, &l)) = self.free_va.range(..start).next_back() {
             if a + l == start {
                 self.free_va.remove(&a);
@@ -128,7 +154,6 @@ impl Stitches {
             len += l;
         }
         self.free_va.insert(start, len);
-        st
     }
 
     /// Stitches showing any granule of `[addr, addr + len)`.
