@@ -69,10 +69,10 @@ GIB = float(1 << 30)
 CONFIG = {
     "training": dict(vocab=32000, d=1024, layers=8, heads=16, batch=8, t_min=128, t_max=2048, t_step=64,
                      warmup=10, steps=40),
-    # 256 requests arriving slightly faster than 64 slots drain them: ~700 iterations, ~33k
-    # tokens, the server full most of the time, up to ~25k cached tokens (~0.8 GiB of KV).
-    "serving": dict(vocab=32000, d=1024, layers=4, heads=16, requests=256, max_active=64, prompt=(32, 512),
-                    gen=(16, 256), mean_gap=1.5, warmup=50, steps=None),
+    # 96 requests arriving faster than 32 slots drain them: the server full most of the
+    # time, KV caches growing token by token (~25 s per allocator on an H100).
+    "serving": dict(vocab=32000, d=1024, layers=4, heads=16, requests=96, max_active=32, prompt=(32, 384),
+                    gen=(16, 160), mean_gap=1.5, warmup=30, steps=None),
     "churn": dict(slots=256, ops=1000, lo=512, hi=32 << 20, warmup=5, steps=30),
 }
 QUICK_CONFIG = {

@@ -174,7 +174,7 @@ fn without_vmm_the_arena_falls_back_to_split_with_a_notice() {
 /// reclaims; the full invariant scan every 256 operations, every block's contents checked.
 #[test]
 fn long_randomized_run_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(60_000);
+    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
     let capacity = 256 * MIB;
     let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, ..Default::default() };
     let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();

@@ -94,7 +94,7 @@ impl Pool {
                         self.drop_stitch(id)?;
                         continue;
                     }
-                    Some(Growth::Reuse { id, granules }) => Ok(self.arena().carve_stitch(id, granules, key, true)),
+                    Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),
                     Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
                     Some(Growth::Window { space, window }) => {
                         if stage == 0 {
@@ -170,7 +170,7 @@ impl Pool {
         self.trace(stream, Action::Stitch, base, homes.len() * g);
         let n = homes.len();
         let id = self.arena().add_stitch(base, homes);
-        Ok(self.arena().carve_stitch(id, n, key, false))
+        Ok(self.arena().carve_stitch(id, 0, n, key, false))
     }
 
     /// Remove stitch `id`'s aliases and forget it (it is not handed out).
@@ -195,20 +195,10 @@ impl Pool {
                 continue;
             }
             let (addr, len) = (run.addr, run.len);
-            // Aliases of these granules go first: free stitches go whole, a handed-out one
-            // (whose prefix in use does not reach free granules) loses its tail.
+            // Aliases of these granules go first (`releasable` left out those of stitches
+            // handed out: the stitches over these are free).
             let over = self.arena().stitches_over(addr, len);
-            let mut unaliased = true;
-            for (id, in_use) in over {
-                let done = if in_use {
-                    let (tail, tail_len) = self.arena().stitch_tail(id);
-                    self.upstream.vmm_unalias(tail, tail_len).map(|()| self.arena().truncate_stitch(id))
-                } else {
-                    self.drop_stitch(id)
-                };
-                unaliased &= done.is_ok();
-            }
-            if !unaliased {
+            if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
                 continue;
             }
             if self.upstream.vmm_unmap(addr, len).is_ok() {

@@ -53,8 +53,9 @@ pub struct ArenaCounters {
 pub enum Growth {
     /// Map new memory under `window.targets` (none: no driver call), then carve the window.
     Window { space: usize, window: plan::Window },
-    /// Hand out the first `granules` of cached stitch `id`, whose homes are all free.
-    Reuse { id: u32, granules: usize },
+    /// Hand out `granules` granules of cached stitch `id` from its granule `first` on,
+    /// whose homes are all free.
+    Reuse { id: u32, first: usize, granules: usize },
     /// Map new memory under the unmapped granules `fresh` of the large space, then alias
     /// `homes` (free granules, `fresh` among them) side by side at `base` as a new stitch,
     /// and hand it out.
@@ -124,15 +125,23 @@ impl ArenaStrategy {
         let g = self.granule;
         let whole = round_up(rounded, g)?;
         let runs = self.spaces[LARGE].free_granule_runs();
-        // A cached stitch at least this large whose first granules are all free: no
-        // driver call.
+        // A cached stitch with `k` granules in a row whose homes are all free (and whose
+        // streams allow): no driver call.
         let k = whole / g;
         for id in self.stitches.candidates(rounded) {
             let st = self.stitches.get(id);
-            let homes: Option<Vec<&FreeRun>> = st.homes[..k].iter().map(|&h| plan::run_of(&runs, h)).collect();
-            if let Some(homes) = homes {
-                if homes.iter().all(|r| r.streams.iter().all(|&s| s == stream || reusable(s))) {
-                    return Some(Growth::Reuse { id, granules: k });
+            let homes: Vec<Option<&FreeRun>> = st.homes.iter().map(|&h| plan::run_of(&runs, h)).collect();
+            let mut row = 0;
+            for (i, h) in homes.iter().enumerate() {
+                row = if h.is_some() { row + 1 } else { 0 };
+                if row == k {
+                    let first = i + 1 - k;
+                    let allowed =
+                        homes[first..=i].iter().flatten().all(|r| r.streams.iter().all(|&s| s == stream || reusable(s)));
+                    if allowed {
+                        return Some(Growth::Reuse { id, first, granules: k });
+                    }
+                    row = 0;
                 }
             }
         }
@@ -193,11 +202,11 @@ impl ArenaStrategy {
         self.stitches.add(base, homes, self.granule)
     }
 
-    /// Hand out the first `granules` of stitch `id` to `stream`: their homes are booked as
-    /// allocated.
-    pub fn carve_stitch(&mut self, id: u32, granules: usize, stream: StreamKey, reused: bool) -> Block {
+    /// Hand out granules `first..first + granules` of stitch `id` to `stream`: their homes
+    /// are booked as allocated.
+    pub fn carve_stitch(&mut self, id: u32, first: usize, granules: usize, stream: StreamKey, reused: bool) -> Block {
         let g = self.granule;
-        let homes = self.stitches.get(id).homes[..granules].to_vec();
+        let homes = self.stitches.get(id).homes[first..first + granules].to_vec();
         let mut borrowed = Vec::new();
         let mut i = 0;
         while i < homes.len() {
@@ -213,11 +222,12 @@ impl ArenaStrategy {
         let st = self.stitches.get_mut(id);
         st.borrowed = borrowed;
         st.in_use = true;
+        st.first_in_use = first;
         st.granules_in_use = granules;
         if reused {
             self.counters.stitch_reuses += 1;
         }
-        Block { addr: st.base, size: granules * g, segment: self.stitches.base, stream, handle: id }
+        Block { addr: st.base + first * g, size: granules * g, segment: self.stitches.base, stream, handle: id }
     }
 
     /// `(base, len)` of stitch `id`, for the pool to remove its aliases before `drop_stitch`.
@@ -232,24 +242,9 @@ impl ArenaStrategy {
         self.counters.stitches_dropped += 1;
     }
 
-    /// Stitches showing granules of `[addr, addr + len)` (free granules: a stitch over them
-    /// is free, or handed out with a prefix that does not reach them), with whether each is
-    /// handed out.
-    pub fn stitches_over(&self, addr: usize, len: usize) -> Vec<(u32, bool)> {
-        self.stitches.over(addr, len, self.granule).into_iter().map(|id| (id, self.stitches.get(id).in_use)).collect()
-    }
-
-    /// `(start, len)` of the part of handed-out stitch `id` beyond the granules in use.
-    pub fn stitch_tail(&self, id: u32) -> (usize, usize) {
-        let st = self.stitches.get(id);
-        let used = st.granules_in_use * self.granule;
-        (st.base + used, st.len - used)
-    }
-
-    /// Cut handed-out stitch `id` down to its granules in use (the pool removed the rest's
-    /// aliases).
-    pub fn truncate_stitch(&mut self, id: u32) {
-        self.stitches.truncate(id, self.granule);
+    /// Free stitches showing granules of `[addr, addr + len)`.
+    pub fn stitches_over(&self, addr: usize, len: usize) -> Vec<u32> {
+        self.stitches.over(addr, len, self.granule).into_iter().filter(|&id| !self.stitches.get(id).in_use).collect()
     }
 
     /// Every stitch not handed out (teardown).
@@ -257,9 +252,25 @@ impl ArenaStrategy {
         self.stitches.iter().filter(|(_, s)| !s.in_use).map(|(id, _)| id).collect()
     }
 
-    /// Runs of whole free granules, in the order they should go back.
+    /// Runs of whole free granules, in the order they should go back. Granules shown by a
+    /// handed-out stitch stay (its aliases are one mapping the pool cannot cut into while
+    /// the block lives); they can go once it is freed.
     pub fn releasable(&self, order: ReleaseOrder) -> Vec<FreeRun> {
-        let mut runs: Vec<FreeRun> = self.spaces.iter().flat_map(|s| s.free_granule_runs()).collect();
+        let g = self.granule;
+        let pinned: std::collections::HashSet<usize> =
+            self.stitches.iter().filter(|(_, s)| s.in_use).flat_map(|(_, s)| s.homes.iter().copied()).collect();
+        let mut runs: Vec<FreeRun> = Vec::new();
+        for r in self.spaces.iter().flat_map(|s| s.free_granule_runs()) {
+            let mut start = r.addr;
+            for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
+                if a == r.addr + r.len || pinned.contains(&a) {
+                    if a > start {
+                        runs.push(FreeRun { addr: start, len: a - start, ..r.clone() });
+                    }
+                    start = a + g;
+                }
+            }
+        }
         match order {
             ReleaseOrder::LargestFirst => runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr))),
             ReleaseOrder::OldestFirst => runs.sort_unstable_by_key(|r| (r.freed_at, r.addr)),
@@ -360,7 +371,7 @@ impl Strategy for ArenaStrategy {
             }
             // Handed out: its homes are exactly its borrowed nodes; else its homes are mapped.
             let covered: usize = st.borrowed.iter().map(|&b| large.node(b).size).sum();
-            if st.in_use && covered != st.granules_in_use * g {
+            if st.in_use && (covered != st.granules_in_use * g || st.first_in_use + st.granules_in_use > st.homes.len()) {
                 return Err(format!("stitch {id}: borrowed nodes cover {covered} of {} bytes", st.granules_in_use * g));
             }
             if st.homes.iter().any(|&h| !large.is_mapped(h)) {
@@ -404,14 +415,14 @@ mod tests {
                     }
                     (a.carve_window(space, &window, stream), window.targets.len())
                 }
-                Growth::Reuse { id, granules } => (a.carve_stitch(id, granules, stream, true), 0),
+                Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, stream, true), 0),
                 Growth::Stitch { base, homes, fresh } => {
                     for &f in &fresh {
                         a.mapped(f, G, stream);
                     }
                     let n = homes.len();
                     let id = a.add_stitch(base, homes);
-                    (a.carve_stitch(id, n, stream, false), n)
+                    (a.carve_stitch(id, 0, n, stream, false), n)
                 }
                 Growth::Evict { id } => {
                     a.drop_stitch(id);
@@ -461,7 +472,7 @@ mod tests {
         let (again, n) = grow(&mut a, 6 * G, L);
         assert_eq!((again.addr, n, a.counters.stitch_reuses), (big.addr, 0, 1));
         a.put(again);
-        // A smaller request takes a prefix of it, also with no driver call.
+        // A smaller request takes part of it, also with no driver call.
         let (part, n) = grow(&mut a, 4 * G + 512, L);
         assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 5 * G, 0, 2));
         assert_eq!(a.cached_bytes(), 3 * G, "only the prefix's granules are booked");

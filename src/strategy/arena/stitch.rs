@@ -3,11 +3,11 @@
 //! gets contiguous addresses without new memory (GMLake's idea).
 //!
 //! A stitch keeps its aliases after its block is freed. The next request of at most its
-//! size whose granules, a prefix of the stitch's, are all free again takes that prefix with
-//! no driver call: a training step that repeats stitches once, not every step, and one
-//! stitch made at the longest sequence serves every shorter one. While a stitch is handed
-//! out, the home granules of its prefix are booked as allocated in their space, so nothing
-//! else gets them; when it is freed they become free there again.
+//! size that finds enough of its granules in a row free again takes them with no driver
+//! call: a training step that repeats stitches once, not every step, and one stitch made
+//! at the longest sequence serves the shorter ones. While a stitch is handed out (to one
+//! block at a time), the home granules of that block are booked as allocated in their
+//! space, so nothing else gets them; when it is freed they become free there again.
 //!
 //! This file keeps the books (address space for stitches, which home granules each
 //! shows); the pool makes the driver calls (`pool/arena.rs`).
@@ -29,7 +29,9 @@ pub struct Stitch {
     /// While handed out: the home nodes booked for it (one per run of adjacent homes).
     pub borrowed: Vec<Slot>,
     pub in_use: bool,
-    /// Granules handed out (a prefix of `homes`: a stitch serves any smaller request too).
+    /// While handed out: the granules handed out, `homes[first_in_use..][..granules_in_use]`
+    /// (a stitch serves any smaller request with any run of its granules that is free).
+    pub first_in_use: usize,
     pub granules_in_use: usize,
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
@@ -85,7 +87,7 @@ impl Stitches {
             self.free_va.insert(base + len, free_len - len);
         }
         self.clock += 1;
-        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false, granules_in_use: 0, last_used: self.clock };
+        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false, first_in_use: 0, granules_in_use: 0, last_used: self.clock };
         let id = match self.vacant.pop() {
             Some(id) => {
                 self.entries[id as usize] = Some(st);
@@ -117,28 +119,6 @@ impl Stitches {
         }
         self.give_back_va(st.base, st.len);
         st
-    }
-
-    /// Cut stitch `id` (handed out) down to the granules in use, giving back the address
-    /// space of the rest (the pool removed its aliases). Returns the homes cut off.
-    pub fn truncate(&mut self, id: u32, granule: usize) -> Vec<usize> {
-        let st = self.get_mut(id);
-        let keep = st.granules_in_use;
-        let cut: Vec<usize> = st.homes.split_off(keep);
-        let (tail, tail_len) = (st.base + keep * granule, st.len - keep * granule);
-        st.len = keep * granule;
-        for h in &cut {
-            if let Some(v) = self.by_home.get_mut(h) {
-                v.retain(|&x| x != id);
-                if v.is_empty() {
-                    self.by_home.remove(h);
-                }
-            }
-        }
-        if tail_len > 0 {
-            self.give_back_va(tail, tail_len);
-        }
-        cut
     }
 
     fn give_back_va(&mut self, start: usize, len: usize) {
