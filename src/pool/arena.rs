@@ -80,6 +80,15 @@ impl Pool {
                         return Ok(b);
                     }
                 }
+                // The limit or the device refused new memory: free granules this request
+                // could not use (the other space's, edges of the other class) go back,
+                // some, then all. Those it could use were stitched already.
+                let want = if stage == 1 { Some(rounded) } else { None };
+                if self.release_cached(want)? > 0 && retake {
+                    if let Some(b) = self.take_cached(rounded, key, stream) {
+                        return Ok(b);
+                    }
+                }
             }
             // Plan and serve; an eviction (stitch cache full) plans again.
             loop {
