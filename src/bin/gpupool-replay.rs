@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -7,12 +7,12 @@ use gpupool::pool::PoolOptions;
 use gpupool::replay::{parse, replay_with};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut path = None;
-    let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None];
+    let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
     let mut device_size = 80usize << 30;
     let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
     let mut paged = false;
@@ -25,7 +25,7 @@ fn main() -> ExitCode {
                     Some("all") => {}
                     Some(s) => match PoolKind::parse(s) {
                         Some(k) => pools = vec![k],
-                        None => return fail(&format!("--pool {s:?}: expected split, binned, none or all")),
+                        None => return fail(&format!("--pool {s:?}: expected split, binned, none, arena or all")),
                     },
                     None => return fail("--pool needs a value"),
                 }
