@@ -5,8 +5,10 @@
 //! - `error`: the error enum, C status codes, user-facing messages.
 //! - `config`: the only reader of environment variables.
 //! - `block`: blocks, segments, split/merge rules.
-//! - `strategy`: caching policies (`split`, `binned`, `none`).
-//! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`vmm`/`managed`/`async`/`pinned`).
+//! - `strategy`: caching policies (`split`, `binned`, `none`, `arena`: the virtual-memory
+//!   arena, whose driver calls live in `pool/arena.rs`).
+//! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`vmm`/`managed`/`async`/`pinned`),
+//!   the virtual memory API the arena maps with, and the count of driver calls by kind.
 //! - `stream`: stream identity and the cross-stream reuse rule.
 //! - `stats`: counters and the status/JSON reports.
 //! - `pool`: one device's pool (escalation, limits, live-pointer map); `pool/release.rs`
