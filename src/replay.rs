@@ -78,6 +78,10 @@ pub struct Report {
     /// device memory at the end sees).
     pub end_reserved: usize,
     pub end_requested: usize,
+    /// Driver calls over the whole replay, and over its second half (once a repeating
+    /// program has settled, a pool that reuses what it holds makes none there).
+    pub driver_calls: u64,
+    pub driver_calls_second_half: u64,
 }
 
 /// Replay `ops` through `kind` (default options) on a simulated `device`-like GPU of
@@ -97,7 +101,11 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bo
     let mut used_total = 0usize;
     let mut reserved_total = 0usize;
     let mut used_at_peak = 0usize;
-    for op in ops {
+    let mut calls_at_half = None;
+    for (i, op) in ops.iter().enumerate() {
+        if i == ops.len() / 2 {
+            calls_at_half = Some(pools.values().map(|p| p.driver_calls().total()).sum::<u64>());
+        }
         let pool = match pools.entry(op.device) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::btree_map::Entry::Vacant(e) => {
@@ -157,6 +165,8 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bo
         r.upstream_frees += st.n_upstream_frees;
         r.end_reserved += st.total_bytes as usize;
         r.end_requested += st.requested_bytes as usize;
+        r.driver_calls += p.driver_calls().total();
     }
+    r.driver_calls_second_half = r.driver_calls - calls_at_half.unwrap_or(0);
     Ok(r)
 }

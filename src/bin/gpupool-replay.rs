@@ -78,13 +78,13 @@ fn main() -> ExitCode {
     let decay = if decay_window == 0 { "off".to_string() } else { format!("{decay_window} allocations") };
     let upstream = if paged { "vmm (pages inside segments can go back)" } else { "device (whole segments only)" };
     println!("cache decay window: {decay}; simulated upstream: {upstream}");
-    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | bytes obtained: segments + pages | ns per op |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | bytes obtained: segments + pages | driver calls: all / second half | ns per op |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for k in pools {
         let opts = PoolOptions { kind: k, decay_window, ..Default::default() };
         match replay_with(&ops, &opts, device_size, paged) {
             Ok(r) => println!(
-                "| {} | {} | {} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {} + {} | {:.0} |",
+                "| {} | {} | {} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {} + {} | {} / {} | {:.0} |",
                 r.strategy,
                 human_bytes(r.peak_reserved),
                 human_bytes(r.peak_used),
@@ -97,6 +97,8 @@ fn main() -> ExitCode {
                 r.decommits,
                 human_bytes(r.segment_bytes as usize),
                 human_bytes(r.commit_bytes as usize),
+                r.driver_calls,
+                r.driver_calls_second_half,
                 r.ns_per_op
             ),
             Err(e) => return fail(&e.to_string()),
