@@ -175,8 +175,19 @@ fn without_vmm_the_arena_falls_back_to_split_with_a_notice() {
 #[test]
 fn long_randomized_run_matches_the_model() {
     let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    randomized_run(ops, 0);
+}
+
+/// The same with cache decay, which releases granules on its own between operations.
+#[test]
+fn long_randomized_run_with_decay_matches_the_model() {
+    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    randomized_run(ops / 2, 512);
+}
+
+fn randomized_run(ops: usize, decay_window: usize) {
     let capacity = 256 * MIB;
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, ..Default::default() };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, decay_window, ..Default::default() };
     let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {

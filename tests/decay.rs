@@ -9,7 +9,11 @@ use gpupool::{Pool, PoolOptions};
 use gpupool::upstream::host::{HostUpstream, HOST_PAGE};
 
 fn pool(decay_window: usize) -> Pool {
-    let opts = PoolOptions { kind: PoolKind::Split, check_invariants: true, decay_window, ..Default::default() };
+    pool_of(PoolKind::Split, decay_window)
+}
+
+fn pool_of(kind: PoolKind, decay_window: usize) -> Pool {
+    let opts = PoolOptions { kind, check_invariants: true, decay_window, ..Default::default() };
     Pool::new(0, Box::new(HostUpstream::new(4 << 30)), &opts).unwrap()
 }
 
@@ -98,6 +102,17 @@ fn decay_keeps_reserved_near_the_recent_peak_and_never_hands_out_a_decommitted_p
     );
     let st = decaying.stats();
     assert!(st.reclaimed_bytes > 0 && st.n_upstream_frees > 0, "decay released memory: {st:?}");
+}
+
+#[test]
+fn decay_gives_the_arenas_free_granules_back() {
+    let (kept_all, live) = churn(&mut pool_of(PoolKind::Arena, 0), 3000);
+    let mut decaying = pool_of(PoolKind::Arena, 256);
+    let (decayed, live2) = churn(&mut decaying, 3000);
+    assert_eq!(live, live2, "same sequence");
+    assert!(decayed < kept_all, "decay must end with less mapped: {decayed} vs {kept_all} for {live} live");
+    let c = decaying.arena_counters().unwrap();
+    assert!(c.granules_unmapped > 0 && decaying.stats().reclaimed_bytes > 0, "{c:?}");
 }
 
 #[test]

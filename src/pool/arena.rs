@@ -90,6 +90,11 @@ impl Pool {
                     }
                 }
             }
+            if stage == 0 {
+                // Decay trims before planning: a release after it could unmap what the
+                // plan counts on.
+                self.decay_before_grow(rounded);
+            }
             // Plan and serve; an eviction (stitch cache full) plans again.
             loop {
                 let plan = {
@@ -106,10 +111,6 @@ impl Pool {
                     Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),
                     Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
                     Some(Growth::Window { space, window }) => {
-                        if stage == 0 {
-                            let new = window.targets.len() * self.arena().granule();
-                            self.decay_before_grow(new);
-                        }
                         self.map_window(&window, key, stream).map(|()| self.arena().carve_window(space, &window, key))
                     }
                 };

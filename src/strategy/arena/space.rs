@@ -318,7 +318,8 @@ impl Space {
             self.cut_at(addr + len);
         }
         let s = self.cut_at(addr);
-        debug_assert!(self.nodes[s as usize].state == State::Unmapped && self.nodes[s as usize].size == len);
+        // Off the hot path: a broken plan must stop here, not corrupt the books.
+        assert!(self.nodes[s as usize].state == State::Unmapped && self.nodes[s as usize].size == len, "arena: mapped range not unmapped");
         self.make_free(s, stream);
     }
 
@@ -330,7 +331,7 @@ impl Space {
         }
         let mut s = self.cut_at(addr);
         while s != NIL && self.nodes[s as usize].addr < addr + len {
-            debug_assert_eq!(self.nodes[s as usize].state, State::Free);
+            assert_eq!(self.nodes[s as usize].state, State::Free, "arena: unmapping memory that is not free");
             self.index_remove(s);
             self.nodes[s as usize].state = State::Unmapped;
             s = self.merge_neighbours(s);
@@ -342,10 +343,11 @@ impl Space {
     /// pool made safe for `stream`): they merge into one node of `stream`, cut around it.
     pub fn carve_range(&mut self, addr: usize, rounded: usize, stream: StreamKey) -> Block {
         let mut s = self.node_at(addr).expect("window inside the space");
+        assert_eq!(self.nodes[s as usize].state, State::Free, "arena: window starts in a non-free node");
         self.index_remove(s);
         while self.nodes[s as usize].end() < addr + rounded {
             let next = self.nodes[s as usize].next;
-            debug_assert_eq!(self.nodes[next as usize].state, State::Free, "window crosses a non-free node");
+            assert_eq!(self.nodes[next as usize].state, State::Free, "arena: window crosses a non-free node");
             self.index_remove(next);
             self.nodes[s as usize].size += self.nodes[next as usize].size;
             self.unlink(next);
