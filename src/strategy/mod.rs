@@ -8,6 +8,7 @@ pub mod arena;
 pub mod binned;
 pub mod bins;
 pub mod passthrough;
+pub mod slab;
 pub mod split;
 
 use crate::block::{Block, Segment};

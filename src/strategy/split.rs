@@ -42,9 +42,7 @@ const QUICK_MAX: usize = 64;
 /// them. The legacy stream's are always kept.
 const EMPTY_INDEXES_KEPT: usize = 16;
 
-/// A node slot; `NIL` = no neighbour.
-type Slot = u32;
-const NIL: Slot = u32::MAX;
+use super::slab::{Slab, Slot, NIL};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Class {
@@ -100,9 +98,8 @@ type FreeKey = (Class, StreamKey, usize, usize, Slot);
 
 #[derive(Default)]
 pub struct SplitStrategy {
-    /// The slab of nodes, and its vacant slots.
-    nodes: Vec<Node>,
-    vacant: Vec<Slot>,
+    /// The nodes, by slot.
+    slab: Slab<Node>,
     /// Free blocks per (class, stream); emptied ones stay up to `EMPTY_INDEXES_KEPT`.
     free_index: FxHashMap<(Class, StreamKey), FreeBins>,
     /// Empty indexes of non-legacy streams now in `free_index`.
@@ -122,31 +119,18 @@ impl SplitStrategy {
         Self::default()
     }
 
-    fn alloc_slot(&mut self, node: Node) -> Slot {
-        match self.vacant.pop() {
-            Some(s) => {
-                self.nodes[s as usize] = node;
-                s
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as Slot
-            }
-        }
-    }
-
     fn free_slot(&mut self, s: Slot) {
-        self.nodes[s as usize].state = State::Vacant;
-        self.vacant.push(s);
+        self.slab.nodes[s as usize].state = State::Vacant;
+        self.slab.release(s);
     }
 
     fn block_of(&self, s: Slot) -> Block {
-        let n = &self.nodes[s as usize];
+        let n = &self.slab.nodes[s as usize];
         Block { addr: n.addr, size: n.size, segment: n.segment, stream: n.stream, handle: s }
     }
 
     fn index_insert(&mut self, s: Slot) {
-        let n = &self.nodes[s as usize];
+        let n = &self.slab.nodes[s as usize];
         let set = match self.free_index.entry((n.class, n.stream)) {
             Entry::Occupied(e) => {
                 if e.get().is_empty() && n.stream != StreamKey::LEGACY {
@@ -161,7 +145,7 @@ impl SplitStrategy {
     }
 
     fn index_remove(&mut self, s: Slot) {
-        let n = &self.nodes[s as usize];
+        let n = &self.slab.nodes[s as usize];
         let key = (n.class, n.stream);
         let set = self.free_index.get_mut(&key).expect("stream has a free set");
         let removed = set.remove(n.size, n.addr);
@@ -185,24 +169,24 @@ impl SplitStrategy {
     fn carve(&mut self, key: FreeKey, rounded: usize, stream: StreamKey) -> Block {
         let (class, _, size, addr, s) = key;
         self.index_remove(s);
-        let node = self.nodes[s as usize];
+        let node = self.slab.nodes[s as usize];
         let rest = size - rounded;
         let min_rest = if class == Class::Small { ROUND } else { SMALL_LIMIT + 1 };
         let taken = if rest >= min_rest {
             let rest_node = Node { addr: addr + rounded, size: rest, prev: s, next: node.next, state: State::Free, ..node };
-            let r = self.alloc_slot(rest_node);
+            let r = self.slab.alloc(rest_node);
             if node.next != NIL {
-                self.nodes[node.next as usize].prev = r;
+                self.slab.nodes[node.next as usize].prev = r;
             }
             self.index_insert(r);
-            let n = &mut self.nodes[s as usize];
+            let n = &mut self.slab.nodes[s as usize];
             n.size = rounded;
             n.next = r;
             rounded
         } else {
             size
         };
-        let n = &mut self.nodes[s as usize];
+        let n = &mut self.slab.nodes[s as usize];
         n.state = State::Allocated;
         n.stream = stream;
         self.cached -= taken;
@@ -211,37 +195,37 @@ impl SplitStrategy {
 
     /// Free slot `s` for real: coalesce with free neighbours, then index it.
     fn free_now(&mut self, s: Slot) {
-        let mut node = self.nodes[s as usize];
+        let mut node = self.slab.nodes[s as usize];
         let mut start = s;
         if node.next != NIL {
             let nx = node.next;
-            let next = self.nodes[nx as usize];
+            let next = self.slab.nodes[nx as usize];
             if next.state == State::Free && next.stream == node.stream {
                 self.index_remove(nx);
                 self.free_slot(nx);
                 node.size += next.size;
                 node.next = next.next;
                 if next.next != NIL {
-                    self.nodes[next.next as usize].prev = start;
+                    self.slab.nodes[next.next as usize].prev = start;
                 }
             }
         }
         if node.prev != NIL {
             let pv = node.prev;
-            let prev = self.nodes[pv as usize];
+            let prev = self.slab.nodes[pv as usize];
             if prev.state == State::Free && prev.stream == node.stream {
                 self.index_remove(pv);
                 self.free_slot(start);
                 start = pv;
                 node = Node { addr: prev.addr, size: prev.size + node.size, prev: prev.prev, ..node };
                 if node.next != NIL {
-                    self.nodes[node.next as usize].prev = start;
+                    self.slab.nodes[node.next as usize].prev = start;
                 }
             }
         }
         node.state = State::Free;
         node.freed_at = self.clock;
-        self.nodes[start as usize] = node;
+        self.slab.nodes[start as usize] = node;
         self.index_insert(start);
     }
 
@@ -252,7 +236,7 @@ impl SplitStrategy {
         // Take the list out (keeping its capacity) so free_now can borrow self.
         let mut quick = std::mem::take(&mut self.quick);
         for (stream, _, _, _, s) in quick.drain(..) {
-            self.nodes[s as usize].stream = stream;
+            self.slab.nodes[s as usize].stream = stream;
             self.free_now(s);
         }
         self.quick = quick;
@@ -261,7 +245,7 @@ impl SplitStrategy {
 
     /// Slots of every node in `state` (reports and scans; not the hot path).
     fn slots_in(&self, state: State) -> impl Iterator<Item = Slot> + '_ {
-        (0..self.nodes.len() as Slot).filter(move |&s| self.nodes[s as usize].state == state)
+        (0..self.slab.nodes.len() as Slot).filter(move |&s| self.slab.nodes[s as usize].state == state)
     }
 }
 
@@ -319,7 +303,7 @@ impl Strategy for SplitStrategy {
 
     fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block {
         let class = class_of(rounded);
-        let s = self.alloc_slot(Node {
+        let s = self.slab.alloc(Node {
             addr: seg.base,
             size: seg.size,
             prev: NIL,
@@ -340,13 +324,13 @@ impl Strategy for SplitStrategy {
         self.clock += 1;
         self.cached += b.size;
         debug_assert!(
-            self.nodes.get(b.handle as usize).is_some_and(|n| n.addr == b.addr && n.state == State::Allocated),
+            self.slab.nodes.get(b.handle as usize).is_some_and(|n| n.addr == b.addr && n.state == State::Allocated),
             "pool passes only blocks it got from us"
         );
         if self.quick.len() < QUICK_MAX {
             self.quick.push((b.stream, b.size, b.addr, b.segment, b.handle));
         } else {
-            self.nodes[b.handle as usize].stream = b.stream;
+            self.slab.nodes[b.handle as usize].stream = b.stream;
             self.free_now(b.handle);
         }
         None
@@ -364,7 +348,7 @@ impl Strategy for SplitStrategy {
             .segments
             .iter()
             .filter(|(_, info)| {
-                let n = &self.nodes[info.first as usize];
+                let n = &self.slab.nodes[info.first as usize];
                 n.state == State::Free && n.size == info.size
             })
             .map(|(b, i)| (*b, *i))
@@ -372,13 +356,13 @@ impl Strategy for SplitStrategy {
         match order {
             ReleaseOrder::LargestFirst => whole.sort_unstable_by(|a, b| b.1.size.cmp(&a.1.size).then(a.0.cmp(&b.0))),
             ReleaseOrder::OldestFirst => {
-                whole.sort_unstable_by_key(|&(base, info)| (self.nodes[info.first as usize].freed_at, base))
+                whole.sort_unstable_by_key(|&(base, info)| (self.slab.nodes[info.first as usize].freed_at, base))
             }
         }
         let mut out = Vec::new();
         let mut got = 0;
         for (base, info) in whole {
-            let stream = self.nodes[info.first as usize].stream;
+            let stream = self.slab.nodes[info.first as usize].stream;
             self.index_remove(info.first);
             self.free_slot(info.first);
             self.segments.remove(&base);
@@ -416,7 +400,7 @@ impl Strategy for SplitStrategy {
     fn decommit_candidates(&mut self) -> Vec<Block> {
         self.flush_quick();
         let mut idle: Vec<(u64, Block)> =
-            self.slots_in(State::Free).map(|s| (self.nodes[s as usize].freed_at, self.block_of(s))).collect();
+            self.slots_in(State::Free).map(|s| (self.slab.nodes[s as usize].freed_at, self.block_of(s))).collect();
         // Longest idle first (least likely to be wanted soon), then largest.
         idle.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.size.cmp(&a.1.size)).then(a.1.addr.cmp(&b.1.addr)));
         idle.into_iter().map(|(_, b)| b).collect()
@@ -427,7 +411,7 @@ impl Strategy for SplitStrategy {
     }
 
     fn is_free_block(&self, addr: usize) -> bool {
-        self.slots_in(State::Free).any(|s| self.nodes[s as usize].addr == addr) || self.quick.iter().any(|q| q.2 == addr)
+        self.slots_in(State::Free).any(|s| self.slab.nodes[s as usize].addr == addr) || self.quick.iter().any(|q| q.2 == addr)
     }
 
     fn check_invariants(&self) -> Result<(), String> {
@@ -450,7 +434,7 @@ impl Strategy for SplitStrategy {
             let mut total = 0;
             let mut addr = base;
             while s != NIL {
-                let n = self.nodes.get(s as usize).ok_or_else(|| format!("segment {base:#x}: slot {s} out of range"))?;
+                let n = self.slab.nodes.get(s as usize).ok_or_else(|| format!("segment {base:#x}: slot {s} out of range"))?;
                 if n.state == State::Vacant || n.addr != addr {
                     return Err(format!("segment {base:#x}: slot {s} is {n:?}, expected a block at {addr:#x}"));
                 }
@@ -468,7 +452,7 @@ impl Strategy for SplitStrategy {
                             return Err(format!("free node {addr:#x} not indexed"));
                         }
                         if n.next != NIL {
-                            let nx = &self.nodes[n.next as usize];
+                            let nx = &self.slab.nodes[n.next as usize];
                             if nx.state == State::Free && nx.stream == n.stream {
                                 return Err(format!("free neighbours {addr:#x} and {:#x} not coalesced", nx.addr));
                             }
@@ -495,8 +479,8 @@ impl Strategy for SplitStrategy {
                 return Err(format!("segment {base:#x}: blocks cover {total} of {} bytes", info.size));
             }
         }
-        let occupied = self.nodes.len() - self.vacant.len();
-        if seen != occupied || self.vacant.iter().any(|&s| self.nodes[s as usize].state != State::Vacant) {
+        let occupied = self.slab.occupied();
+        if seen != occupied || self.slab.vacant.iter().any(|&s| self.slab.nodes[s as usize].state != State::Vacant) {
             return Err(format!("{occupied} occupied slots, {seen} reachable from segments"));
         }
         let in_sets: usize = self.free_index.values().map(|s| s.len()).sum();

@@ -514,6 +514,23 @@ mod tests {
     }
 
     #[test]
+    fn a_window_over_two_streams_memory_leaves_the_rest_with_its_stream() {
+        let mut a = arena();
+        let (x, _) = grow(&mut a, 3 * G, L);
+        let (y, _) = grow(&mut a, 7 * G, L);
+        a.put(Block { stream: StreamKey(1), ..x });
+        a.put(Block { stream: StreamKey(3), ..y });
+        // No single free block holds 8 granules; the window spans both streams' memory.
+        let (z, n) = grow(&mut a, 8 * G, StreamKey(2));
+        assert_eq!((z.addr, n), (x.addr, 0));
+        let rest: Vec<Block> = a.free_blocks().into_iter().filter(|b| b.addr == x.addr + 8 * G).collect();
+        assert_eq!(rest.len(), 1);
+        // Stream 2 waited for 1 and 3 before using their memory; the 2 granules it did not
+        // take are still 3's: another stream must wait for 3, not for 2, to get them.
+        assert_eq!((rest[0].size, rest[0].stream), (2 * G, StreamKey(3)));
+    }
+
+    #[test]
     fn a_granule_shared_by_two_streams_free_blocks_is_released_after_both() {
         let mut a = arena();
         let (x, _) = grow(&mut a, 3 * G / 2, L);

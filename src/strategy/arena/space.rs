@@ -13,11 +13,10 @@
 
 use crate::block::Block;
 use crate::strategy::bins::FreeBins;
+use crate::strategy::slab::{Slab, NIL};
+pub use crate::strategy::slab::Slot;
 use crate::stream::StreamKey;
 use rustc_hash::FxHashMap;
-
-pub type Slot = u32;
-pub const NIL: Slot = u32::MAX;
 
 /// Smallest piece a block is cut to (and the rounding of every request).
 pub const ROUND: usize = 512;
@@ -65,8 +64,7 @@ pub struct Space {
     pub base: usize,
     pub len: usize,
     pub granule: usize,
-    nodes: Vec<Node>,
-    vacant: Vec<Slot>,
+    slab: Slab<Node>,
     first: Slot,
     index: FxHashMap<StreamKey, FreeBins>,
     free_count: usize,
@@ -84,8 +82,7 @@ impl Space {
             base,
             len,
             granule,
-            nodes: Vec::new(),
-            vacant: Vec::new(),
+            slab: Slab::default(),
             first: 0,
             index: FxHashMap::default(),
             free_count: 0,
@@ -93,7 +90,7 @@ impl Space {
             used_bytes: 0,
             clock: 0,
         };
-        s.first = s.alloc_slot(Node {
+        s.first = s.slab.alloc(Node {
             addr: base,
             size: len,
             prev: NIL,
@@ -110,7 +107,7 @@ impl Space {
     }
 
     pub fn node(&self, s: Slot) -> &Node {
-        &self.nodes[s as usize]
+        &self.slab.nodes[s as usize]
     }
 
     /// Nodes in address order.
@@ -121,43 +118,30 @@ impl Space {
                 return None;
             }
             let cur = s;
-            s = self.nodes[s as usize].next;
-            Some((cur, &self.nodes[cur as usize]))
+            s = self.slab.nodes[s as usize].next;
+            Some((cur, &self.slab.nodes[cur as usize]))
         })
     }
 
-    fn alloc_slot(&mut self, node: Node) -> Slot {
-        match self.vacant.pop() {
-            Some(s) => {
-                self.nodes[s as usize] = node;
-                s
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as Slot
-            }
-        }
-    }
-
     fn free_slot(&mut self, s: Slot) {
-        self.nodes[s as usize].state = State::Vacant;
-        self.vacant.push(s);
+        self.slab.nodes[s as usize].state = State::Vacant;
+        self.slab.release(s);
     }
 
     fn block_of(&self, s: Slot) -> Block {
-        let n = &self.nodes[s as usize];
+        let n = &self.slab.nodes[s as usize];
         Block { addr: n.addr, size: n.size, segment: self.base, stream: n.stream, handle: s }
     }
 
     fn index_insert(&mut self, s: Slot) {
-        let n = self.nodes[s as usize];
+        let n = self.slab.nodes[s as usize];
         self.index.entry(n.stream).or_default().insert(n.size, n.addr, s);
         self.free_count += 1;
         self.free_bytes += n.size;
     }
 
     fn index_remove(&mut self, s: Slot) {
-        let n = self.nodes[s as usize];
+        let n = self.slab.nodes[s as usize];
         let bins = self.index.get_mut(&n.stream).expect("a free node's stream has an index");
         let removed = bins.remove(n.size, n.addr);
         debug_assert!(removed, "free node missing from the index");
@@ -171,38 +155,38 @@ impl Space {
 
     /// Insert a new node for `[addr, addr + size)` after `after` (NIL: first).
     fn link_after(&mut self, after: Slot, node: Node) -> Slot {
-        let next = if after == NIL { self.first } else { self.nodes[after as usize].next };
-        let s = self.alloc_slot(Node { prev: after, next, ..node });
+        let next = if after == NIL { self.first } else { self.slab.nodes[after as usize].next };
+        let s = self.slab.alloc(Node { prev: after, next, ..node });
         if next != NIL {
-            self.nodes[next as usize].prev = s;
+            self.slab.nodes[next as usize].prev = s;
         }
         if after == NIL {
             self.first = s;
         } else {
-            self.nodes[after as usize].next = s;
+            self.slab.nodes[after as usize].next = s;
         }
         s
     }
 
     fn unlink(&mut self, s: Slot) {
-        let Node { prev, next, .. } = self.nodes[s as usize];
+        let Node { prev, next, .. } = self.slab.nodes[s as usize];
         if prev != NIL {
-            self.nodes[prev as usize].next = next;
+            self.slab.nodes[prev as usize].next = next;
         } else {
             self.first = next;
         }
         if next != NIL {
-            self.nodes[next as usize].prev = prev;
+            self.slab.nodes[next as usize].prev = prev;
         }
         self.free_slot(s);
     }
 
     /// Cut node `s` at `at` (inside it); the back part gets a new slot, returned.
     fn split_at(&mut self, s: Slot, at: usize) -> Slot {
-        let n = self.nodes[s as usize];
+        let n = self.slab.nodes[s as usize];
         debug_assert!(at > n.addr && at < n.end());
         let back = Node { addr: at, size: n.end() - at, ..n };
-        self.nodes[s as usize].size = at - n.addr;
+        self.slab.nodes[s as usize].size = at - n.addr;
         self.link_after(s, back)
     }
 
@@ -212,21 +196,21 @@ impl Space {
         let alike = |a: &Node, b: &Node| {
             a.state == b.state && (a.state == State::Unmapped || (a.state == State::Free && a.stream == b.stream))
         };
-        let next = self.nodes[s as usize].next;
-        if next != NIL && alike(&self.nodes[s as usize], &self.nodes[next as usize]) {
-            if self.nodes[next as usize].state == State::Free {
+        let next = self.slab.nodes[s as usize].next;
+        if next != NIL && alike(&self.slab.nodes[s as usize], &self.slab.nodes[next as usize]) {
+            if self.slab.nodes[next as usize].state == State::Free {
                 self.index_remove(next);
             }
-            self.nodes[s as usize].size += self.nodes[next as usize].size;
+            self.slab.nodes[s as usize].size += self.slab.nodes[next as usize].size;
             self.unlink(next);
         }
-        let prev = self.nodes[s as usize].prev;
-        if prev != NIL && alike(&self.nodes[prev as usize], &self.nodes[s as usize]) {
-            if self.nodes[prev as usize].state == State::Free {
+        let prev = self.slab.nodes[s as usize].prev;
+        if prev != NIL && alike(&self.slab.nodes[prev as usize], &self.slab.nodes[s as usize]) {
+            if self.slab.nodes[prev as usize].state == State::Free {
                 self.index_remove(prev);
             }
-            self.nodes[prev as usize].size += self.nodes[s as usize].size;
-            self.nodes[prev as usize].freed_at = self.nodes[prev as usize].freed_at.max(self.nodes[s as usize].freed_at);
+            self.slab.nodes[prev as usize].size += self.slab.nodes[s as usize].size;
+            self.slab.nodes[prev as usize].freed_at = self.slab.nodes[prev as usize].freed_at.max(self.slab.nodes[s as usize].freed_at);
             self.unlink(s);
             s = prev;
         }
@@ -236,7 +220,7 @@ impl Space {
     /// Make `s` a free node on `stream`, merged and filed.
     fn make_free(&mut self, s: Slot, stream: StreamKey) {
         self.clock += 1;
-        let n = &mut self.nodes[s as usize];
+        let n = &mut self.slab.nodes[s as usize];
         n.state = State::Free;
         n.stream = stream;
         n.freed_at = self.clock;
@@ -247,11 +231,11 @@ impl Space {
     /// Hand out the first `rounded` bytes of free node `s` to `stream`.
     fn carve(&mut self, s: Slot, rounded: usize, stream: StreamKey) -> Block {
         self.index_remove(s);
-        if self.nodes[s as usize].size > rounded {
-            let rest = self.split_at(s, self.nodes[s as usize].addr + rounded);
+        if self.slab.nodes[s as usize].size > rounded {
+            let rest = self.split_at(s, self.slab.nodes[s as usize].addr + rounded);
             self.index_insert(rest);
         }
-        let n = &mut self.nodes[s as usize];
+        let n = &mut self.slab.nodes[s as usize];
         n.state = State::Allocated;
         n.stream = stream;
         self.used_bytes += rounded;
@@ -282,8 +266,8 @@ impl Space {
     /// Take back an allocated block freed on `block.stream`.
     pub fn put(&mut self, block: Block) {
         let s = block.handle;
-        debug_assert!(self.nodes.get(s as usize).is_some_and(|n| n.addr == block.addr && n.state == State::Allocated));
-        self.used_bytes -= self.nodes[s as usize].size;
+        debug_assert!(self.slab.nodes.get(s as usize).is_some_and(|n| n.addr == block.addr && n.state == State::Allocated));
+        self.used_bytes -= self.slab.nodes[s as usize].size;
         self.make_free(s, block.stream);
     }
 
@@ -296,10 +280,10 @@ impl Space {
     /// stay filed). Returns that node.
     fn cut_at(&mut self, addr: usize) -> Slot {
         let s = self.node_at(addr).expect("address inside the space");
-        if self.nodes[s as usize].addr == addr {
+        if self.slab.nodes[s as usize].addr == addr {
             return s;
         }
-        let free = self.nodes[s as usize].state == State::Free;
+        let free = self.slab.nodes[s as usize].state == State::Free;
         if free {
             self.index_remove(s);
         }
@@ -319,7 +303,7 @@ impl Space {
         }
         let s = self.cut_at(addr);
         // Off the hot path: a broken plan must stop here, not corrupt the books.
-        assert!(self.nodes[s as usize].state == State::Unmapped && self.nodes[s as usize].size == len, "arena: mapped range not unmapped");
+        assert!(self.slab.nodes[s as usize].state == State::Unmapped && self.slab.nodes[s as usize].size == len, "arena: mapped range not unmapped");
         self.make_free(s, stream);
     }
 
@@ -330,44 +314,37 @@ impl Space {
             self.cut_at(addr + len);
         }
         let mut s = self.cut_at(addr);
-        while s != NIL && self.nodes[s as usize].addr < addr + len {
-            assert_eq!(self.nodes[s as usize].state, State::Free, "arena: unmapping memory that is not free");
+        while s != NIL && self.slab.nodes[s as usize].addr < addr + len {
+            assert_eq!(self.slab.nodes[s as usize].state, State::Free, "arena: unmapping memory that is not free");
             self.index_remove(s);
-            self.nodes[s as usize].state = State::Unmapped;
+            self.slab.nodes[s as usize].state = State::Unmapped;
             s = self.merge_neighbours(s);
-            s = self.nodes[s as usize].next;
+            s = self.slab.nodes[s as usize].next;
         }
     }
 
     /// Hand out `[addr, addr + rounded)`, which lies wholly in free nodes (of streams the
     /// pool made safe for `stream`): they merge into one node of `stream`, cut around it.
     pub fn carve_range(&mut self, addr: usize, rounded: usize, stream: StreamKey) -> Block {
-        let mut s = self.node_at(addr).expect("window inside the space");
-        assert_eq!(self.nodes[s as usize].state, State::Free, "arena: window starts in a non-free node");
+        // Cut the leftovers off first, so they keep the stream (and age) of the memory they
+        // were: only the window itself becomes the requester's.
+        let end = addr + rounded;
+        if end < self.base + self.len {
+            self.cut_at(end);
+        }
+        let s = self.cut_at(addr);
+        assert_eq!(self.slab.nodes[s as usize].state, State::Free, "arena: window starts in a non-free node");
         self.index_remove(s);
-        while self.nodes[s as usize].end() < addr + rounded {
-            let next = self.nodes[s as usize].next;
-            assert_eq!(self.nodes[next as usize].state, State::Free, "arena: window crosses a non-free node");
+        while self.slab.nodes[s as usize].end() < end {
+            let next = self.slab.nodes[s as usize].next;
+            assert_eq!(self.slab.nodes[next as usize].state, State::Free, "arena: window crosses a non-free node");
             self.index_remove(next);
-            self.nodes[s as usize].size += self.nodes[next as usize].size;
+            self.slab.nodes[s as usize].size += self.slab.nodes[next as usize].size;
             self.unlink(next);
         }
-        // Allocated first, so the leftover pieces below do not merge back into it.
-        self.nodes[s as usize].state = State::Allocated;
-        self.nodes[s as usize].stream = stream;
-        if self.nodes[s as usize].addr < addr {
-            let front = s;
-            s = self.split_at(front, addr);
-            self.nodes[front as usize].state = State::Free;
-            let f = self.merge_neighbours(front);
-            self.index_insert(f);
-        }
-        if self.nodes[s as usize].end() > addr + rounded {
-            let back = self.split_at(s, addr + rounded);
-            self.nodes[back as usize].state = State::Free;
-            let b = self.merge_neighbours(back);
-            self.index_insert(b);
-        }
+        let n = &mut self.slab.nodes[s as usize];
+        n.state = State::Allocated;
+        n.stream = stream;
         self.used_bytes += rounded;
         self.block_of(s)
     }
@@ -433,7 +410,7 @@ impl Space {
 
     /// Whether the granule at `g` is mapped (walks: invariant scans only).
     pub fn is_mapped(&self, g: usize) -> bool {
-        self.node_at(g).is_some_and(|s| self.nodes[s as usize].state != State::Unmapped)
+        self.node_at(g).is_some_and(|s| self.slab.nodes[s as usize].state != State::Unmapped)
     }
 
     /// Mapped bytes by the books: the granules touched by free and allocated nodes.
@@ -485,7 +462,7 @@ impl Space {
             ));
         }
         let indexed: usize = self.index.values().map(|b| b.len()).sum();
-        if indexed != count || self.nodes.len() - self.vacant.len() != seen {
+        if indexed != count || self.slab.occupied() != seen {
             return Err(format!("{indexed} indexed vs {count} free nodes; {seen} linked slots"));
         }
         Ok(())

@@ -14,6 +14,27 @@ use crate::upstream::{AllocError, DriverCalls};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 
+/// Device memory of `device`, as `cuMemCreate` takes it.
+pub fn device_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct for which all-zero is the documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop
+}
+
+/// The allocation granularity of `prop` (`MINIMUM` or `RECOMMENDED`), checked to be a power
+/// of two.
+pub fn granularity(prop: &sys::CUmemAllocationProp, which: sys::CUmemAllocationGranularity_flags) -> Result<usize> {
+    let mut g = 0usize;
+    check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut g, prop, which) })?;
+    if !g.is_power_of_two() {
+        return Err(Error::Internal(format!("device allocation granularity {g} is not a power of two")));
+    }
+    Ok(g)
+}
+
 pub struct CudaVmm {
     prop: sys::CUmemAllocationProp,
     granule: usize,
@@ -40,22 +61,8 @@ impl CudaVmm {
         if supported == 0 {
             return Ok(None);
         }
-        // SAFETY: a plain C struct for which all-zero is the documented default.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = device;
-        let mut g = 0usize;
-        check("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut g,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-            )
-        })?;
-        if !g.is_power_of_two() {
-            return Err(Error::Internal(format!("device allocation granularity {g} is not a power of two")));
-        }
+        let prop = device_prop(device);
+        let g = granularity(&prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         let mut access = vec![sys::CUmemAccessDesc { location: prop.location, flags: rw }];
         let mut n = 0;

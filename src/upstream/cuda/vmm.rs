@@ -29,12 +29,7 @@ impl VmmMem {
     }
 
     fn prop(&self) -> sys::CUmemAllocationProp {
-        // SAFETY: a plain C struct for which all-zero is the documented default.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = self.device;
-        prop
+        super::address_space::device_prop(self.device)
     }
 
     /// Map fresh physical pages over `[addr, addr + len)` and make them readable and
@@ -121,19 +116,10 @@ impl MemKind for VmmMem {
                 "GPUPOOL_UPSTREAM=vmm: this device does not support virtual memory management; use device".into(),
             ));
         }
-        let prop = self.prop();
-        let mut g = 0usize;
-        check("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut g,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        })?;
-        if !g.is_power_of_two() {
-            return Err(Error::Internal(format!("device allocation granularity {g} is not a power of two")));
-        }
-        self.page = g;
+        self.page = super::address_space::granularity(
+            &self.prop(),
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )?;
         Ok(())
     }
 
