@@ -105,7 +105,9 @@ impl Pool {
                 let served = match plan {
                     None => break,
                     Some(Growth::Evict { id }) => {
-                        self.drop_stitch(id)?;
+                        // A stitch that cannot be removed is left broken (never chosen
+                        // again): plan again either way.
+                        let _ = self.drop_stitch(id);
                         continue;
                     }
                     Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),
@@ -183,10 +185,22 @@ impl Pool {
         Ok(self.arena().carve_stitch(id, 0, n, key, false))
     }
 
-    /// Remove stitch `id`'s aliases and forget it (it is not handed out).
+    /// Remove stitch `id`'s aliases and forget it (it is not handed out). The stream its
+    /// block was last freed on is synchronised first: its kernels may still use the alias
+    /// addresses. An alias the driver will not remove leaves the stitch broken (never handed
+    /// out again, its address space kept) and the removal can be retried.
     fn drop_stitch(&mut self, id: u32) -> Result<()> {
-        let (base, len) = self.arena().stitch_range(id);
-        self.upstream.vmm_unalias(base, len)?;
+        if let Some(s) = self.arena().stitch_last_stream(id) {
+            self.streams.synchronize(&mut *self.upstream, s)?;
+        }
+        let g = self.arena().granule();
+        let (base, len, done) = self.arena().stitch_range(id);
+        for i in done..len / g {
+            if let Err(e) = self.upstream.vmm_unalias(base + i * g, g) {
+                self.arena().stitch_broken(id, i);
+                return Err(e);
+            }
+        }
         self.arena().drop_stitch(id);
         Ok(())
     }
@@ -211,13 +225,19 @@ impl Pool {
             if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
                 continue;
             }
-            if self.upstream.vmm_unmap(addr, len).is_ok() {
-                self.arena().unmapped(addr, len);
-                self.c.reserved -= len;
-                self.c.upstream_frees += 1;
-                self.trace(0, Action::UpstreamFree, addr, len);
-                got += len;
+            // One granule per call: a failure midway leaves the books exact (the driver's
+            // unmap is per granule anyway).
+            let g = self.arena().granule();
+            for at in (addr..addr + len).step_by(g) {
+                if self.upstream.vmm_unmap(at, g).is_err() {
+                    break;
+                }
+                self.arena().unmapped(at, g);
+                self.c.reserved -= g;
+                got += g;
             }
+            self.c.upstream_frees += 1;
+            self.trace(0, Action::UpstreamFree, addr, len);
         }
         got
     }

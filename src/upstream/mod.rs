@@ -106,7 +106,8 @@ pub trait Upstream: Send {
     fn vmm_map_new(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
         Err(AllocError::Other(Error::Internal("this upstream has no virtual memory API".into())))
     }
-    /// Unmap the granules of `[addr, addr + len)` and release their physical memory.
+    /// Unmap the granules of `[addr, addr + len)` and release their physical memory. The
+    /// pool calls it one granule at a time, so a failure leaves the books exact.
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }

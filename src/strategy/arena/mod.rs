@@ -116,11 +116,14 @@ impl ArenaStrategy {
     /// `None`: no address space left that could hold it.
     pub fn plan(&self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Growth> {
         let si = Self::class(rounded);
-        let window = plan::windows(&self.spaces[si], rounded, stream)
-            .into_iter()
-            .find(|w| w.foreign.iter().all(|&s| reusable(s)));
-        if si == SMALL || window.as_ref().is_some_and(|w| w.targets.is_empty()) {
-            return window.map(|window| Growth::Window { space: si, window });
+        let windows = plan::windows(&self.spaces[si], rounded, stream);
+        // Other streams are asked (which may make this one wait on them) only for the
+        // window actually chosen, the cheapest they allow.
+        let chosen = |reusable: &mut dyn FnMut(StreamKey) -> bool| {
+            windows.iter().find(|w| w.foreign.iter().all(|&s| reusable(s))).cloned().map(|window| Growth::Window { space: si, window })
+        };
+        if si == SMALL || windows.first().is_some_and(|w| w.targets.is_empty()) {
+            return chosen(reusable);
         }
         let g = self.granule;
         let whole = round_up(rounded, g)?;
@@ -149,7 +152,7 @@ impl ArenaStrategy {
         // new memory than the window.
         let n = whole / g;
         let free: usize = runs.iter().map(|r| r.len / g).sum();
-        let window_new = window.as_ref().map_or(usize::MAX, |w| w.targets.len());
+        let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
         if n.saturating_sub(free) < window_new {
             if self.stitches.count() >= stitch::MAX_STITCHES || self.stitches.find_va(whole).is_none() {
                 if let Some(id) = self.stitches.least_recently_used() {
@@ -164,7 +167,7 @@ impl ArenaStrategy {
                         0 => Vec::new(),
                         _ => match self.spaces[LARGE].unmapped_run(new * g) {
                             Some(at) => (at..at + new * g).step_by(g).collect(),
-                            None => return window.map(|window| Growth::Window { space: si, window }),
+                            None => return chosen(reusable),
                         },
                     };
                     homes.extend(&fresh);
@@ -173,7 +176,7 @@ impl ArenaStrategy {
                 }
             }
         }
-        window.map(|window| Growth::Window { space: si, window })
+        chosen(reusable)
     }
 
     /// New memory now backs `[addr, addr + len)`.
@@ -230,10 +233,23 @@ impl ArenaStrategy {
         Block { addr: st.base + first * g, size: granules * g, segment: self.stitches.base, stream, handle: id }
     }
 
-    /// `(base, len)` of stitch `id`, for the pool to remove its aliases before `drop_stitch`.
-    pub fn stitch_range(&self, id: u32) -> (usize, usize) {
+    /// `(base, len, granules already unaliased)` of stitch `id`, for the pool to remove its
+    /// aliases before `drop_stitch`.
+    pub fn stitch_range(&self, id: u32) -> (usize, usize, usize) {
         let st = self.stitches.get(id);
-        (st.base, st.len)
+        (st.base, st.len, st.unaliased)
+    }
+
+    /// The stream stitch `id`'s block was last freed on.
+    pub fn stitch_last_stream(&self, id: u32) -> Option<StreamKey> {
+        self.stitches.get(id).last_stream
+    }
+
+    /// Removing stitch `id`'s aliases failed at granule `at`: never hand it out again.
+    pub fn stitch_broken(&mut self, id: u32, at: usize) {
+        let st = self.stitches.get_mut(id);
+        st.broken = true;
+        st.unaliased = at;
     }
 
     /// Forget stitch `id` (free; the pool removed its aliases).
@@ -320,6 +336,7 @@ impl Strategy for ArenaStrategy {
             // The stitch stays mapped and cached; its home granules are free again.
             let st = self.stitches.get_mut(block.handle);
             st.in_use = false;
+            st.last_stream = Some(block.stream);
             for slot in std::mem::take(&mut st.borrowed) {
                 let n = *self.spaces[LARGE].node(slot);
                 let home = Block { addr: n.addr, size: n.size, segment: self.spaces[LARGE].base, stream: block.stream, handle: slot };

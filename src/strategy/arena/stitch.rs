@@ -35,6 +35,12 @@ pub struct Stitch {
     pub granules_in_use: usize,
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
+    /// The stream its block was last freed on (work there may still use the aliases).
+    pub last_stream: Option<crate::stream::StreamKey>,
+    /// Set when removing its aliases failed after the first `unaliased` of them: it is
+    /// never handed out again, and the removal resumes there.
+    pub broken: bool,
+    pub unaliased: usize,
 }
 
 pub struct Stitches {
@@ -87,7 +93,14 @@ impl Stitches {
             self.free_va.insert(base + len, free_len - len);
         }
         self.clock += 1;
-        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false, first_in_use: 0, granules_in_use: 0, last_used: self.clock };
+        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false,
+            first_in_use: 0,
+            granules_in_use: 0,
+            last_used: self.clock,
+            last_stream: None,
+            broken: false,
+            unaliased: 0,
+        };
         let id = match self.vacant.pop() {
             Some(id) => {
                 self.entries[id as usize] = Some(st);
@@ -157,7 +170,7 @@ impl Stitches {
             .iter()
             .enumerate()
             .filter_map(|(i, e)| e.as_ref().map(|s| (i as u32, s)))
-            .filter(|(_, s)| !s.in_use && s.len >= min)
+            .filter(|(_, s)| !s.in_use && !s.broken && s.len >= min)
             .map(|(i, s)| (s.len, u64::MAX - s.last_used, i))
             .collect();
         c.sort_unstable();
@@ -169,7 +182,7 @@ impl Stitches {
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(i, e)| e.as_ref().filter(|s| !s.in_use).map(|s| (s.last_used, i as u32)))
+            .filter_map(|(i, e)| e.as_ref().filter(|s| !s.in_use && !s.broken).map(|s| (s.last_used, i as u32)))
             .min()
             .map(|x| x.1)
     }
