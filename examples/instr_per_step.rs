@@ -8,6 +8,7 @@
 //!     target/release/examples/instr_per_step MODE $n 2>&1 | grep Collected
 //! done
 //! ```
+//! `GPUPOOL_POOL=arena` measures the arena instead of `split`.
 //! Instructions per step = (count at 200000 - count at 100000) / 100000, which cancels the
 //! set-up. MODE: `pair` / `cupypair` (a cached 1 MiB malloc + free through the C API /
 //! CuPy's entry points), `churn` / `cupychurn` (the `c_api/churn_step` bench's sequence:
@@ -29,7 +30,9 @@ fn main() {
     let mode = args.next().expect(usage);
     let steps: usize = args.next().and_then(|s| s.parse().ok()).expect(usage);
     const DEVICE: i32 = 0;
-    assert_eq!(unsafe { gpupool_configure(DEVICE, c"split".as_ptr(), c"host".as_ptr()) }, gpupool::Status::Ok);
+    // GPUPOOL_POOL picks the strategy measured (split by default).
+    let pool = std::ffi::CString::new(std::env::var("GPUPOOL_POOL").unwrap_or_else(|_| "split".into())).expect("a pool name");
+    assert_eq!(unsafe { gpupool_configure(DEVICE, pool.as_ptr(), c"host".as_ptr()) }, gpupool::Status::Ok);
     let seq = churn_sequence(1 << 16);
     let mut slots = [null_mut::<c_void>(); 256];
     for i in 0..steps {
