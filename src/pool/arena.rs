@@ -30,8 +30,8 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::resu
     }
     let total = up.mem_info().map(|m| m.1).unwrap_or(0).max(g);
     let round = |n: usize| n.div_ceil(g) * g;
-    // Large tensors get twice the device's memory of address space: room for holes left by
-    // moved granules. Small blocks get one device's worth.
+    // Large tensors get twice the device's memory of address space: room for the unmapped
+    // holes that releases leave between live blocks. Small blocks get one device's worth.
     // Stitches get as much as the large range: at most all of it is stitched at once.
     let mut large = round(va_bytes.unwrap_or(total.saturating_mul(2)));
     let small = round(total.min(large));
@@ -244,7 +244,7 @@ impl Pool {
 
     /// Wait until every free on `streams` has completed (each stream once per operation:
     /// `synced` and `failed` remember). False when one cannot be waited for: its memory
-    /// must not move or go back.
+    /// must not go back.
     fn sync_all(&mut self, streams: &[StreamKey], synced: &mut Vec<StreamKey>, failed: &mut Vec<StreamKey>) -> bool {
         for &s in streams {
             if failed.contains(&s) {

@@ -308,7 +308,7 @@ impl Space {
     }
 
     /// Granules `[addr, addr + len)`, all free (possibly across nodes of several streams),
-    /// were unmapped (or their memory moved away).
+    /// were unmapped.
     pub fn mark_unmapped(&mut self, addr: usize, len: usize) {
         if addr + len < self.base + self.len {
             self.cut_at(addr + len);
