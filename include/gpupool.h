@@ -204,17 +204,62 @@ const char *gpupool_version(void);
 // `buf` must be NULL or point to `len` writable bytes.
 size_t gpupool_report_leaks(char *buf, size_t len);
 
+// Register CuPy's `get_current_stream_ptr` (`intptr_t (void)`), or NULL to forget it.
+// From then on CuPy allocations are made for CuPy's current stream (see the module notes).
+//
+// # Safety
+// `getter` must be NULL or a function of that type callable for the life of the process
+// on any thread that allocates through CuPy.
+void gpupool_cupy_set_stream_getter(Option<StreamGetter> getter);
+
 // `void *malloc(void *param, size_t size, int device)`.
 //
 // # Safety
 // Called by CuPy with the GIL held; no other requirement.
 void *gpupool_cupy_malloc(void *param, size_t size, int device);
 
-// `void free(void *param, void *ptr, int device)`: free, then fence the legacy stream.
+// `void free(void *param, void *ptr, int device)`: free on the block's allocation stream
+// (without a registered stream getter: free, then fence the legacy stream).
 //
 // # Safety
 // No requirement beyond the C prototype.
 void gpupool_cupy_free(void *param, void *ptr, int device);
+
+// Route allocations on `device` to the private pool `pool_id` until
+// `gpupool_end_allocate_to_pool(device, pool_id)`: those made on streams taking part in
+// the capture that `stream` is in, or, if `stream` is not capturing, those made on
+// `stream` itself. Each call counts one use of the pool (see `gpupool_release_pool`).
+//
+// CUDA graph capture, what is safe:
+// - Memory allocated before a capture may be used by captured kernels; keep it allocated
+//   until the graph is destroyed (every replay uses it).
+// - To allocate or free during a capture, announce it: call this after
+//   `cuStreamBeginCapture` with the capturing stream. Allocations in that capture then
+//   come from the private pool, make no driver call that invalidates the capture (calls are
+//   made in relaxed capture mode; no event is recorded or queried on a capturing stream),
+//   and never go to eager code, even once freed. Call `gpupool_end_allocate_to_pool`
+//   after `cuStreamEndCapture`, and `gpupool_release_pool` once every graph captured
+//   into the pool is destroyed. Captures may share a pool id when their graphs replay in
+//   capture order (PyTorch's `pool=` rule).
+// - Unannounced allocations on a capturing stream may invalidate the capture.
+// - Capture on a non-blocking stream: in global capture mode the legacy default stream,
+//   which other threads' pool work may use, must not be ordered with a capturing stream.
+//
+// # Safety
+// No requirement beyond the C prototype.
+enum gpupool_status gpupool_begin_allocate_to_pool(int device, uint64_t pool_id, void *stream);
+
+// Stop routing allocations to `pool_id` (the latest `gpupool_begin_allocate_to_pool` for it).
+enum gpupool_status gpupool_end_allocate_to_pool(int device, uint64_t pool_id);
+
+// One user of `pool_id` is done (its graph was destroyed). When no use is left and none
+// of its blocks is live, its memory goes back to the driver after one device
+// synchronisation. Unknown ids succeed and do nothing.
+enum gpupool_status gpupool_release_pool(int device, uint64_t pool_id);
+
+// Release the memory kept for a capture nobody announced (CuPy's `Stream.begin_capture`
+// without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
+enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 
 // Allocate `size` bytes of pinned host memory, for use on `stream`.
 //
@@ -278,6 +323,36 @@ void gpupool_torch_record_stream(void *ptr, void *stream);
 // # Safety
 // `size` must be NULL or writable.
 void *gpupool_torch_base_alloc(void *ptr, size_t *size);
+
+// torch_shim.cpp: a heap copy of PyTorch's `std::function<bool(cudaStream_t)>` (NULL if
+// copying failed), its call, and its deletion.
+extern void *gpupool_torch_filter_adopt(const void *filter);
+
+extern int gpupool_torch_filter_call(void *ctx, void *stream);
+
+extern void gpupool_torch_filter_drop(void *ctx);
+
+// `beginAllocateToPool(int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter)`:
+// until `end_allocate_to_pool`, allocations on `device` whose stream `filter` accepts (the
+// capturing stream of a `torch.cuda.graph`, the thread inside `use_mem_pool`) come from
+// the private pool `id`. The C prototype is ABI-identical to PyTorch's C++ one on x86-64
+// and AArch64: the trivially copyable `std::pair<uint64_t, uint64_t>` travels as two
+// integers, the `std::function` as a pointer to the caller's temporary.
+//
+// # Safety
+// `filter` must point to a live `std::function<bool(cudaStream_t)>` (PyTorch's), or be NULL.
+void gpupool_torch_begin_allocate_to_pool(int device,
+                                          uint64_t id_first,
+                                          uint64_t id_second,
+                                          const void *filter);
+
+// `endAllocateToPool(int device, MempoolId_t id)`: the capture (or `use_mem_pool`) ended.
+void gpupool_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second);
+
+// `releasePool(int device, MempoolId_t id)`: a graph using the pool was destroyed (or a
+// `use_mem_pool` scope closed). The pool's memory goes back when no use is left and none
+// of its blocks is live.
+void gpupool_torch_release_pool(int device, uint64_t id_first, uint64_t id_second);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -53,6 +53,11 @@ struct StreamState {
     event: Option<EventHandle>,
     /// True once `event` has a record that covers every free on this stream.
     recorded: bool,
+    /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
+    /// graph (an event recorded there belongs to the graph and cannot be queried), or the
+    /// event could not be created or recorded. Its blocks are then not handed to other
+    /// streams until a later free records successfully.
+    uncovered: bool,
 }
 
 /// Per-pool stream bookkeeping: identities, one free-event per stream, a pool of spare
@@ -95,6 +100,7 @@ impl StreamTracker {
     }
 
     /// Called when a block is freed on `key`/`handle`: make the stream's event cover it.
+    /// On failure the stream is marked uncovered (its blocks stay on it), never safe.
     pub fn on_free(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> Result<()> {
         if key == StreamKey::LEGACY {
             // Lazy: an earlier record no longer covers this free. (A flag, not a map
@@ -102,21 +108,50 @@ impl StreamTracker {
             self.legacy_stale = true;
             return Ok(());
         }
-        let st = match self.states.get_mut(&key) {
-            Some(s) => s,
-            None => {
-                let ev = match self.spare_events.pop() {
-                    Some(e) => e,
-                    None => up.event_create()?,
-                };
-                self.states.entry(key).or_insert(StreamState { handle, event: Some(ev), recorded: false })
-            }
-        };
+        let st = self.state(up, key, handle);
         st.handle = handle;
-        let ev = st.event.expect("non-legacy streams always have an event");
-        up.event_record(ev, handle)?;
-        st.recorded = true;
-        Ok(())
+        let Some(ev) = st.event else {
+            st.uncovered = true;
+            return Err(crate::error::Error::Internal("no event could be created for this stream".into()));
+        };
+        match up.event_record(ev, handle) {
+            Ok(()) => {
+                st.recorded = true;
+                st.uncovered = false;
+                Ok(())
+            }
+            Err(e) => {
+                st.uncovered = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// A block was freed on `key` while that stream captures a CUDA graph: no event may be
+    /// recorded there, so the stream's frees count as uncovered until its next free
+    /// outside the capture.
+    pub fn on_free_capturing(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) {
+        if key == StreamKey::LEGACY {
+            self.legacy_stale = true; // the legacy stream cannot capture; kept for safety
+            return;
+        }
+        let st = self.state(up, key, handle);
+        st.handle = handle;
+        st.uncovered = true;
+    }
+
+    /// The state of a non-legacy stream, created with an event (None if creation failed:
+    /// the stream is then uncovered).
+    fn state(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> &mut StreamState {
+        if !self.states.contains_key(&key) {
+            let event = match self.spare_events.pop() {
+                Some(e) => Some(e),
+                None => up.event_create().ok(),
+            };
+            let uncovered = event.is_none();
+            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered });
+        }
+        self.states.get_mut(&key).expect("inserted above")
     }
 
     /// The event covering every free on `from`, recording the legacy stream's lazily.
@@ -126,7 +161,7 @@ impl StreamTracker {
                 Some(s) => s,
                 None => {
                     let ev = up.event_create()?;
-                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false })
+                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, uncovered: false })
                 }
             };
             let ev = st.event.expect("legacy state has an event");
@@ -139,7 +174,11 @@ impl StreamTracker {
             }
             return Ok(Some(ev));
         }
-        Ok(self.states.get(&from).and_then(|s| if s.recorded { s.event } else { None }))
+        match self.states.get(&from) {
+            Some(s) if s.uncovered => Err(crate::error::Error::Internal("frees on this stream are not covered by an event".into())),
+            Some(s) if s.recorded => Ok(s.event),
+            _ => Ok(None),
+        }
     }
 
     /// Make blocks freed on `from` safe for use on stream `to`. Returns false when that is
@@ -185,6 +224,16 @@ impl StreamTracker {
     pub fn synchronize(&mut self, up: &mut dyn Upstream, key: StreamKey) -> Result<()> {
         if self.ignore_streams {
             return Ok(());
+        }
+        if let Some(st) = self.states.get_mut(&key).filter(|s| s.uncovered) {
+            // Cover the uncovered frees now: a record after them covers them once the stream
+            // no longer captures (while it does, the record or the wait fails: nothing is
+            // released).
+            if let Some(ev) = st.event {
+                up.event_record(ev, st.handle)?;
+                st.recorded = true;
+                st.uncovered = false;
+            }
         }
         if let Some(ev) = self.covering_event(up, key)? {
             up.event_synchronize(ev)?;

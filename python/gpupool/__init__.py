@@ -89,6 +89,13 @@ def lib():
             ("gpupool_configure", c_int, [c_int, cp, cp]),
             ("gpupool_version", cp, []),
             ("gpupool_report_leaks", c_size, [cp, c_size]),
+            ("gpupool_begin_allocate_to_pool", c_int, [c_int, ctypes.c_uint64, vp]),
+            ("gpupool_end_allocate_to_pool", c_int, [c_int, ctypes.c_uint64]),
+            ("gpupool_release_pool", c_int, [c_int, ctypes.c_uint64]),
+            ("gpupool_release_capture", c_int, [c_int, ctypes.c_uint64]),
+            ("gpupool_cupy_set_stream_getter", None, [vp]),
+            ("gpupool_pinned_malloc", c_int, [ctypes.POINTER(vp), c_size, vp]),
+            ("gpupool_pinned_free", c_int, [vp, vp]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args

@@ -1,15 +1,21 @@
 //! CuPy entry points for `cupy.cuda.memory.CFunctionAllocator(param, malloc, free, owner)`.
 //!
-//! Stream policy (CuPy passes no stream): CuPy blocks are tagged with the legacy default
-//! stream, and a CuPy-freed block is reused only after a fence (an event record) has been
-//! enqueued on the legacy stream after its free (fences are batched, see
-//! `Pool::free_unordered`, and per thread `thread_cache`'s magazine).
-//! Work that CuPy later issues on any *blocking* stream — CuPy's default stream, the
-//! per-thread default stream, and `cupy.cuda.Stream()` (non_blocking=False, CuPy's default)
-//! — waits for earlier legacy-stream work, and the fence waited for all earlier work on
-//! blocking streams; so a block is never reused while a kernel launched before its free may
-//! still touch it. Streams created with `non_blocking=True` opt out of that ordering: with
-//! them, synchronise before dropping arrays (README).
+//! Stream policy. CuPy passes no stream to an allocator, but it exposes the calling
+//! thread's current stream to C (`cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`,
+//! `intptr_t (void)`); `gpupool.cupy.install()` hands that function to
+//! `gpupool_cupy_set_stream_getter`. With it:
+//! - an allocation is made for CuPy's current stream, exactly as a PyTorch allocation is for
+//!   PyTorch's: reuse on the same stream is protected by stream order, reuse on another stream
+//!   waits for an event recorded at the free (legacy stream: recorded lazily);
+//! - a free goes to the stream the block was allocated for (CuPy's own pool likewise reuses a
+//!   block only on its allocation stream), so non-blocking streams (`Stream(non_blocking=True)`),
+//!   `Stream.ptds` and `ExternalStream`s are ordered like any other;
+//! - a stream capturing a CUDA graph is asked about at each allocation and free on a
+//!   non-default stream (one `cuStreamGetCaptureInfo`): allocations go to a private pool for
+//!   that capture and frees record no event there (`pool/graph_pools.rs`).
+//! Without a getter (a caller that never registered one) the older rule applies: blocks are
+//! tagged with the legacy stream and reused only after a fence on it (`Pool::free_unordered`),
+//! which orders blocking streams only.
 //!
 //! Out of memory: CuPy 14 declares its malloc pointer type without `except +` and stores
 //! whatever comes back, so a C++ exception would abort Python and a NULL would become an
@@ -23,8 +29,35 @@ use super::boundary::call;
 use super::core::free_with;
 use super::report::call_void;
 use crate::error::Error;
+use crate::registry;
+use crate::stream::{is_legacy, STREAM_LEGACY};
 use crate::thread_cache;
 use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// CuPy's `get_current_stream_ptr` (0: none registered).
+static STREAM_GETTER: AtomicUsize = AtomicUsize::new(0);
+
+type StreamGetter = unsafe extern "C" fn() -> isize;
+
+fn current_stream() -> Option<usize> {
+    match STREAM_GETTER.load(Ordering::Acquire) {
+        0 => None,
+        // SAFETY: registered by `gpupool_cupy_set_stream_getter` with this type.
+        f => Some(unsafe { std::mem::transmute::<usize, StreamGetter>(f)() } as usize),
+    }
+}
+
+/// Register CuPy's `get_current_stream_ptr` (`intptr_t (void)`), or NULL to forget it.
+/// From then on CuPy allocations are made for CuPy's current stream (see the module notes).
+///
+/// # Safety
+/// `getter` must be NULL or a function of that type callable for the life of the process
+/// on any thread that allocates through CuPy.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_cupy_set_stream_getter(getter: Option<StreamGetter>) {
+    STREAM_GETTER.store(getter.map_or(0, |f| f as usize), Ordering::Release);
+}
 
 type PyErrSetString = unsafe extern "C" fn(*mut c_void, *const c_char);
 type PyGilStateCheck = unsafe extern "C" fn() -> c_int;
@@ -61,9 +94,13 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     let mut out = std::ptr::null_mut();
     let mut err: Option<Error> = None;
     call(|| {
-        thread_cache::malloc_unordered(device, size)
-            .map(|a| out = a as *mut c_void)
-            .inspect_err(|e| err = Some(e.clone()))
+        let r = match current_stream() {
+            None => thread_cache::malloc_unordered(device, size),
+            // The legacy stream: the same fast path as PyTorch's and the C API's.
+            Some(s) if is_legacy(s) => thread_cache::malloc(device, size, STREAM_LEGACY),
+            Some(s) => registry::with_pool(device, |p| p.malloc_detecting_capture(size, s)),
+        };
+        r.map(|a| out = a as *mut c_void).inspect_err(|e| err = Some(e.clone()))
     });
     if let Some(e) = err {
         let oom = matches!(e, Error::OutOfMemory(_));
@@ -74,7 +111,8 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     out
 }
 
-/// `void free(void *param, void *ptr, int device)`: free, then fence the legacy stream.
+/// `void free(void *param, void *ptr, int device)`: free on the block's allocation stream
+/// (without a registered stream getter: free, then fence the legacy stream).
 ///
 /// # Safety
 /// No requirement beyond the C prototype.
@@ -83,9 +121,16 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
     let _ = param;
     let p = ptr as usize;
     call_void("gpupool_cupy_free", || {
-        if p != 0 && thread_cache::try_free_unordered(device, p) {
+        if STREAM_GETTER.load(Ordering::Relaxed) == 0 {
+            if p != 0 && thread_cache::try_free_unordered(device, p) {
+                return Ok(());
+            }
+            return free_with(p, device, |pool| pool.free_unordered(p));
+        }
+        // This thread's fast path holds only blocks it allocated on the legacy stream.
+        if p != 0 && thread_cache::try_free(device, p, STREAM_LEGACY) {
             return Ok(());
         }
-        free_with(p, device, |pool| pool.free_unordered(p))
+        free_with(p, device, |pool| pool.free_as_allocated(p, true))
     });
 }

@@ -5,12 +5,14 @@
 //! - `core.rs`: the public C API (`gpupool_malloc`, `gpupool_free`, stats, limits, reports).
 //! - `pinned.rs`: the pinned host pool.
 //! - `torch.rs` + `torch_shim.cpp`: PyTorch's `CUDAPluggableAllocator` functions and hooks.
-//! - `cupy.rs`: CuPy's `CFunctionAllocator` functions.
+//! - `cupy.rs`: CuPy's `CFunctionAllocator` functions and its current-stream getter.
+//! - `graph.rs`: private pools for CUDA graph captures from C.
 //! - `report.rs`: errors of `void` entry points (stderr, once for invalid frees).
 
 pub mod boundary;
 pub mod core;
 pub mod cupy;
+pub mod graph;
 pub mod pinned;
 pub mod report;
 pub mod torch;

@@ -6,6 +6,7 @@
 use super::core::{free_on, record_stream_any};
 use super::report::call_void;
 use crate::error::{BadPointer, Error};
+use crate::pool::{Callback, Filter};
 use crate::registry;
 use crate::upstream::cuda::driver;
 use std::ffi::{c_int, c_void};
@@ -102,4 +103,54 @@ pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut u
         Ok(())
     });
     out
+}
+
+extern "C" {
+    /// torch_shim.cpp: a heap copy of PyTorch's `std::function<bool(cudaStream_t)>` (NULL if
+    /// copying failed), its call, and its deletion.
+    fn gpupool_torch_filter_adopt(filter: *const c_void) -> *mut c_void;
+    fn gpupool_torch_filter_call(ctx: *mut c_void, stream: *mut c_void) -> c_int;
+    fn gpupool_torch_filter_drop(ctx: *mut c_void);
+}
+
+/// `beginAllocateToPool(int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter)`:
+/// until `end_allocate_to_pool`, allocations on `device` whose stream `filter` accepts (the
+/// capturing stream of a `torch.cuda.graph`, the thread inside `use_mem_pool`) come from
+/// the private pool `id`. The C prototype is ABI-identical to PyTorch's C++ one on x86-64
+/// and AArch64: the trivially copyable `std::pair<uint64_t, uint64_t>` travels as two
+/// integers, the `std::function` as a pointer to the caller's temporary.
+///
+/// # Safety
+/// `filter` must point to a live `std::function<bool(cudaStream_t)>` (PyTorch's), or be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_begin_allocate_to_pool(device: c_int, id_first: u64, id_second: u64, filter: *const c_void) {
+    call_void("gpupool_torch_begin_allocate_to_pool", || {
+        if filter.is_null() {
+            return Err(Error::NullArgument("filter"));
+        }
+        let ctx = gpupool_torch_filter_adopt(filter);
+        if ctx.is_null() {
+            return Err(Error::Internal("could not copy PyTorch's allocation filter".into()));
+        }
+        let cb = Callback { call: gpupool_torch_filter_call, ctx, drop: Some(gpupool_torch_filter_drop) };
+        registry::with_pool(device, |p| p.begin_allocate_to_pool((id_first, id_second), Filter::Callback(cb)))
+    });
+}
+
+/// `endAllocateToPool(int device, MempoolId_t id)`: the capture (or `use_mem_pool`) ended.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_end_allocate_to_pool(device: c_int, id_first: u64, id_second: u64) {
+    call_void("gpupool_torch_end_allocate_to_pool", || {
+        registry::with_pool(device, |p| p.end_allocate_to_pool((id_first, id_second)))
+    });
+}
+
+/// `releasePool(int device, MempoolId_t id)`: a graph using the pool was destroyed (or a
+/// `use_mem_pool` scope closed). The pool's memory goes back when no use is left and none
+/// of its blocks is live.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_release_pool(device: c_int, id_first: u64, id_second: u64) {
+    call_void("gpupool_torch_release_pool", || {
+        registry::with_existing(device, |p| p.release_pool((id_first, id_second)).map(|_| ())).and_then(|r| r.unwrap_or(Ok(())))
+    });
 }

@@ -47,3 +47,38 @@ extern "C" void *gpupool_torch_malloc_or_throw(size_t size, int device, void *st
   if (st == kOutOfMemory) throw OutOfMemory(last_error());
   throw std::runtime_error(last_error());
 }
+
+// ---- CUDA graph pools -------------------------------------------------------------------
+// PyTorch's beginAllocateToPool hook passes a `std::function<bool(cudaStream_t)>` by value:
+// under the Itanium C++ ABI a by-value argument of a class with a non-trivial copy
+// constructor travels as a pointer to a temporary the caller owns, which is how the Rust
+// hook (torch.rs) receives it. These helpers keep a copy of it and call it for the pool.
+#include <functional>
+
+struct CUstream_st;                      // the CUDA runtime's own declaration of
+typedef struct CUstream_st *cudaStream_t;  // cudaStream_t, so the std::function type matches
+
+namespace {
+using StreamFilter = std::function<bool(cudaStream_t)>;
+}
+
+extern "C" void *gpupool_torch_filter_adopt(const void *filter) noexcept {
+  try {
+    return new StreamFilter(*static_cast<const StreamFilter *>(filter));
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+// 1 when the filter takes allocations on `stream`. A filter that throws (its own driver
+// query failed) takes nothing.
+extern "C" int gpupool_torch_filter_call(void *ctx, void *stream) noexcept {
+  try {
+    const StreamFilter &f = *static_cast<StreamFilter *>(ctx);
+    return f && f(static_cast<cudaStream_t>(stream)) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+extern "C" void gpupool_torch_filter_drop(void *ctx) noexcept { delete static_cast<StreamFilter *>(ctx); }

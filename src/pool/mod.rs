@@ -25,8 +25,11 @@ use thread_caches::ThreadCaches;
 pub use thread_caches::{owner_of, NO_OWNER};
 
 mod arena;
+mod graph_pools;
 mod release;
 mod thread_caches;
+
+pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
 
 /// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
 /// A legacy-stream event record costs 0.26–0.52 µs on the H200 (`hotpath_bench`); 32 blocks
@@ -85,6 +88,10 @@ struct Live {
     rec: Option<Box<AllocRecord>>,
     /// The thread cache that may hold this block (`NO_OWNER`: none).
     owner: u32,
+    /// The stream handle it was allocated for: CuPy's frees name no stream and go there.
+    handle: StreamHandle,
+    /// The private pool it came from (`graph_pools.rs`), if any.
+    private: Option<PoolId>,
 }
 
 /// A free waiting for `record_stream` streams to pass their recorded events.
@@ -140,6 +147,8 @@ pub struct Pool {
     /// Why the configured strategy is not the one running (arena without VMM), for the
     /// status report.
     notice: Option<String>,
+    /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s (`graph_pools.rs`).
+    graphs: graph_pools::PrivatePools,
 }
 
 impl Pool {
@@ -163,6 +172,7 @@ impl Pool {
             device,
             strategy,
             notice,
+            graphs: Default::default(),
             upstream,
             streams: StreamTracker::new(opts.unsafe_ignore_streams),
             live: FxHashMap::default(),
@@ -243,6 +253,13 @@ impl Pool {
         if size == 0 {
             return Ok(0);
         }
+        // Private pools first: while one routes, the thread caches step aside (only blocks
+        // without a cache owner can be private ones).
+        if owner == NO_OWNER && self.graphs.has_routes() {
+            if let Some(id) = self.route(stream)? {
+                return self.malloc_private(size, stream, id);
+            }
+        }
         let key = self.streams.key(&mut *self.upstream, stream)?;
         let rounded = match self.strategy.round(size) {
             Some(r) => r,
@@ -270,7 +287,7 @@ impl Pool {
         }
         self.c.allocs += 1;
         let rec = AllocRecord::capture(self.debug, stream);
-        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner });
+        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
         if let Some(cap) = self.decay.as_mut().and_then(|d| d.on_malloc(self.c.used)) {
             self.shrink_to(cap);
@@ -431,18 +448,59 @@ impl Pool {
         if ptr == 0 {
             return Ok(());
         }
+        self.free_checked(ptr, stream, false)
+    }
+
+    /// Free `ptr` on the stream it was allocated for (CuPy, which names no stream at free;
+    /// CuPy's own pool reuses a block only on its allocation stream, so that stream's order
+    /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
+    /// a graph even while no private pool routes (CuPy captures nobody announced).
+    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool) -> Result<()> {
+        let Some(handle) = self.live.get(&ptr).map(|l| l.handle) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        self.free_checked(ptr, handle, check_capture)
+    }
+
+    fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
         // Resolve the stream first, so a failure there changes nothing.
         let key = self.streams.key(&mut *self.upstream, stream)?;
+        if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
+            let live = self.take_live(ptr, stream)?;
+            let block = Block { stream: key, ..live.block };
+            let r = self.free_private(block, live.private.expect("checked"));
+            self.verify();
+            return r;
+        }
+        let capturing = self.capturing(stream, check_capture);
         let live = self.take_live(ptr, stream)?;
         let block = Block { stream: key, ..live.block };
-        // A failed event record leaves the stream uncovered: its blocks then simply are
-        // not reused across streams (make_safe says no). The free itself succeeds.
-        let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+        if capturing {
+            // An event recorded on a capturing stream belongs to the graph: record none, and
+            // keep the stream's blocks on it until a later free covers them.
+            self.streams.on_free_capturing(&mut *self.upstream, key, stream);
+        } else {
+            // A failed event record leaves the stream uncovered: its blocks then simply are
+            // not reused across streams (make_safe says no). The free itself succeeds.
+            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+        }
         let mut events = Vec::new();
         if !self.streams.ignores_streams() {
             for &h in &live.extra_streams {
-                if let Ok(ev) = self.streams.record_on(&mut *self.upstream, h) {
-                    events.push(ev);
+                match self.streams.record_on(&mut *self.upstream, h) {
+                    Ok(ev) => events.push(ev),
+                    // No event can say when that stream's work is done: wait for the
+                    // device now rather than hand the block out early.
+                    Err(_) => {
+                        if let Err(e) = self.upstream.synchronize_device() {
+                            for ev in events {
+                                self.streams.recycle(ev);
+                            }
+                            self.restore_live(ptr, live);
+                            return Err(e);
+                        }
+                    }
                 }
             }
         }
@@ -493,6 +551,7 @@ impl Pool {
 
     fn classify_bad_pointer(&self, ptr: usize) -> Error {
         let why = if self.strategy.is_free_block(ptr)
+            || self.graphs.is_free_block(ptr)
             || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
             || self.pending.iter().any(|p| p.block.addr == ptr)
             || self.unfenced.iter().any(|b| b.addr == ptr)
@@ -524,6 +583,14 @@ impl Pool {
         self.c.requested -= live.requested;
         self.c.frees += 1;
         Ok(live)
+    }
+
+    /// Undo `take_live` for a free that could not finish (nothing about the block changed).
+    fn restore_live(&mut self, ptr: usize, live: Live) {
+        self.c.used += live.block.size;
+        self.c.requested += live.requested;
+        self.c.frees -= 1;
+        self.live.insert(ptr, live);
     }
 
     /// The free of `ptr` will also wait for work queued on `stream` until the free.
@@ -669,6 +736,14 @@ impl Pool {
         if let Some(n) = &self.notice {
             out.push_str(&format!("  Notice: {n}\n"));
         }
+        let (n, reserved, free) = self.private_pool_summary();
+        if n > 0 {
+            out.push_str(&format!(
+                "  Private pools (CUDA graphs, MemPools): {n}, holding {} ({} of it free, kept for their graphs)\n",
+                crate::error::human_bytes(reserved),
+                crate::error::human_bytes(free)
+            ));
+        }
         if let Some((_, text)) = self.arena_report() {
             out.push_str(&text);
             out.push('\n');
@@ -719,6 +794,7 @@ impl Pool {
     /// Full consistency check of the pool and its strategy.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.strategy.check_invariants()?;
+        self.graphs.check_invariants()?;
         let live_bytes: usize = self.live.values().map(|l| l.block.size).sum();
         if live_bytes != self.c.used {
             return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
@@ -727,11 +803,12 @@ impl Pool {
         if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
             return Err("unfenced byte count drifted".into());
         }
-        if self.c.used + self.strategy.cached_bytes() + pending != self.c.reserved + self.holes.bytes() {
+        let cached = self.strategy.cached_bytes() + self.graphs.cached_bytes();
+        if self.c.used + cached + pending != self.c.reserved + self.holes.bytes() {
             return Err(format!(
                 "used {} + cached {} + pending {pending} != reserved {} + decommitted {}",
                 self.c.used,
-                self.strategy.cached_bytes(),
+                cached,
                 self.c.reserved,
                 self.holes.bytes()
             ));
@@ -745,6 +822,7 @@ impl Pool {
         }
         let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
         spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
+        spans.extend(self.graphs.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
         spans.extend(self.pending.iter().map(|p| (p.block.addr, p.block.end(), true)));
         spans.extend(self.unfenced.iter().map(|b| (b.addr, b.end(), true)));
         spans.sort_unstable();
@@ -783,6 +861,7 @@ impl Drop for Pool {
         self.finish_pending(true);
         self.fence_unfenced();
         let _ = self.release_cached(None);
+        self.release_private_pools();
         self.arena_teardown();
         self.streams.destroy_all(&mut *self.upstream);
     }

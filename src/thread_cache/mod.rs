@@ -200,7 +200,9 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
 
 /// Allocate `size` bytes on `device` for `stream`: a block this thread kept, else the pool.
 pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
-    if !crate::stream::is_legacy(stream) {
+    // Non-default streams, and every stream while a private pool routes allocations (the
+    // pool decides where they go), take the locked path.
+    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() {
         return registry::with_pool(device, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
@@ -209,6 +211,9 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
+    if crate::pool::routes_active() {
+        return registry::with_pool(device, |pool| pool.malloc(size, STREAM_LEGACY));
+    }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
 }
 

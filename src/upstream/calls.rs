@@ -26,11 +26,14 @@ pub struct DriverCalls {
     pub stream_wait: u64,
     /// `cuStreamGetId` (identity of a non-legacy stream).
     pub stream_id: u64,
+    /// `cuStreamGetCaptureInfo` (is a stream capturing a CUDA graph), asked only while
+    /// private pools route allocations or for CuPy's non-default streams.
+    pub capture_info: u64,
 }
 
 impl DriverCalls {
     /// Every counter with its JSON / report name.
-    pub fn fields(&self) -> [(&'static str, u64); 14] {
+    pub fn fields(&self) -> [(&'static str, u64); 15] {
         [
             ("malloc", self.malloc),
             ("free", self.free),
@@ -46,6 +49,7 @@ impl DriverCalls {
             ("event_sync", self.event_sync),
             ("stream_wait", self.stream_wait),
             ("stream_id", self.stream_id),
+            ("capture_info", self.capture_info),
         ]
     }
 

@@ -148,6 +148,23 @@ pub trait Upstream: Send {
     fn stream_wait_event(&mut self, _stream: StreamHandle, _ev: EventHandle) -> Result<()> {
         Ok(())
     }
+
+    /// The id of the CUDA graph capture `stream` takes part in, or `None` when it is not
+    /// capturing (`cuStreamGetCaptureInfo`). Upstreams without streams never capture.
+    fn capture_id(&mut self, _stream: StreamHandle) -> Result<Option<u64>> {
+        Ok(None)
+    }
+    /// While `on`, make every driver call in relaxed stream-capture mode
+    /// (`cuThreadExchangeStreamCaptureMode`), so that a graph captured in global mode on any
+    /// thread is not invalidated by the pool's own calls (PyTorch does the same around its
+    /// `cudaMalloc`). The pool turns it on while private pools route allocations.
+    fn set_capture_relaxed(&mut self, _on: bool) {}
+    /// Wait until every stream of the device is idle. Used once when a private (graph) pool
+    /// is destroyed: a graph may have been launched on any stream, so no one event covers
+    /// its work.
+    fn synchronize_device(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Build the upstream for `device`. CUDA kinds check for the driver first and validate the

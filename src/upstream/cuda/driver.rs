@@ -107,3 +107,30 @@ impl Drop for CtxGuard {
         }
     }
 }
+
+/// Relaxed stream-capture mode for this thread while it lives (`cuThreadExchangeStreamCaptureMode`),
+/// the previous mode restored on drop. Inactive (no driver call) when not asked for.
+pub struct RelaxedCapture(Option<sys::CUstreamCaptureMode>);
+
+impl RelaxedCapture {
+    pub fn enter(active: bool) -> RelaxedCapture {
+        if !active {
+            return RelaxedCapture(None);
+        }
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: exchanges this thread's mode; `mode` receives the previous one.
+        match unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } {
+            sys::CUresult::CUDA_SUCCESS => RelaxedCapture(Some(mode)),
+            _ => RelaxedCapture(None),
+        }
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0.take() {
+            // SAFETY: restores the mode saved by `enter`.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}

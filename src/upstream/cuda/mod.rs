@@ -62,6 +62,8 @@ pub struct CudaUpstream<K: MemKind> {
     /// The arena's virtual memory API: probed on first use; `Some(None)`: not supported.
     vmm: Option<Option<CudaVmm>>,
     calls: DriverCalls,
+    /// Make calls in relaxed capture mode (`Upstream::set_capture_relaxed`).
+    relaxed: bool,
 }
 
 // SAFETY: the context and event handles are plain driver handles, valid from any thread;
@@ -70,7 +72,7 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default() };
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false };
         {
             let _g = up.ctx.enter()?;
             up.kind.init(up.ctx.device)?;
@@ -80,6 +82,13 @@ impl<K: MemKind> CudaUpstream<K> {
 }
 
 impl<K: MemKind> CudaUpstream<K> {
+    /// Make the device's context current (and, while private pools route allocations,
+    /// this thread's capture mode relaxed) for the duration of one driver call.
+    fn enter(&self) -> Result<(driver::RelaxedCapture, driver::CtxGuard)> {
+        let g = self.ctx.enter()?;
+        Ok((driver::RelaxedCapture::enter(self.relaxed), g))
+    }
+
     /// The probed VMM API and the call counters (separate borrows of self).
     fn vmm_parts(&mut self) -> Result<(&mut CudaVmm, &mut DriverCalls)> {
         match self.vmm.as_mut().and_then(|v| v.as_mut()) {
@@ -103,7 +112,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn allocate(&mut self, size: usize, stream: StreamHandle) -> std::result::Result<usize, AllocError> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.malloc += 1;
         match self.kind.obtain(size, stream_ptr(stream)) {
             Ok(p) => Ok(p),
@@ -117,13 +126,13 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn deallocate(&mut self, addr: usize, _size: usize, stream: StreamHandle) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.free += 1;
         self.kind.release(addr, stream_ptr(stream))
     }
 
     fn mem_info(&mut self) -> Result<(usize, usize)> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.kind.mem_info()
     }
 
@@ -132,7 +141,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.mem_map += 1;
         match self.kind.commit(addr, len) {
             Ok(()) => Ok(()),
@@ -142,7 +151,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.mem_unmap += 1;
         self.kind.decommit(addr, len)
     }
@@ -157,37 +166,37 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.reserve(len, calls)
     }
 
     fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.unreserve(base, len, calls)
     }
 
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.map_new(addr, len, calls)
     }
 
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.unmap(addr, len, calls)
     }
 
     fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.alias(home, to, calls)
     }
 
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.unalias(addr, len, calls)
     }
@@ -197,7 +206,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.stream_id += 1;
         let mut id: std::ffi::c_ulonglong = 0;
         check("cuStreamGetId", unsafe { sys::cuStreamGetId(stream_ptr(handle), &mut id) })?;
@@ -205,7 +214,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn event_create(&mut self) -> Result<EventHandle> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(&mut ev, sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32)
@@ -214,19 +223,19 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn event_destroy(&mut self, ev: EventHandle) {
-        if let Ok(_g) = self.ctx.enter() {
+        if let Ok(_g) = self.enter() {
             unsafe { sys::cuEventDestroy_v2(ev as sys::CUevent) };
         }
     }
 
     fn event_record(&mut self, ev: EventHandle, stream: StreamHandle) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.event_record += 1;
         check("cuEventRecord", unsafe { sys::cuEventRecord(ev as sys::CUevent, stream_ptr(stream)) })
     }
 
     fn event_query(&mut self, ev: EventHandle) -> Result<bool> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.event_query += 1;
         match unsafe { sys::cuEventQuery(ev as sys::CUevent) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -236,14 +245,46 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.event_sync += 1;
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev as sys::CUevent) })
     }
 
     fn stream_wait_event(&mut self, stream: StreamHandle, ev: EventHandle) -> Result<()> {
-        let _g = self.ctx.enter()?;
+        let _g = self.enter()?;
         self.calls.stream_wait += 1;
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream_ptr(stream), ev as sys::CUevent, 0) })
+    }
+
+    fn capture_id(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
+        if crate::stream::is_legacy(stream) {
+            return Ok(None); // the legacy stream cannot capture
+        }
+        let _g = self.enter()?;
+        self.calls.capture_info += 1;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: sys::cuuint64_t = 0;
+        use std::ptr::null_mut;
+        // SAFETY: the optional outputs (graph, dependencies, edges) are NULL, which the
+        // driver accepts; the others are writable locals.
+        check("cuStreamGetCaptureInfo", unsafe {
+            sys::cuStreamGetCaptureInfo_v3(stream_ptr(stream), &mut status, &mut id, null_mut(), null_mut(), null_mut(), null_mut())
+        })?;
+        Ok(match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => None,
+            // Active, or invalidated (still a capture sequence: its memory must stay out of
+            // eager use until the user ends it).
+            _ => Some(id as u64),
+        })
+    }
+
+    fn set_capture_relaxed(&mut self, on: bool) {
+        self.relaxed = on;
+    }
+
+    fn synchronize_device(&mut self) -> Result<()> {
+        let _g = self.enter()?;
+        self.calls.event_sync += 1;
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 }

@@ -1,0 +1,410 @@
+//! Private pools: memory set aside for a CUDA graph capture, a PyTorch graph pool or
+//! `MemPool`, or a capture announced from C or CuPy.
+//!
+//! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
+//! uses them at every replay, long after the capture freed them. Such memory must not go
+//! back to eager code while the graph lives, must be reusable by later captures that share
+//! the pool (PyTorch's `pool=` argument, `make_graphed_callables`), and must go back to the
+//! driver when the last user releases the pool. PyTorch's own allocator keeps one private
+//! pool per `MempoolId_t` for the same reasons.
+//!
+//! How:
+//! - A *route* says which allocations go to which private pool while it is active
+//!   (`begin_allocate_to_pool` .. `end_allocate_to_pool`): those of streams in one capture
+//!   sequence, of one stream, or those a caller's predicate accepts (PyTorch passes one).
+//! - Each private pool is its own split strategy over the device's upstream: its segments
+//!   are never shared with the device's main cache, so eager code cannot be handed them.
+//! - A private block is reused only on the stream it was freed on: inside a capture no
+//!   event may be queried, and graph order protects same-stream reuse. Frees into a private
+//!   pool record nothing.
+//! - `release_pool` drops one use; when none is left and no block is live, the pool's
+//!   memory goes back after one device-wide synchronisation (a graph can be replayed on any
+//!   stream, so no single event covers its work). Graph destruction is rare; nothing on an
+//!   allocation path synchronises.
+//! - While any route is active the upstream makes its calls in relaxed capture mode, and
+//!   frees on a capturing stream record no event (`StreamTracker::on_free_capturing`).
+
+use super::{Live, Pool, NO_OWNER};
+use crate::block::{Block, Segment};
+use crate::error::{Error, Result};
+use crate::strategy::{self, Strategy};
+use crate::stream::{StreamHandle, StreamKey};
+use crate::trace::Action;
+use crate::upstream::AllocError;
+use rustc_hash::FxHashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A private pool's id: PyTorch's `MempoolId_t` (a pair), or one of the namespaces below.
+pub type PoolId = (u64, u64);
+
+/// Second half of the ids of pools named from C (`gpupool_begin_allocate_to_pool`).
+pub const C_POOL_TAG: u64 = u64::MAX;
+/// Second half of the ids of pools made for captures nobody announced (CuPy's
+/// `Stream.begin_capture` without the helper); the first half is the capture id.
+pub const IMPLICIT_POOL_TAG: u64 = u64::MAX - 1;
+
+/// Routes active in the whole process: while any is, the thread caches step aside so that
+/// every allocation reaches a pool that can route it (one relaxed load on the fast path).
+static ACTIVE_ROUTES: AtomicUsize = AtomicUsize::new(0);
+
+pub fn routes_active() -> bool {
+    ACTIVE_ROUTES.load(Ordering::Relaxed) != 0
+}
+
+/// A caller's predicate over stream handles (PyTorch's `std::function<bool(cudaStream_t)>`,
+/// wrapped by `torch_shim.cpp`). `drop` frees `ctx` when the route ends.
+pub struct Callback {
+    pub call: unsafe extern "C" fn(ctx: *mut c_void, stream: *mut c_void) -> c_int,
+    pub ctx: *mut c_void,
+    pub drop: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+}
+
+// SAFETY: `ctx` is owned by the route and only used under the pool's lock; PyTorch's
+// predicate only asks the driver about the stream, which is valid from any thread.
+unsafe impl Send for Callback {}
+
+impl Drop for Callback {
+    fn drop(&mut self) {
+        if let Some(d) = self.drop {
+            // SAFETY: the creator handed us `ctx` with this destructor, to call once.
+            unsafe { d(self.ctx) };
+        }
+    }
+}
+
+/// Which allocations a route takes.
+pub enum Filter {
+    /// Streams taking part in this capture sequence (`cuStreamGetCaptureInfo` id).
+    Capture(u64),
+    /// Exactly this stream (announced while not capturing: a `MemPool`-like scope).
+    Stream(StreamKey),
+    /// Whatever the caller's predicate accepts.
+    Callback(Callback),
+}
+
+struct Route {
+    id: PoolId,
+    filter: Filter,
+}
+
+struct PrivatePool {
+    strategy: Box<dyn Strategy>,
+    /// Begins minus releases (PyTorch's use count): the pool is kept while above zero.
+    uses: i64,
+    /// Blocks of this pool in the live map.
+    live: usize,
+    /// Bytes of segments this pool holds.
+    reserved: usize,
+}
+
+/// A device pool's private pools and routes.
+#[derive(Default)]
+pub struct PrivatePools {
+    pools: FxHashMap<PoolId, PrivatePool>,
+    routes: Vec<Route>,
+}
+
+impl PrivatePools {
+    pub fn has_routes(&self) -> bool {
+        !self.routes.is_empty()
+    }
+    /// Bytes held free in private pools (for the books and the status report).
+    pub fn cached_bytes(&self) -> usize {
+        self.pools.values().map(|p| p.strategy.cached_bytes()).sum()
+    }
+    pub fn reserved_bytes(&self) -> usize {
+        self.pools.values().map(|p| p.reserved).sum()
+    }
+    pub fn count(&self) -> usize {
+        self.pools.len()
+    }
+    pub fn free_blocks(&self) -> Vec<Block> {
+        self.pools.values().flat_map(|p| p.strategy.free_blocks()).collect()
+    }
+    pub fn is_free_block(&self, addr: usize) -> bool {
+        self.pools.values().any(|p| p.strategy.is_free_block(addr))
+    }
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for (id, p) in &self.pools {
+            p.strategy.check_invariants().map_err(|e| format!("private pool {id:?}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Pool {
+    /// Route allocations that `filter` accepts to the private pool `id` (made if new; one
+    /// more use) until `end_allocate_to_pool(id)`.
+    pub fn begin_allocate_to_pool(&mut self, id: PoolId, filter: Filter) -> Result<()> {
+        self.graphs
+            .pools
+            .entry(id)
+            .or_insert_with(|| PrivatePool { strategy: strategy::build(crate::config::PoolKind::Split), uses: 0, live: 0, reserved: 0 })
+            .uses += 1;
+        self.graphs.routes.push(Route { id, filter });
+        ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
+        self.upstream.set_capture_relaxed(true);
+        Ok(())
+    }
+
+    /// Stop routing to `id` (the latest route to it). Allocations go to the main cache again.
+    pub fn end_allocate_to_pool(&mut self, id: PoolId) -> Result<()> {
+        let Some(i) = self.graphs.routes.iter().rposition(|r| r.id == id) else {
+            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.device)));
+        };
+        self.graphs.routes.remove(i);
+        ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
+        if self.graphs.routes.is_empty() {
+            self.upstream.set_capture_relaxed(false);
+        }
+        Ok(())
+    }
+
+    /// One user of `id` is done with it (a graph destroyed, a `MemPool` deleted). With no
+    /// use left and no live block, its memory goes back. Unknown ids are ignored (PyTorch
+    /// releases pools it never routed to us).
+    pub fn release_pool(&mut self, id: PoolId) -> Result<usize> {
+        let Some(p) = self.graphs.pools.get_mut(&id) else { return Ok(0) };
+        p.uses -= 1;
+        self.destroy_if_unused(id)
+    }
+
+    /// Allocate from the private pool `id` for `stream` (never from the main cache).
+    pub(super) fn malloc_private(&mut self, size: usize, stream: StreamHandle, id: PoolId) -> Result<usize> {
+        let key = self.streams.key(&mut *self.upstream, stream)?;
+        let pool = self.graphs.pools.entry(id).or_insert_with(|| PrivatePool {
+            strategy: strategy::build(crate::config::PoolKind::Split),
+            uses: 1, // an implicit capture pool: kept until released by id
+            live: 0,
+            reserved: 0,
+        });
+        let Some(rounded) = pool.strategy.round(size) else { return Err(self.oom(size, size, false)) };
+        // Same stream only: a graph's order protects reuse on its own stream, and no event
+        // may be asked about during a capture.
+        let mut same = |from: StreamKey| from == key;
+        let block = match pool.strategy.take(rounded, key, &mut same) {
+            Some(b) => b,
+            None => self.grow_private(size, rounded, key, stream, id)?,
+        };
+        let pool = self.graphs.pools.get_mut(&id).expect("present");
+        pool.live += 1;
+        self.c.used += block.size;
+        self.c.requested += size;
+        self.c.peak_used = self.c.peak_used.max(self.c.used);
+        self.c.allocs += 1;
+        let rec = crate::debug::AllocRecord::capture(self.debug, stream);
+        self.live.insert(
+            block.addr,
+            Live { block, requested: size, extra_streams: Vec::new(), rec, owner: NO_OWNER, handle: stream, private: Some(id) },
+        );
+        self.trace(stream, Action::Alloc, block.addr, size);
+        self.verify();
+        Ok(block.addr)
+    }
+
+    /// A new segment for a private pool. Out of memory releases the main cache once and
+    /// retries (the releases wait for events recorded outside any capture).
+    fn grow_private(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, id: PoolId) -> Result<Block> {
+        // An implicit capture pool grows with no route active: relax for this growth too.
+        self.upstream.set_capture_relaxed(true);
+        let r = self.grow_private_relaxed(size, rounded, key, stream, id);
+        let routed = self.graphs.has_routes();
+        self.upstream.set_capture_relaxed(routed);
+        r
+    }
+
+    fn grow_private_relaxed(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, id: PoolId) -> Result<Block> {
+        let pool = self.graphs.pools.get_mut(&id).expect("present");
+        let Some(seg_size) = pool.strategy.segment_size(rounded) else { return Err(self.oom(size, rounded, false)) };
+        let mut by_limit = false;
+        for attempt in 0..2 {
+            if attempt == 1 {
+                self.flush_thread_caches();
+                self.fence_unfenced();
+                let _ = self.release_cached(None);
+            }
+            for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
+                if self.over_limit(want) {
+                    by_limit = want == rounded;
+                    continue;
+                }
+                match self.upstream.allocate(want, stream) {
+                    Ok(base) => {
+                        self.trace(stream, Action::UpstreamAlloc, base, want);
+                        self.c.reserved += want;
+                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                        self.c.upstream_allocs += 1;
+                        self.c.upstream_alloc_bytes += want as u64;
+                        let pool = self.graphs.pools.get_mut(&id).expect("present");
+                        pool.reserved += want;
+                        return Ok(pool.strategy.add_segment(Segment { base, size: want, stream: key }, rounded));
+                    }
+                    Err(AllocError::OutOfMemory) => by_limit = false,
+                    Err(AllocError::Other(e)) => return Err(e),
+                }
+            }
+        }
+        Err(self.oom(size, rounded, by_limit))
+    }
+
+    /// Take back a block of the private pool `id` (freed on `key`; no event recorded).
+    pub(super) fn free_private(&mut self, block: Block, id: PoolId) -> Result<()> {
+        let Some(pool) = self.graphs.pools.get_mut(&id) else {
+            return Err(Error::Internal(format!("block {:#x} names private pool {id:?}, which is gone", block.addr)));
+        };
+        pool.live -= 1;
+        if let Some(seg) = pool.strategy.put(block) {
+            // Split never returns segments from `put`; kept for the contract's sake.
+            pool.reserved -= seg.size;
+            self.c.reserved -= seg.size;
+            self.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
+        }
+        self.destroy_if_unused(id).map(|_| ())
+    }
+
+    /// Which private pool an allocation on `stream` goes to, if a route takes it. The capture
+    /// id is asked at most once per call.
+    pub(super) fn route(&mut self, stream: StreamHandle) -> Result<Option<PoolId>> {
+        let mut capture: Option<Option<u64>> = None;
+        let mut key: Option<StreamKey> = None;
+        for i in (0..self.graphs.routes.len()).rev() {
+            let hit = match &self.graphs.routes[i].filter {
+                Filter::Capture(cid) => {
+                    let cid = *cid;
+                    if capture.is_none() {
+                        capture = Some(self.upstream.capture_id(stream)?);
+                    }
+                    capture == Some(Some(cid))
+                }
+                Filter::Stream(k) => {
+                    let k = *k;
+                    if key.is_none() {
+                        key = Some(self.streams.key(&mut *self.upstream, stream)?);
+                    }
+                    key == Some(k)
+                }
+                // SAFETY: the creator's predicate with its own context.
+                Filter::Callback(cb) => unsafe { (cb.call)(cb.ctx, stream as *mut c_void) != 0 },
+            };
+            if hit {
+                return Ok(Some(self.graphs.routes[i].id));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `stream` is capturing a graph, asked only while routes are active (or when
+    /// the caller asks, `check`): frees there must not record events.
+    pub(super) fn capturing(&mut self, stream: StreamHandle, check: bool) -> bool {
+        (check || self.graphs.has_routes())
+            && !crate::stream::is_legacy(stream)
+            && self.upstream.capture_id(stream).ok().flatten().is_some()
+    }
+
+    /// Release the private pool `id` if nobody uses it and nothing in it is live: wait for
+    /// the device once, then give every segment back.
+    fn destroy_if_unused(&mut self, id: PoolId) -> Result<usize> {
+        let routed = self.graphs.routes.iter().any(|r| r.id == id);
+        let Some(p) = self.graphs.pools.get(&id) else { return Ok(0) };
+        if p.uses > 0 || p.live > 0 || routed {
+            return Ok(0);
+        }
+        if p.reserved > 0 {
+            self.upstream.synchronize_device()?;
+        }
+        let mut p = self.graphs.pools.remove(&id).expect("present");
+        // Nothing is live, so every segment is wholly free, though its free blocks may carry
+        // different streams (and so not have merged): after the synchronisation none of
+        // them matters. Release segment by segment; the strategy is dropped with the pool.
+        let mut segments: Vec<usize> = p.strategy.free_blocks().iter().map(|b| b.segment).collect();
+        segments.sort_unstable();
+        segments.dedup();
+        let mut released = 0;
+        let mut first_err = None;
+        let mut kept = Vec::new();
+        for base in segments {
+            let len = p.strategy.segment_len(base).expect("private pools are split pools, which know their segments");
+            // Every queued use finished (synchronised above): release on the legacy stream.
+            match self.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
+                Ok(()) => {
+                    self.trace(0, Action::UpstreamFree, base, len);
+                    self.c.reserved -= len;
+                    self.c.upstream_frees += 1;
+                    self.c.reclaimed_bytes += len as u64;
+                    p.reserved -= len;
+                    released += len;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    kept.push(base);
+                }
+            }
+        }
+        if !kept.is_empty() {
+            // The driver refused: keep those segments (and only those) in a fresh pool that
+            // nobody routes to, so the books stay exact; a later release retries.
+            let mut fresh = strategy::build(crate::config::PoolKind::Split);
+            for base in kept {
+                let len = p.strategy.segment_len(base).expect("known above");
+                let b = fresh.add_segment(Segment { base, size: len, stream: StreamKey::LEGACY }, len);
+                let _ = fresh.put(b);
+            }
+            p.strategy = fresh;
+        }
+        if p.reserved > 0 {
+            // What could not be released stays reserved in a pool nobody routes to, so
+            // the books stay exact; a later release attempt retries.
+            p.uses = 0;
+            self.graphs.pools.insert(id, p);
+        }
+        self.verify();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(released),
+        }
+    }
+
+    /// Give back every private pool nobody uses (teardown).
+    pub(super) fn release_private_pools(&mut self) {
+        let ids: Vec<PoolId> = self.graphs.pools.keys().copied().collect();
+        for id in ids {
+            if let Some(p) = self.graphs.pools.get_mut(&id) {
+                p.uses = p.uses.min(0);
+            }
+            let _ = self.destroy_if_unused(id);
+        }
+    }
+
+    /// The capture sequence `stream` takes part in, if it is capturing.
+    pub fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
+        self.upstream.capture_id(stream)
+    }
+
+    /// The pool's identity for `stream`.
+    pub fn stream_key(&mut self, stream: StreamHandle) -> Result<StreamKey> {
+        self.streams.key(&mut *self.upstream, stream)
+    }
+
+    /// CuPy's allocation on its current stream: a route takes it first; else a stream that
+    /// captures a graph nobody announced gets a private pool for that capture (released by
+    /// `gpupool_release_capture`), since the graph keeps using what it was given.
+    pub fn malloc_detecting_capture(&mut self, size: usize, stream: StreamHandle) -> Result<usize> {
+        if size != 0 && !crate::stream::is_legacy(stream) {
+            if self.graphs.has_routes() {
+                if let Some(id) = self.route(stream)? {
+                    return self.malloc_private(size, stream, id);
+                }
+            }
+            if let Some(cid) = self.upstream.capture_id(stream)? {
+                return self.malloc_private(size, stream, (cid, IMPLICIT_POOL_TAG));
+            }
+        }
+        self.malloc(size, stream)
+    }
+
+    /// Private pools for the status report: `(pools, reserved bytes, free bytes)`.
+    pub fn private_pool_summary(&self) -> (usize, usize, usize) {
+        (self.graphs.count(), self.graphs.reserved_bytes(), self.graphs.cached_bytes())
+    }
+}

@@ -1,0 +1,342 @@
+//! Private pools and CUDA graph capture, on the CPU: an upstream that simulates capturing
+//! streams and counts every call a real capture in global mode would not survive (an event
+//! recorded or waited on a capturing stream; any query, synchronisation or allocation made
+//! outside relaxed capture mode while a capture runs). The GPU tests capture for real.
+
+mod common;
+
+use common::MIB;
+use gpupool::config::PoolKind;
+use gpupool::error::Result;
+use gpupool::pool::{Callback, Filter, C_POOL_TAG, IMPLICIT_POOL_TAG};
+use gpupool::stream::StreamHandle;
+use gpupool::upstream::host::HostUpstream;
+use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::{Pool, PoolOptions};
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex};
+
+#[derive(Default)]
+struct Device {
+    /// Capturing streams and their capture ids.
+    captures: HashMap<StreamHandle, u64>,
+    relaxed: bool,
+    /// Calls that would invalidate a capture, described.
+    forbidden: Vec<String>,
+    /// Event records by stream, device synchronisations.
+    records: Vec<StreamHandle>,
+    device_syncs: usize,
+    /// Make event records fail (a driver failure).
+    fail_records: bool,
+}
+
+struct CaptureUpstream {
+    host: HostUpstream,
+    dev: Arc<Mutex<Device>>,
+    next_event: usize,
+}
+
+impl CaptureUpstream {
+    /// A call that global capture mode forbids while any capture runs, unless relaxed.
+    fn unsafe_call(&self, what: &str) {
+        let mut d = self.dev.lock().unwrap();
+        if !d.captures.is_empty() && !d.relaxed {
+            d.forbidden.push(format!("{what} during a capture, not relaxed"));
+        }
+    }
+    fn on_stream(&self, what: &str, s: StreamHandle) {
+        let mut d = self.dev.lock().unwrap();
+        if d.captures.contains_key(&s) {
+            d.forbidden.push(format!("{what} on capturing stream {s:#x}"));
+        }
+    }
+}
+
+impl Upstream for CaptureUpstream {
+    fn name(&self) -> &'static str {
+        "capture-host"
+    }
+    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.unsafe_call("allocate");
+        self.host.allocate(size, s)
+    }
+    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
+        self.unsafe_call("deallocate");
+        self.host.deallocate(a, size, s)
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        self.host.mem_info()
+    }
+    fn event_create(&mut self) -> Result<EventHandle> {
+        self.next_event += 1;
+        Ok(self.next_event)
+    }
+    fn event_record(&mut self, _ev: EventHandle, s: StreamHandle) -> Result<()> {
+        self.on_stream("event record", s);
+        let mut d = self.dev.lock().unwrap();
+        if d.fail_records {
+            return Err(gpupool::Error::Internal("injected: event record failed".into()));
+        }
+        d.records.push(s);
+        Ok(())
+    }
+    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        self.unsafe_call("event query");
+        Ok(false) // the device is always busy: cross-stream reuse must wait
+    }
+    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+        self.unsafe_call("event synchronize");
+        Ok(())
+    }
+    fn stream_wait_event(&mut self, s: StreamHandle, _ev: EventHandle) -> Result<()> {
+        self.on_stream("stream wait", s);
+        Ok(())
+    }
+    fn capture_id(&mut self, s: StreamHandle) -> Result<Option<u64>> {
+        Ok(self.dev.lock().unwrap().captures.get(&s).copied())
+    }
+    fn set_capture_relaxed(&mut self, on: bool) {
+        self.dev.lock().unwrap().relaxed = on;
+    }
+    fn synchronize_device(&mut self) -> Result<()> {
+        self.unsafe_call("device synchronize");
+        self.dev.lock().unwrap().device_syncs += 1;
+        Ok(())
+    }
+    fn vmm_granule(&mut self) -> usize {
+        self.host.vmm_granule()
+    }
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        self.host.vmm_reserve(len)
+    }
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        self.host.vmm_unreserve(base, len)
+    }
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.unsafe_call("map");
+        self.host.vmm_map_new(addr, len)
+    }
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.unsafe_call("unmap");
+        self.host.vmm_unmap(addr, len)
+    }
+    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
+        self.host.vmm_alias(home, to)
+    }
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.host.vmm_unalias(addr, len)
+    }
+}
+
+const S: usize = 0x5000; // the capturing stream
+const T: usize = 0x7000; // an eager stream
+
+fn pool(kind: PoolKind) -> (Pool, Arc<Mutex<Device>>) {
+    let dev = Arc::new(Mutex::new(Device::default()));
+    let up = CaptureUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
+    (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
+}
+
+fn begin_capture(dev: &Mutex<Device>, s: StreamHandle, id: u64) {
+    dev.lock().unwrap().captures.insert(s, id);
+}
+fn end_capture(dev: &Mutex<Device>, s: StreamHandle) {
+    dev.lock().unwrap().captures.remove(&s);
+}
+fn forbidden(dev: &Mutex<Device>) -> Vec<String> {
+    dev.lock().unwrap().forbidden.clone()
+}
+
+fn every_kind(f: impl Fn(PoolKind)) {
+    // (`none` gives memory back at each free, which no capture allows; it is a debugging mode.)
+    for k in [PoolKind::Split, PoolKind::Binned, PoolKind::Arena] {
+        f(k);
+    }
+}
+
+#[test]
+fn a_capture_gets_private_memory_with_no_forbidden_call_and_eager_code_never_sees_it() {
+    every_kind(|kind| {
+        let (mut p, dev) = pool(kind);
+        // Eager history on both streams, so the main cache holds blocks freed on each.
+        let before = p.malloc(MIB, S).unwrap();
+        for s in [S, T] {
+            let x = p.malloc(2 * MIB, s).unwrap();
+            p.free(x, s).unwrap();
+        }
+        begin_capture(&dev, S, 7);
+        dev.lock().unwrap().records.clear();
+        p.begin_allocate_to_pool((7, 0), Filter::Capture(7)).unwrap();
+        let a = p.malloc(MIB, S).unwrap();
+        p.free(a, S).unwrap();
+        let b = p.malloc(MIB, S).unwrap();
+        assert_eq!(a, b, "{kind:?}: a block freed in the capture serves the capture's next request on its stream");
+        let c = p.malloc(3 * MIB, S).unwrap();
+        p.free(before, S).unwrap(); // an eager block freed on the capturing stream: no event
+        end_capture(&dev, S);
+        p.end_allocate_to_pool((7, 0)).unwrap();
+        assert_eq!(forbidden(&dev), Vec::<String>::new(), "{kind:?}");
+        assert!(!dev.lock().unwrap().records.contains(&S), "{kind:?}: an event was recorded on the capturing stream");
+
+        // Eager allocations after the capture: never the graph's memory, live or freed.
+        p.free(c, S).unwrap(); // the graph's block, freed eagerly: back to its private pool
+        let graph = [(b, MIB), (c, 3 * MIB)];
+        for s in [S, T] {
+            for size in [MIB, 3 * MIB, 512, 8 * MIB] {
+                let e = p.malloc(size, s).unwrap();
+                for &(g, len) in &graph {
+                    assert!(e + size <= g || e >= g + len, "{kind:?}: eager block {e:#x} overlaps graph block {g:#x}");
+                }
+                p.free(e, s).unwrap();
+            }
+        }
+        let reserved = p.reserved_bytes();
+        let private = p.private_pool_summary().1;
+        assert!(private >= 4 * MIB, "{kind:?}: the capture's blocks came from its private pool");
+        p.free(b, S).unwrap();
+        assert_eq!(p.release_pool((7, 0)).unwrap(), private, "{kind:?}: the private segments went back");
+        assert_eq!(p.reserved_bytes(), reserved - private);
+        assert_eq!(dev.lock().unwrap().device_syncs, 1, "{kind:?}: one device synchronisation at release");
+        assert_eq!(p.private_pool_summary().0, 0);
+        p.check_invariants().unwrap();
+    });
+}
+
+#[test]
+fn a_pool_released_with_live_blocks_goes_back_when_the_last_one_is_freed() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    begin_capture(&dev, S, 3);
+    p.begin_allocate_to_pool((3, 0), Filter::Capture(3)).unwrap();
+    let out = p.malloc(5 * MIB, S).unwrap();
+    end_capture(&dev, S);
+    p.end_allocate_to_pool((3, 0)).unwrap();
+    let reserved = p.reserved_bytes();
+    assert_eq!(p.release_pool((3, 0)).unwrap(), 0, "the graph's output is still live");
+    assert_eq!(p.reserved_bytes(), reserved);
+    p.free(out, T).unwrap();
+    assert!(p.reserved_bytes() < reserved, "freeing the last block released the pool");
+    assert_eq!(p.private_pool_summary().0, 0);
+    assert_eq!(dev.lock().unwrap().device_syncs, 1);
+}
+
+#[test]
+fn captures_sharing_a_pool_reuse_its_memory_and_keep_it_until_both_release() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    let id = (0, 42);
+    begin_capture(&dev, S, 1);
+    p.begin_allocate_to_pool(id, Filter::Capture(1)).unwrap();
+    let a = p.malloc(2 * MIB, S).unwrap();
+    p.free(a, S).unwrap();
+    end_capture(&dev, S);
+    p.end_allocate_to_pool(id).unwrap();
+    begin_capture(&dev, S, 2);
+    p.begin_allocate_to_pool(id, Filter::Capture(2)).unwrap();
+    let b = p.malloc(2 * MIB, S).unwrap();
+    assert_eq!(a, b, "the second capture reuses what the first freed (same pool, same stream)");
+    p.free(b, S).unwrap();
+    end_capture(&dev, S);
+    p.end_allocate_to_pool(id).unwrap();
+    let uses_left = p.reserved_bytes();
+    p.release_pool(id).unwrap();
+    assert_eq!(p.reserved_bytes(), uses_left, "one graph still uses the pool");
+    p.release_pool(id).unwrap();
+    assert_eq!(p.reserved_bytes(), 0);
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+}
+
+#[test]
+fn a_private_block_is_not_reused_on_another_stream() {
+    let (mut p, _dev) = pool(PoolKind::Split);
+    p.begin_allocate_to_pool((9, C_POOL_TAG), Filter::Stream(gpupool::stream::StreamKey(S as u64))).unwrap();
+    let a = p.malloc(MIB, S).unwrap();
+    p.free(a, S).unwrap();
+    p.end_allocate_to_pool((9, C_POOL_TAG)).unwrap();
+    // A route for T into the same pool: S's freed block must not go to T (no event says S is done).
+    p.begin_allocate_to_pool((9, C_POOL_TAG), Filter::Stream(gpupool::stream::StreamKey(T as u64))).unwrap();
+    let b = p.malloc(MIB, T).unwrap();
+    assert_ne!(a, b);
+    p.free(b, T).unwrap();
+    p.end_allocate_to_pool((9, C_POOL_TAG)).unwrap();
+}
+
+unsafe extern "C" fn only_stream_s(ctx: *mut c_void, stream: *mut c_void) -> c_int {
+    *(ctx as *mut u32) += 1; // counts calls
+    (stream as usize == S) as c_int
+}
+unsafe extern "C" fn drop_counter(ctx: *mut c_void) {
+    drop(Box::from_raw(ctx as *mut u32));
+}
+
+#[test]
+fn a_callers_predicate_routes_and_is_dropped_when_the_route_ends() {
+    let (mut p, _dev) = pool(PoolKind::Split);
+    let ctx = Box::into_raw(Box::new(0u32)) as *mut c_void;
+    let cb = Callback { call: only_stream_s, ctx, drop: Some(drop_counter) };
+    p.begin_allocate_to_pool((5, 0), Filter::Callback(cb)).unwrap();
+    let a = p.malloc(MIB, S).unwrap();
+    let e = p.malloc(MIB, T).unwrap();
+    assert_eq!(p.private_pool_summary().1, 2 * MIB, "S's allocation went to the private pool");
+    assert!(p.private_pool_summary().1 < p.reserved_bytes(), "T's did not");
+    p.free(a, S).unwrap();
+    p.free(e, T).unwrap();
+    p.end_allocate_to_pool((5, 0)).unwrap(); // drops the predicate (Box freed: Miri/ASan would see a leak otherwise)
+    assert!(p.end_allocate_to_pool((5, 0)).is_err(), "ending twice is an error");
+    p.release_pool((5, 0)).unwrap();
+    p.release_pool((5, 0)).unwrap(); // released again: ignored
+    p.release_pool((77, 77)).unwrap(); // never routed: ignored
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_capture_nobody_announced_gets_its_own_pool_via_cupys_path() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    begin_capture(&dev, S, 11);
+    let a = p.malloc_detecting_capture(MIB, S).unwrap();
+    p.free_as_allocated(a, true).unwrap();
+    let b = p.malloc_detecting_capture(MIB, S).unwrap();
+    assert_eq!(a, b);
+    p.free_as_allocated(b, true).unwrap();
+    end_capture(&dev, S);
+    assert_eq!(forbidden(&dev), Vec::<String>::new());
+    let e = p.malloc_detecting_capture(MIB, S).unwrap();
+    assert_ne!(e, a, "the capture's memory stays with it after the capture ends");
+    p.free_as_allocated(e, true).unwrap();
+    assert!(p.release_pool((11, IMPLICIT_POOL_TAG)).unwrap() >= MIB);
+}
+
+#[test]
+fn a_block_freed_on_a_capturing_stream_is_not_handed_to_another_stream_until_covered() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    let x = p.malloc(MIB, S).unwrap();
+    // Some route active (another thread's MemPool, say) makes the pool ask about captures.
+    p.begin_allocate_to_pool((1, 1), Filter::Stream(gpupool::stream::StreamKey(0xDEAD))).unwrap();
+    begin_capture(&dev, S, 5);
+    p.free(x, S).unwrap();
+    end_capture(&dev, S);
+    p.end_allocate_to_pool((1, 1)).unwrap();
+    let y = p.malloc(MIB, T).unwrap();
+    assert_ne!(x, y, "no event covers the free made during the capture: T must not get the block");
+    p.free(y, T).unwrap();
+    // A free on S outside the capture records an event that covers the earlier one.
+    let z = p.malloc(512, S).unwrap();
+    p.free(z, S).unwrap();
+    assert!(dev.lock().unwrap().records.contains(&S));
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+}
+
+#[test]
+fn a_failed_event_record_keeps_the_block_on_its_stream() {
+    for kind in [PoolKind::Split, PoolKind::Binned] {
+        let (mut p, dev) = pool(kind);
+        let x = p.malloc(MIB, S).unwrap();
+        dev.lock().unwrap().fail_records = true;
+        p.free(x, S).unwrap();
+        let y = p.malloc(MIB, T).unwrap();
+        assert_ne!(x, y, "{kind:?}: no event covers S's free, so T must not get its block");
+        dev.lock().unwrap().fail_records = false;
+        let again = p.malloc(MIB, S).unwrap();
+        assert_eq!(again, x, "{kind:?}: S itself may reuse it (stream order)");
+    }
+}
