@@ -33,7 +33,7 @@ const F32: usize = 4;
 fn step(p: &mut Pool, t: usize) {
     let act = B * t * D * F32;
     let mut saved: Vec<Vec<usize>> = Vec::new();
-    let mut alloc = |p: &mut Pool, n: usize| p.malloc(n, 0).expect("simulated device is large enough");
+    let alloc = |p: &mut Pool, n: usize| p.malloc(n, 0).expect("simulated device is large enough");
     let tokens = alloc(p, B * t * 8);
     let mut x = alloc(p, act);
     for _ in 0..LAYERS {
