@@ -40,6 +40,9 @@ typedef enum gpupool_status {
   // The operation is not possible in the pool's current state (e.g. reconfiguring a
   // device that still has live allocations).
   GPUPOOL_STATUS_BUSY = 10,
+  // The pool cannot be used: it stopped after an internal error (its books may be
+  // wrong, so it hands out nothing more), or this process is a `fork()` child.
+  GPUPOOL_STATUS_STOPPED = 11,
 } gpupool_status;
 
 // Per-device pool statistics (`gpupool_stats` in C).

@@ -35,6 +35,9 @@ pub enum Status {
     /// The operation is not possible in the pool's current state (e.g. reconfiguring a
     /// device that still has live allocations).
     Busy = 10,
+    /// The pool cannot be used: it stopped after an internal error (its books may be
+    /// wrong, so it hands out nothing more), or this process is a `fork()` child.
+    Stopped = 11,
 }
 
 impl Status {
@@ -52,11 +55,12 @@ impl Status {
             Status::CudaError => c"CUDA driver call failed",
             Status::Internal => c"internal error in gpupool (caught panic)",
             Status::Busy => c"operation not possible while allocations are live",
+            Status::Stopped => c"pool stopped (after an internal error, or in a fork() child)",
         }
     }
 
     /// Every status, in numeric order (tests, `gpupool_status_str`).
-    pub const ALL: [Status; 11] = [
+    pub const ALL: [Status; 12] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -68,6 +72,7 @@ impl Status {
         Status::CudaError,
         Status::Internal,
         Status::Busy,
+        Status::Stopped,
     ];
 }
 
@@ -116,6 +121,8 @@ pub enum Error {
     Cuda { call: &'static str, code: u32, name: String },
     Internal(String),
     Busy(String),
+    /// The pool stopped handing out memory (see `Status::Stopped`); the text says why.
+    Stopped(String),
 }
 
 impl Error {
@@ -132,6 +139,7 @@ impl Error {
             Error::Cuda { .. } => Status::CudaError,
             Error::Internal(_) => Status::Internal,
             Error::Busy(_) => Status::Busy,
+            Error::Stopped(_) => Status::Stopped,
         }
     }
 }
@@ -221,6 +229,7 @@ impl fmt::Display for Error {
             Error::Cuda { call, code, name } => write!(f, "gpupool: CUDA driver call {call} failed: {name} ({code})"),
             Error::Internal(msg) => write!(f, "gpupool: internal error: {msg}"),
             Error::Busy(msg) => write!(f, "gpupool: {msg}"),
+            Error::Stopped(msg) => write!(f, "gpupool: {msg}"),
         }
     }
 }
@@ -228,3 +237,15 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Write a line to stderr without ever panicking: `eprintln!` panics when stderr is closed
+/// or broken, and a panic outside the boundary's guard would abort the host process.
+pub fn warn(msg: &str) {
+    use std::io::Write;
+    let mut line = String::with_capacity(msg.len() + 1);
+    line.push_str(msg);
+    if !line.ends_with('\n') {
+        line.push('\n');
+    }
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}

@@ -8,11 +8,14 @@ static REGISTER: Once = Once::new();
 extern "C" fn at_exit() {
     // Never unwind into libc.
     let _ = std::panic::catch_unwind(|| {
+        if crate::fork::in_child() {
+            return; // the trace writer thread and the pools belong to the parent
+        }
         crate::trace::finish_global();
         if crate::registry::config().map(|c| c.debug).unwrap_or(0) >= 1 {
             let report = crate::registry::leak_report();
             if !report.starts_with("gpupool: 0 live") {
-                eprint!("{report}");
+                crate::error::warn(&report);
             }
         }
     });

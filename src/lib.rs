@@ -21,6 +21,7 @@
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `exit`: at-exit flush of the trace and leak summary.
+//! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
 //! - `ffi`: every `extern "C"` function.
 
 pub mod block;
@@ -30,6 +31,7 @@ pub mod decay;
 pub mod error;
 pub mod pages;
 pub mod exit;
+pub mod fork;
 pub mod ffi;
 pub mod pool;
 pub mod registry;

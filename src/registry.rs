@@ -42,8 +42,8 @@ pub fn config() -> Result<&'static Config> {
     CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
 }
 
-/// Lock, recovering from poisoning: a panic inside the pool was caught at the C boundary
-/// and reported; the pool itself stays usable.
+/// Lock a plain registry mutex (a configuration choice), recovering from poisoning: nothing
+/// in it can be half-updated.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| {
         m.clear_poison();
@@ -51,7 +51,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     })
 }
 
+/// Lock a pool. A poisoned lock means a panic interrupted an operation on this pool (the C
+/// boundary caught and reported it): its books may be half-updated, so rather than risk
+/// handing memory out twice the pool is stopped (`Pool::stop`) and says so from then on.
+fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<Pool>> {
+    m.lock().unwrap_or_else(|poisoned| {
+        m.clear_poison();
+        let mut g = poisoned.into_inner();
+        if let Some(p) = g.as_mut() {
+            let why = crate::ffi::boundary::last_error();
+            p.stop(if why.is_empty() { "an operation was interrupted by a panic" } else { &why });
+        }
+        g
+    })
+}
+
 fn slot(device: i32) -> Result<&'static Slot> {
+    crate::fork::check()?;
     if device < 0 || device as usize >= MAX_DEVICES {
         return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
     }
@@ -86,7 +102,7 @@ fn create(device: i32, choice: Option<Choice>) -> Result<Pool> {
 /// Run `f` on `device`'s pool, creating it on first use.
 pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     let s = slot(device)?;
-    let mut g = lock(&s.pool);
+    let mut g = lock_pool(&s.pool);
     if g.is_none() {
         let choice = *lock(&s.choice);
         *g = Some(create(device, choice)?);
@@ -97,18 +113,18 @@ pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Resu
 /// Run `f` on `device`'s pool only if it exists.
 pub fn with_existing<R>(device: i32, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
     let s = slot(device)?;
-    let mut g = lock(&s.pool);
+    let mut g = lock_pool(&s.pool);
     Ok(g.as_mut().map(f))
 }
 
 /// Devices whose pools exist.
 pub fn existing_devices() -> Vec<i32> {
-    (0..MAX_DEVICES as i32).filter(|&d| lock(&SLOTS[d as usize].pool).is_some()).collect()
+    (0..MAX_DEVICES as i32).filter(|&d| lock_pool(&SLOTS[d as usize].pool).is_some()).collect()
 }
 
 /// The device whose pool has `ptr` live, if any.
 pub fn find_owner(ptr: usize) -> Option<i32> {
-    (0..MAX_DEVICES as i32).find(|&d| lock(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)))
+    (0..MAX_DEVICES as i32).find(|&d| lock_pool(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)))
 }
 
 /// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's
@@ -117,7 +133,7 @@ pub fn find_owner(ptr: usize) -> Option<i32> {
 pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
     let s = slot(device)?;
     let cfg = config()?;
-    let mut g = lock(&s.pool);
+    let mut g = lock_pool(&s.pool);
     if let Some(p) = g.as_mut() {
         p.flush_thread_caches();
         if p.live_count() > 0 {
@@ -138,7 +154,8 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
 
 /// Run `f` on the pinned host pool, creating it on first use.
 pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
-    let mut g = lock(&PINNED);
+    crate::fork::check()?;
+    let mut g = lock_pool(&PINNED);
     if g.is_none() {
         let cfg = config()?;
         let up = upstream::build_pinned()?;
@@ -156,8 +173,16 @@ pub fn leak_report() -> String {
             leaks.append(&mut l);
         }
     }
-    if let Some(p) = lock(&PINNED).as_ref() {
+    if let Some(p) = lock_pool(&PINNED).as_ref() {
         leaks.extend(p.leaks());
     }
     crate::debug::render(leaks, config().map(|c| c.debug).unwrap_or(0))
+}
+
+/// `fork()` support (`fork.rs`): hold every pool lock across the fork, so that the child's
+/// copies are not caught in the middle of an update by a thread that does not exist there.
+pub(crate) fn lock_all_for_fork() -> Vec<MutexGuard<'static, Option<Pool>>> {
+    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().map(|s| lock_pool(&s.pool)).collect();
+    guards.push(lock_pool(&PINNED));
+    guards
 }

@@ -39,6 +39,9 @@ pub struct StreamKey(pub u64);
 impl StreamKey {
     /// The legacy default stream (handles 0 and `CU_STREAM_LEGACY`).
     pub const LEGACY: StreamKey = StreamKey(u64::MAX);
+    /// A segment whose free blocks were last used on different streams (`drain_free_segments`):
+    /// releasing it waits for every stream.
+    pub const MIXED: StreamKey = StreamKey(u64::MAX - 1);
 }
 
 /// Whether a handle names the legacy default stream.
@@ -110,6 +113,9 @@ impl StreamTracker {
         }
         let st = self.state(up, key, handle);
         st.handle = handle;
+        if st.event.is_none() {
+            st.event = up.event_create().ok(); // creation failed before: try again
+        }
         let Some(ev) = st.event else {
             st.uncovered = true;
             return Err(crate::error::Error::Internal("no event could be created for this stream".into()));
@@ -229,14 +235,29 @@ impl StreamTracker {
             // Cover the uncovered frees now: a record after them covers them once the stream
             // no longer captures (while it does, the record or the wait fails: nothing is
             // released).
-            if let Some(ev) = st.event {
-                up.event_record(ev, st.handle)?;
-                st.recorded = true;
-                st.uncovered = false;
+            if st.event.is_none() {
+                st.event = Some(up.event_create()?);
             }
+            let ev = st.event.expect("set above");
+            up.event_record(ev, st.handle)?;
+            st.recorded = true;
+            st.uncovered = false;
         }
         if let Some(ev) = self.covering_event(up, key)? {
             up.event_synchronize(ev)?;
+        }
+        Ok(())
+    }
+
+    /// Block the host until every free on every stream has completed (a segment whose free
+    /// blocks came from several streams is about to go back).
+    pub fn synchronize_all(&mut self, up: &mut dyn Upstream) -> Result<()> {
+        let keys: Vec<StreamKey> = self.states.keys().copied().collect();
+        for k in keys {
+            self.synchronize(up, k)?;
+        }
+        if self.legacy_stale {
+            self.synchronize(up, StreamKey::LEGACY)?;
         }
         Ok(())
     }

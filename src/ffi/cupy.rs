@@ -105,7 +105,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     if let Some(e) = err {
         let oom = matches!(e, Error::OutOfMemory(_));
         if !raise_python(oom, &e.to_string()) {
-            eprintln!("{e} (from gpupool_cupy_malloc; no Python interpreter to raise in)");
+            crate::error::warn(&format!("{e} (from gpupool_cupy_malloc; no Python interpreter to raise in)"));
         }
     }
     out

@@ -15,9 +15,9 @@ pub fn void_error(origin: &str, e: &crate::error::Error) {
         if INVALID_FREE_REPORTED.swap(true, Ordering::Relaxed) {
             return;
         }
-        eprintln!("{e} (from {origin}; further invalid frees are counted in the stats, not printed)");
+        crate::error::warn(&format!("{e} (from {origin}; further invalid frees are counted in the stats, not printed)"));
     } else {
-        eprintln!("{e} (from {origin})");
+        crate::error::warn(&format!("{e} (from {origin})"));
     }
 }
 

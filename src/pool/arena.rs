@@ -173,8 +173,15 @@ impl Pool {
         self.map_granules(fresh, key, stream)?;
         for (i, &h) in homes.iter().enumerate() {
             if let Err(e) = self.upstream.vmm_alias(h, base + i * g) {
-                if i > 0 {
-                    let _ = self.upstream.vmm_unalias(base, i * g);
+                // Undo the aliases made so far, one granule at a time. One the driver will
+                // not remove is booked as a broken stitch over what was aliased, so its
+                // address space is not reused while mapped and the removal is retried later.
+                for k in 0..i {
+                    if self.upstream.vmm_unalias(base + k * g, g).is_err() {
+                        let id = self.arena().add_stitch(base, homes[..i].to_vec());
+                        self.arena().stitch_broken(id, k);
+                        break;
+                    }
                 }
                 return Err(GrowFail::Other(e));
             }

@@ -137,6 +137,7 @@ impl Pool {
     /// Route allocations that `filter` accepts to the private pool `id` (made if new; one
     /// more use) until `end_allocate_to_pool(id)`.
     pub fn begin_allocate_to_pool(&mut self, id: PoolId, filter: Filter) -> Result<()> {
+        self.running()?;
         self.graphs
             .pools
             .entry(id)
@@ -165,6 +166,7 @@ impl Pool {
     /// use left and no live block, its memory goes back. Unknown ids are ignored (PyTorch
     /// releases pools it never routed to us).
     pub fn release_pool(&mut self, id: PoolId) -> Result<usize> {
+        self.running()?;
         let Some(p) = self.graphs.pools.get_mut(&id) else { return Ok(0) };
         p.uses -= 1;
         self.destroy_if_unused(id)

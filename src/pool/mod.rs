@@ -149,6 +149,12 @@ pub struct Pool {
     notice: Option<String>,
     /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s (`graph_pools.rs`).
     graphs: graph_pools::PrivatePools,
+    /// Segments the upstream refused to take back (a driver failure while releasing):
+    /// still reserved, never handed out, retried at the next release.
+    unreleased: Vec<Segment>,
+    /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
+    /// books may be wrong and it hands out nothing more (`registry.rs` sets it).
+    stopped: Option<String>,
 }
 
 impl Pool {
@@ -173,6 +179,8 @@ impl Pool {
             strategy,
             notice,
             graphs: Default::default(),
+            stopped: None,
+            unreleased: Vec::new(),
             upstream,
             streams: StreamTracker::new(opts.unsafe_ignore_streams),
             live: FxHashMap::default(),
@@ -201,6 +209,33 @@ impl Pool {
 
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Stop this pool: an operation was interrupted by a panic (caught at the C boundary),
+    /// so its books cannot be vouched for. From now on allocations, frees and releases
+    /// fail with `Status::Stopped`; reports still work and say why. The memory it holds
+    /// stays reserved until the process ends (releasing memory the books may have wrong
+    /// could free what a caller still uses).
+    pub fn stop(&mut self, why: &str) {
+        if self.stopped.is_none() {
+            self.stopped = Some(why.to_string());
+            self.caches.disable();
+        }
+    }
+
+    /// Why this pool stopped, if it did.
+    pub fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
+    fn running(&self) -> Result<()> {
+        match &self.stopped {
+            None => Ok(()),
+            Some(why) => Err(Error::Stopped(format!(
+                "device {}'s pool stopped after an internal error and hands out no more memory ({why}); restart the process",
+                self.device
+            ))),
+        }
     }
     pub fn strategy_name(&self) -> &'static str {
         self.strategy.name()
@@ -250,6 +285,7 @@ impl Pool {
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
     pub fn malloc_owned(&mut self, size: usize, stream: StreamHandle, owner: u32) -> Result<usize> {
+        self.running()?;
         if size == 0 {
             return Ok(0);
         }
@@ -348,16 +384,18 @@ impl Pool {
         let mut by_limit = false;
         for stage in 0..3 {
             match stage {
+                // A release the driver refuses keeps its segment for later; the request
+                // may still be served by what did go back or by the upstream.
                 1 => {
                     self.flush_thread_caches();
                     self.fence_unfenced();
-                    self.release_cached(Some(preferred))?;
+                    let _ = self.release_cached(Some(preferred));
                 }
                 2 => {
                     self.flush_thread_caches();
                     self.fence_unfenced();
                     self.finish_pending(true);
-                    self.release_cached(None)?;
+                    let _ = self.release_cached(None);
                 }
                 _ => {}
             }
@@ -464,6 +502,7 @@ impl Pool {
     }
 
     fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
+        self.running()?;
         // Resolve the stream first, so a failure there changes nothing.
         let key = self.streams.key(&mut *self.upstream, stream)?;
         if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
@@ -520,8 +559,15 @@ impl Pool {
             // Not cached (passthrough): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
-            Some(seg) if self.upstream.stream_ordered() => self.give_to_upstream(seg).map(|_| ()),
-            Some(seg) => self.release_segment(seg).map(|_| ()),
+            Some(seg) => {
+                let r = if self.upstream.stream_ordered() { self.give_to_upstream(seg) } else { self.release_segment(seg) };
+                // A refused release keeps the segment (reserved, unusable) for a later retry:
+                // the free itself succeeded.
+                if r.is_err() {
+                    self.unreleased.push(seg);
+                }
+                Ok(())
+            }
             None => Ok(()),
         }
     }
@@ -595,6 +641,7 @@ impl Pool {
 
     /// The free of `ptr` will also wait for work queued on `stream` until the free.
     pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
+        self.running()?;
         let Some(l) = self.live.get_mut(&ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
@@ -629,6 +676,7 @@ impl Pool {
     /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
     /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
     pub fn free_unordered(&mut self, ptr: usize) -> Result<()> {
+        self.running()?;
         if self.streams.ignores_streams() {
             return self.free(ptr, crate::stream::STREAM_LEGACY);
         }
@@ -660,6 +708,7 @@ impl Pool {
 
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
+        self.running()?;
         self.flush_thread_caches();
         self.finish_pending(false);
         self.fence_unfenced();
@@ -676,6 +725,7 @@ impl Pool {
 
     /// Set the reserved-bytes cap (0 = none); cached memory above it is released now.
     pub fn set_limit(&mut self, bytes: usize) -> Result<()> {
+        self.running()?;
         self.limit = bytes;
         if bytes != 0 && self.c.reserved > bytes {
             self.flush_thread_caches();
@@ -733,6 +783,9 @@ impl Pool {
     pub fn memory_status(&mut self) -> String {
         let s = self.stats();
         let mut out = render_status(&self.report_context(), &s);
+        if let Some(why) = &self.stopped {
+            out.push_str(&format!("  STOPPED: this pool hands out no more memory after an internal error: {why}\n"));
+        }
         if let Some(n) = &self.notice {
             out.push_str(&format!("  Notice: {n}\n"));
         }
@@ -763,6 +816,11 @@ impl Pool {
         if let Some(n) = &self.notice {
             out.push_str(&format!(",\"notice\":\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")));
         }
+        if let Some(why) = &self.stopped {
+            out.push_str(&format!(",\"stopped\":\"{}\"", why.replace('\\', "\\\\").replace('"', "\\\"")));
+        }
+        let (n, reserved, free) = self.private_pool_summary();
+        out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
         out.push('}');
         out
     }
@@ -799,7 +857,9 @@ impl Pool {
         if live_bytes != self.c.used {
             return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
         }
-        let pending: usize = self.pending.iter().map(|p| p.block.size).sum::<usize>() + self.unfenced_bytes;
+        let pending: usize = self.pending.iter().map(|p| p.block.size).sum::<usize>()
+            + self.unfenced_bytes
+            + self.unreleased.iter().map(|s| s.size).sum::<usize>();
         if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
             return Err("unfenced byte count drifted".into());
         }
@@ -857,6 +917,9 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
+        if self.stopped.is_some() {
+            return; // books not vouched for: give nothing back (see `stop`)
+        }
         // Cached memory goes back; live blocks belong to their owners and are left alone.
         self.finish_pending(true);
         self.fence_unfenced();

@@ -116,7 +116,9 @@ impl Pool {
             self.c.reclaimed_bytes += released as u64;
             return Ok(released);
         }
-        let segs = self.strategy.drain_free_segments(want, order);
+        // Segments refused earlier are retried first; one refused again stays for later.
+        let mut segs = std::mem::take(&mut self.unreleased);
+        segs.extend(self.strategy.drain_free_segments(want, order));
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {
@@ -124,6 +126,7 @@ impl Pool {
                 Ok(n) => released += n,
                 Err(e) => {
                     first_err.get_or_insert(e);
+                    self.unreleased.push(seg);
                 }
             }
         }
@@ -144,7 +147,11 @@ impl Pool {
         // upstream the release could be queued on that stream instead, but the stream may
         // since have been destroyed, or be another thread's per-thread stream: wait for its
         // event and release on the legacy stream.
-        self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        if seg.stream == StreamKey::MIXED {
+            self.streams.synchronize_all(&mut *self.upstream)?;
+        } else {
+            self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+        }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg)
     }

@@ -47,6 +47,8 @@ pub struct ThreadCaches {
     orphans: Arc<AtomicUsize>,
     /// Fast-path (allocations, frees) of caches already dropped.
     retired: (u64, u64),
+    /// Shared with every cache: the pool stopped (`Pool::stop`).
+    stopped: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ThreadCaches {
@@ -58,7 +60,14 @@ impl ThreadCaches {
             free_ids: Vec::new(),
             orphans: Arc::new(AtomicUsize::new(0)),
             retired: (0, 0),
+            stopped: Default::default(),
         }
+    }
+
+    /// The pool stopped: no cache hands out a kept block again, none is attached.
+    pub fn disable(&mut self) {
+        self.enabled = false;
+        self.stopped.store(true, Ordering::Release);
     }
 
     pub fn enabled(&self) -> bool {
@@ -77,7 +86,7 @@ impl ThreadCaches {
             }
         }
         let id = self.free_ids.pop().unwrap_or(self.caches.len() as u32);
-        let cache = Arc::new(ThreadCache::new(self.pool_id, id, self.orphans.clone()));
+        let cache = Arc::new(ThreadCache::new(self.pool_id, id, self.orphans.clone(), self.stopped.clone()));
         if id as usize == self.caches.len() {
             self.caches.push(Some(cache.clone()));
         } else {

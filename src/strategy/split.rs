@@ -344,15 +344,22 @@ impl Strategy for SplitStrategy {
         self.flush_quick();
         self.free_index.retain(|_, set| !set.is_empty());
         self.empty_kept = 0;
-        let mut whole: Vec<(usize, SegInfo)> = self
-            .segments
-            .iter()
-            .filter(|(_, info)| {
-                let n = &self.slab.nodes[info.first as usize];
-                n.state == State::Free && n.size == info.size
-            })
-            .map(|(b, i)| (*b, *i))
-            .collect();
+        // Wholly free segments: one free block, or several free blocks that did not merge
+        // because different streams freed them (released too: the pool then waits for
+        // every stream, `StreamKey::MIXED`).
+        let all_free = |info: &SegInfo| {
+            let mut slot = info.first;
+            while slot != NIL {
+                let n = &self.slab.nodes[slot as usize];
+                if n.state != State::Free {
+                    return false;
+                }
+                slot = n.next;
+            }
+            true
+        };
+        let mut whole: Vec<(usize, SegInfo)> =
+            self.segments.iter().filter(|(_, info)| all_free(info)).map(|(b, i)| (*b, *i)).collect();
         match order {
             ReleaseOrder::LargestFirst => whole.sort_unstable_by(|a, b| b.1.size.cmp(&a.1.size).then(a.0.cmp(&b.0))),
             ReleaseOrder::OldestFirst => {
@@ -362,9 +369,17 @@ impl Strategy for SplitStrategy {
         let mut out = Vec::new();
         let mut got = 0;
         for (base, info) in whole {
-            let stream = self.slab.nodes[info.first as usize].stream;
-            self.index_remove(info.first);
-            self.free_slot(info.first);
+            let mut stream = self.slab.nodes[info.first as usize].stream;
+            let mut slot = info.first;
+            while slot != NIL {
+                let next = self.slab.nodes[slot as usize].next;
+                if self.slab.nodes[slot as usize].stream != stream {
+                    stream = StreamKey::MIXED;
+                }
+                self.index_remove(slot);
+                self.free_slot(slot);
+                slot = next;
+            }
             self.segments.remove(&base);
             self.cached -= info.size;
             got += info.size;

@@ -30,6 +30,8 @@ pub struct ThreadCache {
     pub(super) orphaned: AtomicBool,
     /// The pool's count of orphaned caches, bumped on exit so the pool notices cheaply.
     pub(super) orphans: Arc<AtomicUsize>,
+    /// Set when the pool stops (`Pool::stop`): kept blocks are then not handed out again.
+    pub(super) stopped: Arc<std::sync::atomic::AtomicBool>,
     /// Identity of the pool this cache belongs to, and its index there.
     pub(super) pool_id: u64,
     pub(super) id: u32,
@@ -47,7 +49,7 @@ fn bump(c: &AtomicU64) {
 }
 
 impl ThreadCache {
-    pub fn new(pool_id: u64, id: u32, orphans: Arc<AtomicUsize>) -> Self {
+    pub fn new(pool_id: u64, id: u32, orphans: Arc<AtomicUsize>, stopped: Arc<std::sync::atomic::AtomicBool>) -> Self {
         ThreadCache {
             ordered: Words::new(),
             unordered: Words::new(),
@@ -56,6 +58,7 @@ impl ThreadCache {
             fast_frees: AtomicU64::new(0),
             orphaned: AtomicBool::new(false),
             orphans,
+            stopped,
             pool_id,
             id,
         }
@@ -102,6 +105,9 @@ impl ThreadCache {
     }
 
     pub(super) fn reuse(&self, kind: Kind, size: usize) -> Option<usize> {
+        if self.stopped.load(Ordering::Relaxed) {
+            return None; // the locked path reports why
+        }
         let p = match kind {
             Kind::Ordered => self.ordered.reuse(size),
             Kind::Unordered => self.unordered.reuse(size),
@@ -150,7 +156,7 @@ mod tests {
     use crate::thread_cache::WORDS;
 
     fn cache() -> ThreadCache {
-        ThreadCache::new(1, 0, Arc::new(AtomicUsize::new(0)))
+        ThreadCache::new(1, 0, Arc::new(AtomicUsize::new(0)), Default::default())
     }
 
     #[test]

@@ -202,7 +202,7 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
 pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     // Non-default streams, and every stream while a private pool routes allocations (the
     // pool decides where they go), take the locked path.
-    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() {
+    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() || crate::fork::in_child() {
         return registry::with_pool(device, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
@@ -211,7 +211,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
-    if crate::pool::routes_active() {
+    if crate::pool::routes_active() || crate::fork::in_child() {
         return registry::with_pool(device, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
@@ -220,12 +220,12 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
 /// Fast free on the legacy stream: keep `ptr` if this thread allocated it there and still
 /// holds it. `false`: the caller frees through the pool.
 pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
-    crate::stream::is_legacy(stream) && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
+    crate::stream::is_legacy(stream) && !crate::fork::in_child() && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
 }
 
 /// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
 pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
-    with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
+    !crate::fork::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
 }
 
 /// A block this thread kept on `device` for `size` bytes, handed out again (tests).

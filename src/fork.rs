@@ -1,0 +1,76 @@
+//! `fork()`: a child process gets a clear error from every call instead of a hang or
+//! corrupted books.
+//!
+//! Why: CUDA contexts and device memory do not survive `fork()` (the CUDA documentation
+//! says a child must not use CUDA state its parent created), and a pool lock held by another
+//! parent thread at the moment of the fork would stay locked forever in the child, which
+//! has only the forking thread. So:
+//! - before the fork (`pthread_atfork` prepare), the forking thread takes every pool lock,
+//!   so no other thread is in the middle of an update when memory is copied; after it
+//!   (parent and child handlers) the locks are released again;
+//! - in the child every entry point then fails with `Status::Stopped` saying why, and the
+//!   thread caches' fast path hands nothing out;
+//! - the at-exit handler does not join the trace writer thread, which the child lacks.
+//! Use the `spawn` start method (Python multiprocessing, `torch.multiprocessing`) or
+//! `exec` for child processes that need the GPU.
+
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{MutexGuard, Once};
+
+static CHILD: AtomicBool = AtomicBool::new(false);
+static REGISTER: Once = Once::new();
+
+thread_local! {
+    /// The pool locks the forking thread holds between prepare and parent/child.
+    static HELD: RefCell<Vec<MutexGuard<'static, Option<Pool>>>> = const { RefCell::new(Vec::new()) };
+}
+
+extern "C" fn prepare() {
+    // Never unwind into libc.
+    let _ = std::panic::catch_unwind(|| {
+        let guards = crate::registry::lock_all_for_fork();
+        let _ = HELD.try_with(|h| *h.borrow_mut() = guards);
+    });
+}
+
+extern "C" fn release() {
+    let _ = std::panic::catch_unwind(|| {
+        let _ = HELD.try_with(|h| h.borrow_mut().clear());
+    });
+}
+
+extern "C" fn child() {
+    CHILD.store(true, Ordering::SeqCst);
+    release();
+}
+
+/// Install the fork handlers (once per process; called on first use of the registry).
+pub fn register() {
+    REGISTER.call_once(|| {
+        // SAFETY: registering plain extern "C" functions that never unwind.
+        unsafe { libc::pthread_atfork(Some(prepare), Some(release), Some(child)) };
+    });
+}
+
+/// Whether this process is a `fork()` child of one that used gpupool (one relaxed load:
+/// the thread caches' fast path asks).
+#[inline]
+pub fn in_child() -> bool {
+    CHILD.load(Ordering::Relaxed)
+}
+
+/// `Err(Stopped)` in a fork child; installs the handlers on first call.
+pub fn check() -> Result<()> {
+    register();
+    if in_child() {
+        return Err(Error::Stopped(
+            "this process is a fork() child of the process that created gpupool's pools; CUDA memory and contexts do not \
+             survive fork(): start child processes with the 'spawn' method (multiprocessing, torch.multiprocessing) or exec"
+                .into(),
+        ));
+    }
+    Ok(())
+}
