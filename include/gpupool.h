@@ -213,7 +213,7 @@ size_t gpupool_report_leaks(char *buf, size_t len);
 // # Safety
 // `getter` must be NULL or a function of that type callable for the life of the process
 // on any thread that allocates through CuPy.
-void gpupool_cupy_set_stream_getter(Option<StreamGetter> getter);
+void gpupool_cupy_set_stream_getter(ptrdiff_t (*getter)(void));
 
 // `void *malloc(void *param, size_t size, int device)`.
 //

@@ -13,3 +13,12 @@ ensure_pytest() {
     python3 -m pip install -q --disable-pip-version-check pytest >/dev/null
   fi
 }
+ensure_valgrind() {
+  if ! command -v valgrind >/dev/null 2>&1; then
+    echo "== installing valgrind (apt-get)"
+    if ! { apt-get update -qq && apt-get install -y -qq valgrind; } >/dev/null 2>&1; then
+      echo "error: valgrind is missing and could not be installed with apt-get (need root and Debian's package lists)" >&2
+      return 1
+    fi
+  fi
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every test that this machine can run: Rust tests (unit, conformance, property,
-# threads, header freshness), the C tests under ctest, the installed-package check, the
+# threads, fault injection, header freshness), the C tests under ctest, the memory checkers, the installed-package check, the
 # Python tests (skipped where torch/cupy/GPU are missing) and each benchmark once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,9 @@ rc=$?
 set -e
 # 5 = no tests collected; anything else non-zero is a failure.
 if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
+
+echo "== memory checkers (valgrind, ASan/UBSan)"
+scripts/memcheck.sh
 
 echo "== benchmarks, each run once (cargo bench -- --test)"
 cargo bench --bench malloc_free -- --test 2>&1 | grep -E "Success|error|panicked" | head -20

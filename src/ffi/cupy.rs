@@ -55,7 +55,7 @@ fn current_stream() -> Option<usize> {
 /// `getter` must be NULL or a function of that type callable for the life of the process
 /// on any thread that allocates through CuPy.
 #[no_mangle]
-pub unsafe extern "C" fn gpupool_cupy_set_stream_getter(getter: Option<StreamGetter>) {
+pub unsafe extern "C" fn gpupool_cupy_set_stream_getter(getter: Option<unsafe extern "C" fn() -> isize>) {
     STREAM_GETTER.store(getter.map_or(0, |f| f as usize), Ordering::Release);
 }
 

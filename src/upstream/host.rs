@@ -32,6 +32,9 @@ pub struct HostUpstream {
     decommitted: BTreeSet<usize>,
     vmm: HostVmm,
     calls: DriverCalls,
+    /// Segments handed out, by address: a release must name one exactly, and dropping the
+    /// upstream releases what is left, as destroying a CUDA context releases its memory.
+    segments: rustc_hash::FxHashMap<usize, usize>,
 }
 
 impl HostUpstream {
@@ -42,6 +45,7 @@ impl HostUpstream {
             decommitted: BTreeSet::new(),
             vmm: HostVmm::new(HOST_PAGE),
             calls: DriverCalls::default(),
+            segments: Default::default(),
         }
     }
 }
@@ -80,11 +84,16 @@ impl Upstream for HostUpstream {
             return Err(AllocError::OutOfMemory);
         }
         self.allocated += size;
+        self.segments.insert(p as usize, size);
         Ok(p as usize)
     }
 
     fn deallocate(&mut self, addr: usize, size: usize, _stream: StreamHandle) -> Result<()> {
         self.calls.free += 1;
+        if self.segments.get(&addr) != Some(&size) {
+            return Err(crate::error::Error::Internal(format!("host upstream: release of {addr:#x}+{size}, which it did not hand out")));
+        }
+        self.segments.remove(&addr);
         // Decommitted pages become ordinary memory again before the allocator reuses them.
         let holes: Vec<usize> = self.decommitted.range(addr..addr + size).copied().collect();
         for &p in &holes {
@@ -190,5 +199,23 @@ impl Upstream for HostUpstream {
             return Ok(StreamKey(0x8000_0000_0000_0000 | unsafe { libc::pthread_self() } as u64 >> 1));
         }
         Ok(StreamKey(handle as u64))
+    }
+}
+
+impl Drop for HostUpstream {
+    fn drop(&mut self) {
+        // What the pool still holds (live blocks of a pool dropped with allocations
+        // outstanding) goes back with the "device".
+        for (addr, size) in std::mem::take(&mut self.segments) {
+            let holes: Vec<usize> = self.decommitted.range(addr..addr + size).copied().collect();
+            for p in holes {
+                let _ = protect(p, HOST_PAGE, libc::PROT_READ | libc::PROT_WRITE);
+                self.decommitted.remove(&p);
+            }
+            if let Some(layout) = layout(size) {
+                // SAFETY: `(addr, size)` came from `allocate` and was not released.
+                unsafe { dealloc(addr as *mut u8, layout) };
+            }
+        }
     }
 }
