@@ -9,7 +9,7 @@ ensure_cmake
 ensure_pytest
 
 echo "== cargo test"
-GPUPOOL_ARENA_MODEL_OPS=1000000 cargo test --release
+GPUPOOL_ARENA_MODEL_OPS=1000000 GPUPOOL_MODEL_OPS=1000000 GPUPOOL_FAULT_OPS=400000 cargo test --release
 
 echo "== C tests (cmake + ctest)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -709,14 +709,17 @@ impl Pool {
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
         self.running()?;
+        // What went back, however it went (deferred frees finishing here release their
+        // segments at once under the `none` strategy): the drop in reserved bytes.
+        let before = self.c.reserved;
         self.flush_thread_caches();
         self.finish_pending(false);
         self.fence_unfenced();
         self.c.reclaims += 1;
-        let r = self.release_cached(None).map(|n| {
+        let r = self.release_cached(None).map(|_| {
             let pages = self.decommit_free(usize::MAX);
             self.c.reclaimed_bytes += pages as u64;
-            n + pages
+            before - self.c.reserved
         });
         self.trace(0, Action::Reclaim, 0, *r.as_ref().unwrap_or(&0));
         self.verify();
