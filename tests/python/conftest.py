@@ -11,6 +11,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# GPUPOOL_TEST_INSTALLED=1: test the installed package (`pip install .`), not the source
+# tree: no PYTHONPATH to python/, no GPUPOOL_LIBRARY; the interpreter running pytest is used.
+INSTALLED = os.environ.get("GPUPOOL_TEST_INSTALLED") == "1"
+
+
 def _lib():
     env = os.environ.get("GPUPOOL_LIBRARY")
     if env:
@@ -24,8 +29,11 @@ def _lib():
 def run_py(code, env=None, timeout=300):
     """Run `code` in a fresh interpreter with gpupool importable; returns CompletedProcess."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-    e["GPUPOOL_LIBRARY"] = _lib()
+    if INSTALLED:
+        e.pop("GPUPOOL_LIBRARY", None)
+    else:
+        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+        e["GPUPOOL_LIBRARY"] = _lib()
     e["PYTHONUNBUFFERED"] = "1"
     e.update(env or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
@@ -68,6 +76,8 @@ def cupy_gpu():
 
 @pytest.fixture
 def library():
+    if INSTALLED:
+        return None  # the package finds its bundled library
     lib = _lib()
     if not pathlib.Path(lib).is_file():
         pytest.skip(f"libgpupool.so not built ({lib})")

@@ -1,5 +1,6 @@
 """The Python helper itself, on the host upstream (runs everywhere, CI included)."""
-from conftest import ok, run_py
+import pytest
+from conftest import INSTALLED, ok, run_py
 
 
 def test_stats_status_json_reclaim_limits_on_host(library):
@@ -69,3 +70,17 @@ def test_framework_frees_of_bad_pointers_are_counted_and_reported_once_on_host(l
     assert "alive" in ok(p)
     assert p.stderr.count("further invalid frees are counted") == 1, p.stderr
     assert "not allocated by gpupool" in p.stderr, p.stderr
+
+
+def test_installed_package_bundles_its_library():
+    if not INSTALLED:
+        pytest.skip("source-tree run (GPUPOOL_TEST_INSTALLED=1 tests the installed package)")
+    out = ok(run_py("""
+        import gpupool, os, sys
+        assert "site-packages" in gpupool.__file__, gpupool.__file__
+        path = gpupool.library_path()
+        assert os.path.dirname(path) == os.path.dirname(gpupool.__file__), path
+        assert gpupool.lib().gpupool_version().decode().startswith("0."), path
+        print("bundled", os.path.basename(path))
+    """))
+    assert "bundled libgpupool" in out
