@@ -164,6 +164,15 @@ size_t gpupool_memory_status(int device, char *buf, size_t len);
 // `buf` must be NULL or point to `len` writable bytes.
 size_t gpupool_stats_json(int device, char *buf, size_t len);
 
+// The device's memory as segments cut into blocks (allocated, pending free, free), as JSON
+// (one object for a device, an array for -1; same buffer convention as
+// `gpupool_memory_status`). `gpupool.snapshot()` turns it into PyTorch's memory snapshot
+// format for `torch.cuda._memory_viz` and PyTorch's memory visualizer.
+//
+// # Safety
+// `buf` must be NULL or point to `len` writable bytes.
+size_t gpupool_snapshot_json(int device, char *buf, size_t len);
+
 // Constant description of a status code (never NULL).
 const char *gpupool_status_str(int status);
 

@@ -173,6 +173,9 @@ pub struct Config {
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
     pub arena_va: Option<usize>,
+    /// `GPUPOOL_STATUS_SOCKET=1`: answer status requests from other processes on a Unix
+    /// socket (`status_socket.rs`; `python -m gpupool status --pid PID`).
+    pub status_socket: bool,
 }
 
 impl Default for Config {
@@ -189,6 +192,7 @@ impl Default for Config {
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
             arena_va: None,
+            status_socket: false,
         }
     }
 }
@@ -269,6 +273,9 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_THREAD_CACHE") {
             c.thread_cache = bool_flag("GPUPOOL_THREAD_CACHE", &v)?;
+        }
+        if let Some(v) = get("GPUPOOL_STATUS_SOCKET") {
+            c.status_socket = bool_flag("GPUPOOL_STATUS_SOCKET", &v)?;
         }
         if let Some(v) = get("GPUPOOL_ARENA_VA") {
             if !v.trim().is_empty() {

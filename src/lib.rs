@@ -22,6 +22,7 @@
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `exit`: at-exit flush of the trace and leak summary.
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
+//! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
 //! - `ffi`: every `extern "C"` function.
 
 pub mod block;
@@ -37,6 +38,7 @@ pub mod pool;
 pub mod registry;
 pub mod replay;
 pub mod stats;
+pub mod status_socket;
 pub mod strategy;
 pub mod stream;
 pub mod thread_cache;

@@ -78,6 +78,9 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
     if cfg.debug >= 1 {
         crate::exit::register();
     }
+    if cfg.status_socket {
+        crate::status_socket::start();
+    }
     Ok(PoolOptions {
         kind,
         limit: cfg.limit,
@@ -185,4 +188,14 @@ pub(crate) fn lock_all_for_fork() -> Vec<MutexGuard<'static, Option<Pool>>> {
     let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().map(|s| lock_pool(&s.pool)).collect();
     guards.push(lock_pool(&PINNED));
     guards
+}
+
+/// The status report of every device pool in use (what `gpupool_memory_status(-1)` returns).
+pub fn status_report() -> String {
+    let parts: Vec<String> = existing_devices().into_iter().filter_map(|d| with_existing(d, |p| p.memory_status()).ok().flatten()).collect();
+    if parts.is_empty() {
+        "gpupool: no device pool in use yet\n".into()
+    } else {
+        parts.concat()
+    }
 }

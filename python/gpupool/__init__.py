@@ -15,7 +15,7 @@ import os
 import pathlib
 
 __all__ = ["GpupoolError", "library_path", "lib", "stats", "stats_json", "memory_status", "reclaim",
-           "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy"]
+           "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy", "snapshot"]
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _LIB = None
@@ -97,6 +97,8 @@ def lib():
             ("gpupool_cupy_set_stream_getter", None, [vp]),
             ("gpupool_pinned_malloc", c_int, [ctypes.POINTER(vp), c_size, vp]),
             ("gpupool_pinned_free", c_int, [vp, vp]),
+            ("gpupool_pinned_get_stats", c_int, [ctypes.POINTER(Stats)]),
+            ("gpupool_snapshot_json", c_size, [c_int, cp, c_size]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args
@@ -181,8 +183,16 @@ def configure(device=0, pool=None, upstream=None):
     _check(lib().gpupool_configure(device, enc(pool), enc(upstream)))
 
 
+def _socket_path(pid):
+    """Where process `pid` answers status requests (GPUPOOL_STATUS_SOCKET=1; the same rule
+    as the library's status_socket.rs)."""
+    d = os.environ.get("XDG_RUNTIME_DIR")
+    d = d if d and os.path.isdir(d) else "/tmp"
+    return os.path.join(d, f"gpupool-{pid}.sock")
+
+
 def _fn_address(name):
     return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
 
 
-from . import cupy, torch  # noqa: E402  (submodules use the helpers above)
+from . import cupy, snapshot, torch  # noqa: E402  (submodules use the helpers above)

@@ -234,6 +234,21 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
     })
 }
 
+/// The device's memory as segments cut into blocks (allocated, pending free, free), as JSON
+/// (one object for a device, an array for -1; same buffer convention as
+/// `gpupool_memory_status`). `gpupool.snapshot()` turns it into PyTorch's memory snapshot
+/// format for `torch.cuda._memory_viz` and PyTorch's memory visualizer.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_snapshot_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || {
+        let s = report(device, |p| p.snapshot_json(), ("[", ",", "]"));
+        write_str(&s, buf, len)
+    })
+}
+
 /// Constant description of a status code (never NULL).
 #[no_mangle]
 pub extern "C" fn gpupool_status_str(status: c_int) -> *const c_char {

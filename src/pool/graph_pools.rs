@@ -122,6 +122,10 @@ impl PrivatePools {
     pub fn free_blocks(&self) -> Vec<Block> {
         self.pools.values().flat_map(|p| p.strategy.free_blocks()).collect()
     }
+    /// Free blocks with the id of the private pool holding each (snapshots).
+    pub fn free_blocks_by_pool(&self) -> Vec<(PoolId, Block)> {
+        self.pools.iter().flat_map(|(id, p)| p.strategy.free_blocks().into_iter().map(move |b| (*id, b))).collect()
+    }
     pub fn is_free_block(&self, addr: usize) -> bool {
         self.pools.values().any(|p| p.strategy.is_free_block(addr))
     }

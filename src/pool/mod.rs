@@ -27,6 +27,7 @@ pub use thread_caches::{owner_of, NO_OWNER};
 mod arena;
 mod graph_pools;
 mod release;
+mod snapshot;
 mod thread_caches;
 
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};

@@ -1,0 +1,96 @@
+"""`python -m gpupool COMMAND` (also installed as the `gpupool` command):
+
+  status --pid PID           the status report of a running process's pools (that process
+                             must run with GPUPOOL_STATUS_SOCKET=1)
+  status TRACE.csv           the state at the end of a GPUPOOL_TRACE file, and its peaks
+  plot TRACE.csv -o OUT.svg  memory over time (reserved, allocated, per stream; segments as bands)
+  snapshot TRACE.csv -o OUT.pickle
+                             the trace in PyTorch's memory snapshot format (for
+                             pytorch.org/memory_viz and torch.cuda._memory_viz)
+"""
+
+import argparse
+import socket
+import sys
+
+
+def _status_of_pid(pid):
+    from . import _socket_path
+    path = _socket_path(pid)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(path)
+    except OSError as e:
+        raise SystemExit(f"gpupool: cannot reach process {pid}'s status socket {path}: {e.strerror or e}\n"
+                         "(start that process with GPUPOOL_STATUS_SOCKET=1)")
+    chunks = []
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        chunks.append(b)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _status_of_trace(path):
+    from .plot import _human, series
+    from .trace import read
+    rows = read(path)
+    times, reserved, allocated, per_stream, segments = series(rows)
+    if not times:
+        return f"{path}: no memory events\n"
+    counts = {}
+    for r in rows:
+        counts[r.action] = counts.get(r.action, 0) + 1
+    live_segments = [s for s in segments if s[1] == times[-1]]
+    peak_r, peak_a = max(reserved), max(allocated)
+    lines = [
+        f"gpupool trace {path}: {len(rows)} events over {(times[-1] - times[0]) / 1e9:.3f} s",
+        f"  at the end: {_human(reserved[-1])} reserved, {_human(allocated[-1])} allocated, "
+        f"{len(live_segments)} segment(s) held",
+        f"  peaks: {_human(peak_r)} reserved, {_human(peak_a)} allocated"
+        + (f", ratio {peak_r / peak_a:.3f} (peak reserved / peak allocated)" if peak_a else ""),
+        "  events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+    ]
+    for s, vals in sorted(per_stream.items()):
+        name = "legacy" if s in (0, 1) else f"{s:#x}"
+        lines.append(f"  stream {name}: {_human(vals[-1])} allocated at the end, peak {_human(max(vals))}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gpupool", description="gpupool tools")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("status", help="status report of a running process (--pid) or of a trace")
+    st.add_argument("trace", nargs="?")
+    st.add_argument("--pid", type=int)
+    pl = sub.add_parser("plot", help="memory over time from a trace, as SVG")
+    pl.add_argument("trace")
+    pl.add_argument("-o", "--output", default="timeline.svg")
+    pl.add_argument("--title")
+    sn = sub.add_parser("snapshot", help="a trace in PyTorch's memory snapshot format (pickle)")
+    sn.add_argument("trace")
+    sn.add_argument("-o", "--output", default="snapshot.pickle")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "status":
+            if (a.pid is None) == (a.trace is None):
+                ap.error("status needs exactly one of --pid PID or TRACE")
+            sys.stdout.write(_status_of_pid(a.pid) if a.pid is not None else _status_of_trace(a.trace))
+        elif a.cmd == "plot":
+            from .plot import plot
+            print(f"wrote {plot(a.trace, a.output, a.title)}")
+        elif a.cmd == "snapshot":
+            from .snapshot import dump, from_trace
+            data = from_trace(a.trace)
+            dump(a.output, data)
+            n = sum(len(t) for t in data["device_traces"])
+            print(f"wrote {a.output}: {len(data['segments'])} segment(s), {n} trace event(s)")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"gpupool: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Seeing memory: PyTorch-format snapshots of a live pool and of a trace, the SVG timeline,
+and the status command for a trace and for a running process (host upstream: runs anywhere)."""
+import os
+import pathlib
+import pickle
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+from conftest import INSTALLED, ROOT, ok, run_py
+
+TRACE = ROOT / "tests" / "data" / "torch_mlp_trace.csv"
+
+
+def cli(*args, env=None):
+    e = dict(os.environ)
+    if not INSTALLED:
+        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "gpupool", *args], capture_output=True, text=True, env=e, timeout=120)
+
+
+def check_snapshot_books(snap):
+    """What PyTorch's _memory_viz.segsum asserts, and block tiling."""
+    for seg in snap["segments"]:
+        at = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == at, (seg["address"], b)
+            assert b["state"] in ("active_allocated", "active_pending_free", "inactive")
+            assert b["requested_size"] <= b["size"]
+            at += b["size"]
+        assert at == seg["address"] + seg["total_size"], seg
+        assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+
+
+def test_live_snapshot_agrees_with_stats(library):
+    out = ok(run_py("""
+        import ctypes, gpupool, pickle
+        for kind in ("split", "binned", "arena"):
+            gpupool.configure(0, pool=kind, upstream="host")
+            L = gpupool.lib()
+            ps = []
+            for i, n in enumerate([1000, 5 << 20, 300 << 10, 12 << 20, 64, 3 << 20]):
+                p = ctypes.c_void_p()
+                assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
+                ps.append(p)
+            for p in ps[::2]:
+                assert L.gpupool_free(p, 0, None) == 0
+            snap = gpupool.snapshot.snapshot(0)
+            s = gpupool.stats(0)
+            segs = snap["segments"]
+            total = sum(x["total_size"] for x in segs)
+            active = sum(b["size"] for x in segs for b in x["blocks"] if b["state"] != "inactive")
+            assert total == s["total_bytes"], (kind, total, s["total_bytes"])
+            assert active == s["used_bytes"], (kind, active, s["used_bytes"])
+            assert pickle.loads(pickle.dumps(snap)) == snap
+            print(kind, len(segs), total, active)
+            for p in ps[1::2]:
+                assert L.gpupool_free(p, 0, None) == 0
+            gpupool.reclaim(0)
+        import json; print("SNAP", json.dumps(snap))
+    """, env={"GPUPOOL_THREAD_CACHE": "0"}))
+    import json
+    snap = json.loads([line for line in out.splitlines() if line.startswith("SNAP ")][0][5:])
+    check_snapshot_books(snap)
+
+
+def test_trace_snapshot_has_events_and_tiled_segments(tmp_path):
+    r = cli("snapshot", str(TRACE), "-o", str(tmp_path / "s.pickle"))
+    assert r.returncode == 0, r.stderr
+    snap = pickle.loads((tmp_path / "s.pickle").read_bytes())
+    actions = {e["action"] for t in snap["device_traces"] for e in t}
+    assert {"alloc", "free_requested", "free_completed", "segment_alloc"} <= actions, actions
+    check_snapshot_books(snap)
+    assert sum(s["total_size"] for s in snap["segments"]) == 112 << 20
+
+
+def test_pytorch_memory_viz_reads_the_snapshots(tmp_path):
+    try:
+        from torch.cuda import _memory_viz
+    except Exception as e:  # torch missing
+        pytest.skip(f"torch is not installed here ({type(e).__name__})")
+    assert cli("snapshot", str(TRACE), "-o", str(tmp_path / "s.pickle")).returncode == 0
+    snap = pickle.loads((tmp_path / "s.pickle").read_bytes())
+    text = _memory_viz.segsum(snap)  # asserts PyTorch's own invariants on the books
+    assert "total_reserved: 112.0MiB" in text, text
+    assert "entries" in _memory_viz.trace(snap)
+
+
+def test_plot_writes_an_svg_with_every_series(tmp_path):
+    out = tmp_path / "timeline.svg"
+    r = cli("plot", str(TRACE), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    root = ET.parse(out).getroot()  # well-formed XML
+    ns = "{http://www.w3.org/2000/svg}"
+    series = {p.get("data-series") for p in root.iter(ns + "polyline")}
+    assert {"reserved", "allocated", "stream legacy"} <= series, series
+    bands = [r for r in root.iter(ns + "rect") if r.get("class") == "segment"]
+    assert len(bands) == 8, len(bands)
+    assert "peak reserved 112.0 MiB" in out.read_text()
+
+
+def test_status_of_a_trace_and_bad_input():
+    r = cli("status", str(TRACE))
+    assert r.returncode == 0, r.stderr
+    assert "peaks: 112.0 MiB reserved, 95.7 MiB allocated, ratio 1.170" in r.stdout, r.stdout
+    bad = cli("status", str(ROOT / "README.md"))
+    assert bad.returncode != 0 and "not a gpupool trace" in bad.stderr, bad.stderr
+    assert cli("status").returncode != 0
+
+
+def test_status_of_a_running_process(library, tmp_path):
+    e = dict(os.environ, GPUPOOL_STATUS_SOCKET="1", XDG_RUNTIME_DIR=str(tmp_path))
+    if not INSTALLED:
+        e["PYTHONPATH"] = str(ROOT / "python")
+        e["GPUPOOL_LIBRARY"] = library
+    child = subprocess.Popen([sys.executable, "-c", """
+import ctypes, gpupool, sys
+gpupool.configure(0, pool="split", upstream="host")
+p = ctypes.c_void_p()
+assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+print("ready", flush=True)
+sys.stdin.readline()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=e)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        r = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+        assert r.returncode == 0, r.stderr
+        assert "3.00 MiB in use" in r.stdout, r.stdout
+    finally:
+        child.stdin.write("\n")
+        child.stdin.close()
+        child.wait(timeout=30)
+    gone = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert gone.returncode != 0 and "GPUPOOL_STATUS_SOCKET=1" in gone.stderr
