@@ -8,7 +8,7 @@
 //!   `spin::mutex::SpinMutex<_, Yield>`, 1 and 8 threads (16 threads oversubscribes this
 //!   2-core machine, the case where spinning collapses).
 //!
-//! - `churn/*`: shared/bench/churn.py's `churn` workload on the pool alone (256 live slots,
+//! - `churn/*`: bench/frameworks/churn.py's `churn` workload on the pool alone (256 live slots,
 //!   each step frees a random slot and allocates a log-uniform size in [512 B, 32 MiB]) on a
 //!   simulated 80 GiB device: the cost of a pair when sizes never repeat, where best fit,
 //!   splitting and coalescing do real work. Time per step (one free + one malloc).
@@ -67,7 +67,7 @@ fn c_api(c: &mut Criterion) {
             gpupool_cupy_free(null_mut(), black_box(p), 0);
         })
     });
-    // shared/bench/churn.py's churn through the C API (see `churn/*` below): sizes never
+    // bench/frameworks/churn.py's churn through the C API (see `churn/*` below): sizes never
     // repeat, so every step takes the locked path; what the thread cache costs there.
     unsafe { gpupool_configure(5, c"split".as_ptr(), c"host".as_ptr()) };
     let seq = churn_sequence(1 << 16);

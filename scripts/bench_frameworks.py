@@ -1,10 +1,10 @@
-"""Run the framework churn benchmark (shared/bench/churn.py) for every allocator in one GPU
+"""Run the framework churn benchmark (bench/frameworks/churn.py) for every allocator in one GPU
 session and print the table with ratios against the anchors measured in the same run.
 
 usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO CHURN_FLOOR_SO [OUT_JSONL]
 Each allocator runs in its own process (one allocator per process, as churn.py requires).
 CHURN_FLOOR_SO: tests/gpu/churn_floor.c built, the `churn` workload's floor (distinct
-addresses at next to no cost; shared/bench's floor plug-in serves `fixed` only).
+addresses at next to no cost; bench/frameworks' floor plug-in serves `fixed` only).
 """
 import json
 import os

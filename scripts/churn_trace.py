@@ -1,4 +1,4 @@
-"""Write shared/bench/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
+"""Write bench/frameworks/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
 [512 B, 32 MiB]) as a GPUPOOL_TRACE file, so gpupool-replay can study the benchmark offline:
 
     python3 scripts/churn_trace.py > /tmp/churn.csv

@@ -3,7 +3,7 @@ granularity? The memory target's evidence (README, Measurements), run on the GPU
 
 usage: python3 scripts/driver_pool_trim.py [LIBGPUPOOL]
 
-Runs shared/bench/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
+Runs bench/frameworks/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
 [512 B, 32 MiB]) through CuPy in child processes, one configuration each:
   - CuPy's MemoryAsyncPool (cudaMallocAsync per allocation) with the default pool's release
     threshold untouched, 0, and the maximum, and with cuMemPoolTrimTo(0) every 1000 steps;

@@ -8,6 +8,11 @@ OUT=${1:-${OUT:-/tmp/gpupool-out}}
 mkdir -p "$OUT"
 LIB="$ROOT/dist/libgpupool.so"
 cd "$ROOT"
+if [ ! -f "$LIB" ]; then
+  echo "error: $LIB is missing. This machine has no Rust toolchain: build the library where there is one" >&2
+  echo "(cargo build --release && mkdir -p dist && cp target/release/libgpupool.so dist/) and bring dist/ along." >&2
+  exit 1
+fi
 nvidia-smi -L
 echo "== libgpupool.so dependencies (must not include libcuda)"; ldd "$LIB"
 
@@ -42,4 +47,10 @@ echo "key lines:"
 grep -hE "^stream_stress pool=|^limit fill|^device fill|^reclaim released|^conformance .*passed|^cross-stream reuse|^record_stream|threads x|^pinned \(" "$OUT/ctest-full.log" | sort -u
 [ -f "$OUT/hotpath.log" ] && cat "$OUT/hotpath.log"
 [ -f "$OUT/python-summary.txt" ] && cat "$OUT/python-summary.txt"
-exit 0
+# Fail when anything failed: the build, a ctest test, or a Python test.
+failed=0
+[ $build_rc -eq 0 ] || failed=1
+grep -q "100% tests passed" "$OUT/ctest.log" || failed=1
+if [ -f "$OUT/pytest.log" ] && grep -qE "^(FAILED|ERROR)|[0-9]+ (failed|error)" "$OUT/pytest.log"; then failed=1; fi
+[ $failed -eq 0 ] && echo "GPU CHECK: PASSED" || echo "GPU CHECK: FAILED"
+exit $failed

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Part of scripts/gpu_check.sh: the Python tests (PyTorch, CuPy) and the benchmarks, on the
-# GPU machine. Expects dist/libgpupool.so, dist/bench/ (a copy of shared/bench) and, for the
+# GPU machine. Expects dist/libgpupool.so (the library built elsewhere: the GPU machine has no
+# Rust toolchain; `cargo build --release && mkdir -p dist && cp target/release/libgpupool.so dist/`) and, for the
 # RMM column, RMM wheels in .whl/. SKIP_BENCH=1: tests only; ONLY_BENCH=1: the benchmarks
 # only (the two together pass the device's 10-minute limit per command).
 # WORKLOADS=training,serving,churn: run the workload benchmark (scripts/bench_workloads.py:
@@ -11,6 +12,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/tmp/gpupool-out}
 cd "$ROOT"
 export GPUPOOL_LIBRARY="$ROOT/dist/libgpupool.so" PYTHONUNBUFFERED=1
+if [ ! -f "$GPUPOOL_LIBRARY" ]; then
+  echo "error: $GPUPOOL_LIBRARY is missing: build it with cargo build --release and copy it to dist/" >&2
+  exit 1
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -33,9 +38,9 @@ if [ -n "${WORKLOADS:-}" ]; then
   exit 0
 fi
 echo "== framework benchmark (churn.py), every allocator in this run"
-gcc -O2 -shared -fPIC -I/usr/local/cuda/include dist/bench/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
+gcc -O2 -shared -fPIC -I/usr/local/cuda/include bench/frameworks/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include tests/gpu/churn_floor.c -L/usr/local/cuda/lib64 -lcuda -o /tmp/churn_floor.so
-ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py dist/bench "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py bench/frameworks "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 echo "== does the driver's own pool give memory back? (scripts/driver_pool_trim.py)"
 python3 scripts/driver_pool_trim.py "$GPUPOOL_LIBRARY" 2>&1 | tee "$OUT/driver_pool.log"
 {

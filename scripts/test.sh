@@ -27,6 +27,11 @@ PKG_CONFIG_PATH="$prefix/lib/pkgconfig" cc -Wall -Wextra -Werror examples-c/limi
   -L"$prefix/lib" -lgpupool -o build/limits_pc
 LD_LIBRARY_PATH="$prefix/lib" ./build/limits_pc host >/dev/null
 echo "installed package OK ($prefix)"
+echo "== the repository as a CMake subproject (FetchContent / add_subdirectory, cargo inside)"
+cmake -S examples-c/fetchcontent -B build/fetchcontent -DGPUPOOL_SOURCE="$PWD" >/dev/null
+cmake --build build/fetchcontent >/dev/null
+./build/fetchcontent/consumer host >/dev/null
+echo "subproject build OK"
 
 echo "== python tests (source tree)"
 set +e

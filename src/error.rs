@@ -146,7 +146,7 @@ impl Error {
 
 /// Human-readable byte count: `1.50 GiB (1610612736 bytes)` style, short form.
 pub fn human_bytes(n: usize) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = n as f64;
     let mut u = 0;
     while v >= 1024.0 && u + 1 < UNITS.len() {
@@ -185,7 +185,9 @@ impl fmt::Display for OomReport {
             if self.limit == 0 { "none".to_string() } else { h(self.limit) }
         )?;
         // The hint names the knob that matches the situation.
-        if self.by_limit {
+        if self.device_free_total.is_some_and(|(_, total)| self.requested > total) {
+            write!(f, " Hint: the request is larger than the whole device; check the size computation.")
+        } else if self.by_limit {
             write!(f, " Hint: raise the limit (gpupool_set_limit / GPUPOOL_MEMORY_LIMIT) or free tensors/arrays you no longer need.")
         } else if self.cached > 0 && self.largest_free_block < self.rounded {
             write!(

@@ -4,7 +4,8 @@
 //! Lock choice: `std::sync::Mutex` (futex: a short spin, then the thread parks). Measured
 //! with `cargo bench --bench malloc_free` (see README "Lock choice"): uncontended it costs
 //! about what `spin::Mutex<Yield>` does, and unlike a spin lock it is safe to hold across
-//! the driver calls the grow/reclaim paths make (DESIGN.md: never spin across a driver call).
+//! the driver calls the grow/reclaim paths make (a spinning waiter burns a core for as long
+//! as a driver call takes, and spin locks collapse when threads outnumber cores).
 
 use crate::config::{Config, PoolKind, UpstreamKind};
 use crate::error::{Error, Result};
@@ -68,6 +69,9 @@ fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<P
 
 fn slot(device: i32) -> Result<&'static Slot> {
     crate::fork::check()?;
+    // A malformed environment variable fails every call that reaches a pool, frees and
+    // reclaims included, with the message that names it.
+    config()?;
     if device < 0 || device as usize >= MAX_DEVICES {
         return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
     }

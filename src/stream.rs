@@ -1,7 +1,7 @@
 //! Streams and events: stream identity, and the rule "is this cached block safe to hand
 //! to stream S".
 //!
-//! The rule (DESIGN.md): a block freed on stream A may go
+//! The rule: a block freed on stream A may go
 //! - to A at once (stream order protects it);
 //! - to B only after an event recorded on A after the free has completed, or after B has
 //!   been made to wait on that event (`cuStreamWaitEvent`).

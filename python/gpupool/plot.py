@@ -121,7 +121,7 @@ def svg(path, title=None):
         out.append(f'<rect class="segment" x="{x(a):.1f}" y="{yy:.1f}" width="{max(x(b) - x(a), 1):.1f}" height="{h:.1f}" '
                    f'fill="{COLORS[i % len(COLORS)]}" fill-opacity="0.55"><title>{base:#x}: {_human(size)}</title></rect>')
         yy += h + 1
-    out.append(f'<text x="{W - M}" y="{M / 2 + 4}" text-anchor="end">peak reserved {_human(max(reserved))}, '
+    out.append(f'<text x="{W - M}" y="20" text-anchor="end">peak reserved {_human(max(reserved))}, '
                f'peak allocated {_human(max(allocated))}</text>')
     out.append("</svg>")
     return "\n".join(out)

@@ -172,12 +172,17 @@ pub trait Upstream: Send {
 pub fn build(kind: crate::config::UpstreamKind, device: i32, host_capacity: usize) -> Result<Box<dyn Upstream>> {
     use crate::config::UpstreamKind as K;
     use cuda::CudaUpstream;
+    // Only here, where a device pool is being made, is the host upstream an alternative.
+    let hint = |e: Error| match e {
+        Error::NoDriver(m) => Error::NoDriver(format!("{m}; without a GPU, GPUPOOL_UPSTREAM=host runs the pool on host memory")),
+        other => other,
+    };
     Ok(match kind {
         K::Host => Box::new(host::HostUpstream::new(host_capacity)),
-        K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem)?),
-        K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem)?),
-        K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem)?),
-        K::Vmm => Box::new(CudaUpstream::new(device, cuda::vmm::VmmMem::new())?),
+        K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem).map_err(hint)?),
+        K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem).map_err(hint)?),
+        K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem).map_err(hint)?),
+        K::Vmm => Box::new(CudaUpstream::new(device, cuda::vmm::VmmMem::new()).map_err(hint)?),
     })
 }
 

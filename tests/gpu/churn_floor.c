@@ -1,7 +1,7 @@
 /* Benchmark anchor for the `churn` workload, not a pool: the frameworks' own cost of a
  * plug-in allocation when the allocator itself costs next to nothing.
  *
- * shared/bench's floor_* plug-in returns one buffer for every request, which PyTorch's
+ * bench/frameworks' floor_* plug-in returns one buffer for every request, which PyTorch's
  * CUDAPluggableAllocator rejects as soon as two allocations are live (it keys its metadata
  * by pointer), so `churn` had no floor. This one hands out distinct addresses: up to 4096
  * live allocations of at most 64 MiB, each a slot of a virtual range reserved with

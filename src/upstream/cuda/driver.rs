@@ -15,9 +15,11 @@ pub fn ensure_driver() -> Result<()> {
         .get_or_init(|| {
             // SAFETY: only tries to dlopen candidate names.
             if !unsafe { sys::is_culib_present() } {
-                let looked = cudarc::get_lib_name_candidates("cuda");
+                let mut looked = cudarc::get_lib_name_candidates("cuda");
+                let mut seen = std::collections::HashSet::new();
+                looked.retain(|n| seen.insert(n.clone())); // the candidate list repeats names
                 return Err(Error::NoDriver(format!(
-                    "could not load the CUDA driver library (looked for {}); install the NVIDIA driver or use GPUPOOL_UPSTREAM=host",
+                    "could not load the CUDA driver library (looked for {}); install the NVIDIA driver",
                     looked.join(", ")
                 )));
             }
