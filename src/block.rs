@@ -4,11 +4,10 @@
 //! A *segment* is one upstream allocation; a *block* is a piece of a segment. Metadata lives
 //! here on the host, never in the (device) memory it describes.
 
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 
-/// Every address handed out is a multiple of this (CUDA's own allocation granule is 256 B,
-/// and `cuMemAlloc` guarantees 256 B alignment).
-pub const MIN_ALIGN: usize = 256;
+/// Every address handed out is a multiple of this (the upstream contract's alignment).
+pub use crate::upstream::MIN_ALIGN;
 
 /// One upstream allocation.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

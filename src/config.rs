@@ -205,6 +205,14 @@ fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
     }
 }
 
+static CONFIG: std::sync::OnceLock<Result<Config>> = std::sync::OnceLock::new();
+
+/// The environment's configuration, parsed once per process; a malformed value is returned
+/// as an error by every call that needs it.
+pub fn get() -> Result<&'static Config> {
+    CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
+}
+
 impl Config {
     /// Read the process environment.
     pub fn from_env() -> Result<Config> {

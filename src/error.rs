@@ -251,3 +251,18 @@ pub fn warn(msg: &str) {
     }
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
+
+static LAST_PANIC: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Remember the message of a panic the C boundary caught (the pool it interrupted reports it
+/// when it stops).
+pub fn set_last_panic(msg: &str) {
+    if let Ok(mut p) = LAST_PANIC.lock() {
+        *p = Some(msg.to_string());
+    }
+}
+
+/// The message of the last panic caught at the C boundary, if any.
+pub fn last_panic() -> Option<String> {
+    LAST_PANIC.lock().ok().and_then(|p| p.clone())
+}

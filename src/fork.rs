@@ -10,18 +10,22 @@
 //!   (parent and child handlers) the locks are released again;
 //! - in the child every entry point then fails with `Status::Stopped` saying why, and the
 //!   thread caches' fast path hands nothing out;
-//! - the at-exit handler does not join the trace writer thread, which the child lacks.
+//! - the at-exit hooks do not run in the child (`process.rs`): its trace writer thread and
+//!   pools are the parent's.
 //! Use the `spawn` start method (Python multiprocessing, `torch.multiprocessing`) or
 //! `exec` for child processes that need the GPU.
 
 use crate::error::{Error, Result};
 use crate::pool::Pool;
+use crate::process::in_child;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{MutexGuard, Once};
+use std::sync::{MutexGuard, Once, OnceLock};
 
-static CHILD: AtomicBool = AtomicBool::new(false);
+/// Every pool lock, taken (the registry's, handed over at registration).
+pub type LockAll = fn() -> Vec<MutexGuard<'static, Option<Pool>>>;
+
 static REGISTER: Once = Once::new();
+static LOCK_ALL: OnceLock<LockAll> = OnceLock::new();
 
 thread_local! {
     /// The pool locks the forking thread holds between prepare and parent/child.
@@ -31,8 +35,10 @@ thread_local! {
 extern "C" fn prepare() {
     // Never unwind into libc.
     let _ = std::panic::catch_unwind(|| {
-        let guards = crate::registry::lock_all_for_fork();
-        let _ = HELD.try_with(|h| *h.borrow_mut() = guards);
+        if let Some(lock_all) = LOCK_ALL.get() {
+            let guards = lock_all();
+            let _ = HELD.try_with(|h| *h.borrow_mut() = guards);
+        }
     });
 }
 
@@ -43,28 +49,23 @@ extern "C" fn release() {
 }
 
 extern "C" fn child() {
-    CHILD.store(true, Ordering::SeqCst);
+    crate::process::mark_child();
     release();
 }
 
-/// Install the fork handlers (once per process; called on first use of the registry).
-pub fn register() {
+/// Install the fork handlers (once per process; called on first use of the registry, which
+/// hands over how to take every pool lock).
+pub fn register(lock_all: LockAll) {
     REGISTER.call_once(|| {
+        let _ = LOCK_ALL.set(lock_all);
         // SAFETY: registering plain extern "C" functions that never unwind.
         unsafe { libc::pthread_atfork(Some(prepare), Some(release), Some(child)) };
     });
 }
 
-/// Whether this process is a `fork()` child of one that used gpupool (one relaxed load:
-/// the thread caches' fast path asks).
-#[inline]
-pub fn in_child() -> bool {
-    CHILD.load(Ordering::Relaxed)
-}
-
 /// `Err(Stopped)` in a fork child; installs the handlers on first call.
-pub fn check() -> Result<()> {
-    register();
+pub fn check(lock_all: LockAll) -> Result<()> {
+    register(lock_all);
     if in_child() {
         return Err(Error::Stopped(
             "this process is a fork() child of the process that created gpupool's pools; CUDA memory and contexts do not \

@@ -20,7 +20,7 @@
 //!   (`pool/thread_caches.rs` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
-//! - `exit`: at-exit flush of the trace and leak summary.
+//! - `process`: the fork-child flag and at-exit hooks (a leaf every layer may use).
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
 //! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
 //! - `ffi`: every `extern "C"` function.
@@ -31,10 +31,10 @@ pub mod debug;
 pub mod decay;
 pub mod error;
 pub mod pages;
-pub mod exit;
 pub mod fork;
 pub mod ffi;
 pub mod pool;
+pub mod process;
 pub mod registry;
 pub mod replay;
 pub mod stats;

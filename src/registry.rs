@@ -11,7 +11,7 @@ use crate::config::{Config, PoolKind, UpstreamKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolOptions};
 use crate::upstream;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
 /// Device ids accepted: `0..MAX_DEVICES` (CUDA upstreams further check the device count).
 pub const MAX_DEVICES: usize = 64;
@@ -35,12 +35,9 @@ struct Slot {
 const EMPTY_SLOT: Slot = Slot { pool: Mutex::new(None), choice: Mutex::new(None) };
 static SLOTS: [Slot; MAX_DEVICES] = [EMPTY_SLOT; MAX_DEVICES];
 static PINNED: PoolLock<Option<Pool>> = Mutex::new(None);
-static CONFIG: OnceLock<Result<Config>> = OnceLock::new();
-
-/// The environment's configuration (parsed once; a malformed value is returned as an error
-/// by every call that needs it).
+/// The environment's configuration (`config::get`).
 pub fn config() -> Result<&'static Config> {
-    CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
+    crate::config::get()
 }
 
 /// Lock a plain registry mutex (a configuration choice), recovering from poisoning: nothing
@@ -60,15 +57,15 @@ fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<P
         m.clear_poison();
         let mut g = poisoned.into_inner();
         if let Some(p) = g.as_mut() {
-            let why = crate::ffi::boundary::last_error();
-            p.stop(if why.is_empty() { "an operation was interrupted by a panic" } else { &why });
+            let why = crate::error::last_panic().unwrap_or_else(|| "an operation was interrupted by a panic".into());
+            p.stop(&why);
         }
         g
     })
 }
 
 fn slot(device: i32) -> Result<&'static Slot> {
-    crate::fork::check()?;
+    crate::fork::check(lock_all_for_fork)?;
     // A malformed environment variable fails every call that reaches a pool, frees and
     // reclaims included, with the message that names it.
     config()?;
@@ -80,10 +77,10 @@ fn slot(device: i32) -> Result<&'static Slot> {
 
 fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
     if cfg.debug >= 1 {
-        crate::exit::register();
+        crate::process::on_exit(print_leak_summary);
     }
     if cfg.status_socket {
-        crate::status_socket::start();
+        crate::status_socket::start(status_report);
     }
     Ok(PoolOptions {
         kind,
@@ -161,7 +158,7 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
 
 /// Run `f` on the pinned host pool, creating it on first use.
 pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
-    crate::fork::check()?;
+    crate::fork::check(lock_all_for_fork)?;
     let mut g = lock_pool(&PINNED);
     if g.is_none() {
         let cfg = config()?;
@@ -184,6 +181,14 @@ pub fn leak_report() -> String {
         leaks.extend(p.leaks());
     }
     crate::debug::render(leaks, config().map(|c| c.debug).unwrap_or(0))
+}
+
+/// At exit with `GPUPOOL_DEBUG` >= 1: the leak summary, when anything is still live.
+fn print_leak_summary() {
+    let report = leak_report();
+    if !report.starts_with("gpupool: 0 live") {
+        crate::error::warn(&report);
+    }
 }
 
 /// `fork()` support (`fork.rs`): hold every pool lock across the fork, so that the child's

@@ -25,9 +25,9 @@ extern "C" fn remove_at_exit() {
     let _ = std::fs::remove_file(path_for(std::process::id()));
 }
 
-/// Start the listener once per process (when configured). Failures are reported once on
+/// Start the listener once per process (when configured); `report` writes the answer. Failures are reported once on
 /// stderr and otherwise ignored: the pool works without it.
-pub fn start() {
+pub fn start(report: fn() -> String) {
     START.call_once(|| {
         let path = path_for(std::process::id());
         let _ = std::fs::remove_file(&path);
@@ -44,7 +44,7 @@ pub fn start() {
         let spawned = std::thread::Builder::new().name("gpupool-status".into()).spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { continue };
-                let report = std::panic::catch_unwind(crate::registry::status_report).unwrap_or_else(|_| "gpupool: the report failed\n".into());
+                let report = std::panic::catch_unwind(report).unwrap_or_else(|_| "gpupool: the report failed\n".into());
                 let _ = conn.write_all(report.as_bytes());
             }
         });

@@ -21,33 +21,9 @@ use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
 use rustc_hash::FxHashMap;
 
-/// A raw `CUstream` / `cudaStream_t` value as the caller passed it.
-pub type StreamHandle = usize;
-
-/// `0`: the legacy default stream.
-pub const STREAM_DEFAULT: StreamHandle = 0;
-/// `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
-pub const STREAM_LEGACY: StreamHandle = 0x1;
-/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
-pub const STREAM_PER_THREAD: StreamHandle = 0x2;
-
-/// A stream's identity for the pool. Handles can be recycled after `cuStreamDestroy`;
-/// keys come from `cuStreamGetId`, unique for the context's lifetime.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamKey(pub u64);
-
-impl StreamKey {
-    /// The legacy default stream (handles 0 and `CU_STREAM_LEGACY`).
-    pub const LEGACY: StreamKey = StreamKey(u64::MAX);
-    /// A segment whose free blocks were last used on different streams (`drain_free_segments`):
-    /// releasing it waits for every stream.
-    pub const MIXED: StreamKey = StreamKey(u64::MAX - 1);
-}
-
-/// Whether a handle names the legacy default stream.
-pub fn is_legacy(h: StreamHandle) -> bool {
-    h == STREAM_DEFAULT || h == STREAM_LEGACY
-}
+// Stream identities (handles, keys, the legacy stream) belong to the driver layer; the
+// tracker below and every layer above use them from there.
+pub use crate::upstream::stream_id::{is_legacy, StreamHandle, StreamKey, STREAM_DEFAULT, STREAM_LEGACY, STREAM_PER_THREAD};
 
 struct StreamState {
     /// A handle valid for recording on this stream (for the per-thread stream: only on the

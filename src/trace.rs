@@ -149,7 +149,7 @@ static GLOBAL: OnceLock<Result<Option<Tracer>>> = OnceLock::new();
 
 /// The process tracer named by `GPUPOOL_TRACE` (None when unset); opened once.
 pub fn global() -> Result<Option<&'static Tracer>> {
-    let cfg = crate::registry::config()?;
+    let cfg = crate::config::get()?;
     GLOBAL
         .get_or_init(|| {
             let t = match &cfg.trace {
@@ -157,7 +157,7 @@ pub fn global() -> Result<Option<&'static Tracer>> {
                 Some(p) => Some(Tracer::open(p)?),
             };
             if t.is_some() {
-                crate::exit::register();
+                crate::process::on_exit(finish_global);
             }
             Ok(t)
         })

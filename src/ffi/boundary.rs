@@ -40,7 +40,9 @@ pub fn call(f: impl FnOnce() -> Result<()>) -> Status {
             e.status()
         }
         Err(p) => {
-            record(&Error::Internal(panic_message(p)));
+            let msg = panic_message(p);
+            crate::error::set_last_panic(&msg);
+            record(&Error::Internal(msg));
             Status::Internal
         }
     }
@@ -51,7 +53,9 @@ pub fn call_value<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(p) => {
-            record(&Error::Internal(panic_message(p)));
+            let msg = panic_message(p);
+            crate::error::set_last_panic(&msg);
+            record(&Error::Internal(msg));
             fallback
         }
     }

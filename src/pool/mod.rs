@@ -18,11 +18,10 @@ use crate::error::{BadPointer, Error, OomReport, Result};
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
 use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
-use crate::thread_cache::Hold;
 use crate::upstream::{AllocError, EventHandle, Upstream};
 use rustc_hash::FxHashMap;
 use thread_caches::ThreadCaches;
-pub use thread_caches::{owner_of, NO_OWNER};
+pub use thread_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
 mod graph_pools;

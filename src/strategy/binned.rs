@@ -5,7 +5,7 @@
 
 use super::{ReleaseOrder, Strategy};
 use crate::block::{Block, Segment};
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 use rustc_hash::FxHashMap;
 
 const MIN_BIN: usize = 512;

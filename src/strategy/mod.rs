@@ -13,7 +13,7 @@ pub mod split;
 
 use crate::block::{Block, Segment};
 use crate::config::PoolKind;
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 
 /// Which cached segments go back first.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 
 #[derive(Default)]
 pub struct Passthrough;

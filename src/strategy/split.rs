@@ -25,7 +25,7 @@
 use super::bins::FreeBins;
 use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment, MIN_ALIGN};
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 use rustc_hash::FxHashMap;
 use std::collections::hash_map::Entry;
 

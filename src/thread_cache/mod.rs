@@ -43,11 +43,9 @@
 //!   catch it.
 
 
-mod cache;
-mod words;
-
-pub use cache::{Kind, ThreadCache};
-pub use words::Hold;
+// The words a thread and its device's pool share live in the pool layer (the pool must
+// claim and empty them under its lock); this module owns the thread-local side.
+pub use crate::pool::{Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
 use crate::error::{Error, Result};
 use crate::pool::Pool;
@@ -57,18 +55,7 @@ use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Blocks one thread can keep eligible for the fast path on one device for legacy-stream
-/// frees. Four covers the temporaries of a typical step (allocate a few, free them in any
-/// order, repeat).
-pub const WORDS: usize = 4;
-/// Magazine for CuPy's stream-less frees: room for a fence batch plus blocks in use.
-pub const MAGAZINE: usize = 32;
-/// Unfenced CuPy frees that make the owner's next locked allocation record a fence.
-pub const FENCE_BATCH: usize = 24;
-/// ...or this many bytes of them: half the pool's own bound for its unfenced frees, so a
-/// thread's magazine and the pool's batch together hold at most 1.5× what the pool alone
-/// did before there were thread caches (memory waiting for a fence cannot serve requests).
-pub const FENCE_BYTES: usize = crate::pool::UNFENCED_MAX_BYTES / 2;
+
 
 /// This thread's caches, by device. On thread exit each is marked orphaned.
 struct Mine(RefCell<Vec<Option<Arc<ThreadCache>>>>);
@@ -202,7 +189,7 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
 pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     // Non-default streams, and every stream while a private pool routes allocations (the
     // pool decides where they go), take the locked path.
-    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() || crate::fork::in_child() {
+    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() || crate::process::in_child() {
         return registry::with_pool(device, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
@@ -211,7 +198,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
-    if crate::pool::routes_active() || crate::fork::in_child() {
+    if crate::pool::routes_active() || crate::process::in_child() {
         return registry::with_pool(device, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
@@ -220,12 +207,12 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
 /// Fast free on the legacy stream: keep `ptr` if this thread allocated it there and still
 /// holds it. `false`: the caller frees through the pool.
 pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
-    crate::stream::is_legacy(stream) && !crate::fork::in_child() && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
+    crate::stream::is_legacy(stream) && !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
 }
 
 /// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
 pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
-    !crate::fork::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
+    !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
 }
 
 /// A block this thread kept on `device` for `size` bytes, handed out again (tests).

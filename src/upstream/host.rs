@@ -14,10 +14,9 @@
 //! driver calls.
 
 use super::host_vmm::HostVmm;
-use super::{AllocError, DriverCalls, Upstream};
-use crate::block::MIN_ALIGN;
+use super::{AllocError, DriverCalls, Upstream, MIN_ALIGN};
 use crate::error::Result;
-use crate::stream::{StreamHandle, StreamKey, STREAM_PER_THREAD};
+use crate::upstream::stream_id::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
 use std::collections::BTreeSet;
 

@@ -32,11 +32,16 @@ pub mod cuda;
 pub mod host;
 pub mod host_vmm;
 pub mod sim;
+pub mod stream_id;
 
 pub use calls::DriverCalls;
 
 use crate::error::{Error, Result};
-use crate::stream::{StreamHandle, StreamKey};
+use stream_id::{StreamHandle, StreamKey};
+
+/// Every address an upstream hands out is a multiple of this, and so is every block the
+/// pool hands out (CUDA's own allocation granule is 256 B; `cuMemAlloc` guarantees it).
+pub const MIN_ALIGN: usize = 256;
 
 /// An opaque event (a `CUevent` for the CUDA upstreams).
 pub type EventHandle = usize;

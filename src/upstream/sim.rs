@@ -4,7 +4,7 @@
 
 use super::{AllocError, DriverCalls, Upstream};
 use crate::error::{Error, Result};
-use crate::stream::StreamHandle;
+use crate::upstream::stream_id::StreamHandle;
 use std::collections::BTreeSet;
 
 /// Page size of the simulated device: the GPU's mapping granularity.

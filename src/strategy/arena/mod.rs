@@ -25,7 +25,7 @@ pub mod stitch;
 
 use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment};
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 use space::{FreeRun, Space, ROUND};
 use stitch::Stitches;
 

@@ -12,7 +12,7 @@
 //! them, longest idle first.
 
 use super::space::{FreeRun, Space, State};
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 
 /// A place for a request: `[start, start + len)` in one space.
 #[derive(Clone, Debug, PartialEq, Eq)]

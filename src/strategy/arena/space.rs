@@ -15,7 +15,7 @@ use crate::block::Block;
 use crate::strategy::bins::FreeBins;
 use crate::strategy::slab::{Slab, NIL};
 pub use crate::strategy::slab::Slot;
-use crate::stream::StreamKey;
+use crate::upstream::stream_id::StreamKey;
 use rustc_hash::FxHashMap;
 
 /// Smallest piece a block is cut to (and the rounding of every request).

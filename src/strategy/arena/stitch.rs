@@ -36,7 +36,7 @@ pub struct Stitch {
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
     /// The stream its block was last freed on (work there may still use the aliases).
-    pub last_stream: Option<crate::stream::StreamKey>,
+    pub last_stream: Option<crate::upstream::stream_id::StreamKey>,
     /// Set when removing its aliases failed after the first `unaliased` of them: it is
     /// never handed out again, and the removal resumes there.
     pub broken: bool,

@@ -19,7 +19,7 @@ pub mod vmm;
 use super::{AllocError, DriverCalls, EventHandle, Upstream};
 use address_space::CudaVmm;
 use crate::error::Result;
-use crate::stream::{StreamHandle, StreamKey};
+use crate::upstream::stream_id::{StreamHandle, StreamKey};
 use cudarc::driver::sys;
 use driver::{check, PrimaryContext};
 
@@ -257,7 +257,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn capture_id(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
-        if crate::stream::is_legacy(stream) {
+        if crate::upstream::stream_id::is_legacy(stream) {
             return Ok(None); // the legacy stream cannot capture
         }
         let _g = self.enter()?;

@@ -18,23 +18,23 @@ pub enum Kind {
 
 /// One thread's fast-path state for one device's pool.
 pub struct ThreadCache {
-    pub(super) ordered: Words<WORDS>,
-    pub(super) unordered: Words<MAGAZINE>,
+    pub(crate) ordered: Words<WORDS>,
+    pub(crate) unordered: Words<MAGAZINE>,
     /// Owner only: count and bytes of UNFENCED words (an upper bound: the pool may have
     /// emptied some since).
-    pub(super) unfenced: UnsafeCell<(usize, usize)>,
+    pub(crate) unfenced: UnsafeCell<(usize, usize)>,
     /// Fast-path allocations and frees (written by the owner, read by the pool's reports).
-    pub(super) fast_allocs: AtomicU64,
-    pub(super) fast_frees: AtomicU64,
+    pub(crate) fast_allocs: AtomicU64,
+    pub(crate) fast_frees: AtomicU64,
     /// Set when the owner thread has exited.
-    pub(super) orphaned: AtomicBool,
+    pub(crate) orphaned: AtomicBool,
     /// The pool's count of orphaned caches, bumped on exit so the pool notices cheaply.
-    pub(super) orphans: Arc<AtomicUsize>,
+    pub(crate) orphans: Arc<AtomicUsize>,
     /// Set when the pool stops (`Pool::stop`): kept blocks are then not handed out again.
-    pub(super) stopped: Arc<std::sync::atomic::AtomicBool>,
+    pub(crate) stopped: Arc<std::sync::atomic::AtomicBool>,
     /// Identity of the pool this cache belongs to, and its index there.
-    pub(super) pool_id: u64,
-    pub(super) id: u32,
+    pub(crate) pool_id: u64,
+    pub(crate) id: u32,
 }
 
 // SAFETY: the `UnsafeCell`s (`Words::sizes`, `Words::victim`, `unfenced`) are touched only
@@ -104,7 +104,7 @@ impl ThreadCache {
         o.chain(self.unordered.held().map(|(p, h)| (Kind::Unordered, p, h)))
     }
 
-    pub(super) fn reuse(&self, kind: Kind, size: usize) -> Option<usize> {
+    pub(crate) fn reuse(&self, kind: Kind, size: usize) -> Option<usize> {
         if self.stopped.load(Ordering::Relaxed) {
             return None; // the locked path reports why
         }
@@ -116,7 +116,7 @@ impl ThreadCache {
         Some(p)
     }
 
-    pub(super) fn keep(&self, kind: Kind, ptr: usize) -> bool {
+    pub(crate) fn keep(&self, kind: Kind, ptr: usize) -> bool {
         let kept = match kind {
             Kind::Ordered => self.ordered.keep(ptr, REUSABLE).is_some(),
             Kind::Unordered => {
@@ -141,7 +141,7 @@ impl ThreadCache {
         kept
     }
 
-    pub(super) fn remember(&self, kind: Kind, ptr: usize, size: usize) {
+    pub(crate) fn remember(&self, kind: Kind, ptr: usize, size: usize) {
         match kind {
             Kind::Ordered => self.ordered.remember(ptr, size),
             Kind::Unordered => self.unordered.remember(ptr, size),
@@ -153,7 +153,7 @@ impl ThreadCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::thread_cache::WORDS;
+    use super::super::WORDS;
 
     fn cache() -> ThreadCache {
         ThreadCache::new(1, 0, Arc::new(AtomicUsize::new(0)), Default::default())

@@ -5,10 +5,10 @@
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub(super) const EMPTY: usize = 0;
+pub(crate) const EMPTY: usize = 0;
 /// Tag bits of kept words (block addresses are at least 256-byte aligned).
-pub(super) const REUSABLE: usize = 1;
-pub(super) const UNFENCED: usize = 2;
+pub(crate) const REUSABLE: usize = 1;
+pub(crate) const UNFENCED: usize = 2;
 const TAGS: usize = REUSABLE | UNFENCED;
 
 /// What a word holds, as the pool sees it.
@@ -32,7 +32,7 @@ fn decode(v: usize) -> Option<(usize, Hold)> {
 }
 
 /// A set of words shared with the pool, and the owner's private notes on each.
-pub(super) struct Words<const N: usize> {
+pub(crate) struct Words<const N: usize> {
     /// EMPTY, HANDED(p) = p, REUSABLE(p) = p | REUSABLE, UNFENCED(p) = p | UNFENCED.
     w: [AtomicUsize; N],
     /// Requested size of each word's block (owner only).
@@ -55,7 +55,7 @@ pub(super) struct Words<const N: usize> {
 const RECENT: usize = 8;
 
 impl<const N: usize> Words<N> {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Words {
             w: std::array::from_fn(|_| AtomicUsize::new(EMPTY)),
             sizes: UnsafeCell::new([0; N]),
@@ -68,7 +68,7 @@ impl<const N: usize> Words<N> {
 
     /// Pool side: clear HANDED(ptr). `Some(Hold::Handed)`: cleared; another hold: the
     /// owner freed it already; `None`: not here.
-    pub(super) fn claim(&self, ptr: usize) -> Option<Hold> {
+    pub(crate) fn claim(&self, ptr: usize) -> Option<Hold> {
         for w in &self.w {
             let mut cur = w.load(Ordering::Acquire);
             while cur & !TAGS == ptr {
@@ -85,7 +85,7 @@ impl<const N: usize> Words<N> {
     }
 
     /// Empty every kept word whose hold `pick` selects; returns the blocks.
-    pub(super) fn take(&self, pick: impl Fn(Hold) -> bool, out: &mut Vec<(usize, Hold)>) {
+    pub(crate) fn take(&self, pick: impl Fn(Hold) -> bool, out: &mut Vec<(usize, Hold)>) {
         for w in &self.w {
             let cur = w.load(Ordering::Acquire);
             if let Some((p, h)) = decode(cur) {
@@ -96,12 +96,12 @@ impl<const N: usize> Words<N> {
         }
     }
 
-    pub(super) fn held(&self) -> impl Iterator<Item = (usize, Hold)> + '_ {
+    pub(crate) fn held(&self) -> impl Iterator<Item = (usize, Hold)> + '_ {
         self.w.iter().filter_map(|w| decode(w.load(Ordering::Acquire)))
     }
 
     /// Owner: a REUSABLE block of exactly `size` requested bytes, now HANDED again.
-    pub(super) fn reuse(&self, size: usize) -> Option<usize> {
+    pub(crate) fn reuse(&self, size: usize) -> Option<usize> {
         // SAFETY: owner thread only (see the `Sync` impl of `ThreadCache`).
         let (sizes, reusable) = unsafe { (&*self.sizes.get(), &mut *self.reusable.get()) };
         if *reusable == 0 {
@@ -123,7 +123,7 @@ impl<const N: usize> Words<N> {
     }
 
     /// Owner: take back every REUSABLE word (for the pool to free).
-    pub(super) fn take_reusable(&self, out: &mut Vec<(usize, Hold)>) {
+    pub(crate) fn take_reusable(&self, out: &mut Vec<(usize, Hold)>) {
         // SAFETY: owner thread only.
         let reusable = unsafe { &mut *self.reusable.get() };
         if *reusable != 0 {
@@ -134,7 +134,7 @@ impl<const N: usize> Words<N> {
 
     /// Owner: take back the UNFENCED words whose requested size is not `size`; returns
     /// their count and bytes.
-    pub(super) fn take_unfenced_other_than(&self, size: usize, out: &mut Vec<(usize, Hold)>) -> (usize, usize) {
+    pub(crate) fn take_unfenced_other_than(&self, size: usize, out: &mut Vec<(usize, Hold)>) -> (usize, usize) {
         // SAFETY: owner thread only.
         let sizes = unsafe { &*self.sizes.get() };
         let mut taken = (0, 0);
@@ -150,7 +150,7 @@ impl<const N: usize> Words<N> {
 
     /// Owner, before a locked allocation of `size`: whether this size was asked for among
     /// the last `RECENT` locked allocations (then the block is worth remembering).
-    pub(super) fn repeats(&self, size: usize) -> bool {
+    pub(crate) fn repeats(&self, size: usize) -> bool {
         // SAFETY: owner thread only.
         let (sizes, next) = unsafe { &mut *self.recent.get() };
         let seen = sizes.contains(&size);
@@ -160,7 +160,7 @@ impl<const N: usize> Words<N> {
     }
 
     /// Owner: keep `ptr` (tagged `tag`) if this thread holds it HANDED; its size.
-    pub(super) fn keep(&self, ptr: usize, tag: usize) -> Option<usize> {
+    pub(crate) fn keep(&self, ptr: usize, tag: usize) -> Option<usize> {
         // SAFETY: owner thread only.
         let occupied = unsafe { &mut *self.occupied.get() };
         if *occupied == 0 {
@@ -189,7 +189,7 @@ impl<const N: usize> Words<N> {
     }
 
     /// Owner: make every UNFENCED word REUSABLE (a fence was just recorded).
-    pub(super) fn fenced(&self) {
+    pub(crate) fn fenced(&self) {
         for w in &self.w {
             let cur = w.load(Ordering::Relaxed);
             if cur & TAGS == UNFENCED && w.compare_exchange(cur, (cur & !TAGS) | REUSABLE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
@@ -201,7 +201,7 @@ impl<const N: usize> Words<N> {
 
     /// Owner: make `ptr` eligible for the fast path in an empty word, else in place of the
     /// oldest HANDED one. Kept words are never overwritten (they would be lost to the pool).
-    pub(super) fn remember(&self, ptr: usize, size: usize) {
+    pub(crate) fn remember(&self, ptr: usize, size: usize) {
         // SAFETY: owner thread only.
         let (sizes, victim, occupied) = unsafe { (&mut *self.sizes.get(), &mut *self.victim.get(), &mut *self.occupied.get()) };
         *occupied = self.w.iter().filter(|w| w.load(Ordering::Relaxed) != EMPTY).count() + 1;

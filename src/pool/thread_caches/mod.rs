@@ -8,11 +8,29 @@
 
 use super::Pool;
 use crate::stream::StreamHandle;
-use crate::thread_cache::{Hold, Kind, ThreadCache};
+mod cache;
+mod words;
+
+pub use cache::{Kind, ThreadCache};
+pub use words::Hold;
+
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// `Live::owner` of a block no thread cache may hold.
+/// Blocks one thread can keep eligible for the fast path on one device for legacy-stream
+/// frees. Four covers the temporaries of a typical step (allocate a few, free them in any
+/// order, repeat).
+pub const WORDS: usize = 4;
+/// Magazine for CuPy's stream-less frees: room for a fence batch plus blocks in use.
+pub const MAGAZINE: usize = 32;
+/// Unfenced CuPy frees that make the owner's next locked allocation record a fence.
+pub const FENCE_BATCH: usize = 24;
+/// ...or this many bytes of them: half the pool's own bound for its unfenced frees, so a
+/// thread's magazine and the pool's batch together hold at most 1.5× what the pool alone
+/// did before there were thread caches (memory waiting for a fence cannot serve requests).
+pub const FENCE_BYTES: usize = super::UNFENCED_MAX_BYTES / 2;
+
 pub const NO_OWNER: u32 = u32::MAX;
 /// `Live::owner` bit: the block lives in the cache's magazine (CuPy's stream-less frees).
 const UNORDERED_BIT: u32 = 1 << 31;

@@ -1,0 +1,80 @@
+//! The layers import one way (README, "How it works"): each module of `src/` may use only
+//! modules of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
+//! the trace; the upstreams (driver layer); blocks; strategies and the stream tracker; the
+//! device pool; process-level services; the registry; the front end (thread caches); the C
+//! boundary. A `use crate::X` (or a `crate::X::` path outside comments) against the order
+//! fails this test, and so does a module missing from the table.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+const RANKS: &[(&str, u32)] = &[
+    ("error", 0),
+    ("decay", 0),
+    ("pages", 0),
+    ("process", 0),
+    ("config", 1),
+    ("stats", 1),
+    ("debug", 1),
+    ("trace", 2),
+    ("upstream", 3),
+    ("block", 4),
+    ("strategy", 5),
+    ("stream", 5),
+    ("pool", 6),
+    ("fork", 7),
+    ("status_socket", 7),
+    ("replay", 7),
+    ("registry", 8),
+    ("thread_cache", 9),
+    ("ffi", 10),
+];
+
+fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn modules_import_only_lower_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let rank: BTreeMap<&str, u32> = RANKS.iter().copied().collect();
+    let mut all = Vec::new();
+    files(&src, &mut all);
+    let mut bad = Vec::new();
+    for f in all {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if rel == "lib.rs" || rel.starts_with("bin/") {
+            continue; // the crate root declares every module; binaries sit on top
+        }
+        let module = rel.split(['/', '.']).next().unwrap().to_string();
+        let Some(&mine) = rank.get(module.as_str()) else {
+            bad.push(format!("{rel}: module `{module}` has no rank in tests/layering.rs"));
+            continue;
+        };
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap();
+            let mut rest = code;
+            while let Some(i) = rest.find("crate::") {
+                let name: String = rest[i + 7..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                rest = &rest[i + 7..];
+                if name == module || name.is_empty() {
+                    continue;
+                }
+                match rank.get(name.as_str()) {
+                    Some(&r) if r < mine => {}
+                    Some(&r) => bad.push(format!("{rel}:{}: `{module}` (rank {mine}) uses `{name}` (rank {r})", n + 1)),
+                    None => bad.push(format!("{rel}:{}: uses `{name}`, which has no rank", n + 1)),
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "layering violations:\n{}", bad.join("\n"));
+}
