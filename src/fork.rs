@@ -12,6 +12,7 @@
 //!   thread caches' fast path hands nothing out;
 //! - the at-exit hooks do not run in the child (`process.rs`): its trace writer thread and
 //!   pools are the parent's.
+//!
 //! Use the `spawn` start method (Python multiprocessing, `torch.multiprocessing`) or
 //! `exec` for child processes that need the GPU.
 

@@ -13,6 +13,7 @@
 //! - a stream capturing a CUDA graph is asked about at each allocation and free on a
 //!   non-default stream (one `cuStreamGetCaptureInfo`): allocations go to a private pool for
 //!   that capture and frees record no event there (`pool/graph_pools.rs`).
+//!
 //! Without a getter (a caller that never registered one) the older rule applies: blocks are
 //! tagged with the legacy stream and reused only after a fence on it (`Pool::free_unordered`),
 //! which orders blocking streams only.

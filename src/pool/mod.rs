@@ -10,12 +10,11 @@
 
 use crate::block::{Block, Segment};
 use crate::config::{LimitSpec, PoolKind};
-use crate::debug::{AllocRecord, Leak};
+use crate::debug::AllocRecord;
 use crate::decay::Decay;
 use crate::pages::Holes;
 use crate::trace::{Action, Tracer};
-use crate::error::{BadPointer, Error, OomReport, Result};
-use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
+use crate::error::{Error, OomReport, Result};
 use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{AllocError, EventHandle, Upstream};
@@ -24,8 +23,10 @@ use thread_caches::ThreadCaches;
 pub use thread_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
+mod free;
 mod graph_pools;
 mod release;
+mod reports;
 mod snapshot;
 mod thread_caches;
 
@@ -228,7 +229,7 @@ impl Pool {
         self.stopped.as_deref()
     }
 
-    fn running(&self) -> Result<()> {
+    pub(super) fn running(&self) -> Result<()> {
         match &self.stopped {
             None => Ok(()),
             Some(why) => Err(Error::Stopped(format!(
@@ -237,32 +238,40 @@ impl Pool {
             ))),
         }
     }
+
     pub fn strategy_name(&self) -> &'static str {
         self.strategy.name()
     }
+
     pub fn upstream_name(&self) -> &'static str {
         self.upstream.name()
     }
+
     /// Bytes reserved from the upstream (cheap; `stats()` computes more).
     pub fn reserved_bytes(&self) -> usize {
         self.c.reserved
     }
+
     /// Bytes in live blocks.
     pub fn used_bytes(&self) -> usize {
         self.c.used
     }
+
     /// Page runs recommitted and decommitted so far (page-mapped upstreams).
     pub fn page_ops(&self) -> (u64, u64) {
         (self.c.commits, self.c.decommits)
     }
+
     /// Bytes obtained from the upstream so far: new segments, and pages recommitted.
     pub fn obtained_bytes(&self) -> (u64, u64) {
         (self.c.upstream_alloc_bytes, self.c.commit_bytes)
     }
+
     /// Live allocations (blocks kept in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
         self.live.len() - self.caches.kept().len()
     }
+
     pub fn owns(&self, ptr: usize) -> bool {
         self.live.contains_key(&ptr)
     }
@@ -332,13 +341,13 @@ impl Pool {
         Ok(block.addr)
     }
 
-    fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+    pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         let (streams, up) = (&mut self.streams, &mut *self.upstream);
         let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
         self.strategy.take(rounded, key, &mut gate)
     }
 
-    fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
+    pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
         if let Some(b) = self.take_cached(rounded, key, stream) {
             return Ok(b);
         }
@@ -372,7 +381,7 @@ impl Pool {
     /// then all of it) when the upstream or the limit refuses; `retake`: between stages,
     /// try the cache again (false when the cached candidate is known not to fit). The
     /// arena maps a window instead (`arena.rs`).
-    fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
+    pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
         if self.strategy.as_arena_ref().is_some() {
             return self.grow_arena(size, rounded, key, stream, retake);
         }
@@ -442,11 +451,11 @@ impl Pool {
     }
 
     /// Whether reserving `bytes` more would pass the limit (0 = no limit).
-    fn over_limit(&self, bytes: usize) -> bool {
+    pub(super) fn over_limit(&self, bytes: usize) -> bool {
         self.limit != 0 && bytes > self.limit.saturating_sub(self.c.reserved)
     }
 
-    fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
+    pub(super) fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
         self.c.ooms += 1;
         self.trace(0, Action::Oom, 0, requested);
         Error::OutOfMemory(Box::new(OomReport {
@@ -465,244 +474,9 @@ impl Pool {
     }
 
     #[inline]
-    fn trace(&self, stream: StreamHandle, action: Action, ptr: usize, size: usize) {
+    pub(super) fn trace(&self, stream: StreamHandle, action: Action, ptr: usize, size: usize) {
         if let Some(t) = self.tracer {
             t.record(self.device, stream, action, ptr, size);
-        }
-    }
-
-    /// Every live allocation, for the leak report.
-    pub fn leaks(&self) -> Vec<Leak> {
-        let kept = self.caches.kept();
-        self.live
-            .values()
-            .filter(|l| !kept.contains(&l.block.addr))
-            .map(|l| Leak::new(self.device, l.block.addr, l.block.size, l.requested, l.rec.as_deref()))
-            .collect()
-    }
-
-    /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
-    pub fn free(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
-        if ptr == 0 {
-            return Ok(());
-        }
-        self.free_checked(ptr, stream, false)
-    }
-
-    /// Free `ptr` on the stream it was allocated for (CuPy, which names no stream at free;
-    /// CuPy's own pool reuses a block only on its allocation stream, so that stream's order
-    /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
-    /// a graph even while no private pool routes (CuPy captures nobody announced).
-    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool) -> Result<()> {
-        let Some(handle) = self.live.get(&ptr).map(|l| l.handle) else {
-            self.c.invalid_frees += 1;
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        self.free_checked(ptr, handle, check_capture)
-    }
-
-    fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
-        self.running()?;
-        // Resolve the stream first, so a failure there changes nothing.
-        let key = self.streams.key(&mut *self.upstream, stream)?;
-        if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
-            let live = self.take_live(ptr, stream)?;
-            let block = Block { stream: key, ..live.block };
-            let r = self.free_private(block, live.private.expect("checked"));
-            self.verify();
-            return r;
-        }
-        let capturing = self.capturing(stream, check_capture);
-        let live = self.take_live(ptr, stream)?;
-        let block = Block { stream: key, ..live.block };
-        if capturing {
-            // An event recorded on a capturing stream belongs to the graph: record none, and
-            // keep the stream's blocks on it until a later free covers them.
-            self.streams.on_free_capturing(&mut *self.upstream, key, stream);
-        } else {
-            // A failed event record leaves the stream uncovered: its blocks then simply are
-            // not reused across streams (make_safe says no). The free itself succeeds.
-            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
-        }
-        let mut events = Vec::new();
-        if !self.streams.ignores_streams() {
-            for &h in &live.extra_streams {
-                match self.streams.record_on(&mut *self.upstream, h) {
-                    Ok(ev) => events.push(ev),
-                    // No event can say when that stream's work is done: wait for the
-                    // device now rather than hand the block out early.
-                    Err(_) => {
-                        if let Err(e) = self.upstream.synchronize_device() {
-                            for ev in events {
-                                self.streams.recycle(ev);
-                            }
-                            self.restore_live(ptr, live);
-                            return Err(e);
-                        }
-                    }
-                }
-            }
-        }
-        let result = if events.is_empty() {
-            self.put_block(block)
-        } else {
-            self.c.deferred_frees += 1;
-            self.pending.push(Pending { block, events });
-            Ok(())
-        };
-        self.verify();
-        result
-    }
-
-    fn put_block(&mut self, block: Block) -> Result<()> {
-        match self.strategy.put(block) {
-            // Not cached (passthrough): straight back. A stream-ordered upstream orders the
-            // release on the freeing stream; any other first waits for that stream's work
-            // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
-            Some(seg) => {
-                let r = if self.upstream.stream_ordered() { self.give_to_upstream(seg) } else { self.release_segment(seg) };
-                // A refused release keeps the segment (reserved, unusable) for a later retry:
-                // the free itself succeeded.
-                if r.is_err() {
-                    self.unreleased.push(seg);
-                }
-                Ok(())
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Move deferred frees whose events completed (all of them, waiting, if `wait`).
-    fn finish_pending(&mut self, wait: bool) {
-        let mut i = 0;
-        while i < self.pending.len() {
-            let done = self.pending[i].events.iter().all(|&ev| {
-                if wait {
-                    self.upstream.event_synchronize(ev).is_ok()
-                } else {
-                    self.upstream.event_query(ev).unwrap_or(false)
-                }
-            });
-            if done {
-                let p = self.pending.swap_remove(i);
-                for ev in p.events {
-                    self.streams.recycle(ev);
-                }
-                let _ = self.put_block(p.block);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    fn classify_bad_pointer(&self, ptr: usize) -> Error {
-        let why = if self.strategy.is_free_block(ptr)
-            || self.graphs.is_free_block(ptr)
-            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
-            || self.pending.iter().any(|p| p.block.addr == ptr)
-            || self.unfenced.iter().any(|b| b.addr == ptr)
-        {
-            BadPointer::AlreadyFreed
-        } else if let Some(l) = self.live.values().find(|l| l.block.addr < ptr && ptr < l.block.end()) {
-            BadPointer::Interior { block_start: l.block.addr, block_size: l.block.size }
-        } else {
-            BadPointer::Unknown
-        };
-        Error::InvalidPointer { ptr, device: self.device, why }
-    }
-
-    /// Remove `ptr` from the live map for a free on `stream` (counted and traced); an
-    /// unknown pointer is counted as an invalid free and changes nothing else.
-    fn take_live(&mut self, ptr: usize, stream: StreamHandle) -> Result<Live> {
-        let Some(live) = self.live.remove(&ptr) else {
-            self.c.invalid_frees += 1;
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
-            // Its thread freed it already and keeps it for reuse: a double free.
-            self.live.insert(ptr, live);
-            self.c.invalid_frees += 1;
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
-        }
-        self.trace(stream, Action::Free, ptr, live.requested);
-        self.c.used -= live.block.size;
-        self.c.requested -= live.requested;
-        self.c.frees += 1;
-        Ok(live)
-    }
-
-    /// Undo `take_live` for a free that could not finish (nothing about the block changed).
-    fn restore_live(&mut self, ptr: usize, live: Live) {
-        self.c.used += live.block.size;
-        self.c.requested += live.requested;
-        self.c.frees -= 1;
-        self.live.insert(ptr, live);
-    }
-
-    /// The free of `ptr` will also wait for work queued on `stream` until the free.
-    pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
-        self.running()?;
-        let Some(l) = self.live.get_mut(&ptr) else {
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        // Its free must now reach the pool (which waits for `stream`): off the fast path.
-        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
-        }
-        if !l.extra_streams.contains(&stream) {
-            l.extra_streams.push(stream);
-        }
-        Ok(())
-    }
-
-    /// The upstream allocation that holds the live block at `ptr`: `(base, size)`.
-    pub fn segment_of(&self, ptr: usize) -> Result<(usize, usize)> {
-        let Some(l) = self.live.get(&ptr) else {
-            return Err(self.classify_bad_pointer(ptr));
-        };
-        if self.strategy.as_arena_ref().is_some() {
-            // The arena has no upstream allocations per block: the block is its own range.
-            return Ok((l.block.addr, l.block.size));
-        }
-        let base = l.block.segment;
-        Ok((base, self.strategy.segment_len(base).unwrap_or(l.block.size)))
-    }
-
-    /// Free for a caller that cannot name its stream (CuPy). The block becomes reusable
-    /// after the next fence (an event record) on the legacy default stream: work issued
-    /// later on any blocking stream waits for legacy-stream work, which waited for all
-    /// earlier work on blocking streams. Fences are batched: they
-    /// cost about a microsecond each, so up to `UNFENCED_MAX_BLOCKS` blocks /
-    /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
-    /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
-    pub fn free_unordered(&mut self, ptr: usize) -> Result<()> {
-        self.running()?;
-        if self.streams.ignores_streams() {
-            return self.free(ptr, crate::stream::STREAM_LEGACY);
-        }
-        if ptr == 0 {
-            return Ok(());
-        }
-        let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
-        let block = Block { stream: StreamKey::LEGACY, ..live.block };
-        self.unfenced_bytes += block.size;
-        self.unfenced.push(block);
-        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
-            self.fence_unfenced();
-        }
-        self.verify();
-        Ok(())
-    }
-
-    /// Fence the legacy stream and hand every unfenced block to the strategy.
-    fn fence_unfenced(&mut self) {
-        if self.unfenced.is_empty() {
-            return;
-        }
-        self.fence_legacy_now();
-        self.unfenced_bytes = 0;
-        for b in std::mem::take(&mut self.unfenced) {
-            let _ = self.put_block(b);
         }
     }
 
@@ -745,176 +519,6 @@ impl Pool {
     /// Device `(free, total)` from the upstream.
     pub fn mem_info(&mut self) -> Result<(usize, usize)> {
         self.upstream.mem_info()
-    }
-
-    pub fn stats(&mut self) -> Stats {
-        let (dev_free, dev_total) = self.upstream.mem_info().unwrap_or((0, 0));
-        // Blocks kept in thread caches count as freed (their users freed them), and the
-        // fast path's operations as operations.
-        let (n_kept, kept, kept_requested) = self.kept_bytes();
-        let (fast_allocs, fast_frees) = self.caches.fast_counts();
-        let used = self.c.used - kept;
-        Stats {
-            struct_size: std::mem::size_of::<Stats>() as u32,
-            version: STATS_VERSION,
-            used_bytes: used as u64,
-            free_bytes: (self.c.reserved - used) as u64,
-            total_bytes: self.c.reserved as u64,
-            n_free_blocks: (self.strategy.free_block_count() + n_kept) as u64,
-            n_live_blocks: (self.live.len() - n_kept) as u64,
-            requested_bytes: (self.c.requested - kept_requested) as u64,
-            peak_used_bytes: self.c.peak_used as u64,
-            peak_total_bytes: self.c.peak_reserved as u64,
-            n_allocs: self.c.allocs + fast_allocs,
-            n_frees: self.c.frees + fast_frees,
-            n_upstream_allocs: self.c.upstream_allocs,
-            n_upstream_frees: self.c.upstream_frees,
-            n_ooms: self.c.ooms,
-            n_reclaims: self.c.reclaims,
-            reclaimed_bytes: self.c.reclaimed_bytes,
-            n_invalid_frees: self.c.invalid_frees,
-            limit_bytes: self.limit as u64,
-            largest_free_block: self.strategy.largest_free_block().max(self.pending.iter().map(|p| p.block.size).max().unwrap_or(0))
-                as u64,
-            device_free_bytes: dev_free as u64,
-            device_total_bytes: dev_total as u64,
-            n_cross_stream_reuses: self.streams.cross_stream_waits + self.streams.cross_stream_ready,
-            n_deferred_frees: self.c.deferred_frees,
-        }
-    }
-
-    pub fn memory_status(&mut self) -> String {
-        let s = self.stats();
-        let mut out = render_status(&self.report_context(), &s);
-        if let Some(why) = &self.stopped {
-            out.push_str(&format!("  STOPPED: this pool hands out no more memory after an internal error: {why}\n"));
-        }
-        if let Some(n) = &self.notice {
-            out.push_str(&format!("  Notice: {n}\n"));
-        }
-        let (n, reserved, free) = self.private_pool_summary();
-        if n > 0 {
-            out.push_str(&format!(
-                "  Private pools (CUDA graphs, MemPools): {n}, holding {} ({} of it free, kept for their graphs)\n",
-                crate::error::human_bytes(reserved),
-                crate::error::human_bytes(free)
-            ));
-        }
-        if let Some((_, text)) = self.arena_report() {
-            out.push_str(&text);
-            out.push('\n');
-        }
-        out.push_str(&format!("  Driver calls: {}\n", self.upstream.driver_calls().text()));
-        out
-    }
-
-    pub fn stats_json(&mut self) -> String {
-        let s = self.stats();
-        let mut out = render_json(&self.report_context(), &s);
-        out.pop(); // the closing brace: the pool's own fields follow
-        out.push_str(&format!(",\"driver_calls\":{}", self.upstream.driver_calls().json()));
-        if let Some((json, _)) = self.arena_report() {
-            out.push_str(&format!(",\"arena\":{json}"));
-        }
-        if let Some(n) = &self.notice {
-            out.push_str(&format!(",\"notice\":\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")));
-        }
-        if let Some(why) = &self.stopped {
-            out.push_str(&format!(",\"stopped\":\"{}\"", why.replace('\\', "\\\\").replace('"', "\\\"")));
-        }
-        let (n, reserved, free) = self.private_pool_summary();
-        out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
-        out.push('}');
-        out
-    }
-
-    /// Driver calls made by this pool's upstream so far, by kind.
-    pub fn driver_calls(&self) -> crate::upstream::DriverCalls {
-        self.upstream.driver_calls()
-    }
-
-    /// Why the configured strategy is not running, if it is not (arena without VMM).
-    pub fn notice(&self) -> Option<&str> {
-        self.notice.as_deref()
-    }
-
-    /// The arena's counters, for arena pools.
-    pub fn arena_counters(&self) -> Option<crate::strategy::arena::ArenaCounters> {
-        self.strategy.as_arena_ref().map(|a| a.counters)
-    }
-
-    fn report_context(&self) -> ReportContext<'static> {
-        ReportContext { device: self.device, strategy: self.strategy.name(), upstream: self.upstream.name() }
-    }
-
-    /// Cached free blocks (tests and reports).
-    pub fn free_blocks(&self) -> Vec<Block> {
-        self.strategy.free_blocks()
-    }
-
-    /// Full consistency check of the pool and its strategy.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.strategy.check_invariants()?;
-        self.graphs.check_invariants()?;
-        let live_bytes: usize = self.live.values().map(|l| l.block.size).sum();
-        if live_bytes != self.c.used {
-            return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
-        }
-        let pending: usize = self.pending.iter().map(|p| p.block.size).sum::<usize>()
-            + self.unfenced_bytes
-            + self.unreleased.iter().map(|s| s.size).sum::<usize>();
-        if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
-            return Err("unfenced byte count drifted".into());
-        }
-        let cached = self.strategy.cached_bytes() + self.graphs.cached_bytes();
-        if self.c.used + cached + pending != self.c.reserved + self.holes.bytes() {
-            return Err(format!(
-                "used {} + cached {} + pending {pending} != reserved {} + decommitted {}",
-                self.c.used,
-                cached,
-                self.c.reserved,
-                self.holes.bytes()
-            ));
-        }
-        let in_holes = |b: &Block| !self.holes.missing_runs(b.segment, b.addr, b.size).is_empty();
-        if let Some(l) = self.live.values().find(|l| in_holes(&l.block)) {
-            return Err(format!("live block {:?} overlaps decommitted pages", l.block));
-        }
-        if let Some(p) = self.pending.iter().find(|p| in_holes(&p.block)) {
-            return Err(format!("deferred block {:?} overlaps decommitted pages", p.block));
-        }
-        let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
-        spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
-        spans.extend(self.graphs.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
-        spans.extend(self.pending.iter().map(|p| (p.block.addr, p.block.end(), true)));
-        spans.extend(self.unfenced.iter().map(|b| (b.addr, b.end(), true)));
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            if w[0].1 > w[1].0 {
-                return Err(format!("blocks overlap: {:#x}..{:#x} and {:#x}..{:#x}", w[0].0, w[0].1, w[1].0, w[1].1));
-            }
-        }
-        for l in self.live.values() {
-            if l.block.addr % crate::block::MIN_ALIGN != 0 || l.requested > l.block.size {
-                return Err(format!("live block {:?} misaligned or short of {}", l.block, l.requested));
-            }
-        }
-        // A thread cache holds only live blocks recorded as its own (a snapshot: owners
-        // change HANDED <-> PARKED concurrently, never the pointer).
-        for (id, p, how) in self.caches.held() {
-            if !self.live.get(&p).is_some_and(|l| l.owner == id) {
-                return Err(format!("thread cache {id} holds {p:#x} ({how:?}), which is not its live block"));
-            }
-        }
-        Ok(())
-    }
-
-    fn verify(&self) {
-        if self.check {
-            if let Err(e) = self.check_invariants() {
-                panic!("gpupool invariant violated on device {}: {e}", self.device);
-            }
-        }
     }
 }
 

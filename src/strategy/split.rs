@@ -1,5 +1,8 @@
 //! `split` (default): best fit with splitting and coalescing.
 //!
+//! (Over 500 lines on purpose: one data structure, the slab-linked segments with their bin
+//! index and exact-size cache, whose invariants every method here keeps together.)
+//!
 //! - Requests are rounded to 512 B.
 //! - Small requests (<= 1 MiB) and large ones live in separate classes: small ones are cut
 //!   from 2 MiB segments, so they never fragment the segments that serve large tensors.

@@ -1,5 +1,9 @@
 //! `arena`: a pool that does not fragment, built on the virtual memory management API.
 //!
+//! (Over 500 lines on purpose: the arena's books across its three address ranges and its
+//! stitch cache change together; `space.rs`, `plan.rs` and `stitch.rs` hold the parts that
+//! stand alone.)
+//!
 //! Each device reserves large address ranges up front (`space.rs`): one for small requests
 //! (<= 1 MiB, so their long-lived crumbs never pin the granules large tensors need), one
 //! for the rest, and one for stitches. Physical memory is mapped into them granule by

@@ -1,0 +1,224 @@
+//! Frees: with a stream, on the allocation stream (CuPy), without one (CuPy without its
+//! stream getter); deferred frees (`record_stream`) and fences; the live-pointer checks that
+//! turn a bad pointer into a clear error.
+
+use super::{Live, Pending, Pool, NO_OWNER, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
+use crate::block::Block;
+use crate::error::{BadPointer, Error, Result};
+use crate::stream::{StreamHandle, StreamKey};
+use crate::trace::Action;
+use super::Hold;
+
+impl Pool {
+    /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
+    pub fn free(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        self.free_checked(ptr, stream, false)
+    }
+
+    /// Free `ptr` on the stream it was allocated for (CuPy, which names no stream at free;
+    /// CuPy's own pool reuses a block only on its allocation stream, so that stream's order
+    /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
+    /// a graph even while no private pool routes (CuPy captures nobody announced).
+    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool) -> Result<()> {
+        let Some(handle) = self.live.get(&ptr).map(|l| l.handle) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        self.free_checked(ptr, handle, check_capture)
+    }
+
+    pub(super) fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
+        self.running()?;
+        // Resolve the stream first, so a failure there changes nothing.
+        let key = self.streams.key(&mut *self.upstream, stream)?;
+        if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
+            let live = self.take_live(ptr, stream)?;
+            let block = Block { stream: key, ..live.block };
+            let r = self.free_private(block, live.private.expect("checked"));
+            self.verify();
+            return r;
+        }
+        let capturing = self.capturing(stream, check_capture);
+        let live = self.take_live(ptr, stream)?;
+        let block = Block { stream: key, ..live.block };
+        if capturing {
+            // An event recorded on a capturing stream belongs to the graph: record none, and
+            // keep the stream's blocks on it until a later free covers them.
+            self.streams.on_free_capturing(&mut *self.upstream, key, stream);
+        } else {
+            // A failed event record leaves the stream uncovered: its blocks then simply are
+            // not reused across streams (make_safe says no). The free itself succeeds.
+            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+        }
+        let mut events = Vec::new();
+        if !self.streams.ignores_streams() {
+            for &h in &live.extra_streams {
+                match self.streams.record_on(&mut *self.upstream, h) {
+                    Ok(ev) => events.push(ev),
+                    // No event can say when that stream's work is done: wait for the
+                    // device now rather than hand the block out early.
+                    Err(_) => {
+                        if let Err(e) = self.upstream.synchronize_device() {
+                            for ev in events {
+                                self.streams.recycle(ev);
+                            }
+                            self.restore_live(ptr, live);
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        let result = if events.is_empty() {
+            self.put_block(block)
+        } else {
+            self.c.deferred_frees += 1;
+            self.pending.push(Pending { block, events });
+            Ok(())
+        };
+        self.verify();
+        result
+    }
+
+    pub(super) fn put_block(&mut self, block: Block) -> Result<()> {
+        match self.strategy.put(block) {
+            // Not cached (passthrough): straight back. A stream-ordered upstream orders the
+            // release on the freeing stream; any other first waits for that stream's work
+            // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
+            Some(seg) => {
+                let r = if self.upstream.stream_ordered() { self.give_to_upstream(seg) } else { self.release_segment(seg) };
+                // A refused release keeps the segment (reserved, unusable) for a later retry:
+                // the free itself succeeded.
+                if r.is_err() {
+                    self.unreleased.push(seg);
+                }
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Move deferred frees whose events completed (all of them, waiting, if `wait`).
+    pub(super) fn finish_pending(&mut self, wait: bool) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i].events.iter().all(|&ev| {
+                if wait {
+                    self.upstream.event_synchronize(ev).is_ok()
+                } else {
+                    self.upstream.event_query(ev).unwrap_or(false)
+                }
+            });
+            if done {
+                let p = self.pending.swap_remove(i);
+                for ev in p.events {
+                    self.streams.recycle(ev);
+                }
+                let _ = self.put_block(p.block);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    pub(super) fn classify_bad_pointer(&self, ptr: usize) -> Error {
+        let why = if self.strategy.is_free_block(ptr)
+            || self.graphs.is_free_block(ptr)
+            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
+            || self.pending.iter().any(|p| p.block.addr == ptr)
+            || self.unfenced.iter().any(|b| b.addr == ptr)
+        {
+            BadPointer::AlreadyFreed
+        } else if let Some(l) = self.live.values().find(|l| l.block.addr < ptr && ptr < l.block.end()) {
+            BadPointer::Interior { block_start: l.block.addr, block_size: l.block.size }
+        } else {
+            BadPointer::Unknown
+        };
+        Error::InvalidPointer { ptr, device: self.device, why }
+    }
+
+    /// Remove `ptr` from the live map for a free on `stream` (counted and traced); an
+    /// unknown pointer is counted as an invalid free and changes nothing else.
+    pub(super) fn take_live(&mut self, ptr: usize, stream: StreamHandle) -> Result<Live> {
+        let Some(live) = self.live.remove(&ptr) else {
+            self.c.invalid_frees += 1;
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
+            // Its thread freed it already and keeps it for reuse: a double free.
+            self.live.insert(ptr, live);
+            self.c.invalid_frees += 1;
+            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+        }
+        self.trace(stream, Action::Free, ptr, live.requested);
+        self.c.used -= live.block.size;
+        self.c.requested -= live.requested;
+        self.c.frees += 1;
+        Ok(live)
+    }
+
+    /// Undo `take_live` for a free that could not finish (nothing about the block changed).
+    pub(super) fn restore_live(&mut self, ptr: usize, live: Live) {
+        self.c.used += live.block.size;
+        self.c.requested += live.requested;
+        self.c.frees -= 1;
+        self.live.insert(ptr, live);
+    }
+
+    /// The free of `ptr` will also wait for work queued on `stream` until the free.
+    pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
+        self.running()?;
+        let Some(l) = self.live.get_mut(&ptr) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        // Its free must now reach the pool (which waits for `stream`): off the fast path.
+        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
+            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+        }
+        if !l.extra_streams.contains(&stream) {
+            l.extra_streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Free for a caller that cannot name its stream (CuPy). The block becomes reusable
+    /// after the next fence (an event record) on the legacy default stream: work issued
+    /// later on any blocking stream waits for legacy-stream work, which waited for all
+    /// earlier work on blocking streams. Fences are batched: they
+    /// cost about a microsecond each, so up to `UNFENCED_MAX_BLOCKS` blocks /
+    /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
+    /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
+    pub fn free_unordered(&mut self, ptr: usize) -> Result<()> {
+        self.running()?;
+        if self.streams.ignores_streams() {
+            return self.free(ptr, crate::stream::STREAM_LEGACY);
+        }
+        if ptr == 0 {
+            return Ok(());
+        }
+        let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
+        let block = Block { stream: StreamKey::LEGACY, ..live.block };
+        self.unfenced_bytes += block.size;
+        self.unfenced.push(block);
+        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+            self.fence_unfenced();
+        }
+        self.verify();
+        Ok(())
+    }
+
+    /// Fence the legacy stream and hand every unfenced block to the strategy.
+    pub(super) fn fence_unfenced(&mut self) {
+        if self.unfenced.is_empty() {
+            return;
+        }
+        self.fence_legacy_now();
+        self.unfenced_bytes = 0;
+        for b in std::mem::take(&mut self.unfenced) {
+            let _ = self.put_block(b);
+        }
+    }
+}
