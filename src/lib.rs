@@ -20,6 +20,7 @@
 //!   (`pool/thread_caches.rs` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
+//! - `owners`: which device's pool got an address range (lookups without pool locks).
 //! - `process`: the fork-child flag and at-exit hooks (a leaf every layer may use).
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
 //! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
@@ -33,6 +34,7 @@ pub mod error;
 pub mod pages;
 pub mod fork;
 pub mod ffi;
+pub mod owners;
 pub mod pool;
 pub mod process;
 pub mod registry;

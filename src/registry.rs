@@ -128,7 +128,9 @@ pub fn existing_devices() -> Vec<i32> {
 
 /// The device whose pool has `ptr` live, if any.
 pub fn find_owner(ptr: usize) -> Option<i32> {
-    (0..MAX_DEVICES as i32).find(|&d| lock_pool(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)))
+    // The range index names the one pool to ask (no lock on the others).
+    let d = crate::owners::lookup(ptr)?;
+    lock_pool(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)).then_some(d)
 }
 
 /// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's

@@ -12,6 +12,7 @@ const RANKS: &[(&str, u32)] = &[
     ("error", 0),
     ("decay", 0),
     ("pages", 0),
+    ("owners", 0),
     ("process", 0),
     ("config", 1),
     ("stats", 1),

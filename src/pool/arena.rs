@@ -279,7 +279,9 @@ impl Pool {
         }
         let a = self.strategy.as_arena_ref().expect("arena pool");
         for (base, len) in a.reservations() {
-            let _ = self.upstream.vmm_unreserve(base, len);
+            if self.upstream.vmm_unreserve(base, len).is_ok() {
+                crate::owners::remove(base);
+            }
         }
     }
 

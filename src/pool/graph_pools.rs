@@ -237,6 +237,7 @@ impl Pool {
                 }
                 match self.upstream.allocate(want, stream) {
                     Ok(base) => {
+                        crate::owners::add(base, want, self.device);
                         self.trace(stream, Action::UpstreamAlloc, base, want);
                         self.c.reserved += want;
                         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
@@ -265,6 +266,7 @@ impl Pool {
             pool.reserved -= seg.size;
             self.c.reserved -= seg.size;
             self.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
+            crate::owners::remove(seg.base);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -334,6 +336,7 @@ impl Pool {
             // Every queued use finished (synchronised above): release on the legacy stream.
             match self.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
                 Ok(()) => {
+                    crate::owners::remove(base);
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.c.reserved -= len;
                     self.c.upstream_frees += 1;

@@ -173,6 +173,11 @@ impl Pool {
             },
             kind => (strategy::build(kind), None),
         };
+        if let Some(a) = strategy.as_arena_ref() {
+            for (base, len) in a.reservations() {
+                crate::owners::add(base, len, device);
+            }
+        }
         // The arena maps granules itself: the page decommit of segment pools stays off.
         let upstream_page = if strategy.as_arena_ref().is_some() { 0 } else { upstream.page_size() };
         Ok(Pool {
@@ -427,6 +432,7 @@ impl Pool {
                 }
                 match self.upstream.allocate(seg_size, stream) {
                     Ok(base) => {
+                        crate::owners::add(base, seg_size, self.device);
                         self.trace(stream, Action::UpstreamAlloc, base, seg_size);
                         self.c.reserved += seg_size;
                         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);

@@ -161,6 +161,7 @@ impl Pool {
     pub(super) fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
         let h = self.streams.handle_of(seg.stream);
         self.upstream.deallocate(seg.base, seg.size, h)?;
+        crate::owners::remove(seg.base);
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
         let committed = seg.size - self.holes.remove_segment(seg.base);
         self.c.reserved -= committed;
