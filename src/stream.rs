@@ -208,9 +208,12 @@ impl StreamTracker {
             return Ok(());
         }
         if let Some(st) = self.states.get_mut(&key).filter(|s| s.uncovered) {
-            // Cover the uncovered frees now: a record after them covers them once the stream
-            // no longer captures (while it does, the record or the wait fails: nothing is
-            // released).
+            // Cover the uncovered frees now with a record after them. Not while the stream
+            // captures (the record would belong to the graph), and not through the per-thread
+            // handle (on this thread it names another stream): then nothing is released.
+            if st.handle == STREAM_PER_THREAD || up.capture_id(st.handle)?.is_some() {
+                return Err(crate::error::Error::Internal("frees on this stream cannot be covered now".into()));
+            }
             if st.event.is_none() {
                 st.event = Some(up.event_create()?);
             }

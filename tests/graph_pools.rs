@@ -327,16 +327,111 @@ fn a_block_freed_on_a_capturing_stream_is_not_handed_to_another_stream_until_cov
 }
 
 #[test]
-fn a_failed_event_record_keeps_the_block_on_its_stream() {
+fn a_failed_event_record_waits_for_the_device_before_the_block_moves() {
     for kind in [PoolKind::Split, PoolKind::Binned] {
         let (mut p, dev) = pool(kind);
         let x = p.malloc(MIB, S).unwrap();
         dev.lock().unwrap().fail_records = true;
+        let syncs = dev.lock().unwrap().device_syncs;
         p.free(x, S).unwrap();
-        let y = p.malloc(MIB, T).unwrap();
-        assert_ne!(x, y, "{kind:?}: no event covers S's free, so T must not get its block");
+        // No event covers S's free: the pool waited for the whole device instead, after
+        // which the block is safe on any stream.
+        assert_eq!(dev.lock().unwrap().device_syncs, syncs + 1, "{kind:?}");
         dev.lock().unwrap().fail_records = false;
-        let again = p.malloc(MIB, S).unwrap();
-        assert_eq!(again, x, "{kind:?}: S itself may reuse it (stream order)");
+        let y = p.malloc(MIB, T).unwrap();
+        p.free(y, T).unwrap();
+        p.check_invariants().unwrap();
     }
+}
+
+#[test]
+fn a_failed_event_record_during_a_route_keeps_the_block_on_its_stream() {
+    // While a route is active a device synchronisation could invalidate a capture: the block
+    // then stays on its stream instead.
+    let (mut p, dev) = pool(PoolKind::Split);
+    p.begin_allocate_to_pool((1, 1), Filter::Stream(gpupool::stream::StreamKey(0xDEAD))).unwrap();
+    let x = p.malloc(MIB, S).unwrap();
+    dev.lock().unwrap().fail_records = true;
+    p.free(x, S).unwrap();
+    assert_eq!(dev.lock().unwrap().device_syncs, 0);
+    let y = p.malloc(MIB, T).unwrap();
+    assert_ne!(x, y, "no event covers S's free, so T must not get its block");
+    dev.lock().unwrap().fail_records = false;
+    assert_eq!(p.malloc(MIB, S).unwrap(), x, "S itself may reuse it (stream order)");
+    p.end_allocate_to_pool((1, 1)).unwrap();
+}
+
+#[test]
+fn record_stream_on_private_and_capturing_streams_defers_the_reuse() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    begin_capture(&dev, S, 21);
+    begin_capture(&dev, T, 21); // a forked stream in the same capture
+    p.begin_allocate_to_pool((21, 0), Filter::Capture(21)).unwrap();
+    // A private block also used on T: quarantined, not reused in the capture.
+    let a = p.malloc(MIB, S).unwrap();
+    p.record_stream(a, T).unwrap();
+    p.free(a, S).unwrap();
+    let b = p.malloc(MIB, S).unwrap();
+    assert_ne!(a, b, "a block used on another stream is not reused during the capture");
+    p.free(b, S).unwrap();
+    end_capture(&dev, S);
+    end_capture(&dev, T);
+    // A main-pool block freed during the capture with a capturing extra stream: held, no
+    // event recorded on the capturing stream, replayed when the route ends.
+    p.end_allocate_to_pool((21, 0)).unwrap();
+    let c = p.malloc(MIB, 0x9000).unwrap();
+    begin_capture(&dev, S, 22);
+    p.begin_allocate_to_pool((22, 0), Filter::Capture(22)).unwrap();
+    p.record_stream(c, S).unwrap();
+    p.free(c, 0x9000).unwrap();
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+    end_capture(&dev, S);
+    p.end_allocate_to_pool((22, 0)).unwrap();
+    p.check_invariants().unwrap();
+    p.release_pool((21, 0)).unwrap();
+    p.release_pool((22, 0)).unwrap();
+    assert_eq!(p.private_pool_summary().0, 0, "both private pools went back once unused");
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+}
+
+#[test]
+fn a_private_pool_released_during_a_route_goes_back_when_the_route_ends() {
+    let (mut p, dev) = pool(PoolKind::Split);
+    begin_capture(&dev, S, 31);
+    p.begin_allocate_to_pool((31, 0), Filter::Capture(31)).unwrap();
+    let a = p.malloc(MIB, S).unwrap();
+    end_capture(&dev, S);
+    p.end_allocate_to_pool((31, 0)).unwrap();
+    // Another capture runs while the first graph is destroyed and its output freed: no
+    // device synchronisation may happen now.
+    begin_capture(&dev, T, 32);
+    p.begin_allocate_to_pool((32, 0), Filter::Capture(32)).unwrap();
+    p.release_pool((31, 0)).unwrap();
+    p.free(a, S).unwrap();
+    assert_eq!(dev.lock().unwrap().device_syncs, 0, "no device synchronisation during another capture");
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+    end_capture(&dev, T);
+    p.end_allocate_to_pool((32, 0)).unwrap();
+    assert_eq!(p.private_pool_summary().0, 1, "pool 31 went back when the last route ended; 32 is still used");
+    assert_eq!(dev.lock().unwrap().device_syncs, 1);
+}
+
+#[test]
+fn a_stream_less_free_of_a_private_block_goes_back_to_its_pool() {
+    let (mut p, _dev) = pool(PoolKind::Split);
+    let legacy = gpupool::stream::StreamKey::LEGACY;
+    p.begin_allocate_to_pool((41, C_POOL_TAG), Filter::Stream(legacy)).unwrap();
+    let a = p.malloc(MIB, 0).unwrap();
+    assert_eq!(p.private_pool_summary().0, 1);
+    p.free_unordered(a).unwrap(); // CuPy without its stream getter
+    p.check_invariants().unwrap();
+    let b = p.malloc(MIB, 0).unwrap();
+    assert_eq!(a, b, "the private block went back to its pool and serves the pool again");
+    p.free(b, 0).unwrap();
+    p.end_allocate_to_pool((41, C_POOL_TAG)).unwrap();
+    let e = p.malloc(MIB, 0).unwrap();
+    assert_ne!(e, a, "eager code does not get the private block");
+    p.free(e, 0).unwrap();
+    p.release_pool((41, C_POOL_TAG)).unwrap();
+    assert_eq!(p.private_pool_summary().0, 0);
 }

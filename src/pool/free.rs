@@ -23,35 +23,57 @@ impl Pool {
     /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
     /// a graph even while no private pool routes (CuPy captures nobody announced).
     pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool) -> Result<()> {
-        let Some(handle) = self.live.get(&ptr).map(|l| l.handle) else {
+        self.running()?;
+        let Some((handle, key)) = self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
             self.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
-        self.free_checked(ptr, handle, check_capture)
+        // The key booked at allocation: the handle's stream may have been destroyed since,
+        // and the driver must not be asked about a dead handle.
+        self.free_keyed(ptr, handle, key, check_capture)
     }
 
     pub(super) fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
         self.running()?;
         // Resolve the stream first, so a failure there changes nothing.
         let key = self.streams.key(&mut *self.upstream, stream)?;
+        self.free_keyed(ptr, stream, key, check_capture)
+    }
+
+    /// The free of `ptr` on `stream`, whose key is `key`.
+    pub(super) fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
         if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
             let live = self.take_live(ptr, stream)?;
             let block = Block { stream: key, ..live.block };
-            let r = self.free_private(block, live.private.expect("checked"));
+            let id = live.private.expect("checked");
+            // Used on other streams too (`record_stream`): no event may be asked about
+            // while the graph may capture, so the block is kept out of reuse until its
+            // private pool goes (PyTorch defers such frees past the capture).
+            let r = if live.extra_streams.is_empty() { self.free_private(block, id) } else { self.quarantine_private(block, id) };
             self.verify();
             return r;
         }
         let capturing = self.capturing(stream, check_capture);
         let live = self.take_live(ptr, stream)?;
-        let block = Block { stream: key, ..live.block };
+        let mut block = Block { stream: key, ..live.block };
         if capturing {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
             self.streams.on_free_capturing(&mut *self.upstream, key, stream);
-        } else {
-            // A failed event record leaves the stream uncovered: its blocks then simply are
-            // not reused across streams (make_safe says no). The free itself succeeds.
-            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && !self.graphs.has_routes() {
+            // No event covers this free (the stream was destroyed, or the driver refused):
+            // wait for the whole device once, after which the block is safe anywhere.
+            if self.upstream.synchronize_device().is_ok() {
+                block.stream = StreamKey::LEGACY;
+            }
+        }
+        if !self.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
+            // An extra stream is capturing: an event recorded there would belong to the graph
+            // and could never be waited for. Hold the free until no route is active.
+            self.c.deferred_frees += 1;
+            self.defer_past_capture(block, live.extra_streams);
+            self.verify();
+            return Ok(());
         }
         let mut events = Vec::new();
         if !self.streams.ignores_streams() {
@@ -198,6 +220,12 @@ impl Pool {
         }
         if ptr == 0 {
             return Ok(());
+        }
+        // Private blocks and blocks used on other streams take the full free (their pool,
+        // their events); a stream-less free cannot do less for them.
+        if self.live.get(&ptr).is_some_and(|l| l.private.is_some() || !l.extra_streams.is_empty()) {
+            let h = self.live[&ptr].handle;
+            return self.free_checked(ptr, h, false);
         }
         let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
         let block = Block { stream: StreamKey::LEGACY, ..live.block };

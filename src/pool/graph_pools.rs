@@ -52,6 +52,11 @@ pub fn routes_active() -> bool {
     ACTIVE_ROUTES.load(Ordering::Relaxed) != 0
 }
 
+/// `n` routes ended with their pool (dropped or reconfigured).
+pub(super) fn forget_routes(n: usize) {
+    ACTIVE_ROUTES.fetch_sub(n, Ordering::AcqRel);
+}
+
 /// A caller's predicate over stream handles (PyTorch's `std::function<bool(cudaStream_t)>`,
 /// wrapped by `torch_shim.cpp`). `drop` frees `ctx` when the route ends.
 pub struct Callback {
@@ -96,6 +101,15 @@ struct PrivatePool {
     live: usize,
     /// Bytes of segments this pool holds.
     reserved: usize,
+    /// Blocks freed while also used on other streams (`record_stream`): kept out of reuse
+    /// until the pool goes, since no event may be asked about while its graphs capture.
+    quarantined: Vec<Block>,
+}
+
+impl PrivatePool {
+    fn new(uses: i64) -> Self {
+        PrivatePool { strategy: strategy::build(crate::config::PoolKind::Split), uses, live: 0, reserved: 0, quarantined: Vec::new() }
+    }
 }
 
 /// A device pool's private pools and routes.
@@ -103,6 +117,10 @@ struct PrivatePool {
 pub struct PrivatePools {
     pools: FxHashMap<PoolId, PrivatePool>,
     routes: Vec<Route>,
+    /// Main-pool frees held while a route is active because a stream they were used on
+    /// (`record_stream`) was capturing: an event recorded there would belong to the graph.
+    /// Replayed when the last route ends.
+    capture_deferred: Vec<(Block, Vec<StreamHandle>)>,
 }
 
 impl PrivatePools {
@@ -127,7 +145,22 @@ impl PrivatePools {
         self.pools.iter().flat_map(|(id, p)| p.strategy.free_blocks().into_iter().map(move |b| (*id, b))).collect()
     }
     pub fn is_free_block(&self, addr: usize) -> bool {
-        self.pools.values().any(|p| p.strategy.is_free_block(addr))
+        self.pools.values().any(|p| p.strategy.is_free_block(addr) || p.quarantined.iter().any(|b| b.addr == addr))
+            || self.capture_deferred.iter().any(|(b, _)| b.addr == addr)
+    }
+    /// Blocks freed but not reusable yet: quarantined private blocks and frees held past a
+    /// capture (books, snapshots).
+    pub fn pending_blocks(&self) -> Vec<Block> {
+        let q = self.pools.values().flat_map(|p| p.quarantined.iter().copied());
+        q.chain(self.capture_deferred.iter().map(|(b, _)| *b)).collect()
+    }
+    /// Routes active now on this device.
+    pub fn route_count(&self) -> usize {
+        self.routes.len()
+    }
+    /// The size of the segment at `base` of private pool `id` (for `segment_of`).
+    pub fn segment_len(&self, id: PoolId, base: usize) -> Option<usize> {
+        self.pools.get(&id).and_then(|p| p.strategy.segment_len(base))
     }
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         for (id, p) in &self.pools {
@@ -142,11 +175,7 @@ impl Pool {
     /// more use) until `end_allocate_to_pool(id)`.
     pub fn begin_allocate_to_pool(&mut self, id: PoolId, filter: Filter) -> Result<()> {
         self.running()?;
-        self.graphs
-            .pools
-            .entry(id)
-            .or_insert_with(|| PrivatePool { strategy: strategy::build(crate::config::PoolKind::Split), uses: 0, live: 0, reserved: 0 })
-            .uses += 1;
+        self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
         self.upstream.set_capture_relaxed(true);
@@ -162,8 +191,55 @@ impl Pool {
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
         if self.graphs.routes.is_empty() {
             self.upstream.set_capture_relaxed(false);
+            self.replay_capture_deferred();
+            self.release_unused_private_pools();
         }
         Ok(())
+    }
+
+    /// Frees held past a capture (`defer_past_capture`), now that no route is active: their
+    /// extra streams get events as in any free.
+    fn replay_capture_deferred(&mut self) {
+        for (block, extra) in std::mem::take(&mut self.graphs.capture_deferred) {
+            let mut events = Vec::new();
+            let mut waited = false;
+            for h in extra {
+                match self.streams.record_on(&mut *self.upstream, h) {
+                    Ok(ev) => events.push(ev),
+                    Err(_) if !waited => waited = self.upstream.synchronize_device().is_ok(),
+                    Err(_) => {}
+                }
+            }
+            if events.is_empty() {
+                let _ = self.put_block(block);
+            } else {
+                self.pending.push(super::Pending { block, events });
+            }
+        }
+    }
+
+    /// Hold a main-pool free until no route is active (see `capture_deferred`).
+    pub(super) fn defer_past_capture(&mut self, block: Block, extra: Vec<StreamHandle>) {
+        self.graphs.capture_deferred.push((block, extra));
+    }
+
+    /// Keep a private block out of reuse until its pool goes (see `quarantined`).
+    pub(super) fn quarantine_private(&mut self, block: Block, id: PoolId) -> Result<()> {
+        let Some(pool) = self.graphs.pools.get_mut(&id) else {
+            return Err(Error::Internal(format!("block {:#x} names private pool {id:?}, which is gone", block.addr)));
+        };
+        pool.live -= 1;
+        pool.quarantined.push(block);
+        self.destroy_if_unused(id).map(|_| ())
+    }
+
+    /// Release every private pool nobody uses and nothing in it is live (after the last
+    /// route ended, or on reclaim). Best effort: a refusal keeps the pool for later.
+    pub fn release_unused_private_pools(&mut self) {
+        let ids: Vec<PoolId> = self.graphs.pools.iter().filter(|(_, p)| p.uses <= 0 && p.live == 0).map(|(id, _)| *id).collect();
+        for id in ids {
+            let _ = self.destroy_if_unused(id);
+        }
     }
 
     /// One user of `id` is done with it (a graph destroyed, a `MemPool` deleted). With no
@@ -171,6 +247,7 @@ impl Pool {
     /// releases pools it never routed to us).
     pub fn release_pool(&mut self, id: PoolId) -> Result<usize> {
         self.running()?;
+        // (While a route is active, `destroy_if_unused` waits: the last route's end does it.)
         let Some(p) = self.graphs.pools.get_mut(&id) else { return Ok(0) };
         p.uses -= 1;
         self.destroy_if_unused(id)
@@ -178,21 +255,19 @@ impl Pool {
 
     /// Allocate from the private pool `id` for `stream` (never from the main cache).
     pub(super) fn malloc_private(&mut self, size: usize, stream: StreamHandle, id: PoolId) -> Result<usize> {
+        self.running()?;
         let key = self.streams.key(&mut *self.upstream, stream)?;
-        let pool = self.graphs.pools.entry(id).or_insert_with(|| PrivatePool {
-            strategy: strategy::build(crate::config::PoolKind::Split),
-            uses: 1, // an implicit capture pool: kept until released by id
-            live: 0,
-            reserved: 0,
-        });
+        // An implicit capture pool starts with one use: kept until released by id.
+        let pool = self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(1));
         let Some(rounded) = pool.strategy.round(size) else { return Err(self.oom(size, size, false)) };
         // Same stream only: a graph's order protects reuse on its own stream, and no event
         // may be asked about during a capture.
         let mut same = |from: StreamKey| from == key;
-        let block = match pool.strategy.take(rounded, key, &mut same) {
+        let mut block = match pool.strategy.take(rounded, key, &mut same) {
             Some(b) => b,
             None => self.grow_private(size, rounded, key, stream, id)?,
         };
+        block.stream = key;
         let pool = self.graphs.pools.get_mut(&id).expect("present");
         pool.live += 1;
         self.c.used += block.size;
@@ -235,7 +310,10 @@ impl Pool {
                     by_limit = want == rounded;
                     continue;
                 }
-                match self.upstream.allocate(want, stream) {
+                // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
+                // graph being captured: allocate on the legacy stream, outside any capture.
+                let on = if self.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
+                match self.upstream.allocate(want, on) {
                     Ok(base) => {
                         crate::owners::add(base, want, self.device);
                         self.trace(stream, Action::UpstreamAlloc, base, want);
@@ -313,9 +391,10 @@ impl Pool {
     /// Release the private pool `id` if nobody uses it and nothing in it is live: wait for
     /// the device once, then give every segment back.
     fn destroy_if_unused(&mut self, id: PoolId) -> Result<usize> {
-        let routed = self.graphs.routes.iter().any(|r| r.id == id);
         let Some(p) = self.graphs.pools.get(&id) else { return Ok(0) };
-        if p.uses > 0 || p.live > 0 || routed {
+        // While any route is active a capture may be running, which a device-wide
+        // synchronisation would invalidate: the last route's end releases the pool.
+        if p.uses > 0 || p.live > 0 || self.graphs.has_routes() {
             return Ok(0);
         }
         if p.reserved > 0 {
@@ -325,7 +404,8 @@ impl Pool {
         // Nothing is live, so every segment is wholly free, though its free blocks may carry
         // different streams (and so not have merged): after the synchronisation none of
         // them matters. Release segment by segment; the strategy is dropped with the pool.
-        let mut segments: Vec<usize> = p.strategy.free_blocks().iter().map(|b| b.segment).collect();
+        let mut segments: Vec<usize> =
+            p.strategy.free_blocks().iter().chain(p.quarantined.iter()).map(|b| b.segment).collect();
         segments.sort_unstable();
         segments.dedup();
         let mut released = 0;
@@ -360,6 +440,7 @@ impl Pool {
                 let _ = fresh.put(b);
             }
             p.strategy = fresh;
+            p.quarantined.clear();
         }
         if p.reserved > 0 {
             // What could not be released stays reserved in a pool nobody routes to, so
@@ -399,6 +480,7 @@ impl Pool {
     /// captures a graph nobody announced gets a private pool for that capture (released by
     /// `gpupool_release_capture`), since the graph keeps using what it was given.
     pub fn malloc_detecting_capture(&mut self, size: usize, stream: StreamHandle) -> Result<usize> {
+        self.running()?;
         if size != 0 && !crate::stream::is_legacy(stream) {
             if self.graphs.has_routes() {
                 if let Some(id) = self.route(stream)? {

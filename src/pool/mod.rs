@@ -327,6 +327,8 @@ impl Pool {
                 block = self.grow(size, rounded, key, stream, false).map_err(|_| e)?;
             }
         }
+        // Booked under the requesting stream: a free that names no stream (CuPy) goes there.
+        block.stream = key;
         self.c.used += block.size;
         self.c.requested += size;
         if self.c.used > self.c.peak_used {
@@ -489,6 +491,9 @@ impl Pool {
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
     pub fn reclaim(&mut self) -> Result<usize> {
         self.running()?;
+        if !self.graphs.has_routes() {
+            self.release_unused_private_pools();
+        }
         // What went back, however it went (deferred frees finishing here release their
         // segments at once under the `none` strategy): the drop in reserved bytes.
         let before = self.c.reserved;
@@ -530,6 +535,11 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
+        // Routes of a pool that goes away end with it (the thread caches' bypass counts them).
+        let routes = self.graphs.route_count();
+        if routes > 0 {
+            graph_pools::forget_routes(routes);
+        }
         if self.stopped.is_some() {
             return; // books not vouched for: give nothing back (see `stop`)
         }

@@ -23,6 +23,10 @@ impl Pool {
         let Some(l) = self.live.get(&ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        if let Some(id) = l.private {
+            let base = l.block.segment;
+            return Ok((base, self.graphs.segment_len(id, base).unwrap_or(l.block.size)));
+        }
         if self.strategy.as_arena_ref().is_some() {
             // The arena has no upstream allocations per block: the block is its own range.
             return Ok((l.block.addr, l.block.size));
@@ -145,6 +149,7 @@ impl Pool {
             return Err(format!("used {} but live blocks hold {live_bytes}", self.c.used));
         }
         let pending: usize = self.pending.iter().map(|p| p.block.size).sum::<usize>()
+            + self.graphs.pending_blocks().iter().map(|b| b.size).sum::<usize>()
             + self.unfenced_bytes
             + self.unreleased.iter().map(|s| s.size).sum::<usize>();
         if self.unfenced_bytes != self.unfenced.iter().map(|b| b.size).sum::<usize>() {
@@ -170,6 +175,7 @@ impl Pool {
         let mut spans: Vec<(usize, usize, bool)> = self.live.values().map(|l| (l.block.addr, l.block.end(), true)).collect();
         spans.extend(self.strategy.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
         spans.extend(self.graphs.free_blocks().iter().map(|b| (b.addr, b.end(), false)));
+        spans.extend(self.graphs.pending_blocks().iter().map(|b| (b.addr, b.end(), true)));
         spans.extend(self.pending.iter().map(|p| (p.block.addr, p.block.end(), true)));
         spans.extend(self.unfenced.iter().map(|b| (b.addr, b.end(), true)));
         spans.sort_unstable();

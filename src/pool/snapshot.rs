@@ -48,7 +48,7 @@ impl Pool {
             pieces.push(Piece { block: l.block, requested: l.requested, state, pool: l.private.unwrap_or((0, 0)) });
         }
         let pending = self.pending.iter().map(|p| p.block).chain(self.unfenced.iter().copied());
-        for b in pending {
+        for b in pending.chain(self.graphs.pending_blocks()) {
             pieces.push(Piece { block: b, requested: b.size, state: State::PendingFree, pool: (0, 0) });
         }
         for b in self.strategy.free_blocks() {
