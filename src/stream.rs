@@ -6,19 +6,30 @@
 //! - to B only after an event recorded on A after the free has completed, or after B has
 //!   been made to wait on that event (`cuStreamWaitEvent`).
 //!
-//! One event per stream is re-recorded at each free on that stream (RMM's scheme): the
-//! latest record covers every earlier free, so a single wait makes all of A's frees safe
-//! for B. Events are created once per stream and recycled, never per call.
+//! One event per stream, recorded **lazily**: a free only marks its stream stale, and the
+//! event is recorded when another stream first wants one of its blocks (or a release must
+//! wait for it). The record then covers every earlier free on that stream; recording later
+//! than the free is conservative (it covers more work) and still correct. So a step that
+//! reuses memory on its own stream makes no driver call at all, on any stream. Events are
+//! created once per stream and recycled, never per call.
 //!
-//! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch
-//! and CuPy; it is never destroyed and its handle is valid from any thread, so its event
-//! is recorded lazily — only when another stream wants one of its blocks. Recording later
-//! than the free is conservative (it covers more work) and still correct. User streams and
-//! the per-thread default stream are recorded at free time, because a user stream may be
-//! destroyed later and the per-thread handle names another stream on another thread.
+//! Identity: the legacy default stream (handles 0 and `CU_STREAM_LEGACY`) is one key; a
+//! user stream's key is its handle, as in PyTorch's allocator, which needs no driver call.
+//! A handle can be recycled after `cuStreamDestroy`, but the driver releases a stream's
+//! resources only once its queued work has completed, so a recycled handle never hides
+//! pending work of the old stream. The per-thread default stream's handle names a different
+//! stream on each thread: its key comes from `cuStreamGetId` and its frees are recorded at
+//! once, on the thread that knows which stream it means.
+//!
+//! When a lazy record fails (the stream was destroyed), the blocks it would have covered
+//! become safe after one device-wide synchronisation, unless a capture may be running
+//! (`set_captures_possible`), in which case they simply stay on their stream.
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
+
+/// Set in the keys of per-thread default streams (driver ids), never in handles.
+const PER_THREAD_KEY_BIT: u64 = 1 << 62;
 use rustc_hash::FxHashMap;
 
 // Stream identities (handles, keys, the legacy stream) belong to the driver layer; the
@@ -32,6 +43,8 @@ struct StreamState {
     event: Option<EventHandle>,
     /// True once `event` has a record that covers every free on this stream.
     recorded: bool,
+    /// Frees happened since the last record (the next need records: lazy).
+    stale: bool,
     /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
     /// graph (an event recorded there belongs to the graph and cannot be queried), or the
     /// event could not be created or recorded. Its blocks are then not handed to other
@@ -48,6 +61,9 @@ pub struct StreamTracker {
     legacy_stale: bool,
     /// Test-only: treat every stream as the legacy stream (no synchronisation at all).
     ignore_streams: bool,
+    /// A CUDA graph capture may be running (private pools route): no device-wide
+    /// synchronisation, and no lazy record on a stream without asking whether it captures.
+    captures_possible: bool,
     /// How many times a stream was made to wait on another's event.
     pub cross_stream_waits: u64,
     /// How many cached blocks moved across streams after their event had completed.
@@ -61,6 +77,7 @@ impl StreamTracker {
             spare_events: Vec::new(),
             legacy_stale: false,
             ignore_streams,
+            captures_possible: false,
             cross_stream_waits: 0,
             cross_stream_ready: 0,
         }
@@ -70,12 +87,21 @@ impl StreamTracker {
         self.ignore_streams
     }
 
-    /// Identity of `handle`. The legacy stream needs no driver call (hot path).
+    /// See `captures_possible` (the pool sets it while private pools route allocations).
+    pub fn set_captures_possible(&mut self, on: bool) {
+        self.captures_possible = on;
+    }
+
+    /// Identity of `handle`: no driver call except for the per-thread default stream.
     pub fn key(&mut self, up: &mut dyn Upstream, handle: StreamHandle) -> Result<StreamKey> {
         if self.ignore_streams || is_legacy(handle) {
             return Ok(StreamKey::LEGACY);
         }
-        up.stream_key(handle)
+        if handle == STREAM_PER_THREAD {
+            // Driver ids are small counters; the top bit keeps them apart from handles.
+            return up.stream_key(handle).map(|k| StreamKey(k.0 | PER_THREAD_KEY_BIT));
+        }
+        Ok(StreamKey(handle as u64))
     }
 
     /// Called when a block is freed on `key`/`handle`: make the stream's event cover it.
@@ -85,6 +111,19 @@ impl StreamTracker {
             // Lazy: an earlier record no longer covers this free. (A flag, not a map
             // lookup: this is the hot path of PyTorch and CuPy.)
             self.legacy_stale = true;
+            return Ok(());
+        }
+        if handle != STREAM_PER_THREAD {
+            // Lazy as well: recorded when another stream (or a release) needs it.
+            let st = self.states.entry(key).or_insert(StreamState {
+                handle,
+                event: None,
+                recorded: false,
+                stale: false,
+                uncovered: false,
+            });
+            st.handle = handle;
+            st.stale = true;
             return Ok(());
         }
         let st = self.state(up, key, handle);
@@ -131,7 +170,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered });
+            self.states.insert(key, StreamState { handle, event, recorded: false, stale: false, uncovered });
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -143,7 +182,7 @@ impl StreamTracker {
                 Some(s) => s,
                 None => {
                     let ev = up.event_create()?;
-                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, uncovered: false })
+                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, stale: false, uncovered: false })
                 }
             };
             let ev = st.event.expect("legacy state has an event");
@@ -156,11 +195,46 @@ impl StreamTracker {
             }
             return Ok(Some(ev));
         }
-        match self.states.get(&from) {
-            Some(s) if s.uncovered => Err(crate::error::Error::Internal("frees on this stream are not covered by an event".into())),
-            Some(s) if s.recorded => Ok(s.event),
-            _ => Ok(None),
+        let captures_possible = self.captures_possible;
+        let Some(st) = self.states.get_mut(&from) else { return Ok(None) };
+        if st.uncovered && !st.stale {
+            return Err(crate::error::Error::Internal("frees on this stream are not covered by an event".into()));
         }
+        if st.stale {
+            // (A free since the uncovered ones: a record now covers those too, the stream
+            // no longer capturing.)
+            // The lazy record. Never into a capture: it would belong to the graph.
+            if captures_possible && up.capture_id(st.handle)?.is_some() {
+                return Err(crate::error::Error::Internal("the stream is capturing; its frees are covered later".into()));
+            }
+            if st.event.is_none() {
+                st.event = Some(match self.spare_events.pop() {
+                    Some(e) => e,
+                    None => up.event_create()?,
+                });
+            }
+            let ev = st.event.expect("set above");
+            up.event_record(ev, st.handle)?;
+            st.recorded = true;
+            st.stale = false;
+            st.uncovered = false;
+        }
+        Ok(if st.recorded { st.event } else { None })
+    }
+
+    /// A lazy record failed (the stream is gone, or the driver refused): wait for the whole
+    /// device once, after which nothing freed on `from` is pending. Not while a capture may
+    /// run. Returns whether the blocks are now safe.
+    fn cover_by_device_sync(&mut self, up: &mut dyn Upstream, from: StreamKey) -> bool {
+        if self.captures_possible || up.synchronize_device().is_err() {
+            return false;
+        }
+        if let Some(st) = self.states.get_mut(&from) {
+            st.stale = false;
+            st.recorded = false;
+            st.uncovered = false;
+        }
+        true
     }
 
     /// Make blocks freed on `from` safe for use on stream `to`. Returns false when that is
@@ -173,7 +247,7 @@ impl StreamTracker {
             Ok(Some(ev)) => ev,
             // A stream that never freed through us has nothing to cover.
             Ok(None) => return true,
-            Err(_) => return false,
+            Err(_) => return self.states.get(&from).is_some_and(|s| s.stale && !s.uncovered) && self.cover_by_device_sync(up, from),
         };
         match up.event_query(ev) {
             Ok(true) => {
@@ -222,10 +296,17 @@ impl StreamTracker {
             st.recorded = true;
             st.uncovered = false;
         }
-        if let Some(ev) = self.covering_event(up, key)? {
-            up.event_synchronize(ev)?;
+        match self.covering_event(up, key) {
+            Ok(Some(ev)) => up.event_synchronize(ev),
+            Ok(None) => Ok(()),
+            Err(e) => {
+                if self.states.get(&key).is_some_and(|s| s.stale && !s.uncovered) && self.cover_by_device_sync(up, key) {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
         }
-        Ok(())
     }
 
     /// Block the host until every free on every stream has completed (a segment whose free

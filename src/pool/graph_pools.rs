@@ -179,6 +179,7 @@ impl Pool {
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
         self.upstream.set_capture_relaxed(true);
+        self.streams.set_captures_possible(true);
         Ok(())
     }
 
@@ -191,6 +192,7 @@ impl Pool {
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
         if self.graphs.routes.is_empty() {
             self.upstream.set_capture_relaxed(false);
+            self.streams.set_captures_possible(false);
             self.replay_capture_deferred();
             self.release_unused_private_pools();
         }

@@ -192,7 +192,27 @@ impl Upstream for HostUpstream {
         self.calls
     }
 
+    // Events: the host "device" has finished everything at once. The calls are counted as
+    // the CUDA upstream's would be, so tests can tell a hot path that makes them.
+    fn event_record(&mut self, _ev: super::EventHandle, _stream: StreamHandle) -> Result<()> {
+        self.calls.event_record += 1;
+        Ok(())
+    }
+    fn event_query(&mut self, _ev: super::EventHandle) -> Result<bool> {
+        self.calls.event_query += 1;
+        Ok(true)
+    }
+    fn event_synchronize(&mut self, _ev: super::EventHandle) -> Result<()> {
+        self.calls.event_sync += 1;
+        Ok(())
+    }
+    fn stream_wait_event(&mut self, _stream: StreamHandle, _ev: super::EventHandle) -> Result<()> {
+        self.calls.stream_wait += 1;
+        Ok(())
+    }
+
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
+        self.calls.stream_id += 1;
         if handle == STREAM_PER_THREAD {
             // One per-thread stream per OS thread, as in CUDA.
             return Ok(StreamKey(0x8000_0000_0000_0000 | unsafe { libc::pthread_self() } as u64 >> 1));
