@@ -31,10 +31,16 @@ use std::time::{Duration, Instant};
 const SIZE: usize = 1 << 20;
 
 fn c_pair(device: i32) {
+    c_pair_on(device, 0)
+}
+
+/// One alloc+free pair on `stream` (a raw handle; on the host upstream any value names a stream).
+fn c_pair_on(device: i32, stream: usize) {
     let mut p: *mut c_void = null_mut();
+    let s = stream as *mut c_void;
     unsafe {
-        gpupool_malloc(&mut p, black_box(SIZE), device, null_mut());
-        gpupool_free(black_box(p), device, null_mut());
+        gpupool_malloc(&mut p, black_box(SIZE), device, s);
+        gpupool_free(black_box(p), device, s);
     }
 }
 
@@ -60,6 +66,22 @@ fn c_api(c: &mut Criterion) {
     unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
     let mut g = c.benchmark_group("c_api");
     g.bench_function("pair_1_thread", |b| b.iter(|| c_pair(0)));
+    // A user stream (#18): the thread's fast path serves each stream for itself.
+    unsafe { gpupool_configure(7, c"split".as_ptr(), c"host".as_ptr()) };
+    g.bench_function("pair_user_stream_1_thread", |b| b.iter(|| c_pair_on(7, 0x5000)));
+    // 8 threads, each on its own stream (device 8).
+    unsafe { gpupool_configure(8, c"split".as_ptr(), c"host".as_ptr()) };
+    g.bench_function("pair_user_streams_8_threads", |b| {
+        b.iter_custom(|iters| {
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            parallel(8, iters, |n| {
+                let stream = 0x10000 + 0x100 * next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for _ in 0..n {
+                    c_pair_on(8, stream)
+                }
+            })
+        })
+    });
     // CuPy's entry points: no stream, frees fenced in batches on the legacy stream.
     g.bench_function("cupy_pair_1_thread", |b| {
         b.iter(|| unsafe {

@@ -142,15 +142,34 @@ fn a_block_freed_by_another_thread_leaves_the_fast_path() {
 }
 
 #[test]
-fn other_streams_never_take_the_fast_path() {
+fn user_streams_take_the_fast_path_each_for_itself() {
     let d = 23;
     host(d);
-    let s = 0x5000usize;
+    let (s, t) = (0x5000usize, 0x7000usize);
+    // Warm the size on stream s: it repeats, so the block is remembered for s.
+    for _ in 0..2 {
+        let a = malloc_on(MIB, d, s);
+        assert_eq!(unsafe { gpupool_free(a as *mut c_void, d, s as *mut c_void) }, Status::Ok);
+    }
     let a = malloc_on(MIB, d, s);
-    assert!(!gpupool::thread_cache::try_free(d, a, s), "a user stream's free goes to the pool");
-    assert_eq!(unsafe { gpupool_free(a as *mut c_void, d, s as *mut c_void) }, Status::Ok);
-    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, s), None);
-    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, 0), None, "nothing was parked");
+    assert!(gpupool::thread_cache::try_free(d, a, s), "a user stream's free is kept for that stream");
+    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, t), None, "another stream never gets it from the fast path");
+    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, 0), None, "nor does the legacy stream");
+    assert_eq!(gpupool::thread_cache::try_malloc(d, MIB, s), Some(a), "its own stream does");
+    // A free that names another stream than the allocation's goes to the pool.
+    assert!(!gpupool::thread_cache::try_free(d, a, t));
+    assert_eq!(unsafe { gpupool_free(a as *mut c_void, d, t as *mut c_void) }, Status::Ok);
+    assert_eq!(kept(d), 0);
+    // The per-thread default stream (another stream on each thread) never takes it.
+    let p = malloc_on(MIB, d, 2);
+    assert!(!gpupool::thread_cache::try_free(d, p, 2));
+    assert_eq!(unsafe { gpupool_free(p as *mut c_void, d, 2 as *mut c_void) }, Status::Ok);
+    // A kept user-stream block goes back to the pool on its own stream when flushed.
+    let b = malloc_on(MIB, d, s);
+    assert!(gpupool::thread_cache::try_free(d, b, s));
+    reclaim(d);
+    assert_eq!(kept(d), 0);
+    assert_eq!(stats(d).n_live_blocks, 0);
     check(d);
 }
 

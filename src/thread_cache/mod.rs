@@ -1,4 +1,4 @@
-//! Per-thread fast path for the legacy default stream: a free followed by an allocation of
+//! Per-thread fast path, on every stream but the per-thread default stream: a free followed by an allocation of
 //! the same size on the same thread skips the device lock, the live-pointer map and the
 //! strategy.
 //!
@@ -27,10 +27,13 @@
 //!   blocks (unfenced ones could not serve it), and reclaim, limits and out-of-memory
 //!   escalation take everything. A thread that exits marks its caches
 //!   orphaned; the pool empties them on its next locked operation.
-//! - Only the legacy default stream takes this path: its handle is the same stream on every
-//!   thread, it is never destroyed, and legacy frees need no event at free time. Other
-//!   streams (whose handles can be destroyed and recycled, or name a different stream per
-//!   thread) always go through the pool.
+//! - Each kept block remembers the stream it was allocated for: it is kept only when freed
+//!   on that stream, and handed back only to an allocation on that stream, so stream order
+//!   alone protects it and no event is needed (the pool records events lazily anyway). A
+//!   destroyed stream's handle can be recycled, but only after its queued work completed
+//!   (the driver releases a stream's resources then), so a recycled handle hides nothing.
+//!   The per-thread default stream's handle names a different stream on each thread; its
+//!   operations always go through the pool.
 //! - CuPy's frees name no stream, and the pool's rule for them (`Pool::free_unordered`) is
 //!   that a block is reused only after a fence enqueued on the legacy stream after its free.
 //!   The magazine keeps that rule: a CuPy free marks the word UNFENCED; once enough are
@@ -116,7 +119,7 @@ fn locked_malloc(
             cache.unordered.fenced();
             *unfenced = (0, 0);
         }
-        if let Some(p) = cache.reuse(kind, size) {
+        if let Some(p) = cache.reuse(kind, size, fast_stream(stream)) {
             return (Ok(p), fresh);
         }
         // A miss. The fenced blocks of other sizes go back, so this request may use them;
@@ -143,7 +146,7 @@ fn locked_malloc(
     }
     let r = pool.malloc_owned(size, stream, crate::pool::owner_of(id, kind));
     if let Ok(p) = r {
-        cache.remember(kind, p, size);
+        cache.remember(kind, p, size, fast_stream(stream));
     }
     (r, fresh)
 }
@@ -159,7 +162,7 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
         let v = m.0.borrow();
         let mine = v.get(d).and_then(|c| c.as_deref());
         if size != 0 {
-            if let Some(p) = mine.and_then(|c| c.reuse(kind, size)) {
+            if let Some(p) = mine.and_then(|c| c.reuse(kind, size, fast_stream(stream))) {
                 return Ok(p);
             }
         }
@@ -185,11 +188,30 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
     }
 }
 
-/// Allocate `size` bytes on `device` for `stream`: a block this thread kept, else the pool.
+/// The stream as the fast path names it: the legacy stream's two handles as one.
+#[inline]
+fn fast_stream(stream: usize) -> usize {
+    if crate::stream::is_legacy(stream) {
+        STREAM_LEGACY
+    } else {
+        stream
+    }
+}
+
+/// Whether frees and allocations on `stream` may take the fast path: every stream but the
+/// per-thread default stream (whose handle names another stream on each thread, which the
+/// pool must resolve when it takes a kept block back).
+#[inline]
+fn fast_path_stream(stream: usize) -> bool {
+    stream != crate::stream::STREAM_PER_THREAD
+}
+
+/// Allocate `size` bytes on `device` for `stream`: a block this thread kept for that
+/// stream, else the pool.
 pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
-    // Non-default streams, and every stream while a private pool routes allocations (the
-    // pool decides where they go), take the locked path.
-    if !crate::stream::is_legacy(stream) || crate::pool::routes_active() || crate::process::in_child() {
+    // The per-thread default stream, and every stream while a private pool routes
+    // allocations (the pool decides where they go), take the locked path.
+    if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
         return registry::with_pool(device, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
@@ -204,23 +226,26 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
 }
 
-/// Fast free on the legacy stream: keep `ptr` if this thread allocated it there and still
-/// holds it. `false`: the caller frees through the pool.
+/// Fast free: keep `ptr` if this thread allocated it for `stream` and still holds it (the
+/// next allocation of its size on that stream, on this thread, takes it back: stream order
+/// protects it). `false`: the caller frees through the pool.
 pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
-    crate::stream::is_legacy(stream) && !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Ordered, ptr).then_some(())).is_some()
+    fast_path_stream(stream)
+        && !crate::process::in_child()
+        && with_mine(device, |c| c.keep(Kind::Ordered, ptr, fast_stream(stream)).then_some(())).is_some()
 }
 
 /// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
 pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
-    !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr).then_some(())).is_some()
+    !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr, STREAM_LEGACY).then_some(())).is_some()
 }
 
 /// A block this thread kept on `device` for `size` bytes, handed out again (tests).
 pub fn try_malloc(device: i32, size: usize, stream: usize) -> Option<usize> {
-    if !crate::stream::is_legacy(stream) {
+    if !fast_path_stream(stream) {
         return None;
     }
-    with_mine(device, |c| c.reuse(Kind::Ordered, size))
+    with_mine(device, |c| c.reuse(Kind::Ordered, size, fast_stream(stream)))
 }
 
 /// The (pool id, cache id) of this thread's cache for `device`, if it has one.

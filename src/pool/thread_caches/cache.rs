@@ -104,28 +104,29 @@ impl ThreadCache {
         o.chain(self.unordered.held().map(|(p, h)| (Kind::Unordered, p, h)))
     }
 
-    pub(crate) fn reuse(&self, kind: Kind, size: usize) -> Option<usize> {
+    /// `stream`: the normalised stream handle (`thread_cache::fast_stream`).
+    pub(crate) fn reuse(&self, kind: Kind, size: usize, stream: usize) -> Option<usize> {
         if self.stopped.load(Ordering::Relaxed) {
             return None; // the locked path reports why
         }
         let p = match kind {
-            Kind::Ordered => self.ordered.reuse(size),
-            Kind::Unordered => self.unordered.reuse(size),
+            Kind::Ordered => self.ordered.reuse(size, stream),
+            Kind::Unordered => self.unordered.reuse(size, stream),
         }?;
         bump(&self.fast_allocs);
         Some(p)
     }
 
-    pub(crate) fn keep(&self, kind: Kind, ptr: usize) -> bool {
+    pub(crate) fn keep(&self, kind: Kind, ptr: usize, stream: usize) -> bool {
         let kept = match kind {
-            Kind::Ordered => self.ordered.keep(ptr, REUSABLE).is_some(),
+            Kind::Ordered => self.ordered.keep(ptr, REUSABLE, stream).is_some(),
             Kind::Unordered => {
                 // SAFETY: owner thread only.
                 let unfenced = unsafe { &mut *self.unfenced.get() };
                 if unfenced.1 >= FENCE_BYTES {
                     return false; // enough waiting: this one goes through the pool
                 }
-                match self.unordered.keep(ptr, UNFENCED) {
+                match self.unordered.keep(ptr, UNFENCED, stream) {
                     Some(size) => {
                         unfenced.0 += 1;
                         unfenced.1 += size;
@@ -141,10 +142,10 @@ impl ThreadCache {
         kept
     }
 
-    pub(crate) fn remember(&self, kind: Kind, ptr: usize, size: usize) {
+    pub(crate) fn remember(&self, kind: Kind, ptr: usize, size: usize, stream: usize) {
         match kind {
-            Kind::Ordered => self.ordered.remember(ptr, size),
-            Kind::Unordered => self.unordered.remember(ptr, size),
+            Kind::Ordered => self.ordered.remember(ptr, size, stream),
+            Kind::Unordered => self.unordered.remember(ptr, size, stream),
         }
     }
 }
@@ -162,47 +163,47 @@ mod tests {
     #[test]
     fn keep_reuse_and_claim() {
         let c = cache();
-        c.remember(Kind::Ordered, 0x1000, 100);
-        assert!(c.keep(Kind::Ordered, 0x1000));
-        assert!(!c.keep(Kind::Ordered, 0x1000), "a kept block is not HANDED any more");
-        assert_eq!(c.reuse(Kind::Ordered, 99), None, "sizes must match exactly");
-        assert_eq!(c.reuse(Kind::Ordered, 100), Some(0x1000));
+        c.remember(Kind::Ordered, 0x1000, 100, 1);
+        assert!(c.keep(Kind::Ordered, 0x1000, 1));
+        assert!(!c.keep(Kind::Ordered, 0x1000, 1), "a kept block is not HANDED any more");
+        assert_eq!(c.reuse(Kind::Ordered, 99, 1), None, "sizes must match exactly");
+        assert_eq!(c.reuse(Kind::Ordered, 100, 1), Some(0x1000));
         assert_eq!(c.fast_counts(), (1, 1));
         assert_eq!(c.claim(Kind::Ordered, 0x1000), Some(Hold::Handed));
-        assert!(!c.keep(Kind::Ordered, 0x1000), "claimed by the pool: the owner takes the locked path");
-        c.remember(Kind::Ordered, 0x2000, 8);
-        assert!(c.keep(Kind::Ordered, 0x2000));
+        assert!(!c.keep(Kind::Ordered, 0x1000, 1), "claimed by the pool: the owner takes the locked path");
+        c.remember(Kind::Ordered, 0x2000, 8, 1);
+        assert!(c.keep(Kind::Ordered, 0x2000, 1));
         assert_eq!(c.claim(Kind::Ordered, 0x2000), Some(Hold::Reusable), "a free of a kept block is a double free");
         assert_eq!(c.take_kept(false), vec![(0x2000, Hold::Reusable)]);
-        assert_eq!(c.reuse(Kind::Ordered, 8), None);
+        assert_eq!(c.reuse(Kind::Ordered, 8, 1), None);
         assert_eq!(c.held().count(), 0);
     }
 
     #[test]
     fn unordered_frees_wait_for_a_fence() {
         let c = cache();
-        c.remember(Kind::Unordered, 0x4000, 64);
-        assert!(!c.keep(Kind::Ordered, 0x4000), "word sets are separate");
-        assert!(c.keep(Kind::Unordered, 0x4000));
-        assert_eq!(c.reuse(Kind::Unordered, 64), None, "not before a fence");
+        c.remember(Kind::Unordered, 0x4000, 64, 1);
+        assert!(!c.keep(Kind::Ordered, 0x4000, 1), "word sets are separate");
+        assert!(c.keep(Kind::Unordered, 0x4000, 1));
+        assert_eq!(c.reuse(Kind::Unordered, 64, 1), None, "not before a fence");
         assert_eq!(c.claim(Kind::Unordered, 0x4000), Some(Hold::Unfenced));
         c.unordered.fenced();
-        assert_eq!(c.reuse(Kind::Unordered, 64), Some(0x4000));
+        assert_eq!(c.reuse(Kind::Unordered, 64, 1), Some(0x4000));
     }
 
     #[test]
     fn remember_replaces_oldest_handed_never_kept() {
         let c = cache();
         for i in 1..=WORDS + 2 {
-            c.remember(Kind::Ordered, i * 0x1000, 1);
+            c.remember(Kind::Ordered, i * 0x1000, 1, 1);
         }
         let held: Vec<usize> = c.held().map(|(_, p, _)| p).collect();
         assert_eq!(held.len(), WORDS);
         assert!(!held.contains(&0x1000) && !held.contains(&0x2000), "{held:x?}");
         for &p in &held {
-            assert!(c.keep(Kind::Ordered, p));
+            assert!(c.keep(Kind::Ordered, p, 1));
         }
-        c.remember(Kind::Ordered, 0x9000, 1);
+        c.remember(Kind::Ordered, 0x9000, 1, 1);
         assert!(c.held().all(|(_, p, h)| p != 0x9000 && h == Hold::Reusable), "kept blocks are not overwritten");
     }
 }

@@ -201,8 +201,8 @@ impl Pool {
     /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
     /// fast path here (disabled, or not the legacy stream).
     pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
-        if !self.caches.enabled() || !crate::stream::is_legacy(stream) {
-            return None;
+        if !self.caches.enabled() || stream == crate::stream::STREAM_PER_THREAD {
+            return None; // (the per-thread default stream means another stream on each thread)
         }
         if self.caches.has_orphans() {
             for (p, hold) in self.caches.reap() {
@@ -239,7 +239,11 @@ impl Pool {
         let counted = self.c.frees;
         let _ = match hold {
             Hold::Unfenced => self.free_unordered(ptr),
-            _ => self.free(ptr, crate::stream::STREAM_LEGACY),
+            // Kept only when freed on its allocation stream: free it there.
+            _ => match self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
+                Some((h, key)) => self.free_keyed(ptr, h, key, false),
+                None => self.free(ptr, crate::stream::STREAM_LEGACY),
+            },
         };
         self.c.frees = counted;
     }

@@ -37,6 +37,9 @@ pub(crate) struct Words<const N: usize> {
     w: [AtomicUsize; N],
     /// Requested size of each word's block (owner only).
     sizes: UnsafeCell<[usize; N]>,
+    /// The stream each word's block was allocated for (owner only): it is kept only when
+    /// freed on that stream and reused only for it, so stream order alone protects it.
+    streams: UnsafeCell<[usize; N]>,
     /// Next word to overwrite when none is empty (owner only).
     victim: UnsafeCell<usize>,
     /// REUSABLE words the owner may have (owner only; an upper bound, since the pool may
@@ -59,6 +62,7 @@ impl<const N: usize> Words<N> {
         Words {
             w: std::array::from_fn(|_| AtomicUsize::new(EMPTY)),
             sizes: UnsafeCell::new([0; N]),
+            streams: UnsafeCell::new([0; N]),
             victim: UnsafeCell::new(0),
             reusable: UnsafeCell::new(0),
             occupied: UnsafeCell::new(0),
@@ -100,19 +104,19 @@ impl<const N: usize> Words<N> {
         self.w.iter().filter_map(|w| decode(w.load(Ordering::Acquire)))
     }
 
-    /// Owner: a REUSABLE block of exactly `size` requested bytes, now HANDED again.
-    pub(crate) fn reuse(&self, size: usize) -> Option<usize> {
+    /// Owner: a REUSABLE block of exactly `size` requested bytes on `stream`, now HANDED again.
+    pub(crate) fn reuse(&self, size: usize, stream: usize) -> Option<usize> {
         // SAFETY: owner thread only (see the `Sync` impl of `ThreadCache`).
-        let (sizes, reusable) = unsafe { (&*self.sizes.get(), &mut *self.reusable.get()) };
+        let (sizes, streams, reusable) = unsafe { (&*self.sizes.get(), &*self.streams.get(), &mut *self.reusable.get()) };
         if *reusable == 0 {
             return None;
         }
         let mut seen = 0;
-        for (w, &s) in self.w.iter().zip(sizes) {
+        for ((w, &s), &st) in self.w.iter().zip(sizes).zip(streams) {
             let cur = w.load(Ordering::Relaxed);
             if cur & TAGS == REUSABLE {
                 seen += 1;
-                if s == size && w.compare_exchange(cur, cur & !TAGS, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                if s == size && st == stream && w.compare_exchange(cur, cur & !TAGS, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                     *reusable -= 1;
                     return Some(cur & !TAGS);
                 }
@@ -159,8 +163,8 @@ impl<const N: usize> Words<N> {
         seen
     }
 
-    /// Owner: keep `ptr` (tagged `tag`) if this thread holds it HANDED; its size.
-    pub(crate) fn keep(&self, ptr: usize, tag: usize) -> Option<usize> {
+    /// Owner: keep `ptr` (tagged `tag`) if this thread holds it HANDED for `stream`; its size.
+    pub(crate) fn keep(&self, ptr: usize, tag: usize, stream: usize) -> Option<usize> {
         // SAFETY: owner thread only.
         let occupied = unsafe { &mut *self.occupied.get() };
         if *occupied == 0 {
@@ -170,6 +174,10 @@ impl<const N: usize> Words<N> {
         for (i, w) in self.w.iter().enumerate() {
             let cur = w.load(Ordering::Relaxed);
             if cur == ptr {
+                // SAFETY: owner thread only.
+                if unsafe { (*self.streams.get())[i] } != stream {
+                    return None; // freed on another stream than it was allocated for: the pool's rules apply
+                }
                 if w.compare_exchange(ptr, ptr | tag, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                     // SAFETY: owner thread only.
                     unsafe {
@@ -201,9 +209,10 @@ impl<const N: usize> Words<N> {
 
     /// Owner: make `ptr` eligible for the fast path in an empty word, else in place of the
     /// oldest HANDED one. Kept words are never overwritten (they would be lost to the pool).
-    pub(crate) fn remember(&self, ptr: usize, size: usize) {
+    pub(crate) fn remember(&self, ptr: usize, size: usize, stream: usize) {
         // SAFETY: owner thread only.
-        let (sizes, victim, occupied) = unsafe { (&mut *self.sizes.get(), &mut *self.victim.get(), &mut *self.occupied.get()) };
+        let (sizes, streams, victim, occupied) =
+            unsafe { (&mut *self.sizes.get(), &mut *self.streams.get(), &mut *self.victim.get(), &mut *self.occupied.get()) };
         *occupied = self.w.iter().filter(|w| w.load(Ordering::Relaxed) != EMPTY).count() + 1;
         let i = match self.w.iter().position(|w| w.load(Ordering::Relaxed) == EMPTY) {
             Some(i) => i,
@@ -216,6 +225,7 @@ impl<const N: usize> Words<N> {
             },
         };
         sizes[i] = size;
+        streams[i] = stream;
         // A plain store is enough: the pool only ever clears HANDED words, so whether its
         // claim of the old block lands before or after, the old block simply loses the
         // fast path (a word the pool just emptied is free to take).
