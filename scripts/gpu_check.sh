@@ -28,6 +28,8 @@ cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
 
 echo "== hot-path microbenchmark (no framework)"
 ./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
+echo "== threads and streams: gpupool vs cudaMallocAsync from C (tests/gpu/threads_bench.c)"
+[ -n "${SKIP_BENCH:-}" ] || ./build-gpu/threads_bench 2>&1 | tee "$OUT/threads_bench.log"
 echo "== driver call costs behind the upstreams (no gpupool)"
 ./build-gpu/driver_costs 2>&1 | tee -a "$OUT/hotpath.log"
 
@@ -46,6 +48,7 @@ echo
 echo "key lines:"
 grep -hE "^stream_stress pool=|^limit fill|^device fill|^reclaim released|^conformance .*passed|^cross-stream reuse|^record_stream|threads x|^pinned \(" "$OUT/ctest-full.log" | sort -u
 [ -f "$OUT/hotpath.log" ] && cat "$OUT/hotpath.log"
+[ -f "$OUT/threads_bench.log" ] && cat "$OUT/threads_bench.log"
 [ -f "$OUT/python-summary.txt" ] && cat "$OUT/python-summary.txt"
 # Fail when anything failed: the build, a ctest test, or a Python test.
 failed=0

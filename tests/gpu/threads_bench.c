@@ -1,0 +1,149 @@
+/* Allocator throughput from C across threads and streams (GPU benchmark, not a test):
+ * gpupool against cudaMallocAsync with the device's default pool kept whole (release
+ * threshold at its maximum), at 1, 4 and 16 threads, every thread on the legacy stream or
+ * each on its own stream; workloads: 1 MiB alloc+free pairs, and churn (64 live slots per
+ * thread, sizes log-uniform in 512 B..4 MiB, the same seeded sequence for everyone).
+ * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
+ * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
+ * RMM's resources are measured by scripts/bench_rmm.py where RMM's wheels are available. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <cuda_runtime.h>
+#include "gpupool.h"
+
+enum alloc_kind { GPUPOOL, ASYNC };
+enum workload { PAIRS, CHURN };
+#define BATCH 1000
+#define SLOTS 64
+
+typedef struct {
+  enum alloc_kind kind;
+  enum workload wl;
+  int own_stream;
+  long pairs;
+  double *batch_ns; /* per-batch ns per pair */
+  long nbatches;
+  int failures;
+  pthread_barrier_t *start;
+} job;
+
+static double now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+static void *alloc_on(enum alloc_kind k, size_t n, cudaStream_t s, int *fail) {
+  void *p = NULL;
+  if (k == GPUPOOL) {
+    if (gpupool_malloc(&p, n, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
+  } else if (cudaMallocAsync(&p, n, s) != cudaSuccess) {
+    (*fail)++;
+  }
+  return p;
+}
+
+static void free_on(enum alloc_kind k, void *p, cudaStream_t s, int *fail) {
+  if (!p) return;
+  if (k == GPUPOOL) {
+    if (gpupool_free(p, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
+  } else if (cudaFreeAsync(p, s) != cudaSuccess) {
+    (*fail)++;
+  }
+}
+
+static void *worker(void *arg) {
+  job *j = (job *)arg;
+  cudaStream_t s = NULL;
+  if (j->own_stream) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  void *slots[SLOTS] = {0};
+  uint64_t rng = 0x9E3779B97F4A7C15ull;
+  /* Warm up: the sizes and slots a step uses exist once before timing. */
+  for (int i = 0; i < 2 * SLOTS; i++) {
+    void *p = alloc_on(j->kind, 1 << 20, s, &j->failures);
+    free_on(j->kind, p, s, &j->failures);
+  }
+  pthread_barrier_wait(j->start);
+  for (long b = 0; b < j->nbatches; b++) {
+    double t0 = now_ns();
+    for (int i = 0; i < BATCH; i++) {
+      if (j->wl == PAIRS) {
+        void *p = alloc_on(j->kind, 1 << 20, s, &j->failures);
+        free_on(j->kind, p, s, &j->failures);
+      } else {
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        int slot = (int)(rng % SLOTS);
+        size_t n = (size_t)(512.0 * exp((double)((rng >> 20) % 100000) / 100000.0 * log(8192.0)));
+        free_on(j->kind, slots[slot], s, &j->failures);
+        slots[slot] = alloc_on(j->kind, n, s, &j->failures);
+      }
+    }
+    j->batch_ns[b] = (now_ns() - t0) / BATCH;
+  }
+  for (int i = 0; i < SLOTS; i++) free_on(j->kind, slots[i], s, &j->failures);
+  if (s) {
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
+  }
+  return NULL;
+}
+
+static int cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static void row(enum alloc_kind k, enum workload wl, int own, int threads, long pairs) {
+  pthread_t t[16];
+  job jobs[16];
+  pthread_barrier_t start;
+  pthread_barrier_init(&start, NULL, threads + 1);
+  long nb = pairs / BATCH;
+  for (int i = 0; i < threads; i++) {
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start};
+    pthread_create(&t[i], NULL, worker, &jobs[i]);
+  }
+  pthread_barrier_wait(&start);
+  double t0 = now_ns();
+  for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+  double wall = now_ns() - t0;
+  double *all = calloc(nb * threads, sizeof(double));
+  int failures = 0;
+  for (int i = 0; i < threads; i++) {
+    memcpy(all + i * nb, jobs[i].batch_ns, nb * sizeof(double));
+    failures += jobs[i].failures;
+    free(jobs[i].batch_ns);
+  }
+  qsort(all, nb * threads, sizeof(double), cmp);
+  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f |%s\n", k == GPUPOOL ? "gpupool" : "cudaMallocAsync",
+         wl == PAIRS ? "1 MiB pairs" : "churn", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
+         all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, failures ? " FAILURES" : "");
+  free(all);
+  pthread_barrier_destroy(&start);
+}
+
+int main(int argc, char **argv) {
+  long pairs = argc > 1 ? atol(argv[1]) : 200000;
+  if (gpupool_configure(0, "split", "device") != GPUPOOL_STATUS_OK) {
+    char m[512];
+    gpupool_last_error(m, sizeof m);
+    fprintf(stderr, "threads_bench: %s\n", m);
+    return 77;
+  }
+  cudaMemPool_t mp;
+  cudaDeviceGetDefaultMemPool(&mp, 0);
+  uint64_t max = UINT64_MAX;
+  cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold, &max);
+  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s |\n|---|---|---|---|---|---|---|\n");
+  int counts[3] = {1, 4, 16};
+  for (int wl = PAIRS; wl <= CHURN; wl++)
+    for (int own = 0; own <= 1; own++)
+      for (int c = 0; c < 3; c++)
+        for (int k = GPUPOOL; k <= ASYNC; k++) row((enum alloc_kind)k, (enum workload)wl, own, counts[c], pairs);
+  return 0;
+}
