@@ -5,7 +5,8 @@
  * thread, sizes log-uniform in 512 B..4 MiB, the same seeded sequence for everyone).
  * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
  * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
- * RMM's resources are measured by scripts/bench_rmm.py where RMM's wheels are available. */
+ * RMM's C++ resources are not in this table yet: they need the headers of the librmm wheel
+ * on the GPU machine (see the closing notes of issue #18). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
