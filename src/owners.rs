@@ -19,10 +19,13 @@ pub fn add(base: usize, len: usize, device: i32) {
     }
 }
 
-/// The range starting at `base` went back to the driver.
-pub fn remove(base: usize) {
+/// The range starting at `base`, booked for `device`, goes back to the driver. Only that
+/// device's entry is removed: another pool may already have been given the same address.
+pub fn remove(base: usize, device: i32) {
     if let Ok(mut r) = RANGES.write() {
-        r.remove(&base);
+        if r.get(&base).is_some_and(|&(_, d)| d == device) {
+            r.remove(&base);
+        }
     }
 }
 

@@ -6,24 +6,16 @@
 //! - to B only after an event recorded on A after the free has completed, or after B has
 //!   been made to wait on that event (`cuStreamWaitEvent`).
 //!
-//! One event per stream, recorded **lazily**: a free only marks its stream stale, and the
-//! event is recorded when another stream first wants one of its blocks (or a release must
-//! wait for it). The record then covers every earlier free on that stream; recording later
-//! than the free is conservative (it covers more work) and still correct. So a step that
-//! reuses memory on its own stream makes no driver call at all, on any stream. Events are
-//! created once per stream and recycled, never per call.
+//! One event per stream is re-recorded at each free on that stream (RMM's scheme): the
+//! latest record covers every earlier free, so a single wait makes all of A's frees safe
+//! for B. Events are created once per stream and recycled, never per call.
 //!
-//! Identity: the legacy default stream (handles 0 and `CU_STREAM_LEGACY`) is one key; a
-//! user stream's key is its handle, as in PyTorch's allocator, which needs no driver call.
-//! A handle can be recycled after `cuStreamDestroy`, but the driver releases a stream's
-//! resources only once its queued work has completed, so a recycled handle never hides
-//! pending work of the old stream. The per-thread default stream's handle names a different
-//! stream on each thread: its key comes from `cuStreamGetId` and its frees are recorded at
-//! once, on the thread that knows which stream it means.
-//!
-//! When a lazy record fails (the stream was destroyed), the blocks it would have covered
-//! become safe after one device-wide synchronisation, unless a capture may be running
-//! (`set_captures_possible`), in which case they simply stay on their stream.
+//! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch
+//! and CuPy; it is never destroyed and its handle is valid from any thread, so its event
+//! is recorded lazily — only when another stream wants one of its blocks. Recording later
+//! than the free is conservative (it covers more work) and still correct. User streams and
+//! the per-thread default stream are recorded at free time, because a user stream may be
+//! destroyed later and the per-thread handle names another stream on another thread.
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
@@ -43,8 +35,6 @@ struct StreamState {
     event: Option<EventHandle>,
     /// True once `event` has a record that covers every free on this stream.
     recorded: bool,
-    /// Frees happened since the last record (the next need records: lazy).
-    stale: bool,
     /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
     /// graph (an event recorded there belongs to the graph and cannot be queried), or the
     /// event could not be created or recorded. Its blocks are then not handed to other
@@ -61,9 +51,6 @@ pub struct StreamTracker {
     legacy_stale: bool,
     /// Test-only: treat every stream as the legacy stream (no synchronisation at all).
     ignore_streams: bool,
-    /// A CUDA graph capture may be running (private pools route): no device-wide
-    /// synchronisation, and no lazy record on a stream without asking whether it captures.
-    captures_possible: bool,
     /// How many times a stream was made to wait on another's event.
     pub cross_stream_waits: u64,
     /// How many cached blocks moved across streams after their event had completed.
@@ -77,7 +64,6 @@ impl StreamTracker {
             spare_events: Vec::new(),
             legacy_stale: false,
             ignore_streams,
-            captures_possible: false,
             cross_stream_waits: 0,
             cross_stream_ready: 0,
         }
@@ -87,18 +73,18 @@ impl StreamTracker {
         self.ignore_streams
     }
 
-    /// See `captures_possible` (the pool sets it while private pools route allocations).
-    pub fn set_captures_possible(&mut self, on: bool) {
-        self.captures_possible = on;
-    }
-
-    /// Identity of `handle`: no driver call except for the per-thread default stream.
+    /// Identity of `handle`, with no driver call except for the per-thread default stream.
+    /// A user stream's key is its handle, as in PyTorch's allocator: a handle can be
+    /// recycled after `cuStreamDestroy`, but the driver releases a stream's resources only
+    /// once its queued work has completed, so a recycled handle hides no pending work.
+    /// The per-thread default stream's handle names a different stream on each thread: its
+    /// key comes from `cuStreamGetId`.
     pub fn key(&mut self, up: &mut dyn Upstream, handle: StreamHandle) -> Result<StreamKey> {
         if self.ignore_streams || is_legacy(handle) {
             return Ok(StreamKey::LEGACY);
         }
         if handle == STREAM_PER_THREAD {
-            // Driver ids are small counters; the top bit keeps them apart from handles.
+            // Driver ids are small counters; the bit keeps them apart from handles.
             return up.stream_key(handle).map(|k| StreamKey(k.0 | PER_THREAD_KEY_BIT));
         }
         Ok(StreamKey(handle as u64))
@@ -113,17 +99,12 @@ impl StreamTracker {
             self.legacy_stale = true;
             return Ok(());
         }
-        if handle != STREAM_PER_THREAD {
-            // Lazy as well: recorded when another stream (or a release) needs it.
-            let st = self.states.entry(key).or_insert(StreamState {
-                handle,
-                event: None,
-                recorded: false,
-                stale: false,
-                uncovered: false,
-            });
-            st.handle = handle;
-            st.stale = true;
+        if handle == STREAM_PER_THREAD && up.stream_key(handle).ok().map(|k| StreamKey(k.0 | PER_THREAD_KEY_BIT)) != Some(key) {
+            // Freed from another thread than the one whose per-thread stream used it: a record
+            // here would go on this thread's stream. Leave the stream uncovered; its own
+            // thread's next free covers it.
+            let st = self.state(up, key, handle);
+            st.uncovered = true;
             return Ok(());
         }
         let st = self.state(up, key, handle);
@@ -170,7 +151,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, stale: false, uncovered });
+            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered });
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -182,7 +163,7 @@ impl StreamTracker {
                 Some(s) => s,
                 None => {
                     let ev = up.event_create()?;
-                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, stale: false, uncovered: false })
+                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, uncovered: false })
                 }
             };
             let ev = st.event.expect("legacy state has an event");
@@ -195,46 +176,11 @@ impl StreamTracker {
             }
             return Ok(Some(ev));
         }
-        let captures_possible = self.captures_possible;
-        let Some(st) = self.states.get_mut(&from) else { return Ok(None) };
-        if st.uncovered && !st.stale {
-            return Err(crate::error::Error::Internal("frees on this stream are not covered by an event".into()));
+        match self.states.get(&from) {
+            Some(s) if s.uncovered => Err(crate::error::Error::Internal("frees on this stream are not covered by an event".into())),
+            Some(s) if s.recorded => Ok(s.event),
+            _ => Ok(None),
         }
-        if st.stale {
-            // (A free since the uncovered ones: a record now covers those too, the stream
-            // no longer capturing.)
-            // The lazy record. Never into a capture: it would belong to the graph.
-            if captures_possible && up.capture_id(st.handle)?.is_some() {
-                return Err(crate::error::Error::Internal("the stream is capturing; its frees are covered later".into()));
-            }
-            if st.event.is_none() {
-                st.event = Some(match self.spare_events.pop() {
-                    Some(e) => e,
-                    None => up.event_create()?,
-                });
-            }
-            let ev = st.event.expect("set above");
-            up.event_record(ev, st.handle)?;
-            st.recorded = true;
-            st.stale = false;
-            st.uncovered = false;
-        }
-        Ok(if st.recorded { st.event } else { None })
-    }
-
-    /// A lazy record failed (the stream is gone, or the driver refused): wait for the whole
-    /// device once, after which nothing freed on `from` is pending. Not while a capture may
-    /// run. Returns whether the blocks are now safe.
-    fn cover_by_device_sync(&mut self, up: &mut dyn Upstream, from: StreamKey) -> bool {
-        if self.captures_possible || up.synchronize_device().is_err() {
-            return false;
-        }
-        if let Some(st) = self.states.get_mut(&from) {
-            st.stale = false;
-            st.recorded = false;
-            st.uncovered = false;
-        }
-        true
     }
 
     /// Make blocks freed on `from` safe for use on stream `to`. Returns false when that is
@@ -247,7 +193,7 @@ impl StreamTracker {
             Ok(Some(ev)) => ev,
             // A stream that never freed through us has nothing to cover.
             Ok(None) => return true,
-            Err(_) => return self.states.get(&from).is_some_and(|s| s.stale && !s.uncovered) && self.cover_by_device_sync(up, from),
+            Err(_) => return false,
         };
         match up.event_query(ev) {
             Ok(true) => {
@@ -296,17 +242,10 @@ impl StreamTracker {
             st.recorded = true;
             st.uncovered = false;
         }
-        match self.covering_event(up, key) {
-            Ok(Some(ev)) => up.event_synchronize(ev),
-            Ok(None) => Ok(()),
-            Err(e) => {
-                if self.states.get(&key).is_some_and(|s| s.stale && !s.uncovered) && self.cover_by_device_sync(up, key) {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            }
+        if let Some(ev) = self.covering_event(up, key)? {
+            up.event_synchronize(ev)?;
         }
+        Ok(())
     }
 
     /// Block the host until every free on every stream has completed (a segment whose free

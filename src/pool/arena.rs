@@ -280,7 +280,7 @@ impl Pool {
         let a = self.strategy.as_arena_ref().expect("arena pool");
         for (base, len) in a.reservations() {
             if self.upstream.vmm_unreserve(base, len).is_ok() {
-                crate::owners::remove(base);
+                crate::owners::remove(base, self.device);
             }
         }
     }

@@ -179,7 +179,6 @@ impl Pool {
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
         self.upstream.set_capture_relaxed(true);
-        self.streams.set_captures_possible(true);
         Ok(())
     }
 
@@ -192,7 +191,6 @@ impl Pool {
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
         if self.graphs.routes.is_empty() {
             self.upstream.set_capture_relaxed(false);
-            self.streams.set_captures_possible(false);
             self.replay_capture_deferred();
             self.release_unused_private_pools();
         }
@@ -346,7 +344,7 @@ impl Pool {
             pool.reserved -= seg.size;
             self.c.reserved -= seg.size;
             self.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
-            crate::owners::remove(seg.base);
+            crate::owners::remove(seg.base, self.device);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -418,7 +416,7 @@ impl Pool {
             // Every queued use finished (synchronised above): release on the legacy stream.
             match self.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
                 Ok(()) => {
-                    crate::owners::remove(base);
+                    crate::owners::remove(base, self.device);
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.c.reserved -= len;
                     self.c.upstream_frees += 1;

@@ -160,8 +160,12 @@ impl Pool {
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
         let h = self.streams.handle_of(seg.stream);
-        self.upstream.deallocate(seg.base, seg.size, h)?;
-        crate::owners::remove(seg.base);
+        // Unbooked first: once released, the address may be given to another device's pool.
+        crate::owners::remove(seg.base, self.device);
+        if let Err(e) = self.upstream.deallocate(seg.base, seg.size, h) {
+            crate::owners::add(seg.base, seg.size, self.device);
+            return Err(e);
+        }
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
         let committed = seg.size - self.holes.remove_segment(seg.base);
         self.c.reserved -= committed;

@@ -29,7 +29,8 @@
 //!   orphaned; the pool empties them on its next locked operation.
 //! - Each kept block remembers the stream it was allocated for: it is kept only when freed
 //!   on that stream, and handed back only to an allocation on that stream, so stream order
-//!   alone protects it and no event is needed (the pool records events lazily anyway). A
+//!   alone protects it and no event is needed (when it goes back to the pool, the pool
+//!   records its stream's event as for any free on that stream). A
 //!   destroyed stream's handle can be recycled, but only after its queued work completed
 //!   (the driver releases a stream's resources then), so a recycled handle hides nothing.
 //!   The per-thread default stream's handle names a different stream on each thread; its
