@@ -84,6 +84,9 @@ pub struct Report {
     pub driver_calls_second_half: u64,
 }
 
+/// Operations between two progress reports.
+pub const PROGRESS_EVERY: usize = 1 << 16;
+
 /// Replay `ops` through `kind` (default options) on a simulated `device`-like GPU of
 /// `device_size` bytes per device.
 pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, Error> {
@@ -93,6 +96,18 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
 /// Replay `ops` through pools built with `opts`; `paged`: simulate the `vmm` upstream
 /// (pages inside segments can be given back) instead of `device`.
 pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bool) -> Result<Report, Error> {
+    replay_with_progress(ops, opts, device_size, paged, &mut |_, _| {})
+}
+
+/// `replay_with`, calling `progress(done, total)` every `PROGRESS_EVERY` operations and at
+/// the end (the replay tool draws a progress line from it on a terminal).
+pub fn replay_with_progress(
+    ops: &[Op],
+    opts: &PoolOptions,
+    device_size: usize,
+    paged: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Report, Error> {
     let kind = opts.kind;
     let mut pools: BTreeMap<i32, Pool> = BTreeMap::new();
     let mut map: HashMap<(i32, usize), usize> = HashMap::new();
@@ -103,6 +118,9 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bo
     let mut used_at_peak = 0usize;
     let mut calls_at_half = None;
     for (i, op) in ops.iter().enumerate() {
+        if i % PROGRESS_EVERY == 0 {
+            progress(i, ops.len());
+        }
         if i == ops.len() / 2 {
             calls_at_half = Some(pools.values().map(|p| p.driver_calls().total()).sum::<u64>());
         }
@@ -149,6 +167,7 @@ pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bo
         }
         r.peak_used = r.peak_used.max(used_total);
     }
+    progress(ops.len(), ops.len());
     r.strategy = kind.name();
     r.reserved_over_used_at_peak = if used_at_peak == 0 { 0.0 } else { r.peak_reserved as f64 / used_at_peak as f64 };
     let n = r.allocs + r.frees;

@@ -134,3 +134,18 @@ fn leak_report_lists_live_blocks_largest_first_with_backtraces() {
     assert!(report.contains("allocate_for_the_leak_test"), "backtrace names the allocating function:\n{report}");
     p.free(small, 0).unwrap();
 }
+
+#[test]
+fn the_replay_tool_ends_with_a_summary_and_keeps_progress_off_a_redirected_stream() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch_mlp_trace.csv");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool-replay"))
+        .args([trace, "--device-size", "16GiB"])
+        .output()
+        .expect("the replay tool runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("| arena |") && text.contains("| split |"), "{text}");
+    assert!(text.contains("summary: the caching strategy holding least at the peak: "), "{text}");
+    assert!(text.contains("no driver call in the trace's second half: "), "{text}");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("replaying through"), "progress only on a terminal");
+}
