@@ -1,6 +1,6 @@
 //! Stream identities as the driver gives them: the raw handle a caller passes, the key the
-//! pool books blocks under (`cuStreamGetId`, unique for the context's lifetime, where
-//! handles can be recycled after `cuStreamDestroy`), and the special handles of the
+//! pool books blocks under (a user stream's handle; the per-thread default stream's
+//! `cuStreamGetId`, see `StreamTracker::key`), and the special handles of the
 //! default streams. The lowest layer owns them because the driver defines them; the
 //! strategies, the pool and the front end use them from here.
 
@@ -14,8 +14,8 @@ pub const STREAM_LEGACY: StreamHandle = 0x1;
 /// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
 pub const STREAM_PER_THREAD: StreamHandle = 0x2;
 
-/// A stream's identity for the pool. Handles can be recycled after `cuStreamDestroy`;
-/// keys come from `cuStreamGetId`, unique for the context's lifetime.
+/// A stream's identity for the pool: the legacy stream, a user stream's handle, or the
+/// per-thread default stream's driver id (`StreamTracker::key` says why that is safe).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamKey(pub u64);
 
