@@ -5,6 +5,7 @@
 //! all memory goes back. Also: a panic inside a pool stops that pool instead of letting it
 //! hand out memory from half-updated books.
 
+#[macro_use]
 mod common;
 
 use common::{intact, stamp, MIB};
@@ -127,15 +128,7 @@ impl Upstream for FaultyUpstream {
         }
         Ok(())
     }
-    fn vmm_granule(&mut self) -> usize {
-        self.host.vmm_granule()
-    }
-    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
-        self.host.vmm_reserve(len)
-    }
-    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
-        self.host.vmm_unreserve(base, len)
-    }
+    host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         if self.fail() {
             return Err(if len % (4 * MIB) == 0 { AllocError::OutOfMemory } else { AllocError::Other(injected("map")) });

@@ -3,6 +3,7 @@
 //! recorded or waited on a capturing stream; any query, synchronisation or allocation made
 //! outside relaxed capture mode while a capture runs). The GPU tests capture for real.
 
+#[macro_use]
 mod common;
 
 use common::MIB;
@@ -104,15 +105,7 @@ impl Upstream for CaptureUpstream {
         self.dev.lock().unwrap().device_syncs += 1;
         Ok(())
     }
-    fn vmm_granule(&mut self) -> usize {
-        self.host.vmm_granule()
-    }
-    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
-        self.host.vmm_reserve(len)
-    }
-    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
-        self.host.vmm_unreserve(base, len)
-    }
+    host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.unsafe_call("map");
         self.host.vmm_map_new(addr, len)

@@ -3,6 +3,7 @@
 //! (or the event completed); `record_stream` defers the free. The GPU stress test proves
 //! the same on real hardware.
 
+#[macro_use]
 mod common;
 
 use common::MIB;
@@ -58,15 +59,7 @@ impl Upstream for BusyUpstream {
         Ok(())
     }
     // The arena's virtual memory API, from the host upstream; moves are logged.
-    fn vmm_granule(&mut self) -> usize {
-        self.host.vmm_granule()
-    }
-    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
-        self.host.vmm_reserve(len)
-    }
-    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
-        self.host.vmm_unreserve(base, len)
-    }
+    host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
     }

@@ -315,12 +315,7 @@ impl Pool {
                 let on = if self.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
                 match self.upstream.allocate(want, on) {
                     Ok(base) => {
-                        crate::owners::add(base, want, self.device);
-                        self.trace(stream, Action::UpstreamAlloc, base, want);
-                        self.c.reserved += want;
-                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
-                        self.c.upstream_allocs += 1;
-                        self.c.upstream_alloc_bytes += want as u64;
+                        self.book_segment(base, want, stream);
                         let pool = self.graphs.pools.get_mut(&id).expect("present");
                         pool.reserved += want;
                         return Ok(pool.strategy.add_segment(Segment { base, size: want, stream: key }, rounded));

@@ -434,12 +434,7 @@ impl Pool {
                 }
                 match self.upstream.allocate(seg_size, stream) {
                     Ok(base) => {
-                        crate::owners::add(base, seg_size, self.device);
-                        self.trace(stream, Action::UpstreamAlloc, base, seg_size);
-                        self.c.reserved += seg_size;
-                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
-                        self.c.upstream_allocs += 1;
-                        self.c.upstream_alloc_bytes += seg_size as u64;
+                        self.book_segment(base, seg_size, stream);
                         if key != StreamKey::LEGACY {
                             // Stream-ordered upstreams make the memory valid on `stream` only;
                             // cover it so another stream reusing the remainder waits.
@@ -456,6 +451,17 @@ impl Pool {
             }
         }
         Err(self.oom(size, rounded, by_limit))
+    }
+
+    /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
+    /// the address index, the trace and the counters.
+    pub(super) fn book_segment(&mut self, base: usize, size: usize, stream: StreamHandle) {
+        crate::owners::add(base, size, self.device);
+        self.trace(stream, Action::UpstreamAlloc, base, size);
+        self.c.reserved += size;
+        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+        self.c.upstream_allocs += 1;
+        self.c.upstream_alloc_bytes += size as u64;
     }
 
     /// Whether reserving `bytes` more would pass the limit (0 = no limit).

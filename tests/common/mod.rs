@@ -36,3 +36,20 @@ pub fn intact(addr: usize, len: usize, id: u64) -> bool {
         *p == tag && (len == 1 || *p.add(len - 1) == tag ^ 0xff) && (len <= 2 || *p.add(len / 2) == tag.wrapping_add(1))
     }
 }
+
+#[allow(unused_macros)] // used by the tests whose upstreams wrap the host one
+/// The address-space half of the host upstream's virtual memory API, for test upstreams
+/// that wrap a `HostUpstream` in a field named `host` and override the mapping calls.
+macro_rules! host_address_space {
+    () => {
+        fn vmm_granule(&mut self) -> usize {
+            self.host.vmm_granule()
+        }
+        fn vmm_reserve(&mut self, len: usize) -> gpupool::error::Result<usize> {
+            self.host.vmm_reserve(len)
+        }
+        fn vmm_unreserve(&mut self, base: usize, len: usize) -> gpupool::error::Result<()> {
+            self.host.vmm_unreserve(base, len)
+        }
+    };
+}
