@@ -145,11 +145,21 @@ fn cross_stream_reuse_waits_on_the_freeing_streams_event() {
         let a = p.malloc(MIB, A).unwrap();
         p.free(a, A).unwrap();
         let l = log(&dev);
-        assert!(l.iter().any(|x| x.ends_with(&format!("on {A:#x}")) && x.starts_with("record")), "{k:?}: free on A records A's event: {l:?}");
+        // The event recorded on A at the free ("record evN on 0xa00") is the one B must wait on.
+        let recorded: Vec<String> = l
+            .iter()
+            .filter(|x| x.starts_with("record") && x.ends_with(&format!("on {A:#x}")))
+            .map(|x| x.split(' ').nth(1).unwrap().to_string())
+            .collect();
+        assert!(!recorded.is_empty(), "{k:?}: free on A records A's event: {l:?}");
         let b = p.malloc(MIB, B).unwrap();
         assert_eq!(b, a, "{k:?}: the cached block is reused (after a wait)");
         let l = log(&dev);
-        assert!(l.iter().any(|x| x.starts_with(&format!("wait {B:#x}"))), "{k:?}: B must wait on A's event before reuse: {l:?}");
+        let last = recorded.last().unwrap();
+        assert!(
+            l.iter().any(|x| *x == format!("wait {B:#x} on {last}")),
+            "{k:?}: B must wait on the event recorded on A ({last}) before reuse, not another: {l:?}"
+        );
         assert_eq!(p.stats().n_cross_stream_reuses, 1);
     });
 }
