@@ -5,7 +5,8 @@
 // work finished, one of the two checks sees the other's pattern.
 //
 // usage: stream_stress POOL UPSTREAM ROUNDS_PER_THREAD [--expect-corruption]
-// 8 host threads x 8 shared non-blocking streams, plus each thread's per-thread default
+// 8 host threads x 8 shared non-blocking streams (STRESS_THREADS, STRESS_STREAMS: up to 16;
+// STRESS_SECONDS: run for that long), plus each thread's per-thread default
 // stream and the legacy default stream. Exit 0 when the outcome matches the
 // expectation (no corruption, or, with the test-only GPUPOOL_UNSAFE_IGNORE_STREAMS=1,
 // corruption detected).
@@ -20,8 +21,15 @@
 #include <cuda_runtime.h>
 #include "gpupool.h"
 
-#define THREADS 8
-#define STREAMS 8
+// Defaults 8 x 8; STRESS_THREADS / STRESS_STREAMS (at most 16 each) change them, and
+// STRESS_SECONDS=N keeps every thread going for N seconds (ROUNDS then bounds nothing).
+#define MAX_THREADS 16
+#define MAX_STREAMS 16
+static int THREADS = 8, STREAMS = 8;
+static double stop_at = 0;  // seconds since the epoch of steady_clock; 0: rounds only
+static double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 __global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }
 __global__ void fill(unsigned *p, size_t n, unsigned v) {
@@ -33,12 +41,12 @@ __global__ void verify(const unsigned *p, size_t n, unsigned v, unsigned long lo
   if (mine) atomicAdd(bad, mine);
 }
 
-static cudaStream_t streams[STREAMS];
+static cudaStream_t streams[MAX_STREAMS];
 static unsigned long long *d_bad;
 static std::atomic<long> api_errors{0}, reused{0}, rounds_done{0};
 // Diagnostics: what each worker is doing (a watchdog prints it when progress stalls), and
 // STRESS_RAW=1 to call cudaMallocAsync / cudaFreeAsync directly instead of gpupool.
-static std::atomic<int> phase[THREADS];
+static std::atomic<int> phase[MAX_THREADS];
 static bool raw_async = false, no_exit_sync = false;
 static int alloc_on(void **p, size_t n, cudaStream_t s) {
   if (raw_async) return cudaMallocAsync(p, n, s) != cudaSuccess;
@@ -61,7 +69,7 @@ static int extra_kinds = 3;
 
 static void worker(int t, int rounds) {
   std::mt19937 rng(1234 + t);
-  for (int r = 0; r < rounds; r++) {
+  for (int r = 0; stop_at > 0 ? now_s() < stop_at : r < rounds; r++) {
     const int kinds = STREAMS + 2;
     auto allowed = [](int i) {
       return i < STREAMS || (i == STREAMS && (extra_kinds & 1)) || (i == STREAMS + 1 && (extra_kinds & 2));
@@ -110,12 +118,19 @@ int main(int argc, char **argv) {
   bool expect_corruption = argc > 4 && !strcmp(argv[4], "--expect-corruption");
   int rounds = atoi(argv[3]);
   if (getenv("STRESS_KINDS")) extra_kinds = atoi(getenv("STRESS_KINDS"));
+  if (getenv("STRESS_THREADS")) THREADS = atoi(getenv("STRESS_THREADS"));
+  if (getenv("STRESS_STREAMS")) STREAMS = atoi(getenv("STRESS_STREAMS"));
+  if (THREADS < 1 || THREADS > MAX_THREADS || STREAMS < 2 || STREAMS > MAX_STREAMS) {
+    fprintf(stderr, "STRESS_THREADS must be 1..%d and STRESS_STREAMS 2..%d\n", MAX_THREADS, MAX_STREAMS);
+    return 2;
+  }
+  if (getenv("STRESS_SECONDS")) stop_at = now_s() + atof(getenv("STRESS_SECONDS"));
   raw_async = getenv("STRESS_RAW") && !strcmp(getenv("STRESS_RAW"), "1");
   no_exit_sync = getenv("STRESS_NO_EXIT_SYNC") && !strcmp(getenv("STRESS_NO_EXIT_SYNC"), "1");
   if (gpupool_configure(0, argv[1], argv[2]) != GPUPOOL_STATUS_OK) {
     char m[512]; gpupool_last_error(m, sizeof m); fprintf(stderr, "configure: %s\n", m); return 1;
   }
-  for (auto &s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  for (int i = 0; i < STREAMS; i++) cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking);
   cudaMalloc(&d_bad, sizeof *d_bad);
   cudaMemset(d_bad, 0, sizeof *d_bad);
   std::vector<std::thread> th;
@@ -148,11 +163,13 @@ int main(int argc, char **argv) {
   fprintf(stderr, "workers done; reclaiming\n");
   if (!getenv("STRESS_NO_RECLAIM") && gpupool_reclaim(0, &released)) api_errors++;
   fprintf(stderr, "reclaimed %zu bytes\n", released);
-  for (auto &s : streams) cudaStreamDestroy(s);
+  for (int i = 0; i < STREAMS; i++) cudaStreamDestroy(streams[i]);
   cudaFree(d_bad);
-  bool pass = e == cudaSuccess && api_errors == 0 && st.n_live_blocks == 0 && (expect_corruption ? bad > 0 : bad == 0);
-  printf("stream_stress pool=%s upstream=%s%s rounds=%ld same-block-reuses=%ld corrupted-words=%llu cross-stream=%llu released-by-decay=%llu api-errors=%ld cuda=%s -> %s\n",
-         argv[1], argv[2], expect_corruption ? " (streams IGNORED, corruption expected)" : "", rounds_done.load(), reused.load(), bad,
+  // Stats exact at the end: nothing live, nothing counted in use, every operation counted.
+  bool exact = st.n_live_blocks == 0 && st.used_bytes == 0 && st.n_allocs == st.n_frees;
+  bool pass = e == cudaSuccess && api_errors == 0 && exact && (expect_corruption ? bad > 0 : bad == 0);
+  printf("stream_stress pool=%s upstream=%s threads=%d streams=%d%s stats-exact=%s rounds=%ld same-block-reuses=%ld corrupted-words=%llu cross-stream=%llu released-by-decay=%llu api-errors=%ld cuda=%s -> %s\n",
+         argv[1], argv[2], THREADS, STREAMS, expect_corruption ? " (streams IGNORED, corruption expected)" : "", exact ? "yes" : "NO", rounds_done.load(), reused.load(), bad,
          (unsigned long long)st.n_cross_stream_reuses, (unsigned long long)st.reclaimed_bytes, api_errors.load(), cudaGetErrorString(e), pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
