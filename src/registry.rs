@@ -11,6 +11,7 @@ use crate::config::{Config, PoolKind, UpstreamKind};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolOptions};
 use crate::upstream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// Device ids accepted: `0..MAX_DEVICES` (CUDA upstreams further check the device count).
@@ -64,11 +65,18 @@ fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<P
     })
 }
 
+/// Set once the process-wide checks of `slot` passed (configuration parsed, fork handlers
+/// installed): from then on a call pays two relaxed loads for them, not the checks.
+static CHECKED: AtomicBool = AtomicBool::new(false);
+
 fn slot(device: i32) -> Result<&'static Slot> {
-    crate::fork::check(lock_all_for_fork)?;
-    // A malformed environment variable fails every call that reaches a pool, frees and
-    // reclaims included, with the message that names it.
-    config()?;
+    if !CHECKED.load(Ordering::Acquire) || crate::process::in_child() {
+        crate::fork::check(lock_all_for_fork)?;
+        // A malformed environment variable fails every call that reaches a pool, frees and
+        // reclaims included, with the message that names it (so this is never marked done).
+        config()?;
+        CHECKED.store(true, Ordering::Release);
+    }
     if device < 0 || device as usize >= MAX_DEVICES {
         return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
     }

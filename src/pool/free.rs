@@ -42,10 +42,14 @@ impl Pool {
 
     /// The free of `ptr` on `stream`, whose key is `key`.
     pub(super) fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
-        if self.live.get(&ptr).is_some_and(|l| l.private.is_some()) {
-            let live = self.take_live(ptr, stream)?;
+        let live = self.take_live(ptr, stream)?;
+        self.free_live(ptr, live, stream, key, check_capture)
+    }
+
+    /// The rest of a free once `live` is out of the live map (one map operation per free).
+    pub(super) fn free_live(&mut self, ptr: usize, live: Live, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
+        if let Some(id) = live.private {
             let block = Block { stream: key, ..live.block };
-            let id = live.private.expect("checked");
             // Used on other streams too (`record_stream`): no event may be asked about
             // while the graph may capture, so the block is kept out of reuse until its
             // private pool goes (PyTorch defers such frees past the capture).
@@ -54,7 +58,6 @@ impl Pool {
             return r;
         }
         let capturing = self.capturing(stream, check_capture);
-        let live = self.take_live(ptr, stream)?;
         let mut block = Block { stream: key, ..live.block };
         if capturing {
             // An event recorded on a capturing stream belongs to the graph: record none, and
@@ -221,13 +224,13 @@ impl Pool {
         if ptr == 0 {
             return Ok(());
         }
+        let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
         // Private blocks and blocks used on other streams take the full free (their pool,
         // their events); a stream-less free cannot do less for them.
-        if self.live.get(&ptr).is_some_and(|l| l.private.is_some() || !l.extra_streams.is_empty()) {
-            let h = self.live[&ptr].handle;
-            return self.free_checked(ptr, h, false);
+        if live.private.is_some() || !live.extra_streams.is_empty() {
+            let (h, key) = (live.handle, live.block.stream);
+            return self.free_live(ptr, live, h, key, false);
         }
-        let live = self.take_live(ptr, crate::stream::STREAM_LEGACY)?;
         let block = Block { stream: StreamKey::LEGACY, ..live.block };
         self.unfenced_bytes += block.size;
         self.unfenced.push(block);
