@@ -34,7 +34,15 @@ def _current_stream_getter():
 def allocator():
     import cupy
     L = lib()
-    L.gpupool_cupy_set_stream_getter(_current_stream_getter())
+    try:
+        L.gpupool_cupy_set_stream_getter(_current_stream_getter())
+    except (AttributeError, KeyError, RuntimeError, TypeError) as e:
+        # A CuPy without the exported getter: the older stream-less rule (blocks reused after
+        # a fence on the legacy stream, which orders blocking streams only).
+        import warnings
+        warnings.warn(f"gpupool: CuPy's current stream is not reachable ({e}); allocations follow the legacy "
+                      "stream: synchronise non-blocking streams before dropping their arrays", RuntimeWarning)
+        L.gpupool_cupy_set_stream_getter(None)
     return cupy.cuda.memory.CFunctionAllocator(0, _fn_address("gpupool_cupy_malloc"), _fn_address("gpupool_cupy_free"), L)
 
 
