@@ -40,6 +40,18 @@ def run_py(code, env=None, timeout=300):
                           timeout=timeout)
 
 
+# CuPy stream stresses: a kernel that spins, then fills a buffer (so a block handed to another
+# stream too early is overwritten while its first user still checks it).
+CUPY_SPIN_FILL = """
+    spin = cupy.RawKernel(r'''
+    extern "C" __global__ void spin_fill(unsigned *p, size_t n, unsigned v, long long cycles) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) { long long t = clock64(); while (clock64() - t < cycles) {} }
+        __syncthreads();
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+    }''', "spin_fill")
+"""
+
+
 def ok(p):
     assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
     return p.stdout

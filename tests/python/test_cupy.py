@@ -1,5 +1,5 @@
 """CuPy through gpupool, and CuPy + PyTorch sharing one pool (GPU; skipped without them)."""
-from conftest import need, ok, run_py
+from conftest import CUPY_SPIN_FILL, need, ok, run_py
 
 
 def test_cupy_math_is_correct(cupy_gpu):
@@ -42,13 +42,7 @@ def test_cupy_oom_raises_with_gpupool_message(cupy_gpu):
 STREAMS = """
     import gpupool, cupy
     gpupool.cupy.install()
-    spin = cupy.RawKernel(r'''
-    extern "C" __global__ void spin_fill(unsigned *p, size_t n, unsigned v, long long cycles) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) { long long t = clock64(); while (clock64() - t < cycles) {} }
-        __syncthreads();
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-    }''', "spin_fill")
-    n = 1 << 20
+""" + CUPY_SPIN_FILL + """    n = 1 << 20
     s1, s2 = cupy.cuda.Stream(), cupy.cuda.Stream()     # blocking streams, CuPy's default kind
     bad = 0
     for r in range(40):

@@ -3,7 +3,7 @@
 PyTorch captures in global mode by default: any driver call the pool made that a capture
 forbids would end the capture with cudaErrorStreamCaptureInvalidated and fail these tests.
 """
-from conftest import need, ok, run_py
+from conftest import CUPY_SPIN_FILL, need, ok, run_py
 
 MODEL = """
     import gc, gpupool, torch
@@ -113,13 +113,7 @@ def test_torch_mempool_scope_keeps_its_memory_private(torch_gpu):
 CUPY_STREAMS = """
     import gpupool, cupy, threading
     gpupool.cupy.install()
-    spin = cupy.RawKernel(r'''
-    extern "C" __global__ void spin_fill(unsigned *p, size_t n, unsigned v, long long cycles) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) { long long t = clock64(); while (clock64() - t < cycles) {} }
-        __syncthreads();
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-    }''', "spin_fill")
-    n = 1 << 18
+""" + CUPY_SPIN_FILL + """    n = 1 << 18
     runs, threads = @RUNS@, @THREADS@
     bad = [0] * threads
     def worker(t):
