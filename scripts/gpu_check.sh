@@ -2,6 +2,8 @@
 # GPU proof, run ON the GPU machine (no Rust there): builds the C examples and GPU tests
 # with CMake against a prebuilt dist/libgpupool.so, runs every GPU test and benchmark, and
 # prints a summary table last. Usage (from the repo root): scripts/gpu_check.sh [OUTDIR]
+# CTEST_EXCLUDE=regex / CTEST_ONLY=regex: pass -E / -R to ctest (to split the run over the
+# device's 10-minute limit per command); SKIP_BENCH=1: tests only.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-${OUT:-/tmp/gpupool-out}}
@@ -23,7 +25,7 @@ build_rc=$?
 tail -5 /tmp/cmake.log
 
 echo "== ctest (every C test, example and GPU test)"
-ctest --test-dir build-gpu --output-on-failure --timeout 300 2>&1 | tee "$OUT/ctest.log"
+ctest --test-dir build-gpu --output-on-failure --timeout 300 ${CTEST_EXCLUDE:+-E "$CTEST_EXCLUDE"} ${CTEST_ONLY:+-R "$CTEST_ONLY"} 2>&1 | tee "$OUT/ctest.log"
 cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
 
 echo "== hot-path microbenchmark (no framework)"
