@@ -141,14 +141,9 @@ pub fn find_owner(ptr: usize) -> Option<i32> {
     lock_pool(&SLOTS[d as usize].pool).as_ref().is_some_and(|p| p.owns(ptr)).then_some(d)
 }
 
-/// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's
-/// pool has no live allocations; its cached memory is released first. A failure (no
-/// driver, bad device) leaves the current pool in place.
-pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
-    let s = slot(device)?;
-    let cfg = config()?;
-    let mut g = lock_pool(&s.pool);
-    if let Some(p) = g.as_mut() {
+/// A pool may be replaced only with nothing live in it (thread caches emptied first).
+fn ensure_idle(pool: Option<&mut Pool>, device: i32) -> Result<()> {
+    if let Some(p) = pool {
         p.flush_thread_caches();
         if p.live_count() > 0 {
             return Err(Error::Busy(format!(
@@ -157,12 +152,37 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
             )));
         }
     }
+    Ok(())
+}
+
+/// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's
+/// pool has no live allocations; its cached memory is released first. A failure (no
+/// driver, bad device) leaves the current pool in place.
+pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
+    let s = slot(device)?;
+    let cfg = config()?;
+    let mut g = lock_pool(&s.pool);
+    ensure_idle(g.as_mut(), device)?;
     let mut choice = lock(&s.choice);
     let old = choice.unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
     let new = Choice { pool: pool.unwrap_or(old.pool), upstream: upstream.unwrap_or(old.upstream) };
     let fresh = create(device, Some(new))?;
     *g = Some(fresh); // drops the old pool, which releases its cache
     *choice = Some(new);
+    Ok(())
+}
+
+/// Run `device`'s pool over the caller's `upstream` with strategy `kind` (and the
+/// environment's other settings), replacing the pool it had, on the same terms as
+/// `configure`: no live allocations. For embedders with their own memory source and for
+/// tests with instrumented upstreams (RMM's `set_per_device_resource` plays this part).
+pub fn install(device: i32, kind: PoolKind, upstream: Box<dyn upstream::Upstream>) -> Result<()> {
+    let s = slot(device)?;
+    let cfg = config()?;
+    let mut g = lock_pool(&s.pool);
+    ensure_idle(g.as_mut(), device)?;
+    let fresh = Pool::new(device, upstream, &options(cfg, kind)?)?;
+    *g = Some(fresh);
     Ok(())
 }
 

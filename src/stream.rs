@@ -16,6 +16,14 @@
 //! than the free is conservative (it covers more work) and still correct. User streams and
 //! the per-thread default stream are recorded at free time, because a user stream may be
 //! destroyed later and the per-thread handle names another stream on another thread.
+//!
+//! A stored user-stream handle is never used for a driver call: the stream may have been
+//! destroyed since, and the driver does not check (recording an event on a destroyed stream
+//! crashes inside `cuEventRecord`). A free that happens later than its stream's last known
+//! use (a block a thread cache kept, CuPy's free of an array whose stream is gone) records
+//! nothing: `on_free_unrecorded` leaves the stream *uncovered*, so its blocks serve only that
+//! stream until one of its own frees records again, or until a device-wide synchronisation
+//! (`device_synchronized`) covers everything.
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
@@ -142,6 +150,39 @@ impl StreamTracker {
         st.uncovered = true;
     }
 
+    /// A block was freed on `key` without a handle known to be alive (its stream may have
+    /// been destroyed since): record nothing and touch no handle; the stream's blocks stay
+    /// on it until a later recorded free or a device-wide synchronisation covers them.
+    pub fn on_free_unrecorded(&mut self, up: &mut dyn Upstream, key: StreamKey) {
+        if key == StreamKey::LEGACY {
+            self.legacy_stale = true; // never destroyed: recorded lazily as always
+            return;
+        }
+        // (A new state's handle is only a placeholder: uncovered streams are covered by a
+        // device-wide synchronisation, never through their stored handle.)
+        self.state(up, key, STREAM_LEGACY).uncovered = true;
+    }
+
+    /// Some stream has frees no event covers.
+    pub fn has_uncovered(&self) -> bool {
+        self.states.values().any(|s| s.uncovered)
+    }
+
+    /// Is `key` uncovered (its frees are covered by no event)?
+    pub fn is_uncovered(&self, key: StreamKey) -> bool {
+        key != StreamKey::LEGACY && self.states.get(&key).is_some_and(|s| s.uncovered)
+    }
+
+    /// The whole device was synchronised: every free so far has completed, so no stream's
+    /// blocks need an event any more.
+    pub fn device_synchronized(&mut self) {
+        for s in self.states.values_mut() {
+            s.uncovered = false;
+            s.recorded = false; // nothing left to cover (`covering_event` answers None)
+        }
+        self.legacy_stale = false;
+    }
+
     /// The state of a non-legacy stream, created with an event (None if creation failed:
     /// the stream is then uncovered).
     fn state(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> &mut StreamState {
@@ -223,24 +264,21 @@ impl StreamTracker {
 
     /// Block the host until every free on `key` has completed on the device. Used before
     /// memory freed on that stream goes back to a non-stream-ordered upstream.
-    pub fn synchronize(&mut self, up: &mut dyn Upstream, key: StreamKey) -> Result<()> {
+    /// `device_sync_allowed`: an uncovered stream may be waited for with a device-wide
+    /// synchronisation (the caller knows no announced capture runs, which it would break);
+    /// otherwise its memory cannot be proven idle and the call fails, releasing nothing.
+    pub fn synchronize(&mut self, up: &mut dyn Upstream, key: StreamKey, device_sync_allowed: bool) -> Result<()> {
         if self.ignore_streams {
             return Ok(());
         }
-        if let Some(st) = self.states.get_mut(&key).filter(|s| s.uncovered) {
-            // Cover the uncovered frees now with a record after them. Not while the stream
-            // captures (the record would belong to the graph), and not through the per-thread
-            // handle (on this thread it names another stream): then nothing is released.
-            if st.handle == STREAM_PER_THREAD || up.capture_id(st.handle)?.is_some() {
+        if self.is_uncovered(key) {
+            // Its stored handle may name a destroyed stream: wait for the whole device.
+            if !device_sync_allowed {
                 return Err(crate::error::Error::Internal("frees on this stream cannot be covered now".into()));
             }
-            if st.event.is_none() {
-                st.event = Some(up.event_create()?);
-            }
-            let ev = st.event.expect("set above");
-            up.event_record(ev, st.handle)?;
-            st.recorded = true;
-            st.uncovered = false;
+            up.synchronize_device()?;
+            self.device_synchronized();
+            return Ok(());
         }
         if let Some(ev) = self.covering_event(up, key)? {
             up.event_synchronize(ev)?;
@@ -250,13 +288,13 @@ impl StreamTracker {
 
     /// Block the host until every free on every stream has completed (a segment whose free
     /// blocks came from several streams is about to go back).
-    pub fn synchronize_all(&mut self, up: &mut dyn Upstream) -> Result<()> {
+    pub fn synchronize_all(&mut self, up: &mut dyn Upstream, device_sync_allowed: bool) -> Result<()> {
         let keys: Vec<StreamKey> = self.states.keys().copied().collect();
         for k in keys {
-            self.synchronize(up, k)?;
+            self.synchronize(up, k, device_sync_allowed)?;
         }
         if self.legacy_stale {
-            self.synchronize(up, StreamKey::LEGACY)?;
+            self.synchronize(up, StreamKey::LEGACY, device_sync_allowed)?;
         }
         Ok(())
     }

@@ -287,15 +287,15 @@ fn a_capture_nobody_announced_gets_its_own_pool_via_cupys_path() {
     let (mut p, dev) = pool(PoolKind::Split);
     begin_capture(&dev, S, 11);
     let a = p.malloc_detecting_capture(MIB, S).unwrap();
-    p.free_as_allocated(a, true).unwrap();
+    p.free_as_allocated(a, true, Some(S)).unwrap();
     let b = p.malloc_detecting_capture(MIB, S).unwrap();
     assert_eq!(a, b);
-    p.free_as_allocated(b, true).unwrap();
+    p.free_as_allocated(b, true, Some(S)).unwrap();
     end_capture(&dev, S);
     assert_eq!(forbidden(&dev), Vec::<String>::new());
     let e = p.malloc_detecting_capture(MIB, S).unwrap();
     assert_ne!(e, a, "the capture's memory stays with it after the capture ends");
-    p.free_as_allocated(e, true).unwrap();
+    p.free_as_allocated(e, true, Some(T)).unwrap();
     assert!(p.release_pool((11, IMPLICIT_POOL_TAG)).unwrap() >= MIB);
 }
 

@@ -23,13 +23,18 @@ from . import _check, lib, reclaim, stats
 
 
 def _device_ptr(value):
-    """The pointer type this Numba's driver binding wants."""
+    """The pointer type this Numba's driver binding wants.
+
+    Older Numba chose between its own ctypes binding and NVIDIA's `cuda-python` with
+    `USE_NV_BINDING`; numba-cuda 0.2x has only NVIDIA's binding and dropped the flag (a
+    ctypes pointer there fails in `int(ptr)`), as RMM's plug-in assumes too.
+    """
     try:
-        from numba.cuda.cudadrv.driver import USE_NV_BINDING
-    except ImportError:
-        from numba.core import config
-        USE_NV_BINDING = getattr(config, "CUDA_USE_NVIDIA_BINDING", False)
-    if USE_NV_BINDING:
+        from numba.cuda.cudadrv import driver as _driver
+        use_nv_binding = getattr(_driver, "USE_NV_BINDING", True)
+    except ImportError:  # pragma: no cover - depends on the environment
+        use_nv_binding = True
+    if use_nv_binding:
         try:
             from cuda.bindings.driver import CUdeviceptr
         except ImportError:

@@ -132,6 +132,9 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
         if p != 0 && thread_cache::try_free(device, p, STREAM_LEGACY) {
             return Ok(());
         }
-        free_with(p, device, |pool| pool.free_as_allocated(p, true))
+        // The current stream is alive now: a block booked on it records its free there;
+        // any other booked stream may have been destroyed since and is not touched.
+        let current = current_stream();
+        free_with(p, device, |pool| pool.free_as_allocated(p, true, current))
     });
 }

@@ -198,7 +198,7 @@ impl Pool {
     /// out again, its address space kept) and the removal can be retried.
     fn drop_stitch(&mut self, id: u32) -> Result<()> {
         if let Some(s) = self.arena().stitch_last_stream(id) {
-            self.streams.synchronize(&mut *self.upstream, s)?;
+            self.streams.synchronize(&mut *self.upstream, s, !self.graphs.has_routes())?;
         }
         let g = self.arena().granule();
         let (base, len, done) = self.arena().stitch_range(id);
@@ -258,7 +258,7 @@ impl Pool {
                 return false;
             }
             if !synced.contains(&s) {
-                if self.streams.synchronize(&mut *self.upstream, s).is_err() {
+                if self.streams.synchronize(&mut *self.upstream, s, !self.graphs.has_routes()).is_err() {
                     failed.push(s);
                     return false;
                 }

@@ -22,15 +22,29 @@ impl Pool {
     /// CuPy's own pool reuses a block only on its allocation stream, so that stream's order
     /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
     /// a graph even while no private pool routes (CuPy captures nobody announced).
-    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool) -> Result<()> {
+    /// `current`: the caller's current stream, known to be alive now.
+    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool, current: Option<StreamHandle>) -> Result<()> {
         self.running()?;
         let Some((handle, key)) = self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
             self.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
-        // The key booked at allocation: the handle's stream may have been destroyed since,
-        // and the driver must not be asked about a dead handle.
-        self.free_keyed(ptr, handle, key, check_capture)
+        // The key booked at allocation. Its handle's stream may have been destroyed since
+        // (the driver must then not be asked about it): only when it is the caller's current
+        // stream is it known alive, and the free records there.
+        self.free_later(ptr, handle, key, check_capture, current)
+    }
+
+    /// A free made later than the block's last use on its stream (`handle`/`key`, booked at
+    /// allocation), by CuPy or out of a thread cache: it records on the stream when
+    /// `handle` is `alive` (the stream of the operation in progress, or the legacy stream,
+    /// never destroyed), and otherwise records nothing and touches no handle.
+    pub(super) fn free_later(&mut self, ptr: usize, handle: StreamHandle, key: StreamKey, check_capture: bool, alive: Option<StreamHandle>) -> Result<()> {
+        if key == StreamKey::LEGACY || alive == Some(handle) {
+            return self.free_keyed(ptr, handle, key, check_capture);
+        }
+        let live = self.take_live(ptr, handle)?;
+        self.free_live(ptr, live, None, key, false)
     }
 
     pub(super) fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
@@ -43,11 +57,13 @@ impl Pool {
     /// The free of `ptr` on `stream`, whose key is `key`.
     pub(super) fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
         let live = self.take_live(ptr, stream)?;
-        self.free_live(ptr, live, stream, key, check_capture)
+        self.free_live(ptr, live, Some(stream), key, check_capture)
     }
 
     /// The rest of a free once `live` is out of the live map (one map operation per free).
-    pub(super) fn free_live(&mut self, ptr: usize, live: Live, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
+    /// `stream`: the freeing stream's handle, alive now; None when no live handle is known
+    /// (`free_later`): then nothing is recorded and the stream is left uncovered.
+    pub(super) fn free_live(&mut self, ptr: usize, live: Live, stream: Option<StreamHandle>, key: StreamKey, check_capture: bool) -> Result<()> {
         if let Some(id) = live.private {
             let block = Block { stream: key, ..live.block };
             // Used on other streams too (`record_stream`): no event may be asked about
@@ -57,8 +73,12 @@ impl Pool {
             self.verify();
             return r;
         }
-        let capturing = self.capturing(stream, check_capture);
         let mut block = Block { stream: key, ..live.block };
+        let Some(stream) = stream else {
+            self.streams.on_free_unrecorded(&mut *self.upstream, key);
+            return self.finish_free(ptr, live, block, check_capture);
+        };
+        let capturing = self.capturing(stream, check_capture);
         if capturing {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
@@ -70,6 +90,14 @@ impl Pool {
                 block.stream = StreamKey::LEGACY;
             }
         }
+        self.finish_free(ptr, live, block, check_capture)
+    }
+
+    /// The end of a free, once the freeing stream's event is dealt with: the streams the
+    /// block was also used on (`record_stream`), then the cache.
+    fn finish_free(&mut self, ptr: usize, live: Live, block: Block, check_capture: bool) -> Result<()> {
+        // (The extra streams' handles were named by `record_stream` and must still be alive,
+        // as with PyTorch's own allocator, which records on them at the free too.)
         if !self.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
             // An extra stream is capturing: an event recorded there would belong to the graph
             // and could never be waited for. Hold the free until no route is active.
@@ -114,7 +142,12 @@ impl Pool {
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
             Some(seg) => {
-                let r = if self.upstream.stream_ordered() { self.give_to_upstream(seg) } else { self.release_segment(seg) };
+                // (An uncovered stream's stored handle may be dead: no release is queued on it.)
+                let r = if self.upstream.stream_ordered() && !self.streams.is_uncovered(seg.stream) {
+                    self.give_to_upstream(seg)
+                } else {
+                    self.release_segment(seg)
+                };
                 // A refused release keeps the segment (reserved, unusable) for a later retry:
                 // the free itself succeeded.
                 if r.is_err() {
@@ -229,7 +262,7 @@ impl Pool {
         // their events); a stream-less free cannot do less for them.
         if live.private.is_some() || !live.extra_streams.is_empty() {
             let (h, key) = (live.handle, live.block.stream);
-            return self.free_live(ptr, live, h, key, false);
+            return self.free_live(ptr, live, Some(h), key, false);
         }
         let block = Block { stream: StreamKey::LEGACY, ..live.block };
         self.unfenced_bytes += block.size;

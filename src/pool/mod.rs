@@ -293,7 +293,7 @@ impl Pool {
         let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
         if self.streams.fence_legacy(&mut *self.upstream).is_err() {
             // Without a fence the blocks cannot be proven safe: wait for the device instead.
-            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY);
+            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, !self.graphs.has_routes());
         }
     }
 
@@ -374,9 +374,19 @@ impl Pool {
         // takes them too.)
         if self.caches.enabled() && self.caches.any_reusable() {
             for (p, hold) in self.caches.take_all_kept(true) {
-                self.release_kept(p, hold);
+                self.release_kept(p, hold, Some(stream));
             }
             self.strategy.flush_deferred();
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        // Blocks freed later than their stream's last known use (a thread cache emptied
+        // after its thread or stream went, CuPy frees off their stream) wait on that stream
+        // for an event that may never come: one device-wide wait frees them for any stream
+        // before the pool grows. Not while an announced capture runs (it would break it).
+        if self.streams.has_uncovered() && !self.graphs.has_routes() && self.upstream.synchronize_device().is_ok() {
+            self.streams.device_synchronized();
             if let Some(b) = self.take_cached(rounded, key, stream) {
                 return Ok(b);
             }

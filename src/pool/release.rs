@@ -54,7 +54,7 @@ impl Pool {
                 continue;
             }
             if !synced.contains(&b.stream) {
-                if self.streams.synchronize(&mut *self.upstream, b.stream).is_err() {
+                if self.streams.synchronize(&mut *self.upstream, b.stream, !self.graphs.has_routes()).is_err() {
                     continue;
                 }
                 synced.push(b.stream);
@@ -148,9 +148,9 @@ impl Pool {
         // since have been destroyed, or be another thread's per-thread stream: wait for its
         // event and release on the legacy stream.
         if seg.stream == StreamKey::MIXED {
-            self.streams.synchronize_all(&mut *self.upstream)?;
+            self.streams.synchronize_all(&mut *self.upstream, !self.graphs.has_routes())?;
         } else {
-            self.streams.synchronize(&mut *self.upstream, seg.stream)?;
+            self.streams.synchronize(&mut *self.upstream, seg.stream, !self.graphs.has_routes())?;
         }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg)

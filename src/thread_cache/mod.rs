@@ -29,8 +29,11 @@
 //!   orphaned; the pool empties them on its next locked operation.
 //! - Each kept block remembers the stream it was allocated for: it is kept only when freed
 //!   on that stream, and handed back only to an allocation on that stream, so stream order
-//!   alone protects it and no event is needed (when it goes back to the pool, the pool
-//!   records its stream's event as for any free on that stream). A
+//!   alone protects it and no event is needed. When it goes back to the pool, the pool
+//!   records its stream's event only if that stream is the one of the operation in
+//!   progress (alive now): its user may have destroyed it since the free, and recording on
+//!   a destroyed stream crashes inside the driver. Otherwise the block stays on its stream
+//!   (`Pool::free_later`) until that stream records again or the device is synchronised. A
 //!   destroyed stream's handle can be recycled, but only after its queued work completed
 //!   (the driver releases a stream's resources then), so a recycled handle hides nothing.
 //!   The per-thread default stream's handle names a different stream on each thread; its
@@ -110,7 +113,7 @@ fn locked_malloc(
     let mut back = Vec::new();
     cache.ordered.take_reusable(&mut back);
     for (p, hold) in back {
-        pool.release_kept(p, hold);
+        pool.release_kept(p, hold, Some(stream));
     }
     if kind == Kind::Unordered && size != 0 {
         // SAFETY: the owner thread (we run inside its allocation call).
@@ -135,7 +138,7 @@ fn locked_malloc(
             *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
         }
         for (p, hold) in back {
-            pool.release_kept(p, hold);
+            pool.release_kept(p, hold, Some(stream));
         }
     }
     let words_repeat = match kind {

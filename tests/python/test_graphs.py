@@ -25,7 +25,10 @@ def test_torch_cuda_graph_replays_equal_eager_and_its_pool_is_released(torch_gpu
             model(static_x)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(g):
+    # Captured on the warmed-up stream: cuBLAS keeps one workspace per stream, allocated at
+    # its first use there; made during a capture it would come from the graph's pool and stay
+    # live (so the pool too) for the process, as with PyTorch's own allocator.
+    with torch.no_grad(), torch.cuda.graph(g, stream=s):
         static_y = model(static_x)
     assert private_pools(), gpupool.memory_status(0)
     graph_ptr = static_y.data_ptr()
@@ -84,7 +87,7 @@ def test_torch_compile_reduce_overhead_matches_eager(torch_gpu):
             torch.cuda.synchronize()
             assert torch.allclose(y, want, atol=1e-5, rtol=1e-4), (i, (y - want).abs().max().item())
     print("ok", private_pools())
-    """), timeout=600)
+    """, timeout=600))
     assert out.startswith("ok")
 
 
@@ -144,6 +147,37 @@ def test_cupy_non_blocking_streams_never_corrupt_and_the_test_catches_an_unsafe_
     unsafe = ok(run_py(CUPY_STREAMS.replace("@RUNS@", "200").replace("@THREADS@", "4"),
                        env={"GPUPOOL_UNSAFE_IGNORE_STREAMS": "1"}))
     assert "CORRUPTED 0" not in unsafe, "the stress did not catch a pool that ignores streams: " + unsafe
+
+
+def test_cupy_arrays_outliving_their_destroyed_stream_free_safely(cupy_gpu):
+    """A CuPy array freed after its stream was destroyed: the free must not name the dead
+    stream to the driver (recording an event there crashes inside it), and its memory must
+    still be reused."""
+    out = ok(run_py("""
+        import gc, gpupool, cupy
+        gpupool.cupy.install()
+        keep = []
+        for i in range(50):
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                a = cupy.full(1 << 18, i, dtype=cupy.float32)   # 1 MiB, booked on s
+                b = a * 2
+            s.synchronize()
+            keep.append((i, b))
+            del a, s                  # the stream goes (cudaStreamDestroy); b outlives it
+            gc.collect()
+        for i, b in keep:
+            assert float(b[-1]) == 2 * i, i
+        del keep, b
+        gc.collect()                  # every free names a destroyed stream's booking
+        before = gpupool.stats(0)["n_upstream_allocs"]
+        c = [cupy.ones(1 << 18, dtype=cupy.float32) for _ in range(40)]
+        cupy.cuda.Device().synchronize()
+        after = gpupool.stats(0)["n_upstream_allocs"]
+        assert after == before, ("the dead streams' memory was not reused", before, after)
+        print("ok", before, after)
+    """))
+    assert out.startswith("ok")
 
 
 def test_cupy_graph_capture_replays_correctly(cupy_gpu):

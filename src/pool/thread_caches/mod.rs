@@ -206,7 +206,7 @@ impl Pool {
         }
         if self.caches.has_orphans() {
             for (p, hold) in self.caches.reap() {
-                self.release_kept(p, hold);
+                self.release_kept(p, hold, Some(stream));
             }
         }
         self.caches.attach(current)
@@ -229,19 +229,21 @@ impl Pool {
         let mut kept = self.caches.reap();
         kept.extend(self.caches.take_all_kept(false));
         for (p, hold) in kept {
-            self.release_kept(p, hold);
+            self.release_kept(p, hold, None);
         }
     }
 
     /// Free a block taken out of a thread cache: its user freed it already (counted then).
-    /// A CuPy free not yet fenced joins the pool's unfenced frees.
-    pub fn release_kept(&mut self, ptr: usize, hold: Hold) {
+    /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
+    /// the operation in progress (alive now), if any.
+    pub fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
         let counted = self.c.frees;
         let _ = match hold {
             Hold::Unfenced => self.free_unordered(ptr),
-            // Kept only when freed on its allocation stream: free it there.
+            // Kept only when freed on its allocation stream: free it there, recording only
+            // if that stream is known alive (its user may have destroyed it since the free).
             _ => match self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
-                Some((h, key)) => self.free_keyed(ptr, h, key, false),
+                Some((h, key)) => self.free_later(ptr, h, key, false, current),
                 None => self.free(ptr, crate::stream::STREAM_LEGACY),
             },
         };
