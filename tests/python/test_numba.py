@@ -39,40 +39,49 @@ def test_numba_device_arrays_live_in_gpupool_and_keep_their_data():
 
 def test_numba_kernel_on_gpupool_memory():
     _need_numba_gpu()
-    # Whether this Numba can compile a kernel at all, without gpupool (a numba-cuda older
-    # than the installed NumPy fails in its own import of NumPy names).
-    probe = run_py("""
-        from numba import cuda
-        @cuda.jit
-        def k(a):
-            a[0] = 1
-        k.compile("(float32[:],)")
-    """)
+    # Whether this Numba can compile a kernel at all, without gpupool. numba-cuda (0.30.4 and
+    # older) registers `np.row_stack` for NumPy >= 2, a name NumPy 2.5 removed: then alias it
+    # to `np.vstack` (what it was) before Numba loads, so the kernel can still be compiled.
+    shims = ["", "import numpy as np\nif not hasattr(np, 'row_stack'):\n    np.row_stack = np.vstack\n"]
+    probe = None
+    for shim in shims:
+        probe = run_py(shim + """
+import numpy as np
+from numba import cuda
+@cuda.jit
+def k(a):
+    a[0] = 1
+a = cuda.device_array(1, dtype=np.float32)
+k[1, 1](a)
+assert a.copy_to_host()[0] == 1
+""")
+        if probe.returncode == 0:
+            break
     if probe.returncode != 0:
         pytest.skip("this Numba cannot compile kernels, with or without gpupool: "
                     + (probe.stderr.strip().splitlines() or ["?"])[-1])
-    out = ok(run_py("""
-        import numpy as np
-        from numba import cuda
-        import gpupool
+    out = ok(run_py(shim + """
+import numpy as np
+from numba import cuda
+import gpupool
 
-        @cuda.jit
-        def axpy(a, x, y, out):
-            i = cuda.grid(1)
-            if i < out.size:
-                out[i] = a * x[i] + y[i]
+@cuda.jit
+def axpy(a, x, y, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a * x[i] + y[i]
 
-        n = 1 << 20
-        x = cuda.to_device(np.arange(n, dtype=np.float32))
-        y = cuda.to_device(np.ones(n, dtype=np.float32))
-        out = cuda.device_array(n, dtype=np.float32)
-        axpy[(n + 255) // 256, 256](2.0, x, y, out)
-        got = out.copy_to_host()
-        assert np.array_equal(got, 2 * np.arange(n, dtype=np.float32) + 1)
-        s = gpupool.stats(0)
-        assert s["n_allocs"] >= 3 and s["used_bytes"] >= 3 * n * 4, s
-        print("ok", s["n_allocs"])
-    """, env={"NUMBA_CUDA_MEMORY_MANAGER": "gpupool.numba"}))
+n = 1 << 20
+x = cuda.to_device(np.arange(n, dtype=np.float32))
+y = cuda.to_device(np.ones(n, dtype=np.float32))
+out = cuda.device_array(n, dtype=np.float32)
+axpy[(n + 255) // 256, 256](2.0, x, y, out)
+got = out.copy_to_host()
+assert np.array_equal(got, 2 * np.arange(n, dtype=np.float32) + 1)
+s = gpupool.stats(0)
+assert s["n_allocs"] >= 3 and s["used_bytes"] >= 3 * n * 4, s
+print("ok", s["n_allocs"])
+""", env={"NUMBA_CUDA_MEMORY_MANAGER": "gpupool.numba"}))
     assert out.startswith("ok")
 
 
