@@ -3,7 +3,8 @@
 #  1. valgrind memcheck on every host C test (ctest -T memcheck): 0 errors, 0 bytes
 #     definitely lost, or the test fails;
 #  2. valgrind memcheck on the Rust integration tests that drive the pool on the host
-#     upstream (the C API, conformance, streams, private pools, fault injection, thread caches);
+#     upstream (the C API, conformance, streams, private pools, fault injection, thread caches,
+#     destroyed streams);
 #  3. the C tests built with AddressSanitizer and UndefinedBehaviorSanitizer (the Rust
 #     library itself allocates through the same malloc, which ASan intercepts).
 # What is NOT counted as an error, and why: "possibly lost" and "still reachable" blocks.
@@ -29,7 +30,7 @@ ctest --test-dir build -LE gpu -T memcheck \
 echo "== valgrind: Rust tests on the host upstream"
 bins=$(cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
-want = {"ffi", "conformance", "streams", "graph_pools", "faults", "thread_cache"}
+want = {"ffi", "conformance", "streams", "graph_pools", "faults", "thread_cache", "destroyed_streams"}
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -38,7 +39,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         print(m["target"]["name"] + "=" + m["executable"])
 ')
-[ "$(echo "$bins" | wc -w)" -eq 6 ] || { echo "error: expected 6 test binaries, found: $bins" >&2; exit 1; }
+[ "$(echo "$bins" | wc -w)" -eq 7 ] || { echo "error: expected 7 test binaries, found: $bins" >&2; exit 1; }
 for pair in $bins; do
   name=${pair%%=*}; bin=${pair#*=}
   # Fewer fault-injection operations under valgrind (it runs ~30x slower).
