@@ -144,7 +144,7 @@ pub fn find_owner(ptr: usize) -> Option<i32> {
 /// A pool may be replaced only with nothing live in it (thread caches emptied first).
 fn ensure_idle(pool: Option<&mut Pool>, device: i32) -> Result<()> {
     if let Some(p) = pool {
-        p.flush_thread_caches();
+        p.flush_thread_caches(None);
         if p.live_count() > 0 {
             return Err(Error::Busy(format!(
                 "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",

@@ -37,16 +37,19 @@ use rustc_hash::FxHashMap;
 pub use crate::upstream::stream_id::{is_legacy, StreamHandle, StreamKey, STREAM_DEFAULT, STREAM_LEGACY, STREAM_PER_THREAD};
 
 struct StreamState {
-    /// A handle valid for recording on this stream (for the per-thread stream: only on the
-    /// thread that freed, which is why it is recorded eagerly).
+    /// The handle of this stream's last free that named one (for the per-thread stream:
+    /// valid only on the thread that freed, which is why it is recorded eagerly). Never used
+    /// for a driver call after that free returned: the stream may have been destroyed since.
     handle: StreamHandle,
     event: Option<EventHandle>,
     /// True once `event` has a record that covers every free on this stream.
     recorded: bool,
     /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
-    /// graph (an event recorded there belongs to the graph and cannot be queried), or the
-    /// event could not be created or recorded. Its blocks are then not handed to other
-    /// streams until a later free records successfully.
+    /// graph (an event recorded there belongs to the graph and cannot be queried), the
+    /// event could not be created or recorded, or the free came later than the stream's
+    /// last known use (`on_free_unrecorded`). Its blocks are then not handed to other
+    /// streams until a later free records successfully or the whole device is waited for
+    /// (`device_synchronized`).
     uncovered: bool,
 }
 
@@ -299,7 +302,8 @@ impl StreamTracker {
         Ok(())
     }
 
-    /// The handle to order an upstream release on, for a block last used on `key`.
+    /// The stored handle of `key` (the legacy stream's for the legacy key). Only the legacy
+    /// stream's is ever passed to the driver (`Pool::give_to_upstream`).
     pub fn handle_of(&self, key: StreamKey) -> StreamHandle {
         if key == StreamKey::LEGACY {
             return STREAM_LEGACY;

@@ -16,13 +16,15 @@ use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::{AllocError, EventHandle, Upstream};
 use gpupool::{Stats, Status};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 #[derive(Default)]
 struct Streams {
     destroyed: HashSet<StreamHandle>,
+    /// Streams capturing a graph nobody announced to the pool, with their capture ids.
+    capturing: HashMap<StreamHandle, u64>,
     /// Calls that named a destroyed stream, described.
     misuse: Vec<String>,
     device_syncs: usize,
@@ -78,10 +80,15 @@ impl Upstream for CheckingUpstream {
     }
     fn capture_id(&mut self, s: StreamHandle) -> Result<Option<u64>> {
         self.named("capture info", s);
-        Ok(None)
+        Ok(self.streams.lock().unwrap().capturing.get(&s).copied())
     }
+    fn set_capture_relaxed(&mut self, _on: bool) {}
     fn synchronize_device(&mut self) -> Result<()> {
-        self.streams.lock().unwrap().device_syncs += 1;
+        let mut st = self.streams.lock().unwrap();
+        if !st.capturing.is_empty() {
+            st.misuse.push("device synchronisation during a capture".into());
+        }
+        st.device_syncs += 1;
         Ok(())
     }
     host_address_space!();
@@ -113,8 +120,20 @@ fn free_on(p: usize, device: i32, stream: StreamHandle) {
 const E: StreamHandle = 0xe000; // the stream a thread creates, uses and destroys
 const S: StreamHandle = 0x5000; // a stream that stays alive
 
+fn set_limit(device: i32, bytes: u64) {
+    assert_eq!(gpupool_set_limit(device, bytes as usize), Status::Ok);
+}
+
+fn syncs(streams: &Mutex<Streams>) -> usize {
+    streams.lock().unwrap().device_syncs
+}
+
+fn misuse(streams: &Mutex<Streams>) -> Vec<String> {
+    streams.lock().unwrap().misuse.clone()
+}
+
 #[test]
-fn a_thread_caches_blocks_of_a_destroyed_stream_go_back_without_touching_it_and_are_reused() {
+fn a_thread_caches_blocks_of_a_destroyed_stream_go_back_without_touching_it() {
     let d = 40;
     let streams = install(d);
     // A thread works on its own stream: its repeating size is kept in its thread cache at
@@ -122,25 +141,32 @@ fn a_thread_caches_blocks_of_a_destroyed_stream_go_back_without_touching_it_and_
     let s2 = streams.clone();
     std::thread::spawn(move || {
         for _ in 0..4 {
-            let p = malloc_on(4 * MIB, d, E);
+            let p = malloc_on(24 * MIB, d, E); // a segment of its own (over 10 MiB)
             free_on(p, d, E);
         }
         s2.lock().unwrap().destroyed.insert(E);
     })
     .join()
     .unwrap();
+    // Another thread's allocation reaps the exited thread's cache and must not name E. The
+    // dead stream's block is not proven idle, so with memory to spare the pool grows rather
+    // than wait for the whole device (no synchronisation on a path that is not failing).
+    let p = malloc_on(24 * MIB, d, S);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    assert_eq!(syncs(&streams), 0);
+    // Under pressure (the limit refuses growth) one device-wide wait frees it for S.
     let grown = stats(d).n_upstream_allocs;
-    // Another thread's allocation reaps the exited thread's cache and must not name E; the
-    // dead stream's block serves it after one device-wide wait instead of new memory.
-    let p = malloc_on(4 * MIB, d, S);
-    assert_eq!(streams.lock().unwrap().misuse, Vec::<String>::new());
+    set_limit(d, stats(d).total_bytes);
+    let q = malloc_on(24 * MIB, d, S);
     assert_eq!(stats(d).n_upstream_allocs, grown, "the dead stream's memory was reused, not stranded");
-    assert_eq!(streams.lock().unwrap().device_syncs, 1);
+    assert_eq!(syncs(&streams), 1);
     free_on(p, d, S);
+    free_on(q, d, S);
+    set_limit(d, 0);
     let mut released = 0;
     assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
-    assert!(released >= 4 * MIB);
-    assert_eq!(streams.lock().unwrap().misuse, Vec::<String>::new());
+    assert!(released >= 48 * MIB);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
     gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
 }
 
@@ -183,4 +209,93 @@ fn a_stream_less_free_after_the_stream_died_records_nothing_there() {
     let st = streams.lock().unwrap();
     assert_eq!(st.misuse, Vec::<String>::new());
     assert!(st.device_syncs >= 1, "E's free was covered by a device-wide wait");
+}
+
+#[test]
+fn cupy_frees_off_their_stream_in_a_steady_loop_make_no_driver_call() {
+    // CuPy's common pattern: allocate inside `with A:`, free after leaving it (the current
+    // stream is then the legacy one), allocate the same size on the legacy stream. A's block
+    // stays on A (its stream is not named); the legacy stream gets its own block once, and
+    // the loop then runs on cached blocks: no device-wide wait, no growth, per step.
+    let d = 43;
+    let streams = install(d);
+    const A: StreamHandle = 0xa000;
+    let step = |p: &mut gpupool::Pool| -> Result<()> {
+        let a = p.malloc(22 * MIB, A)?;
+        p.free_as_allocated(a, true, Some(0))?;
+        let b = p.malloc(22 * MIB, 0)?;
+        p.free(b, 0)
+    };
+    gpupool::registry::with_pool(d, |p| (0..3).try_for_each(|_| step(p))).unwrap();
+    let warm = (stats(d).n_upstream_allocs, syncs(&streams));
+    gpupool::registry::with_pool(d, |p| (0..20).try_for_each(|_| step(p))).unwrap();
+    assert_eq!((stats(d).n_upstream_allocs, syncs(&streams)), warm);
+    assert_eq!(syncs(&streams), 0);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+}
+
+#[test]
+fn no_device_wide_wait_while_a_capture_nobody_announced_may_run() {
+    let d = 44;
+    let streams = install(d);
+    const C: StreamHandle = 0xc000; // a stream CuPy captures on without telling the pool
+    let a = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, E)).unwrap();
+    streams.lock().unwrap().destroyed.insert(E);
+    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap(); // E uncovered
+    streams.lock().unwrap().capturing.insert(C, 5);
+    let g = gpupool::registry::with_pool(d, |p| p.malloc_detecting_capture(MIB, C)).unwrap();
+    // Pressure on another stream while the capture's pool is held: E's memory could only be
+    // proven idle by a device-wide wait, which would break the capture. Refused instead.
+    set_limit(d, stats(d).total_bytes);
+    let r = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S));
+    assert!(r.is_err(), "served without proof that E's work is done: {r:?}");
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    assert_eq!(syncs(&streams), 0);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    assert!(stats(d).total_bytes >= 8 * MIB as u64, "E's memory stays cached while it cannot be proven idle");
+    // The capture ends and its memory is released: now the wait is allowed and E's memory serves.
+    streams.lock().unwrap().capturing.clear();
+    gpupool::registry::with_pool(d, |p| {
+        p.free_as_allocated(g, true, Some(C))?;
+        p.release_pool((5, gpupool::pool::IMPLICIT_POOL_TAG)).map(|_| ())
+    })
+    .unwrap();
+    // (Releasing the capture's pool waited for the device once; that covers E's frees too.)
+    let b = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S)).unwrap();
+    assert_eq!(syncs(&streams), 1);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    gpupool::registry::with_pool(d, |p| p.free(b, S)).unwrap();
+    set_limit(d, 0);
+    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
+#[test]
+fn while_a_route_is_active_a_dead_streams_memory_stays_cached_not_stranded() {
+    let d = 45;
+    let streams = install(d);
+    let a = gpupool::registry::with_pool(d, |p| p.malloc(20 * MIB, E)).unwrap();
+    streams.lock().unwrap().destroyed.insert(E);
+    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap();
+    let reserved = stats(d).total_bytes;
+    // A MemPool-like route on another stream: no device-wide wait may happen meanwhile, so
+    // reclaim cannot give E's segment back; it must stay in the cache, not in limbo.
+    const R: StreamHandle = 0x9000;
+    gpupool::registry::with_pool(d, |p| p.begin_allocate_to_pool((9, 9), gpupool::pool::Filter::Stream(gpupool::stream::StreamKey(R as u64)))).unwrap();
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    assert_eq!(stats(d).total_bytes, reserved);
+    assert!(stats(d).n_free_blocks >= 1 && stats(d).largest_free_block >= 20 * MIB as u64, "E's segment is cached");
+    assert_eq!(syncs(&streams), 0);
+    gpupool::registry::with_pool(d, |p| {
+        p.end_allocate_to_pool((9, 9))?;
+        p.release_pool((9, 9)).map(|_| ())
+    })
+    .unwrap();
+    // The route is gone: reclaim may wait for the device now, and gives the segment back.
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    assert!(released >= 20 * MIB);
+    assert_eq!(syncs(&streams), 1);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
 }

@@ -9,7 +9,10 @@
 //!   waits for an event recorded at the free (legacy stream: recorded lazily);
 //! - a free goes to the stream the block was allocated for (CuPy's own pool likewise reuses a
 //!   block only on its allocation stream), so non-blocking streams (`Stream(non_blocking=True)`),
-//!   `Stream.ptds` and `ExternalStream`s are ordered like any other;
+//!   `Stream.ptds` and `ExternalStream`s are ordered like any other. The free records that
+//!   stream's event only when it is CuPy's current stream (alive now): any other may have
+//!   been destroyed since the allocation, so its blocks stay on it (other streams get them
+//!   after a device-wide wait under memory pressure);
 //! - a stream capturing a CUDA graph is asked about at each allocation and free on a
 //!   non-default stream (one `cuStreamGetCaptureInfo`): allocations go to a private pool for
 //!   that capture and frees record no event there (`pool/graph_pools.rs`).

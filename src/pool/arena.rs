@@ -69,8 +69,11 @@ impl Pool {
         let mut by_limit = false;
         for stage in 0..3 {
             if stage > 0 {
-                self.flush_thread_caches();
+                self.flush_thread_caches(Some(stream));
                 self.fence_unfenced();
+                if stage == 1 {
+                    self.cover_by_device_sync();
+                }
                 if stage == 2 {
                     self.finish_pending(true);
                 }
@@ -198,7 +201,8 @@ impl Pool {
     /// out again, its address space kept) and the removal can be retried.
     fn drop_stitch(&mut self, id: u32) -> Result<()> {
         if let Some(s) = self.arena().stitch_last_stream(id) {
-            self.streams.synchronize(&mut *self.upstream, s, !self.graphs.has_routes())?;
+            let allowed = self.device_sync_allowed();
+            self.streams.synchronize(&mut *self.upstream, s, allowed)?;
         }
         let g = self.arena().granule();
         let (base, len, done) = self.arena().stitch_range(id);
@@ -258,7 +262,8 @@ impl Pool {
                 return false;
             }
             if !synced.contains(&s) {
-                if self.streams.synchronize(&mut *self.upstream, s, !self.graphs.has_routes()).is_err() {
+                let allowed = self.device_sync_allowed();
+                if self.streams.synchronize(&mut *self.upstream, s, allowed).is_err() {
                     failed.push(s);
                     return false;
                 }

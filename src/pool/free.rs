@@ -83,10 +83,11 @@ impl Pool {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
             self.streams.on_free_capturing(&mut *self.upstream, key, stream);
-        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && !self.graphs.has_routes() {
-            // No event covers this free (the stream was destroyed, or the driver refused):
+        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && self.device_sync_allowed() {
+            // No event covers this free (the driver refused the record or the event):
             // wait for the whole device once, after which the block is safe anywhere.
             if self.upstream.synchronize_device().is_ok() {
+                self.streams.device_synchronized();
                 block.stream = StreamKey::LEGACY;
             }
         }
@@ -142,12 +143,9 @@ impl Pool {
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
             Some(seg) => {
-                // (An uncovered stream's stored handle may be dead: no release is queued on it.)
-                let r = if self.upstream.stream_ordered() && !self.streams.is_uncovered(seg.stream) {
-                    self.give_to_upstream(seg)
-                } else {
-                    self.release_segment(seg)
-                };
+                // (On the legacy stream a stream-ordered upstream queues the release; any
+                // other stream is waited for first: its stored handle may be dead by now.)
+                let r = self.release_segment(seg);
                 // A refused release keeps the segment (reserved, unusable) for a later retry:
                 // the free itself succeeded.
                 if r.is_err() {
@@ -261,8 +259,10 @@ impl Pool {
         // Private blocks and blocks used on other streams take the full free (their pool,
         // their events); a stream-less free cannot do less for them.
         if live.private.is_some() || !live.extra_streams.is_empty() {
-            let (h, key) = (live.handle, live.block.stream);
-            return self.free_live(ptr, live, Some(h), key, false);
+            // (A stream-less free comes later than the block's last use: its booked stream
+            // is not named to the driver, as in `free_later`.)
+            let key = live.block.stream;
+            return self.free_live(ptr, live, None, key, false);
         }
         let block = Block { stream: StreamKey::LEGACY, ..live.block };
         self.unfenced_bytes += block.size;

@@ -19,8 +19,9 @@
 //!   pool record nothing.
 //! - `release_pool` drops one use; when none is left and no block is live, the pool's
 //!   memory goes back after one device-wide synchronisation (a graph can be replayed on any
-//!   stream, so no single event covers its work). Graph destruction is rare; nothing on an
-//!   allocation path synchronises.
+//!   stream, so no single event covers its work). Graph destruction is rare; an allocation
+//!   path synchronises the device only when memory is refused and no capture may be running
+//!   (`Pool::cover_by_device_sync`).
 //! - While any route is active the upstream makes its calls in relaxed capture mode, and
 //!   frees on a capturing stream record no event (`StreamTracker::on_free_capturing`).
 
@@ -126,6 +127,11 @@ pub struct PrivatePools {
 impl PrivatePools {
     pub fn has_routes(&self) -> bool {
         !self.routes.is_empty()
+    }
+    /// A capture nobody announced (CuPy's own `begin_capture`) still holds its pool: it may
+    /// be capturing now, and only the driver knows.
+    pub fn has_implicit_pools(&self) -> bool {
+        self.pools.keys().any(|id| id.1 == IMPLICIT_POOL_TAG)
     }
     /// Bytes held free in private pools (for the books and the status report).
     pub fn cached_bytes(&self) -> usize {
@@ -301,7 +307,7 @@ impl Pool {
         let mut by_limit = false;
         for attempt in 0..2 {
             if attempt == 1 {
-                self.flush_thread_caches();
+                self.flush_thread_caches(Some(stream));
                 self.fence_unfenced();
                 let _ = self.release_cached(None);
             }
@@ -394,6 +400,7 @@ impl Pool {
         }
         if p.reserved > 0 {
             self.upstream.synchronize_device()?;
+            self.streams.device_synchronized(); // every stream's frees so far are done too
         }
         let mut p = self.graphs.pools.remove(&id).expect("present");
         // Nothing is live, so every segment is wholly free, though its free blocks may carry

@@ -3,8 +3,9 @@
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the
-//! minimal one) → release some cached segments and retry → release all cached segments
-//! (and finish deferred frees, synchronising) and retry → out of memory.
+//! minimal one) → wait for the whole device if some stream's frees are covered by no event
+//! (`cover_by_device_sync`), release some cached segments and retry → release all cached
+//! segments (and finish deferred frees, synchronising) and retry → out of memory.
 //!
 //! A `Pool` is not thread-safe by itself; `registry.rs` puts each behind one lock.
 
@@ -293,7 +294,8 @@ impl Pool {
         let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
         if self.streams.fence_legacy(&mut *self.upstream).is_err() {
             // Without a fence the blocks cannot be proven safe: wait for the device instead.
-            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, !self.graphs.has_routes());
+            let allowed = self.device_sync_allowed();
+            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, allowed);
         }
     }
 
@@ -348,6 +350,30 @@ impl Pool {
         Ok(block.addr)
     }
 
+    /// May the pool wait for the whole device now? Not while a capture on this device may
+    /// run that the wait would invalidate: a route announced to this pool, or a capture
+    /// nobody announced whose private pool is still held (CuPy's `stream.begin_capture()`).
+    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    pub(super) fn device_sync_allowed(&self) -> bool {
+        !self.graphs.has_routes() && !self.graphs.has_implicit_pools()
+    }
+
+    /// Under memory pressure (the upstream or the limit refused new memory): blocks freed
+    /// on streams no event covers (their frees came after the stream may have gone: see
+    /// `StreamTracker::on_free_unrecorded`) become usable everywhere after one device-wide
+    /// wait. Never on a path that is not already failing to grow, so a steady state makes
+    /// no such call. Returns whether it waited.
+    pub(super) fn cover_by_device_sync(&mut self) -> bool {
+        if !self.streams.has_uncovered() || !self.device_sync_allowed() {
+            return false;
+        }
+        if self.upstream.synchronize_device().is_err() {
+            return false;
+        }
+        self.streams.device_synchronized();
+        true
+    }
+
     pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         let (streams, up) = (&mut self.streams, &mut *self.upstream);
         let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
@@ -381,16 +407,6 @@ impl Pool {
                 return Ok(b);
             }
         }
-        // Blocks freed later than their stream's last known use (a thread cache emptied
-        // after its thread or stream went, CuPy frees off their stream) wait on that stream
-        // for an event that may never come: one device-wide wait frees them for any stream
-        // before the pool grows. Not while an announced capture runs (it would break it).
-        if self.streams.has_uncovered() && !self.graphs.has_routes() && self.upstream.synchronize_device().is_ok() {
-            self.streams.device_synchronized();
-            if let Some(b) = self.take_cached(rounded, key, stream) {
-                return Ok(b);
-            }
-        }
         self.grow(size, rounded, key, stream, true)
     }
 
@@ -413,12 +429,19 @@ impl Pool {
                 // A release the driver refuses keeps its segment for later; the request
                 // may still be served by what did go back or by the upstream.
                 1 => {
-                    self.flush_thread_caches();
+                    self.flush_thread_caches(Some(stream));
                     self.fence_unfenced();
+                    // Blocks no event covers may serve once the device is idle: before any
+                    // memory goes back for a new segment.
+                    if self.cover_by_device_sync() && retake {
+                        if let Some(b) = self.take_cached(rounded, key, stream) {
+                            return Ok(b);
+                        }
+                    }
                     let _ = self.release_cached(Some(preferred));
                 }
                 2 => {
-                    self.flush_thread_caches();
+                    self.flush_thread_caches(Some(stream));
                     self.fence_unfenced();
                     self.finish_pending(true);
                     let _ = self.release_cached(None);
@@ -513,7 +536,7 @@ impl Pool {
         // What went back, however it went (deferred frees finishing here release their
         // segments at once under the `none` strategy): the drop in reserved bytes.
         let before = self.c.reserved;
-        self.flush_thread_caches();
+        self.flush_thread_caches(None);
         self.finish_pending(false);
         self.fence_unfenced();
         self.c.reclaims += 1;
@@ -532,7 +555,7 @@ impl Pool {
         self.running()?;
         self.limit = bytes;
         if bytes != 0 && self.c.reserved > bytes {
-            self.flush_thread_caches();
+            self.flush_thread_caches(None);
             self.release_cached(Some(self.c.reserved - bytes))?;
         }
         self.verify();

@@ -54,7 +54,8 @@ impl Pool {
                 continue;
             }
             if !synced.contains(&b.stream) {
-                if self.streams.synchronize(&mut *self.upstream, b.stream, !self.graphs.has_routes()).is_err() {
+                let allowed = self.device_sync_allowed();
+                if self.streams.synchronize(&mut *self.upstream, b.stream, allowed).is_err() {
                     continue;
                 }
                 synced.push(b.stream);
@@ -121,7 +122,15 @@ impl Pool {
         segs.extend(self.strategy.drain_free_segments(want, order));
         let mut released = 0;
         let mut first_err = None;
+        let allowed = self.device_sync_allowed();
         for seg in segs {
+            let uncovered = self.streams.is_uncovered(seg.stream) || (seg.stream == StreamKey::MIXED && self.streams.has_uncovered());
+            if uncovered && !allowed {
+                // Only a device-wide wait could prove it idle, and none may be made now (a
+                // capture may run): it stays cached, usable by its own stream.
+                self.keep_segment(seg);
+                continue;
+            }
             match self.release_segment(seg) {
                 Ok(n) => released += n,
                 Err(e) => {
@@ -137,6 +146,14 @@ impl Pool {
         }
     }
 
+    /// Put a drained, wholly free segment back into the strategy's books.
+    fn keep_segment(&mut self, seg: Segment) {
+        let whole = self.strategy.add_segment(seg, seg.size);
+        if let Some(back) = self.strategy.put(Block { stream: seg.stream, ..whole }) {
+            self.unreleased.push(back); // a strategy that caches nothing (`none`)
+        }
+    }
+
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn release_segment(&mut self, seg: Segment) -> Result<usize> {
         if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
@@ -146,17 +163,20 @@ impl Pool {
         // Work queued on the segment's stream may still touch it. For a stream-ordered
         // upstream the release could be queued on that stream instead, but the stream may
         // since have been destroyed, or be another thread's per-thread stream: wait for its
-        // event and release on the legacy stream.
+        // event (for a stream no event covers, for the whole device) and release on the
+        // legacy stream.
+        let allowed = self.device_sync_allowed();
         if seg.stream == StreamKey::MIXED {
-            self.streams.synchronize_all(&mut *self.upstream, !self.graphs.has_routes())?;
+            self.streams.synchronize_all(&mut *self.upstream, allowed)?;
         } else {
-            self.streams.synchronize(&mut *self.upstream, seg.stream, !self.graphs.has_routes())?;
+            self.streams.synchronize(&mut *self.upstream, seg.stream, allowed)?;
         }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg)
     }
 
-    /// Hand a segment back to the upstream, ordered on the stream that last used it.
+    /// Hand a segment back to the upstream, ordered on the stream that last used it: the
+    /// legacy stream, the only one named here (a stored user-stream handle may be dead).
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
         let h = self.streams.handle_of(seg.stream);

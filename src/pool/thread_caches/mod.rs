@@ -199,7 +199,7 @@ impl Pool {
     /// is the (pool id, cache id) the thread already has for this device. Exited threads'
     /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
     /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
-    /// fast path here (disabled, or not the legacy stream).
+    /// fast path here (disabled, or the per-thread default stream).
     pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
         if !self.caches.enabled() || stream == crate::stream::STREAM_PER_THREAD {
             return None; // (the per-thread default stream means another stream on each thread)
@@ -224,12 +224,13 @@ impl Pool {
     }
 
     /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,
-    /// reconfiguration).
-    pub fn flush_thread_caches(&mut self) {
+    /// reconfiguration). `current`: the stream of the operation in progress, if any (its
+    /// kept blocks record their free there; the others' streams may be gone).
+    pub fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
         let mut kept = self.caches.reap();
         kept.extend(self.caches.take_all_kept(false));
         for (p, hold) in kept {
-            self.release_kept(p, hold, None);
+            self.release_kept(p, hold, current);
         }
     }
 
