@@ -18,8 +18,15 @@ fi
 nvidia-smi -L
 echo "== libgpupool.so dependencies (must not include libcuda)"; ldd "$LIB"
 
+# RMM's C++ resources join threads_bench's table when its wheels were carried (.whl/).
+RMM_ARGS=()
+if ls .whl/librmm*.whl .whl/rapids_logger*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/gpupool-rmm && mkdir -p /tmp/gpupool-rmm
+  for w in .whl/librmm*.whl .whl/rapids_logger*.whl; do python3 -m zipfile -e "$w" /tmp/gpupool-rmm; done
+  RMM_ARGS=(-DGPUPOOL_RMM_ROOT=/tmp/gpupool-rmm/librmm -DGPUPOOL_RAPIDS_LOGGER_ROOT=/tmp/gpupool-rmm/rapids_logger)
+fi
 echo "== CMake build (examples + GPU tests)"
-cmake -S . -B build-gpu -DGPUPOOL_LIBRARY="$LIB" -DCMAKE_BUILD_TYPE=Release > /tmp/cmake.log 2>&1 \
+cmake -S . -B build-gpu -DGPUPOOL_LIBRARY="$LIB" -DCMAKE_BUILD_TYPE=Release "${RMM_ARGS[@]}" > /tmp/cmake.log 2>&1 \
   && cmake --build build-gpu -j16 >> /tmp/cmake.log 2>&1
 build_rc=$?
 tail -5 /tmp/cmake.log
@@ -30,8 +37,8 @@ cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
 
 echo "== hot-path microbenchmark (no framework)"
 ./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
-echo "== threads and streams: gpupool vs cudaMallocAsync from C (tests/gpu/threads_bench.c)"
-[ -n "${SKIP_BENCH:-}" ] || ./build-gpu/threads_bench 2>&1 | tee "$OUT/threads_bench.log"
+echo "== threads and streams: gpupool vs cudaMallocAsync (and RMM's resources, with its wheels) from C (tests/gpu/threads_bench.c)"
+[ -n "${SKIP_BENCH:-}" ] || ./build-gpu/threads_bench "${THREADS_BENCH_PAIRS:-20000}" 2>&1 | tee "$OUT/threads_bench.log"
 echo "== driver call costs behind the upstreams (no gpupool)"
 ./build-gpu/driver_costs 2>&1 | tee -a "$OUT/hotpath.log"
 

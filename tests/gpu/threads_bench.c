@@ -5,8 +5,9 @@
  * thread, sizes log-uniform in 512 B..4 MiB, the same seeded sequence for everyone).
  * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
  * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
- * RMM's C++ resources are not in this table yet: they need the headers of the librmm wheel
- * on the GPU machine (see the closing notes of issue #18). */
+ * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
+ * table also has RMM's pool, arena and cuda_async resources (tests/gpu/rmm_allocators.cpp),
+ * every allocator measured in the same run. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -16,14 +17,18 @@
 #include <time.h>
 #include <cuda_runtime.h>
 #include "gpupool.h"
+#ifdef GPUPOOL_WITH_RMM
+#include "rmm_allocators.h"
+#endif
 
-enum alloc_kind { GPUPOOL, ASYNC };
+/* GPUPOOL, ASYNC, then RMM's resources from RMM_BASE on (when built with them). */
+enum alloc_kind { GPUPOOL, ASYNC, RMM_BASE };
 enum workload { PAIRS, CHURN };
 #define BATCH 1000
 #define SLOTS 64
 
 typedef struct {
-  enum alloc_kind kind;
+  int kind;
   enum workload wl;
   int own_stream;
   long pairs;
@@ -39,22 +44,52 @@ static double now_ns(void) {
   return t.tv_sec * 1e9 + t.tv_nsec;
 }
 
-static void *alloc_on(enum alloc_kind k, size_t n, cudaStream_t s, int *fail) {
+static int n_kinds(void) {
+#ifdef GPUPOOL_WITH_RMM
+  return RMM_BASE + rmm_bench_count();
+#else
+  return RMM_BASE;
+#endif
+}
+
+static const char *kind_name(int k) {
+  if (k == GPUPOOL) return "gpupool";
+  if (k == ASYNC) return "cudaMallocAsync";
+#ifdef GPUPOOL_WITH_RMM
+  return rmm_bench_name(k - RMM_BASE);
+#else
+  return "?";
+#endif
+}
+
+static void *alloc_on(int k, size_t n, cudaStream_t s, int *fail) {
   void *p = NULL;
   if (k == GPUPOOL) {
     if (gpupool_malloc(&p, n, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
-  } else if (cudaMallocAsync(&p, n, s) != cudaSuccess) {
-    (*fail)++;
+  } else if (k == ASYNC) {
+    if (cudaMallocAsync(&p, n, s) != cudaSuccess) (*fail)++;
+  } else {
+#ifdef GPUPOOL_WITH_RMM
+    p = rmm_bench_alloc(k - RMM_BASE, n, s);
+#endif
+    if (!p) (*fail)++;
   }
   return p;
 }
 
-static void free_on(enum alloc_kind k, void *p, cudaStream_t s, int *fail) {
+/* RMM's resources need the size at deallocation: every caller knows it. */
+static void free_on(int k, void *p, size_t n, cudaStream_t s, int *fail) {
   if (!p) return;
   if (k == GPUPOOL) {
     if (gpupool_free(p, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
-  } else if (cudaFreeAsync(p, s) != cudaSuccess) {
-    (*fail)++;
+  } else if (k == ASYNC) {
+    if (cudaFreeAsync(p, s) != cudaSuccess) (*fail)++;
+  } else {
+#ifdef GPUPOOL_WITH_RMM
+    if (rmm_bench_free(k - RMM_BASE, p, n, s) != 0) (*fail)++;
+#else
+    (void)n;
+#endif
   }
 }
 
@@ -63,11 +98,12 @@ static void *worker(void *arg) {
   cudaStream_t s = NULL;
   if (j->own_stream) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   void *slots[SLOTS] = {0};
+  size_t sizes[SLOTS] = {0};
   uint64_t rng = 0x9E3779B97F4A7C15ull;
   /* Warm up: the sizes and slots a step uses exist once before timing. */
   for (int i = 0; i < 2 * SLOTS; i++) {
     void *p = alloc_on(j->kind, 1 << 20, s, &j->failures);
-    free_on(j->kind, p, s, &j->failures);
+    free_on(j->kind, p, 1 << 20, s, &j->failures);
   }
   pthread_barrier_wait(j->start);
   for (long b = 0; b < j->nbatches; b++) {
@@ -75,18 +111,19 @@ static void *worker(void *arg) {
     for (int i = 0; i < BATCH; i++) {
       if (j->wl == PAIRS) {
         void *p = alloc_on(j->kind, 1 << 20, s, &j->failures);
-        free_on(j->kind, p, s, &j->failures);
+        free_on(j->kind, p, 1 << 20, s, &j->failures);
       } else {
         rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
         int slot = (int)(rng % SLOTS);
         size_t n = (size_t)(512.0 * exp((double)((rng >> 20) % 100000) / 100000.0 * log(8192.0)));
-        free_on(j->kind, slots[slot], s, &j->failures);
+        free_on(j->kind, slots[slot], sizes[slot], s, &j->failures);
         slots[slot] = alloc_on(j->kind, n, s, &j->failures);
+        sizes[slot] = n;
       }
     }
     j->batch_ns[b] = (now_ns() - t0) / BATCH;
   }
-  for (int i = 0; i < SLOTS; i++) free_on(j->kind, slots[i], s, &j->failures);
+  for (int i = 0; i < SLOTS; i++) free_on(j->kind, slots[i], sizes[i], s, &j->failures);
   if (s) {
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
@@ -99,7 +136,7 @@ static int cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static void row(enum alloc_kind k, enum workload wl, int own, int threads, long pairs) {
+static void row(int k, enum workload wl, int own, int threads, long pairs) {
   pthread_t t[16];
   job jobs[16];
   pthread_barrier_t start;
@@ -121,7 +158,7 @@ static void row(enum alloc_kind k, enum workload wl, int own, int threads, long 
     free(jobs[i].batch_ns);
   }
   qsort(all, nb * threads, sizeof(double), cmp);
-  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f |%s\n", k == GPUPOOL ? "gpupool" : "cudaMallocAsync",
+  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f |%s\n", kind_name(k),
          wl == PAIRS ? "1 MiB pairs" : "churn", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
          all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, failures ? " FAILURES" : "");
   free(all);
@@ -142,9 +179,21 @@ int main(int argc, char **argv) {
   cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold, &max);
   printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s |\n|---|---|---|---|---|---|---|\n");
   int counts[3] = {1, 4, 16};
+  int usable[16] = {0};
+  for (int k = 0; k < n_kinds() && k < 16; k++) {
+    usable[k] = 1;
+#ifdef GPUPOOL_WITH_RMM
+    if (k >= RMM_BASE && rmm_bench_setup(k - RMM_BASE) != 0) usable[k] = 0; /* said on stderr */
+#endif
+  }
   for (int wl = PAIRS; wl <= CHURN; wl++)
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
-        for (int k = GPUPOOL; k <= ASYNC; k++) row((enum alloc_kind)k, (enum workload)wl, own, counts[c], pairs);
+        for (int k = 0; k < n_kinds() && k < 16; k++)
+          if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs);
+#ifdef GPUPOOL_WITH_RMM
+  cudaDeviceSynchronize();
+  for (int k = RMM_BASE; k < n_kinds(); k++) rmm_bench_teardown(k - RMM_BASE);
+#endif
   return 0;
 }
