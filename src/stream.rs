@@ -62,6 +62,9 @@ pub struct StreamTracker {
     legacy_stale: bool,
     /// Test-only: treat every stream as the legacy stream (no synchronisation at all).
     ignore_streams: bool,
+    /// Bytes freed with no record since the last device-wide wait (`on_free_unrecorded`):
+    /// how much memory may be waiting for one.
+    unrecorded_bytes: usize,
     /// How many times a stream was made to wait on another's event.
     pub cross_stream_waits: u64,
     /// How many cached blocks moved across streams after their event had completed.
@@ -75,6 +78,7 @@ impl StreamTracker {
             spare_events: Vec::new(),
             legacy_stale: false,
             ignore_streams,
+            unrecorded_bytes: 0,
             cross_stream_waits: 0,
             cross_stream_ready: 0,
         }
@@ -156,7 +160,7 @@ impl StreamTracker {
     /// A block was freed on `key` without a handle known to be alive (its stream may have
     /// been destroyed since): record nothing and touch no handle; the stream's blocks stay
     /// on it until a later recorded free or a device-wide synchronisation covers them.
-    pub fn on_free_unrecorded(&mut self, up: &mut dyn Upstream, key: StreamKey) {
+    pub fn on_free_unrecorded(&mut self, up: &mut dyn Upstream, key: StreamKey, bytes: usize) {
         if key == StreamKey::LEGACY {
             self.legacy_stale = true; // never destroyed: recorded lazily as always
             return;
@@ -164,6 +168,12 @@ impl StreamTracker {
         // (A new state's handle is only a placeholder: uncovered streams are covered by a
         // device-wide synchronisation, never through their stored handle.)
         self.state(up, key, STREAM_LEGACY).uncovered = true;
+        self.unrecorded_bytes += bytes;
+    }
+
+    /// Bytes freed with no record since the last device-wide wait.
+    pub fn unrecorded_bytes(&self) -> usize {
+        self.unrecorded_bytes
     }
 
     /// Some stream has frees no event covers.
@@ -184,6 +194,7 @@ impl StreamTracker {
             s.recorded = false; // nothing left to cover (`covering_event` answers None)
         }
         self.legacy_stale = false;
+        self.unrecorded_bytes = 0;
     }
 
     /// The state of a non-legacy stream, created with an event (None if creation failed:
@@ -232,6 +243,11 @@ impl StreamTracker {
     pub fn make_safe(&mut self, up: &mut dyn Upstream, from: StreamKey, to: StreamKey, to_handle: StreamHandle) -> bool {
         if self.ignore_streams || from == to {
             return true;
+        }
+        if from == StreamKey::MIXED {
+            // Only a drained segment carries this tag, and it is released, never handed
+            // out; should one reach a cache, no single event covers it.
+            return false;
         }
         let ev = match self.covering_event(up, from) {
             Ok(Some(ev)) => ev,
@@ -300,15 +316,6 @@ impl StreamTracker {
             self.synchronize(up, StreamKey::LEGACY, device_sync_allowed)?;
         }
         Ok(())
-    }
-
-    /// The stored handle of `key` (the legacy stream's for the legacy key). Only the legacy
-    /// stream's is ever passed to the driver (`Pool::give_to_upstream`).
-    pub fn handle_of(&self, key: StreamKey) -> StreamHandle {
-        if key == StreamKey::LEGACY {
-            return STREAM_LEGACY;
-        }
-        self.states.get(&key).map(|s| s.handle).unwrap_or(STREAM_LEGACY)
     }
 
     /// An event from the spare pool, recorded on `handle` now (for `record_stream` frees).

@@ -28,6 +28,9 @@ struct Streams {
     /// Calls that named a destroyed stream, described.
     misuse: Vec<String>,
     device_syncs: usize,
+    event_syncs: usize,
+    /// Answer `stream_ordered` (the `async` upstream's behaviour: releases queue on a stream).
+    stream_ordered: bool,
 }
 
 struct CheckingUpstream {
@@ -72,7 +75,11 @@ impl Upstream for CheckingUpstream {
         Ok(false) // the device is always busy: only a recorded event or a sync frees a block
     }
     fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+        self.streams.lock().unwrap().event_syncs += 1;
         Ok(())
+    }
+    fn stream_ordered(&self) -> bool {
+        self.streams.lock().unwrap().stream_ordered
     }
     fn stream_wait_event(&mut self, s: StreamHandle, _ev: EventHandle) -> Result<()> {
         self.named("stream wait", s);
@@ -95,9 +102,13 @@ impl Upstream for CheckingUpstream {
 }
 
 fn install(device: i32) -> Arc<Mutex<Streams>> {
-    let streams = Arc::new(Mutex::new(Streams::default()));
+    install_as(device, PoolKind::Split, false)
+}
+
+fn install_as(device: i32, kind: PoolKind, stream_ordered: bool) -> Arc<Mutex<Streams>> {
+    let streams = Arc::new(Mutex::new(Streams { stream_ordered, ..Default::default() }));
     let up = CheckingUpstream { host: HostUpstream::new(1 << 30), streams: streams.clone(), next_event: 0 };
-    gpupool::registry::install(device, PoolKind::Split, Box::new(up)).unwrap();
+    gpupool::registry::install(device, kind, Box::new(up)).unwrap();
     streams
 }
 
@@ -298,4 +309,102 @@ fn while_a_route_is_active_a_dead_streams_memory_stays_cached_not_stranded() {
     assert_eq!(syncs(&streams), 1);
     assert_eq!(misuse(&streams), Vec::<String>::new());
     gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
+#[test]
+fn a_segment_with_a_dead_streams_block_is_not_handed_out_while_no_wait_may_be_made() {
+    let d = 46;
+    let streams = install(d);
+    const T: StreamHandle = 0x7000;
+    let (a, b) = gpupool::registry::with_pool(d, |p| Ok((p.malloc(4 * MIB, E)?, p.malloc(4 * MIB, E)?))).unwrap();
+    gpupool::registry::with_pool(d, |p| p.free(b, S)).unwrap(); // covered by S's event
+    streams.lock().unwrap().destroyed.insert(E);
+    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap(); // E uncovered
+    gpupool::registry::with_pool(d, |p| p.begin_allocate_to_pool((9, 9), gpupool::pool::Filter::Stream(gpupool::stream::StreamKey(0x9000)))).unwrap();
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    // The segment holds E's block, so it stayed in place with each block's own stream: T
+    // may get S's block (after S's event) but never E's without a device-wide wait.
+    let t = gpupool::registry::with_pool(d, |p| p.malloc(4 * MIB, T)).unwrap();
+    assert!(t != a || syncs(&streams) > 0, "E's block went to T with no wait");
+    assert_eq!(syncs(&streams), 0);
+    gpupool::registry::with_pool(d, |p| {
+        p.free(t, T)?;
+        p.end_allocate_to_pool((9, 9))?;
+        p.release_pool((9, 9)).map(|_| ())
+    })
+    .unwrap();
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
+#[test]
+fn passthrough_on_a_stream_ordered_upstream_queues_releases_on_the_live_stream() {
+    let d = 47;
+    let streams = install_as(d, PoolKind::None, true);
+    for _ in 0..10 {
+        let x = malloc_on(MIB, d, S);
+        free_on(x, d, S);
+    }
+    let st = streams.lock().unwrap();
+    assert_eq!(st.event_syncs, 0, "a free on a live stream must not block the host");
+    assert_eq!(st.misuse, Vec::<String>::new());
+}
+
+#[test]
+fn an_unannounced_capture_blocks_the_wait_only_until_its_stream_is_seen_idle() {
+    let d = 48;
+    let streams = install(d);
+    const C: StreamHandle = 0xc000;
+    // A block CuPy allocated on C before capturing, freed on C during the capture (an event
+    // there would belong to the graph): C is uncovered, and the capture is noted.
+    let x = gpupool::registry::with_pool(d, |p| p.malloc_detecting_capture(8 * MIB, C)).unwrap();
+    streams.lock().unwrap().capturing.insert(C, 7);
+    gpupool::registry::with_pool(d, |p| p.free_as_allocated(x, true, Some(C))).unwrap();
+    set_limit(d, stats(d).total_bytes);
+    let r = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S));
+    assert!(r.is_err(), "C's block went to S during the capture: {r:?}");
+    assert_eq!(syncs(&streams), 0);
+    // The capture ends; CuPy's next allocation on C sees it idle (and, growing, records C's
+    // event while C is alive): under the same pressure C's block now serves S through that
+    // event, with no device-wide wait at all.
+    streams.lock().unwrap().capturing.clear();
+    set_limit(d, 0);
+    let y = gpupool::registry::with_pool(d, |p| p.malloc_detecting_capture(MIB / 2, C)).unwrap();
+    set_limit(d, stats(d).total_bytes);
+    let z = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S)).unwrap();
+    assert_eq!(z, x, "C's block");
+    assert_eq!(syncs(&streams), 0);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    gpupool::registry::with_pool(d, |p| {
+        p.free(z, S)?;
+        p.free_as_allocated(y, true, Some(C))
+    })
+    .unwrap();
+    set_limit(d, 0);
+    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
+#[test]
+fn memory_of_many_destroyed_streams_is_reused_before_the_pool_grows_without_bound() {
+    let d = 49;
+    let streams = install(d);
+    // A program that creates a stream per task and destroys it while its buffers live on:
+    // every free comes after its stream is gone.
+    for i in 0..8usize {
+        let s = 0x10000 + i * 0x100;
+        let x = gpupool::registry::with_pool(d, |p| p.malloc(24 * MIB, s)).unwrap();
+        streams.lock().unwrap().destroyed.insert(s);
+        gpupool::registry::with_pool(d, |p| p.free_as_allocated(x, true, Some(S))).unwrap();
+    }
+    // Whenever 64 MiB of such frees (here: three tasks' buffers) wait for a device-wide
+    // wait, the growth that would follow waits once instead and reuses them: the pool holds
+    // three buffers, not eight, for two waits in eight tasks.
+    assert_eq!(stats(d).total_bytes, 3 * 24 * MIB as u64);
+    assert_eq!(syncs(&streams), 2);
+    let y = gpupool::registry::with_pool(d, |p| p.malloc(24 * MIB, S)).unwrap();
+    assert_eq!(stats(d).total_bytes, 3 * 24 * MIB as u64, "reused, not grown");
+    assert_eq!(syncs(&streams), 2);
+    assert_eq!(misuse(&streams), Vec::<String>::new());
+    gpupool::registry::with_pool(d, |p| p.free(y, S)).unwrap();
 }

@@ -75,8 +75,8 @@ impl Pool {
         }
         let mut block = Block { stream: key, ..live.block };
         let Some(stream) = stream else {
-            self.streams.on_free_unrecorded(&mut *self.upstream, key);
-            return self.finish_free(ptr, live, block, check_capture);
+            self.streams.on_free_unrecorded(&mut *self.upstream, key, block.size);
+            return self.finish_free(ptr, live, block, check_capture, None);
         };
         let capturing = self.capturing(stream, check_capture);
         if capturing {
@@ -91,12 +91,13 @@ impl Pool {
                 block.stream = StreamKey::LEGACY;
             }
         }
-        self.finish_free(ptr, live, block, check_capture)
+        self.finish_free(ptr, live, block, check_capture, Some(stream))
     }
 
     /// The end of a free, once the freeing stream's event is dealt with: the streams the
     /// block was also used on (`record_stream`), then the cache.
-    fn finish_free(&mut self, ptr: usize, live: Live, block: Block, check_capture: bool) -> Result<()> {
+    /// `alive`: the freeing stream's handle when the caller named it (valid now).
+    fn finish_free(&mut self, ptr: usize, live: Live, block: Block, check_capture: bool, alive: Option<StreamHandle>) -> Result<()> {
         // (The extra streams' handles were named by `record_stream` and must still be alive,
         // as with PyTorch's own allocator, which records on them at the free too.)
         if !self.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
@@ -115,19 +116,25 @@ impl Pool {
                     // No event can say when that stream's work is done: wait for the
                     // device now rather than hand the block out early.
                     Err(_) => {
-                        if let Err(e) = self.upstream.synchronize_device() {
+                        let waited = if self.device_sync_allowed() {
+                            self.upstream.synchronize_device()
+                        } else {
+                            Err(Error::Internal("no event could be recorded on a stream this block was used on, and no device-wide wait may be made while a capture may run".into()))
+                        };
+                        if let Err(e) = waited {
                             for ev in events {
                                 self.streams.recycle(ev);
                             }
                             self.restore_live(ptr, live);
                             return Err(e);
                         }
+                        self.streams.device_synchronized();
                     }
                 }
             }
         }
         let result = if events.is_empty() {
-            self.put_block(block)
+            self.put_block(block, alive)
         } else {
             self.c.deferred_frees += 1;
             self.pending.push(Pending { block, events });
@@ -137,15 +144,23 @@ impl Pool {
         result
     }
 
-    pub(super) fn put_block(&mut self, block: Block) -> Result<()> {
+    /// `alive`: a handle of the stream that freed `block`, valid now (None: none is known).
+    pub(super) fn put_block(&mut self, block: Block, alive: Option<StreamHandle>) -> Result<()> {
         match self.strategy.put(block) {
             // Not cached (passthrough): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
             Some(seg) => {
-                // (On the legacy stream a stream-ordered upstream queues the release; any
-                // other stream is waited for first: its stored handle may be dead by now.)
-                let r = self.release_segment(seg);
+                // A stream-ordered upstream queues the release on the freeing stream while
+                // its handle is known alive; otherwise (a stored handle may be dead by now)
+                // the stream is waited for and the release goes on the legacy stream.
+                let r = match alive {
+                    Some(h) if self.upstream.stream_ordered() && !self.streams.is_uncovered(seg.stream) => {
+                        let h = if seg.stream == StreamKey::LEGACY { crate::stream::STREAM_LEGACY } else { h };
+                        self.give_to_upstream(seg, h)
+                    }
+                    _ => self.release_segment(seg),
+                };
                 // A refused release keeps the segment (reserved, unusable) for a later retry:
                 // the free itself succeeded.
                 if r.is_err() {
@@ -173,7 +188,7 @@ impl Pool {
                 for ev in p.events {
                     self.streams.recycle(ev);
                 }
-                let _ = self.put_block(p.block);
+                let _ = self.put_block(p.block, None);
             } else {
                 i += 1;
             }
@@ -282,7 +297,7 @@ impl Pool {
         self.fence_legacy_now();
         self.unfenced_bytes = 0;
         for b in std::mem::take(&mut self.unfenced) {
-            let _ = self.put_block(b);
+            let _ = self.put_block(b, None);
         }
     }
 }

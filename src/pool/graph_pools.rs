@@ -122,16 +122,31 @@ pub struct PrivatePools {
     /// (`record_stream`) was capturing: an event recorded there would belong to the graph.
     /// Replayed when the last route ends.
     capture_deferred: Vec<(Block, Vec<StreamHandle>)>,
+    /// Streams seen capturing a graph nobody announced (CuPy's own `begin_capture`), with
+    /// the capture's id: while any is, no device-wide wait may be made (it would break the
+    /// capture). A stream leaves when a later call on it (its handle alive then) finds it
+    /// no longer capturing, or when its capture's pool is released.
+    unannounced: FxHashMap<StreamHandle, u64>,
 }
 
 impl PrivatePools {
     pub fn has_routes(&self) -> bool {
         !self.routes.is_empty()
     }
-    /// A capture nobody announced (CuPy's own `begin_capture`) still holds its pool: it may
-    /// be capturing now, and only the driver knows.
-    pub fn has_implicit_pools(&self) -> bool {
-        self.pools.keys().any(|id| id.1 == IMPLICIT_POOL_TAG)
+    /// A capture nobody announced may be running (see `unannounced`).
+    pub fn unannounced_capture_may_run(&self) -> bool {
+        !self.unannounced.is_empty()
+    }
+    /// What a call on `stream` (alive now) learned of its capture: `Some(id)` capturing.
+    fn note_capture(&mut self, stream: StreamHandle, capture: Option<u64>) {
+        match capture {
+            Some(id) => {
+                self.unannounced.insert(stream, id);
+            }
+            None => {
+                self.unannounced.remove(&stream);
+            }
+        }
     }
     /// Bytes held free in private pools (for the books and the status report).
     pub fn cached_bytes(&self) -> usize {
@@ -208,16 +223,27 @@ impl Pool {
     fn replay_capture_deferred(&mut self) {
         for (block, extra) in std::mem::take(&mut self.graphs.capture_deferred) {
             let mut events = Vec::new();
-            let mut waited = false;
-            for h in extra {
+            let mut uncovered = false;
+            for &h in &extra {
                 match self.streams.record_on(&mut *self.upstream, h) {
                     Ok(ev) => events.push(ev),
-                    Err(_) if !waited => waited = self.upstream.synchronize_device().is_ok(),
-                    Err(_) => {}
+                    Err(_) => uncovered = true,
                 }
             }
+            if uncovered {
+                // No event says when that stream's work is done: wait for the whole device,
+                // or, where none may be made now, hold the free for the next replay.
+                if !(self.device_sync_allowed() && self.upstream.synchronize_device().is_ok()) {
+                    for ev in events {
+                        self.streams.recycle(ev);
+                    }
+                    self.graphs.capture_deferred.push((block, extra));
+                    continue;
+                }
+                self.streams.device_synchronized();
+            }
             if events.is_empty() {
-                let _ = self.put_block(block);
+                let _ = self.put_block(block, None);
             } else {
                 self.pending.push(super::Pending { block, events });
             }
@@ -256,6 +282,10 @@ impl Pool {
         // (While a route is active, `destroy_if_unused` waits: the last route's end does it.)
         let Some(p) = self.graphs.pools.get_mut(&id) else { return Ok(0) };
         p.uses -= 1;
+        if id.1 == IMPLICIT_POOL_TAG && p.uses <= 0 {
+            // Its owner says the capture is over.
+            self.graphs.unannounced.retain(|_, c| *c != id.0);
+        }
         self.destroy_if_unused(id)
     }
 
@@ -384,9 +414,14 @@ impl Pool {
     /// Whether `stream` is capturing a graph, asked only while routes are active (or when
     /// the caller asks, `check`): frees there must not record events.
     pub(super) fn capturing(&mut self, stream: StreamHandle, check: bool) -> bool {
-        (check || self.graphs.has_routes())
-            && !crate::stream::is_legacy(stream)
-            && self.upstream.capture_id(stream).ok().flatten().is_some()
+        if !(check || self.graphs.has_routes()) || crate::stream::is_legacy(stream) {
+            return false;
+        }
+        let capture = self.upstream.capture_id(stream).ok().flatten();
+        if !self.graphs.has_routes() {
+            self.graphs.note_capture(stream, capture);
+        }
+        capture.is_some()
     }
 
     /// Release the private pool `id` if nobody uses it and nothing in it is live: wait for
@@ -395,7 +430,7 @@ impl Pool {
         let Some(p) = self.graphs.pools.get(&id) else { return Ok(0) };
         // While any route is active a capture may be running, which a device-wide
         // synchronisation would invalidate: the last route's end releases the pool.
-        if p.uses > 0 || p.live > 0 || self.graphs.has_routes() {
+        if p.uses > 0 || p.live > 0 || !self.device_sync_allowed() {
             return Ok(0);
         }
         if p.reserved > 0 {
@@ -489,7 +524,11 @@ impl Pool {
                     return self.malloc_private(size, stream, id);
                 }
             }
-            if let Some(cid) = self.upstream.capture_id(stream)? {
+            let capture = self.upstream.capture_id(stream)?;
+            if !self.graphs.has_routes() {
+                self.graphs.note_capture(stream, capture);
+            }
+            if let Some(cid) = capture {
                 return self.malloc_private(size, stream, (cid, IMPLICIT_POOL_TAG));
             }
         }

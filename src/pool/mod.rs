@@ -96,6 +96,10 @@ struct Live {
     private: Option<PoolId>,
 }
 
+/// Bytes freed with no record (their stream may be gone) that justify a device-wide wait
+/// before the pool grows, at the least (`find_or_grow`).
+const UNRECORDED_WAIT_MIN: usize = 64 << 20;
+
 /// A free waiting for `record_stream` streams to pass their recorded events.
 struct Pending {
     block: Block,
@@ -351,11 +355,12 @@ impl Pool {
     }
 
     /// May the pool wait for the whole device now? Not while a capture on this device may
-    /// run that the wait would invalidate: a route announced to this pool, or a capture
-    /// nobody announced whose private pool is still held (CuPy's `stream.begin_capture()`).
+    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
+    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
+    /// to have stopped since.
     /// (The wait covers this device's context only; captures elsewhere are not asked about.)
     pub(super) fn device_sync_allowed(&self) -> bool {
-        !self.graphs.has_routes() && !self.graphs.has_implicit_pools()
+        !self.graphs.has_routes() && !self.graphs.unannounced_capture_may_run()
     }
 
     /// Under memory pressure (the upstream or the limit refused new memory): blocks freed
@@ -403,6 +408,17 @@ impl Pool {
                 self.release_kept(p, hold, Some(stream));
             }
             self.strategy.flush_deferred();
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        // Memory freed after its stream may have gone serves only that stream until a
+        // device-wide wait; once it amounts to a quarter of what the pool holds (64 MiB at
+        // least), one wait before growing lets every stream use it, so a program that keeps
+        // creating and destroying streams does not grow the pool to the whole device. (At
+        // most one wait per that many bytes of such frees, and only where the pool would
+        // grow: never in a steady state.)
+        if self.streams.unrecorded_bytes() >= (self.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
             if let Some(b) = self.take_cached(rounded, key, stream) {
                 return Ok(b);
             }

@@ -5,7 +5,7 @@
 use super::Pool;
 use crate::block::{Block, Segment};
 use crate::error::Result;
-use crate::stream::StreamKey;
+use crate::stream::{StreamHandle, StreamKey};
 use crate::strategy::ReleaseOrder;
 use crate::trace::Action;
 use crate::upstream::AllocError;
@@ -118,19 +118,24 @@ impl Pool {
             return Ok(released);
         }
         // Segments refused earlier are retried first; one refused again stays for later.
-        let mut segs = std::mem::take(&mut self.unreleased);
-        segs.extend(self.strategy.drain_free_segments(want, order));
+        // Free memory of a stream no event covers could only be proven idle by a device-wide
+        // wait; while none may be made (a capture may run) its segments stay cached, where
+        // that stream can still use them.
+        let allowed = self.device_sync_allowed();
+        let (streams, mut segs) = (&self.streams, Vec::new());
+        let mut releasable = |s: StreamKey| allowed || !streams.is_uncovered(s);
+        for seg in std::mem::take(&mut self.unreleased) {
+            let waiting = seg.stream == StreamKey::MIXED && !allowed && self.streams.has_uncovered();
+            if waiting || !releasable(seg.stream) {
+                self.unreleased.push(seg);
+            } else {
+                segs.push(seg);
+            }
+        }
+        segs.extend(self.strategy.drain_free_segments(want, order, &mut releasable));
         let mut released = 0;
         let mut first_err = None;
-        let allowed = self.device_sync_allowed();
         for seg in segs {
-            let uncovered = self.streams.is_uncovered(seg.stream) || (seg.stream == StreamKey::MIXED && self.streams.has_uncovered());
-            if uncovered && !allowed {
-                // Only a device-wide wait could prove it idle, and none may be made now (a
-                // capture may run): it stays cached, usable by its own stream.
-                self.keep_segment(seg);
-                continue;
-            }
             match self.release_segment(seg) {
                 Ok(n) => released += n,
                 Err(e) => {
@@ -146,19 +151,11 @@ impl Pool {
         }
     }
 
-    /// Put a drained, wholly free segment back into the strategy's books.
-    fn keep_segment(&mut self, seg: Segment) {
-        let whole = self.strategy.add_segment(seg, seg.size);
-        if let Some(back) = self.strategy.put(Block { stream: seg.stream, ..whole }) {
-            self.unreleased.push(back); // a strategy that caches nothing (`none`)
-        }
-    }
-
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn release_segment(&mut self, seg: Segment) -> Result<usize> {
         if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
             // cuMemFreeAsync on the legacy stream orders the release after its work.
-            return self.give_to_upstream(seg);
+            return self.give_to_upstream(seg, crate::stream::STREAM_LEGACY);
         }
         // Work queued on the segment's stream may still touch it. For a stream-ordered
         // upstream the release could be queued on that stream instead, but the stream may
@@ -172,14 +169,13 @@ impl Pool {
             self.streams.synchronize(&mut *self.upstream, seg.stream, allowed)?;
         }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
-        self.give_to_upstream(seg)
+        self.give_to_upstream(seg, crate::stream::STREAM_LEGACY)
     }
 
-    /// Hand a segment back to the upstream, ordered on the stream that last used it: the
-    /// legacy stream, the only one named here (a stored user-stream handle may be dead).
+    /// Hand a segment back to the upstream, ordered on `h`: the legacy stream, or the
+    /// stream of the free in progress (never a stored handle, which may be dead).
     /// Returns the bytes of memory (committed pages) that went back.
-    pub(super) fn give_to_upstream(&mut self, seg: Segment) -> Result<usize> {
-        let h = self.streams.handle_of(seg.stream);
+    pub(super) fn give_to_upstream(&mut self, seg: Segment, h: StreamHandle) -> Result<usize> {
         // Unbooked first: once released, the address may be given to another device's pool.
         crate::owners::remove(seg.base, self.device);
         if let Err(e) = self.upstream.deallocate(seg.base, seg.size, h) {

@@ -72,14 +72,20 @@ impl Strategy for BinnedStrategy {
         None
     }
 
-    fn drain_free_segments(&mut self, want: Option<usize>, _order: ReleaseOrder) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, want: Option<usize>, _order: ReleaseOrder, releasable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<Segment> {
         let mut sizes: Vec<usize> = self.bins.keys().copied().collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let mut out = Vec::new();
         let mut got = 0;
         'outer: for s in sizes {
             let bin = self.bins.get_mut(&s).expect("key just listed");
-            while let Some(b) = bin.pop() {
+            let mut i = bin.len();
+            while i > 0 {
+                i -= 1;
+                if !releasable(bin[i].stream) {
+                    continue;
+                }
+                let b = bin.swap_remove(i);
                 got += b.size;
                 self.cached -= b.size;
                 self.count -= 1;

@@ -60,8 +60,10 @@ pub trait Strategy: Send {
     }
 
     /// Remove wholly free segments in `order` until at least `want` bytes are gathered
-    /// (`None`: all of them). Strategies without a clock use largest first.
-    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment>;
+    /// (`None`: all of them). Strategies without a clock use largest first. A segment with
+    /// a free block from a stream `releasable` refuses stays where it is, untouched (the
+    /// pool cannot prove that stream's work on it done now).
+    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder, releasable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<Segment>;
 
     /// Every free block (deferred frees flushed first), in the order their pages should be
     /// decommitted: longest idle first where the strategy knows, since memory freed moments

@@ -33,7 +33,7 @@ impl Strategy for Passthrough {
     fn put(&mut self, b: Block) -> Option<Segment> {
         Some(Segment { base: b.addr, size: b.size, stream: b.stream })
     }
-    fn drain_free_segments(&mut self, _: Option<usize>, _: ReleaseOrder) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, _: Option<usize>, _: ReleaseOrder, _: &mut dyn FnMut(StreamKey) -> bool) -> Vec<Segment> {
         Vec::new()
     }
     fn cached_bytes(&self) -> usize {

@@ -343,18 +343,18 @@ impl Strategy for SplitStrategy {
         self.flush_quick()
     }
 
-    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, want: Option<usize>, order: ReleaseOrder, releasable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<Segment> {
         self.flush_quick();
         self.free_index.retain(|_, set| !set.is_empty());
         self.empty_kept = 0;
         // Wholly free segments: one free block, or several free blocks that did not merge
         // because different streams freed them (released too: the pool then waits for
         // every stream, `StreamKey::MIXED`).
-        let all_free = |info: &SegInfo| {
+        let mut all_free = |info: &SegInfo| {
             let mut slot = info.first;
             while slot != NIL {
                 let n = &self.slab.nodes[slot as usize];
-                if n.state != State::Free {
+                if n.state != State::Free || !releasable(n.stream) {
                     return false;
                 }
                 slot = n.next;

@@ -9,7 +9,8 @@
 // - pool: `pool_memory_resource`, initial pool 4 GiB (RMM's own benchmarks start it large,
 //   so growth does not dominate), no maximum;
 // - arena: `arena_memory_resource`, global arena of RMM's default size (half the free
-//   memory), per-thread arenas;
+//   memory; its per-thread arenas serve only the per-thread default stream, so the rows
+//   here use its per-stream arenas);
 // - cuda_async: `cuda_async_memory_resource` (the driver's pool; release threshold at
 //   its maximum, RMM's default).
 // Every call catches RMM's exceptions: a failure returns NULL / -1 and is counted by the

@@ -9,7 +9,9 @@ extern "C" {
 #endif
 int rmm_bench_count(void);
 const char *rmm_bench_name(int kind);
-/* Create the resource (0 = ok); the benchmark creates each before its rows, tears it down after. */
+/* Create the resource (0 = ok). The benchmark creates all of them before its first row and
+ * tears them down after its last, so their reservations (RMM's pool, the global arena) are
+ * held through every row. */
 int rmm_bench_setup(int kind);
 void rmm_bench_teardown(int kind);
 /* NULL / -1 on failure (RMM's exceptions are caught). */

@@ -354,7 +354,7 @@ impl Strategy for ArenaStrategy {
         None
     }
 
-    fn drain_free_segments(&mut self, _want: Option<usize>, _order: ReleaseOrder) -> Vec<Segment> {
+    fn drain_free_segments(&mut self, _want: Option<usize>, _order: ReleaseOrder, _releasable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<Segment> {
         Vec::new() // no segments: the pool releases granules (`releasable`)
     }
 
