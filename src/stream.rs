@@ -23,7 +23,8 @@
 //! use (a block a thread cache kept, CuPy's free of an array whose stream is gone) records
 //! nothing: `on_free_unrecorded` leaves the stream *uncovered*, so its blocks serve only that
 //! stream until one of its own frees records again, or until a device-wide synchronisation
-//! (`device_synchronized`) covers everything.
+//! (`device_synchronized`) covers everything. The pool makes that synchronisation only where
+//! it would otherwise grow, and never while a capture may run (`Pool::cover_by_device_sync`).
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};

@@ -12,7 +12,7 @@
 //!   `Stream.ptds` and `ExternalStream`s are ordered like any other. The free records that
 //!   stream's event only when it is CuPy's current stream (alive now): any other may have
 //!   been destroyed since the allocation, so its blocks stay on it (other streams get them
-//!   after a device-wide wait under memory pressure);
+//!   after a device-wide wait, made only where the pool would otherwise grow);
 //! - a stream capturing a CUDA graph is asked about at each allocation and free on a
 //!   non-default stream (one `cuStreamGetCaptureInfo`): allocations go to a private pool for
 //!   that capture and frees record no event there (`pool/graph_pools.rs`).
