@@ -1,8 +1,11 @@
 /* Allocator throughput from C across threads and streams (GPU benchmark, not a test):
  * gpupool against cudaMallocAsync with the device's default pool kept whole (release
  * threshold at its maximum), at 1, 4 and 16 threads, every thread on the legacy stream or
- * each on its own stream; workloads: 1 MiB alloc+free pairs, and churn (64 live slots per
- * thread, sizes log-uniform in 512 B..4 MiB, the same seeded sequence for everyone).
+ * each on its own stream; workloads: 1 MiB alloc+free pairs, churn (64 live slots per
+ * thread, sizes log-uniform in 512 B..4 MiB, the same seeded sequence for everyone), and a
+ * serving-like mix (32 requests per thread whose KV buffer grows by 64 KiB a token, as
+ * `torch.cat` does: allocate the longer buffer, free the old one; a request that reaches
+ * its length, 256 KiB..8 MiB, ends and a new one starts).
  * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
  * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
@@ -23,7 +26,9 @@
 
 /* GPUPOOL, ASYNC, then RMM's resources from RMM_BASE on (when built with them). */
 enum alloc_kind { GPUPOOL, ASYNC, RMM_BASE };
-enum workload { PAIRS, CHURN };
+enum workload { PAIRS, CHURN, SERVING };
+#define REQUESTS 32
+#define TOKEN (64u << 10)
 #define BATCH 1000
 #define SLOTS 64
 
@@ -98,7 +103,7 @@ static void *worker(void *arg) {
   cudaStream_t s = NULL;
   if (j->own_stream) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   void *slots[SLOTS] = {0};
-  size_t sizes[SLOTS] = {0};
+  size_t sizes[SLOTS] = {0}, lengths[SLOTS] = {0}; /* SERVING: a request's buffer, its end */
   uint64_t rng = 0x9E3779B97F4A7C15ull;
   /* Warm up: the sizes and slots a step uses exist once before timing. */
   for (int i = 0; i < 2 * SLOTS; i++) {
@@ -112,6 +117,18 @@ static void *worker(void *arg) {
       if (j->wl == PAIRS) {
         void *p = alloc_on(j->kind, 1 << 20, s, &j->failures);
         free_on(j->kind, p, 1 << 20, s, &j->failures);
+      } else if (j->wl == SERVING) {
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        int r = (int)(rng % REQUESTS);
+        size_t n = sizes[r] + TOKEN;
+        if (sizes[r] == 0 || sizes[r] >= lengths[r]) { /* a new request */
+          n = TOKEN;
+          lengths[r] = (size_t)(256u << 10) + (size_t)((rng >> 24) % 32) * (256u << 10);
+        }
+        void *p = alloc_on(j->kind, n, s, &j->failures); /* the longer buffer first */
+        free_on(j->kind, slots[r], sizes[r], s, &j->failures);
+        slots[r] = p;
+        sizes[r] = n;
       } else {
         rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
         int slot = (int)(rng % SLOTS);
@@ -159,7 +176,7 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
   }
   qsort(all, nb * threads, sizeof(double), cmp);
   printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f |%s\n", kind_name(k),
-         wl == PAIRS ? "1 MiB pairs" : "churn", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
+         wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
          all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, failures ? " FAILURES" : "");
   free(all);
   pthread_barrier_destroy(&start);
@@ -186,7 +203,7 @@ int main(int argc, char **argv) {
     if (k >= RMM_BASE && rmm_bench_setup(k - RMM_BASE) != 0) usable[k] = 0; /* said on stderr */
 #endif
   }
-  for (int wl = PAIRS; wl <= CHURN; wl++)
+  for (int wl = PAIRS; wl <= SERVING; wl++)
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
         for (int k = 0; k < n_kinds() && k < 16; k++)
