@@ -135,6 +135,17 @@ fn set_limit(device: i32, bytes: u64) {
     assert_eq!(gpupool_set_limit(device, bytes as usize), Status::Ok);
 }
 
+/// Give every cached segment of `device` back; the bytes released.
+fn reclaim(device: i32) -> usize {
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(device, &mut released) }, Status::Ok);
+    released
+}
+
+fn check(device: i32) {
+    gpupool::registry::with_pool(device, |p| Ok(p.check_invariants())).unwrap().unwrap();
+}
+
 fn syncs(streams: &Mutex<Streams>) -> usize {
     streams.lock().unwrap().device_syncs
 }
@@ -174,11 +185,10 @@ fn a_thread_caches_blocks_of_a_destroyed_stream_go_back_without_touching_it() {
     free_on(p, d, S);
     free_on(q, d, S);
     set_limit(d, 0);
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    let released = reclaim(d);
     assert!(released >= 48 * MIB);
     assert_eq!(misuse(&streams), Vec::<String>::new());
-    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+    check(d);
 }
 
 #[test]
@@ -214,8 +224,7 @@ fn a_stream_less_free_after_the_stream_died_records_nothing_there() {
     .unwrap();
     assert_eq!(streams.lock().unwrap().misuse, Vec::<String>::new());
     // Giving the memory back must not order anything on E either.
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    let released = reclaim(d);
     assert!(released >= 2 * MIB);
     let st = streams.lock().unwrap();
     assert_eq!(st.misuse, Vec::<String>::new());
@@ -260,8 +269,7 @@ fn no_device_wide_wait_while_a_capture_nobody_announced_may_run() {
     set_limit(d, stats(d).total_bytes);
     let r = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S));
     assert!(r.is_err(), "served without proof that E's work is done: {r:?}");
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     assert_eq!(syncs(&streams), 0);
     assert_eq!(misuse(&streams), Vec::<String>::new());
     assert!(stats(d).total_bytes >= 8 * MIB as u64, "E's memory stays cached while it cannot be proven idle");
@@ -278,7 +286,7 @@ fn no_device_wide_wait_while_a_capture_nobody_announced_may_run() {
     assert_eq!(misuse(&streams), Vec::<String>::new());
     gpupool::registry::with_pool(d, |p| p.free(b, S)).unwrap();
     set_limit(d, 0);
-    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+    check(d);
 }
 
 #[test]
@@ -293,8 +301,7 @@ fn while_a_route_is_active_a_dead_streams_memory_stays_cached_not_stranded() {
     // reclaim cannot give E's segment back; it must stay in the cache, not in limbo.
     const R: StreamHandle = 0x9000;
     gpupool::registry::with_pool(d, |p| p.begin_allocate_to_pool((9, 9), gpupool::pool::Filter::Stream(gpupool::stream::StreamKey(R as u64)))).unwrap();
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     assert_eq!(stats(d).total_bytes, reserved);
     assert!(stats(d).n_free_blocks >= 1 && stats(d).largest_free_block >= 20 * MIB as u64, "E's segment is cached");
     assert_eq!(syncs(&streams), 0);
@@ -304,11 +311,11 @@ fn while_a_route_is_active_a_dead_streams_memory_stays_cached_not_stranded() {
     })
     .unwrap();
     // The route is gone: reclaim may wait for the device now, and gives the segment back.
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    let released = reclaim(d);
     assert!(released >= 20 * MIB);
     assert_eq!(syncs(&streams), 1);
     assert_eq!(misuse(&streams), Vec::<String>::new());
-    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+    check(d);
 }
 
 #[test]
@@ -321,8 +328,7 @@ fn a_segment_with_a_dead_streams_block_is_not_handed_out_while_no_wait_may_be_ma
     streams.lock().unwrap().destroyed.insert(E);
     gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap(); // E uncovered
     gpupool::registry::with_pool(d, |p| p.begin_allocate_to_pool((9, 9), gpupool::pool::Filter::Stream(gpupool::stream::StreamKey(0x9000)))).unwrap();
-    let mut released = 0;
-    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    reclaim(d);
     // The segment holds E's block, so it stayed in place with each block's own stream: T
     // may get S's block (after S's event) but never E's without a device-wide wait.
     let t = gpupool::registry::with_pool(d, |p| p.malloc(4 * MIB, T)).unwrap();
@@ -335,7 +341,7 @@ fn a_segment_with_a_dead_streams_block_is_not_handed_out_while_no_wait_may_be_ma
     })
     .unwrap();
     assert_eq!(misuse(&streams), Vec::<String>::new());
-    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+    check(d);
 }
 
 #[test]
@@ -382,7 +388,7 @@ fn an_unannounced_capture_blocks_the_wait_only_until_its_stream_is_seen_idle() {
     })
     .unwrap();
     set_limit(d, 0);
-    gpupool::registry::with_pool(d, |p| Ok(p.check_invariants())).unwrap().unwrap();
+    check(d);
 }
 
 #[test]

@@ -83,13 +83,10 @@ impl Pool {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
             self.streams.on_free_capturing(&mut *self.upstream, key, stream);
-        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && self.device_sync_allowed() {
-            // No event covers this free (the driver refused the record or the event):
-            // wait for the whole device once, after which the block is safe anywhere.
-            if self.upstream.synchronize_device().is_ok() {
-                self.streams.device_synchronized();
-                block.stream = StreamKey::LEGACY;
-            }
+        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && self.wait_for_device().is_ok() {
+            // No event covers this free (the driver refused the record or the event): after
+            // a wait for the whole device the block is safe anywhere.
+            block.stream = StreamKey::LEGACY;
         }
         self.finish_free(ptr, live, block, check_capture, Some(stream))
     }
@@ -116,19 +113,13 @@ impl Pool {
                     // No event can say when that stream's work is done: wait for the
                     // device now rather than hand the block out early.
                     Err(_) => {
-                        let waited = if self.device_sync_allowed() {
-                            self.upstream.synchronize_device()
-                        } else {
-                            Err(Error::Internal("no event could be recorded on a stream this block was used on, and no device-wide wait may be made while a capture may run".into()))
-                        };
-                        if let Err(e) = waited {
+                        if let Err(e) = self.wait_for_device() {
                             for ev in events {
                                 self.streams.recycle(ev);
                             }
                             self.restore_live(ptr, live);
                             return Err(e);
                         }
-                        self.streams.device_synchronized();
                     }
                 }
             }

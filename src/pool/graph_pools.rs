@@ -233,14 +233,13 @@ impl Pool {
             if uncovered {
                 // No event says when that stream's work is done: wait for the whole device,
                 // or, where none may be made now, hold the free for the next replay.
-                if !(self.device_sync_allowed() && self.upstream.synchronize_device().is_ok()) {
+                if self.wait_for_device().is_err() {
                     for ev in events {
                         self.streams.recycle(ev);
                     }
                     self.graphs.capture_deferred.push((block, extra));
                     continue;
                 }
-                self.streams.device_synchronized();
             }
             if events.is_empty() {
                 let _ = self.put_block(block, None);
@@ -434,8 +433,7 @@ impl Pool {
             return Ok(0);
         }
         if p.reserved > 0 {
-            self.upstream.synchronize_device()?;
-            self.streams.device_synchronized(); // every stream's frees so far are done too
+            self.wait_for_device()?;
         }
         let mut p = self.graphs.pools.remove(&id).expect("present");
         // Nothing is live, so every segment is wholly free, though its free blocks may carry

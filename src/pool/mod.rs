@@ -369,14 +369,18 @@ impl Pool {
     /// wait. Never on a path that is not already failing to grow, so a steady state makes
     /// no such call. Returns whether it waited.
     pub(super) fn cover_by_device_sync(&mut self) -> bool {
-        if !self.streams.has_uncovered() || !self.device_sync_allowed() {
-            return false;
+        self.streams.has_uncovered() && self.wait_for_device().is_ok()
+    }
+
+    /// Wait for the whole device, if a wait may be made now (`device_sync_allowed`); every
+    /// free so far is then done, so every stream's blocks are covered.
+    pub(super) fn wait_for_device(&mut self) -> Result<()> {
+        if !self.device_sync_allowed() {
+            return Err(Error::Internal("no device-wide wait may be made while a capture may run".into()));
         }
-        if self.upstream.synchronize_device().is_err() {
-            return false;
-        }
+        self.upstream.synchronize_device()?;
         self.streams.device_synchronized();
-        true
+        Ok(())
     }
 
     pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
