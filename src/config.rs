@@ -170,6 +170,9 @@ pub struct Config {
     pub decay_window: usize,
     /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`crate::thread_cache`).
     pub thread_cache: bool,
+    /// `GPUPOOL_EVENT_BATCH` (default 64): frees on a user stream per event record; 1
+    /// records at every free (`crate::stream`).
+    pub event_batch: usize,
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
     pub arena_va: Option<usize>,
@@ -191,11 +194,15 @@ impl Default for Config {
             unsafe_ignore_streams: false,
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
+            event_batch: EVENT_BATCH,
             arena_va: None,
             status_socket: false,
         }
     }
 }
+
+/// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
+pub const EVENT_BATCH: usize = 64;
 
 fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
@@ -282,6 +289,13 @@ impl Config {
         if let Some(v) = get("GPUPOOL_THREAD_CACHE") {
             c.thread_cache = bool_flag("GPUPOOL_THREAD_CACHE", &v)?;
         }
+        if let Some(v) = get("GPUPOOL_EVENT_BATCH") {
+            c.event_batch = v.trim().parse().ok().filter(|&n: &usize| (1..=4096).contains(&n)).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_EVENT_BATCH",
+                value: v.clone(),
+                accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 64",
+            })?;
+        }
         if let Some(v) = get("GPUPOOL_STATUS_SOCKET") {
             c.status_socket = bool_flag("GPUPOOL_STATUS_SOCKET", &v)?;
         }
@@ -354,6 +368,11 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_UNSAFE_IGNORE_STREAMS", "maybe")]).is_err());
         assert!(cfg(&[("GPUPOOL_THREAD_CACHE", "sometimes")]).is_err());
         assert!(!cfg(&[("GPUPOOL_THREAD_CACHE", "0")]).unwrap().thread_cache);
+        assert_eq!(cfg(&[]).unwrap().event_batch, EVENT_BATCH);
+        assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
+        for bad in ["0", "-3", "lots", "5000", ""] {
+            assert!(cfg(&[("GPUPOOL_EVENT_BATCH", bad)]).is_err(), "{bad:?} accepted");
+        }
         assert!(cfg(&[("GPUPOOL_ARENA_VA", "-3")]).is_err());
         assert!(cfg(&[("GPUPOOL_ARENA_VA", "0")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "64GiB")]).unwrap().arena_va, Some(64 << 30));

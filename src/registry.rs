@@ -100,6 +100,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         decay_window: cfg.decay_window,
         arena_va: cfg.arena_va,
         thread_cache: cfg.thread_cache,
+        event_batch: cfg.event_batch,
     })
 }
 

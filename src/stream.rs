@@ -6,9 +6,21 @@
 //! - to B only after an event recorded on A after the free has completed, or after B has
 //!   been made to wait on that event (`cuStreamWaitEvent`).
 //!
-//! One event per stream is re-recorded at each free on that stream (RMM's scheme): the
-//! latest record covers every earlier free, so a single wait makes all of A's frees safe
-//! for B. Events are created once per stream and recycled, never per call.
+//! One event per stream is re-recorded (RMM's scheme): the latest record covers every
+//! earlier free, so a single wait makes all of A's frees safe for B. Events are created once
+//! per stream and recycled, never per call.
+//!
+//! A record costs a driver call (~0.4 µs on an H100), more than the rest of a cached
+//! allocation, and a free that A itself reuses needs none (stream order protects it). So
+//! user streams record in batches: a free is *pending* (its range is remembered) until the
+//! stream's next record, made at one of its frees once `batch` frees or `batch_bytes`
+//! bytes are pending, or at once when another stream was refused a pending block since the
+//! last record (`wanted`). A pending block serves its own stream at once and no other until
+//! then; anything that must know a pending free done (a release, a stitch's removal) waits
+//! for the whole device instead, which only happens under pressure or on reclaim. The
+//! batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`), so at most that much memory per
+//! stream waits for another stream's benefit. Strategies that give memory back at each
+//! free (`none`) record every free: their release must wait for exactly that free.
 //!
 //! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch
 //! and CuPy; it is never destroyed and its handle is valid from any thread, so its event
@@ -52,7 +64,20 @@ struct StreamState {
     /// streams until a later free records successfully or the whole device is waited for
     /// (`device_synchronized`).
     uncovered: bool,
+    /// Ranges freed since the event's last record (in the strategy's gating addresses,
+    /// `Strategy::home_ranges`), and their bytes: they serve this stream only.
+    pending: Vec<(usize, usize)>,
+    pending_bytes: usize,
+    /// Another stream was refused a pending block: the next free records at once.
+    wanted: bool,
 }
+
+/// User-stream frees between two event records, at most (module docs; the configuration
+/// layer owns the default, `GPUPOOL_EVENT_BATCH` overrides it).
+pub use crate::config::EVENT_BATCH;
+/// ...and bytes pending, at most: a bigger free records at once, so memory that matters to
+/// other streams becomes theirs with no delay.
+pub const EVENT_BATCH_BYTES: usize = 32 << 20;
 
 /// Per-pool stream bookkeeping: identities, one free-event per stream, a pool of spare
 /// events for deferred frees (`record_stream`), and counters.
@@ -66,6 +91,10 @@ pub struct StreamTracker {
     /// Bytes freed with no record since the last device-wide wait (`on_free_unrecorded`):
     /// how much memory may be waiting for one.
     unrecorded_bytes: usize,
+    /// Frees (and bytes) a user stream may leave pending before it records (1: every free
+    /// records).
+    batch: usize,
+    batch_bytes: usize,
     /// How many times a stream was made to wait on another's event.
     pub cross_stream_waits: u64,
     /// How many cached blocks moved across streams after their event had completed.
@@ -73,13 +102,17 @@ pub struct StreamTracker {
 }
 
 impl StreamTracker {
-    pub fn new(ignore_streams: bool) -> Self {
+    /// `batch`: user-stream frees per event record (1: a record at every free; see the
+    /// module docs).
+    pub fn new(ignore_streams: bool, batch: usize) -> Self {
         StreamTracker {
             states: FxHashMap::default(),
             spare_events: Vec::new(),
             legacy_stale: false,
             ignore_streams,
             unrecorded_bytes: 0,
+            batch: batch.max(1),
+            batch_bytes: if batch > 1 { EVENT_BATCH_BYTES } else { 0 },
             cross_stream_waits: 0,
             cross_stream_ready: 0,
         }
@@ -106,9 +139,11 @@ impl StreamTracker {
         Ok(StreamKey(handle as u64))
     }
 
-    /// Called when a block is freed on `key`/`handle`: make the stream's event cover it.
-    /// On failure the stream is marked uncovered (its blocks stay on it), never safe.
-    pub fn on_free(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> Result<()> {
+    /// Called when a block is freed on `key`/`handle` (alive now): make the stream's event
+    /// cover it, now or at a later free of the same stream (`ranges`: the block, as
+    /// `Strategy::home_ranges` names it, kept as pending until then). On failure the stream
+    /// is marked uncovered (its blocks stay on it), never safe.
+    pub fn on_free(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle, ranges: &[(usize, usize)]) -> Result<()> {
         if key == StreamKey::LEGACY {
             // Lazy: an earlier record no longer covers this free. (A flag, not a map
             // lookup: this is the hot path of PyTorch and CuPy.)
@@ -123,8 +158,31 @@ impl StreamTracker {
             st.uncovered = true;
             return Ok(());
         }
+        let (batch, batch_bytes) = (self.batch, self.batch_bytes);
         let st = self.state(up, key, handle);
         st.handle = handle;
+        let bytes: usize = ranges.iter().map(|r| r.1).sum();
+        if !st.wanted && !st.uncovered && st.event.is_some() && st.pending.len() + 1 < batch && st.pending_bytes + bytes < batch_bytes {
+            st.pending.extend_from_slice(ranges);
+            st.pending_bytes += bytes;
+            return Ok(());
+        }
+        Self::record(up, st, handle)
+    }
+
+    /// Record `key`'s event on `handle` (alive now) so that it covers every free so far.
+    /// For memory that must be covered at once (a new segment of a stream-ordered upstream).
+    pub fn record_now(&mut self, up: &mut dyn Upstream, key: StreamKey, handle: StreamHandle) -> Result<()> {
+        if key == StreamKey::LEGACY || self.ignore_streams {
+            self.legacy_stale |= key == StreamKey::LEGACY;
+            return Ok(());
+        }
+        let st = self.state(up, key, handle);
+        st.handle = handle;
+        Self::record(up, st, handle)
+    }
+
+    fn record(up: &mut dyn Upstream, st: &mut StreamState, handle: StreamHandle) -> Result<()> {
         if st.event.is_none() {
             st.event = up.event_create().ok(); // creation failed before: try again
         }
@@ -136,6 +194,9 @@ impl StreamTracker {
             Ok(()) => {
                 st.recorded = true;
                 st.uncovered = false;
+                st.wanted = false;
+                st.pending.clear();
+                st.pending_bytes = 0;
                 Ok(())
             }
             Err(e) => {
@@ -177,14 +238,16 @@ impl StreamTracker {
         self.unrecorded_bytes
     }
 
-    /// Some stream has frees no event covers.
+    /// Some stream has frees no event covers (uncovered, or pending a batched record).
     pub fn has_uncovered(&self) -> bool {
-        self.states.values().any(|s| s.uncovered)
+        self.states.values().any(|s| s.uncovered || !s.pending.is_empty())
     }
 
-    /// Is `key` uncovered (its frees are covered by no event)?
+    /// Must every free on `key` be waited for with a device-wide wait? True when some are
+    /// covered by no event: the stream is uncovered, or frees wait for its next batched
+    /// record (its stored handle may be dead by now, so no record can be made for them).
     pub fn is_uncovered(&self, key: StreamKey) -> bool {
-        key != StreamKey::LEGACY && self.states.get(&key).is_some_and(|s| s.uncovered)
+        key != StreamKey::LEGACY && self.states.get(&key).is_some_and(|s| s.uncovered || !s.pending.is_empty())
     }
 
     /// The whole device was synchronised: every free so far has completed, so no stream's
@@ -193,6 +256,9 @@ impl StreamTracker {
         for s in self.states.values_mut() {
             s.uncovered = false;
             s.recorded = false; // nothing left to cover (`covering_event` answers None)
+            s.pending.clear();
+            s.pending_bytes = 0;
+            s.wanted = false;
         }
         self.legacy_stale = false;
         self.unrecorded_bytes = 0;
@@ -207,7 +273,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered });
+            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered, pending: Vec::new(), pending_bytes: 0, wanted: false });
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -219,7 +285,15 @@ impl StreamTracker {
                 Some(s) => s,
                 None => {
                     let ev = up.event_create()?;
-                    self.states.entry(from).or_insert(StreamState { handle: STREAM_LEGACY, event: Some(ev), recorded: false, uncovered: false })
+                    self.states.entry(from).or_insert(StreamState {
+                        handle: STREAM_LEGACY,
+                        event: Some(ev),
+                        recorded: false,
+                        uncovered: false,
+                        pending: Vec::new(),
+                        pending_bytes: 0,
+                        wanted: false,
+                    })
                 }
             };
             let ev = st.event.expect("legacy state has an event");
@@ -239,9 +313,10 @@ impl StreamTracker {
         }
     }
 
-    /// Make blocks freed on `from` safe for use on stream `to`. Returns false when that is
-    /// impossible (a driver call failed); the caller then must not reuse the block.
-    pub fn make_safe(&mut self, up: &mut dyn Upstream, from: StreamKey, to: StreamKey, to_handle: StreamHandle) -> bool {
+    /// Make free memory `[addr, addr + len)` last used on `from` safe for use on stream
+    /// `to`. Returns false when that is impossible now (a free there waits for `from`'s next
+    /// batched record, or a driver call failed); the caller then must not reuse it.
+    pub fn make_safe(&mut self, up: &mut dyn Upstream, from: StreamKey, to: StreamKey, to_handle: StreamHandle, addr: usize, len: usize) -> bool {
         if self.ignore_streams || from == to {
             return true;
         }
@@ -249,6 +324,14 @@ impl StreamTracker {
             // Only a drained segment carries this tag, and it is released, never handed
             // out; should one reach a cache, no single event covers it.
             return false;
+        }
+        if let Some(st) = self.states.get_mut(&from) {
+            if st.pending.iter().any(|&(a, l)| a < addr + len && addr < a + l) {
+                // Covered by no record yet: `from`'s next free records (its handle is alive
+                // only then), and this memory is everyone's from that moment on.
+                st.wanted = true;
+                return false;
+            }
         }
         let ev = match self.covering_event(up, from) {
             Ok(Some(ev)) => ev,

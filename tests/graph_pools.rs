@@ -128,7 +128,9 @@ const T: usize = 0x7000; // an eager stream
 fn pool(kind: PoolKind) -> (Pool, Arc<Mutex<Device>>) {
     let dev = Arc::new(Mutex::new(Device::default()));
     let up = CaptureUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
+    // A record at every free: these tests are about what happens at that record (batched
+    // records are `tests/streams.rs`'s).
+    let opts = PoolOptions { kind, check_invariants: true, event_batch: 1, ..Default::default() };
     (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
 }
 

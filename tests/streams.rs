@@ -78,15 +78,30 @@ impl Upstream for BusyUpstream {
         self.dev.log.lock().unwrap().push(format!("wait {s:#x} on ev{ev}"));
         Ok(())
     }
+    fn synchronize_device(&mut self) -> Result<()> {
+        self.dev.log.lock().unwrap().push("device sync".into());
+        self.dev.idle.store(true, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 const A: usize = 0xA00;
 const B: usize = 0xB00;
 
+/// A pool whose user-stream frees record their event at once (`event_batch` 1): the rule
+/// at its plainest. `batched` has the default batching.
 fn pool(kind: PoolKind, ignore: bool) -> (Pool, Arc<Device>) {
+    pool_with(kind, ignore, 1)
+}
+
+fn batched(kind: PoolKind) -> (Pool, Arc<Device>) {
+    pool_with(kind, false, PoolOptions::default().event_batch)
+}
+
+fn pool_with(kind: PoolKind, ignore: bool, event_batch: usize) -> (Pool, Arc<Device>) {
     let dev = Arc::new(Device::default());
     let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, ..Default::default() };
+    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, event_batch, ..Default::default() };
     (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
 }
 
@@ -299,4 +314,102 @@ fn a_steady_state_on_user_streams_makes_no_driver_call() {
         }
         assert_eq!(calls(), before, "{kind:?}: steady-state steps on a user stream made driver calls");
     }
+}
+
+#[test]
+fn user_stream_frees_record_one_event_per_batch_and_reuse_needs_none() {
+    for_caching(|k| {
+        let (mut p, dev) = batched(k);
+        let batch = PoolOptions::default().event_batch;
+        // Sizes that do not repeat in a row, 8 live at a time, all on A.
+        let mut live = std::collections::VecDeque::new();
+        let mut step = |p: &mut Pool, i: usize| {
+            live.push_back(p.malloc((1 + i % 7) * 64 * 1024, A).unwrap());
+            if live.len() > 8 {
+                p.free(live.pop_front().unwrap(), A).unwrap();
+            }
+        };
+        // Warm-up: the pool grows (and a growth records the stream's pending frees).
+        for i in 0..batch {
+            step(&mut p, i);
+        }
+        log(&dev);
+        for i in 0..(4 * batch) {
+            step(&mut p, i);
+        }
+        let l = log(&dev);
+        let records = l.iter().filter(|x| x.starts_with("record")).count();
+        assert!(records <= 5, "{k:?}: {records} records for {} frees: {l:?}", 4 * batch);
+        assert!(records >= 2, "{k:?}: a full batch records: {l:?}");
+        assert!(!l.iter().any(|x| x.starts_with("wait") || x.starts_with("sync") || x == "device sync"), "{k:?}: {l:?}");
+        for x in std::mem::take(&mut live) {
+            p.free(x, A).unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_pending_free_goes_to_another_stream_only_after_its_streams_next_record() {
+    for_caching(|k| {
+        let (mut p, dev) = batched(k);
+        let (x, spare) = (p.malloc(MIB, A).unwrap(), p.malloc(MIB, A).unwrap());
+        p.free(x, A).unwrap();
+        assert!(log(&dev).iter().all(|l| !l.starts_with("record")), "{k:?}: a free is pending, not recorded");
+        // A itself reuses it at once, with no call.
+        assert_eq!(p.malloc(MIB, A).unwrap(), x, "{k:?}");
+        assert!(log(&dev).is_empty(), "{k:?}");
+        p.free(x, A).unwrap();
+        // B may not: no event covers that free yet, and A's handle may not be used now.
+        let y = p.malloc(MIB, B).unwrap();
+        assert_ne!(y, x, "{k:?}: B got A's pending block");
+        assert!(!log(&dev).iter().any(|l| l.starts_with("wait")), "{k:?}");
+        // (y stays live, so B's next request cannot be served by B's own memory.)
+        // B was refused, so A's next free records at once, covering x as well...
+        p.free(spare, A).unwrap();
+        let l = log(&dev);
+        let rec = l.iter().find(|x| x.starts_with("record") && x.ends_with(&format!("on {A:#x}"))).unwrap_or_else(|| panic!("{k:?}: {l:?}"));
+        let ev = rec.split(' ').nth(1).unwrap().to_string();
+        // ...and B now gets A's memory (once its own segment's rest is used) after waiting
+        // on that record.
+        let mut got = vec![y];
+        while !got.contains(&x) && !got.contains(&spare) && got.len() < 64 {
+            got.push(p.malloc(MIB, B).unwrap());
+        }
+        assert!(got.contains(&x) || got.contains(&spare), "{k:?}: B never reused A's covered blocks");
+        let l = log(&dev);
+        assert!(l.iter().any(|x| *x == format!("wait {B:#x} on {ev}")), "{k:?}: {l:?}");
+        for g in got {
+            p.free(g, B).unwrap();
+        }
+        p.check_invariants().unwrap();
+    });
+}
+
+#[test]
+fn releasing_memory_with_pending_frees_waits_for_the_device() {
+    // A pending free's stream handle may be dead by the time memory goes back: the release
+    // waits for the whole device rather than on a handle or an event that misses it.
+    for k in [PoolKind::Split, PoolKind::Binned, PoolKind::Arena] {
+        let (mut p, dev) = batched(k);
+        let a = p.malloc(MIB, A).unwrap();
+        p.free(a, A).unwrap();
+        log(&dev);
+        assert!(p.reclaim().unwrap() > 0, "{k:?}");
+        let l = log(&dev);
+        assert!(l.iter().any(|x| x == "device sync"), "{k:?}: {l:?}");
+        assert!(!l.iter().any(|x| x.starts_with("record")), "{k:?}: recorded on a stored handle: {l:?}");
+        p.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn none_records_every_free_before_giving_it_back() {
+    let (mut p, dev) = batched(PoolKind::None);
+    for _ in 0..3 {
+        let a = p.malloc(MIB, A).unwrap();
+        p.free(a, A).unwrap();
+    }
+    let l = log(&dev);
+    assert_eq!(l.iter().filter(|x| x.starts_with("record")).count(), 3, "{l:?}");
+    assert!(!l.iter().any(|x| x == "device sync"), "{l:?}");
 }

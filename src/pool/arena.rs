@@ -102,7 +102,7 @@ impl Pool {
             loop {
                 let plan = {
                     let (streams, up) = (&mut self.streams, &mut *self.upstream);
-                    let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
+                    let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
                     self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, &mut gate)
                 };
                 let served = match plan {

@@ -83,7 +83,15 @@ impl Pool {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
             self.streams.on_free_capturing(&mut *self.upstream, key, stream);
-        } else if self.streams.on_free(&mut *self.upstream, key, stream).is_err() && self.wait_for_device().is_ok() {
+        } else if {
+            let ranges = &mut self.scratch_ranges;
+            ranges.clear();
+            if key != StreamKey::LEGACY {
+                self.strategy.home_ranges(&block, ranges);
+            }
+            self.streams.on_free(&mut *self.upstream, key, stream, ranges).is_err()
+        } && self.wait_for_device().is_ok()
+        {
             // No event covers this free (the driver refused the record or the event): after
             // a wait for the whole device the block is safe anywhere.
             block.stream = StreamKey::LEGACY;

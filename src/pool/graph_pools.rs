@@ -297,7 +297,7 @@ impl Pool {
         let Some(rounded) = pool.strategy.round(size) else { return Err(self.oom(size, size, false)) };
         // Same stream only: a graph's order protects reuse on its own stream, and no event
         // may be asked about during a capture.
-        let mut same = |from: StreamKey| from == key;
+        let mut same = |from: StreamKey, _: usize, _: usize| from == key;
         let mut block = match pool.strategy.take(rounded, key, &mut same) {
             Some(b) => b,
             None => self.grow_private(size, rounded, key, stream, id)?,

@@ -62,6 +62,8 @@ pub struct PoolOptions {
     /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
     /// test mode).
     pub thread_cache: bool,
+    /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
+    pub event_batch: usize,
 }
 
 impl Default for PoolOptions {
@@ -76,6 +78,7 @@ impl Default for PoolOptions {
             decay_window: crate::decay::DEFAULT_WINDOW,
             arena_va: None,
             thread_cache: true,
+            event_batch: crate::stream::EVENT_BATCH,
         }
     }
 }
@@ -139,6 +142,9 @@ pub struct Pool {
     /// Frees from callers without a stream (CuPy) waiting for the next legacy-stream fence.
     unfenced: Vec<Block>,
     unfenced_bytes: usize,
+    /// Scratch for the ranges a free leaves pending on its stream (`StreamTracker::on_free`):
+    /// kept so a free allocates nothing.
+    scratch_ranges: Vec<(usize, usize)>,
     c: Counters,
     /// Reserved-bytes cap; 0 = none.
     limit: usize,
@@ -193,11 +199,14 @@ impl Pool {
             stopped: None,
             unreleased: Vec::new(),
             upstream,
-            streams: StreamTracker::new(opts.unsafe_ignore_streams),
+            // `none` gives each free straight back, and that release waits for exactly that
+            // free's record: no batching there.
+            streams: StreamTracker::new(opts.unsafe_ignore_streams, if opts.kind == PoolKind::None { 1 } else { opts.event_batch }),
             live: FxHashMap::default(),
             pending: Vec::new(),
             unfenced: Vec::new(),
             unfenced_bytes: 0,
+            scratch_ranges: Vec::new(),
             c: Counters::default(),
             limit,
             check: opts.check_invariants,
@@ -295,7 +304,7 @@ impl Pool {
     /// (`free_unordered`'s rule; the thread caches' magazines batch them).
     pub fn fence_legacy_now(&mut self) {
         // Mark the legacy stream as freed-on so the fence records, then record it.
-        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY);
+        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
         if self.streams.fence_legacy(&mut *self.upstream).is_err() {
             // Without a fence the blocks cannot be proven safe: wait for the device instead.
             let allowed = self.device_sync_allowed();
@@ -385,7 +394,7 @@ impl Pool {
 
     pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         let (streams, up) = (&mut self.streams, &mut *self.upstream);
-        let mut gate = |from: StreamKey| streams.make_safe(up, from, key, stream);
+        let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
         self.strategy.take(rounded, key, &mut gate)
     }
 
@@ -435,6 +444,12 @@ impl Pool {
     /// try the cache again (false when the cached candidate is known not to fit). The
     /// arena maps a window instead (`arena.rs`).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
+        if key != StreamKey::LEGACY && self.streams.is_uncovered(key) {
+            // This call names the stream, so it is alive now: cover its earlier frees (those
+            // left pending or uncovered), and other streams may use them from here on. A
+            // growth calls the driver anyway; a steady state never gets here.
+            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+        }
         if self.strategy.as_arena_ref().is_some() {
             return self.grow_arena(size, rounded, key, stream, retake);
         }
@@ -488,10 +503,11 @@ impl Pool {
                 match self.upstream.allocate(seg_size, stream) {
                     Ok(base) => {
                         self.book_segment(base, seg_size, stream);
-                        if key != StreamKey::LEGACY {
+                        if key != StreamKey::LEGACY && self.upstream.stream_ordered() {
                             // Stream-ordered upstreams make the memory valid on `stream` only;
-                            // cover it so another stream reusing the remainder waits.
-                            let _ = self.streams.on_free(&mut *self.upstream, key, stream);
+                            // cover it so another stream reusing the remainder waits. (Other
+                            // upstreams' memory is idle when it arrives: nothing to cover.)
+                            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
                         }
                         let seg = Segment { base, size: seg_size, stream: key };
                         return Ok(self.strategy.add_segment(seg, rounded));

@@ -37,17 +37,19 @@ impl Strategy for BinnedStrategy {
         Some(rounded)
     }
 
-    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         let bin = self.bins.get_mut(&rounded)?;
         // Most recently freed first (warm in cache, likely same stream), same stream first.
         let pos = bin.iter().rposition(|b| b.stream == stream).or_else(|| {
+            // A stream that refuses one block is not asked again in this call (each asking
+            // may make the requester wait on it).
             let mut tried: Vec<StreamKey> = Vec::new();
             for i in (0..bin.len()).rev() {
                 let s = bin[i].stream;
                 if tried.contains(&s) {
                     continue;
                 }
-                if reusable(s) {
+                if reusable(s, bin[i].addr, bin[i].size) {
                     return Some(i);
                 }
                 tried.push(s);

@@ -28,8 +28,10 @@ pub enum ReleaseOrder {
 ///
 /// - Blocks passed to `put` are exactly blocks this strategy handed out (`take` or
 ///   `add_segment`); the pool validates pointers before calling it.
-/// - `take` may hand a block last used on another stream only if `reusable(that_stream)`
-///   returned true (the pool made it safe, e.g. with `cuStreamWaitEvent`).
+/// - `take` may hand a block last used on another stream only if `reusable(that_stream,
+///   addr, len)` returned true for free memory covering it (the pool made it safe, e.g.
+///   with `cuStreamWaitEvent`, or refused: that memory's free is not covered by an event
+///   yet). `addr`/`len` name memory as `home_ranges` does.
 /// - Segments returned by `put` or `drain_free_segments` are no longer referenced by the
 ///   strategy; the pool gives them back to the upstream.
 /// - Strategies never call the upstream and never block.
@@ -44,10 +46,17 @@ pub trait Strategy: Send {
     fn segment_size(&self, rounded: usize) -> Option<usize>;
 
     /// A cached block of at least `rounded` bytes for `stream`, or `None`.
-    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block>;
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block>;
 
     /// Adopt a fresh upstream segment and carve from it a block of `rounded` bytes.
     fn add_segment(&mut self, seg: Segment, rounded: usize) -> Block;
+
+    /// The memory of `block`, as `reusable` will name it once the block is put back: the
+    /// block itself, except where a strategy hands out one memory under two addresses
+    /// (the arena's stitches: their home granules).
+    fn home_ranges(&self, block: &Block, out: &mut Vec<(usize, usize)>) {
+        out.push((block.addr, block.size));
+    }
 
     /// Take back a block freed on `block.stream`. Returns a segment to release right away
     /// (strategies that do not cache).

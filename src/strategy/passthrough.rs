@@ -24,7 +24,7 @@ impl Strategy for Passthrough {
     fn segment_size(&self, rounded: usize) -> Option<usize> {
         Some(rounded)
     }
-    fn take(&mut self, _: usize, _: StreamKey, _: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+    fn take(&mut self, _: usize, _: StreamKey, _: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         None
     }
     fn add_segment(&mut self, seg: Segment, _rounded: usize) -> Block {

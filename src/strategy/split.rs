@@ -272,7 +272,7 @@ impl Strategy for SplitStrategy {
         }
     }
 
-    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         self.clock += 1;
         if !self.quick.is_empty() {
             if let Some(i) = self.quick.iter().rposition(|q| q.0 == stream && q.1 == rounded) {
@@ -297,7 +297,7 @@ impl Strategy for SplitStrategy {
             .collect();
         cands.sort_unstable_by_key(|k| (k.2, k.3));
         for key in cands {
-            if reusable(key.1) {
+            if reusable(key.1, key.3, key.2) {
                 return Some(self.carve(key, rounded, stream));
             }
         }

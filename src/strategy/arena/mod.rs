@@ -118,13 +118,13 @@ impl ArenaStrategy {
     /// How to serve `rounded` bytes for `stream` when no free block does (module docs give
     /// the order). `reusable` is asked before another stream's free memory is used.
     /// `None`: no address space left that could hold it.
-    pub fn plan(&self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Growth> {
+    pub fn plan(&self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Growth> {
         let si = Self::class(rounded);
         let windows = plan::windows(&self.spaces[si], rounded, stream);
         // Other streams are asked (which may make this one wait on them) only for the
         // window actually chosen, the cheapest they allow.
-        let chosen = |reusable: &mut dyn FnMut(StreamKey) -> bool| {
-            windows.iter().find(|w| w.foreign.iter().all(|&s| reusable(s))).cloned().map(|window| Growth::Window { space: si, window })
+        let chosen = |reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool| {
+            windows.iter().find(|w| w.foreign.iter().all(|&s| reusable(s, w.start, w.len))).cloned().map(|window| Growth::Window { space: si, window })
         };
         if si == SMALL || windows.first().is_some_and(|w| w.targets.is_empty()) {
             return chosen(reusable);
@@ -143,8 +143,9 @@ impl ArenaStrategy {
                 row = if h.is_some() { row + 1 } else { 0 };
                 if row == k {
                     let first = i + 1 - k;
-                    let allowed =
-                        homes[first..=i].iter().flatten().all(|r| r.streams.iter().all(|&s| s == stream || reusable(s)));
+                    let allowed = (first..=i).all(|j| {
+                        homes[j].is_some_and(|r| r.streams.iter().all(|&s| s == stream || reusable(s, st.homes[j], g)))
+                    });
                     if allowed {
                         return Some(Growth::Reuse { id, first, granules: k });
                     }
@@ -326,13 +327,25 @@ impl Strategy for ArenaStrategy {
         None
     }
 
-    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+    fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         self.spaces[Self::class(rounded)].take(rounded, stream, reusable)
     }
 
     fn add_segment(&mut self, seg: Segment, _rounded: usize) -> Block {
         // `segment_size` is None, so the pool never gets here; say so loudly if it does.
         panic!("arena: add_segment({seg:?}) called; the arena grows through plan()")
+    }
+
+    fn home_ranges(&self, block: &Block, out: &mut Vec<(usize, usize)>) {
+        if self.stitches.contains(block.addr) {
+            // Its memory goes back as the home granules' nodes it borrowed (`put`).
+            for &slot in &self.stitches.get(block.handle).borrowed {
+                let n = self.spaces[LARGE].node(slot);
+                out.push((n.addr, n.size));
+            }
+        } else {
+            out.push((block.addr, block.size));
+        }
     }
 
     fn put(&mut self, block: Block) -> Option<Segment> {
@@ -425,11 +438,11 @@ mod tests {
     /// Serve a request as the pool would, with unlimited memory and every driver call
     /// succeeding; returns the block and how many granules were mapped or aliased.
     fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usize) {
-        if let Some(b) = a.take(rounded, stream, &mut |_| true) {
+        if let Some(b) = a.take(rounded, stream, &mut |_, _, _| true) {
             return (b, 0);
         }
         loop {
-            let b = match a.plan(rounded, stream, &mut |_| true).expect("address space left") {
+            let b = match a.plan(rounded, stream, &mut |_, _, _| true).expect("address space left") {
                 Growth::Window { space, window } => {
                     for &t in &window.targets {
                         a.mapped(t, G, stream);
@@ -486,7 +499,7 @@ mod tests {
         assert_eq!(a.mapped_bytes(), mapped, "no new memory: free granules shown side by side");
         assert_eq!((aliased, a.counters.stitches_made), (6, 1));
         assert_eq!(a.cached_bytes(), 2 * G, "six of the eight free granules are booked for the stitch");
-        assert!(a.take(2 * G + 512, L, &mut |_| true).is_none(), "its granules are not handed out twice");
+        assert!(a.take(2 * G + 512, L, &mut |_, _, _| true).is_none(), "its granules are not handed out twice");
         // Freed, the stitch stays: the same request again reuses it, no driver call.
         a.put(big);
         assert_eq!(a.cached_bytes(), 8 * G);
@@ -522,15 +535,15 @@ mod tests {
         let mut a = arena();
         let (x, _) = grow(&mut a, 4 * G, L);
         a.put(Block { stream: StreamKey(7), ..x });
-        assert!(a.take(4 * G, L, &mut |_| false).is_none());
-        match a.plan(4 * G, L, &mut |_| false).unwrap() {
+        assert!(a.take(4 * G, L, &mut |_, _, _| false).is_none());
+        match a.plan(4 * G, L, &mut |_, _, _| false).unwrap() {
             Growth::Window { window, .. } => {
                 assert_ne!(window.start, x.addr, "a refused stream's memory is not used");
                 assert_eq!(window.targets.len(), 4);
             }
             g => panic!("{g:?}"),
         }
-        let y = a.take(4 * G, L, &mut |s| s == StreamKey(7)).unwrap();
+        let y = a.take(4 * G, L, &mut |s, _, _| s == StreamKey(7)).unwrap();
         assert_eq!(y.addr, x.addr);
     }
 

@@ -83,12 +83,12 @@ fn window_at(space: &Space, gap: &[super::space::Node], w: usize, len: usize, st
 /// order) for a new stitch, longest idle first, those needing no other stream's permission
 /// before those that do (`reusable` is asked once per run it is about to use); returned in
 /// address order so adjacent ones stay adjacent in the stitch.
-pub fn stitch_homes(runs: &[FreeRun], n: usize, granule: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Vec<usize> {
+pub fn stitch_homes(runs: &[FreeRun], n: usize, granule: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Vec<usize> {
     let mut order: Vec<&FreeRun> = runs.iter().collect();
     order.sort_by_key(|r| (r.streams.iter().any(|&s| s != stream), r.freed_at, r.addr));
     let mut homes = Vec::with_capacity(n);
     for r in order {
-        if !r.streams.iter().all(|&s| s == stream || reusable(s)) {
+        if !r.streams.iter().all(|&s| s == stream || reusable(s, r.addr, r.len)) {
             continue;
         }
         homes.extend((r.addr..r.addr + r.len).step_by(granule).take(n - homes.len()));

@@ -244,7 +244,7 @@ impl Space {
 
     /// Best fit among mapped free memory: the requesting stream first, then other
     /// streams' (best fit first) where `reusable` allows. No driver call.
-    pub fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey) -> bool) -> Option<Block> {
+    pub fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         if let Some((_, _, s)) = self.index.get(&stream).and_then(|b| b.best_fit(rounded)) {
             return Some(self.carve(s, rounded, stream));
         }
@@ -255,8 +255,8 @@ impl Space {
             .filter_map(|(k, b)| b.best_fit(rounded).map(|(size, addr, s)| (size, addr, s, *k)))
             .collect();
         cands.sort_unstable();
-        for (_, _, s, from) in cands {
-            if reusable(from) {
+        for (size, addr, s, from) in cands {
+            if reusable(from, addr, size) {
                 return Some(self.carve(s, rounded, stream));
             }
         }
