@@ -7,6 +7,24 @@ every allocation is made for CuPy's current stream and every free goes to the st
 block was allocated for, with cross-stream reuse guarded by events as for PyTorch. Any
 stream kind works: `Stream()`, `Stream(non_blocking=True)`, `Stream.ptds`,
 `ExternalStream`, from any thread.
+
+Out of memory raises `gpupool.cupy.OutOfMemoryError`, a subclass of
+`cupy.cuda.memory.OutOfMemoryError` (hence of `MemoryError`) whose text is gpupool's report;
+other failures raise `RuntimeError`. The library raises it through the Python C-API from the
+C allocator CuPy calls (src/ffi/cupy.rs: a C++ exception would abort CuPy). Whether it reaches
+the caller as is depends on whether CuPy checks for a Python error after calling a
+`CFunctionAllocator`'s malloc:
+- Where it does not (the cupy-cuda13x 14.2.0 wheel, seen on 2026-11-23; cupy/cupy's source
+  declares the check from its v14.1.0 tag on, yet that wheel behaves without it), CPython
+  reports `SystemError(... returned a result with an exception set)` with ours as its
+  `__cause__`. The default (`install()`) keeps this fast C path all the same.
+  `install(typed_oom=True)` installs `python_allocator()` instead: a
+  `cupy.cuda.memory.PythonFunctionAllocator` calling the same C function through ctypes
+  with the GIL held, so ours is raised as is, for one Python call per allocation.
+- Where it does, ours reaches the caller from the C path: `except
+  cupy.cuda.memory.OutOfMemoryError` catches it, and `typed_oom=True` keeps the C path.
+Which case applies is found out by one call that fails before touching any pool (device -1,
+`c_allocator_raises_typed()`), not from the version number.
 """
 
 import contextlib
@@ -31,9 +49,44 @@ def _current_stream_getter():
     return api.PyCapsule_GetPointer(capsule, name)
 
 
-def allocator():
-    import cupy
-    L = lib()
+_OOM_TYPE = None
+
+
+def _oom_type():
+    """gpupool.cupy.OutOfMemoryError, made on first use (it subclasses CuPy's class, and this
+    module must import without CuPy)."""
+    global _OOM_TYPE
+    if _OOM_TYPE is None:
+        from cupy.cuda.memory import OutOfMemoryError as CupyOutOfMemoryError
+
+        class OutOfMemoryError(CupyOutOfMemoryError):
+            """gpupool ran out of memory (or hit its limit) serving CuPy; the text is gpupool's
+            report. CuPy's constructor takes (size, total, limit) and writes its own text; the
+            library raises this class with the message alone (PyErr_SetString), so the
+            constructor takes the message and keeps CuPy's attributes at "unknown"."""
+
+            def __init__(self, message="gpupool: out of memory", size=0, total=-1, limit=0):
+                MemoryError.__init__(self, message)
+                self._size, self._total, self._limit = size, total, limit
+
+            def __reduce__(self):
+                return (type(self), (str(self), self._size, self._total, self._limit))
+
+        OutOfMemoryError.__module__ = __name__
+        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+        _OOM_TYPE = OutOfMemoryError
+    return _OOM_TYPE
+
+
+def __getattr__(name):
+    # `except gpupool.cupy.OutOfMemoryError` and pickling work before install() too.
+    if name == "OutOfMemoryError":
+        return _oom_type()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _register(L):
+    """Hand the library CuPy's current-stream getter and the class to raise for out of memory."""
     try:
         L.gpupool_cupy_set_stream_getter(_current_stream_getter())
     except (AttributeError, KeyError, RuntimeError, TypeError) as e:
@@ -43,7 +96,70 @@ def allocator():
         warnings.warn(f"gpupool: CuPy's current stream is not reachable ({e}); allocations follow the legacy "
                       "stream: synchronise non-blocking streams before dropping their arrays", RuntimeWarning)
         L.gpupool_cupy_set_stream_getter(None)
+    setter = getattr(L, "gpupool_cupy_set_oom_error", None)
+    if setter is not None:  # an older library (GPUPOOL_LIBRARY) raises MemoryError instead
+        cls = _oom_type()
+        # The library keeps a borrowed pointer for the life of the process: one reference
+        # that is never released keeps the class alive even if this module is torn down.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(cls))
+        setter.restype, setter.argtypes = None, [ctypes.c_void_p]
+        setter(id(cls))
+
+
+def allocator():
+    """A cupy.cuda.memory.CFunctionAllocator over gpupool's C functions (the fast path)."""
+    import cupy
+    L = lib()
+    _register(L)
     return cupy.cuda.memory.CFunctionAllocator(0, _fn_address("gpupool_cupy_malloc"), _fn_address("gpupool_cupy_free"), L)
+
+
+def python_allocator():
+    """A cupy.cuda.memory.PythonFunctionAllocator over the same C functions, for a CuPy whose
+    CFunctionAllocator does not pass a Python error on (see the module notes). ctypes
+    calls them with the GIL held (PYFUNCTYPE) as CuPy's C path does: the library reads CuPy's
+    current stream and raises through the C-API, and ctypes raises what the call set."""
+    import cupy
+    L = lib()
+    _register(L)
+    call_malloc = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
+        _fn_address("gpupool_cupy_malloc"))
+    call_free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(_fn_address("gpupool_cupy_free"))
+
+    def malloc(size, device):
+        p = call_malloc(None, size, device)
+        if not p:  # only when the library found no interpreter to raise in (it then wrote to stderr)
+            raise RuntimeError(f"gpupool: allocation of {size} bytes on device {device} failed")
+        return p
+
+    def free(ptr, device):
+        call_free(None, ptr, device)
+
+    return cupy.cuda.memory.PythonFunctionAllocator(malloc, free)
+
+
+_C_PATH_RAISES = None
+
+
+def c_allocator_raises_typed():
+    """True when this CuPy passes a Python error raised by a CFunctionAllocator's malloc on
+    to the caller, so the fast path raises gpupool.cupy.OutOfMemoryError as is (False for
+    the cupy-cuda13x 14.2.0 wheel). Found out once by a call that fails without touching any
+    pool (device -1)."""
+    global _C_PATH_RAISES
+    if _C_PATH_RAISES is None:
+        import cupy.cuda.memory as cm
+        allocator()  # the getter the library reads during the call
+        try:
+            cm.CFunctionAllocatorMemory(1, 0, _fn_address("gpupool_cupy_malloc"), _fn_address("gpupool_cupy_free"), -1)
+            _C_PATH_RAISES = False  # no error at all: nothing to rely on
+        except SystemError:
+            _C_PATH_RAISES = False  # unchecked: ours arrives as the SystemError's cause
+        except RuntimeError as e:
+            _C_PATH_RAISES = "invalid device -1" in str(e)
+        except Exception:  # another CuPy API than expected: take the Python path to be safe
+            _C_PATH_RAISES = False
+    return _C_PATH_RAISES
 
 
 class _Pinned:
@@ -70,12 +186,18 @@ def pinned_malloc(size):
     return cupy.cuda.PinnedMemoryPointer(_Pinned(size), 0)
 
 
-def install(pinned=True):
+def install(pinned=True, typed_oom=False):
     """Make gpupool CuPy's device allocator (every device), and its pinned host allocator
-    (`pinned=True`). Out of memory raises an exception carrying gpupool's message (see
-    README: CuPy wraps it in SystemError)."""
+    (`pinned=True`). Out of memory raises gpupool.cupy.OutOfMemoryError (a
+    cupy.cuda.memory.OutOfMemoryError) with gpupool's report. Where CuPy does not pass the C
+    allocator's error on (CuPy 14.2.0 does not), CPython wraps it in SystemError (as its
+    `__cause__`) unless `typed_oom=True`, which then installs `python_allocator()` (one
+    Python call per allocation) instead of the C path; where CuPy does, `typed_oom` keeps
+    the C path, which already raises the typed error. See the module notes."""
     import cupy
     alloc = allocator()
+    if typed_oom and not c_allocator_raises_typed():
+        alloc = python_allocator()
     cupy.cuda.set_allocator(alloc.malloc)
     if pinned:
         cupy.cuda.set_pinned_memory_allocator(pinned_malloc)

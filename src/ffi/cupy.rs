@@ -21,13 +21,23 @@
 //! tagged with the legacy stream and reused only after a fence on it (`Pool::free_unordered`),
 //! which orders blocking streams only.
 //!
-//! Out of memory: CuPy 14 declares its malloc pointer type without `except +` and stores
-//! whatever comes back, so a C++ exception would abort Python and a NULL would become an
-//! array at address 0. CuPy calls the allocator with the GIL held, so the failure is raised
-//! as a Python `MemoryError` (other failures `RuntimeError`) through the C-API of the running
-//! interpreter, and NULL is returned; CPython then surfaces it as
-//! `SystemError(... returned a result with an exception set)` caused by our `MemoryError`,
-//! whose text is gpupool's message.
+//! Out of memory. CuPy calls the allocator with the GIL held, so a failure is raised as a
+//! Python exception through the C-API of the running interpreter and NULL is returned: out
+//! of memory as the class `gpupool_cupy_set_oom_error` registered (`gpupool.cupy` registers
+//! `gpupool.cupy.OutOfMemoryError`, a subclass of `cupy.cuda.memory.OutOfMemoryError`; a
+//! plain `MemoryError` while none is), anything else as `RuntimeError`, each with gpupool's
+//! message. What the caller then sees depends on whether CuPy checks for a Python error
+//! after the call:
+//! - Where it does not (the cupy-cuda13x 14.2.0 wheel, seen on an H100 on 2026-11-23), the
+//!   NULL comes back with an exception set, and CPython reports `SystemError(... returned a
+//!   result with an exception set)` caused by ours. `gpupool.cupy.install(typed_oom=True)`
+//!   then calls this function from a Python-level allocator, through ctypes with the GIL
+//!   held, which raises ours as is.
+//! - Where it does (cupy/cupy's source declares the call `except +` inside a helper declared
+//!   `except *` from its v14.1.0 tag on), ours reaches the caller as is.
+//!
+//! A C++ exception is no option: a CuPy without `except +` would abort the process, and one
+//! with it turns any C++ exception into a plain `MemoryError` or `RuntimeError`.
 
 use super::boundary::call;
 use super::core::free_with;
@@ -63,17 +73,45 @@ pub unsafe extern "C" fn gpupool_cupy_set_stream_getter(getter: Option<unsafe ex
     STREAM_GETTER.store(getter.map_or(0, |f| f as usize), Ordering::Release);
 }
 
+/// The Python class raised for out of memory (a `PyObject *`; 0: `MemoryError`).
+static OOM_ERROR: AtomicUsize = AtomicUsize::new(0);
+
+/// Python only, hence left out of the C header (its argument is a Python object): make
+/// `gpupool_cupy_malloc` raise `exc_type` for out of memory instead of `MemoryError`, or
+/// `MemoryError` again with NULL. `gpupool.cupy` registers `gpupool.cupy.OutOfMemoryError`.
+///
+/// cbindgen:ignore
+///
+/// # Safety
+/// `exc_type` must be NULL or a Python exception class (`PyObject *`) whose constructor takes
+/// one argument, the message, and which stays alive for the life of the process (the caller
+/// holds a reference that is never released).
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_cupy_set_oom_error(exc_type: *mut c_void) {
+    OOM_ERROR.store(exc_type as usize, Ordering::Release);
+}
+
 type PyErrSetString = unsafe extern "C" fn(*mut c_void, *const c_char);
 type PyGilStateCheck = unsafe extern "C" fn() -> c_int;
 
 /// Raise a Python exception in the running interpreter, if there is one and we hold the GIL.
 fn raise_python(oom: bool, msg: &str) -> bool {
-    // SAFETY: dlsym lookups; the symbols have the CPython ABI types declared above.
+    // SAFETY: dlsym lookups; the symbols have the CPython ABI types declared above. A
+    // registered class is alive for the life of the process (gpupool_cupy_set_oom_error).
     unsafe {
         let set = libc::dlsym(libc::RTLD_DEFAULT, c"PyErr_SetString".as_ptr());
         let gil = libc::dlsym(libc::RTLD_DEFAULT, c"PyGILState_Check".as_ptr());
-        let exc_name = if oom { c"PyExc_MemoryError" } else { c"PyExc_RuntimeError" };
-        let exc = libc::dlsym(libc::RTLD_DEFAULT, exc_name.as_ptr()) as *const *mut c_void;
+        let registered = if oom { OOM_ERROR.load(Ordering::Acquire) } else { 0 };
+        let exc = if registered != 0 {
+            registered as *mut c_void
+        } else {
+            let exc_name = if oom { c"PyExc_MemoryError" } else { c"PyExc_RuntimeError" };
+            let var = libc::dlsym(libc::RTLD_DEFAULT, exc_name.as_ptr()) as *const *mut c_void;
+            if var.is_null() {
+                return false;
+            }
+            *var
+        };
         if set.is_null() || gil.is_null() || exc.is_null() {
             return false;
         }
@@ -83,7 +121,7 @@ fn raise_python(oom: bool, msg: &str) -> bool {
         }
         let set: PyErrSetString = std::mem::transmute(set);
         let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-        set(*exc, c.as_ptr());
+        set(exc, c.as_ptr());
         true
     }
 }

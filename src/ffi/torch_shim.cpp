@@ -4,7 +4,11 @@
 // (and may call it with the GIL released, so the Python C-API is not an option here).
 // So the allocation entry point is this thin C++ function: it calls the Rust core (which
 // never unwinds) and, on failure, throws an exception carrying gpupool's message.
-// std::bad_alloc for out-of-memory, std::runtime_error for anything else.
+// std::bad_alloc for out-of-memory, std::runtime_error for anything else. PyTorch turns both
+// into a plain Python RuntimeError: only c10::OutOfMemoryError, whose constructor lives in
+// libc10, becomes torch.OutOfMemoryError, and this library is built without PyTorch. So
+// gpupool.torch installs by default a shim compiled against the installed PyTorch instead
+// (python/gpupool/_torch_oom.py); this function is the path it falls back to.
 #include <cstddef>
 #include <new>
 #include <stdexcept>

@@ -84,3 +84,84 @@ def test_installed_package_bundles_its_library():
         print("bundled", os.path.basename(path))
     """))
     assert "bundled libgpupool" in out
+
+
+def test_cupy_entry_point_raises_the_registered_out_of_memory_class_on_host(library):
+    # gpupool_cupy_malloc raises through the Python C-API (CuPy calls it with the GIL held);
+    # gpupool.cupy registers its OutOfMemoryError class. No CuPy needed: ctypes' PYFUNCTYPE
+    # calls the entry point as CuPy's C path and gpupool.cupy.python_allocator do, GIL held
+    # and the error raised after the call.
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="split", upstream="host")
+        gpupool.set_limit("64MiB", 0)
+        L = gpupool.lib()
+
+        class PoolOutOfMemory(MemoryError):
+            pass
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(PoolOutOfMemory))   # the library keeps it
+        L.gpupool_cupy_set_oom_error.restype, L.gpupool_cupy_set_oom_error.argtypes = None, [ctypes.c_void_p]
+        L.gpupool_cupy_set_oom_error(id(PoolOutOfMemory))
+        vp, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        malloc = ctypes.PYFUNCTYPE(vp, vp, sz, i)(gpupool._fn_address("gpupool_cupy_malloc"))
+        free = ctypes.PYFUNCTYPE(None, vp, vp, i)(gpupool._fn_address("gpupool_cupy_free"))
+        a = malloc(None, 48 << 20, 0)
+        before = gpupool.stats(0)
+        try:
+            malloc(None, 32 << 20, 0)
+            raise SystemExit("no exception past the limit")
+        except PoolOutOfMemory as e:
+            msg = str(e)
+            assert msg.startswith("gpupool: out of memory on device 0") and "limit" in msg, msg
+        s = gpupool.stats(0)
+        assert s["n_ooms"] == before["n_ooms"] + 1, (before, s)
+        assert (s["used_bytes"], s["n_live_blocks"]) == (before["used_bytes"], before["n_live_blocks"]), (before, s)
+        try:
+            malloc(None, 1, -1)
+            raise SystemExit("no exception for device -1")
+        except RuntimeError as e:      # not out of memory: RuntimeError, not the registered class
+            assert "invalid device -1" in str(e), e
+        free(None, a, 0)
+        b = malloc(None, 32 << 20, 0)  # fits once the user freed
+        s = gpupool.stats(0)
+        assert b and s["used_bytes"] == 32 << 20 and s["n_live_blocks"] == 1, s
+        assert s["n_ooms"] == before["n_ooms"] + 1, s
+        L.gpupool_cupy_set_oom_error(None)   # nothing registered: plain MemoryError
+        try:
+            malloc(None, 1 << 40, 0)
+            raise SystemExit("no exception for 1 TiB")
+        except MemoryError as e:
+            assert type(e) is MemoryError and str(e).startswith("gpupool: out of memory"), repr(e)
+        free(None, b, 0)
+        s = gpupool.stats(0)
+        assert s["used_bytes"] == 0 and s["n_live_blocks"] == 0 and s["n_ooms"] == before["n_ooms"] + 2, s
+        print("ok")
+    """))
+    assert "ok" in out
+
+
+def test_torch_typed_oom_switch_is_parsed_without_torch():
+    # GPUPOOL_TORCH_TYPED_OOM decides only where install()'s typed_oom is None (the default);
+    # a malformed value is an error naming the variable, the value and what is accepted.
+    ok(run_py("""
+        import os, gpupool
+        from gpupool import _torch_oom as t
+        cases = [(None, None, (True, False)), ("1", None, (True, False)), (" On ", None, (True, False)),
+                 ("0", None, (False, False)), ("off", None, (False, False)), ("", None, (False, False)),
+                 ("0", True, (True, True)), (None, False, (False, False)), ("1", False, (False, False))]
+        for env, arg, want in cases:
+            os.environ.pop(t.ENV, None)
+            if env is not None:
+                os.environ[t.ENV] = env
+            assert t.wanted(arg) == want, (env, arg, t.wanted(arg), want)
+        for bad in ["maybe", "2", "yes please"]:
+            os.environ[t.ENV] = bad
+            try:
+                t.wanted(None)
+                raise SystemExit(f"{bad!r} accepted")
+            except gpupool.GpupoolError as e:
+                assert e.status == 6, e.status
+                assert f'invalid value "{bad}" for GPUPOOL_TORCH_TYPED_OOM; accepted: 0 | 1' in str(e), e
+        print("ok")
+    """))

@@ -67,25 +67,118 @@ def test_stats_answer_and_empty_cache_returns_memory_to_driver(torch_gpu):
     """))
 
 
-def test_oom_raises_with_gpupool_message(torch_gpu):
-    out = ok(run_py("""
-        import gpupool, torch
-        gpupool.torch.install()
-        torch.cuda.set_per_process_memory_fraction(0.01)   # hook -> pool limit
-        limit = gpupool.get_limit(0)
-        assert 0 < limit < 2 << 30, limit
+# Fill the pool up to its limit (1% of the device) in 64 MiB tensors until out of memory,
+# free one, allocate again; gpupool's counters must follow each step exactly. {typed}: the
+# exception is torch.OutOfMemoryError (the compiled shim) or a plain RuntimeError.
+OOM_SCENARIO = """
+    import gpupool, torch
+    alloc = gpupool.torch.install()
+    assert alloc.typed_oom == {typed}, alloc.typed_oom
+    torch.cuda.set_per_process_memory_fraction(0.01)   # hook -> pool limit
+    limit = gpupool.get_limit(0)
+    assert 0 < limit < 2 << 30, limit
+    chunk = 64 << 20
+    before = gpupool.stats(0)
+    xs, err = [], None
+    try:
+        for _ in range(1000):
+            xs.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+        raise SystemExit("no out-of-memory error within 1000 chunks")
+    except RuntimeError as e:
+        err = e
+    assert isinstance(err, torch.OutOfMemoryError) == {typed}, type(err)
+    assert isinstance(err, torch.cuda.OutOfMemoryError) == {typed}, type(err)
+    try:          # `except torch.OutOfMemoryError`, the spelling users write, on the typed path
+        torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+        raise SystemExit("no exception for 8 GiB")
+    except (torch.OutOfMemoryError if {typed} else RuntimeError) as e:
+        assert isinstance(e, torch.OutOfMemoryError) == {typed}, type(e)
+    msg = str(err)
+    assert "gpupool: out of memory on device 0" in msg and "limit" in msg, msg
+    s = gpupool.stats(0)
+    assert len(xs) >= 1 and s["n_ooms"] == before["n_ooms"] + 2, (len(xs), before, s)
+    assert s["used_bytes"] == before["used_bytes"] + len(xs) * chunk, (len(xs), before, s)
+    assert s["n_live_blocks"] == before["n_live_blocks"] + len(xs), (len(xs), before, s)
+    del xs[-1]
+    y = torch.empty(chunk, dtype=torch.uint8, device="cuda")   # the freed block serves it
+    s2 = gpupool.stats(0)
+    keys = ("n_ooms", "used_bytes", "n_live_blocks", "n_upstream_allocs")
+    assert [s2[k] for k in keys] == [s[k] for k in keys], (s, s2)
+    y.fill_(7)
+    assert int(y[-1].item()) == 7
+    del xs, y
+    torch.cuda.synchronize()
+    s3 = gpupool.stats(0)
+    assert (s3["used_bytes"], s3["n_live_blocks"]) == (before["used_bytes"], before["n_live_blocks"]), (before, s3)
+    assert s3["n_ooms"] == before["n_ooms"] + 2, s3
+    print("raised:", type(err).__name__, msg.splitlines()[0][:200])
+"""
+
+
+def test_oom_raises_torch_out_of_memory_error_and_recovers(torch_gpu):
+    p = run_py(OOM_SCENARIO.format(typed=True))
+    out = ok(p)
+    assert "raised: OutOfMemoryError gpupool: out of memory" in out, out
+    assert "PyTorch will report" not in p.stderr, p.stderr   # no fallback warning
+
+
+def test_oom_without_the_shim_is_a_runtime_error_with_gpupool_message(torch_gpu, tmp_path):
+    # GPUPOOL_TORCH_TYPED_OOM=0: the library's own allocation function, nothing compiled
+    # (an empty extension folder stays empty), no warning.
+    p = run_py(OOM_SCENARIO.format(typed=False), env={"GPUPOOL_TORCH_TYPED_OOM": "0", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    out = ok(p)
+    assert "raised: RuntimeError gpupool: out of memory" in out, out
+    assert "gpupool:" not in p.stderr, p.stderr
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_shim_is_compiled_once_with_a_notice_and_then_needs_no_compiler(torch_gpu, tmp_path):
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    first = run_py(OOM_SCENARIO.format(typed=True), env=env)
+    assert "raised: OutOfMemoryError" in ok(first)
+    assert first.stderr.count("gpupool: compiling the PyTorch out-of-memory shim once") == 1, first.stderr
+    # Cached: loaded without compiling, so neither the notice nor a compiler is needed.
+    second = run_py(OOM_SCENARIO.format(typed=True), env=dict(env, CXX="/nonexistent/c++"))
+    assert "raised: OutOfMemoryError" in ok(second)
+    assert "gpupool:" not in second.stderr, second.stderr
+
+
+def test_shim_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_path):
+    # No compiler (CXX names none) and an empty extension cache: the shim cannot be built.
+    p = run_py("""
+        import warnings, gpupool, torch
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            alloc = gpupool.torch.install()
+            gpupool.torch.allocator()          # tried once per process: no second warning
+        ws = [str(x.message) for x in w if "gpupool" in str(x.message)]
+        assert len(ws) == 1, ws
+        assert "plain RuntimeError, not torch.OutOfMemoryError" in ws[0] and "no C++ compiler" in ws[0], ws[0]
+        assert "GPUPOOL_TORCH_TYPED_OOM=0" in ws[0], ws[0]
+        assert not alloc.typed_oom
         try:
-            x = torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
-            raise SystemExit("no exception: got a tensor at %#x" % x.data_ptr())
+            gpupool.torch.allocator(typed_oom=True)   # asked for explicitly: an error, not a fallback
+            raise SystemExit("typed_oom=True fell back")
         except RuntimeError as e:
-            msg = str(e)
-            assert "gpupool: out of memory on device 0" in msg and "limit" in msg, msg
-            print("raised:", msg.splitlines()[0][:200])
-        y = torch.ones(1024, device="cuda")   # still usable afterwards
-        assert y.sum().item() == 1024
-        assert gpupool.stats(0)["n_ooms"] >= 1
-    """))
-    assert "raised: gpupool: out of memory" in out
+            assert "typed_oom=True" in str(e) and "no C++ compiler" in str(e), e
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        try:
+            torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+            raise SystemExit("no exception")
+        except RuntimeError as e:
+            assert not isinstance(e, torch.OutOfMemoryError), type(e)
+            assert "gpupool: out of memory on device 0" in str(e), e
+        assert gpupool.stats(0)["n_ooms"] == 1
+        assert torch.ones(1024, device="cuda").sum().item() == 1024
+        print("fell back")
+    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"})
+    assert "fell back" in ok(p)
+
+
+def test_malformed_typed_oom_switch_is_an_error(torch_gpu):
+    p = run_py("import gpupool; gpupool.torch.install()", env={"GPUPOOL_TORCH_TYPED_OOM": "maybe"})
+    assert p.returncode != 0
+    assert 'invalid value "maybe" for GPUPOOL_TORCH_TYPED_OOM; accepted: 0 | 1' in p.stderr, p.stderr
 
 
 def test_multistream_record_stream(torch_gpu):
