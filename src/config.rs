@@ -173,6 +173,9 @@ pub struct Config {
     /// `GPUPOOL_EVENT_BATCH` (default 64): frees on a user stream per event record; 1
     /// records at every free (`crate::stream`).
     pub event_batch: usize,
+    /// `GPUPOOL_ARENA_LEND=1`: the arena's two ranges grow into each other's free granules
+    /// (an alias each) before mapping new memory. Off by default until proven on a GPU.
+    pub arena_lend: bool,
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
     pub arena_va: Option<usize>,
@@ -195,6 +198,7 @@ impl Default for Config {
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
             event_batch: EVENT_BATCH,
+            arena_lend: false,
             arena_va: None,
             status_socket: false,
         }
@@ -296,6 +300,9 @@ impl Config {
                 accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 64",
             })?;
         }
+        if let Some(v) = get("GPUPOOL_ARENA_LEND") {
+            c.arena_lend = bool_flag("GPUPOOL_ARENA_LEND", &v)?;
+        }
         if let Some(v) = get("GPUPOOL_STATUS_SOCKET") {
             c.status_socket = bool_flag("GPUPOOL_STATUS_SOCKET", &v)?;
         }
@@ -369,6 +376,9 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_THREAD_CACHE", "sometimes")]).is_err());
         assert!(!cfg(&[("GPUPOOL_THREAD_CACHE", "0")]).unwrap().thread_cache);
         assert_eq!(cfg(&[]).unwrap().event_batch, EVENT_BATCH);
+        assert!(!cfg(&[]).unwrap().arena_lend);
+        assert!(cfg(&[("GPUPOOL_ARENA_LEND", "1")]).unwrap().arena_lend);
+        assert!(cfg(&[("GPUPOOL_ARENA_LEND", "maybe")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
         for bad in ["0", "-3", "lots", "5000", ""] {
             assert!(cfg(&[("GPUPOOL_EVENT_BATCH", bad)]).is_err(), "{bad:?} accepted");

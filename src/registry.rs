@@ -101,6 +101,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         arena_va: cfg.arena_va,
         thread_cache: cfg.thread_cache,
         event_batch: cfg.event_batch,
+        arena_lend: cfg.arena_lend,
     })
 }
 

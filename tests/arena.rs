@@ -264,3 +264,58 @@ fn randomized_run(ops: usize, decay_window: usize) {
     assert_eq!(p.stats().total_bytes, 0);
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn each_range_grows_into_the_others_free_granules_before_mapping_new_memory() {
+    let pool = |kind, capacity| {
+        let opts = PoolOptions { kind, check_invariants: true, thread_cache: false, arena_lend: true, ..Default::default() };
+        Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap()
+    };
+    // Large blocks come and go, then small ones need room: the small range shows the large
+    // range's free granules (an alias each) instead of mapping new memory; the data stays
+    // apart, and reclaim gives everything back.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let big = p.malloc(8 * MIB, 0).unwrap();
+    p.free(big, 0).unwrap();
+    assert_eq!(p.stats().total_bytes as usize, 8 * MIB);
+    let small: Vec<(usize, u64)> = (0..12).map(|i| (p.malloc(512 * 1024, 0).unwrap(), i)).collect();
+    for &(a, i) in &small {
+        stamp(a, 512 * 1024, i);
+    }
+    assert_eq!(p.stats().total_bytes as usize, 8 * MIB, "6 MiB of small blocks took no new memory");
+    assert_eq!(p.arena_counters().unwrap().granules_lent, 3);
+    let large = p.malloc(2 * MIB, 0).unwrap(); // the large range's last free granule
+    stamp(large, 2 * MIB, 100);
+    for &(a, i) in &small {
+        assert!(intact(a, 512 * 1024, i), "a small block changed");
+    }
+    assert!(intact(large, 2 * MIB, 100), "the large block changed");
+    for &(a, _) in &small {
+        p.free(a, 0).unwrap();
+    }
+    p.free(large, 0).unwrap();
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes, 0, "loans ended and their homes went back");
+    let c = p.arena_counters().unwrap();
+    assert_eq!(c.loans_ended, c.granules_lent);
+    p.check_invariants().unwrap();
+
+    // The reverse: small blocks come and go, then a large one takes their granule.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let small: Vec<usize> = (0..4).map(|_| p.malloc(512 * 1024, 0).unwrap()).collect();
+    let keep = p.malloc(512 * 1024, 0).unwrap();
+    stamp(keep, 512 * 1024, 7);
+    for a in small {
+        p.free(a, 0).unwrap();
+    }
+    assert_eq!(p.stats().total_bytes as usize, 4 * MIB);
+    let large = p.malloc(2 * MIB, 0).unwrap();
+    stamp(large, 2 * MIB, 8);
+    assert_eq!(p.stats().total_bytes as usize, 4 * MIB, "the large range grew into the small range's free granule");
+    assert!(intact(keep, 512 * 1024, 7) && intact(large, 2 * MIB, 8));
+    p.free(large, 0).unwrap();
+    p.free(keep, 0).unwrap();
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes, 0);
+    p.check_invariants().unwrap();
+}

@@ -101,7 +101,8 @@ fn batched(kind: PoolKind) -> (Pool, Arc<Device>) {
 fn pool_with(kind: PoolKind, ignore: bool, event_batch: usize) -> (Pool, Arc<Device>) {
     let dev = Arc::new(Device::default());
     let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, event_batch, ..Default::default() };
+    // (`arena_lend` on: its stream rule is tested here; it changes nothing for other pools.)
+    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, event_batch, arena_lend: true, ..Default::default() };
     (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
 }
 
@@ -412,4 +413,34 @@ fn none_records_every_free_before_giving_it_back() {
     let l = log(&dev);
     assert_eq!(l.iter().filter(|x| x.starts_with("record")).count(), 3, "{l:?}");
     assert!(!l.iter().any(|x| x == "device sync"), "{l:?}");
+}
+
+#[test]
+fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waiting_for_it() {
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    // A frees a large block's granule; B's small blocks then need a granule of the small
+    // range, which shows A's free one instead of new memory: B must wait for A first.
+    let x = p.malloc(2 * MIB, A).unwrap();
+    p.free(x, A).unwrap();
+    log(&dev);
+    let reserved = p.stats().total_bytes;
+    let s = p.malloc(MIB, B).unwrap();
+    assert_eq!(p.stats().total_bytes, reserved, "no new memory");
+    let l = log(&dev);
+    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("B waited for A: {l:?}"));
+    let alias = l.iter().position(|x| x.starts_with("alias")).unwrap_or_else(|| panic!("aliased: {l:?}"));
+    assert!(wait < alias, "lent to B before B waited for A: {l:?}");
+    p.free(s, B).unwrap();
+    p.check_invariants().unwrap();
+
+    // With batched records a pending free is not lent to another stream at all.
+    let (mut p, dev) = batched(PoolKind::Arena);
+    let x = p.malloc(2 * MIB, A).unwrap();
+    p.free(x, A).unwrap();
+    let reserved = p.stats().total_bytes;
+    let s = p.malloc(MIB, B).unwrap();
+    assert!(p.stats().total_bytes > reserved, "A's pending granule was lent to B");
+    assert!(!log(&dev).iter().any(|x| x.starts_with("alias")));
+    p.free(s, B).unwrap();
+    p.check_invariants().unwrap();
 }

@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--arena-lend]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -8,7 +8,7 @@ use gpupool::replay::{parse, replay_with_progress, Report};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--arena-lend]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -16,6 +16,7 @@ fn main() -> ExitCode {
     let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
     let mut device_size = 80usize << 30;
     let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
+    let mut arena_lend = false;
     let mut paged = false;
     let mut i = 0;
     while i < args.len() {
@@ -57,6 +58,7 @@ fn main() -> ExitCode {
                     _ => return fail("--upstream needs device or vmm"),
                 }
             }
+            "--arena-lend" => arena_lend = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -85,7 +87,7 @@ fn main() -> ExitCode {
     let tty = std::io::stderr().is_terminal();
     let mut results: Vec<Report> = Vec::new();
     for k in pools {
-        let opts = PoolOptions { kind: k, decay_window, ..Default::default() };
+        let opts = PoolOptions { kind: k, decay_window, arena_lend, ..Default::default() };
         let mut progress = |done: usize, total: usize| {
             if tty {
                 let _ = write!(std::io::stderr(), "\r  replaying through {:<7} {:>5.1}% of {total} events", k.name(), 100.0 * done as f64 / total.max(1) as f64);

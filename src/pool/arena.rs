@@ -132,10 +132,33 @@ impl Pool {
         Err(self.oom(size, rounded, by_limit))
     }
 
-    /// Map new memory under every unmapped granule of `window`, one call per run of
-    /// adjacent granules; the books follow each call that succeeded.
+    /// Back every unmapped granule of `window`: first with the other range's free granules
+    /// (an alias each, no new memory: `ArenaStrategy::lendable`), then
+    /// with new memory, one call per run of adjacent granules; the books follow each call
+    /// that succeeded.
     fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
-        self.map_granules(&window.targets, key, stream)
+        let mut targets = window.targets.as_slice();
+        if self.arena_lend && !targets.is_empty() {
+            let homes = {
+                let (streams, up) = (&mut self.streams, &mut *self.upstream);
+                let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
+                let a = self.strategy.as_arena_ref().expect("arena pool");
+                a.lendable(a.space_of_addr(window.start), targets.len(), key, &mut gate)
+            };
+            let g = self.arena().granule();
+            for h in homes {
+                let at = targets[0];
+                // The home is free memory its streams allowed to `stream`; aliasing it
+                // disturbs no queued work. A refused alias leaves the rest to new memory.
+                if self.upstream.vmm_alias(h, at).is_err() {
+                    break;
+                }
+                self.arena().lend(at, h, key);
+                self.trace(stream, Action::Stitch, at, g);
+                targets = &targets[1..];
+            }
+        }
+        self.map_granules(targets, key, stream)
     }
 
     /// Map new memory under the unmapped granules `t` (ascending), one call per run.
@@ -219,6 +242,19 @@ impl Pool {
     /// Give back whole free granules in `order` until `want` bytes went (`None`: all).
     /// Each run's stream is synchronised first. Returns the bytes released.
     pub(super) fn arena_release(&mut self, want: Option<usize>, order: ReleaseOrder) -> usize {
+        let mut got = 0;
+        // A pass that ends loans frees their homes, which the next pass can give back.
+        loop {
+            let (n, loans_ended) = self.arena_release_pass(want.map(|w| w.saturating_sub(got)), order);
+            got += n;
+            if !loans_ended || want.is_some_and(|w| got >= w) {
+                return got;
+            }
+        }
+    }
+
+    fn arena_release_pass(&mut self, want: Option<usize>, order: ReleaseOrder) -> (usize, bool) {
+        let mut loans_ended = false;
         let runs = self.arena().releasable(order);
         let (mut synced, mut failed) = (Vec::new(), Vec::new());
         let mut got = 0;
@@ -240,6 +276,17 @@ impl Pool {
             // unmap is per granule anyway).
             let g = self.arena().granule();
             for at in (addr..addr + len).step_by(g) {
+                if self.arena().is_lent(at) {
+                    // Its memory is a large-range granule's: remove the alias and free the
+                    // home (idle: its streams were waited for above); that granule can go
+                    // back in the next pass.
+                    if self.upstream.vmm_unalias(at, g).is_err() {
+                        break;
+                    }
+                    self.arena().end_loan(at, StreamKey::LEGACY);
+                    loans_ended = true;
+                    continue;
+                }
                 if self.upstream.vmm_unmap(at, g).is_err() {
                     break;
                 }
@@ -250,7 +297,7 @@ impl Pool {
             self.c.upstream_frees += 1;
             self.trace(0, Action::UpstreamFree, addr, len);
         }
-        got
+        (got, loans_ended)
     }
 
     /// Wait until every free on `streams` has completed (each stream once per operation:
@@ -296,11 +343,14 @@ impl Pool {
         let c = a.counters;
         let g = a.granule();
         let mapped = a.mapped_bytes();
+        // Where the mapped memory that serves nothing lies: free bytes of each range.
+        let use_ = a.space_usage();
         let json = format!(
             concat!(
                 "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
-                "\"stitches_dropped\":{},\"granules_aliased\":{}}}"
+                "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
+                "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{}}}"
             ),
             g,
             mapped,
@@ -311,21 +361,32 @@ impl Pool {
             c.stitches_made,
             c.stitch_reuses,
             c.stitches_dropped,
-            c.granules_aliased
+            c.granules_aliased,
+            c.granules_lent,
+            c.loans_ended,
+            use_[0].0,
+            use_[0].1,
+            use_[1].0,
+            use_[1].1
         );
         let h = crate::error::human_bytes;
         let text = format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}; stitches {} cached, {} made, {} reused, {} dropped",
+            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent to the small range {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free",
             h(mapped),
             mapped / g,
             h(g),
             h(a.reserved_address_space()),
             c.granules_mapped,
             c.granules_unmapped,
+            c.granules_lent - c.loans_ended,
             a.stitch_count(),
             c.stitches_made,
             c.stitch_reuses,
-            c.stitches_dropped
+            c.stitches_dropped,
+            h(use_[0].0),
+            h(use_[0].1),
+            h(use_[1].0),
+            h(use_[1].1)
         );
         Some((json, text))
     }

@@ -64,6 +64,9 @@ pub struct PoolOptions {
     pub thread_cache: bool,
     /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
     pub event_batch: usize,
+    /// `GPUPOOL_ARENA_LEND`: the arena's ranges grow into each other's free granules
+    /// (`Pool::map_window`).
+    pub arena_lend: bool,
 }
 
 impl Default for PoolOptions {
@@ -79,6 +82,7 @@ impl Default for PoolOptions {
             arena_va: None,
             thread_cache: true,
             event_batch: crate::stream::EVENT_BATCH,
+            arena_lend: false,
         }
     }
 }
@@ -145,6 +149,8 @@ pub struct Pool {
     /// Scratch for the ranges a free leaves pending on its stream (`StreamTracker::on_free`):
     /// kept so a free allocates nothing.
     scratch_ranges: Vec<(usize, usize)>,
+    /// `PoolOptions::arena_lend`.
+    arena_lend: bool,
     c: Counters,
     /// Reserved-bytes cap; 0 = none.
     limit: usize,
@@ -207,6 +213,7 @@ impl Pool {
             unfenced: Vec::new(),
             unfenced_bytes: 0,
             scratch_ranges: Vec::new(),
+            arena_lend: opts.arena_lend,
             c: Counters::default(),
             limit,
             check: opts.check_invariants,

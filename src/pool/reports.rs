@@ -135,6 +135,11 @@ impl Pool {
         ReportContext { device: self.device, strategy: self.strategy.name(), upstream: self.upstream.name() }
     }
 
+    /// The arena's (mapped, free) bytes in its small and large ranges, for arena pools.
+    pub fn arena_space_usage(&self) -> Option<[(usize, usize); 2]> {
+        self.strategy.as_arena_ref().map(|a| a.space_usage())
+    }
+
     /// Cached free blocks (tests and reports).
     pub fn free_blocks(&self) -> Vec<Block> {
         self.strategy.free_blocks()

@@ -33,6 +33,7 @@ use crate::upstream::stream_id::StreamKey;
 use space::{FreeRun, Space, ROUND};
 use stitch::Stitches;
 
+const STITCHED_LENDABLE: bool = false;
 /// Requests up to this size live in the small space.
 pub const SMALL_LIMIT: usize = 1 << 20;
 const SMALL: usize = 0;
@@ -50,6 +51,10 @@ pub struct ArenaCounters {
     pub stitch_reuses: u64,
     pub stitches_dropped: u64,
     pub granules_aliased: u64,
+    /// Granules of the small range that show a free granule of the large range instead of
+    /// new memory (`lend`), and loans ended (`end_loan`).
+    pub granules_lent: u64,
+    pub loans_ended: u64,
 }
 
 /// How `plan` serves a request that no free block serves.
@@ -72,6 +77,11 @@ pub struct ArenaStrategy {
     spaces: [Space; 2],
     stitches: Stitches,
     granule: usize,
+    /// Granules of one range that show the memory of a granule of the other (`lend`):
+    /// address -> the other range's node booked as allocated for it.
+    loans: std::collections::BTreeMap<usize, space::Slot>,
+    /// How many of `loans` are in the small range (their homes in the large one).
+    small_loans: usize,
     pub counters: ArenaCounters,
 }
 
@@ -82,6 +92,8 @@ impl ArenaStrategy {
             spaces: [Space::new(small.0, small.1, granule), Space::new(large.0, large.1, granule)],
             stitches: Stitches::new(stitch.0, stitch.1),
             granule,
+            loans: Default::default(),
+            small_loans: 0,
             counters: ArenaCounters::default(),
         }
     }
@@ -105,6 +117,11 @@ impl ArenaStrategy {
         } else {
             LARGE
         }
+    }
+
+    /// 0 for the small range, 1 for the large one (the stitch range counts as large).
+    pub fn space_of_addr(&self, addr: usize) -> usize {
+        self.space_of(addr)
     }
 
     fn space_of(&self, addr: usize) -> usize {
@@ -131,7 +148,7 @@ impl ArenaStrategy {
         }
         let g = self.granule;
         let whole = round_up(rounded, g)?;
-        let runs = self.spaces[LARGE].free_granule_runs();
+        let runs = self.home_runs(LARGE);
         // A cached stitch with `k` granules in a row whose homes are all free (and whose
         // streams allow): no driver call.
         let k = whole / g;
@@ -196,6 +213,84 @@ impl ArenaStrategy {
         let si = self.space_of(addr);
         self.spaces[si].mark_unmapped(addr, len);
         self.counters.granules_unmapped += (len / self.granule) as u64;
+    }
+
+    /// Up to `n` whole free granules of the range other than `space` that `space` may show
+    /// instead of new memory (`lend`), longest idle first, asking `reusable` as a stitch
+    /// does. Why: the two ranges peak at different times (a server's small activations
+    /// against its KV caches), and without this one range maps new memory while the other
+    /// holds free granules, so the pool holds the sum of the two peaks.
+    pub fn lendable(&self, space: usize, n: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Vec<usize> {
+        if n == 0 {
+            return Vec::new();
+        }
+        // Granules under a cached stitch's aliases stay with their range: lending one would
+        // make the stitch unusable until the loan ends.
+        let stitched: std::collections::HashSet<usize> = self.stitches.iter().flat_map(|(_, s)| s.homes.iter().copied()).collect();
+        let (free, under_stitches): (Vec<FreeRun>, Vec<FreeRun>) = self
+            .home_runs(1 - space)
+            .into_iter()
+            .flat_map(|r| {
+                let g = self.granule;
+                (r.addr..r.addr + r.len).step_by(g).map(move |a| FreeRun { addr: a, len: g, ..r.clone() })
+            })
+            .partition(|r| !stitched.contains(&r.addr));
+        let mut homes = plan::stitch_homes(&free, n, self.granule, stream, reusable);
+        if STITCHED_LENDABLE && homes.len() < n {
+            homes.extend(plan::stitch_homes(&under_stitches, n - homes.len(), self.granule, stream, reusable));
+        }
+        homes
+    }
+
+    /// Runs of whole free granules of range `si` that hold their own memory: a lent granule
+    /// shows another's through an alias, and an alias cannot be aliased again (the driver
+    /// maps an allocation's handle, which only its home has).
+    fn home_runs(&self, si: usize) -> Vec<FreeRun> {
+        let g = self.granule;
+        let mut out = Vec::new();
+        for r in self.spaces[si].free_granule_runs() {
+            let mut start = r.addr;
+            for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
+                if a == r.addr + r.len || self.loans.contains_key(&a) {
+                    if a > start {
+                        out.push(FreeRun { addr: start, len: a - start, ..r.clone() });
+                    }
+                    start = a + g;
+                }
+            }
+        }
+        out
+    }
+
+    /// The pool aliased the other range's free granule `home` at the unmapped granule `at`:
+    /// `home` is booked as allocated (its memory is `at`'s range's now) and `at` as mapped,
+    /// free memory of `stream`. No memory was added.
+    pub fn lend(&mut self, at: usize, home: usize, stream: StreamKey) {
+        let (g, si) = (self.granule, self.space_of(at));
+        let b = self.spaces[1 - si].carve_range(home, g, stream);
+        self.spaces[si].mark_mapped(at, g, stream);
+        self.loans.insert(at, b.handle);
+        self.small_loans += usize::from(si == SMALL);
+        self.counters.granules_lent += 1;
+    }
+
+    /// Whether granule `at` shows a granule of the other range (`lend`).
+    pub fn is_lent(&self, at: usize) -> bool {
+        self.loans.contains_key(&at)
+    }
+
+    /// The pool removed the alias at the free granule `at`: its home goes back to its range
+    /// as free memory of `stream`.
+    pub fn end_loan(&mut self, at: usize, stream: StreamKey) {
+        let slot = self.loans.remove(&at).expect("a lent granule");
+        let si = self.space_of(at);
+        self.spaces[si].mark_unmapped(at, self.granule);
+        self.small_loans -= usize::from(si == SMALL);
+        let home_space = &mut self.spaces[1 - si];
+        let n = *home_space.node(slot);
+        let home = Block { addr: n.addr, size: n.size, segment: home_space.base, stream, handle: slot };
+        home_space.put(home);
+        self.counters.loans_ended += 1;
     }
 
     /// Hand out the window of a `Growth::Window` whose granules are all mapped now.
@@ -299,9 +394,22 @@ impl ArenaStrategy {
         runs
     }
 
-    /// Bytes mapped by the books (used + free; stitches add no memory).
+    /// Bytes mapped by the books (used + free; stitches and loans add no memory).
     pub fn mapped_bytes(&self) -> usize {
-        self.spaces.iter().map(|s| s.mapped_bytes()).sum()
+        self.spaces.iter().map(|s| s.mapped_bytes()).sum::<usize>() - self.loans.len() * self.granule
+    }
+
+    /// (mapped, free) bytes of the small and of the large range: where the mapped memory
+    /// that serves nothing lies.
+    pub fn space_usage(&self) -> [(usize, usize); 2] {
+        // A lent granule's memory counts where it is shown, not where its home is booked.
+        let free = |s: &Space| s.free_blocks().iter().map(|b| b.size).sum();
+        let g = self.granule;
+        let (small_lent, large_lent) = (self.small_loans * g, (self.loans.len() - self.small_loans) * g);
+        [
+            (self.spaces[SMALL].mapped_bytes() - large_lent, free(&self.spaces[SMALL])),
+            (self.spaces[LARGE].mapped_bytes() - small_lent, free(&self.spaces[LARGE])),
+        ]
     }
 
     pub fn reserved_address_space(&self) -> usize {
@@ -399,6 +507,16 @@ impl Strategy for ArenaStrategy {
         self.stitches.check_invariants()?;
         let g = self.granule;
         let large = &self.spaces[LARGE];
+        for (&at, &slot) in &self.loans {
+            let si = self.space_of(at);
+            let n = self.spaces[1 - si].node(slot);
+            if !self.spaces[si].is_mapped(at) || n.state != space::State::Allocated || n.size != g || n.addr % g != 0 {
+                return Err(format!("loan at {at:#x}: granule mapped {}, home {:?}", self.spaces[si].is_mapped(at), n));
+            }
+        }
+        if self.loans.keys().filter(|&&a| self.space_of(a) == SMALL).count() != self.small_loans {
+            return Err("arena: small-range loan count is off".into());
+        }
         for (id, st) in self.stitches.iter() {
             if st.len != st.homes.len() * g {
                 return Err(format!("stitch {id}: {} bytes for {} granules", st.len, st.homes.len()));
