@@ -23,6 +23,7 @@
 //! The strategy plans and keeps the books; the pool (`pool/arena.rs`) makes the driver
 //! calls, so all of this is testable without a GPU.
 
+mod loans;
 pub mod plan;
 pub mod space;
 pub mod stitch;
@@ -33,7 +34,6 @@ use crate::upstream::stream_id::StreamKey;
 use space::{FreeRun, Space, ROUND};
 use stitch::Stitches;
 
-const STITCHED_LENDABLE: bool = false;
 /// Requests up to this size live in the small space.
 pub const SMALL_LIMIT: usize = 1 << 20;
 const SMALL: usize = 0;
@@ -213,84 +213,6 @@ impl ArenaStrategy {
         let si = self.space_of(addr);
         self.spaces[si].mark_unmapped(addr, len);
         self.counters.granules_unmapped += (len / self.granule) as u64;
-    }
-
-    /// Up to `n` whole free granules of the range other than `space` that `space` may show
-    /// instead of new memory (`lend`), longest idle first, asking `reusable` as a stitch
-    /// does. Why: the two ranges peak at different times (a server's small activations
-    /// against its KV caches), and without this one range maps new memory while the other
-    /// holds free granules, so the pool holds the sum of the two peaks.
-    pub fn lendable(&self, space: usize, n: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Vec<usize> {
-        if n == 0 {
-            return Vec::new();
-        }
-        // Granules under a cached stitch's aliases stay with their range: lending one would
-        // make the stitch unusable until the loan ends.
-        let stitched: std::collections::HashSet<usize> = self.stitches.iter().flat_map(|(_, s)| s.homes.iter().copied()).collect();
-        let (free, under_stitches): (Vec<FreeRun>, Vec<FreeRun>) = self
-            .home_runs(1 - space)
-            .into_iter()
-            .flat_map(|r| {
-                let g = self.granule;
-                (r.addr..r.addr + r.len).step_by(g).map(move |a| FreeRun { addr: a, len: g, ..r.clone() })
-            })
-            .partition(|r| !stitched.contains(&r.addr));
-        let mut homes = plan::stitch_homes(&free, n, self.granule, stream, reusable);
-        if STITCHED_LENDABLE && homes.len() < n {
-            homes.extend(plan::stitch_homes(&under_stitches, n - homes.len(), self.granule, stream, reusable));
-        }
-        homes
-    }
-
-    /// Runs of whole free granules of range `si` that hold their own memory: a lent granule
-    /// shows another's through an alias, and an alias cannot be aliased again (the driver
-    /// maps an allocation's handle, which only its home has).
-    fn home_runs(&self, si: usize) -> Vec<FreeRun> {
-        let g = self.granule;
-        let mut out = Vec::new();
-        for r in self.spaces[si].free_granule_runs() {
-            let mut start = r.addr;
-            for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
-                if a == r.addr + r.len || self.loans.contains_key(&a) {
-                    if a > start {
-                        out.push(FreeRun { addr: start, len: a - start, ..r.clone() });
-                    }
-                    start = a + g;
-                }
-            }
-        }
-        out
-    }
-
-    /// The pool aliased the other range's free granule `home` at the unmapped granule `at`:
-    /// `home` is booked as allocated (its memory is `at`'s range's now) and `at` as mapped,
-    /// free memory of `stream`. No memory was added.
-    pub fn lend(&mut self, at: usize, home: usize, stream: StreamKey) {
-        let (g, si) = (self.granule, self.space_of(at));
-        let b = self.spaces[1 - si].carve_range(home, g, stream);
-        self.spaces[si].mark_mapped(at, g, stream);
-        self.loans.insert(at, b.handle);
-        self.small_loans += usize::from(si == SMALL);
-        self.counters.granules_lent += 1;
-    }
-
-    /// Whether granule `at` shows a granule of the other range (`lend`).
-    pub fn is_lent(&self, at: usize) -> bool {
-        self.loans.contains_key(&at)
-    }
-
-    /// The pool removed the alias at the free granule `at`: its home goes back to its range
-    /// as free memory of `stream`.
-    pub fn end_loan(&mut self, at: usize, stream: StreamKey) {
-        let slot = self.loans.remove(&at).expect("a lent granule");
-        let si = self.space_of(at);
-        self.spaces[si].mark_unmapped(at, self.granule);
-        self.small_loans -= usize::from(si == SMALL);
-        let home_space = &mut self.spaces[1 - si];
-        let n = *home_space.node(slot);
-        let home = Block { addr: n.addr, size: n.size, segment: home_space.base, stream, handle: slot };
-        home_space.put(home);
-        self.counters.loans_ended += 1;
     }
 
     /// Hand out the window of a `Growth::Window` whose granules are all mapped now.
