@@ -16,10 +16,14 @@
 //! stream's next record, made at one of its frees once `batch` frees or `batch_bytes`
 //! bytes are pending, or at once when another stream was refused a pending block since the
 //! last record (`wanted`). A pending block serves its own stream at once and no other until
-//! then; anything that must know a pending free done (a release, a stitch's removal) waits
-//! for the whole device instead, which only happens under pressure or on reclaim. The
-//! batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`), so at most that much memory per
-//! stream waits for another stream's benefit. Strategies that give memory back at each
+//! then; anything that must know a pending free done (a release, decay or decommit, a
+//! stitch's eviction) waits for the whole device instead, and is refused while a capture
+//! may run. Those happen under pressure, on reclaim, with decay switched on, or when the
+//! stitch cache is full. The batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`), so at
+//! most that much memory per stream waits for another stream's benefit. (A stream whose
+//! best-fitting free block is pending is refused as a whole by the split and binned
+//! strategies, though it may hold older covered blocks: `wanted` makes its next free record,
+//! so that lasts until then.) Strategies that give memory back at each
 //! free (`none`) record every free: their release must wait for exactly that free.
 //!
 //! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch
@@ -67,6 +71,8 @@ struct StreamState {
     /// Ranges freed since the event's last record (in the strategy's gating addresses,
     /// `Strategy::home_ranges`), and their bytes: they serve this stream only.
     pending: Vec<(usize, usize)>,
+    /// Frees and bytes those ranges hold (a stitch's free names several ranges).
+    pending_frees: usize,
     pending_bytes: usize,
     /// Another stream was refused a pending block: the next free records at once.
     wanted: bool,
@@ -162,8 +168,9 @@ impl StreamTracker {
         let st = self.state(up, key, handle);
         st.handle = handle;
         let bytes: usize = ranges.iter().map(|r| r.1).sum();
-        if !st.wanted && !st.uncovered && st.event.is_some() && st.pending.len() + 1 < batch && st.pending_bytes + bytes < batch_bytes {
+        if !st.wanted && !st.uncovered && st.event.is_some() && st.pending_frees + 1 < batch && st.pending_bytes + bytes < batch_bytes {
             st.pending.extend_from_slice(ranges);
+            st.pending_frees += 1;
             st.pending_bytes += bytes;
             return Ok(());
         }
@@ -196,6 +203,7 @@ impl StreamTracker {
                 st.uncovered = false;
                 st.wanted = false;
                 st.pending.clear();
+                st.pending_frees = 0;
                 st.pending_bytes = 0;
                 Ok(())
             }
@@ -257,6 +265,7 @@ impl StreamTracker {
             s.uncovered = false;
             s.recorded = false; // nothing left to cover (`covering_event` answers None)
             s.pending.clear();
+            s.pending_frees = 0;
             s.pending_bytes = 0;
             s.wanted = false;
         }
@@ -273,7 +282,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered, pending: Vec::new(), pending_bytes: 0, wanted: false });
+            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered, pending: Vec::new(), pending_frees: 0, pending_bytes: 0, wanted: false });
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -291,6 +300,7 @@ impl StreamTracker {
                         recorded: false,
                         uncovered: false,
                         pending: Vec::new(),
+                        pending_frees: 0,
                         pending_bytes: 0,
                         wanted: false,
                     })

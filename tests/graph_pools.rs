@@ -436,3 +436,23 @@ fn a_stream_less_free_of_a_private_block_goes_back_to_its_pool() {
     p.release_pool((41, C_POOL_TAG)).unwrap();
     assert_eq!(p.private_pool_summary().0, 0);
 }
+
+#[test]
+fn a_growth_on_a_capturing_stream_records_no_event_there() {
+    // A route is active that does not take S; S captures a graph and frees there (no event
+    // may be recorded: S is uncovered); its next allocation misses the cache and grows. The
+    // growth covers an uncovered stream's frees by recording on it, but not while it captures.
+    every_kind(|kind| {
+        let (mut p, dev) = pool(kind);
+        p.begin_allocate_to_pool((1, 1), Filter::Stream(gpupool::stream::StreamKey(0xDEAD))).unwrap();
+        let x = p.malloc(MIB, S).unwrap();
+        begin_capture(&dev, S, 7);
+        p.free(x, S).unwrap();
+        let y = p.malloc(64 * MIB, S).unwrap();
+        let recorded: Vec<String> = forbidden(&dev).into_iter().filter(|f| f.starts_with("event record")).collect();
+        assert!(recorded.is_empty(), "{kind:?}: {recorded:?}");
+        end_capture(&dev, S);
+        p.free(y, S).unwrap();
+        p.check_invariants().unwrap();
+    });
+}

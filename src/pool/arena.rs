@@ -98,19 +98,24 @@ impl Pool {
                 // plan counts on.
                 self.decay_before_grow(rounded);
             }
-            // Plan and serve; an eviction (stitch cache full) plans again.
+            // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
+            // stream's work cannot be waited for now) is not planned again in this growth:
+            // the same stitch would be chosen forever.
+            let mut may_evict = true;
             loop {
                 let plan = {
                     let (streams, up) = (&mut self.streams, &mut *self.upstream);
                     let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-                    self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, &mut gate)
+                    self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, &mut gate)
                 };
                 let served = match plan {
                     None => break,
                     Some(Growth::Evict { id }) => {
-                        // A stitch that cannot be removed is left broken (never chosen
-                        // again): plan again either way.
-                        let _ = self.drop_stitch(id);
+                        // A stitch whose alias removal failed is left broken (never chosen
+                        // again); one whose stream could not be waited for stays cached.
+                        if self.drop_stitch(id).is_err() {
+                            may_evict = false;
+                        }
                         continue;
                     }
                     Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),

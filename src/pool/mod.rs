@@ -346,6 +346,11 @@ impl Pool {
                 // Back to the cache as it was taken (its pages stay decommitted). A block
                 // straddling pages may need more memory than a fresh segment: try one.
                 let _ = self.strategy.put(block);
+                // Booked under this stream now: it may have been another stream's, which this
+                // one waited for; a record here makes later reuse elsewhere wait for both.
+                if !self.capturing(stream, false) {
+                    let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+                }
                 block = self.grow(size, rounded, key, stream, false).map_err(|_| e)?;
             }
         }
@@ -451,10 +456,11 @@ impl Pool {
     /// try the cache again (false when the cached candidate is known not to fit). The
     /// arena maps a window instead (`arena.rs`).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
-        if key != StreamKey::LEGACY && self.streams.is_uncovered(key) {
+        if key != StreamKey::LEGACY && self.streams.is_uncovered(key) && !self.capturing(stream, true) {
             // This call names the stream, so it is alive now: cover its earlier frees (those
             // left pending or uncovered), and other streams may use them from here on. A
-            // growth calls the driver anyway; a steady state never gets here.
+            // growth calls the driver anyway; a steady state never gets here. (Not while the
+            // stream captures a graph: an event recorded there belongs to the graph.)
             let _ = self.streams.record_now(&mut *self.upstream, key, stream);
         }
         if self.strategy.as_arena_ref().is_some() {

@@ -135,7 +135,9 @@ impl ArenaStrategy {
     /// How to serve `rounded` bytes for `stream` when no free block does (module docs give
     /// the order). `reusable` is asked before another stream's free memory is used.
     /// `None`: no address space left that could hold it.
-    pub fn plan(&self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Growth> {
+    /// `may_evict`: false once an eviction failed in this growth (its stream's work could not
+    /// be waited for): no stitch is then planned where the cache is full.
+    pub fn plan(&self, rounded: usize, stream: StreamKey, may_evict: bool, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Growth> {
         let si = Self::class(rounded);
         let windows = plan::windows(&self.spaces[si], rounded, stream);
         // Other streams are asked (which may make this one wait on them) only for the
@@ -176,12 +178,13 @@ impl ArenaStrategy {
         let free: usize = runs.iter().map(|r| r.len / g).sum();
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
         if n.saturating_sub(free) < window_new {
-            if self.stitches.count() >= stitch::MAX_STITCHES || self.stitches.find_va(whole).is_none() {
+            let full = self.stitches.count() >= stitch::MAX_STITCHES;
+            if may_evict && (full || self.stitches.find_va(whole).is_none()) {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
             }
-            if let Some(base) = self.stitches.find_va(whole) {
+            if let Some(base) = self.stitches.find_va(whole).filter(|_| !full) {
                 let mut homes = plan::stitch_homes(&runs, n, g, stream, reusable);
                 let new = n - homes.len();
                 if new < window_new {
@@ -482,7 +485,7 @@ mod tests {
             return (b, 0);
         }
         loop {
-            let b = match a.plan(rounded, stream, &mut |_, _, _| true).expect("address space left") {
+            let b = match a.plan(rounded, stream, true, &mut |_, _, _| true).expect("address space left") {
                 Growth::Window { space, window } => {
                     for &t in &window.targets {
                         a.mapped(t, G, stream);
@@ -576,7 +579,7 @@ mod tests {
         let (x, _) = grow(&mut a, 4 * G, L);
         a.put(Block { stream: StreamKey(7), ..x });
         assert!(a.take(4 * G, L, &mut |_, _, _| false).is_none());
-        match a.plan(4 * G, L, &mut |_, _, _| false).unwrap() {
+        match a.plan(4 * G, L, true, &mut |_, _, _| false).unwrap() {
             Growth::Window { window, .. } => {
                 assert_ne!(window.start, x.addr, "a refused stream's memory is not used");
                 assert_eq!(window.targets.len(), 4);
