@@ -20,10 +20,10 @@
 //! stitch's eviction) waits for the whole device instead, and is refused while a capture
 //! may run. Those happen under pressure, on reclaim, with decay switched on, or when the
 //! stitch cache is full. The batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`), so at
-//! most that much memory per stream waits for another stream's benefit. (A stream whose
-//! best-fitting free block is pending is refused as a whole by the split and binned
-//! strategies, though it may hold older covered blocks: `wanted` makes its next free record,
-//! so that lasts until then.) Strategies that give memory back at each
+//! most that much memory per stream waits for another stream's benefit. (`split` asks a
+//! few more of a stream's free blocks when its best fit is pending; `binned` passes over a
+//! stream after one refusal, and the arena's windows and stitches span whole runs: `wanted`
+//! makes that stream's next free record, so that lasts until then.) Strategies that give memory back at each
 //! free (`none`) record every free: their release must wait for exactly that free.
 //!
 //! The legacy default stream (handle 0 / `CU_STREAM_LEGACY`) is the hot path of PyTorch

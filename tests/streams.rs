@@ -477,3 +477,29 @@ fn an_eviction_that_cannot_wait_for_its_stream_does_not_plan_it_again_forever() 
     let p = worker.join().unwrap();
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn another_stream_gets_an_older_covered_block_when_the_best_fit_is_pending() {
+    // A's best-fitting free block for B is pending (freed after A's last record), but an
+    // older one is covered: B takes the covered one after waiting on A, rather than growing.
+    let (mut p, dev) = batched(PoolKind::Split);
+    let x = p.malloc(3 * MIB, A).unwrap();
+    let z = p.malloc(3 * MIB, A).unwrap(); // live: keeps x and y apart
+    let y = p.malloc(2 * MIB, A).unwrap();
+    let w = p.malloc(3 * MIB, A).unwrap(); // live: keeps y apart from the segment's rest
+    p.free(x, A).unwrap();
+    let big = p.malloc(64 * MIB, A).unwrap(); // a growth on A records A's event: x is covered
+    p.free(y, A).unwrap(); // pending
+    let l = log(&dev);
+    let rec = l.iter().rev().find(|x| x.starts_with("record") && x.ends_with(&format!("on {A:#x}"))).unwrap_or_else(|| panic!("{l:?}")).clone();
+    let ev = rec.split(' ').nth(1).unwrap().to_string();
+    let reserved = p.stats().total_bytes;
+    let b = p.malloc(2 * MIB, B).unwrap();
+    assert_eq!(b, x, "B should get x (covered), not grow or take y (pending)");
+    assert_eq!(p.stats().total_bytes, reserved);
+    assert!(log(&dev).iter().any(|l| *l == format!("wait {B:#x} on {ev}")));
+    for (ptr, s) in [(b, B), (z, A), (w, A), (big, A)] {
+        p.free(ptr, s).unwrap();
+    }
+    p.check_invariants().unwrap();
+}

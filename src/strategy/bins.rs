@@ -87,6 +87,20 @@ impl FreeBins {
         self.bins[next].iter().min().copied()
     }
 
+    /// The smallest entry of at least `size` bytes that orders after `after` (size, then
+    /// address): with `after` the previous answer, the fits one by one, best first.
+    pub fn next_fit(&self, size: usize, after: (usize, usize)) -> Option<Entry> {
+        let ok = |e: &&Entry| e.0 >= size && (e.0, e.1) > after;
+        // Bins are monotonic in size: nothing after `after` lies below its bin.
+        let mut b = bin_of(after.0.max(size));
+        loop {
+            if let Some(e) = self.bins[b].iter().filter(ok).min() {
+                return Some(*e);
+            }
+            b = self.next_nonempty(b + 1)?;
+        }
+    }
+
     /// The largest entry, if any.
     pub fn largest(&self) -> Option<Entry> {
         let w = (0..WORDS).rev().find(|&w| self.nonempty[w] != 0)?;
@@ -130,7 +144,7 @@ mod tests {
     }
 
     /// The same answers as an ordered set of (size, addr) under random inserts, removes and
-    /// queries: exact best fit, lowest address on ties.
+    /// queries: exact best fit, lowest address on ties, and the next fits in order.
     #[test]
     fn best_fit_matches_an_ordered_set() {
         let mut bins = FreeBins::default();
@@ -144,7 +158,7 @@ mod tests {
         };
         for _ in 0..50_000 {
             let size = ((rnd() % (64 << 20)) as usize + 1) & !511 | 512;
-            match rnd() % 3 {
+            match rnd() % 4 {
                 0 => {
                     let addr = (rnd() % 4096) as usize * 4096;
                     if set.insert((size, addr)) {
@@ -159,6 +173,17 @@ mod tests {
                         assert!(bins.remove(s, a));
                         assert!(!bins.remove(s, a));
                     }
+                }
+                2 => {
+                    // The fits in order, as the ordered set lists them from (size, 0).
+                    let want: Vec<(usize, usize)> = set.range((size, 0)..).take(5).copied().collect();
+                    let mut got = Vec::new();
+                    let mut e = bins.best_fit(size).map(|e| (e.0, e.1));
+                    while let Some(f) = e.filter(|_| got.len() < 5) {
+                        got.push(f);
+                        e = bins.next_fit(size, f).map(|e| (e.0, e.1));
+                    }
+                    assert_eq!(got, want, "fits for {size}");
                 }
                 _ => assert_eq!(bins.largest().map(|e| (e.0, e.1)), set.last().copied()),
             }

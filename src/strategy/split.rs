@@ -39,6 +39,10 @@ pub const MID_LIMIT: usize = 10 << 20;
 pub const MID_SEGMENT: usize = 20 << 20;
 pub const LARGE_ROUND: usize = 2 << 20;
 const QUICK_MAX: usize = 64;
+/// Free blocks of one other stream asked for in a take before that stream is passed over
+/// (each refusal costs no driver call; a wait may cost one).
+const FITS_ASKED_PER_STREAM: usize = 4;
+
 /// Emptied free indexes of non-legacy streams kept for reuse. Building one costs a few KiB
 /// (`bins.rs`), too much to pay each time a busy stream's last free block is taken; beyond
 /// this many they are dropped, so a program that creates many streams does not accumulate
@@ -288,17 +292,30 @@ impl Strategy for SplitStrategy {
         if let Some(key) = self.best_fit(class, stream, rounded) {
             return Some(self.carve(key, rounded, stream));
         }
-        // Other streams' blocks, best fit first; each needs the pool's permission.
-        let mut cands: Vec<FreeKey> = self
+        // Other streams' blocks, best fit first; each needs the pool's permission. A refused
+        // block may be one its stream freed after its last event record (`crate::stream`)
+        // while older ones of that stream are covered: the next few fits of that stream are
+        // asked too, in the same best-first order.
+        let mut cands: Vec<(FreeKey, usize)> = self
             .free_index
             .keys()
             .filter(|(c, s)| *c == class && *s != stream)
             .filter_map(|&(c, s)| self.best_fit(c, s, rounded))
+            .map(|k| (k, 1))
             .collect();
-        cands.sort_unstable_by_key(|k| (k.2, k.3));
-        for key in cands {
+        while let Some(i) = (0..cands.len()).min_by_key(|&i| (cands[i].0 .2, cands[i].0 .3)) {
+            let (key, tries) = cands[i];
             if reusable(key.1, key.3, key.2) {
                 return Some(self.carve(key, rounded, stream));
+            }
+            let next = (tries < FITS_ASKED_PER_STREAM)
+                .then(|| self.free_index.get(&(class, key.1))?.next_fit(rounded, (key.2, key.3)))
+                .flatten();
+            match next {
+                Some((size, addr, slot)) => cands[i] = ((class, key.1, size, addr, slot), tries + 1),
+                None => {
+                    cands.swap_remove(i);
+                }
             }
         }
         None
