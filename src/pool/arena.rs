@@ -151,6 +151,7 @@ impl Pool {
                 a.lendable(a.space_of_addr(window.start), targets.len(), key, &mut gate)
             };
             let g = self.arena().granule();
+            let mut lent = false;
             for h in homes {
                 let at = targets[0];
                 // The home is free memory its streams allowed to `stream`; aliasing it
@@ -161,6 +162,20 @@ impl Pool {
                 self.arena().lend(at, h, key);
                 self.trace(stream, Action::Stitch, at, g);
                 targets = &targets[1..];
+                lent = true;
+            }
+            if lent {
+                // The lent granules are booked as free memory of this stream, though the
+                // rest of each (what this request does not use) last served the homes'
+                // streams, which this stream was only made to wait for. Its next record must
+                // come after that wait, or another stream taking the rest on this stream's
+                // event would not wait for them. (In a capture no record may be made: the
+                // stream is left uncovered instead.)
+                if self.capturing(stream, true) {
+                    self.streams.on_free_capturing(&mut *self.upstream, key, stream);
+                } else {
+                    let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+                }
             }
         }
         self.map_granules(targets, key, stream)
@@ -280,16 +295,25 @@ impl Pool {
             // One granule per call: a failure midway leaves the books exact (the driver's
             // unmap is per granule anyway).
             let g = self.arena().granule();
+            let mut released_here = false;
             for at in (addr..addr + len).step_by(g) {
                 if self.arena().is_lent(at) {
-                    // Its memory is a large-range granule's: remove the alias and free the
-                    // home (idle: its streams were waited for above); that granule can go
-                    // back in the next pass.
+                    // Its memory is the other range's granule: remove the alias and give the
+                    // home back too (idle: its users' streams were waited for above, and a
+                    // home under a loan has no other alias). A home whose unmap fails stays
+                    // free in its range for a later pass.
                     if self.upstream.vmm_unalias(at, g).is_err() {
                         break;
                     }
-                    self.arena().end_loan(at, StreamKey::LEGACY);
+                    let home = self.arena().end_loan(at, StreamKey::LEGACY);
                     loans_ended = true;
+                    if self.upstream.vmm_unmap(home, g).is_ok() {
+                        self.arena().unmapped(home, g);
+                        self.c.reserved -= g;
+                        got += g;
+                        self.c.upstream_frees += 1;
+                        self.trace(0, Action::UpstreamFree, home, g);
+                    }
                     continue;
                 }
                 if self.upstream.vmm_unmap(at, g).is_err() {
@@ -298,9 +322,12 @@ impl Pool {
                 self.arena().unmapped(at, g);
                 self.c.reserved -= g;
                 got += g;
+                released_here = true;
             }
-            self.c.upstream_frees += 1;
-            self.trace(0, Action::UpstreamFree, addr, len);
+            if released_here {
+                self.c.upstream_frees += 1;
+                self.trace(0, Action::UpstreamFree, addr, len);
+            }
         }
         (got, loans_ended)
     }
@@ -376,7 +403,7 @@ impl Pool {
         );
         let h = crate::error::human_bytes;
         let text = format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent to the small range {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free",
+            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free",
             h(mapped),
             mapped / g,
             h(g),

@@ -83,8 +83,8 @@ impl ArenaStrategy {
     }
 
     /// The pool removed the alias at the free granule `at`: its home goes back to its range
-    /// as free memory of `stream`.
-    pub fn end_loan(&mut self, at: usize, stream: StreamKey) {
+    /// as free memory of `stream`. Returns the home's address.
+    pub fn end_loan(&mut self, at: usize, stream: StreamKey) -> usize {
         let slot = self.loans.remove(&at).expect("a lent granule");
         let si = self.space_of(at);
         self.spaces[si].mark_unmapped(at, self.granule);
@@ -94,6 +94,7 @@ impl ArenaStrategy {
         let home = Block { addr: n.addr, size: n.size, segment: home_space.base, stream, handle: slot };
         home_space.put(home);
         self.counters.loans_ended += 1;
+        n.addr
     }
 
 }

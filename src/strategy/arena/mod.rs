@@ -51,8 +51,8 @@ pub struct ArenaCounters {
     pub stitch_reuses: u64,
     pub stitches_dropped: u64,
     pub granules_aliased: u64,
-    /// Granules of the small range that show a free granule of the large range instead of
-    /// new memory (`lend`), and loans ended (`end_loan`).
+    /// Granules of one range that show a free granule of the other instead of new memory
+    /// (`lend`, both directions), and loans ended (`end_loan`).
     pub granules_lent: u64,
     pub loans_ended: u64,
 }
