@@ -1,6 +1,9 @@
 //! Private pools: memory set aside for a CUDA graph capture, a PyTorch graph pool or
 //! `MemPool`, or a capture announced from C or CuPy.
 //!
+//! (Over 500 lines on purpose: routes, the private pools' books and the capture rules they
+//! obey change together; each half alone would not say when memory may move.)
+//!
 //! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
 //! uses them at every replay, long after the capture freed them. Such memory must not go
 //! back to eager code while the graph lives, must be reusable by later captures that share

@@ -1,0 +1,207 @@
+//! Finding memory for a request: the cache first, then PyTorch's escalation order (flush
+//! deferred frees, thread caches' reusable blocks, a device-wide wait where frees no event
+//! covers would otherwise make the pool grow, new segments, releasing some cached memory,
+//! then all of it) and the out-of-memory report. The arena grows through `arena.rs`.
+
+use super::{Pool, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES, UNRECORDED_WAIT_MIN};
+use crate::block::{Block, Segment};
+use crate::error::{Error, OomReport, Result};
+use crate::stream::{StreamHandle, StreamKey};
+use crate::trace::Action;
+use crate::upstream::AllocError;
+
+impl Pool {
+    /// May the pool wait for the whole device now? Not while a capture on this device may
+    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
+    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
+    /// to have stopped since.
+    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    pub(super) fn device_sync_allowed(&self) -> bool {
+        !self.graphs.has_routes() && !self.graphs.unannounced_capture_may_run()
+    }
+
+    /// Under memory pressure (the upstream or the limit refused new memory): blocks freed
+    /// on streams no event covers (their frees came after the stream may have gone: see
+    /// `StreamTracker::on_free_unrecorded`) become usable everywhere after one device-wide
+    /// wait. Never on a path that is not already failing to grow, so a steady state makes
+    /// no such call. Returns whether it waited.
+    pub(super) fn cover_by_device_sync(&mut self) -> bool {
+        self.streams.has_uncovered() && self.wait_for_device().is_ok()
+    }
+
+    /// Wait for the whole device, if a wait may be made now (`device_sync_allowed`); every
+    /// free so far is then done, so every stream's blocks are covered.
+    pub(super) fn wait_for_device(&mut self) -> Result<()> {
+        if !self.device_sync_allowed() {
+            return Err(Error::Internal("no device-wide wait may be made while a capture may run".into()));
+        }
+        self.upstream.synchronize_device()?;
+        self.streams.device_synchronized();
+        Ok(())
+    }
+
+    pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+        let (streams, up) = (&mut self.streams, &mut *self.upstream);
+        let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
+        self.strategy.take(rounded, key, &mut gate)
+    }
+
+    pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
+        if let Some(b) = self.take_cached(rounded, key, stream) {
+            return Ok(b);
+        }
+        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+            self.fence_unfenced();
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        if self.strategy.flush_deferred() {
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        // Reusable blocks kept in thread caches before new memory: the fast path never makes
+        // the pool grow. (Unfenced CuPy frees could not serve this request; pressure below
+        // takes them too.)
+        if self.caches.enabled() && self.caches.any_reusable() {
+            for (p, hold) in self.caches.take_all_kept(true) {
+                self.release_kept(p, hold, Some(stream));
+            }
+            self.strategy.flush_deferred();
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        // Memory freed after its stream may have gone serves only that stream until a
+        // device-wide wait; once it amounts to a quarter of what the pool holds (64 MiB at
+        // least), one wait before growing lets every stream use it, so a program that keeps
+        // creating and destroying streams does not grow the pool to the whole device. (At
+        // most one wait per that many bytes of such frees, and only where the pool would
+        // grow: never in a steady state.)
+        if self.streams.unrecorded_bytes() >= (self.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
+            if let Some(b) = self.take_cached(rounded, key, stream) {
+                return Ok(b);
+            }
+        }
+        self.grow(size, rounded, key, stream, true)
+    }
+
+    /// Reserve a new segment and carve the block from it, escalating (release some cache,
+    /// then all of it) when the upstream or the limit refuses; `retake`: between stages,
+    /// try the cache again (false when the cached candidate is known not to fit). The
+    /// arena maps a window instead (`arena.rs`).
+    pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
+        if key != StreamKey::LEGACY && self.streams.is_uncovered(key) && !self.capturing(stream, true) {
+            // This call names the stream, so it is alive now: cover its earlier frees (those
+            // left pending or uncovered), and other streams may use them from here on. A
+            // growth calls the driver anyway; a steady state never gets here. (Not while the
+            // stream captures a graph: an event recorded there belongs to the graph.)
+            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+        }
+        if self.strategy.as_arena_ref().is_some() {
+            return self.grow_arena(size, rounded, key, stream, retake);
+        }
+        let preferred = match self.strategy.segment_size(rounded) {
+            Some(s) => s,
+            None => return Err(self.oom(size, rounded, false)),
+        };
+        // Escalation: 0 = as is, 1 = after releasing some cache, 2 = after releasing all.
+        let mut by_limit = false;
+        for stage in 0..3 {
+            match stage {
+                // A release the driver refuses keeps its segment for later; the request
+                // may still be served by what did go back or by the upstream.
+                1 => {
+                    self.flush_thread_caches(Some(stream));
+                    self.fence_unfenced();
+                    // Blocks no event covers may serve once the device is idle: before any
+                    // memory goes back for a new segment.
+                    if self.cover_by_device_sync() && retake {
+                        if let Some(b) = self.take_cached(rounded, key, stream) {
+                            return Ok(b);
+                        }
+                    }
+                    let _ = self.release_cached(Some(preferred));
+                }
+                2 => {
+                    self.flush_thread_caches(Some(stream));
+                    self.fence_unfenced();
+                    self.finish_pending(true);
+                    let _ = self.release_cached(None);
+                }
+                _ => {}
+            }
+            if stage > 0 && retake {
+                if let Some(b) = self.take_cached(rounded, key, stream) {
+                    return Ok(b);
+                }
+            }
+            // The preferred segment first; when it does not fit, just the request.
+            let mut sizes = [preferred, rounded];
+            let n = if preferred == rounded { 1 } else { 2 };
+            sizes[..n].sort_unstable_by(|a, b| b.cmp(a));
+            for &seg_size in &sizes[..n] {
+                if stage == 0 {
+                    self.decay_before_grow(seg_size);
+                }
+                if self.over_limit(seg_size) {
+                    by_limit = seg_size == rounded;
+                    continue;
+                }
+                match self.upstream.allocate(seg_size, stream) {
+                    Ok(base) => {
+                        self.book_segment(base, seg_size, stream);
+                        if key != StreamKey::LEGACY && self.upstream.stream_ordered() {
+                            // Stream-ordered upstreams make the memory valid on `stream` only;
+                            // cover it so another stream reusing the remainder waits. (Other
+                            // upstreams' memory is idle when it arrives: nothing to cover.)
+                            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+                        }
+                        let seg = Segment { base, size: seg_size, stream: key };
+                        return Ok(self.strategy.add_segment(seg, rounded));
+                    }
+                    Err(AllocError::OutOfMemory) => {
+                        by_limit = false;
+                    }
+                    Err(AllocError::Other(e)) => return Err(e),
+                }
+            }
+        }
+        Err(self.oom(size, rounded, by_limit))
+    }
+
+    /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
+    /// the address index, the trace and the counters.
+    pub(super) fn book_segment(&mut self, base: usize, size: usize, stream: StreamHandle) {
+        crate::owners::add(base, size, self.device);
+        self.trace(stream, Action::UpstreamAlloc, base, size);
+        self.c.reserved += size;
+        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+        self.c.upstream_allocs += 1;
+        self.c.upstream_alloc_bytes += size as u64;
+    }
+
+    /// Whether reserving `bytes` more would pass the limit (0 = no limit).
+    pub(super) fn over_limit(&self, bytes: usize) -> bool {
+        self.limit != 0 && bytes > self.limit.saturating_sub(self.c.reserved)
+    }
+
+    pub(super) fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
+        self.c.ooms += 1;
+        self.trace(0, Action::Oom, 0, requested);
+        Error::OutOfMemory(Box::new(OomReport {
+            device: self.device,
+            requested,
+            rounded,
+            reserved: self.c.reserved,
+            in_use: self.c.used,
+            cached: self.strategy.cached_bytes() - self.holes.bytes(),
+            largest_free_block: self.strategy.largest_free_block(),
+            limit: self.limit,
+            device_free_total: self.upstream.mem_info().ok(),
+            by_limit,
+            strategy: self.strategy.name(),
+        }))
+    }
+}
