@@ -456,3 +456,36 @@ fn a_growth_on_a_capturing_stream_records_no_event_there() {
         p.check_invariants().unwrap();
     });
 }
+
+#[test]
+fn an_eviction_that_cannot_wait_for_its_stream_does_not_plan_it_again_forever() {
+    // The arena's stitch cache is full (its address space is), the stitch to evict was last
+    // freed on S with frees pending (batched records), and a route forbids the device-wide
+    // wait: the eviction fails, and the growth must go on without it (a window, or out of
+    // memory), not choose the same stitch again and again under the pool lock. (Here, not in
+    // tests/streams.rs: a route makes every thread cache in the process step aside while it
+    // is active, which would disturb that file's steady-state test running beside it.)
+    let dev = Arc::new(Mutex::new(Device::default()));
+    let up = CaptureUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, arena_va: Some(16 * MIB), ..Default::default() };
+    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let blocks: Vec<usize> = (0..8).map(|_| p.malloc(2 * MIB, S).unwrap()).collect();
+    for i in [0, 2, 4, 6] {
+        p.free(blocks[i], S).unwrap();
+    }
+    let stitched = p.malloc(8 * MIB, S).unwrap();
+    assert!(p.arena_counters().unwrap().stitches_made >= 1);
+    p.free(stitched, S).unwrap();
+    p.free(blocks[1], S).unwrap();
+    p.begin_allocate_to_pool((1, 1), Filter::Stream(gpupool::stream::StreamKey(0xDEAD))).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let r = p.malloc(10 * MIB, T);
+        tx.send(r.is_ok()).unwrap();
+        p
+    });
+    assert!(rx.recv_timeout(std::time::Duration::from_secs(20)).is_ok(), "the growth never returned");
+    let mut p = worker.join().unwrap();
+    p.end_allocate_to_pool((1, 1)).unwrap();
+    p.check_invariants().unwrap();
+}

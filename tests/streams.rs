@@ -446,39 +446,6 @@ fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waitin
 }
 
 #[test]
-fn an_eviction_that_cannot_wait_for_its_stream_does_not_plan_it_again_forever() {
-    // The arena's stitch cache is full (its address space is), the stitch to evict was last
-    // freed on A with frees pending, and a route forbids the device-wide wait: the eviction
-    // fails, and the growth must go on without it (a window, or out of memory), not choose the
-    // same stitch again and again under the pool lock.
-    use gpupool::pool::Filter;
-    use gpupool::stream::StreamKey;
-    let dev = Arc::new(Device::default());
-    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, arena_va: Some(16 * MIB), ..Default::default() };
-    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
-    let blocks: Vec<usize> = (0..8).map(|_| p.malloc(2 * MIB, A).unwrap()).collect();
-    for i in [0, 2, 4, 6] {
-        p.free(blocks[i], A).unwrap();
-    }
-    let stitched = p.malloc(8 * MIB, A).unwrap();
-    assert!(p.arena_counters().unwrap().stitches_made >= 1);
-    p.free(stitched, A).unwrap();
-    p.free(blocks[1], A).unwrap();
-    p.begin_allocate_to_pool((1, 1), Filter::Stream(StreamKey(0xDEAD))).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let worker = std::thread::spawn(move || {
-        let r = p.malloc(10 * MIB, B);
-        tx.send(r.is_ok()).unwrap();
-        p
-    });
-    let done = rx.recv_timeout(std::time::Duration::from_secs(20));
-    assert!(done.is_ok(), "the growth never returned");
-    let p = worker.join().unwrap();
-    p.check_invariants().unwrap();
-}
-
-#[test]
 fn another_stream_gets_an_older_covered_block_when_the_best_fit_is_pending() {
     // A's best-fitting free block for B is pending (freed after A's last record), but an
     // older one is covered: B takes the covered one after waiting on A, rather than growing.
