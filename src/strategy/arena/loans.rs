@@ -49,20 +49,7 @@ impl ArenaStrategy {
     /// shows another's through an alias, and an alias cannot be aliased again (the driver
     /// maps an allocation's handle, which only its home has).
     pub(super) fn home_runs(&self, si: usize) -> Vec<FreeRun> {
-        let g = self.granule;
-        let mut out = Vec::new();
-        for r in self.spaces[si].free_granule_runs() {
-            let mut start = r.addr;
-            for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
-                if a == r.addr + r.len || self.loans.contains_key(&a) {
-                    if a > start {
-                        out.push(FreeRun { addr: start, len: a - start, ..r.clone() });
-                    }
-                    start = a + g;
-                }
-            }
-        }
-        out
+        super::split_runs(self.spaces[si].free_granule_runs(), self.granule, |a| self.loans.contains_key(&a))
     }
 
     /// The pool aliased the other range's free granule `home` at the unmapped granule `at`:

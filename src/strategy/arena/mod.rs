@@ -300,18 +300,7 @@ impl ArenaStrategy {
         let g = self.granule;
         let pinned: std::collections::HashSet<usize> =
             self.stitches.iter().filter(|(_, s)| s.in_use).flat_map(|(_, s)| s.homes.iter().copied()).collect();
-        let mut runs: Vec<FreeRun> = Vec::new();
-        for r in self.spaces.iter().flat_map(|s| s.free_granule_runs()) {
-            let mut start = r.addr;
-            for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
-                if a == r.addr + r.len || pinned.contains(&a) {
-                    if a > start {
-                        runs.push(FreeRun { addr: start, len: a - start, ..r.clone() });
-                    }
-                    start = a + g;
-                }
-            }
-        }
+        let mut runs = split_runs(self.spaces.iter().flat_map(|s| s.free_granule_runs()), g, |a| pinned.contains(&a));
         match order {
             ReleaseOrder::LargestFirst => runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr))),
             ReleaseOrder::OldestFirst => runs.sort_unstable_by_key(|r| (r.freed_at, r.addr)),
@@ -344,6 +333,24 @@ impl ArenaStrategy {
     pub fn stitch_count(&self) -> usize {
         self.stitches.count()
     }
+}
+
+/// `runs` cut around every granule `excluded` names (granules of `g` bytes): what is left
+/// of each run, in order.
+fn split_runs(runs: impl IntoIterator<Item = FreeRun>, g: usize, excluded: impl Fn(usize) -> bool) -> Vec<FreeRun> {
+    let mut out = Vec::new();
+    for r in runs {
+        let mut start = r.addr;
+        for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
+            if a == r.addr + r.len || excluded(a) {
+                if a > start {
+                    out.push(FreeRun { addr: start, len: a - start, ..r.clone() });
+                }
+                start = a + g;
+            }
+        }
+    }
+    out
 }
 
 impl Strategy for ArenaStrategy {
