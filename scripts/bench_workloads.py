@@ -60,7 +60,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = ("training", "serving", "churn")
-ALLOCATORS = ("native", "expandable", "rmm", "split", "arena")
+ALLOCATORS = ("native", "expandable", "rmm", "split", "arena", "arena-lend")
+GPUPOOL_ALLOCATORS = ("split", "arena", "arena-lend")
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 GIB = float(1 << 30)
 
@@ -86,13 +87,15 @@ QUICK_CONFIG = {
 
 # Environment variables that select an allocator. Only the chosen allocator's are kept: a
 # caller's global PYTORCH_CUDA_ALLOC_CONF would otherwise turn `native` into something else.
-SWITCHES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GPUPOOL_POOL")
+SWITCHES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GPUPOOL_POOL", "GPUPOOL_ARENA_LEND")
 
 
 def switches(allocator):
     if allocator == "expandable":
         return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    if allocator in ("split", "arena"):
+    if allocator == "arena-lend":  # the arena with loans between its two ranges (opt-in)
+        return {"GPUPOOL_POOL": "arena", "GPUPOOL_ARENA_LEND": "1"}
+    if allocator in GPUPOOL_ALLOCATORS:
         return {"GPUPOOL_POOL": allocator}
     return {}
 
@@ -117,7 +120,7 @@ class Probe:
     def __init__(self, name, torch):
         self.name, self.torch = name, torch
         self.gp = self.rmm_up = self.rmm_top = None
-        if name in ("split", "arena"):
+        if name in GPUPOOL_ALLOCATORS:
             sys.path.insert(0, str(REPO / "python"))
             import gpupool
             self.gp = gpupool
