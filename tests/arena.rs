@@ -79,6 +79,29 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
 }
 
 #[test]
+fn a_stitch_maps_each_granule_once_and_grants_access_once() {
+    // Four 2-granule blocks, every other one freed: 4 free granules in two runs. A request
+    // for 4 granules is stitched from them: 4 aliases and one access grant over the stitch
+    // (a grant covers a range of separate mappings), not one grant per granule.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let blocks: Vec<usize> = (0..4).map(|_| p.malloc(2 * G, 0).unwrap()).collect();
+    p.free(blocks[0], 0).unwrap();
+    p.free(blocks[2], 0).unwrap();
+    let before = p.driver_calls();
+    let big = p.malloc(4 * G, 0).unwrap();
+    let after = p.driver_calls();
+    assert_eq!(p.arena_counters().unwrap().stitches_made, 1, "served by a stitch");
+    assert_eq!(p.stats().total_bytes as usize, 8 * G, "no new memory");
+    assert_eq!(after.mem_map - before.mem_map, 4, "one alias per granule: {}", after.text());
+    assert_eq!(after.set_access - before.set_access, 1, "one access grant for the stitch: {}", after.text());
+    stamp(big, 4 * G, 7);
+    assert!(intact(big, 4 * G, 7));
+    for b in [big, blocks[1], blocks[3]] {
+        p.free(b, 0).unwrap();
+    }
+}
+
+#[test]
 fn reported_memory_is_what_the_upstream_has_mapped() {
     let mut p = pool(PoolKind::Arena, 1 << 30);
     let a = p.malloc(5 * MIB, 0).unwrap();

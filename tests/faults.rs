@@ -17,7 +17,7 @@ use gpupool::config::PoolKind;
 use gpupool::error::{Error, Result};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
 use gpupool::{Pool, PoolOptions};
 use std::sync::{Arc, Mutex};
 
@@ -141,11 +141,16 @@ impl Upstream for FaultyUpstream {
         }
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         if self.fail() {
-            return Err(injected("alias"));
+            return Err(AliasFail { made: 0, error: injected("alias") });
         }
-        self.host.vmm_alias(home, to)
+        // A failure after some aliases are in place, as a refused access grant leaves them.
+        if homes.len() > 1 && self.fail() {
+            self.host.vmm_alias(&homes[..homes.len() / 2], to)?;
+            return Err(AliasFail { made: homes.len() / 2, error: injected("alias access") });
+        }
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         if self.fail() {

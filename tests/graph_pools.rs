@@ -12,7 +12,7 @@ use gpupool::error::Result;
 use gpupool::pool::{Callback, Filter, C_POOL_TAG, IMPLICIT_POOL_TAG};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
 use gpupool::{Pool, PoolOptions};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -114,8 +114,8 @@ impl Upstream for CaptureUpstream {
         self.unsafe_call("unmap");
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        self.host.vmm_alias(home, to)
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         self.host.vmm_unalias(addr, len)

@@ -11,7 +11,7 @@ use gpupool::config::PoolKind;
 use gpupool::error::Result;
 use gpupool::stream::{StreamHandle, STREAM_LEGACY};
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
 use gpupool::{Pool, PoolOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -67,9 +67,11 @@ impl Upstream for BusyUpstream {
         self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        self.dev.log.lock().unwrap().push(format!("alias {home:#x}"));
-        self.host.vmm_alias(home, to)
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        for home in homes {
+            self.dev.log.lock().unwrap().push(format!("alias {home:#x}"));
+        }
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         self.host.vmm_unalias(addr, len)

@@ -12,7 +12,7 @@ use crate::strategy::arena::{plan::Window, ArenaStrategy, Growth};
 use crate::strategy::{ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
-use crate::upstream::{AllocError, Upstream};
+use crate::upstream::{AliasFail, AllocError, Upstream};
 
 /// Why a growth failed.
 pub(super) enum GrowFail {
@@ -156,7 +156,12 @@ impl Pool {
                 let at = targets[0];
                 // The home is free memory its streams allowed to `stream`; aliasing it
                 // disturbs no queued work. A refused alias leaves the rest to new memory.
-                if self.upstream.vmm_alias(h, at).is_err() {
+                if let Err(f) = self.upstream.vmm_alias(&[h], at) {
+                    // An alias mapped but not made accessible is removed (as the driver
+                    // allows: one it keeps makes a later map there fail, never reach a user).
+                    if f.made > 0 {
+                        let _ = self.upstream.vmm_unalias(at, g);
+                    }
                     break;
                 }
                 self.arena().lend(at, h, key);
@@ -217,20 +222,18 @@ impl Pool {
     fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
-        for (i, &h) in homes.iter().enumerate() {
-            if let Err(e) = self.upstream.vmm_alias(h, base + i * g) {
-                // Undo the aliases made so far, one granule at a time. One the driver will
-                // not remove is booked as a broken stitch over what was aliased, so its
-                // address space is not reused while mapped and the removal is retried later.
-                for k in 0..i {
-                    if self.upstream.vmm_unalias(base + k * g, g).is_err() {
-                        let id = self.arena().add_stitch(base, homes[..i].to_vec());
-                        self.arena().stitch_broken(id, k);
-                        break;
-                    }
+        if let Err(AliasFail { made, error }) = self.upstream.vmm_alias(&homes, base) {
+            // Undo the aliases made, one granule at a time. One the driver will not remove
+            // is booked as a broken stitch over what was aliased, so its address space is
+            // not reused while mapped and the removal is retried later.
+            for k in 0..made {
+                if self.upstream.vmm_unalias(base + k * g, g).is_err() {
+                    let id = self.arena().add_stitch(base, homes[..made].to_vec());
+                    self.arena().stitch_broken(id, k);
+                    break;
                 }
-                return Err(GrowFail::Other(e));
             }
+            return Err(GrowFail::Other(error));
         }
         self.trace(stream, Action::Stitch, base, homes.len() * g);
         let n = homes.len();

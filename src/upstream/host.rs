@@ -14,7 +14,7 @@
 //! driver calls.
 
 use super::host_vmm::HostVmm;
-use super::{AllocError, DriverCalls, Upstream, MIN_ALIGN};
+use super::{AliasFail, AllocError, DriverCalls, Upstream, MIN_ALIGN};
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
@@ -175,9 +175,12 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        self.vmm.alias(home, to)?;
-        self.calls.mem_map += 1;
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        let g = self.vmm.granule();
+        for (i, &home) in homes.iter().enumerate() {
+            self.vmm.alias(home, to + i * g).map_err(|error| AliasFail { made: i, error })?;
+            self.calls.mem_map += 1;
+        }
         self.calls.set_access += 1;
         Ok(())
     }

@@ -55,6 +55,14 @@ pub enum AllocError {
     Other(Error),
 }
 
+/// Why `Upstream::vmm_alias` failed: the error, and how many of the aliases asked for
+/// (the first `made`) are in place all the same, which the caller removes (`vmm_unalias`).
+#[derive(Debug)]
+pub struct AliasFail {
+    pub made: usize,
+    pub error: Error,
+}
+
 impl From<Error> for AllocError {
     fn from(e: Error) -> Self {
         AllocError::Other(e)
@@ -116,10 +124,12 @@ pub trait Upstream: Send {
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
-    /// Map the physical memory of the granule mapped at `home` at the unmapped granule
-    /// `to` as well (an alias: both addresses show the same bytes), without allocating.
-    fn vmm_alias(&mut self, _home: usize, _to: usize) -> Result<()> {
-        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    /// Map the physical memory of the granules mapped at `homes` side by side from the
+    /// unmapped granule `to` on as well (aliases: both addresses show the same bytes),
+    /// without allocating. One access grant covers them all, so a stitch of N granules
+    /// costs N + 1 driver calls, not 2N.
+    fn vmm_alias(&mut self, _homes: &[usize], _to: usize) -> std::result::Result<(), AliasFail> {
+        Err(AliasFail { made: 0, error: Error::Internal("this upstream has no virtual memory API".into()) })
     }
     /// Remove the aliases of `[addr, addr + len)` (their memory stays at its home).
     fn vmm_unalias(&mut self, _addr: usize, _len: usize) -> Result<()> {

@@ -2,7 +2,7 @@
 //! `capacity` bytes without touching memory, so a user's trace can be replayed against an
 //! 80 GiB "GPU" on a laptop.
 
-use super::{AllocError, DriverCalls, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, Upstream};
 use crate::error::{Error, Result};
 use crate::upstream::stream_id::StreamHandle;
 use std::collections::BTreeSet;
@@ -131,11 +131,15 @@ impl Upstream for SimUpstream {
         self.allocated -= len;
         Ok(())
     }
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        if !self.mapped.contains(&home) || !self.aliases.insert(to) {
-            return Err(Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {to:#x}")));
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        for (i, &home) in homes.iter().enumerate() {
+            let at = to + i * SIM_PAGE;
+            if !self.mapped.contains(&home) || !self.aliases.insert(at) {
+                let error = Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {at:#x}"));
+                return Err(AliasFail { made: i, error });
+            }
+            self.calls.mem_map += 1;
         }
-        self.calls.mem_map += 1;
         self.calls.set_access += 1;
         Ok(())
     }

@@ -10,7 +10,7 @@
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
-use crate::upstream::{AllocError, DriverCalls};
+use crate::upstream::{AliasFail, AllocError, DriverCalls};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 
@@ -167,19 +167,25 @@ impl CudaVmm {
         Ok(())
     }
 
-    /// Map the handle behind the granule at `home` at `to` as well.
-    pub fn alias(&mut self, home: usize, to: usize, calls: &mut DriverCalls) -> Result<()> {
+    /// Map the handles behind the granules at `homes` side by side from `to` on as well,
+    /// then grant access to the whole run in one call (the driver grants access over a
+    /// range of separate mappings). On failure the first `made` aliases are in place and
+    /// the caller removes them: a failed grant leaves all of them mapped.
+    pub fn alias(&mut self, homes: &[usize], to: usize, calls: &mut DriverCalls) -> std::result::Result<(), AliasFail> {
         let g = self.granule;
-        let Some(&h) = self.handles.get(&home) else {
-            return Err(Error::Internal(format!("arena: alias of {home:#x}, which is not mapped")));
-        };
-        calls.mem_map += 1;
-        check("cuMemMap", unsafe { sys::cuMemMap(to as sys::CUdeviceptr, g, 0, h, 0) })?;
-        let r = self.set_access(to, g, calls);
+        for (i, &home) in homes.iter().enumerate() {
+            let Some(&h) = self.handles.get(&home) else {
+                let error = Error::Internal(format!("arena: alias of {home:#x}, which is not mapped"));
+                return Err(AliasFail { made: i, error });
+            };
+            calls.mem_map += 1;
+            let at = to + i * g;
+            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, 0, h, 0) })
+                .map_err(|error| AliasFail { made: i, error })?;
+        }
+        let r = self.set_access(to, homes.len() * g, calls);
         if r != sys::CUresult::CUDA_SUCCESS {
-            calls.mem_unmap += 1;
-            unsafe { sys::cuMemUnmap(to as sys::CUdeviceptr, g) };
-            return Err(cuda_error("cuMemSetAccess", r));
+            return Err(AliasFail { made: homes.len(), error: cuda_error("cuMemSetAccess", r) });
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ pub mod managed;
 pub mod pinned;
 pub mod vmm;
 
-use super::{AllocError, DriverCalls, EventHandle, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, EventHandle, Upstream};
 use address_space::CudaVmm;
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey};
@@ -189,10 +189,11 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.unmap(addr, len, calls)
     }
 
-    fn vmm_alias(&mut self, home: usize, to: usize) -> Result<()> {
-        let _g = self.enter()?;
-        let (vmm, calls) = self.vmm_parts()?;
-        vmm.alias(home, to, calls)
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        let no_alias = |error| AliasFail { made: 0, error };
+        let _g = self.enter().map_err(no_alias)?;
+        let (vmm, calls) = self.vmm_parts().map_err(no_alias)?;
+        vmm.alias(homes, to, calls)
     }
 
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
