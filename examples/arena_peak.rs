@@ -1,6 +1,6 @@
 //! Where an arena's memory lies at each new peak of what it maps, for a `GPUPOOL_TRACE`
 //! replayed on the simulated device: live bytes and free mapped bytes of its small and large
-//! ranges. `cargo run --release --example arena_peak -- trace.csv [--arena-lend]`
+//! ranges. `cargo run --release --example arena_peak -- trace.csv [--no-arena-lend]`
 use gpupool::config::PoolKind;
 use gpupool::pool::{Pool, PoolOptions};
 use gpupool::replay::parse;
@@ -11,7 +11,7 @@ use std::collections::HashMap;
 fn main() {
     let path = std::env::args().nth(1).expect("usage: arena_peak TRACE.csv");
     let ops = parse(&std::fs::read_to_string(&path).expect("readable trace")).expect("a trace");
-    let arena_lend = std::env::args().any(|a| a == "--arena-lend");
+    let arena_lend = !std::env::args().any(|a| a == "--no-arena-lend");
     let opts = PoolOptions { kind: PoolKind::Arena, arena_lend, ..Default::default() };
     let mut pool = Pool::new(0, Box::new(SimUpstream::with_pages(80 << 30, false)), &opts).expect("pool");
     let mib = |b: usize| b as f64 / (1 << 20) as f64;

@@ -41,6 +41,8 @@ Columns:
                 memory_stats num_device_alloc + num_device_free; gpupool: upstream
                 allocs + frees; rmm: cudaMalloc/cudaFree under the pool)
   driver/step   gpupool only: driver calls per measured step (stats_json driver_calls.total)
+  steps calling measured steps that made a driver call (gpupool) or a device allocation or
+                free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
 """
 import argparse
@@ -60,8 +62,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = ("training", "serving", "churn")
-ALLOCATORS = ("native", "expandable", "rmm", "split", "arena", "arena-lend")
-GPUPOOL_ALLOCATORS = ("split", "arena", "arena-lend")
+ALLOCATORS = ("native", "expandable", "rmm", "split", "arena", "arena-nolend")
+GPUPOOL_ALLOCATORS = ("split", "arena", "arena-nolend")
 QUICK = os.environ.get("BENCH_QUICK") == "1"
 GIB = float(1 << 30)
 
@@ -93,8 +95,8 @@ SWITCHES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "GPUPOOL_POOL", "GP
 def switches(allocator):
     if allocator == "expandable":
         return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    if allocator == "arena-lend":  # the arena with loans between its two ranges (opt-in)
-        return {"GPUPOOL_POOL": "arena", "GPUPOOL_ARENA_LEND": "1"}
+    if allocator == "arena-nolend":  # the arena without loans between its two ranges
+        return {"GPUPOOL_POOL": "arena", "GPUPOOL_ARENA_LEND": "0"}
     if allocator in GPUPOOL_ALLOCATORS:
         return {"GPUPOOL_POOL": allocator}
     return {}
@@ -200,6 +202,10 @@ class Recorder:
         self.measuring = False
         self.tokens = 0
         self.c0 = (None, None)
+        # Per measured step: whether it made a device allocation or free (every allocator)
+        # and a driver call (gpupool), so growth at a new peak reads apart from a steady
+        # state that calls nothing.
+        self.calling_steps = [0, 0]
 
     def sample(self):
         free, total = self.torch.cuda.mem_get_info()
@@ -212,10 +218,16 @@ class Recorder:
     @contextlib.contextmanager
     def step(self):
         self.torch.cuda.synchronize()
+        before = self.probe.counters() if self.measuring else None
         t0 = time.perf_counter()
         yield
         self.torch.cuda.synchronize()
         (self.measured if self.measuring else self.warm).append(time.perf_counter() - t0)
+        if before is not None:
+            after = self.probe.counters()
+            for i in range(2):
+                if before[i] is not None and after[i] is not None and after[i] > before[i]:
+                    self.calling_steps[i] += 1
         self.sample()
 
     def progress(self, i, total=None, extra="", every=None):
@@ -459,6 +471,8 @@ def run(workload, allocator):
         "peak_device_used_bytes": peak_used, "baseline_device_used_bytes": rec.baseline,
         "device_allocs_frees_per_step": per_step(rec.c0[0], c1[0]),
         "driver_calls_per_step": per_step(rec.c0[1], c1[1]),
+        "steps_with_device_allocs_frees": rec.calling_steps[0] if c1[0] is not None else None,
+        "steps_with_driver_calls": rec.calling_steps[1] if c1[1] is not None else None,
         "driver_calls": None, "gpupool_arena": None,
         "fingerprint": fingerprint,
         "fingerprint_sha256": hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
@@ -502,11 +516,20 @@ def fmt(v, spec, scale=1.0):
     return "-" if v is None else format(v / scale, spec)
 
 
+def calling(r):
+    """Measured steps that made a driver call (gpupool) or a device allocation or free
+    (the others), out of all measured steps."""
+    n = r.get("steps_with_driver_calls")
+    if n is None:
+        n = r.get("steps_with_device_allocs_frees")
+    return "-" if n is None else f"{n}/{r['steps_measured']}"
+
+
 def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
     head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc",
-            "peak dev used GiB", "allocs+frees/step", "driver/step"] + (["tokens/s"] if workload == "serving" else [])
+            "peak dev used GiB", "allocs+frees/step", "driver/step", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
     rows = []
     for a in allocators:
         r = results.get(a)
@@ -517,7 +540,8 @@ def table(workload, allocators, results):
         rows.append([a, fmt(ms, ".2f"), f"{ms / base:.2f}x" if base and ms else "-",
                      fmt(r["peak_allocated_bytes"], ".3f", GIB), fmt(r["peak_reserved_bytes"], ".3f", GIB),
                      fmt(r["reserved_over_allocated"], ".3f"), fmt(r["peak_device_used_bytes"], ".3f", GIB),
-                     fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f")]
+                     fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
+                     calling(r)]
                     + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else []))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731

@@ -173,8 +173,8 @@ pub struct Config {
     /// `GPUPOOL_EVENT_BATCH` (default 64): frees on a user stream per event record; 1
     /// records at every free (`crate::stream`).
     pub event_batch: usize,
-    /// `GPUPOOL_ARENA_LEND=1`: the arena's two ranges grow into each other's free granules
-    /// (an alias each) before mapping new memory. Off by default until proven on a GPU.
+    /// `GPUPOOL_ARENA_LEND` (default on): the arena's two ranges grow into each other's free
+    /// granules (an alias each) before mapping new memory; `0` turns it off.
     pub arena_lend: bool,
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
@@ -198,7 +198,7 @@ impl Default for Config {
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
             event_batch: EVENT_BATCH,
-            arena_lend: false,
+            arena_lend: true,
             arena_va: None,
             status_socket: false,
         }
@@ -376,8 +376,8 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_THREAD_CACHE", "sometimes")]).is_err());
         assert!(!cfg(&[("GPUPOOL_THREAD_CACHE", "0")]).unwrap().thread_cache);
         assert_eq!(cfg(&[]).unwrap().event_batch, EVENT_BATCH);
-        assert!(!cfg(&[]).unwrap().arena_lend);
-        assert!(cfg(&[("GPUPOOL_ARENA_LEND", "1")]).unwrap().arena_lend);
+        assert!(cfg(&[]).unwrap().arena_lend);
+        assert!(!cfg(&[("GPUPOOL_ARENA_LEND", "0")]).unwrap().arena_lend);
         assert!(cfg(&[("GPUPOOL_ARENA_LEND", "maybe")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
         for bad in ["0", "-3", "lots", "5000", ""] {

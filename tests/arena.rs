@@ -69,7 +69,13 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
     assert!(ratio(&a) <= 1.05, "arena holds {:.3}x the live peak", ratio(&a));
     assert!(ratio(&s) > ratio(&a) + 0.2, "the pattern must fragment split ({:.3})", ratio(&s));
     assert!(arena.arena_counters().unwrap().stitches_made > 0, "the big block was stitched");
-    // The same step again: everything it needs is mapped where it was.
+    // The steps once more: a small block that landed in a scrap of the large range (the
+    // rest of a granule under a large block) can hold a granule the step's stitch wanted,
+    // so the first repeat may stitch once more; from then on the layout repeats.
+    for step in 0..3 {
+        fragmenting_step(&mut arena, step);
+    }
+    // The same steps again: everything they need is mapped where it was.
     let before = arena.driver_calls();
     fragmenting_step(&mut arena, 0);
     fragmenting_step(&mut arena, 1);
@@ -102,12 +108,38 @@ fn a_stitch_maps_each_granule_once_and_grants_access_once() {
 }
 
 #[test]
+fn a_small_request_takes_the_large_ranges_scraps_before_new_memory() {
+    // A 3 MiB block maps 2 granules and leaves 1 MiB free in the second: a scrap no large
+    // request or loan can use. A 512 KiB request takes it instead of mapping a granule of
+    // the small range.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let big = p.malloc(3 * MIB, 0).unwrap();
+    stamp(big, 3 * MIB, 1);
+    let small = p.malloc(512 * 1024, 0).unwrap();
+    stamp(small, 512 * 1024, 2);
+    assert_eq!(p.stats().total_bytes as usize, 2 * G, "no new granule: {}", p.memory_status());
+    assert!(small >= big + 3 * MIB && small < big + 2 * G, "served from the scrap after the big block");
+    assert!(intact(big, 3 * MIB, 1) && intact(small, 512 * 1024, 2));
+    // A second one does not fit the rest of the scrap (512 KiB left, 768 KiB asked): the
+    // small range maps its own granule.
+    let third = p.malloc(768 * 1024, 0).unwrap();
+    assert_eq!(p.stats().total_bytes as usize, 3 * G);
+    for b in [small, big, third] {
+        p.free(b, 0).unwrap();
+    }
+    // Everything coalesces back: the large range's two granules are whole and free again.
+    let again = p.malloc(4 * MIB, 0).unwrap();
+    assert_eq!(again, big, "the scrap went back to its range");
+    p.free(again, 0).unwrap();
+}
+
+#[test]
 fn reported_memory_is_what_the_upstream_has_mapped() {
     let mut p = pool(PoolKind::Arena, 1 << 30);
-    let a = p.malloc(5 * MIB, 0).unwrap();
+    let a = p.malloc(6 * MIB, 0).unwrap();
     let b = p.malloc(100, 0).unwrap();
     let st = p.stats();
-    // 5 MiB -> 3 granules; 100 B -> one granule of the small range.
+    // 6 MiB -> 3 granules, no scrap left; 100 B -> one granule of the small range.
     assert_eq!(st.total_bytes as usize, 4 * G);
     assert_eq!(st.device_total_bytes - st.device_free_bytes, st.total_bytes, "the upstream agrees");
     let json = p.stats_json();

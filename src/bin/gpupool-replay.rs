@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--arena-lend]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -8,7 +8,7 @@ use gpupool::replay::{parse, replay_with_progress, Report};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--arena-lend]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -16,7 +16,7 @@ fn main() -> ExitCode {
     let mut pools = vec![PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
     let mut device_size = 80usize << 30;
     let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
-    let mut arena_lend = false;
+    let mut arena_lend = true;
     let mut paged = false;
     let mut i = 0;
     while i < args.len() {
@@ -58,7 +58,7 @@ fn main() -> ExitCode {
                     _ => return fail("--upstream needs device or vmm"),
                 }
             }
-            "--arena-lend" => arena_lend = true,
+            "--no-arena-lend" => arena_lend = false,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;

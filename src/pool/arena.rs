@@ -121,7 +121,17 @@ impl Pool {
                     Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),
                     Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
                     Some(Growth::Window { space, window }) => {
-                        self.map_window(&window, key, stream).map(|()| self.arena().carve_window(space, &window, key))
+                        let spilled = if window.targets.is_empty() {
+                            None
+                        } else {
+                            let (streams, up) = (&mut self.streams, &mut *self.upstream);
+                            let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
+                            self.strategy.as_arena().expect("arena pool").take_spilled(rounded, key, &mut gate)
+                        };
+                        match spilled {
+                            Some(b) => Ok(b),
+                            None => self.map_window(&window, key, stream).map(|()| self.arena().carve_window(space, &window, key)),
+                        }
                     }
                 };
                 match served {
@@ -151,24 +161,31 @@ impl Pool {
                 a.lendable(a.space_of_addr(window.start), targets.len(), key, &mut gate)
             };
             let g = self.arena().granule();
-            let mut lent = false;
-            for h in homes {
-                let at = targets[0];
-                // The home is free memory its streams allowed to `stream`; aliasing it
-                // disturbs no queued work. A refused alias leaves the rest to new memory.
-                if let Err(f) = self.upstream.vmm_alias(&[h], at) {
-                    // An alias mapped but not made accessible is removed (as the driver
-                    // allows: one it keeps makes a later map there fail, never reach a user).
-                    if f.made > 0 {
-                        let _ = self.upstream.vmm_unalias(at, g);
+            // One alias call per run of adjacent targets (one access grant per run). The
+            // homes are free memory their streams allowed to `stream`; aliasing them
+            // disturbs no queued work. A refused run leaves the rest to new memory, and its
+            // aliases made but not yet accessible are removed (as the driver allows: one it
+            // keeps makes a later map there fail, never reaches a user).
+            let mut done = 0;
+            while done < homes.len() {
+                let mut end = done + 1;
+                while end < homes.len() && targets[end] == targets[end - 1] + g {
+                    end += 1;
+                }
+                if let Err(f) = self.upstream.vmm_alias(&homes[done..end], targets[done]) {
+                    for k in 0..f.made {
+                        let _ = self.upstream.vmm_unalias(targets[done] + k * g, g);
                     }
                     break;
                 }
-                self.arena().lend(at, h, key);
-                self.trace(stream, Action::Stitch, at, g);
-                targets = &targets[1..];
-                lent = true;
+                for i in done..end {
+                    self.arena().lend(targets[i], homes[i], key);
+                    self.trace(stream, Action::Stitch, targets[i], g);
+                }
+                done = end;
             }
+            let lent = done > 0;
+            targets = &targets[done..];
             if lent {
                 // The lent granules are booked as free memory of this stream, though the
                 // rest of each (what this request does not use) last served the homes'

@@ -65,8 +65,8 @@ pub struct PoolOptions {
     pub thread_cache: bool,
     /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
     pub event_batch: usize,
-    /// `GPUPOOL_ARENA_LEND`: the arena's ranges grow into each other's free granules
-    /// (`Pool::map_window`).
+    /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
+    /// granules (`Pool::map_window`).
     pub arena_lend: bool,
 }
 
@@ -83,7 +83,7 @@ impl Default for PoolOptions {
             arena_va: None,
             thread_cache: true,
             event_batch: crate::stream::EVENT_BATCH,
-            arena_lend: false,
+            arena_lend: true,
         }
     }
 }

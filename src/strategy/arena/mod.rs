@@ -204,6 +204,20 @@ impl ArenaStrategy {
         chosen(reusable)
     }
 
+    /// A small request that the small range could serve only with new memory takes free
+    /// memory of the large range instead, best fit, if any is there (no driver call).
+    /// Why: the two ranges peak at different times, and at the small range's peak the large
+    /// range's free memory sits in partial granules (the rest of a granule under a live
+    /// block) that neither a loan (whole granules only) nor a large request can use. A
+    /// crumb placed there pins at most the granule it lands in, which was pinned already.
+    pub fn take_spilled(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
+        if Self::class(rounded) != SMALL {
+            return None;
+        }
+        let g = self.granule;
+        self.spaces[LARGE].take_partial(rounded, g, stream, &|_, _| false, reusable)
+    }
+
     /// New memory now backs `[addr, addr + len)`.
     pub fn mapped(&mut self, addr: usize, len: usize, stream: StreamKey) {
         let si = self.space_of(addr);

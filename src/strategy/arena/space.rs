@@ -263,6 +263,33 @@ impl Space {
         None
     }
 
+    /// `take`, among free blocks smaller than `granule` only: scraps that hold no whole
+    /// granule (so no loan or large request could have used them), and of those only the
+    /// ones where `excluded(addr, len)` does not object to the block carved. Own stream
+    /// first (no permission needed), then the others, best fit first, a few fits each.
+    pub fn take_partial(&mut self, rounded: usize, granule: usize, stream: StreamKey, excluded: &dyn Fn(usize, usize) -> bool, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
+        const FITS_PER_STREAM: usize = 8;
+        let mut cands: Vec<(bool, usize, usize, Slot, StreamKey)> = Vec::new();
+        for (&k, bins) in &self.index {
+            let mut fit = bins.best_fit(rounded);
+            for _ in 0..FITS_PER_STREAM {
+                let Some((size, addr, s)) = fit.filter(|e| e.0 < granule) else { break };
+                if !excluded(addr, rounded) {
+                    cands.push((k != stream, size, addr, s, k));
+                    break;
+                }
+                fit = bins.next_fit(rounded, (size, addr));
+            }
+        }
+        cands.sort_unstable_by_key(|&(foreign, size, addr, ..)| (foreign, size, addr));
+        for (_, size, addr, s, from) in cands {
+            if from == stream || reusable(from, addr, size) {
+                return Some(self.carve(s, rounded, stream));
+            }
+        }
+        None
+    }
+
     /// Take back an allocated block freed on `block.stream`.
     pub fn put(&mut self, block: Block) {
         let s = block.handle;
