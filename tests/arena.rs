@@ -69,9 +69,10 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
     assert!(ratio(&a) <= 1.05, "arena holds {:.3}x the live peak", ratio(&a));
     assert!(ratio(&s) > ratio(&a) + 0.2, "the pattern must fragment split ({:.3})", ratio(&s));
     assert!(arena.arena_counters().unwrap().stitches_made > 0, "the big block was stitched");
-    // The steps once more: a small block that landed in a scrap of the large range (the
-    // rest of a granule under a large block) can hold a granule the step's stitch wanted,
-    // so the first repeat may stitch once more; from then on the layout repeats.
+    // The steps once more. The first pass began with nothing mapped, so its small blocks
+    // took scraps of the large range (`ArenaStrategy::take_spilled`); this one finds the
+    // small range mapped and lays them out there, which moves free space once and may
+    // cost one more stitch. From then on the layout repeats exactly.
     for step in 0..3 {
         fragmenting_step(&mut arena, step);
     }

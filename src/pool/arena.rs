@@ -164,8 +164,11 @@ impl Pool {
             // One alias call per run of adjacent targets (one access grant per run). The
             // homes are free memory their streams allowed to `stream`; aliasing them
             // disturbs no queued work. A refused run leaves the rest to new memory, and its
-            // aliases made but not yet accessible are removed (as the driver allows: one it
-            // keeps makes a later map there fail, never reaches a user).
+            // aliases made but not yet accessible are removed. If the driver refuses that
+            // too (two failures in a row), the alias stays mapped where the books say
+            // unmapped: growth into that granule then fails with the driver's error rather
+            // than handing out memory no kernel may touch. (A stitch books the same case as
+            // broken and retries; a loan has no such record yet.)
             let mut done = 0;
             while done < homes.len() {
                 let mut end = done + 1;

@@ -204,18 +204,18 @@ impl ArenaStrategy {
         chosen(reusable)
     }
 
-    /// A small request that the small range could serve only with new memory takes free
-    /// memory of the large range instead, best fit, if any is there (no driver call).
+    /// A small request that the small range could serve only with new memory takes a
+    /// scrap of the large range instead (`Space::take_scrap`: free memory in a granule that
+    /// a live large block holds too), if one fits (no driver call).
     /// Why: the two ranges peak at different times, and at the small range's peak the large
-    /// range's free memory sits in partial granules (the rest of a granule under a live
-    /// block) that neither a loan (whole granules only) nor a large request can use. A
-    /// crumb placed there pins at most the granule it lands in, which was pinned already.
+    /// range's free memory sits largely in such scraps, which neither a loan (whole
+    /// granules only) nor a release can use while their large block lives. The crumb pins
+    /// no granule that was not pinned already.
     pub fn take_spilled(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         if Self::class(rounded) != SMALL {
             return None;
         }
-        let g = self.granule;
-        self.spaces[LARGE].take_partial(rounded, g, stream, &|_, _| false, reusable)
+        self.spaces[LARGE].take_scrap(rounded, stream, reusable)
     }
 
     /// New memory now backs `[addr, addr + len)`.
@@ -626,6 +626,29 @@ mod tests {
         // Stream 2 waited for 1 and 3 before using their memory; the 2 granules it did not
         // take are still 3's: another stream must wait for 3, not for 2, to get them.
         assert_eq!((rest[0].size, rest[0].stream), (2 * G, StreamKey(3)));
+    }
+
+    #[test]
+    fn a_crumb_takes_only_scraps_beside_live_large_blocks() {
+        let mut a = arena();
+        // Granules g0 g1 g2; three 3/4-granule blocks: x in g0, y across g0/g1, z across
+        // g1/g2, and a scrap of 3/4 granule after z in g2.
+        let q = 3 * G / 4;
+        let (x, _) = grow(&mut a, q, L);
+        let (y, _) = grow(&mut a, q, L);
+        let (z, _) = grow(&mut a, q, L);
+        assert_eq!(a.mapped_bytes(), 3 * G);
+        // x and y freed on two streams: g0 is wholly free, in two nodes each smaller than a
+        // granule. It is no scrap (a loan, a release or a stitch can use it whole).
+        a.put(Block { stream: StreamKey(1), ..x });
+        a.put(Block { stream: StreamKey(2), ..y });
+        let c = a.take_spilled(G / 2, L, &mut |_, _, _| true).expect("the scrap after z");
+        assert_eq!(c.addr, z.addr + z.size, "the crumb went beside live z");
+        // A quarter granule is left after it: a second crumb of half a granule fits only in
+        // x's or y's node, whose first bytes lie in g0, which no live block holds.
+        assert!(a.take_spilled(G / 2, L, &mut |_, _, _| true).is_none(), "a crumb would pin the free granule g0");
+        assert!(a.take_spilled(2 * G, L, &mut |_, _, _| true).is_none(), "large requests never spill");
+        a.check_invariants().unwrap();
     }
 
     #[test]

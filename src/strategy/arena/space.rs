@@ -263,18 +263,19 @@ impl Space {
         None
     }
 
-    /// `take`, among free blocks smaller than `granule` only: scraps that hold no whole
-    /// granule (so no loan or large request could have used them), and of those only the
-    /// ones where `excluded(addr, len)` does not object to the block carved. Own stream
-    /// first (no permission needed), then the others, best fit first, a few fits each.
-    pub fn take_partial(&mut self, rounded: usize, granule: usize, stream: StreamKey, excluded: &dyn Fn(usize, usize) -> bool, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
+    /// `take` for a crumb that must pin no granule not pinned already: among free nodes
+    /// smaller than a granule, only one whose first `rounded` bytes lie in granules that a
+    /// live block also occupies (the rest of a granule under a large block, which no loan,
+    /// release or stitch could use while that block lives). Own stream first (no permission
+    /// needed), then the others, best fit first, a few fits per stream.
+    pub fn take_scrap(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         const FITS_PER_STREAM: usize = 8;
         let mut cands: Vec<(bool, usize, usize, Slot, StreamKey)> = Vec::new();
         for (&k, bins) in &self.index {
             let mut fit = bins.best_fit(rounded);
             for _ in 0..FITS_PER_STREAM {
-                let Some((size, addr, s)) = fit.filter(|e| e.0 < granule) else { break };
-                if !excluded(addr, rounded) {
+                let Some((size, addr, s)) = fit.filter(|e| e.0 < self.granule) else { break };
+                if self.pinned_by_live(s, rounded) {
                     cands.push((k != stream, size, addr, s, k));
                     break;
                 }
@@ -288,6 +289,37 @@ impl Space {
             }
         }
         None
+    }
+
+    /// Whether every granule that the first `len` bytes of node `s` touch also holds an
+    /// allocated node. Walks the neighbours of `s` (a granule holds at most
+    /// `granule / ROUND` nodes).
+    fn pinned_by_live(&self, s: Slot, len: usize) -> bool {
+        let g = self.granule;
+        let start = self.slab.nodes[s as usize].addr;
+        let (lo, hi) = (start / g * g, (start + len).div_ceil(g) * g);
+        let mut pinned = [false; 2]; // a crumb under a granule touches at most two granules
+        let mut mark = |n: &Node| {
+            if n.state == State::Allocated {
+                for (i, p) in pinned.iter_mut().enumerate() {
+                    let gs = lo + i * g;
+                    if gs < hi && n.addr < gs + g && n.end() > gs {
+                        *p = true;
+                    }
+                }
+            }
+        };
+        let mut p = self.slab.nodes[s as usize].prev;
+        while p != NIL && self.slab.nodes[p as usize].end() > lo {
+            mark(&self.slab.nodes[p as usize]);
+            p = self.slab.nodes[p as usize].prev;
+        }
+        let mut n = self.slab.nodes[s as usize].next;
+        while n != NIL && self.slab.nodes[n as usize].addr < hi {
+            mark(&self.slab.nodes[n as usize]);
+            n = self.slab.nodes[n as usize].next;
+        }
+        (0..(hi - lo) / g).all(|i| pinned[i])
     }
 
     /// Take back an allocated block freed on `block.stream`.
