@@ -8,7 +8,7 @@
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::block::Block;
-use crate::strategy::arena::{plan::Window, ArenaStrategy, Growth};
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth};
 use crate::strategy::{ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
@@ -170,22 +170,18 @@ impl Pool {
             // than handing out memory no kernel may touch. (A stitch books the same case as
             // broken and retries; a loan has no such record yet.)
             let mut done = 0;
-            while done < homes.len() {
-                let mut end = done + 1;
-                while end < homes.len() && targets[end] == targets[end - 1] + g {
-                    end += 1;
-                }
-                if let Err(f) = self.upstream.vmm_alias(&homes[done..end], targets[done]) {
+            for r in adjacent_runs(&targets[..homes.len()], g) {
+                if let Err(f) = self.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
                     for k in 0..f.made {
-                        let _ = self.upstream.vmm_unalias(targets[done] + k * g, g);
+                        let _ = self.upstream.vmm_unalias(targets[r.start] + k * g, g);
                     }
                     break;
                 }
-                for i in done..end {
+                for i in r.clone() {
                     self.arena().lend(targets[i], homes[i], key);
                     self.trace(stream, Action::Stitch, targets[i], g);
                 }
-                done = end;
+                done = r.end;
             }
             let lent = done > 0;
             targets = &targets[done..];
@@ -209,13 +205,8 @@ impl Pool {
     /// Map new memory under the unmapped granules `t` (ascending), one call per run.
     fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let g = self.arena().granule();
-        let mut i = 0;
-        while i < t.len() {
-            let mut j = i + 1;
-            while j < t.len() && t[j] == t[j - 1] + g {
-                j += 1;
-            }
-            let (addr, len) = (t[i], (j - i) * g);
+        for r in adjacent_runs(t, g) {
+            let (addr, len) = (t[r.start], r.len() * g);
             if self.over_limit(len) {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
             }
@@ -231,7 +222,6 @@ impl Pool {
                 Err(AllocError::OutOfMemory) => return Err(GrowFail::OutOfMemory { by_limit: false }),
                 Err(AllocError::Other(e)) => return Err(GrowFail::Other(e)),
             }
-            i = j;
         }
         Ok(())
     }

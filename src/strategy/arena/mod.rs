@@ -250,15 +250,9 @@ impl ArenaStrategy {
         let g = self.granule;
         let homes = self.stitches.get(id).homes[first..first + granules].to_vec();
         let mut borrowed = Vec::new();
-        let mut i = 0;
-        while i < homes.len() {
-            let mut j = i + 1;
-            while j < homes.len() && homes[j] == homes[j - 1] + g {
-                j += 1;
-            }
-            let b = self.spaces[LARGE].carve_range(homes[i], (j - i) * g, stream);
+        for r in plan::adjacent_runs(&homes, g) {
+            let b = self.spaces[LARGE].carve_range(homes[r.start], r.len() * g, stream);
             borrowed.push(b.handle);
-            i = j;
         }
         self.stitches.touch(id);
         let st = self.stitches.get_mut(id);

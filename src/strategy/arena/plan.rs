@@ -100,6 +100,23 @@ pub fn stitch_homes(runs: &[FreeRun], n: usize, granule: usize, stream: StreamKe
     homes
 }
 
+/// Index ranges of `addrs` (ascending granule addresses) whose granules lie side by side:
+/// one driver call (or one booking) per range instead of one per granule.
+pub fn adjacent_runs(addrs: &[usize], granule: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= addrs.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < addrs.len() && addrs[i] == addrs[i - 1] + granule {
+            i += 1;
+        }
+        Some(start..i)
+    })
+}
+
 /// The run of `runs` (in address order) holding granule `g`.
 pub fn run_of(runs: &[FreeRun], g: usize) -> Option<&FreeRun> {
     let i = runs.partition_point(|r| r.addr + r.len <= g);
