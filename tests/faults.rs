@@ -141,16 +141,16 @@ impl Upstream for FaultyUpstream {
         }
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         if self.fail() {
             return Err(AliasFail { made: 0, error: injected("alias") });
         }
-        // A failure after some mappings are in place, as a refused access grant leaves them.
-        if runs.len() > 1 && self.fail() {
-            self.host.vmm_alias(&runs[..runs.len() / 2], to)?;
-            return Err(AliasFail { made: runs.len() / 2, error: injected("alias access") });
+        // A failure after some aliases are in place, as a refused access grant leaves them.
+        if homes.len() > 1 && self.fail() {
+            self.host.vmm_alias(&homes[..homes.len() / 2], to)?;
+            return Err(AliasFail { made: homes.len() / 2, error: injected("alias access") });
         }
-        self.host.vmm_alias(runs, to)
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         if self.fail() {

@@ -114,8 +114,8 @@ impl Upstream for CaptureUpstream {
         self.unsafe_call("unmap");
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
-        self.host.vmm_alias(runs, to)
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         self.host.vmm_unalias(addr, len)

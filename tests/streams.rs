@@ -67,13 +67,11 @@ impl Upstream for BusyUpstream {
         self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
         self.host.vmm_unmap(addr, len)
     }
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
-        for &(home, len) in runs {
-            for g in (home..home + len).step_by(self.host.vmm_granule()) {
-                self.dev.log.lock().unwrap().push(format!("alias {g:#x}"));
-            }
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        for home in homes {
+            self.dev.log.lock().unwrap().push(format!("alias {home:#x}"));
         }
-        self.host.vmm_alias(runs, to)
+        self.host.vmm_alias(homes, to)
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
         self.host.vmm_unalias(addr, len)

@@ -171,9 +171,7 @@ impl Pool {
             // broken and retries; a loan has no such record yet.)
             let mut done = 0;
             for r in adjacent_runs(&targets[..homes.len()], g) {
-                // One mapping per granule: a loan ends granule by granule (`arena_release`).
-                let runs: Vec<(usize, usize)> = homes[r.clone()].iter().map(|&h| (h, g)).collect();
-                if let Err(f) = self.upstream.vmm_alias(&runs, targets[r.start]) {
+                if let Err(f) = self.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
                     for k in 0..f.made {
                         let _ = self.upstream.vmm_unalias(targets[r.start] + k * g, g);
                     }
@@ -240,29 +238,22 @@ impl Pool {
     fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
-        // Homes side by side in one allocation alias with one mapping (`alias_runs`).
-        let runs: Vec<(usize, usize)> = self.arena().alias_runs(&homes).into_iter().map(|(h, n)| (h, n * g)).collect();
-        if let Err(AliasFail { made, error }) = self.upstream.vmm_alias(&runs, base) {
-            // Undo the mappings made, one at a time. One the driver will not remove is
-            // booked as a broken stitch over what was aliased, so its address space is not
-            // reused while mapped and the removal is retried later.
-            let mut at = 0;
-            for &(_, len) in &runs[..made] {
-                if self.upstream.vmm_unalias(base + at, len).is_err() {
-                    let made_granules = runs[..made].iter().map(|r| r.1).sum::<usize>() / g;
-                    let maps = runs[..made].iter().map(|r| r.1 / g).collect();
-                    let id = self.arena().add_stitch(base, homes[..made_granules].to_vec(), maps);
-                    self.arena().stitch_broken(id, at / g);
-                        break;
+        if let Err(AliasFail { made, error }) = self.upstream.vmm_alias(&homes, base) {
+            // Undo the aliases made, one granule at a time. One the driver will not remove
+            // is booked as a broken stitch over what was aliased, so its address space is
+            // not reused while mapped and the removal is retried later.
+            for k in 0..made {
+                if self.upstream.vmm_unalias(base + k * g, g).is_err() {
+                    let id = self.arena().add_stitch(base, homes[..made].to_vec());
+                    self.arena().stitch_broken(id, k);
+                    break;
                 }
-                at += len;
             }
             return Err(GrowFail::Other(error));
         }
         self.trace(stream, Action::Stitch, base, homes.len() * g);
         let n = homes.len();
-        let maps = runs.iter().map(|r| r.1 / g).collect();
-        let id = self.arena().add_stitch(base, homes, maps);
+        let id = self.arena().add_stitch(base, homes);
         Ok(self.arena().carve_stitch(id, 0, n, key, false))
     }
 
@@ -276,11 +267,10 @@ impl Pool {
             self.streams.synchronize(&mut *self.upstream, s, allowed)?;
         }
         let g = self.arena().granule();
-        let (base, _, done) = self.arena().stitch_range(id);
-        // One call per alias mapping, from where an earlier failure stopped.
-        for (first, n) in self.arena().stitch_maps(id).into_iter().filter(|&(first, _)| first >= done) {
-            if let Err(e) = self.upstream.vmm_unalias(base + first * g, n * g) {
-                self.arena().stitch_broken(id, first);
+        let (base, len, done) = self.arena().stitch_range(id);
+        for i in done..len / g {
+            if let Err(e) = self.upstream.vmm_unalias(base + i * g, g) {
+                self.arena().stitch_broken(id, i);
                 return Err(e);
             }
         }

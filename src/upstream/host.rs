@@ -178,22 +178,20 @@ impl Upstream for HostUpstream {
         res
     }
 
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
-        let mut at = to;
-        for (i, &(home, len)) in runs.iter().enumerate() {
-            self.vmm.alias(home, len, at).map_err(|error| AliasFail { made: i, error })?;
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        let g = self.vmm.granule();
+        for (i, &home) in homes.iter().enumerate() {
+            self.vmm.alias(home, to + i * g).map_err(|error| AliasFail { made: i, error })?;
             self.calls.mem_map += 1;
-            at += len;
         }
         self.calls.set_access += 1;
         Ok(())
     }
 
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        let before = self.vmm.alias_map_count();
-        let res = self.vmm.unalias(addr, len);
-        self.calls.mem_unmap += (before - self.vmm.alias_map_count()) as u64;
-        res
+        self.vmm.unalias(addr, len)?;
+        self.calls.mem_unmap += (len / self.vmm.granule()) as u64;
+        Ok(())
     }
 
     fn driver_calls(&self) -> DriverCalls {

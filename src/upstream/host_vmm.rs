@@ -26,8 +26,6 @@ pub struct HostVmm {
     allocations: FxHashMap<usize, usize>,
     /// Alias address -> the home granule whose memory it shows.
     aliases: FxHashMap<usize, usize>,
-    /// Each alias mapping (`alias`) by its address -> its length; removed only whole.
-    alias_maps: FxHashMap<usize, usize>,
     /// Reservation base -> length.
     reservations: FxHashMap<usize, usize>,
 }
@@ -46,18 +44,12 @@ impl HostVmm {
             mapped: FxHashMap::default(),
             allocations: FxHashMap::default(),
             aliases: FxHashMap::default(),
-            alias_maps: FxHashMap::default(),
             reservations: FxHashMap::default(),
         }
     }
 
     pub fn granule(&self) -> usize {
         self.granule
-    }
-
-    /// Alias mappings in place now.
-    pub fn alias_map_count(&self) -> usize {
-        self.alias_maps.len()
     }
 
     /// Physical allocations mapped now.
@@ -254,47 +246,27 @@ impl HostVmm {
         Ok(())
     }
 
-    /// Map the run of `len` bytes of one allocation mapped from `home` on at `to` too (one
-    /// alias mapping, as one `cuMemMap` at an offset): the same bytes at both addresses.
-    pub fn alias(&mut self, home: usize, len: usize, to: usize) -> Result<()> {
-        let first = self.allocations.iter().find(|&(&b, &n)| home >= b && home + len <= b + n);
-        if first.is_none() {
-            return Err(Error::Internal(format!("host vmm: alias of {home:#x}+{len:#x}, which is not within one allocation")));
+    /// Map the granule mapped at `home` at `to` too: the same bytes at both addresses.
+    pub fn alias(&mut self, home: usize, to: usize) -> Result<()> {
+        let Some(&off) = self.mapped.get(&home) else {
+            return Err(Error::Internal(format!("host vmm: alias of {home:#x}, which is not mapped")));
+        };
+        if !self.reserved(to, self.granule) || self.mapped.contains_key(&to) || self.aliases.contains_key(&to) {
+            return Err(Error::Internal(format!("host vmm: alias at {to:#x}: not reserved, or mapped")));
         }
-        if !self.reserved(to, len)
-            || (to..to + len).step_by(self.granule).any(|a| self.mapped.contains_key(&a) || self.aliases.contains_key(&a))
-        {
-            return Err(Error::Internal(format!("host vmm: alias at {to:#x}+{len:#x}: not reserved, or mapped")));
-        }
-        for k in (0..len).step_by(self.granule) {
-            let off = self.mapped[&(home + k)];
-            if let Err(e) = self.map_at(to + k, off) {
-                for d in (0..k).step_by(self.granule) {
-                    let _ = self.unmap_at(to + d);
-                    self.aliases.remove(&(to + d));
-                }
-                return Err(e);
-            }
-            self.mapped.remove(&(to + k)); // `map_at` books homes; an alias is booked apart
-            self.aliases.insert(to + k, home + k);
-        }
-        self.alias_maps.insert(to, len);
+        self.map_at(to, off)?;
+        self.mapped.remove(&to); // `map_at` books homes; an alias is booked apart
+        self.aliases.insert(to, home);
         Ok(())
     }
 
-    /// Remove the alias mappings that make up `[addr, addr + len)` exactly.
+    /// Remove the aliases in `[addr, addr + len)`.
     pub fn unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let Some(&n) = self.alias_maps.get(&at).filter(|&&n| at + n <= addr + len) else {
-                return Err(Error::Internal(format!("host vmm: unalias of {addr:#x}+{len:#x}, which is not whole alias mappings")));
-            };
-            for a in (at..at + n).step_by(self.granule) {
-                self.aliases.remove(&a);
-                self.unmap_at(a)?;
+        for a in (addr..addr + len).step_by(self.granule) {
+            if self.aliases.remove(&a).is_none() {
+                return Err(Error::Internal(format!("host vmm: unalias of {a:#x}, which is no alias")));
             }
-            self.alias_maps.remove(&at);
-            at += n;
+            self.unmap_at(a)?;
         }
         Ok(())
     }
@@ -325,7 +297,7 @@ mod tests {
         v.map_new(base, 2 * g).unwrap();
         assert_eq!(v.mapped_bytes(), 2 * g);
         unsafe { *((base + g + 5) as *mut u8) = 42 };
-        v.alias(base + g, g, base + 5 * g).unwrap();
+        v.alias(base + g, base + 5 * g).unwrap();
         assert_eq!(unsafe { *((base + 5 * g + 5) as *const u8) }, 42, "the alias shows the home's bytes");
         unsafe { *((base + 5 * g + 6) as *mut u8) = 43 };
         assert_eq!(unsafe { *((base + g + 6) as *const u8) }, 43, "and writes through to it");
@@ -335,11 +307,6 @@ mod tests {
         assert!(v.unreserve(base, 8 * g).is_err(), "still mapped");
         v.unalias(base + 5 * g, g).unwrap();
         assert!(v.unalias(base + 5 * g, g).is_err());
-        // A run of one allocation aliases as one mapping, removed only whole.
-        v.alias(base, 2 * g, base + 6 * g).unwrap();
-        assert_eq!(unsafe { *((base + 7 * g + 6) as *const u8) }, 43);
-        assert!(v.unalias(base + 6 * g, g).is_err(), "part of a mapping");
-        v.unalias(base + 6 * g, 2 * g).unwrap();
         v.unmap(base, 2 * g).unwrap();
         assert_eq!(v.mapped_bytes(), 0);
         // A released granule's offset is reused, not grown.

@@ -55,8 +55,8 @@ pub enum AllocError {
     Other(Error),
 }
 
-/// Why `Upstream::vmm_alias` failed: the error, and how many of the runs asked for (the
-/// first `made`) are mapped all the same, which the caller removes (`vmm_unalias`).
+/// Why `Upstream::vmm_alias` failed: the error, and how many of the aliases asked for
+/// (the first `made`) are in place all the same, which the caller removes (`vmm_unalias`).
 #[derive(Debug)]
 pub struct AliasFail {
     pub made: usize,
@@ -126,17 +126,14 @@ pub trait Upstream: Send {
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
-    /// Map each run `(home, len)` (granules side by side in one physical allocation, from
-    /// `vmm_map_new`) once more, the runs side by side from the unmapped granule `to` on
-    /// (aliases: both addresses show the same bytes), without allocating: one mapping per
-    /// run, and one access grant over them all. A stitch of N granules in R runs costs
-    /// R + 1 driver calls. On failure `made` runs are mapped (all of them when the grant
-    /// failed) and the caller removes them.
-    fn vmm_alias(&mut self, _runs: &[(usize, usize)], _to: usize) -> std::result::Result<(), AliasFail> {
+    /// Map the physical memory of the granules mapped at `homes` side by side from the
+    /// unmapped granule `to` on as well (aliases: both addresses show the same bytes),
+    /// without allocating. One access grant covers them all, so a stitch of N granules
+    /// costs N + 1 driver calls, not 2N.
+    fn vmm_alias(&mut self, _homes: &[usize], _to: usize) -> std::result::Result<(), AliasFail> {
         Err(AliasFail { made: 0, error: Error::Internal("this upstream has no virtual memory API".into()) })
     }
-    /// Remove the alias mappings that make up `[addr, addr + len)` exactly (their memory
-    /// stays at its home; part of a mapping is an error, as with the driver).
+    /// Remove the aliases of `[addr, addr + len)` (their memory stays at its home).
     fn vmm_unalias(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }

@@ -23,8 +23,6 @@ pub struct SimUpstream {
     /// Physical allocations (`vmm_map_new`): address -> length; they go back whole.
     allocations: std::collections::BTreeMap<usize, usize>,
     aliases: BTreeSet<usize>,
-    /// Alias mappings: address -> length; removed whole.
-    alias_maps: std::collections::BTreeMap<usize, usize>,
     calls: DriverCalls,
 }
 
@@ -46,7 +44,6 @@ impl SimUpstream {
             mapped: BTreeSet::new(),
             allocations: Default::default(),
             aliases: BTreeSet::new(),
-            alias_maps: Default::default(),
             calls: DriverCalls::default(),
         }
     }
@@ -144,35 +141,25 @@ impl Upstream for SimUpstream {
         }
         Ok(())
     }
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
-        let mut at = to;
-        for (i, &(home, len)) in runs.iter().enumerate() {
-            let within = self.allocations.range(..=home).next_back().is_some_and(|(&b, &n)| home + len <= b + n);
-            if !within || (at..at + len).step_by(SIM_PAGE).any(|a| self.aliases.contains(&a)) {
-                let error = Error::Internal(format!("simulated vmm: bad alias {home:#x}+{len:#x} -> {at:#x}"));
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        for (i, &home) in homes.iter().enumerate() {
+            let at = to + i * SIM_PAGE;
+            if !self.mapped.contains(&home) || !self.aliases.insert(at) {
+                let error = Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {at:#x}"));
                 return Err(AliasFail { made: i, error });
             }
-            self.aliases.extend((at..at + len).step_by(SIM_PAGE));
-            self.alias_maps.insert(at, len);
             self.calls.mem_map += 1;
-            at += len;
         }
         self.calls.set_access += 1;
         Ok(())
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let Some(n) = self.alias_maps.remove(&at) else {
-                return Err(Error::Internal(format!("simulated vmm: unalias of {at:#x}, which is no alias mapping")));
-            };
-            assert!(at + n <= addr + len, "simulated vmm: unalias of part of a mapping at {at:#x}");
-            for g in (at..at + n).step_by(SIM_PAGE) {
-                self.aliases.remove(&g);
+        for g in (addr..addr + len).step_by(SIM_PAGE) {
+            if !self.aliases.remove(&g) {
+                return Err(Error::Internal(format!("simulated vmm: unalias of {g:#x}, which is no alias")));
             }
-            self.calls.mem_unmap += 1;
-            at += n;
         }
+        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
         Ok(())
     }
     fn driver_calls(&self) -> DriverCalls {

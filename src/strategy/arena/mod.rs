@@ -264,23 +264,11 @@ impl ArenaStrategy {
         self.spaces[space].carve_range(window.start, window.len, stream)
     }
 
-    /// Book a stitch whose aliases the pool mapped at `base`, `maps` granules per alias
-    /// mapping (`alias_runs`); returns its id.
-    pub fn add_stitch(&mut self, base: usize, homes: Vec<usize>, maps: Vec<usize>) -> u32 {
+    /// Book a stitch whose aliases the pool mapped at `base`; returns its id.
+    pub fn add_stitch(&mut self, base: usize, homes: Vec<usize>) -> u32 {
         self.counters.stitches_made += 1;
         self.counters.granules_aliased += homes.len() as u64;
-        self.stitches.add(base, homes, maps, self.granule)
-    }
-
-    /// How a stitch of `homes` maps them: `(first home, granules)` per alias mapping.
-    pub fn alias_runs(&self, homes: &[usize]) -> Vec<(usize, usize)> {
-        plan::alias_runs(homes, self.granule, |a| self.allocation_of(a))
-    }
-
-    /// Stitch `id`'s alias mappings as `(offset in granules, granules)`.
-    pub fn stitch_maps(&self, id: u32) -> Vec<(usize, usize)> {
-        let mut at = 0;
-        self.stitches.get(id).maps.iter().map(|&n| { at += n; (at - n, n) }).collect()
+        self.stitches.add(base, homes, self.granule)
     }
 
     /// Hand out granules `first..first + granules` of stitch `id` to `stream`: their homes
@@ -552,8 +540,7 @@ mod tests {
                         a.mapped(f, G, stream);
                     }
                     let n = homes.len();
-                    let maps = vec![1; homes.len()];
-                    let id = a.add_stitch(base, homes, maps);
+                    let id = a.add_stitch(base, homes);
                     (a.carve_stitch(id, 0, n, stream, false), n)
                 }
                 Growth::Evict { id } => {

@@ -117,43 +117,8 @@ pub fn adjacent_runs(addrs: &[usize], granule: usize) -> impl Iterator<Item = st
     })
 }
 
-/// The alias mappings of a stitch showing `homes` (in stitch order): runs of homes that lie
-/// side by side in one physical allocation (`allocation_of`) map with one call, as
-/// `(first home, granules)`. Training's stitches of 1,024 granules make 34 to 43 such runs
-/// (replay of the H100 trace), so they cost ~40 maps instead of 1,024.
-pub fn alias_runs(homes: &[usize], granule: usize, allocation_of: impl Fn(usize) -> Option<(usize, usize)>) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (i, &h) in homes.iter().enumerate() {
-        match out.last_mut() {
-            Some((first, n)) if i > 0 && h == homes[i - 1] + granule && allocation_of(h).is_some() && allocation_of(h) == allocation_of(*first) => *n += 1,
-            _ => out.push((h, 1)),
-        }
-    }
-    out
-}
-
 /// The run of `runs` (in address order) holding granule `g`.
 pub fn run_of(runs: &[FreeRun], g: usize) -> Option<&FreeRun> {
     let i = runs.partition_point(|r| r.addr + r.len <= g);
     runs.get(i).filter(|r| r.addr <= g)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::alias_runs;
-
-    #[test]
-    fn alias_runs_join_neighbours_of_one_allocation_only() {
-        const G: usize = 2 << 20;
-        // Allocations: [0, 4G) and [4G, 6G); 8G is in none (not mapped).
-        let allocation_of = |a: usize| match a {
-            a if a < 4 * G => Some((0, 4 * G)),
-            a if a < 6 * G => Some((4 * G, 2 * G)),
-            _ => None,
-        };
-        let homes = [G, 2 * G, 3 * G, 4 * G, 5 * G, 0, 8 * G, 9 * G];
-        // 3G and 4G are neighbours in two allocations; 5G -> 0 goes backwards; 8G, 9G are
-        // in none, so each is a run of its own (the upstream refuses such an alias anyway).
-        assert_eq!(alias_runs(&homes, G, allocation_of), vec![(G, 3), (4 * G, 2), (0, 1), (8 * G, 1), (9 * G, 1)]);
-    }
 }

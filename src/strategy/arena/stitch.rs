@@ -26,9 +26,6 @@ pub struct Stitch {
     pub len: usize,
     /// Home granule addresses (in the large space), in the order they appear here.
     pub homes: Vec<usize>,
-    /// Granules per alias mapping, in order (`plan::alias_runs`): the driver removes whole
-    /// mappings only.
-    pub maps: Vec<usize>,
     /// While handed out: the home nodes booked for it (one per run of adjacent homes).
     pub borrowed: Vec<Slot>,
     pub in_use: bool,
@@ -40,8 +37,8 @@ pub struct Stitch {
     pub last_used: u64,
     /// The stream its block was last freed on (work there may still use the aliases).
     pub last_stream: Option<crate::upstream::stream_id::StreamKey>,
-    /// Set when removing its aliases failed after the first `unaliased` granules (a
-    /// mapping boundary): it is never handed out again, and the removal resumes there.
+    /// Set when removing its aliases failed after the first `unaliased` of them: it is
+    /// never handed out again, and the removal resumes there.
     pub broken: bool,
     pub unaliased: usize,
 }
@@ -88,17 +85,15 @@ impl Stitches {
         self.free_va.iter().find(|(_, &l)| l >= len).map(|(&a, _)| a)
     }
 
-    /// Book a new stitch at `base` (from `find_va`) showing `homes` through alias mappings
-    /// of `maps` granules each; returns its id.
-    pub fn add(&mut self, base: usize, homes: Vec<usize>, maps: Vec<usize>, granule: usize) -> u32 {
-        debug_assert_eq!(maps.iter().sum::<usize>(), homes.len());
+    /// Book a new stitch at `base` (from `find_va`) showing `homes`; returns its id.
+    pub fn add(&mut self, base: usize, homes: Vec<usize>, granule: usize) -> u32 {
         let len = homes.len() * granule;
         let free_len = self.free_va.remove(&base).expect("base from find_va");
         if free_len > len {
             self.free_va.insert(base + len, free_len - len);
         }
         self.clock += 1;
-        let st = Stitch { base, len, homes, maps, borrowed: Vec::new(), in_use: false,
+        let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false,
             first_in_use: 0,
             granules_in_use: 0,
             last_used: self.clock,

@@ -46,8 +46,6 @@ pub struct CudaVmm {
     handles: FxHashMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
     /// Each physical allocation by the address it is mapped at: its handle and length.
     allocations: FxHashMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
-    /// Each alias mapping by its address: its length.
-    aliases: FxHashMap<usize, usize>,
 }
 
 // SAFETY: plain driver handles, valid from any thread.
@@ -81,7 +79,7 @@ impl CudaVmm {
                 access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
             }
         }
-        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default(), allocations: FxHashMap::default(), aliases: FxHashMap::default() }))
+        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default(), allocations: FxHashMap::default() }))
     }
 
     pub fn granule(&self) -> usize {
@@ -178,50 +176,40 @@ impl CudaVmm {
         Ok(())
     }
 
-    /// Map each run `(home, len)` of granules side by side in one allocation once more, the
-    /// runs side by side from `to` on (one `cuMemMap` each, at the home's offset in its
-    /// allocation), then grant access to the whole range in one call (the driver grants
-    /// access over a range of separate mappings). On failure the first `made` runs are
-    /// mapped and the caller removes them: a failed grant leaves all of them mapped.
-    pub fn alias(&mut self, runs: &[(usize, usize)], to: usize, calls: &mut DriverCalls) -> std::result::Result<(), AliasFail> {
-        let mut at = to;
-        for (i, &(home, len)) in runs.iter().enumerate() {
-            let last = home + len - self.granule;
-            let (Some(&(h, offset)), Some(&(h_last, _))) = (self.handles.get(&home), self.handles.get(&last)) else {
-                let error = Error::Internal(format!("arena: alias of {home:#x}+{len:#x}, which is not mapped"));
+    /// Map the handles behind the granules at `homes` side by side from `to` on as well,
+    /// then grant access to the whole run in one call (the driver grants access over a
+    /// range of separate mappings). On failure the first `made` aliases are in place and
+    /// the caller removes them: a failed grant leaves all of them mapped.
+    pub fn alias(&mut self, homes: &[usize], to: usize, calls: &mut DriverCalls) -> std::result::Result<(), AliasFail> {
+        let g = self.granule;
+        for (i, &home) in homes.iter().enumerate() {
+            let Some(&(h, offset)) = self.handles.get(&home) else {
+                let error = Error::Internal(format!("arena: alias of {home:#x}, which is not mapped"));
                 return Err(AliasFail { made: i, error });
             };
-            if h != h_last {
-                let error = Error::Internal(format!("arena: alias of {home:#x}+{len:#x}, which spans two allocations"));
-                return Err(AliasFail { made: i, error });
-            }
             calls.mem_map += 1;
-            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, len, offset, h, 0) })
+            let at = to + i * g;
+            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, offset, h, 0) })
                 .map_err(|error| AliasFail { made: i, error })?;
-            self.aliases.insert(at, len);
-            at += len;
         }
-        let r = self.set_access(to, at - to, calls);
+        let r = self.set_access(to, homes.len() * g, calls);
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(AliasFail { made: runs.len(), error: cuda_error("cuMemSetAccess", r) });
+            return Err(AliasFail { made: homes.len(), error: cuda_error("cuMemSetAccess", r) });
         }
         Ok(())
     }
 
-    /// Unmap the alias mappings that make up `[addr, addr + len)` exactly; the memory stays
-    /// mapped at its home. Stops at the first the driver will not unmap (those before it
-    /// are gone).
+    /// Unmap the aliases of `[addr, addr + len)`; the memory stays mapped at its home.
+    /// One call per granule: each alias is its own mapping, and the driver unmaps whole
+    /// mappings only.
     pub fn unalias(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let Some(&n) = self.aliases.get(&at).filter(|&&n| at + n <= addr + len) else {
-                return Err(Error::Internal(format!("arena: unalias of {addr:#x}+{len:#x}, which is not whole alias mappings")));
-            };
+        let mut first_err = None;
+        for p in (addr..addr + len).step_by(self.granule) {
             calls.mem_unmap += 1;
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, n) })?;
-            self.aliases.remove(&at);
-            at += n;
+            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
+                first_err.get_or_insert(e);
+            }
         }
-        Ok(())
+        first_err.map_or(Ok(()), Err)
     }
 }

@@ -189,11 +189,11 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.unmap(addr, len, calls)
     }
 
-    fn vmm_alias(&mut self, runs: &[(usize, usize)], to: usize) -> std::result::Result<(), AliasFail> {
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         let no_alias = |error| AliasFail { made: 0, error };
         let _g = self.enter().map_err(no_alias)?;
         let (vmm, calls) = self.vmm_parts().map_err(no_alias)?;
-        vmm.alias(runs, to, calls)
+        vmm.alias(homes, to, calls)
     }
 
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
