@@ -179,10 +179,6 @@ pub struct Config {
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
     pub arena_va: Option<usize>,
-    /// `GPUPOOL_ARENA_CHUNK` (default 64 MiB): the most new memory the arena creates and maps
-    /// as one physical allocation (`pool/arena.rs`: fewer driver calls per growth, released
-    /// only whole).
-    pub arena_chunk: usize,
     /// `GPUPOOL_STATUS_SOCKET=1`: answer status requests from other processes on a Unix
     /// socket (`status_socket.rs`; `python -m gpupool status --pid PID`).
     pub status_socket: bool,
@@ -204,7 +200,6 @@ impl Default for Config {
             event_batch: EVENT_BATCH,
             arena_lend: true,
             arena_va: None,
-            arena_chunk: ARENA_CHUNK,
             status_socket: false,
         }
     }
@@ -212,13 +207,6 @@ impl Default for Config {
 
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
 pub const EVENT_BATCH: usize = 64;
-
-/// `GPUPOOL_ARENA_CHUNK`'s default. Why 64 MiB: on the H200 one 64 MiB allocation costs
-/// 163 µs to create, map and grant, 32 granules of 2 MiB 1.5 ms (`hotpath.log`), and a
-/// growth of 1.3 GiB 63 driver calls instead of 1,303; in exchange the arena can give
-/// memory back only in whole allocations, so at most 62 MiB per allocation with a live
-/// block in it stays mapped under pressure (usable by the arena itself, not by others).
-pub const ARENA_CHUNK: usize = 64 << 20;
 
 fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
@@ -327,13 +315,6 @@ impl Config {
                 })?);
             }
         }
-        if let Some(v) = get("GPUPOOL_ARENA_CHUNK") {
-            c.arena_chunk = parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
-                var: "GPUPOOL_ARENA_CHUNK",
-                value: v.clone(),
-                accepted: "a size greater than zero: bytes or a size with unit (64MiB; rounded down to whole granules, at least one); default 64MiB",
-            })?;
-        }
         if let Some(v) = get("GPUPOOL_DECAY") {
             c.decay_window = match v.trim().to_ascii_lowercase().as_str() {
                 "off" | "never" => 0,
@@ -405,11 +386,6 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_ARENA_VA", "-3")]).is_err());
         assert!(cfg(&[("GPUPOOL_ARENA_VA", "0")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "64GiB")]).unwrap().arena_va, Some(64 << 30));
-        assert_eq!(cfg(&[]).unwrap().arena_chunk, ARENA_CHUNK);
-        assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK", "2MiB")]).unwrap().arena_chunk, 2 << 20);
-        for bad in ["0", "-1", "big", ""] {
-            assert!(cfg(&[("GPUPOOL_ARENA_CHUNK", bad)]).is_err(), "{bad:?} accepted");
-        }
         assert_eq!(cfg(&[("GPUPOOL_POOL", "arena")]).unwrap().pool, PoolKind::Arena);
     }
 

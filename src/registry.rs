@@ -102,7 +102,6 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         thread_cache: cfg.thread_cache,
         event_batch: cfg.event_batch,
         arena_lend: cfg.arena_lend,
-        arena_chunk: cfg.arena_chunk,
     })
 }
 

@@ -202,17 +202,11 @@ impl Pool {
         self.map_granules(targets, key, stream)
     }
 
-    /// Map new memory under the unmapped granules `t` (ascending): each run of adjacent
-    /// granules as physical allocations of at most `arena_chunk` bytes, one upstream call
-    /// (create, map, grant access: three driver calls) each.
+    /// Map new memory under the unmapped granules `t` (ascending), one call per run.
     fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let g = self.arena().granule();
-        let chunk = (self.arena_chunk / g).max(1) * g;
-        let pieces = adjacent_runs(t, g).flat_map(|r| {
-            let (start, end) = (t[r.start], t[r.start] + r.len() * g);
-            (start..end).step_by(chunk).map(move |a| (a, chunk.min(end - a)))
-        });
-        for (addr, len) in pieces.collect::<Vec<_>>() {
+        for r in adjacent_runs(t, g) {
+            let (addr, len) = (t[r.start], r.len() * g);
             if self.over_limit(len) {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
             }
@@ -311,13 +305,11 @@ impl Pool {
             if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
                 continue;
             }
-            // One physical allocation per call (the driver unmaps whole mappings only), and
-            // only allocations wholly inside the run: a failure midway leaves the books
-            // exact. An allocation that holds live memory too stays until all of it is free.
+            // One granule per call: a failure midway leaves the books exact (the driver's
+            // unmap is per granule anyway).
             let g = self.arena().granule();
             let mut released_here = false;
-            let mut at = addr;
-            while at < addr + len {
+            for at in (addr..addr + len).step_by(g) {
                 if self.arena().is_lent(at) {
                     // Its memory is the other range's granule: remove the alias and give the
                     // home back too (idle: its users' streams were waited for above, and a
@@ -328,34 +320,22 @@ impl Pool {
                     }
                     let home = self.arena().end_loan(at, StreamKey::LEGACY);
                     loans_ended = true;
-                    // The home goes back now only if it is an allocation of its own; else
-                    // it is free in its range, for a pass that finds all of its allocation free.
-                    if self.arena().allocation_of(home) == Some((home, g)) && self.upstream.vmm_unmap(home, g).is_ok() {
+                    if self.upstream.vmm_unmap(home, g).is_ok() {
                         self.arena().unmapped(home, g);
                         self.c.reserved -= g;
                         got += g;
                         self.c.upstream_frees += 1;
                         self.trace(0, Action::UpstreamFree, home, g);
                     }
-                    at += g;
                     continue;
                 }
-                let Some((base, n)) = self.arena().allocation_of(at) else {
-                    at += g; // not reached: a free granule is lent or in an allocation
-                    continue;
-                };
-                if base < addr || base + n > addr + len {
-                    at = base + n; // part of it is not free: it stays
-                    continue;
-                }
-                if self.upstream.vmm_unmap(base, n).is_err() {
+                if self.upstream.vmm_unmap(at, g).is_err() {
                     break;
                 }
-                self.arena().unmapped(base, n);
-                self.c.reserved -= n;
-                got += n;
+                self.arena().unmapped(at, g);
+                self.c.reserved -= g;
+                got += g;
                 released_here = true;
-                at = base + n;
             }
             if released_here {
                 self.c.upstream_frees += 1;

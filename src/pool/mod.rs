@@ -68,8 +68,6 @@ pub struct PoolOptions {
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
     /// granules (`Pool::map_window`).
     pub arena_lend: bool,
-    /// `GPUPOOL_ARENA_CHUNK`: the most new memory the arena maps as one physical allocation.
-    pub arena_chunk: usize,
 }
 
 impl Default for PoolOptions {
@@ -86,7 +84,6 @@ impl Default for PoolOptions {
             thread_cache: true,
             event_batch: crate::stream::EVENT_BATCH,
             arena_lend: true,
-            arena_chunk: crate::config::ARENA_CHUNK,
         }
     }
 }
@@ -155,8 +152,6 @@ pub struct Pool {
     scratch_ranges: Vec<(usize, usize)>,
     /// `PoolOptions::arena_lend`.
     arena_lend: bool,
-    /// `PoolOptions::arena_chunk`.
-    arena_chunk: usize,
     c: Counters,
     /// Reserved-bytes cap; 0 = none.
     limit: usize,
@@ -220,7 +215,6 @@ impl Pool {
             unfenced_bytes: 0,
             scratch_ranges: Vec::new(),
             arena_lend: opts.arena_lend,
-            arena_chunk: opts.arena_chunk,
             c: Counters::default(),
             limit,
             check: opts.check_invariants,

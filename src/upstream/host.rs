@@ -154,28 +154,25 @@ impl Upstream for HostUpstream {
     }
 
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let n = (len / self.vmm.granule()) as u64;
         if len > self.capacity - self.allocated {
             self.calls.mem_create += 1; // the failing call
             return Err(AllocError::OutOfMemory);
         }
         self.vmm.map_new(addr, len)?;
-        // One allocation: create, map, grant, as `CudaVmm::map_new` makes them.
         (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
-            (self.calls.mem_create + 1, self.calls.mem_map + 1, self.calls.set_access + 1);
+            (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
         self.allocated += len;
         Ok(())
     }
 
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        // What went, also when a failure stopped it midway: one unmap and one release per
-        // allocation, its bytes.
-        let (allocations, bytes) = (self.vmm.allocation_count(), self.vmm.mapped_bytes());
-        let res = self.vmm.unmap(addr, len);
-        let n = (allocations - self.vmm.allocation_count()) as u64;
+        let n = (len / self.vmm.granule()) as u64;
+        self.vmm.unmap(addr, len)?;
         self.calls.mem_unmap += n;
         self.calls.mem_release += n;
-        self.allocated -= bytes - self.vmm.mapped_bytes();
-        res
+        self.allocated -= len;
+        Ok(())
     }
 
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {

@@ -21,9 +21,6 @@ pub struct HostVmm {
     spare_offsets: Vec<usize>,
     /// Mapped granule address -> its offset in the file.
     mapped: FxHashMap<usize, usize>,
-    /// Each physical allocation (`map_new`) by its address -> its length. Its granules are
-    /// mapped one by one here, but unmapped only together, as the driver allows.
-    allocations: FxHashMap<usize, usize>,
     /// Alias address -> the home granule whose memory it shows.
     aliases: FxHashMap<usize, usize>,
     /// Reservation base -> length.
@@ -42,7 +39,6 @@ impl HostVmm {
             file_len: 0,
             spare_offsets: Vec::new(),
             mapped: FxHashMap::default(),
-            allocations: FxHashMap::default(),
             aliases: FxHashMap::default(),
             reservations: FxHashMap::default(),
         }
@@ -50,11 +46,6 @@ impl HostVmm {
 
     pub fn granule(&self) -> usize {
         self.granule
-    }
-
-    /// Physical allocations mapped now.
-    pub fn allocation_count(&self) -> usize {
-        self.allocations.len()
     }
 
     /// Bytes of physical memory mapped now.
@@ -195,7 +186,7 @@ impl HostVmm {
         self.spare_offsets.push(off);
     }
 
-    /// Map one new allocation over every granule of `[addr, addr + len)`; all or nothing.
+    /// Map new memory over every granule of `[addr, addr + len)`; all or nothing.
     pub fn map_new(&mut self, addr: usize, len: usize) -> Result<()> {
         if !self.reserved(addr, len) || (addr..addr + len).step_by(self.granule).any(|a| self.mapped.contains_key(&a)) {
             return Err(Error::Internal(format!("host vmm: map of {addr:#x}+{len}: not reserved, or mapped already")));
@@ -207,42 +198,27 @@ impl HostVmm {
             });
             if let Err(e) = res {
                 for d in done {
-                    let _ = self.unmap_granule(d);
+                    let _ = self.unmap(d, self.granule);
                 }
                 return Err(e);
             }
             done.push(a);
         }
-        self.allocations.insert(addr, len);
         Ok(())
     }
 
-    /// Unmap and release the allocations that make up `[addr, addr + len)` exactly (part of
-    /// one is an error, as with the driver); stops at the first that fails.
+    /// Unmap and release every granule of `[addr, addr + len)`.
     pub fn unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let Some(&n) = self.allocations.get(&at).filter(|&&n| at + n <= addr + len) else {
-                return Err(Error::Internal(format!("host vmm: unmap of {addr:#x}+{len:#x}, which is not whole allocations")));
+        for a in (addr..addr + len).step_by(self.granule) {
+            let Some(&off) = self.mapped.get(&a) else {
+                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped")));
             };
-            if (at..at + n).step_by(self.granule).any(|a| self.aliases.values().any(|&h| h == a)) {
-                return Err(Error::Internal(format!("host vmm: unmap of {at:#x}+{n:#x}, which still has an alias")));
+            if self.aliases.values().any(|&h| h == a) {
+                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which still has an alias")));
             }
-            for a in (at..at + n).step_by(self.granule) {
-                self.unmap_granule(a)?;
-            }
-            self.allocations.remove(&at);
-            at += n;
+            self.unmap_at(a)?;
+            self.release_offset(off);
         }
-        Ok(())
-    }
-
-    fn unmap_granule(&mut self, a: usize) -> Result<()> {
-        let Some(&off) = self.mapped.get(&a) else {
-            return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped")));
-        };
-        self.unmap_at(a)?;
-        self.release_offset(off);
         Ok(())
     }
 
@@ -302,8 +278,7 @@ mod tests {
         unsafe { *((base + 5 * g + 6) as *mut u8) = 43 };
         assert_eq!(unsafe { *((base + g + 6) as *const u8) }, 43, "and writes through to it");
         assert!(v.map_new(base, g).is_err(), "mapped twice");
-        assert!(v.unmap(base, g).is_err(), "part of an allocation cannot go back");
-        assert!(v.unmap(base, 2 * g).is_err(), "a home with an alias stays");
+        assert!(v.unmap(base + g, g).is_err(), "a home with an alias stays");
         assert!(v.unreserve(base, 8 * g).is_err(), "still mapped");
         v.unalias(base + 5 * g, g).unwrap();
         assert!(v.unalias(base + 5 * g, g).is_err());

@@ -114,15 +114,13 @@ pub trait Upstream: Send {
     fn vmm_unreserve(&mut self, _base: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
-    /// Back the unmapped granules of `[addr, addr + len)` with one new physical allocation,
-    /// readable and writable by the device (and its peers). All or nothing.
+    /// Back the unmapped granules of `[addr, addr + len)` with new physical memory, readable
+    /// and writable by the device (and its peers). All or nothing.
     fn vmm_map_new(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
         Err(AllocError::Other(Error::Internal("this upstream has no virtual memory API".into())))
     }
-    /// Unmap and release the physical allocations (`vmm_map_new`) that make up
-    /// `[addr, addr + len)` exactly: the driver unmaps whole mappings only, so part of one
-    /// is an error. The pool gives one allocation per call, so a failure leaves the books
-    /// exact.
+    /// Unmap the granules of `[addr, addr + len)` and release their physical memory. The
+    /// pool calls it one granule at a time, so a failure leaves the books exact.
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }

@@ -20,8 +20,6 @@ pub struct SimUpstream {
     paged: bool,
     /// Granules mapped through the virtual memory API (the arena), and aliases of them.
     mapped: BTreeSet<usize>,
-    /// Physical allocations (`vmm_map_new`): address -> length; they go back whole.
-    allocations: std::collections::BTreeMap<usize, usize>,
     aliases: BTreeSet<usize>,
     calls: DriverCalls,
 }
@@ -42,7 +40,6 @@ impl SimUpstream {
             decommitted: BTreeSet::new(),
             paged,
             mapped: BTreeSet::new(),
-            allocations: Default::default(),
             aliases: BTreeSet::new(),
             calls: DriverCalls::default(),
         }
@@ -113,32 +110,25 @@ impl Upstream for SimUpstream {
         Ok(())
     }
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        self.calls.mem_create += 1;
+        self.calls.mem_create += (len / SIM_PAGE) as u64;
         if len > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
         for g in (addr..addr + len).step_by(SIM_PAGE) {
             assert!(self.mapped.insert(g), "simulated vmm: granule {g:#x} mapped twice");
         }
-        self.allocations.insert(addr, len);
-        self.calls.mem_map += 1;
+        self.calls.mem_map += (len / SIM_PAGE) as u64;
         self.calls.set_access += 1;
         self.allocated += len;
         Ok(())
     }
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let n = self.allocations.remove(&at).expect("simulated vmm: unmap of part of an allocation");
-            assert!(at + n <= addr + len, "simulated vmm: unmap of part of an allocation at {at:#x}");
-            for g in (at..at + n).step_by(SIM_PAGE) {
-                assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
-            }
-            self.calls.mem_unmap += 1;
-            self.calls.mem_release += 1;
-            self.allocated -= n;
-            at += n;
+        for g in (addr..addr + len).step_by(SIM_PAGE) {
+            assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
         }
+        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
+        self.calls.mem_release += (len / SIM_PAGE) as u64;
+        self.allocated -= len;
         Ok(())
     }
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {

@@ -82,10 +82,6 @@ pub struct ArenaStrategy {
     loans: std::collections::BTreeMap<usize, space::Slot>,
     /// How many of `loans` are in the small range (their homes in the large one).
     small_loans: usize,
-    /// The physical allocations under both ranges, base -> length, as `mapped` booked them.
-    /// The driver unmaps only whole mappings, so memory goes back in these units
-    /// (`allocation_of`); aliases (stitches, loans) are granule by granule and not here.
-    allocations: std::collections::BTreeMap<usize, usize>,
     pub counters: ArenaCounters,
 }
 
@@ -98,7 +94,6 @@ impl ArenaStrategy {
             granule,
             loans: Default::default(),
             small_loans: 0,
-            allocations: Default::default(),
             counters: ArenaCounters::default(),
         }
     }
@@ -223,40 +218,18 @@ impl ArenaStrategy {
         self.spaces[LARGE].take_scrap(rounded, stream, reusable)
     }
 
-    /// New memory, one physical allocation, now backs `[addr, addr + len)`.
+    /// New memory now backs `[addr, addr + len)`.
     pub fn mapped(&mut self, addr: usize, len: usize, stream: StreamKey) {
         let si = self.space_of(addr);
         self.spaces[si].mark_mapped(addr, len, stream);
-        self.allocations.insert(addr, len);
         self.counters.granules_mapped += (len / self.granule) as u64;
     }
 
     /// The memory of `[addr, addr + len)` (whole free granules, no stitch over them) went back.
-    /// The pool gives back whole allocations; the books of one cut into stay exact anyway
-    /// (what is left of it is booked as allocations of its own).
     pub fn unmapped(&mut self, addr: usize, len: usize) {
         let si = self.space_of(addr);
         self.spaces[si].mark_unmapped(addr, len);
         self.counters.granules_unmapped += (len / self.granule) as u64;
-        let end = addr + len;
-        let first = self.allocations.range(..=addr).next_back().map_or(addr, |(&b, _)| b);
-        let cut: Vec<(usize, usize)> = self.allocations.range(first..end).map(|(&b, &l)| (b, l)).filter(|&(b, l)| b + l > addr).collect();
-        for (b, l) in cut {
-            self.allocations.remove(&b);
-            if b < addr {
-                self.allocations.insert(b, addr - b);
-            }
-            if b + l > end {
-                self.allocations.insert(end, b + l - end);
-            }
-        }
-    }
-
-    /// The physical allocation `(base, len)` that backs the granule at `addr` in place (not
-    /// an alias), if one does: the unit its memory can go back in.
-    pub fn allocation_of(&self, addr: usize) -> Option<(usize, usize)> {
-        let (&b, &l) = self.allocations.range(..=addr).next_back()?;
-        (addr < b + l).then_some((b, l))
     }
 
     /// Hand out the window of a `Growth::Window` whose granules are all mapped now.

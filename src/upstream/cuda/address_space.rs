@@ -1,9 +1,8 @@
 //! The driver's virtual memory management API for the `arena` strategy: address ranges
-//! reserved once (`cuMemAddressReserve`), physical allocations of one or more granules
-//! created (`cuMemCreate`) and mapped into them (`cuMemMap` + `cuMemSetAccess`), single
-//! granules of them mapped at a second address (an alias: the same handle at the granule's
-//! offset, how the arena stitches scattered granules into one range), and released whole
-//! (`cuMemUnmap` + `cuMemRelease`).
+//! reserved once (`cuMemAddressReserve`), physical granules created (`cuMemCreate`) and
+//! mapped into them (`cuMemMap` + `cuMemSetAccess`), mapped at a second address (an alias:
+//! the same handle mapped again, how the arena stitches scattered granules into one range),
+//! and released (`cuMemUnmap` + `cuMemRelease`).
 //!
 //! Access is granted to the owning device and to every device that can access it as a
 //! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
@@ -41,11 +40,8 @@ pub struct CudaVmm {
     granule: usize,
     /// Who may read and write arena memory: the device, then its peers.
     access: Vec<sys::CUmemAccessDesc>,
-    /// The physical allocation mapped at each granule address, and the granule's offset in it
-    /// (what an alias maps).
-    handles: FxHashMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
-    /// Each physical allocation by the address it is mapped at: its handle and length.
-    allocations: FxHashMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
+    /// Physical allocation mapped at each granule address.
+    handles: FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
 }
 
 // SAFETY: plain driver handles, valid from any thread.
@@ -79,7 +75,7 @@ impl CudaVmm {
                 access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
             }
         }
-        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default(), allocations: FxHashMap::default() }))
+        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default() }))
     }
 
     pub fn granule(&self) -> usize {
@@ -111,65 +107,60 @@ impl CudaVmm {
         }
     }
 
-    /// Back `[addr, addr + len)` with one new physical allocation: one `cuMemCreate`, one
-    /// `cuMemMap`, one `cuMemSetAccess` however many granules it spans (on the H200, 163 µs
-    /// for 64 MiB against 1.5 ms granule by granule).
     pub fn map_new(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
-        let fail = |call, r| {
-            if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-                AllocError::OutOfMemory
-            } else {
-                AllocError::Other(cuda_error(call, r))
+        let g = self.granule;
+        let mut done = 0;
+        let mut failure = None;
+        while done < len {
+            let p = addr + done;
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            calls.mem_create += 1;
+            let r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                failure = Some(("cuMemCreate", r));
+                break;
             }
-        };
-        let mut h: sys::CUmemGenericAllocationHandle = 0;
-        calls.mem_create += 1;
-        let r = unsafe { sys::cuMemCreate(&mut h, len, &self.prop, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(fail("cuMemCreate", r));
-        }
-        calls.mem_map += 1;
-        let r = unsafe { sys::cuMemMap(addr as sys::CUdeviceptr, len, 0, h, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            calls.mem_release += 1;
-            unsafe { sys::cuMemRelease(h) };
-            return Err(fail("cuMemMap", r));
-        }
-        let r = self.set_access(addr, len, calls);
-        if r != sys::CUresult::CUDA_SUCCESS {
-            calls.mem_unmap += 1;
-            calls.mem_release += 1;
-            unsafe {
-                sys::cuMemUnmap(addr as sys::CUdeviceptr, len);
-                sys::cuMemRelease(h);
+            calls.mem_map += 1;
+            let r = unsafe { sys::cuMemMap(p as sys::CUdeviceptr, g, 0, h, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                calls.mem_release += 1;
+                unsafe { sys::cuMemRelease(h) };
+                failure = Some(("cuMemMap", r));
+                break;
             }
-            return Err(fail("cuMemSetAccess", r));
+            self.handles.insert(p, h);
+            done += g;
         }
-        for (i, p) in (addr..addr + len).step_by(self.granule).enumerate() {
-            self.handles.insert(p, (h, i * self.granule));
+        if failure.is_none() {
+            let r = self.set_access(addr, len, calls);
+            if r != sys::CUresult::CUDA_SUCCESS {
+                failure = Some(("cuMemSetAccess", r));
+            }
         }
-        self.allocations.insert(addr, (h, len));
-        Ok(())
+        match failure {
+            None => Ok(()),
+            Some((call, r)) => {
+                let _ = self.unmap(addr, done, calls);
+                if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                    Err(AllocError::OutOfMemory)
+                } else {
+                    Err(AllocError::Other(cuda_error(call, r)))
+                }
+            }
+        }
     }
 
-    /// Unmap and release the physical allocations that make up `[addr, addr + len)` exactly
-    /// (the driver unmaps whole mappings only). Stops at the first the driver will not
-    /// unmap, which stays mapped (and booked): those before it are gone. A failed release
-    /// after a successful unmap is reported but the allocation counts as gone (its address
-    /// is free again).
+    /// Stops at the first granule the driver will not unmap, which stays mapped (and
+    /// booked): the granules before it are gone. A failed release after a successful unmap
+    /// is reported but the granule counts as gone (its address is free again).
     pub fn unmap(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        let mut at = addr;
-        while at < addr + len {
-            let Some(&(h, n)) = self.allocations.get(&at).filter(|&&(_, n)| at + n <= addr + len) else {
-                return Err(Error::Internal(format!("arena: unmap of {addr:#x}+{len:#x}, which is not whole allocations")));
+        for p in (addr..addr + len).step_by(self.granule) {
+            let Some(&h) = self.handles.get(&p) else {
+                return Err(Error::Internal(format!("arena: unmap of {p:#x}, which is not mapped")));
             };
             calls.mem_unmap += 1;
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(at as sys::CUdeviceptr, n) })?;
-            self.allocations.remove(&at);
-            for p in (at..at + n).step_by(self.granule) {
-                self.handles.remove(&p);
-            }
-            at += n;
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) })?;
+            self.handles.remove(&p);
             calls.mem_release += 1;
             check("cuMemRelease", unsafe { sys::cuMemRelease(h) })?;
         }
@@ -183,13 +174,13 @@ impl CudaVmm {
     pub fn alias(&mut self, homes: &[usize], to: usize, calls: &mut DriverCalls) -> std::result::Result<(), AliasFail> {
         let g = self.granule;
         for (i, &home) in homes.iter().enumerate() {
-            let Some(&(h, offset)) = self.handles.get(&home) else {
+            let Some(&h) = self.handles.get(&home) else {
                 let error = Error::Internal(format!("arena: alias of {home:#x}, which is not mapped"));
                 return Err(AliasFail { made: i, error });
             };
             calls.mem_map += 1;
             let at = to + i * g;
-            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, offset, h, 0) })
+            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, 0, h, 0) })
                 .map_err(|error| AliasFail { made: i, error })?;
         }
         let r = self.set_access(to, homes.len() * g, calls);
