@@ -375,3 +375,96 @@ fn each_range_grows_into_the_others_free_granules_before_mapping_new_memory() {
     assert_eq!(p.stats().total_bytes, 0);
     p.check_invariants().unwrap();
 }
+
+/// The host upstream, where the next alias run fails after its mappings are made (a refused
+/// access grant) and the next `unalias_failures` alias removals fail too.
+struct StickyAliases {
+    host: HostUpstream,
+    fail_next_alias: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    unalias_failures: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Upstream for StickyAliases {
+    fn name(&self) -> &'static str {
+        "sticky-aliases"
+    }
+    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
+        self.host.allocate(size, s)
+    }
+    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
+        self.host.deallocate(a, size, s)
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        self.host.mem_info()
+    }
+    fn vmm_granule(&mut self) -> usize {
+        self.host.vmm_granule()
+    }
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        self.host.vmm_reserve(len)
+    }
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        self.host.vmm_unreserve(base, len)
+    }
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.host.vmm_map_new(addr, len)
+    }
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.host.vmm_unmap(addr, len)
+    }
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), gpupool::upstream::AliasFail> {
+        self.host.vmm_alias(homes, to)?;
+        if self.fail_next_alias.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let error = Error::Internal("injected: access grant refused".into());
+            return Err(gpupool::upstream::AliasFail { made: homes.len(), error });
+        }
+        Ok(())
+    }
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        let left = &self.unalias_failures;
+        if left.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            return Err(Error::Internal("injected: unmap refused".into()));
+        }
+        self.host.vmm_unalias(addr, len)
+    }
+    fn driver_calls(&self) -> gpupool::upstream::DriverCalls {
+        self.host.driver_calls()
+    }
+}
+
+#[test]
+fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::sync::Arc;
+    let (fail, unalias) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let up = StickyAliases { host: HostUpstream::new(1 << 30), fail_next_alias: fail.clone(), unalias_failures: unalias.clone() };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, thread_cache: false, arena_lend: true, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    // Four free granules in the large range for the small range to borrow.
+    let big = p.malloc(8 * MIB, 0).unwrap();
+    p.free(big, 0).unwrap();
+    // The loan's access grant fails and so does removing its alias: the request fails with
+    // the driver's error and the granule is quarantined (booked, not handed out).
+    fail.store(true, std::sync::atomic::Ordering::SeqCst);
+    unalias.store(1, std::sync::atomic::Ordering::SeqCst);
+    let e = p.malloc(512 * 1024, 0).unwrap_err();
+    assert!(e.to_string().contains("access grant refused"), "{e}");
+    p.check_invariants().unwrap();
+    // The next request plans around it (before the fix it tried to map new memory over the
+    // stale alias and failed with the driver's error every time).
+    let small: Vec<usize> = (0..8).map(|_| p.malloc(512 * 1024, 0).unwrap()).collect();
+    for (i, &a) in small.iter().enumerate() {
+        stamp(a, 512 * 1024, i as u64);
+    }
+    for (i, &a) in small.iter().enumerate() {
+        assert!(intact(a, 512 * 1024, i as u64));
+        p.free(a, 0).unwrap();
+    }
+    // Reclaim removes the stale alias and gives everything back.
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes, 0, "{}", p.memory_status());
+    p.check_invariants().unwrap();
+    let again = p.malloc(512 * 1024, 0).unwrap();
+    p.free(again, 0).unwrap();
+}

@@ -164,17 +164,25 @@ impl Pool {
             // One alias call per run of adjacent targets (one access grant per run). The
             // homes are free memory their streams allowed to `stream`; aliasing them
             // disturbs no queued work. A refused run leaves the rest to new memory, and its
-            // aliases made but not yet accessible are removed. If the driver refuses that
-            // too (two failures in a row), the alias stays mapped where the books say
-            // unmapped: growth into that granule then fails with the driver's error rather
-            // than handing out memory no kernel may touch. (A stitch books the same case as
-            // broken and retries; a loan has no such record yet.)
+            // aliases made but not yet accessible are removed. One the driver will not
+            // remove either (two failures in a row) is quarantined: booked as allocated so
+            // nothing is placed over it, and its removal retried at the next release (as a
+            // stitch in the same case is booked broken). A quarantined target is no longer
+            // free to map: this request fails with the driver's error, and the next plans
+            // around it.
             let mut done = 0;
+            let mut stuck = None;
             for r in adjacent_runs(&targets[..homes.len()], g) {
                 if let Err(f) = self.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
+                    let mut quarantined = false;
                     for k in 0..f.made {
-                        let _ = self.upstream.vmm_unalias(targets[r.start] + k * g, g);
+                        let at = targets[r.start] + k * g;
+                        if self.upstream.vmm_unalias(at, g).is_err() {
+                            self.arena().quarantine(at, key);
+                            quarantined = true;
+                        }
                     }
+                    stuck = quarantined.then_some(f.error);
                     break;
                 }
                 for i in r.clone() {
@@ -197,6 +205,9 @@ impl Pool {
                 } else {
                     let _ = self.streams.record_now(&mut *self.upstream, key, stream);
                 }
+            }
+            if let Some(error) = stuck {
+                return Err(GrowFail::Other(error));
             }
         }
         self.map_granules(targets, key, stream)
@@ -287,6 +298,14 @@ impl Pool {
     }
 
     fn arena_release_pass(&mut self, want: Option<usize>, order: ReleaseOrder) -> (usize, bool) {
+        // Aliases a failed loan left behind: try again to remove them (their granules were
+        // never handed out, so no queued work uses them).
+        let g = self.arena().granule();
+        for at in self.arena().stuck() {
+            if self.upstream.vmm_unalias(at, g).is_ok() {
+                self.arena().unstick(at);
+            }
+        }
         let mut loans_ended = false;
         let runs = self.arena().releasable(order);
         let (mut synced, mut failed) = (Vec::new(), Vec::new());
@@ -307,7 +326,6 @@ impl Pool {
             }
             // One granule per call: a failure midway leaves the books exact (the driver's
             // unmap is per granule anyway).
-            let g = self.arena().granule();
             let mut released_here = false;
             for at in (addr..addr + len).step_by(g) {
                 if self.arena().is_lent(at) {

@@ -188,7 +188,10 @@ impl HostVmm {
 
     /// Map new memory over every granule of `[addr, addr + len)`; all or nothing.
     pub fn map_new(&mut self, addr: usize, len: usize) -> Result<()> {
-        if !self.reserved(addr, len) || (addr..addr + len).step_by(self.granule).any(|a| self.mapped.contains_key(&a)) {
+        // Over an alias too: the driver refuses to map over any existing mapping.
+        if !self.reserved(addr, len)
+            || (addr..addr + len).step_by(self.granule).any(|a| self.mapped.contains_key(&a) || self.aliases.contains_key(&a))
+        {
             return Err(Error::Internal(format!("host vmm: map of {addr:#x}+{len}: not reserved, or mapped already")));
         }
         let mut done = Vec::new();

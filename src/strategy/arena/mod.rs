@@ -82,6 +82,11 @@ pub struct ArenaStrategy {
     loans: std::collections::BTreeMap<usize, space::Slot>,
     /// How many of `loans` are in the small range (their homes in the large one).
     small_loans: usize,
+    /// Granules where an alias the driver would not remove stays mapped (a loan whose access
+    /// grant failed, and whose undo failed too): booked as allocated, so nothing is placed
+    /// there, until the pool removes the alias (`stuck`, `unstick`). They hold no memory of
+    /// their own: the home is still free in its range.
+    stuck: std::collections::BTreeMap<usize, space::Slot>,
     pub counters: ArenaCounters,
 }
 
@@ -94,6 +99,7 @@ impl ArenaStrategy {
             granule,
             loans: Default::default(),
             small_loans: 0,
+            stuck: Default::default(),
             counters: ArenaCounters::default(),
         }
     }
@@ -232,6 +238,30 @@ impl ArenaStrategy {
         self.counters.granules_unmapped += (len / self.granule) as u64;
     }
 
+    /// The pool could not remove the alias left at the unmapped granule `at` (a failed loan):
+    /// keep everything off it until `unstick`.
+    pub fn quarantine(&mut self, at: usize, stream: StreamKey) {
+        let si = self.space_of(at);
+        self.spaces[si].mark_mapped(at, self.granule, stream);
+        let b = self.spaces[si].carve_range(at, self.granule, stream);
+        self.stuck.insert(at, b.handle);
+    }
+
+    /// Granules in quarantine, for the pool to retry removing their aliases.
+    pub fn stuck(&self) -> Vec<usize> {
+        self.stuck.keys().copied().collect()
+    }
+
+    /// The alias at quarantined granule `at` is gone: it is unmapped address space again.
+    pub fn unstick(&mut self, at: usize) {
+        let slot = self.stuck.remove(&at).expect("a quarantined granule");
+        let si = self.space_of(at);
+        let n = *self.spaces[si].node(slot);
+        let base = self.spaces[si].base;
+        self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: StreamKey::LEGACY, handle: slot });
+        self.spaces[si].mark_unmapped(at, self.granule);
+    }
+
     /// Hand out the window of a `Growth::Window` whose granules are all mapped now.
     pub fn carve_window(&mut self, space: usize, window: &plan::Window, stream: StreamKey) -> Block {
         self.spaces[space].carve_range(window.start, window.len, stream)
@@ -318,7 +348,7 @@ impl ArenaStrategy {
 
     /// Bytes mapped by the books (used + free; stitches and loans add no memory).
     pub fn mapped_bytes(&self) -> usize {
-        self.spaces.iter().map(|s| s.mapped_bytes()).sum::<usize>() - self.loans.len() * self.granule
+        self.spaces.iter().map(|s| s.mapped_bytes()).sum::<usize>() - (self.loans.len() + self.stuck.len()) * self.granule
     }
 
     /// (mapped, free) bytes of the small and of the large range: where the mapped memory
