@@ -4,6 +4,7 @@
 //! scattered, a repeated step makes no driver call, pressure gives whole granules back,
 //! and a device without VMM falls back to `split` with a notice.
 
+#[macro_use]
 mod common;
 
 use common::*;
@@ -388,24 +389,8 @@ impl Upstream for StickyAliases {
     fn name(&self) -> &'static str {
         "sticky-aliases"
     }
-    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
-        self.host.allocate(size, s)
-    }
-    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
-        self.host.deallocate(a, size, s)
-    }
-    fn mem_info(&mut self) -> Result<(usize, usize)> {
-        self.host.mem_info()
-    }
-    fn vmm_granule(&mut self) -> usize {
-        self.host.vmm_granule()
-    }
-    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
-        self.host.vmm_reserve(len)
-    }
-    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
-        self.host.vmm_unreserve(base, len)
-    }
+    host_memory!();
+    host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
     }

@@ -33,15 +33,7 @@ impl Upstream for BusyUpstream {
     fn name(&self) -> &'static str {
         "busy-host"
     }
-    fn allocate(&mut self, size: usize, s: StreamHandle) -> std::result::Result<usize, AllocError> {
-        self.host.allocate(size, s)
-    }
-    fn deallocate(&mut self, a: usize, size: usize, s: StreamHandle) -> Result<()> {
-        self.host.deallocate(a, size, s)
-    }
-    fn mem_info(&mut self) -> Result<(usize, usize)> {
-        self.host.mem_info()
-    }
+    host_memory!();
     fn event_create(&mut self) -> Result<EventHandle> {
         self.next_event += 1;
         Ok(self.next_event)

@@ -38,6 +38,24 @@ pub fn intact(addr: usize, len: usize, id: u64) -> bool {
 }
 
 #[allow(unused_macros)] // used by the tests whose upstreams wrap the host one
+/// The host upstream's segment calls (`allocate`, `deallocate`, `mem_info`), passed through,
+/// for test upstreams that wrap a `HostUpstream` in a field named `host` and change only
+/// other calls.
+macro_rules! host_memory {
+    () => {
+        fn allocate(&mut self, size: usize, s: gpupool::stream::StreamHandle) -> std::result::Result<usize, gpupool::upstream::AllocError> {
+            self.host.allocate(size, s)
+        }
+        fn deallocate(&mut self, a: usize, size: usize, s: gpupool::stream::StreamHandle) -> gpupool::error::Result<()> {
+            self.host.deallocate(a, size, s)
+        }
+        fn mem_info(&mut self) -> gpupool::error::Result<(usize, usize)> {
+            self.host.mem_info()
+        }
+    };
+}
+
+#[allow(unused_macros)] // used by the tests whose upstreams wrap the host one
 /// The address-space half of the host upstream's virtual memory API, for test upstreams
 /// that wrap a `HostUpstream` in a field named `host` and override the mapping calls.
 macro_rules! host_address_space {

@@ -5,7 +5,6 @@ an NCCL kernel on the other device faults on arena memory, which these tests wou
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
