@@ -176,6 +176,11 @@ pub struct Config {
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's two ranges grow into each other's free
     /// granules (an alias each) before mapping new memory; `0` turns it off.
     pub arena_lend: bool,
+    /// `GPUPOOL_STREAM_SHARDS` (default 16, at most `MAX_STREAM_SHARDS`): user streams are
+    /// spread over this many shards of each device's pool, each with its own lock, so
+    /// threads on different streams do not wait for each other (`crate::registry`); 0
+    /// keeps one pool per device.
+    pub stream_shards: usize,
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
     /// twice the device's memory).
     pub arena_va: Option<usize>,
@@ -199,11 +204,16 @@ impl Default for Config {
             thread_cache: true,
             event_batch: EVENT_BATCH,
             arena_lend: true,
+            stream_shards: STREAM_SHARDS,
             arena_va: None,
             status_socket: false,
         }
     }
 }
+
+/// `GPUPOOL_STREAM_SHARDS`'s default and its largest accepted value.
+pub const STREAM_SHARDS: usize = 16;
+pub const MAX_STREAM_SHARDS: usize = 32;
 
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
 pub const EVENT_BATCH: usize = 64;
@@ -300,6 +310,13 @@ impl Config {
                 accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 64",
             })?;
         }
+        if let Some(v) = get("GPUPOOL_STREAM_SHARDS") {
+            c.stream_shards = v.trim().parse().ok().filter(|&n: &usize| n <= MAX_STREAM_SHARDS).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_STREAM_SHARDS",
+                value: v.clone(),
+                accepted: "a number of shards from 0 (one pool per device) to 32; default 16",
+            })?;
+        }
         if let Some(v) = get("GPUPOOL_ARENA_LEND") {
             c.arena_lend = bool_flag("GPUPOOL_ARENA_LEND", &v)?;
         }
@@ -380,6 +397,11 @@ mod tests {
         assert!(!cfg(&[("GPUPOOL_ARENA_LEND", "0")]).unwrap().arena_lend);
         assert!(cfg(&[("GPUPOOL_ARENA_LEND", "maybe")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
+        assert_eq!(cfg(&[]).unwrap().stream_shards, STREAM_SHARDS);
+        assert_eq!(cfg(&[("GPUPOOL_STREAM_SHARDS", " 0 ")]).unwrap().stream_shards, 0);
+        for bad in ["33", "-1", "x", ""] {
+            assert!(cfg(&[("GPUPOOL_STREAM_SHARDS", bad)]).is_err(), "{bad:?} accepted");
+        }
         for bad in ["0", "-3", "lots", "5000", ""] {
             assert!(cfg(&[("GPUPOOL_EVENT_BATCH", bad)]).is_err(), "{bad:?} accepted");
         }

@@ -15,7 +15,8 @@
 //!   gives memory back (segments, decommitted pages).
 //! - `decay`: how much cached memory to keep (the recent in-use peak).
 //! - `pages`: the books of pages decommitted inside segments.
-//! - `registry`: per-device pools behind locks, created lazily.
+//! - `registry`: per-device pools, created lazily, in shards with a lock each (user
+//!   streams spread over them) that share the device's budget; device-wide reports.
 //! - `thread_cache`: the per-thread fast path for same-size reuse on the legacy stream
 //!   (`pool/thread_caches.rs` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).

@@ -62,20 +62,22 @@ pub(crate) fn free_on(ptr: usize, device: c_int, stream: usize) -> crate::error:
     if ptr != 0 && thread_cache::try_free(device, ptr, stream) {
         return Ok(());
     }
-    free_with(ptr, device, |pool| pool.free(ptr, stream))
+    free_with(ptr, device, stream, |pool| pool.free(ptr, stream))
 }
 
-/// Free `ptr` on `device` with `free` (the pool's stream-ordered or stream-less free). A
-/// pointer unknown to that device's pool is reported with the device that does own it, if any.
+/// Free `ptr` on `device` with `free` (the pool's stream-ordered or stream-less free), in
+/// the shard that holds it (`stream`: the freeing stream, where to look first). A pointer
+/// unknown to that device's pool is reported with the device that does own it, if any.
 pub(crate) fn free_with(
     ptr: usize,
     device: c_int,
+    stream: usize,
     free: impl FnOnce(&mut crate::pool::Pool) -> crate::error::Result<()>,
 ) -> crate::error::Result<()> {
     if ptr == 0 {
         return Ok(());
     }
-    match registry::with_existing(device, free)? {
+    match registry::with_holder(device, ptr, stream, free)? {
         Some(Ok(())) => Ok(()),
         Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => Err(match registry::find_owner(ptr) {
             Some(d) => Error::InvalidArgument(format!(
@@ -93,10 +95,8 @@ pub(crate) fn record_stream_any(ptr: usize, stream: usize) -> crate::error::Resu
     if ptr == 0 {
         return Err(Error::NullArgument("ptr"));
     }
-    match registry::find_owner(ptr) {
-        Some(d) => registry::with_pool(d, |pool| pool.record_stream(ptr, stream)),
-        None => Err(Error::InvalidPointer { ptr, device: -1, why: BadPointer::Unknown }),
-    }
+    registry::with_owner_of(ptr, |pool| pool.record_stream(ptr, stream))
+        .unwrap_or(Err(Error::InvalidPointer { ptr, device: -1, why: BadPointer::Unknown }))
 }
 
 /// Fill `*out` with `device`'s statistics. Set `out->struct_size = sizeof(gpupool_stats)`
@@ -110,7 +110,7 @@ pub unsafe extern "C" fn gpupool_get_stats(device: c_int, out: *mut Stats) -> St
         if out.is_null() {
             return Err(Error::NullArgument("out"));
         }
-        let s = registry::with_pool(device, |p| Ok(p.stats()))?;
+        let s = registry::stats(device)?;
         write_stats(s, out);
         Ok(())
     })
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize
         let mut first_err = None;
         let devices = if device == -1 { registry::existing_devices() } else { vec![device] };
         for d in devices {
-            match registry::with_existing(d, |p| p.reclaim())? {
+            match registry::reclaim(d)? {
                 Some(Ok(n)) => total += n,
                 Some(Err(e)) => {
                     first_err.get_or_insert(e);
@@ -147,7 +147,7 @@ pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize
 /// released at once. Overrides `GPUPOOL_MEMORY_LIMIT` for that device.
 #[no_mangle]
 pub extern "C" fn gpupool_set_limit(device: c_int, bytes: usize) -> Status {
-    call(|| registry::with_pool(device, |p| p.set_limit(bytes)))
+    call(|| registry::set_limit(device, bytes))
 }
 
 /// The same as `gpupool_set_limit` with the limit written as `GPUPOOL_MEMORY_LIMIT` accepts
@@ -163,10 +163,8 @@ pub unsafe extern "C" fn gpupool_set_limit_str(device: c_int, limit: *const c_ch
         let spec = crate::config::parse_limit(text).ok_or_else(|| {
             Error::InvalidArgument(format!("limit {text:?}; accepted: {}", crate::config::LimitSpec::ACCEPTED))
         })?;
-        registry::with_pool(device, |p| {
-            let total = p.mem_info()?.1;
-            p.set_limit(spec.resolve(total))
-        })
+        let total = registry::with_pool(device, |p| Ok(p.mem_info()?.1))?;
+        registry::set_limit(device, spec.resolve(total))
     })
 }
 
@@ -185,13 +183,12 @@ pub unsafe extern "C" fn gpupool_get_limit(device: c_int, out_bytes: *mut usize)
     })
 }
 
-fn report(device: c_int, one: impl Fn(&mut crate::pool::Pool) -> String, join: (&str, &str, &str)) -> String {
+fn report(device: c_int, one: impl Fn(i32) -> crate::error::Result<String>, join: (&str, &str, &str)) -> String {
     if device == -1 {
-        let parts: Vec<String> =
-            registry::existing_devices().into_iter().filter_map(|d| registry::with_existing(d, &one).ok().flatten()).collect();
+        let parts: Vec<String> = registry::existing_devices().into_iter().filter_map(|d| one(d).ok()).collect();
         format!("{}{}{}", join.0, parts.join(join.1), join.2)
     } else {
-        match registry::with_pool(device, |p| Ok(one(p))) {
+        match one(device) {
             Ok(s) => s,
             Err(e) => {
                 super::boundary::record(&e);
@@ -210,7 +207,7 @@ fn report(device: c_int, one: impl Fn(&mut crate::pool::Pool) -> String, join: (
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let mut s = report(device, |p| p.memory_status(), ("", "", ""));
+        let mut s = report(device, registry::memory_status, ("", "", ""));
         if s.is_empty() {
             s = "gpupool: no device pool in use yet\n".into();
         }
@@ -229,7 +226,7 @@ pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let s = report(device, |p| p.stats_json(), ("[", ",", "]"));
+        let s = report(device, registry::stats_json, ("[", ",", "]"));
         write_str(&s, buf, len)
     })
 }
@@ -244,7 +241,7 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_snapshot_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let s = report(device, |p| p.snapshot_json(), ("[", ",", "]"));
+        let s = report(device, registry::snapshot_json, ("[", ",", "]"));
         write_str(&s, buf, len)
     })
 }

@@ -140,7 +140,8 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
             None => thread_cache::malloc_unordered(device, size),
             // The legacy stream: the same fast path as PyTorch's and the C API's.
             Some(s) if is_legacy(s) => thread_cache::malloc(device, size, STREAM_LEGACY),
-            Some(s) => registry::with_pool(device, |p| p.malloc_detecting_capture(size, s)),
+            // Shard 0: a capture it detects starts a private pool, which lives there.
+            Some(s) => registry::allocate(device, 0, |p| p.malloc_detecting_capture(size, s)),
         };
         r.map(|a| out = a as *mut c_void).inspect_err(|e| err = Some(e.clone()))
     });
@@ -167,7 +168,7 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
             if p != 0 && thread_cache::try_free_unordered(device, p) {
                 return Ok(());
             }
-            return free_with(p, device, |pool| pool.free_unordered(p));
+            return free_with(p, device, STREAM_LEGACY, |pool| pool.free_unordered(p));
         }
         // This thread's fast path holds only blocks it allocated on the legacy stream.
         if p != 0 && thread_cache::try_free(device, p, STREAM_LEGACY) {
@@ -176,6 +177,6 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
         // The current stream is alive now: a block booked on it records its free there;
         // any other booked stream may have been destroyed since and is not touched.
         let current = current_stream();
-        free_with(p, device, |pool| pool.free_as_allocated(p, true, current))
+        free_with(p, device, current.unwrap_or(STREAM_LEGACY), |pool| pool.free_as_allocated(p, true, current))
     });
 }

@@ -52,7 +52,7 @@ pub extern "C" fn gpupool_torch_reset() {
     call_void("gpupool_torch_reset", || {
         let mut first = None;
         for d in registry::existing_devices() {
-            if let Ok(Some(Err(e))) = registry::with_existing(d, |p| p.reclaim()) {
+            if let Ok(Some(Err(e))) = registry::reclaim(d) {
                 first.get_or_insert(e);
             }
         }
@@ -68,10 +68,8 @@ pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
         if !(fraction.is_finite() && (0.0..=1.0).contains(&fraction)) {
             return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not within [0, 1]")));
         }
-        registry::with_pool(device, |p| {
-            let total = p.mem_info()?.1;
-            p.set_limit(((total as f64) * fraction) as usize)
-        })
+        let total = registry::with_pool(device, |p| Ok(p.mem_info()?.1))?;
+        registry::set_limit(device, ((total as f64) * fraction) as usize)
     });
 }
 
@@ -94,8 +92,8 @@ pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut u
     let mut out = std::ptr::null_mut();
     call_void("gpupool_torch_base_alloc", || {
         let p = ptr as usize;
-        let dev = registry::find_owner(p).ok_or(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown })?;
-        let (base, len) = registry::with_pool(dev, |pool| pool.segment_of(p))?;
+        let (base, len) = registry::with_owner_of(p, |pool| pool.segment_of(p))
+            .unwrap_or(Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }))?;
         if !size.is_null() {
             *size = len;
         }

@@ -218,14 +218,17 @@ impl Pool {
         let g = self.arena().granule();
         for r in adjacent_runs(t, g) {
             let (addr, len) = (t[r.start], r.len() * g);
-            if self.over_limit(len) {
+            if !self.budget.claim(len) {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
             }
-            match self.upstream.vmm_map_new(addr, len) {
+            let got = self.upstream.vmm_map_new(addr, len);
+            if got.is_err() {
+                self.budget.unclaim(len);
+            }
+            match got {
                 Ok(()) => {
                     self.arena().mapped(addr, len, key);
-                    self.c.reserved += len;
-                    self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                    self.add_reserved(len);
                     self.c.upstream_allocs += 1;
                     self.c.upstream_alloc_bytes += len as u64;
                     self.trace(stream, Action::UpstreamAlloc, addr, len);
@@ -340,7 +343,7 @@ impl Pool {
                     loans_ended = true;
                     if self.upstream.vmm_unmap(home, g).is_ok() {
                         self.arena().unmapped(home, g);
-                        self.c.reserved -= g;
+                        self.sub_reserved(g);
                         got += g;
                         self.c.upstream_frees += 1;
                         self.trace(0, Action::UpstreamFree, home, g);
@@ -351,7 +354,7 @@ impl Pool {
                     break;
                 }
                 self.arena().unmapped(at, g);
-                self.c.reserved -= g;
+                self.sub_reserved(g);
                 got += g;
                 released_here = true;
             }
@@ -395,7 +398,7 @@ impl Pool {
         let a = self.strategy.as_arena_ref().expect("arena pool");
         for (base, len) in a.reservations() {
             if self.upstream.vmm_unreserve(base, len).is_ok() {
-                crate::owners::remove(base, self.device);
+                crate::owners::remove(base, self.device, self.shard);
             }
         }
     }

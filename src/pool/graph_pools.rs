@@ -344,14 +344,18 @@ impl Pool {
                 let _ = self.release_cached(None);
             }
             for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
-                if self.over_limit(want) {
+                if !self.budget.claim(want) {
                     by_limit = want == rounded;
                     continue;
                 }
                 // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
                 // graph being captured: allocate on the legacy stream, outside any capture.
                 let on = if self.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
-                match self.upstream.allocate(want, on) {
+                let got = self.upstream.allocate(want, on);
+                if got.is_err() {
+                    self.budget.unclaim(want);
+                }
+                match got {
                     Ok(base) => {
                         self.book_segment(base, want, stream);
                         let pool = self.graphs.pools.get_mut(&id).expect("present");
@@ -375,9 +379,9 @@ impl Pool {
         if let Some(seg) = pool.strategy.put(block) {
             // Split never returns segments from `put`; kept for the contract's sake.
             pool.reserved -= seg.size;
-            self.c.reserved -= seg.size;
             self.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
-            crate::owners::remove(seg.base, self.device);
+            self.sub_reserved(seg.size);
+            crate::owners::remove(seg.base, self.device, self.shard);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -454,9 +458,9 @@ impl Pool {
             // Every queued use finished (synchronised above): release on the legacy stream.
             match self.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
                 Ok(()) => {
-                    crate::owners::remove(base, self.device);
+                    crate::owners::remove(base, self.device, self.shard);
                     self.trace(0, Action::UpstreamFree, base, len);
-                    self.c.reserved -= len;
+                    self.sub_reserved(len);
                     self.c.upstream_frees += 1;
                     self.c.reclaimed_bytes += len as u64;
                     p.reserved -= len;

@@ -145,11 +145,15 @@ impl Pool {
                 if stage == 0 {
                     self.decay_before_grow(seg_size);
                 }
-                if self.over_limit(seg_size) {
+                if !self.budget.claim(seg_size) {
                     by_limit = seg_size == rounded;
                     continue;
                 }
-                match self.upstream.allocate(seg_size, stream) {
+                let got = self.upstream.allocate(seg_size, stream);
+                if got.is_err() {
+                    self.budget.unclaim(seg_size);
+                }
+                match got {
                     Ok(base) => {
                         self.book_segment(base, seg_size, stream);
                         if key != StreamKey::LEGACY && self.upstream.stream_ordered() {
@@ -174,17 +178,24 @@ impl Pool {
     /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
     /// the address index, the trace and the counters.
     pub(super) fn book_segment(&mut self, base: usize, size: usize, stream: StreamHandle) {
-        crate::owners::add(base, size, self.device);
+        crate::owners::add(base, size, self.device, self.shard);
         self.trace(stream, Action::UpstreamAlloc, base, size);
-        self.c.reserved += size;
-        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+        self.add_reserved(size);
         self.c.upstream_allocs += 1;
         self.c.upstream_alloc_bytes += size as u64;
     }
 
-    /// Whether reserving `bytes` more would pass the limit (0 = no limit).
-    pub(super) fn over_limit(&self, bytes: usize) -> bool {
-        self.limit != 0 && bytes > self.limit.saturating_sub(self.c.reserved)
+    /// `bytes` claimed from the device's budget (`Budget::claim`) arrived from the upstream.
+    pub(super) fn add_reserved(&mut self, bytes: usize) {
+        self.c.reserved += bytes;
+        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+        self.budget.confirm();
+    }
+
+    /// `bytes` went back to the upstream.
+    pub(super) fn sub_reserved(&mut self, bytes: usize) {
+        self.c.reserved -= bytes;
+        self.budget.released(bytes);
     }
 
     pub(super) fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
@@ -196,9 +207,9 @@ impl Pool {
             rounded,
             reserved: self.c.reserved,
             in_use: self.c.used,
-            cached: self.strategy.cached_bytes() - self.holes.bytes(),
+            cached: self.strategy.cached_bytes().saturating_sub(self.holes.bytes()),
             largest_free_block: self.strategy.largest_free_block(),
-            limit: self.limit,
+            limit: self.budget.limit(),
             device_free_total: self.upstream.mem_info().ok(),
             by_limit,
             strategy: self.strategy.name(),

@@ -24,6 +24,7 @@ use thread_caches::ThreadCaches;
 pub use thread_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
+mod budget;
 mod free;
 mod grow;
 mod graph_pools;
@@ -32,6 +33,7 @@ mod reports;
 mod snapshot;
 mod thread_caches;
 
+pub use budget::Budget;
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
 
 /// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
@@ -68,6 +70,11 @@ pub struct PoolOptions {
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
     /// granules (`Pool::map_window`).
     pub arena_lend: bool,
+    /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
+    pub budget: Option<std::sync::Arc<Budget>>,
+    /// Which shard of its device this pool is (0 for a device that is not sharded): the
+    /// address index (`crate::owners`) names it, so a free finds its pool.
+    pub shard: u16,
 }
 
 impl Default for PoolOptions {
@@ -84,6 +91,8 @@ impl Default for PoolOptions {
             thread_cache: true,
             event_batch: crate::stream::EVENT_BATCH,
             arena_lend: true,
+            budget: None,
+            shard: 0,
         }
     }
 }
@@ -153,8 +162,10 @@ pub struct Pool {
     /// `PoolOptions::arena_lend`.
     arena_lend: bool,
     c: Counters,
-    /// Reserved-bytes cap; 0 = none.
-    limit: usize,
+    /// The device's reserved bytes and their limit, shared with the device's other shards.
+    budget: std::sync::Arc<Budget>,
+    /// `PoolOptions::shard`.
+    shard: u16,
     check: bool,
     debug: u8,
     tracer: Option<&'static Tracer>,
@@ -184,6 +195,8 @@ impl Pool {
             Some(LimitSpec::Bytes(b)) => b,
             Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
         };
+        let budget = opts.budget.clone().unwrap_or_default();
+        budget.init_limit(limit);
         let (strategy, notice) = match opts.kind {
             PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va) {
                 Ok(a) => (a, None),
@@ -193,7 +206,7 @@ impl Pool {
         };
         if let Some(a) = strategy.as_arena_ref() {
             for (base, len) in a.reservations() {
-                crate::owners::add(base, len, device);
+                crate::owners::add(base, len, device, opts.shard);
             }
         }
         // The arena maps granules itself: the page decommit of segment pools stays off.
@@ -216,7 +229,8 @@ impl Pool {
             scratch_ranges: Vec::new(),
             arena_lend: opts.arena_lend,
             c: Counters::default(),
-            limit,
+            budget,
+            shard: opts.shard,
             check: opts.check_invariants,
             debug: opts.debug,
             tracer: opts.tracer,
@@ -406,20 +420,52 @@ impl Pool {
         r
     }
 
-    /// Set the reserved-bytes cap (0 = none); cached memory above it is released now.
+    /// Set the device's reserved-bytes cap (0 = none); this pool's cached memory above it
+    /// is released now (the registry asks every shard of a sharded device in turn).
     pub fn set_limit(&mut self, bytes: usize) -> Result<()> {
         self.running()?;
-        self.limit = bytes;
-        if bytes != 0 && self.c.reserved > bytes {
+        self.budget.set_limit(bytes);
+        self.release_over_limit()
+    }
+
+    /// Release this pool's cached memory while the device is over its limit.
+    pub fn release_over_limit(&mut self) -> Result<()> {
+        self.running()?;
+        let excess = self.budget.excess();
+        if excess != 0 {
             self.flush_thread_caches(None);
-            self.release_cached(Some(self.c.reserved - bytes))?;
+            self.release_cached(Some(excess.min(self.c.reserved)))?;
         }
         self.verify();
         Ok(())
     }
 
     pub fn limit(&self) -> usize {
-        self.limit
+        self.budget.limit()
+    }
+
+    /// The device's budget (shared by its shards).
+    pub fn budget(&self) -> &std::sync::Arc<Budget> {
+        &self.budget
+    }
+
+    /// Which shard of its device this pool is.
+    pub fn shard(&self) -> u16 {
+        self.shard
+    }
+
+    /// Take back the out-of-memory this pool last counted: the registry freed other shards'
+    /// cache and the retry succeeded, so the caller never saw it.
+    pub fn retract_oom(&mut self) {
+        self.c.ooms = self.c.ooms.saturating_sub(1);
+    }
+
+    /// Bytes this pool could give back now (cached, or kept in thread caches for their
+    /// threads' next allocation): what releasing other shards' cache for a shard out of
+    /// memory may gain.
+    pub fn cached_bytes(&self) -> usize {
+        let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
+        self.c.reserved.saturating_sub(self.c.used - kept)
     }
 
     /// Device `(free, total)` from the upstream.

@@ -63,7 +63,7 @@ impl Pool {
             for (s, l) in runs {
                 if self.upstream.decommit(s, l).is_ok() {
                     self.holes.mark_decommitted(b.segment, s, l);
-                    self.c.reserved -= l;
+                    self.sub_reserved(l);
                     self.c.decommits += 1;
                     self.trace(0, Action::PageDecommit, s, l);
                     got += l;
@@ -79,13 +79,15 @@ impl Pool {
         for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
             let mut retried = false;
             loop {
-                let over_limit = self.over_limit(l);
+                let over_limit = !self.budget.claim(l);
                 let res = if over_limit { Err(AllocError::OutOfMemory) } else { self.upstream.commit(s, l) };
+                if res.is_err() && !over_limit {
+                    self.budget.unclaim(l);
+                }
                 match res {
                     Ok(()) => {
                         self.holes.mark_committed(block.segment, s, l);
-                        self.c.reserved += l;
-                        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
+                        self.add_reserved(l);
                         self.c.commits += 1;
                         self.c.commit_bytes += l as u64;
                         self.trace(0, Action::PageCommit, s, l);
@@ -103,6 +105,25 @@ impl Pool {
             }
         }
         Ok(())
+    }
+
+    /// Another shard of this device is out of memory (`crate::registry`): give back every
+    /// cached segment (and decommittable page) this pool can, as the last stage of its own
+    /// escalation would. Returns the bytes that went back. Not a reclaim the user asked
+    /// for, so `n_reclaims` does not count it; the bytes count as reclaimed.
+    pub fn release_for_pressure(&mut self) -> usize {
+        if self.running().is_err() {
+            return 0;
+        }
+        let before = self.c.reserved;
+        self.flush_thread_caches(None);
+        self.finish_pending(true);
+        self.fence_unfenced();
+        let _ = self.release_cached(None);
+        let pages = self.decommit_free(usize::MAX);
+        self.c.reclaimed_bytes += pages as u64;
+        self.verify();
+        before - self.c.reserved
     }
 
     /// Give wholly free cached segments back to the upstream. Returns the bytes released.
@@ -177,14 +198,14 @@ impl Pool {
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment, h: StreamHandle) -> Result<usize> {
         // Unbooked first: once released, the address may be given to another device's pool.
-        crate::owners::remove(seg.base, self.device);
+        crate::owners::remove(seg.base, self.device, self.shard);
         if let Err(e) = self.upstream.deallocate(seg.base, seg.size, h) {
-            crate::owners::add(seg.base, seg.size, self.device);
+            crate::owners::add(seg.base, seg.size, self.device, self.shard);
             return Err(e);
         }
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
         let committed = seg.size - self.holes.remove_segment(seg.base);
-        self.c.reserved -= committed;
+        self.sub_reserved(committed);
         self.c.upstream_frees += 1;
         Ok(committed)
     }

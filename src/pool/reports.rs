@@ -61,7 +61,7 @@ impl Pool {
             n_reclaims: self.c.reclaims,
             reclaimed_bytes: self.c.reclaimed_bytes,
             n_invalid_frees: self.c.invalid_frees,
-            limit_bytes: self.limit as u64,
+            limit_bytes: self.budget.limit() as u64,
             largest_free_block: self.strategy.largest_free_block().max(self.pending.iter().map(|p| p.block.size).max().unwrap_or(0))
                 as u64,
             device_free_bytes: dev_free as u64,
@@ -74,6 +74,15 @@ impl Pool {
     pub fn memory_status(&mut self) -> String {
         let s = self.stats();
         let mut out = render_status(&self.report_context(), &s);
+        out.push_str(&self.status_extras());
+        out.push_str(&format!("  Driver calls: {}\n", self.upstream.driver_calls().text()));
+        out
+    }
+
+    /// The status report's lines beyond the numbers: a stop, a notice, private pools, the
+    /// arena's figures.
+    pub fn status_extras(&self) -> String {
+        let mut out = String::new();
         if let Some(why) = &self.stopped {
             out.push_str(&format!("  STOPPED: this pool hands out no more memory after an internal error: {why}\n"));
         }
@@ -92,7 +101,6 @@ impl Pool {
             out.push_str(&text);
             out.push('\n');
         }
-        out.push_str(&format!("  Driver calls: {}\n", self.upstream.driver_calls().text()));
         out
     }
 
@@ -101,6 +109,15 @@ impl Pool {
         let mut out = render_json(&self.report_context(), &s);
         out.pop(); // the closing brace: the pool's own fields follow
         out.push_str(&format!(",\"driver_calls\":{}", self.upstream.driver_calls().json()));
+        out.push_str(&self.json_extras());
+        out.push('}');
+        out
+    }
+
+    /// The JSON object's fields beyond the numbers and driver calls, each with its leading
+    /// comma: `arena`, `notice`, `stopped`, `private_pools`.
+    pub fn json_extras(&self) -> String {
+        let mut out = String::new();
         if let Some((json, _)) = self.arena_report() {
             out.push_str(&format!(",\"arena\":{json}"));
         }
@@ -112,7 +129,6 @@ impl Pool {
         }
         let (n, reserved, free) = self.private_pool_summary();
         out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
-        out.push('}');
         out
     }
 

@@ -41,6 +41,11 @@ impl Pool {
     /// "pool_id":[a,b],"is_expandable":false,"blocks":[{"address":A,"size":N,
     /// "requested_size":R,"state":"active_allocated"},...]},...]}`
     pub fn snapshot_json(&self) -> String {
+        format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[{}]}}", self.device, self.strategy.name(), self.snapshot_segments())
+    }
+
+    /// The `segments` array's items, comma-separated (a sharded device joins its shards').
+    pub fn snapshot_segments(&self) -> String {
         let kept = self.caches.kept();
         let mut pieces: Vec<Piece> = Vec::new();
         for l in self.live.values() {
@@ -75,7 +80,7 @@ impl Pool {
                 segments.push(vec![p]);
             }
         }
-        let mut out = format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[", self.device, self.strategy.name());
+        let mut out = String::new();
         for (i, seg) in segments.iter().enumerate() {
             let first = &seg[0];
             let total: usize = seg.iter().map(|p| p.block.size).sum();
@@ -103,7 +108,6 @@ impl Pool {
             }
             out.push_str("]}");
         }
-        out.push_str("]}");
         out
     }
 }

@@ -80,12 +80,15 @@ thread_local! {
     static MINE: Mine = const { Mine(RefCell::new(Vec::new())) };
 }
 
-fn with_mine<R>(device: i32, f: impl FnOnce(&ThreadCache) -> Option<R>) -> Option<R> {
+/// Run `f` on this thread's cache for the shard of `device` that serves `stream`, if the
+/// stream allocated there before and this thread has one.
+fn with_mine<R>(device: i32, stream: usize, f: impl FnOnce(&ThreadCache) -> Option<R>) -> Option<R> {
     if device < 0 || device as usize >= MAX_DEVICES {
         return None;
     }
+    let idx = cache_index(device, registry::shard_placed(device, stream)?);
     // `try_with`: during thread teardown the TLS may be gone; the locked path still works.
-    MINE.try_with(|m| m.0.borrow().get(device as usize).and_then(|c| c.as_deref()).and_then(f)).ok().flatten()
+    MINE.try_with(|m| m.0.borrow().get(idx).and_then(|c| c.as_deref()).and_then(f)).ok().flatten()
 }
 
 /// The locked part of an allocation, on the owner thread under the device lock: attach
@@ -156,40 +159,65 @@ fn locked_malloc(
 }
 
 fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<usize> {
-    let locked = |mine: Option<&ThreadCache>| registry::with_pool(device, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)));
-    if device < 0 || device as usize >= MAX_DEVICES {
-        return locked(None).and_then(|r| r.0);
-    }
-    let d = device as usize;
-    let mut locked = Some(locked);
+    let shard = registry::shard_for(device, stream)?;
+    let idx = cache_index(device, shard);
     let in_tls = MINE.try_with(|m| {
         let v = m.0.borrow();
-        let mine = v.get(d).and_then(|c| c.as_deref());
+        let mine = v.get(idx).and_then(|c| c.as_deref());
         if size != 0 {
             if let Some(p) = mine.and_then(|c| c.reuse(kind, size, fast_stream(stream))) {
                 return Ok(p);
             }
         }
         // The pool never touches this thread-local, so the shared borrow may span the call.
-        let (r, fresh) = (locked.take().expect("called once"))(mine)?;
+        let (r, fresh) = locked(device, shard, kind, size, stream, mine)?;
         if let Some(fresh) = fresh {
             drop(v);
             let mut v = m.0.borrow_mut();
-            if v.len() <= d {
-                v.resize(d + 1, None);
+            if v.len() <= idx {
+                v.resize(idx + 1, None);
             }
-            v[d] = Some(fresh);
+            v[idx] = Some(fresh);
         }
         r
     });
     match in_tls {
         Ok(r) => r,
-        // Thread teardown: the thread-local is gone; the pool alone serves.
-        Err(_) => match locked.take() {
-            Some(f) => f(None).and_then(|r| r.0),
-            None => Err(Error::Internal("thread cache: allocation interrupted by thread exit".into())),
-        },
+        // Thread teardown: the thread-local is gone (the closure never ran); the pool alone serves.
+        Err(_) => locked(device, shard, kind, size, stream, None).and_then(|r| r.0),
     }
+}
+
+/// `locked_malloc` on `shard` of `device`; out of memory while the device's other shards
+/// cache memory, they give it back and it runs once more (`registry::allocate`'s rule,
+/// here keeping the thread cache the first attempt may have attached).
+fn locked(
+    device: i32,
+    shard: usize,
+    kind: Kind,
+    size: usize,
+    stream: usize,
+    mine: Option<&ThreadCache>,
+) -> Result<(Result<usize>, Option<Arc<ThreadCache>>)> {
+    let (r, fresh) = registry::with_shard(device, shard, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)))?;
+    if !matches!(r, Err(Error::OutOfMemory(_))) || registry::release_other_shards(device, shard) == 0 {
+        return Ok((r, fresh));
+    }
+    let mine = fresh.as_deref().or(mine);
+    let (r, again) = registry::with_shard(device, shard, |pool| {
+        let out = locked_malloc(pool, kind, size, stream, mine);
+        if registry::counted_twice(&out.0) {
+            pool.retract_oom();
+        }
+        Ok(out)
+    })?;
+    Ok((r, fresh.or(again)))
+}
+
+/// Where this thread keeps its cache for `shard` of `device`.
+#[inline]
+fn cache_index(device: i32, shard: usize) -> usize {
+    device as usize * registry::SHARDS + shard
 }
 
 /// The stream as the fast path names it: the legacy stream's two handles as one.
@@ -216,7 +244,8 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     // The per-thread default stream, and every stream while a private pool routes
     // allocations (the pool decides where they go), take the locked path.
     if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
-        return registry::with_pool(device, |pool| pool.malloc(size, stream));
+        let shard = registry::shard_for(device, stream)?;
+        return registry::allocate(device, shard, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
 }
@@ -225,7 +254,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     if crate::pool::routes_active() || crate::process::in_child() {
-        return registry::with_pool(device, |pool| pool.malloc(size, STREAM_LEGACY));
+        return registry::allocate(device, 0, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
 }
@@ -236,12 +265,12 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
 pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
     fast_path_stream(stream)
         && !crate::process::in_child()
-        && with_mine(device, |c| c.keep(Kind::Ordered, ptr, fast_stream(stream)).then_some(())).is_some()
+        && with_mine(device, stream, |c| c.keep(Kind::Ordered, ptr, fast_stream(stream)).then_some(())).is_some()
 }
 
 /// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
 pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
-    !crate::process::in_child() && with_mine(device, |c| c.keep(Kind::Unordered, ptr, STREAM_LEGACY).then_some(())).is_some()
+    !crate::process::in_child() && with_mine(device, STREAM_LEGACY, |c| c.keep(Kind::Unordered, ptr, STREAM_LEGACY).then_some(())).is_some()
 }
 
 /// A block this thread kept on `device` for `size` bytes, handed out again (tests).
@@ -249,11 +278,11 @@ pub fn try_malloc(device: i32, size: usize, stream: usize) -> Option<usize> {
     if !fast_path_stream(stream) {
         return None;
     }
-    with_mine(device, |c| c.reuse(Kind::Ordered, size, fast_stream(stream)))
+    with_mine(device, stream, |c| c.reuse(Kind::Ordered, size, fast_stream(stream)))
 }
 
-/// The (pool id, cache id) of this thread's cache for `device`, if it has one.
+/// The (pool id, cache id) of this thread's cache for `device`'s shard 0, if it has one.
 pub fn current(device: i32) -> Option<(u64, u32)> {
-    with_mine(device, |c| Some((c.pool_id, c.id)))
+    with_mine(device, STREAM_LEGACY, |c| Some((c.pool_id, c.id)))
 }
 

@@ -53,6 +53,42 @@ impl DriverCalls {
         ]
     }
 
+    /// Add `o`'s counts (the shards of one device, reported as one).
+    pub fn add(&mut self, o: &DriverCalls) {
+        let DriverCalls {
+            malloc,
+            free,
+            mem_create,
+            mem_release,
+            mem_map,
+            mem_unmap,
+            set_access,
+            address_reserve,
+            address_free,
+            event_record,
+            event_query,
+            event_sync,
+            stream_wait,
+            stream_id,
+            capture_info,
+        } = *o;
+        self.malloc += malloc;
+        self.free += free;
+        self.mem_create += mem_create;
+        self.mem_release += mem_release;
+        self.mem_map += mem_map;
+        self.mem_unmap += mem_unmap;
+        self.set_access += set_access;
+        self.address_reserve += address_reserve;
+        self.address_free += address_free;
+        self.event_record += event_record;
+        self.event_query += event_query;
+        self.event_sync += event_sync;
+        self.stream_wait += stream_wait;
+        self.stream_id += stream_id;
+        self.capture_info += capture_info;
+    }
+
     pub fn total(&self) -> u64 {
         self.fields().iter().map(|f| f.1).sum()
     }

@@ -19,6 +19,8 @@ use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Page size of the host upstream: the GPU's mapping granularity (as the replay's simulated
 /// device), so a trace recorded here replays to the same figures.
@@ -26,6 +28,10 @@ pub const HOST_PAGE: usize = super::sim::SIM_PAGE;
 
 pub struct HostUpstream {
     capacity: usize,
+    /// Bytes taken from the simulated device by every host upstream of that device (the
+    /// shards of one device's pool draw on one capacity, as on a GPU).
+    device_allocated: Arc<AtomicUsize>,
+    /// The part of it this upstream holds (given back when it is dropped).
     allocated: usize,
     /// Decommitted pages (inaccessible; not counted as allocated).
     decommitted: BTreeSet<usize>,
@@ -37,15 +43,54 @@ pub struct HostUpstream {
 }
 
 impl HostUpstream {
+    /// A simulated device of its own, of `capacity` bytes.
     pub fn new(capacity: usize) -> Self {
+        Self::sharing(capacity, Arc::default())
+    }
+
+    /// Simulated device `device` of this process (`capacity` bytes): every upstream made
+    /// for it shares its memory.
+    pub fn for_device(capacity: usize, device: i32) -> Self {
+        static DEVICES: std::sync::Mutex<Vec<(i32, Arc<AtomicUsize>)>> = std::sync::Mutex::new(Vec::new());
+        let mut d = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        let shared = match d.iter().find(|(id, _)| *id == device) {
+            Some((_, s)) => s.clone(),
+            None => {
+                let s = Arc::new(AtomicUsize::new(0));
+                d.push((device, s.clone()));
+                s
+            }
+        };
+        Self::sharing(capacity, shared)
+    }
+
+    fn sharing(capacity: usize, device_allocated: Arc<AtomicUsize>) -> Self {
         HostUpstream {
             capacity,
+            device_allocated,
             allocated: 0,
             decommitted: BTreeSet::new(),
             vmm: HostVmm::new(HOST_PAGE),
             calls: DriverCalls::default(),
             segments: Default::default(),
         }
+    }
+}
+
+impl HostUpstream {
+    /// Take `n` bytes of the device's capacity, if it has them.
+    fn take(&mut self, n: usize) -> bool {
+        let cap = self.capacity;
+        let ok = self.device_allocated.fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| (n <= cap.saturating_sub(a)).then_some(a + n)).is_ok();
+        if ok {
+            self.allocated += n;
+        }
+        ok
+    }
+
+    fn give(&mut self, n: usize) {
+        self.allocated -= n;
+        self.device_allocated.fetch_sub(n, Ordering::AcqRel);
     }
 }
 
@@ -73,16 +118,16 @@ impl Upstream for HostUpstream {
 
     fn allocate(&mut self, size: usize, _stream: StreamHandle) -> std::result::Result<usize, AllocError> {
         self.calls.malloc += 1;
-        if size == 0 || size > self.capacity - self.allocated {
+        let Some(layout) = layout(size).filter(|_| size != 0) else { return Err(AllocError::OutOfMemory) };
+        if !self.take(size) {
             return Err(AllocError::OutOfMemory);
         }
-        let layout = layout(size).ok_or(AllocError::OutOfMemory)?;
         // SAFETY: size > 0 checked above.
         let p = unsafe { alloc(layout) };
         if p.is_null() {
+            self.give(size);
             return Err(AllocError::OutOfMemory);
         }
-        self.allocated += size;
         self.segments.insert(p as usize, size);
         Ok(p as usize)
     }
@@ -102,7 +147,7 @@ impl Upstream for HostUpstream {
         let layout = layout(size).expect("the pool hands back sizes that allocate accepted");
         // SAFETY: the pool only hands back (addr, size) pairs that `allocate` returned.
         unsafe { dealloc(addr as *mut u8, layout) };
-        self.allocated -= size - holes.len() * HOST_PAGE;
+        self.give(size - holes.len() * HOST_PAGE);
         Ok(())
     }
 
@@ -112,14 +157,16 @@ impl Upstream for HostUpstream {
 
     fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.calls.mem_map += 1;
-        if len > self.capacity - self.allocated {
+        if !self.take(len) {
             return Err(AllocError::OutOfMemory);
         }
-        protect(addr, len, libc::PROT_READ | libc::PROT_WRITE)?;
+        if let Err(e) = protect(addr, len, libc::PROT_READ | libc::PROT_WRITE) {
+            self.give(len);
+            return Err(e.into());
+        }
         for p in (addr..addr + len).step_by(HOST_PAGE) {
             self.decommitted.remove(&p);
         }
-        self.allocated += len;
         Ok(())
     }
 
@@ -131,12 +178,12 @@ impl Upstream for HostUpstream {
         for p in (addr..addr + len).step_by(HOST_PAGE) {
             self.decommitted.insert(p);
         }
-        self.allocated -= len;
+        self.give(len);
         Ok(())
     }
 
     fn mem_info(&mut self) -> Result<(usize, usize)> {
-        Ok((self.capacity - self.allocated, self.capacity))
+        Ok((self.capacity.saturating_sub(self.device_allocated.load(Ordering::Acquire)), self.capacity))
     }
 
     fn vmm_granule(&mut self) -> usize {
@@ -155,14 +202,16 @@ impl Upstream for HostUpstream {
 
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         let n = (len / self.vmm.granule()) as u64;
-        if len > self.capacity - self.allocated {
+        if !self.take(len) {
             self.calls.mem_create += 1; // the failing call
             return Err(AllocError::OutOfMemory);
         }
-        self.vmm.map_new(addr, len)?;
+        if let Err(e) = self.vmm.map_new(addr, len) {
+            self.give(len);
+            return Err(e.into());
+        }
         (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
             (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
-        self.allocated += len;
         Ok(())
     }
 
@@ -171,7 +220,7 @@ impl Upstream for HostUpstream {
         self.vmm.unmap(addr, len)?;
         self.calls.mem_unmap += n;
         self.calls.mem_release += n;
-        self.allocated -= len;
+        self.give(len);
         Ok(())
     }
 
@@ -239,5 +288,8 @@ impl Drop for HostUpstream {
                 unsafe { dealloc(addr as *mut u8, layout) };
             }
         }
+        // Whatever this upstream still held (segments above, granules still mapped) is the
+        // simulated device's again.
+        self.device_allocated.fetch_sub(self.allocated, Ordering::AcqRel);
     }
 }

@@ -193,7 +193,7 @@ pub fn build(kind: crate::config::UpstreamKind, device: i32, host_capacity: usiz
         other => other,
     };
     Ok(match kind {
-        K::Host => Box::new(host::HostUpstream::new(host_capacity)),
+        K::Host => Box::new(host::HostUpstream::for_device(host_capacity, device)),
         K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem).map_err(hint)?),
         K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem).map_err(hint)?),
         K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem).map_err(hint)?),

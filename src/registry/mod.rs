@@ -1,0 +1,491 @@
+//! The process-wide registry: each device's pool, created lazily, as a set of shards with
+//! a lock each, plus the environment configuration read once.
+//!
+//! Shards, and why. One lock per device made every thread on every stream wait for every
+//! other: sixteen threads churning sixteen streams ran at a fifth of one thread's rate
+//! (issue #18). So a device's pool is `1 + GPUPOOL_STREAM_SHARDS` independent pools
+//! (`Pool`, each with its own strategy, books, stream events and upstream instance):
+//! - shard 0 serves the legacy stream, the per-thread default stream, callers that name
+//!   no stream (CuPy) and everything about private pools (CUDA graphs, `MemPool`s: while
+//!   one routes allocations, every allocation goes to shard 0), and holds the settings;
+//! - each user stream is placed on one of shards `1..=n` the first time it allocates
+//!   (`streams.rs`, round robin) and allocates there from then on;
+//! - a free goes to the shard that holds the block: the freeing stream's shard first (a
+//!   block is mostly freed on the stream it was allocated for), else the one the address
+//!   index names (`crate::owners`);
+//! - the device's limit and reserved bytes are one `Budget` that every shard claims from
+//!   before it grows, so the limit caps the device;
+//! - a shard out of memory asks the others to give their cached memory back (each under
+//!   its own lock, never two at once) and tries once more, so memory cached for one
+//!   stream never makes another fail;
+//! - reports add the shards up (`reports.rs`).
+//!
+//! What it costs: memory cached on one stream's shard serves only that shard until memory
+//! runs short; PyTorch's allocator keeps each stream's blocks to that stream in the same
+//! way. The arena is never sharded (its point is one address space per device), nor is a
+//! pool over a caller's upstream (`install`), nor the test-only unsafe stream mode.
+//!
+//! Locks: a thread holds at most one shard lock, except `fork`, `configure` and `install`,
+//! which take them all in index order. Lock choice: `std::sync::Mutex` (futex: a short
+//! spin, then the thread parks). Measured with `cargo bench --bench malloc_free` (see
+//! README "Lock choice"): uncontended it costs about what `spin::Mutex<Yield>` does, and
+//! unlike a spin lock it is safe to hold across the driver calls the grow/reclaim paths
+//! make (a spinning waiter burns a core for as long as a driver call takes, and spin locks
+//! collapse when threads outnumber cores).
+
+mod reports;
+mod streams;
+
+pub use reports::{memory_status, snapshot_json, stats, stats_json};
+
+use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
+use crate::error::{Error, Result};
+use crate::pool::{Budget, Pool, PoolOptions};
+use crate::upstream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use streams::StreamShards;
+
+/// Device ids accepted: `0..MAX_DEVICES` (CUDA upstreams further check the device count).
+pub const MAX_DEVICES: usize = 64;
+
+/// Shards a device may have: shard 0 and the stream shards.
+pub const SHARDS: usize = 1 + MAX_STREAM_SHARDS;
+
+/// The hot-path lock around each shard.
+pub type PoolLock<T> = Mutex<T>;
+
+/// A per-device override of the environment's pool/upstream choice (`gpupool_configure`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub pool: PoolKind,
+    pub upstream: UpstreamKind,
+}
+
+/// `Slot::stream_shards` before shard 0 was made.
+const NOT_MADE: usize = usize::MAX;
+
+struct Slot {
+    shards: [PoolLock<Option<Pool>>; SHARDS],
+    choice: Mutex<Option<Choice>>,
+    /// Stream shards of the pool as made (0: one pool for every stream; `NOT_MADE`).
+    stream_shards: AtomicUsize,
+    /// The budget the device's shards share (made with shard 0).
+    budget: Mutex<Option<Arc<Budget>>>,
+    streams: StreamShards,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_POOL: PoolLock<Option<Pool>> = Mutex::new(None);
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY_SLOT: Slot = Slot {
+    shards: [NO_POOL; SHARDS],
+    choice: Mutex::new(None),
+    stream_shards: AtomicUsize::new(NOT_MADE),
+    budget: Mutex::new(None),
+    streams: StreamShards::new(),
+};
+static SLOTS: [Slot; MAX_DEVICES] = [EMPTY_SLOT; MAX_DEVICES];
+static PINNED: PoolLock<Option<Pool>> = Mutex::new(None);
+/// The environment's configuration (`config::get`).
+pub fn config() -> Result<&'static Config> {
+    crate::config::get()
+}
+
+/// Lock a plain registry mutex (a configuration choice), recovering from poisoning: nothing
+/// in it can be half-updated.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| {
+        m.clear_poison();
+        poisoned.into_inner()
+    })
+}
+
+/// Lock a pool. A poisoned lock means a panic interrupted an operation on this pool (the C
+/// boundary caught and reported it): its books may be half-updated, so rather than risk
+/// handing memory out twice the pool is stopped (`Pool::stop`) and says so from then on.
+fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<Pool>> {
+    m.lock().unwrap_or_else(|poisoned| {
+        m.clear_poison();
+        let mut g = poisoned.into_inner();
+        if let Some(p) = g.as_mut() {
+            let why = crate::error::last_panic().unwrap_or_else(|| "an operation was interrupted by a panic".into());
+            p.stop(&why);
+        }
+        g
+    })
+}
+
+/// Set once the process-wide checks of `slot` passed (configuration parsed, fork handlers
+/// installed): from then on a call pays two relaxed loads for them, not the checks.
+static CHECKED: AtomicBool = AtomicBool::new(false);
+
+fn slot(device: i32) -> Result<&'static Slot> {
+    if !CHECKED.load(Ordering::Acquire) || crate::process::in_child() {
+        crate::fork::check(lock_all_for_fork)?;
+        // A malformed environment variable fails every call that reaches a pool, frees and
+        // reclaims included, with the message that names it (so this is never marked done).
+        config()?;
+        CHECKED.store(true, Ordering::Release);
+    }
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
+    }
+    Ok(&SLOTS[device as usize])
+}
+
+fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
+    if cfg.debug >= 1 {
+        crate::process::on_exit(print_leak_summary);
+    }
+    if cfg.status_socket {
+        crate::status_socket::start(status_report);
+    }
+    Ok(PoolOptions {
+        kind,
+        limit: cfg.limit,
+        check_invariants: cfg.check_invariants,
+        unsafe_ignore_streams: cfg.unsafe_ignore_streams,
+        debug: cfg.debug,
+        tracer: crate::trace::global()?,
+        decay_window: cfg.decay_window,
+        arena_va: cfg.arena_va,
+        thread_cache: cfg.thread_cache,
+        event_batch: cfg.event_batch,
+        arena_lend: cfg.arena_lend,
+        budget: None,
+        shard: 0,
+    })
+}
+
+/// Make shard `shard` of `device`'s pool (shard 0 first: it fixes the device's shard count).
+fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
+    let cfg = config()?;
+    let c = lock(&s.choice).unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let mut opts = options(cfg, c.pool)?; // configuration errors (a bad trace path) come first
+    let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
+    opts.budget = Some(lock(&s.budget).get_or_insert_with(Default::default).clone());
+    opts.shard = shard as u16;
+    let pool = Pool::new(device, up, &opts)?;
+    if shard == 0 {
+        // The unsafe test mode must reuse across streams at once (its test shows the
+        // stream tests catch that), which one pool per stream would never do.
+        let n = if c.pool == PoolKind::Arena || cfg.unsafe_ignore_streams { 0 } else { cfg.stream_shards };
+        s.stream_shards.store(n, Ordering::Release);
+    }
+    Ok(pool)
+}
+
+/// Run `f` on shard `shard` of `device`'s pool, creating it on first use.
+pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    let s = slot(device)?;
+    let mut g = lock_pool(&s.shards[shard]);
+    if g.is_none() {
+        *g = Some(create(device, shard, s)?);
+    }
+    f(g.as_mut().expect("pool created above"))
+}
+
+/// Run `f` on shard 0 of `device`'s pool (creating it on first use): the legacy stream's,
+/// stream-less callers' and private pools' shard, which holds the device's settings.
+pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    with_shard(device, 0, f)
+}
+
+/// Run `f` on shard 0 of `device`'s pool only if it exists.
+pub fn with_existing<R>(device: i32, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
+    let s = slot(device)?;
+    let mut g = lock_pool(&s.shards[0]);
+    Ok(g.as_mut().map(f))
+}
+
+/// Run `f` on every existing shard of `device`'s pool in turn (one lock at a time).
+pub fn for_each_shard(device: i32, mut f: impl FnMut(&mut Pool)) -> Result<()> {
+    let s = slot(device)?;
+    for m in &s.shards {
+        if let Some(p) = lock_pool(m).as_mut() {
+            f(p);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `stream` is a user stream (one that gets a shard of its own).
+fn user_stream(stream: usize) -> bool {
+    !crate::stream::is_legacy(stream) && stream != crate::stream::STREAM_PER_THREAD
+}
+
+/// The shard that serves allocations on `stream` on `device` (making shard 0 first if
+/// needed: it fixes the shard count).
+pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
+    let s = slot(device)?;
+    if !user_stream(stream) {
+        return Ok(0);
+    }
+    let mut n = s.stream_shards.load(Ordering::Acquire);
+    if n == NOT_MADE {
+        with_pool(device, |_| Ok(()))?;
+        n = s.stream_shards.load(Ordering::Acquire);
+    }
+    // While a private pool routes allocations (a graph capture), shard 0 decides where each goes.
+    if n == 0 || n == NOT_MADE || crate::pool::routes_active() {
+        return Ok(0);
+    }
+    Ok(s.streams.shard_of(stream, n))
+}
+
+/// The shard that serves `stream` if that stream ever allocated on `device` (no pool made,
+/// nothing placed): where a free on `stream` looks first.
+pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
+    if device < 0 || device as usize >= MAX_DEVICES {
+        return None;
+    }
+    let s = &SLOTS[device as usize];
+    match s.stream_shards.load(Ordering::Acquire) {
+        NOT_MADE => None,
+        0 => Some(0),
+        _ if !user_stream(stream) => Some(0),
+        n => s.streams.placed(stream, n),
+    }
+}
+
+/// Run the allocation `f` on `shard` of `device`. Out of memory there while other shards
+/// hold cached memory: they give it back (`release_other_shards`) and `f` runs once more;
+/// the failure is counted once either way (`counted_twice`).
+pub fn allocate<R>(device: i32, shard: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
+    let r = with_shard(device, shard, &mut f);
+    if !matches!(r, Err(Error::OutOfMemory(_))) || release_other_shards(device, shard) == 0 {
+        return r;
+    }
+    with_shard(device, shard, |p| {
+        let again = f(p);
+        if counted_twice(&again) {
+            p.retract_oom();
+        }
+        again
+    })
+}
+
+/// After a retry (`allocate`): whether the first attempt's out-of-memory is to be taken
+/// back. A success never saw it; a second out-of-memory counted the same failure again.
+pub fn counted_twice<R>(again: &Result<R>) -> bool {
+    matches!(again, Ok(_) | Err(Error::OutOfMemory(_)))
+}
+
+/// Shard `except` of `device` is out of memory: every other shard gives back the cached
+/// memory it can, each under its own lock. Returns the bytes that went back.
+pub fn release_other_shards(device: i32, except: usize) -> usize {
+    let Ok(s) = slot(device) else { return 0 };
+    if matches!(s.stream_shards.load(Ordering::Acquire), 0 | NOT_MADE) {
+        return 0;
+    }
+    let mut got = 0;
+    for (k, m) in s.shards.iter().enumerate() {
+        if k == except {
+            continue;
+        }
+        if let Some(p) = lock_pool(m).as_mut() {
+            if p.cached_bytes() > 0 {
+                got += p.release_for_pressure();
+            }
+        }
+    }
+    got
+}
+
+/// Run the free `f` of `ptr` on the shard of `device` that holds it: the shard `stream`
+/// allocates on (blocks are mostly freed where they were allocated), else the one the
+/// address index names. A pointer no shard has live is judged by the shard whose memory it
+/// points into, else shard 0 (double, interior or unknown: `f` reports it). `Ok(None)`:
+/// the device has no pool.
+pub fn with_holder<R>(device: i32, ptr: usize, stream: usize, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
+    let s = slot(device)?;
+    if let Some(k) = shard_placed(device, stream) {
+        let mut g = lock_pool(&s.shards[k]);
+        if let Some(p) = g.as_mut().filter(|p| p.owns(ptr)) {
+            return Ok(Some(f(p)));
+        }
+    }
+    let judge = match crate::owners::lookup(ptr) {
+        Some(o) if o.device == device && (o.shard as usize) < SHARDS => o.shard as usize,
+        _ => 0,
+    };
+    let mut g = lock_pool(&s.shards[judge]);
+    match g.as_mut() {
+        Some(p) => Ok(Some(f(p))),
+        None => {
+            drop(g);
+            Ok(lock_pool(&s.shards[0]).as_mut().map(f))
+        }
+    }
+}
+
+/// Devices whose pools exist.
+pub fn existing_devices() -> Vec<i32> {
+    (0..MAX_DEVICES as i32).filter(|&d| lock_pool(&SLOTS[d as usize].shards[0]).is_some()).collect()
+}
+
+/// Run `f` on the pool (any device, any shard) that has `ptr` live; `None` if none has.
+pub fn with_owner_of<R>(ptr: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Option<Result<R>> {
+    // The range index names the one pool to ask (no lock on the others).
+    let o = crate::owners::lookup(ptr)?;
+    let m = SLOTS.get(usize::try_from(o.device).ok()?)?.shards.get(o.shard as usize)?;
+    let mut g = lock_pool(m);
+    g.as_mut().filter(|p| p.owns(ptr)).map(f)
+}
+
+/// The device whose pool has `ptr` live, if any.
+pub fn find_owner(ptr: usize) -> Option<i32> {
+    with_owner_of(ptr, |p| Ok(p.device())).and_then(|r| r.ok())
+}
+
+/// Every shard lock of `device`, in index order (`configure`, `install`).
+fn lock_device(s: &'static Slot) -> Vec<MutexGuard<'static, Option<Pool>>> {
+    s.shards.iter().map(lock_pool).collect()
+}
+
+/// A pool may be replaced only with nothing live in it (thread caches emptied first).
+fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) -> Result<()> {
+    for g in shards.iter_mut() {
+        if let Some(p) = g.as_mut() {
+            p.flush_thread_caches(None);
+            if p.live_count() > 0 {
+                return Err(Error::Busy(format!(
+                    "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",
+                    p.live_count()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Choose the strategy and/or upstream of `device` at run time. Allowed while the device's
+/// pool has no live allocations; its cached memory is released first. A failure (no
+/// driver, bad device) leaves the current pool in place.
+pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
+    let s = slot(device)?;
+    let cfg = config()?;
+    let mut shards = lock_device(s);
+    ensure_idle(&mut shards, device)?;
+    let old = lock(&s.choice).unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let new = Choice { pool: pool.unwrap_or(old.pool), upstream: upstream.unwrap_or(old.upstream) };
+    *lock(&s.choice) = Some(new);
+    let old_budget = lock(&s.budget).replace(Arc::default());
+    let old_count = s.stream_shards.load(Ordering::Acquire);
+    match create(device, 0, s) {
+        Ok(fresh) => {
+            // The old shards drop here, which releases their cache.
+            for g in shards.iter_mut().skip(1) {
+                **g = None;
+            }
+            *shards[0] = Some(fresh);
+            Ok(())
+        }
+        Err(e) => {
+            *lock(&s.choice) = Some(old);
+            *lock(&s.budget) = old_budget;
+            s.stream_shards.store(old_count, Ordering::Release);
+            Err(e)
+        }
+    }
+}
+
+/// Run `device`'s pool over the caller's `upstream` with strategy `kind` (and the
+/// environment's other settings), replacing the pool it had, on the same terms as
+/// `configure`: no live allocations. For embedders with their own memory source and for
+/// tests with instrumented upstreams (RMM's `set_per_device_resource` plays this part).
+/// One upstream serves one pool: such a device is not sharded.
+pub fn install(device: i32, kind: PoolKind, upstream: Box<dyn upstream::Upstream>) -> Result<()> {
+    let s = slot(device)?;
+    let cfg = config()?;
+    let mut shards = lock_device(s);
+    ensure_idle(&mut shards, device)?;
+    let budget = Arc::new(Budget::default());
+    let fresh = Pool::new(device, upstream, &PoolOptions { budget: Some(budget.clone()), ..options(cfg, kind)? })?;
+    for g in shards.iter_mut().skip(1) {
+        **g = None;
+    }
+    *shards[0] = Some(fresh);
+    *lock(&s.budget) = Some(budget);
+    s.stream_shards.store(0, Ordering::Release);
+    Ok(())
+}
+
+/// Run `f` on the pinned host pool, creating it on first use.
+pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    crate::fork::check(lock_all_for_fork)?;
+    let mut g = lock_pool(&PINNED);
+    if g.is_none() {
+        let cfg = config()?;
+        let up = upstream::build_pinned()?;
+        *g = Some(Pool::new(-1, up, &options(cfg, PoolKind::Split)?)?);
+    }
+    f(g.as_mut().expect("pinned pool created above"))
+}
+
+/// Give every wholly free cached segment of `device` back (every shard). `None`: no pool.
+pub fn reclaim(device: i32) -> Result<Option<Result<usize>>> {
+    let mut total: Option<Result<usize>> = None;
+    for_each_shard(device, |p| {
+        let r = p.reclaim();
+        total = Some(match (total.take(), r) {
+            (None, r) => r,
+            (Some(Ok(a)), Ok(b)) => Ok(a + b),
+            (Some(Err(e)), _) | (Some(Ok(_)), Err(e)) => Err(e),
+        });
+    })?;
+    Ok(total)
+}
+
+/// Cap `device`'s reserved bytes at `bytes` (0 = none); every shard releases cached memory
+/// while the device is above it.
+pub fn set_limit(device: i32, bytes: usize) -> Result<()> {
+    with_pool(device, |p| p.set_limit(bytes))?;
+    let mut first = None;
+    for_each_shard(device, |p| {
+        if let Err(e) = p.release_over_limit() {
+            first.get_or_insert(e);
+        }
+    })?;
+    first.map_or(Ok(()), Err)
+}
+
+/// The leak report over every device pool (and the pinned pool): live allocations,
+/// largest first, with what `GPUPOOL_DEBUG` recorded.
+pub fn leak_report() -> String {
+    let mut leaks = Vec::new();
+    for d in existing_devices() {
+        let _ = for_each_shard(d, |p| leaks.append(&mut p.leaks()));
+    }
+    if let Some(p) = lock_pool(&PINNED).as_ref() {
+        leaks.extend(p.leaks());
+    }
+    crate::debug::render(leaks, config().map(|c| c.debug).unwrap_or(0))
+}
+
+/// At exit with `GPUPOOL_DEBUG` >= 1: the leak summary, when anything is still live.
+fn print_leak_summary() {
+    let report = leak_report();
+    if !report.starts_with("gpupool: 0 live") {
+        crate::error::warn(&report);
+    }
+}
+
+/// `fork()` support (`fork.rs`): hold every pool lock across the fork, so that the child's
+/// copies are not caught in the middle of an update by a thread that does not exist there.
+pub(crate) fn lock_all_for_fork() -> Vec<MutexGuard<'static, Option<Pool>>> {
+    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().flat_map(|s| s.shards.iter().map(lock_pool)).collect();
+    guards.push(lock_pool(&PINNED));
+    guards
+}
+
+/// The status report of every device pool in use (what `gpupool_memory_status(-1)` returns).
+pub fn status_report() -> String {
+    let parts: Vec<String> = existing_devices().into_iter().filter_map(|d| memory_status(d).ok()).collect();
+    if parts.is_empty() {
+        "gpupool: no device pool in use yet\n".into()
+    } else {
+        parts.concat()
+    }
+}

@@ -1,0 +1,143 @@
+//! A device's reports, added up over its shards: statistics, the status text, its JSON and
+//! the memory snapshot. A device with one shard in use reports exactly what that pool
+//! says; with several, the counters are sums and the device-wide figures come from the
+//! shared budget (reserved peak, limit).
+//!
+//! One figure cannot be exact across shards without a shared counter on the hot path:
+//! the peak of bytes in use. Each shard knows its own peak; the device's is reported as
+//! the sum of the shards' peaks, an upper bound that is exact when one shard served
+//! (every allocation on the legacy stream or stream-less, or `GPUPOOL_STREAM_SHARDS=0`).
+//! The status report says so when it applies.
+
+use super::{for_each_shard, with_pool, Result};
+use crate::error::human_bytes;
+use crate::stats::{render_json, render_status, ReportContext, Stats};
+use crate::upstream::DriverCalls;
+
+/// What one shard contributes to the device's reports.
+struct Part {
+    shard: u16,
+    stats: Stats,
+    calls: DriverCalls,
+}
+
+/// Shard 0's report of `device` (made if needed: asking for a report makes the pool, as
+/// before shards) and the other shards' parts.
+fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Result<(R, Vec<Part>, Option<(usize, usize)>)> {
+    let (r, budget) = with_pool(device, |p| Ok((first(p), p.budget().clone())))?;
+    let mut parts = Vec::new();
+    for_each_shard(device, |p| parts.push(Part { shard: p.shard(), stats: p.stats(), calls: p.driver_calls() }))?;
+    let device_wide = (parts.len() > 1).then(|| (budget.peak(), budget.limit()));
+    Ok((r, parts, device_wide))
+}
+
+/// The sum of the shards' statistics.
+fn total(parts: &[Part], device_wide: Option<(usize, usize)>) -> Stats {
+    let mut t = parts[0].stats;
+    for p in &parts[1..] {
+        let s = &p.stats;
+        t.used_bytes += s.used_bytes;
+        t.free_bytes += s.free_bytes;
+        t.total_bytes += s.total_bytes;
+        t.n_free_blocks += s.n_free_blocks;
+        t.n_live_blocks += s.n_live_blocks;
+        t.requested_bytes += s.requested_bytes;
+        t.peak_used_bytes += s.peak_used_bytes;
+        t.n_allocs += s.n_allocs;
+        t.n_frees += s.n_frees;
+        t.n_upstream_allocs += s.n_upstream_allocs;
+        t.n_upstream_frees += s.n_upstream_frees;
+        t.n_ooms += s.n_ooms;
+        // A reclaim reaches every shard: shard 0's count is the device's.
+        t.reclaimed_bytes += s.reclaimed_bytes;
+        t.n_invalid_frees += s.n_invalid_frees;
+        t.largest_free_block = t.largest_free_block.max(s.largest_free_block);
+        t.n_cross_stream_reuses += s.n_cross_stream_reuses;
+        t.n_deferred_frees += s.n_deferred_frees;
+    }
+    if let Some((peak, limit)) = device_wide {
+        t.peak_total_bytes = peak as u64;
+        t.limit_bytes = limit as u64;
+    }
+    t
+}
+
+fn calls(parts: &[Part]) -> DriverCalls {
+    let mut c = DriverCalls::default();
+    for p in parts {
+        c.add(&p.calls);
+    }
+    c
+}
+
+/// `device`'s statistics (`gpupool_get_stats`).
+pub fn stats(device: i32) -> Result<Stats> {
+    let ((), parts, wide) = parts(device, |_| ())?;
+    Ok(total(&parts, wide))
+}
+
+/// `device`'s status report.
+pub fn memory_status(device: i32) -> Result<String> {
+    let ((own, extras, ctx), parts, wide) =
+        parts(device, |p| (p.memory_status(), p.status_extras(), (p.device(), p.strategy_name(), p.upstream_name())))?;
+    if wide.is_none() {
+        return Ok(own);
+    }
+    let ctx = ReportContext { device: ctx.0, strategy: ctx.1, upstream: ctx.2 };
+    let mut out = render_status(&ctx, &total(&parts, wide));
+    out.push_str(&extras);
+    out.push_str(&format!(
+        "  Stream shards: {} in use (a lock each; peak in use above is the sum of their peaks, an upper bound):",
+        parts.len()
+    ));
+    for p in &parts {
+        out.push_str(&format!(
+            " [{}] {} in use / {} reserved;",
+            p.shard,
+            human_bytes(p.stats.used_bytes as usize),
+            human_bytes(p.stats.total_bytes as usize)
+        ));
+    }
+    out.pop();
+    out.push('\n');
+    out.push_str(&format!("  Driver calls: {}\n", calls(&parts).text()));
+    Ok(out)
+}
+
+/// `device`'s statistics as JSON (`gpupool_stats_json`); a sharded device adds `shards`.
+pub fn stats_json(device: i32) -> Result<String> {
+    let ((own, extras, ctx), parts, wide) =
+        parts(device, |p| (p.stats_json(), p.json_extras(), (p.device(), p.strategy_name(), p.upstream_name())))?;
+    if wide.is_none() {
+        return Ok(own);
+    }
+    let ctx = ReportContext { device: ctx.0, strategy: ctx.1, upstream: ctx.2 };
+    let mut out = render_json(&ctx, &total(&parts, wide));
+    out.pop();
+    out.push_str(&format!(",\"driver_calls\":{}", calls(&parts).json()));
+    out.push_str(&extras);
+    let shards: Vec<String> = parts
+        .iter()
+        .map(|p| {
+            format!(
+                "{{\"shard\":{},\"used_bytes\":{},\"total_bytes\":{},\"peak_used_bytes\":{},\"n_allocs\":{}}}",
+                p.shard, p.stats.used_bytes, p.stats.total_bytes, p.stats.peak_used_bytes, p.stats.n_allocs
+            )
+        })
+        .collect();
+    out.push_str(&format!(",\"shards\":[{}]}}", shards.join(",")));
+    Ok(out)
+}
+
+/// `device`'s memory snapshot: every shard's segments in one list.
+pub fn snapshot_json(device: i32) -> Result<String> {
+    let (head, _, _) = parts(device, |p| format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[", p.device(), p.strategy_name()))?;
+    let mut segments = Vec::new();
+    for_each_shard(device, |p| {
+        let s = p.snapshot_segments();
+        if !s.is_empty() {
+            segments.push(s);
+        }
+    })?;
+    Ok(format!("{head}{}]}}", segments.join(",")))
+}

@@ -1,0 +1,151 @@
+//! Which shard of a device's pool serves a stream: user streams are dealt out to the
+//! device's stream shards round robin, the first time each is seen, and keep their shard
+//! from then on. The legacy stream, the per-thread default stream and callers that name no
+//! stream stay on shard 0.
+//!
+//! Why round robin and not a hash of the handle: sixteen threads on sixteen streams should
+//! find sixteen locks; hashing sixteen handles into sixteen shards puts about six of them
+//! on a shard another stream already uses.
+//!
+//! Why a fixed table of atomics: every allocation and free on a user stream asks, so a
+//! lookup takes no lock and writes nothing (it reads words other threads only read). A
+//! stream handle whose stream was destroyed keeps its entry: its address may come back as
+//! another stream, which then shares that shard. That is only a placement: which pool holds
+//! a block never depends on it (frees find the pool through `crate::owners`). Once the
+//! table is full, further handles are placed by a hash. A device remade with another
+//! shard count (`gpupool_configure`) keeps the placements, modulo the new count.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+/// Streams remembered per device.
+const ENTRIES: usize = 256;
+/// An entry's shard before its writer stored it.
+const UNSET: u32 = u32::MAX;
+
+pub struct StreamShards {
+    /// Stream handles (0 = free entry; the legacy stream never enters).
+    handles: [AtomicUsize; ENTRIES],
+    shards: [AtomicU32; ENTRIES],
+    /// Streams placed so far (the next one's turn).
+    placed: AtomicUsize,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const FREE_HANDLE: AtomicUsize = AtomicUsize::new(0);
+#[allow(clippy::declare_interior_mutable_const)]
+const UNSET_SHARD: AtomicU32 = AtomicU32::new(UNSET);
+
+impl StreamShards {
+    pub const fn new() -> Self {
+        StreamShards { handles: [FREE_HANDLE; ENTRIES], shards: [UNSET_SHARD; ENTRIES], placed: AtomicUsize::new(0) }
+    }
+
+    fn start(handle: usize) -> usize {
+        // Stream handles are heap addresses: the low bits say little.
+        (handle.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % ENTRIES
+    }
+
+    /// The shard (`1..=n`) of the user stream `handle`, placing it if it is new. `n > 0`.
+    pub fn shard_of(&self, handle: usize, n: usize) -> usize {
+        let start = Self::start(handle);
+        for i in 0..ENTRIES {
+            let e = (start + i) % ENTRIES;
+            let h = self.handles[e].load(Ordering::Acquire);
+            if h == handle {
+                return self.wait_for(e, n);
+            }
+            if h == 0 {
+                match self.handles[e].compare_exchange(0, handle, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => {
+                        let shard = self.placed.fetch_add(1, Ordering::AcqRel) % n;
+                        self.shards[e].store(shard as u32, Ordering::Release);
+                        return 1 + shard;
+                    }
+                    // Another thread took the entry: for this handle, or for another one.
+                    Err(h) if h == handle => return self.wait_for(e, n),
+                    Err(_) => continue,
+                }
+            }
+        }
+        1 + (Self::start(handle) % n)
+    }
+
+    /// The shard of a handle already placed, or `None` (nothing to look up for a stream
+    /// no allocation named).
+    pub fn placed(&self, handle: usize, n: usize) -> Option<usize> {
+        let start = Self::start(handle);
+        for i in 0..ENTRIES {
+            let e = (start + i) % ENTRIES;
+            match self.handles[e].load(Ordering::Acquire) {
+                0 => return None,
+                h if h == handle => return Some(self.wait_for(e, n)),
+                _ => {}
+            }
+        }
+        Some(1 + (Self::start(handle) % n))
+    }
+
+    /// Entry `e`'s shard, once its writer (between two stores) has set it.
+    fn wait_for(&self, e: usize, n: usize) -> usize {
+        let mut spins = 0u32;
+        loop {
+            let s = self.shards[e].load(Ordering::Acquire);
+            if s != UNSET {
+                return 1 + (s as usize % n);
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_are_dealt_round_robin_and_keep_their_shard() {
+        let t = StreamShards::new();
+        let handles: Vec<usize> = (1..=32).map(|i| 0x7f00_0000_0000 + i * 0x40).collect();
+        let first: Vec<usize> = handles.iter().map(|&h| t.shard_of(h, 16)).collect();
+        for (i, &s) in first.iter().enumerate() {
+            assert_eq!(s, 1 + i % 16, "stream {i} placed out of turn");
+        }
+        for (&h, &s) in handles.iter().zip(&first) {
+            assert_eq!(t.shard_of(h, 16), s);
+            assert_eq!(t.placed(h, 16), Some(s));
+        }
+        assert_eq!(t.placed(0xdead_0000, 16), None);
+        // A device remade with fewer shards keeps each stream's turn, modulo the new count.
+        assert_eq!(t.shard_of(handles[5], 4), 1 + 5 % 4);
+    }
+
+    #[test]
+    fn a_full_table_still_places_every_stream_in_range() {
+        let t = StreamShards::new();
+        for h in 1..=(3 * ENTRIES) {
+            let s = t.shard_of(h * 256, 5);
+            assert!((1..=5).contains(&s));
+            assert_eq!(t.shard_of(h * 256, 5), s, "handle {h} moved");
+        }
+    }
+
+    #[test]
+    fn threads_racing_to_place_one_stream_agree() {
+        let t = std::sync::Arc::new(StreamShards::new());
+        let got: Vec<usize> = (0..8)
+            .map(|_| {
+                let t = t.clone();
+                std::thread::spawn(move || t.shard_of(0x5000, 4))
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|j| j.join().unwrap())
+            .collect();
+        assert!(got.iter().all(|&s| s == got[0]), "{got:?}");
+    }
+}

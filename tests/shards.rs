@@ -1,0 +1,254 @@
+//! A device's pool in shards (`src/registry`): user streams allocate from shards of their
+//! own, frees find the shard that holds the block, the limit and the memory capacity are
+//! the device's, a shard out of memory gets the others' cache back, and the reports add
+//! the shards up. Through the C API on the host upstream (a simulated device of 256 MiB
+//! that every shard of a device draws on), each test on a device of its own.
+
+use gpupool::ffi::core::*;
+use gpupool::{Stats, Status};
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::null_mut;
+use std::sync::Once;
+
+const MIB: usize = 1 << 20;
+
+fn host(device: i32, pool: &CStr) {
+    static ENV: Once = Once::new();
+    // Read once per process, before the first call: every device here is a simulated one
+    // of 256 MiB, so out-of-memory paths are reachable.
+    ENV.call_once(|| std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB"));
+    assert_eq!(unsafe { gpupool_configure(device, pool.as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+}
+
+fn last() -> String {
+    let n = unsafe { gpupool_last_error(null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_last_error(buf.as_mut_ptr() as *mut c_char, buf.len()) };
+    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
+
+fn stats(device: i32) -> Stats {
+    let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
+    assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, Status::Ok);
+    s
+}
+
+fn json(device: i32) -> String {
+    let n = unsafe { gpupool_stats_json(device, null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_stats_json(device, buf.as_mut_ptr() as *mut c_char, buf.len()) };
+    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
+
+fn status(device: i32) -> String {
+    let n = unsafe { gpupool_memory_status(device, null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_memory_status(device, buf.as_mut_ptr() as *mut c_char, buf.len()) };
+    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
+
+/// A fake user stream handle (the host upstream takes any non-legacy handle as a stream).
+fn stream(i: usize) -> *mut c_void {
+    (0x7f00_0000_0000usize + i * 0x1000) as *mut c_void
+}
+
+fn malloc(size: usize, device: i32, s: *mut c_void) -> *mut c_void {
+    let mut p = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, size, device, s) }, Status::Ok, "{}", last());
+    p
+}
+
+fn free(p: *mut c_void, device: i32, s: *mut c_void) -> Status {
+    unsafe { gpupool_free(p, device, s) }
+}
+
+/// How many shards the JSON report lists (0: the device is one pool).
+fn shard_count(device: i32) -> usize {
+    json(device).matches("{\"shard\":").count()
+}
+
+#[test]
+fn each_user_stream_gets_a_shard_and_frees_find_it_from_any_stream() {
+    let d = 40;
+    host(d, c"split");
+    let a = malloc(3000, d, stream(1));
+    let b = malloc(3000, d, stream(2));
+    let c = malloc(3000, d, null_mut());
+    assert_eq!(shard_count(d), 3, "shard 0 and one per stream: {}", json(d));
+    let s = stats(d);
+    assert_eq!((s.n_live_blocks, s.n_allocs), (3, 3));
+    assert_eq!(s.requested_bytes, 9000);
+    // A block freed on another stream than its own, and one freed on the legacy stream:
+    // each goes back to the shard that holds it.
+    assert_eq!(free(a, d, stream(2)), Status::Ok, "{}", last());
+    assert_eq!(free(b, d, null_mut()), Status::Ok, "{}", last());
+    assert_eq!(free(c, d, stream(1)), Status::Ok, "{}", last());
+    // Double frees are caught whichever stream names them.
+    for s in [stream(1), stream(2), null_mut(), stream(9)] {
+        assert_eq!(free(a, d, s), Status::InvalidPointer);
+        assert!(last().contains("double free") || last().contains("already freed"), "{}", last());
+    }
+    let s = stats(d);
+    assert_eq!((s.n_live_blocks, s.used_bytes, s.n_frees), (0, 0, 3));
+    assert_eq!(s.n_invalid_frees, 4);
+    // record_stream and reclaim reach every shard.
+    let e = malloc(5 * MIB, d, stream(3));
+    assert_eq!(unsafe { gpupool_record_stream(e, stream(1)) }, Status::Ok, "{}", last());
+    assert_eq!(free(e, d, stream(3)), Status::Ok);
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(d, &mut released) }, Status::Ok);
+    assert!(released > 0);
+    assert_eq!(stats(d).total_bytes, 0, "{}", status(d));
+}
+
+#[test]
+fn a_free_naming_the_wrong_device_says_which_device_has_it() {
+    host(41, c"split");
+    host(42, c"split");
+    let p = malloc(1000, 41, stream(5));
+    assert_eq!(free(p, 42, stream(5)), Status::InvalidArgument);
+    assert!(last().contains("allocated on device 41"), "{}", last());
+    assert_eq!(free(p, 41, stream(5)), Status::Ok);
+}
+
+#[test]
+fn the_limit_caps_the_device_not_each_shard() {
+    let d = 43;
+    host(d, c"split");
+    assert_eq!(gpupool_set_limit(d, 64 * MIB), Status::Ok);
+    let mut live = Vec::new();
+    // 20 MiB blocks on eight streams: at most three fit under 64 MiB, whichever shards ask.
+    for i in 0..8 {
+        let mut p = null_mut();
+        match unsafe { gpupool_malloc(&mut p, 20 * MIB, d, stream(10 + i)) } {
+            Status::Ok => live.push((p, stream(10 + i))),
+            Status::OutOfMemory => assert!(last().contains("limit"), "{}", last()),
+            st => panic!("{st:?}: {}", last()),
+        }
+    }
+    let s = stats(d);
+    assert_eq!(live.len(), 3, "{}", status(d));
+    assert!(s.total_bytes <= 64 * MIB as u64 && s.peak_total_bytes <= 64 * MIB as u64, "{}", status(d));
+    assert_eq!(s.limit_bytes, 64 * MIB as u64);
+    for (p, s) in live {
+        assert_eq!(free(p, d, s), Status::Ok);
+    }
+    // Lowering the limit releases cache in every shard.
+    assert_eq!(gpupool_set_limit(d, 0), Status::Ok);
+    assert_eq!(gpupool_set_limit(d, 1), Status::Ok);
+    assert_eq!(stats(d).total_bytes, 0, "{}", status(d));
+    assert_eq!(gpupool_set_limit(d, 0), Status::Ok);
+}
+
+#[test]
+fn memory_cached_on_one_stream_serves_another_when_the_device_runs_out() {
+    let d = 44;
+    host(d, c"split");
+    // 200 of the device's 256 MiB, allocated and freed on stream A: cached in A's shard.
+    let a = malloc(200 * MIB, d, stream(20));
+    assert_eq!(free(a, d, stream(20)), Status::Ok);
+    assert!(stats(d).total_bytes >= 200 * MIB as u64);
+    // Stream B needs 200 MiB too: only A's cache can give it.
+    let b = malloc(200 * MIB, d, stream(21));
+    let s = stats(d);
+    assert_eq!(s.n_ooms, 0, "the retry succeeded, so no out-of-memory is counted: {}", status(d));
+    assert!(s.total_bytes <= 256 * MIB as u64);
+    assert_eq!(free(b, d, stream(21)), Status::Ok);
+    // And the legacy stream (shard 0) gets B's cache the same way.
+    let c = malloc(200 * MIB, d, null_mut());
+    assert_eq!(free(c, d, null_mut()), Status::Ok);
+    assert_eq!(stats(d).n_ooms, 0);
+    // A request no shard's cache can serve is still out of memory, counted once.
+    let mut p = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, 300 * MIB, d, stream(22)) }, Status::OutOfMemory);
+    assert_eq!(stats(d).n_ooms, 1);
+}
+
+#[test]
+fn reports_add_the_shards_up() {
+    let d = 45;
+    host(d, c"split");
+    let a = malloc(MIB, d, stream(30));
+    let b = malloc(3 * MIB, d, stream(31));
+    let s = stats(d);
+    assert_eq!(s.used_bytes, 4 * MIB as u64);
+    assert!(s.peak_used_bytes >= 4 * MIB as u64);
+    assert_eq!(s.used_bytes + s.free_bytes, s.total_bytes);
+    let text = status(d);
+    assert!(text.contains("Stream shards: 3 in use"), "{text}");
+    assert!(text.contains("gpupool device 45 (split pool on host upstream)"), "{text}");
+    let j = json(d);
+    assert!(j.contains("\"used_bytes\":4194304") && j.contains("\"driver_calls\""), "{j}");
+    let n = unsafe { gpupool_snapshot_json(d, null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_snapshot_json(d, buf.as_mut_ptr() as *mut c_char, buf.len()) };
+    let snap = CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string();
+    for p in [a, b] {
+        assert!(snap.contains(&format!("\"address\":{},\"size\"", p as usize)), "block {p:?} missing from {snap}");
+    }
+    assert_eq!(free(a, d, stream(30)), Status::Ok);
+    assert_eq!(free(b, d, stream(31)), Status::Ok);
+}
+
+#[test]
+fn the_arena_stays_one_pool() {
+    let d = 46;
+    host(d, c"arena");
+    let a = malloc(MIB, d, stream(40));
+    let b = malloc(MIB, d, stream(41));
+    assert_eq!(shard_count(d), 0, "{}", json(d));
+    assert_eq!(free(a, d, stream(40)), Status::Ok);
+    assert_eq!(free(b, d, stream(41)), Status::Ok);
+    // Reconfigured to split, the same device shards again.
+    host(d, c"split");
+    let a = malloc(MIB, d, stream(40));
+    assert_eq!(shard_count(d), 2, "{}", json(d));
+    assert_eq!(free(a, d, stream(40)), Status::Ok);
+}
+
+#[test]
+fn threads_on_their_own_streams_churn_without_losing_a_byte() {
+    let d = 47;
+    host(d, c"split");
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let s = stream(50 + t);
+                let mut slots: Vec<(usize, usize)> = vec![(0, 0); 16];
+                let mut x = 0x9E37_79B9u64 + t as u64;
+                for i in 0..20_000u64 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let k = (x % 16) as usize;
+                    let (p, n) = slots[k];
+                    if p != 0 {
+                        // SAFETY: our live block of n bytes, stamped with its first byte below.
+                        assert_eq!(unsafe { *(p as *const u8) }, (p >> 8) as u8 ^ t as u8, "block {p:#x} overwritten");
+                        assert_eq!(free(p as *mut c_void, d, s), Status::Ok, "{}", last());
+                    }
+                    let n2 = 256 + (x >> 20) as usize % (n + 64 * 1024);
+                    let q = malloc(n2, d, s) as usize;
+                    // SAFETY: a fresh block of n2 >= 256 bytes of host memory.
+                    unsafe { *(q as *mut u8) = (q >> 8) as u8 ^ t as u8 };
+                    slots[k] = (q, n2);
+                    if i % 5000 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                for (p, _) in slots {
+                    if p != 0 {
+                        assert_eq!(free(p as *mut c_void, d, s), Status::Ok);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = stats(d);
+    assert_eq!((s.n_live_blocks, s.used_bytes, s.n_invalid_frees), (0, 0, 0), "{}", status(d));
+    assert_eq!(s.n_allocs, s.n_frees);
+    assert_eq!(shard_count(d), 9, "shard 0 and eight streams, one each: {}", json(d));
+}
