@@ -8,6 +8,8 @@
  * its length, 256 KiB..8 MiB, ends and a new one starts).
  * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
  * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
+ * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
+ * one of its settings such as GPUPOOL_STREAM_SHARDS).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
  * table also has RMM's pool, arena and cuda_async resources (tests/gpu/rmm_allocators.cpp),
  * every allocator measured in the same run. */
@@ -197,8 +199,10 @@ int main(int argc, char **argv) {
   printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s |\n|---|---|---|---|---|---|---|\n");
   int counts[3] = {1, 4, 16};
   int usable[16] = {0};
+  const char *only = getenv("THREADS_BENCH_ONLY");
   for (int k = 0; k < n_kinds() && k < 16; k++) {
-    usable[k] = 1;
+    usable[k] = !only || strcmp(only, kind_name(k)) == 0;
+    if (!usable[k]) continue;
 #ifdef GPUPOOL_WITH_RMM
     if (k >= RMM_BASE && rmm_bench_setup(k - RMM_BASE) != 0) usable[k] = 0; /* said on stderr */
 #endif
@@ -210,7 +214,8 @@ int main(int argc, char **argv) {
           if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs);
 #ifdef GPUPOOL_WITH_RMM
   cudaDeviceSynchronize();
-  for (int k = RMM_BASE; k < n_kinds(); k++) rmm_bench_teardown(k - RMM_BASE);
+  for (int k = RMM_BASE; k < n_kinds() && k < 16; k++)
+    if (usable[k]) rmm_bench_teardown(k - RMM_BASE);
 #endif
   return 0;
 }
