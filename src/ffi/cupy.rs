@@ -141,7 +141,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
             // The legacy stream: the same fast path as PyTorch's and the C API's.
             Some(s) if is_legacy(s) => thread_cache::malloc(device, size, STREAM_LEGACY),
             // Shard 0: a capture it detects starts a private pool, which lives there.
-            Some(s) => registry::allocate(device, 0, |p| p.malloc_detecting_capture(size, s)),
+            Some(s) => registry::allocate(device, 0, s, |p| p.malloc_detecting_capture(size, s)),
         };
         r.map(|a| out = a as *mut c_void).inspect_err(|e| err = Some(e.clone()))
     });

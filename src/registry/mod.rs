@@ -65,8 +65,20 @@ pub struct Choice {
 /// `Slot::stream_shards` before shard 0 was made.
 const NOT_MADE: usize = usize::MAX;
 
+/// A shard's lock and pool on cache lines of its own: one thread's updates of its shard's
+/// counters must not slow down the next shard's lock (false sharing).
+#[repr(align(128))]
+struct Shard(PoolLock<Option<Pool>>);
+
+impl std::ops::Deref for Shard {
+    type Target = PoolLock<Option<Pool>>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
 struct Slot {
-    shards: [PoolLock<Option<Pool>>; SHARDS],
+    shards: [Shard; SHARDS],
     choice: Mutex<Option<Choice>>,
     /// Stream shards of the pool as made (0: one pool for every stream; `NOT_MADE`).
     stream_shards: AtomicUsize,
@@ -76,7 +88,7 @@ struct Slot {
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
-const NO_POOL: PoolLock<Option<Pool>> = Mutex::new(None);
+const NO_POOL: Shard = Shard(Mutex::new(None));
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY_SLOT: Slot = Slot {
     shards: [NO_POOL; SHARDS],
@@ -105,7 +117,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// boundary caught and reported it): its books may be half-updated, so rather than risk
 /// handing memory out twice the pool is stopped (`Pool::stop`) and says so from then on.
 fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<Pool>> {
-    m.lock().unwrap_or_else(|poisoned| {
+    lock_or_stop(m, m.lock())
+}
+
+/// Lock shard `shard` of `s` for an allocation on `stream`. A lock found taken counts a
+/// strike against the stream's placement (`StreamShards::contended`): threads on streams
+/// placed on one shard move apart.
+fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<'static, Option<Pool>> {
+    match s.shards[shard].try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::WouldBlock) => {
+            let n = s.stream_shards.load(Ordering::Acquire);
+            if shard != 0 && n != 0 && n != NOT_MADE {
+                s.streams.contended(stream, n);
+            }
+            lock_pool(&s.shards[shard])
+        }
+        Err(std::sync::TryLockError::Poisoned(_)) => lock_pool(&s.shards[shard]),
+    }
+}
+
+fn lock_or_stop(
+    m: &'static PoolLock<Option<Pool>>,
+    r: std::sync::LockResult<MutexGuard<'static, Option<Pool>>>,
+) -> MutexGuard<'static, Option<Pool>> {
+    r.unwrap_or_else(|poisoned| {
         m.clear_poison();
         let mut g = poisoned.into_inner();
         if let Some(p) = g.as_mut() {
@@ -186,6 +222,17 @@ pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Res
     f(g.as_mut().expect("pool created above"))
 }
 
+/// `with_shard` for an allocation on `stream`, which may move the stream to another shard
+/// for later allocations when this one's lock is busy (`lock_for_stream`).
+pub fn with_stream_shard<R>(device: i32, shard: usize, stream: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    let s = slot(device)?;
+    let mut g = lock_for_stream(s, shard, stream);
+    if g.is_none() {
+        *g = Some(create(device, shard, s)?);
+    }
+    f(g.as_mut().expect("pool created above"))
+}
+
 /// Run `f` on shard 0 of `device`'s pool (creating it on first use): the legacy stream's,
 /// stream-less callers' and private pools' shard, which holds the device's settings.
 pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
@@ -252,8 +299,8 @@ pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
 /// Run the allocation `f` on `shard` of `device`. Out of memory there while other shards
 /// hold cached memory: they give it back (`release_other_shards`) and `f` runs once more;
 /// the failure is counted once either way (`counted_twice`).
-pub fn allocate<R>(device: i32, shard: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
-    let r = with_shard(device, shard, &mut f);
+pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
+    let r = with_stream_shard(device, shard, stream, &mut f);
     if !matches!(r, Err(Error::OutOfMemory(_))) || release_other_shards(device, shard) == 0 {
         return r;
     }
@@ -341,7 +388,7 @@ pub fn find_owner(ptr: usize) -> Option<i32> {
 
 /// Every shard lock of `device`, in index order (`configure`, `install`).
 fn lock_device(s: &'static Slot) -> Vec<MutexGuard<'static, Option<Pool>>> {
-    s.shards.iter().map(lock_pool).collect()
+    s.shards.iter().map(|m| lock_pool(m)).collect()
 }
 
 /// A pool may be replaced only with nothing live in it (thread caches emptied first).
@@ -475,7 +522,7 @@ fn print_leak_summary() {
 /// `fork()` support (`fork.rs`): hold every pool lock across the fork, so that the child's
 /// copies are not caught in the middle of an update by a thread that does not exist there.
 pub(crate) fn lock_all_for_fork() -> Vec<MutexGuard<'static, Option<Pool>>> {
-    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().flat_map(|s| s.shards.iter().map(lock_pool)).collect();
+    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().flat_map(|s| s.shards.iter().map(|m| lock_pool(m))).collect();
     guards.push(lock_pool(&PINNED));
     guards
 }

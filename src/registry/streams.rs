@@ -26,18 +26,31 @@ pub struct StreamShards {
     /// Stream handles (0 = free entry; the legacy stream never enters).
     handles: [AtomicUsize; ENTRIES],
     shards: [AtomicU32; ENTRIES],
+    /// Times an allocation on the entry's stream found its shard's lock taken (written only
+    /// then, so a lookup's cache lines stay shared).
+    strikes: [AtomicU32; ENTRIES],
     /// Streams placed so far (the next one's turn).
     placed: AtomicUsize,
 }
 
+/// Strikes after which a stream moves to the next shard in turn.
+const MOVE_AFTER: u32 = 32;
+
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE_HANDLE: AtomicUsize = AtomicUsize::new(0);
+#[allow(clippy::declare_interior_mutable_const)]
+const NO_STRIKES: AtomicU32 = AtomicU32::new(0);
 #[allow(clippy::declare_interior_mutable_const)]
 const UNSET_SHARD: AtomicU32 = AtomicU32::new(UNSET);
 
 impl StreamShards {
     pub const fn new() -> Self {
-        StreamShards { handles: [FREE_HANDLE; ENTRIES], shards: [UNSET_SHARD; ENTRIES], placed: AtomicUsize::new(0) }
+        StreamShards {
+            handles: [FREE_HANDLE; ENTRIES],
+            shards: [UNSET_SHARD; ENTRIES],
+            strikes: [NO_STRIKES; ENTRIES],
+            placed: AtomicUsize::new(0),
+        }
     }
 
     fn start(handle: usize) -> usize {
@@ -85,6 +98,29 @@ impl StreamShards {
         Some(1 + (Self::start(handle) % n))
     }
 
+    /// An allocation on `handle` found its shard's lock taken. Every `MOVE_AFTER` such
+    /// strikes the stream takes the next shard in turn: a stream whose handle was recycled
+    /// keeps the placement of the stream that had it before, which may be a shard another
+    /// busy stream now uses. A move changes only where later allocations go.
+    pub fn contended(&self, handle: usize, n: usize) {
+        let start = Self::start(handle);
+        for i in 0..ENTRIES {
+            let e = (start + i) % ENTRIES;
+            match self.handles[e].load(Ordering::Acquire) {
+                0 => return,
+                h if h == handle => {
+                    if self.strikes[e].fetch_add(1, Ordering::AcqRel) + 1 >= MOVE_AFTER {
+                        self.strikes[e].store(0, Ordering::Release);
+                        let shard = self.placed.fetch_add(1, Ordering::AcqRel) % n;
+                        self.shards[e].store(shard as u32, Ordering::Release);
+                    }
+                    return;
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Entry `e`'s shard, once its writer (between two stores) has set it.
     fn wait_for(&self, e: usize, n: usize) -> usize {
         let mut spins = 0u32;
@@ -122,6 +158,22 @@ mod tests {
         assert_eq!(t.placed(0xdead_0000, 16), None);
         // A device remade with fewer shards keeps each stream's turn, modulo the new count.
         assert_eq!(t.shard_of(handles[5], 4), 1 + 5 % 4);
+    }
+
+    #[test]
+    fn a_stream_that_keeps_finding_its_shard_busy_moves_on() {
+        let t = StreamShards::new();
+        let (a, b) = (0x1000, 0x2000);
+        assert_eq!((t.shard_of(a, 4), t.shard_of(b, 4)), (1, 2));
+        for _ in 0..MOVE_AFTER - 1 {
+            t.contended(a, 4);
+        }
+        assert_eq!(t.shard_of(a, 4), 1, "a few strikes move nothing");
+        t.contended(a, 4);
+        assert_eq!(t.shard_of(a, 4), 3, "the next shard in turn");
+        assert_eq!(t.shard_of(b, 4), 2);
+        t.contended(0x3000, 4); // never placed: nothing to move
+        assert_eq!(t.placed(0x3000, 4), None);
     }
 
     #[test]

@@ -199,7 +199,7 @@ fn locked(
     stream: usize,
     mine: Option<&ThreadCache>,
 ) -> Result<(Result<usize>, Option<Arc<ThreadCache>>)> {
-    let (r, fresh) = registry::with_shard(device, shard, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)))?;
+    let (r, fresh) = registry::with_stream_shard(device, shard, stream, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)))?;
     if !matches!(r, Err(Error::OutOfMemory(_))) || registry::release_other_shards(device, shard) == 0 {
         return Ok((r, fresh));
     }
@@ -245,7 +245,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     // allocations (the pool decides where they go), take the locked path.
     if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
         let shard = registry::shard_for(device, stream)?;
-        return registry::allocate(device, shard, |pool| pool.malloc(size, stream));
+        return registry::allocate(device, shard, stream, |pool| pool.malloc(size, stream));
     }
     malloc_kind(device, size, stream, Kind::Ordered)
 }
@@ -254,7 +254,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     if crate::pool::routes_active() || crate::process::in_child() {
-        return registry::allocate(device, 0, |pool| pool.malloc(size, STREAM_LEGACY));
+        return registry::allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
 }
