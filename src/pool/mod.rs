@@ -7,7 +7,8 @@
 //! (`cover_by_device_sync`), release some cached segments and retry → release all cached
 //! segments (and finish deferred frees, synchronising) and retry → out of memory.
 //!
-//! A `Pool` is not thread-safe by itself; `registry.rs` puts each behind one lock.
+//! A `Pool` is not thread-safe by itself; `crate::registry` puts each behind a lock (a
+//! device has one `Pool` per shard, see there; the shards share one `Budget`).
 
 use crate::block::{Block, Segment};
 use crate::config::{LimitSpec, PoolKind};
@@ -183,7 +184,7 @@ pub struct Pool {
     /// still reserved, never handed out, retried at the next release.
     unreleased: Vec<Segment>,
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
-    /// books may be wrong and it hands out nothing more (`registry.rs` sets it).
+    /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
     stopped: Option<String>,
 }
 
