@@ -20,6 +20,10 @@
 //!   stream never makes another fail;
 //! - reports add the shards up (`reports.rs`).
 //!
+//! Files: this one holds the slots, their locks and the device's life (creation,
+//! `configure`, `install`, limits); `route.rs` which shard a call goes to; `streams.rs` the
+//! stream placements; `reports.rs` the device-wide reports.
+//!
 //! What it costs: memory cached on one stream's shard serves only that shard until memory
 //! runs short; PyTorch's allocator keeps each stream's blocks to that stream in the same
 //! way. The arena is never sharded (its point is one address space per device), nor is a
@@ -34,9 +38,11 @@
 //! collapse when threads outnumber cores).
 
 mod reports;
+mod route;
 mod streams;
 
 pub use reports::{memory_status, snapshot_json, stats, stats_json};
+pub use route::{allocate, counted_twice, release_other_shards, shard_for, shard_placed, with_holder};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
 use crate::error::{Error, Result};
@@ -255,116 +261,6 @@ pub fn for_each_shard(device: i32, mut f: impl FnMut(&mut Pool)) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Whether `stream` is a user stream (one that gets a shard of its own).
-fn user_stream(stream: usize) -> bool {
-    !crate::stream::is_legacy(stream) && stream != crate::stream::STREAM_PER_THREAD
-}
-
-/// The shard that serves allocations on `stream` on `device` (making shard 0 first if
-/// needed: it fixes the shard count).
-pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
-    let s = slot(device)?;
-    if !user_stream(stream) {
-        return Ok(0);
-    }
-    let mut n = s.stream_shards.load(Ordering::Acquire);
-    if n == NOT_MADE {
-        with_pool(device, |_| Ok(()))?;
-        n = s.stream_shards.load(Ordering::Acquire);
-    }
-    // While a private pool routes allocations (a graph capture), shard 0 decides where each goes.
-    if n == 0 || n == NOT_MADE || crate::pool::routes_active() {
-        return Ok(0);
-    }
-    Ok(s.streams.shard_of(stream, n))
-}
-
-/// The shard that serves `stream` if that stream ever allocated on `device` (no pool made,
-/// nothing placed): where a free on `stream` looks first.
-pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
-    if device < 0 || device as usize >= MAX_DEVICES {
-        return None;
-    }
-    let s = &SLOTS[device as usize];
-    match s.stream_shards.load(Ordering::Acquire) {
-        NOT_MADE => None,
-        0 => Some(0),
-        _ if !user_stream(stream) => Some(0),
-        n => s.streams.placed(stream, n),
-    }
-}
-
-/// Run the allocation `f` on `shard` of `device`. Out of memory there while other shards
-/// hold cached memory: they give it back (`release_other_shards`) and `f` runs once more;
-/// the failure is counted once either way (`counted_twice`).
-pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
-    let r = with_stream_shard(device, shard, stream, &mut f);
-    if !matches!(r, Err(Error::OutOfMemory(_))) || release_other_shards(device, shard) == 0 {
-        return r;
-    }
-    with_shard(device, shard, |p| {
-        let again = f(p);
-        if counted_twice(&again) {
-            p.retract_oom();
-        }
-        again
-    })
-}
-
-/// After a retry (`allocate`): whether the first attempt's out-of-memory is to be taken
-/// back. A success never saw it; a second out-of-memory counted the same failure again.
-pub fn counted_twice<R>(again: &Result<R>) -> bool {
-    matches!(again, Ok(_) | Err(Error::OutOfMemory(_)))
-}
-
-/// Shard `except` of `device` is out of memory: every other shard gives back the cached
-/// memory it can, each under its own lock. Returns the bytes that went back.
-pub fn release_other_shards(device: i32, except: usize) -> usize {
-    let Ok(s) = slot(device) else { return 0 };
-    if matches!(s.stream_shards.load(Ordering::Acquire), 0 | NOT_MADE) {
-        return 0;
-    }
-    let mut got = 0;
-    for (k, m) in s.shards.iter().enumerate() {
-        if k == except {
-            continue;
-        }
-        if let Some(p) = lock_pool(m).as_mut() {
-            if p.cached_bytes() > 0 {
-                got += p.release_for_pressure();
-            }
-        }
-    }
-    got
-}
-
-/// Run the free `f` of `ptr` on the shard of `device` that holds it: the shard `stream`
-/// allocates on (blocks are mostly freed where they were allocated), else the one the
-/// address index names. A pointer no shard has live is judged by the shard whose memory it
-/// points into, else shard 0 (double, interior or unknown: `f` reports it). `Ok(None)`:
-/// the device has no pool.
-pub fn with_holder<R>(device: i32, ptr: usize, stream: usize, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
-    let s = slot(device)?;
-    if let Some(k) = shard_placed(device, stream) {
-        let mut g = lock_pool(&s.shards[k]);
-        if let Some(p) = g.as_mut().filter(|p| p.owns(ptr)) {
-            return Ok(Some(f(p)));
-        }
-    }
-    let judge = match crate::owners::lookup(ptr) {
-        Some(o) if o.device == device && (o.shard as usize) < SHARDS => o.shard as usize,
-        _ => 0,
-    };
-    let mut g = lock_pool(&s.shards[judge]);
-    match g.as_mut() {
-        Some(p) => Ok(Some(f(p))),
-        None => {
-            drop(g);
-            Ok(lock_pool(&s.shards[0]).as_mut().map(f))
-        }
-    }
 }
 
 /// Devices whose pools exist.
