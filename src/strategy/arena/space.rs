@@ -1,4 +1,6 @@
 //! One address range of the arena and the books of every byte in it.
+//! (Over 500 lines on purpose: one data structure, the node slab with its per-stream free
+//! bins, whose invariants hold only together and are checked together.)
 //!
 //! The range is cut into consecutive nodes, each `Allocated` (handed out), `Free` (mapped,
 //! cached) or `Unmapped` (reserved address space with no memory behind it). Free and
