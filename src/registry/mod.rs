@@ -139,7 +139,9 @@ fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<
             }
             lock_pool(&s.shards[shard])
         }
-        Err(std::sync::TryLockError::Poisoned(_)) => lock_pool(&s.shards[shard]),
+        // The poisoned guard is this lock, held: it goes to the same stop-and-report path
+        // (locking again here would wait for ourselves).
+        Err(std::sync::TryLockError::Poisoned(p)) => lock_or_stop(&s.shards[shard], Err(p)),
     }
 }
 
