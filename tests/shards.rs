@@ -5,10 +5,13 @@
 //! that every shard of a device draws on), each test on a device of its own.
 
 use gpupool::ffi::core::*;
-use gpupool::{Stats, Status};
+use gpupool::Status;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
 use std::sync::Once;
+
+mod common;
+use common::{device_stats as stats, last_error as last};
 
 const MIB: usize = 1 << 20;
 
@@ -20,18 +23,7 @@ fn host(device: i32, pool: &CStr) {
     assert_eq!(unsafe { gpupool_configure(device, pool.as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
 }
 
-fn last() -> String {
-    let n = unsafe { gpupool_last_error(null_mut(), 0) };
-    let mut buf = vec![0u8; n + 1];
-    unsafe { gpupool_last_error(buf.as_mut_ptr() as *mut c_char, buf.len()) };
-    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
-}
 
-fn stats(device: i32) -> Stats {
-    let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
-    assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, Status::Ok);
-    s
-}
 
 fn json(device: i32) -> String {
     let n = unsafe { gpupool_stats_json(device, null_mut(), 0) };

@@ -4,9 +4,12 @@
 //! Each test uses its own device id (tests run in parallel in one process).
 
 use gpupool::ffi::core::*;
-use gpupool::{Stats, Status};
+use gpupool::Status;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
+
+mod common;
+use common::{device_stats as stats, last_error as last};
 
 const MIB: usize = 1 << 20;
 
@@ -14,17 +17,7 @@ fn host(device: i32) {
     assert_eq!(unsafe { gpupool_configure(device, c"split".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
 }
 
-fn last() -> String {
-    let mut buf = vec![0u8; 1024];
-    unsafe { gpupool_last_error(buf.as_mut_ptr() as *mut c_char, buf.len()) };
-    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
-}
 
-fn stats(device: i32) -> Stats {
-    let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
-    assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, Status::Ok);
-    s
-}
 
 fn malloc_on(size: usize, device: i32, stream: usize) -> usize {
     let mut p: *mut c_void = null_mut();

@@ -218,13 +218,9 @@ impl Pool {
         let g = self.arena().granule();
         for r in adjacent_runs(t, g) {
             let (addr, len) = (t[r.start], r.len() * g);
-            if !self.budget.claim(len) {
+            let Some(got) = self.within_budget(len, |up| up.vmm_map_new(addr, len)) else {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
-            }
-            let got = self.upstream.vmm_map_new(addr, len);
-            if got.is_err() {
-                self.budget.unclaim(len);
-            }
+            };
             match got {
                 Ok(()) => {
                     self.arena().mapped(addr, len, key);

@@ -344,17 +344,13 @@ impl Pool {
                 let _ = self.release_cached(None);
             }
             for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
-                if !self.budget.claim(want) {
-                    by_limit = want == rounded;
-                    continue;
-                }
                 // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
                 // graph being captured: allocate on the legacy stream, outside any capture.
                 let on = if self.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
-                let got = self.upstream.allocate(want, on);
-                if got.is_err() {
-                    self.budget.unclaim(want);
-                }
+                let Some(got) = self.within_budget(want, |up| up.allocate(want, on)) else {
+                    by_limit = want == rounded;
+                    continue;
+                };
                 match got {
                     Ok(base) => {
                         self.book_segment(base, want, stream);

@@ -145,14 +145,10 @@ impl Pool {
                 if stage == 0 {
                     self.decay_before_grow(seg_size);
                 }
-                if !self.budget.claim(seg_size) {
+                let Some(got) = self.within_budget(seg_size, |up| up.allocate(seg_size, stream)) else {
                     by_limit = seg_size == rounded;
                     continue;
-                }
-                let got = self.upstream.allocate(seg_size, stream);
-                if got.is_err() {
-                    self.budget.unclaim(seg_size);
-                }
+                };
                 match got {
                     Ok(base) => {
                         self.book_segment(base, seg_size, stream);
@@ -185,7 +181,25 @@ impl Pool {
         self.c.upstream_alloc_bytes += size as u64;
     }
 
-    /// `bytes` claimed from the device's budget (`Budget::claim`) arrived from the upstream.
+    /// Ask the upstream for `bytes` of new memory with `get`, within the device's budget:
+    /// `None` when the limit refuses (the upstream is not asked); a refusal by the upstream
+    /// gives the claim back. On success the caller books the bytes (`add_reserved`).
+    pub(super) fn within_budget<T, E>(
+        &mut self,
+        bytes: usize,
+        get: impl FnOnce(&mut dyn crate::upstream::Upstream) -> std::result::Result<T, E>,
+    ) -> Option<std::result::Result<T, E>> {
+        if !self.budget.claim(bytes) {
+            return None;
+        }
+        let got = get(&mut *self.upstream);
+        if got.is_err() {
+            self.budget.unclaim(bytes);
+        }
+        Some(got)
+    }
+
+    /// `bytes` claimed from the device's budget (`within_budget`) arrived from the upstream.
     pub(super) fn add_reserved(&mut self, bytes: usize) {
         self.c.reserved += bytes;
         self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);

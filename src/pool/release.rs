@@ -79,11 +79,10 @@ impl Pool {
         for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
             let mut retried = false;
             loop {
-                let over_limit = !self.budget.claim(l);
-                let res = if over_limit { Err(AllocError::OutOfMemory) } else { self.upstream.commit(s, l) };
-                if res.is_err() && !over_limit {
-                    self.budget.unclaim(l);
-                }
+                let (res, over_limit) = match self.within_budget(l, |up| up.commit(s, l)) {
+                    Some(res) => (res, false),
+                    None => (Err(AllocError::OutOfMemory), true),
+                };
                 match res {
                     Ok(()) => {
                         self.holes.mark_committed(block.segment, s, l);

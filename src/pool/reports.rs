@@ -147,7 +147,8 @@ impl Pool {
         self.strategy.as_arena_ref().map(|a| a.counters)
     }
 
-    pub(super) fn report_context(&self) -> ReportContext<'static> {
+    /// Device, strategy and upstream names, as the reports head them.
+    pub fn report_context(&self) -> ReportContext<'static> {
         ReportContext { device: self.device, strategy: self.strategy.name(), upstream: self.upstream.name() }
     }
 

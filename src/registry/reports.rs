@@ -11,7 +11,7 @@
 
 use super::{for_each_shard, with_pool, Result};
 use crate::error::human_bytes;
-use crate::stats::{render_json, render_status, ReportContext, Stats};
+use crate::stats::{render_json, render_status, Stats};
 use crate::upstream::DriverCalls;
 
 /// What one shard contributes to the device's reports.
@@ -78,12 +78,10 @@ pub fn stats(device: i32) -> Result<Stats> {
 
 /// `device`'s status report.
 pub fn memory_status(device: i32) -> Result<String> {
-    let ((own, extras, ctx), parts, wide) =
-        parts(device, |p| (p.memory_status(), p.status_extras(), (p.device(), p.strategy_name(), p.upstream_name())))?;
+    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.memory_status(), p.status_extras(), p.report_context()))?;
     if wide.is_none() {
         return Ok(own);
     }
-    let ctx = ReportContext { device: ctx.0, strategy: ctx.1, upstream: ctx.2 };
     let mut out = render_status(&ctx, &total(&parts, wide));
     out.push_str(&extras);
     out.push_str(&format!(
@@ -106,12 +104,10 @@ pub fn memory_status(device: i32) -> Result<String> {
 
 /// `device`'s statistics as JSON (`gpupool_stats_json`); a sharded device adds `shards`.
 pub fn stats_json(device: i32) -> Result<String> {
-    let ((own, extras, ctx), parts, wide) =
-        parts(device, |p| (p.stats_json(), p.json_extras(), (p.device(), p.strategy_name(), p.upstream_name())))?;
+    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.stats_json(), p.json_extras(), p.report_context()))?;
     if wide.is_none() {
         return Ok(own);
     }
-    let ctx = ReportContext { device: ctx.0, strategy: ctx.1, upstream: ctx.2 };
     let mut out = render_json(&ctx, &total(&parts, wide));
     out.pop();
     out.push_str(&format!(",\"driver_calls\":{}", calls(&parts).json()));

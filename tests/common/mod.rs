@@ -71,3 +71,20 @@ macro_rules! host_address_space {
         }
     };
 }
+
+/// This thread's last detailed gpupool error message, as a C caller reads it.
+pub fn last_error() -> String {
+    use gpupool::ffi::core::gpupool_last_error;
+    let n = unsafe { gpupool_last_error(std::ptr::null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_last_error(buf.as_mut_ptr() as *mut std::ffi::c_char, buf.len()) };
+    std::ffi::CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
+
+/// `device`'s statistics through the C API (the call must succeed).
+pub fn device_stats(device: i32) -> gpupool::Stats {
+    use gpupool::ffi::core::gpupool_get_stats;
+    let mut s = gpupool::Stats { struct_size: std::mem::size_of::<gpupool::Stats>() as u32, ..Default::default() };
+    assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, gpupool::Status::Ok);
+    s
+}
