@@ -39,6 +39,13 @@ echo "== hot-path microbenchmark (no framework)"
 ./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
 echo "== threads and streams: gpupool vs cudaMallocAsync (and RMM's resources, with its wheels) from C (tests/gpu/threads_bench.c)"
 [ -n "${SKIP_BENCH:-}" ] || ./build-gpu/threads_bench "${THREADS_BENCH_PAIRS:-20000}" 2>&1 | tee "$OUT/threads_bench.log"
+# The same workloads on the host upstream, no driver: the library's own scaling on this
+# machine's cores (built with Rust elsewhere: cargo build --release --example threads_host,
+# copied to dist/).
+if [ -z "${SKIP_BENCH:-}" ] && [ -x dist/threads_host ]; then
+  echo "== the same workloads over the host upstream (examples/threads_host.rs): the library alone"
+  dist/threads_host "${THREADS_BENCH_PAIRS:-20000}" 2>&1 | tee "$OUT/threads_host.log"
+fi
 echo "== driver call costs behind the upstreams (no gpupool)"
 ./build-gpu/driver_costs 2>&1 | tee -a "$OUT/hotpath.log"
 
@@ -58,6 +65,7 @@ echo "key lines:"
 grep -hE "^stream_stress pool=|^limit fill|^device fill|^reclaim released|^conformance .*passed|^cross-stream reuse|^record_stream|threads x|^pinned \(" "$OUT/ctest-full.log" | sort -u
 [ -f "$OUT/hotpath.log" ] && cat "$OUT/hotpath.log"
 [ -f "$OUT/threads_bench.log" ] && cat "$OUT/threads_bench.log"
+[ -f "$OUT/threads_host.log" ] && cat "$OUT/threads_host.log"
 [ -f "$OUT/python-summary.txt" ] && cat "$OUT/python-summary.txt"
 # Fail when anything failed: the build, a ctest test, or a Python test.
 failed=0

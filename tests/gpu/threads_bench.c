@@ -7,8 +7,11 @@
  * `torch.cat` does: allocate the longer buffer, free the old one; a request that reaches
  * its length, 256 KiB..8 MiB, ends and a new one starts).
  * Each thread first runs its workload untimed for as many pairs as it times (up to 20,000).
- * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches) and aggregate million
- * pairs per second. Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
+ * Prints, per row: ns per pair (p50 and p99 over 1,000-pair batches), aggregate million
+ * pairs per second over the timed window (first thread's start to last thread's end of
+ * timed work: stream creation, warm-up and teardown fall outside it) and, for gpupool, the
+ * driver calls it made per 1,000 timed pairs (its own count, `gpupool_stats_json`).
+ * Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
@@ -43,7 +46,8 @@ typedef struct {
   double *batch_ns; /* per-batch ns per pair */
   long nbatches;
   int failures;
-  pthread_barrier_t *start;
+  pthread_barrier_t *start, *done; /* timing starts after `start`; `done`: all timed work over */
+  double t_start, t_end;           /* this thread's timed window */
 } job;
 
 static double now_ns(void) {
@@ -117,9 +121,15 @@ static void *worker(void *arg) {
    * the timed part measures the steady state, not every allocator's first growth to the
    * workload's peak (which the driver serialises across threads). */
   long warm = j->nbatches < 20 ? j->nbatches : 20;
-  if (j->nbatches == 0) pthread_barrier_wait(j->start);
+  if (j->nbatches == 0) {
+    pthread_barrier_wait(j->start);
+    j->t_start = now_ns();
+  }
   for (long b = -warm; b < j->nbatches; b++) {
-    if (b == 0) pthread_barrier_wait(j->start);
+    if (b == 0) {
+      pthread_barrier_wait(j->start);
+      j->t_start = now_ns();
+    }
     double t0 = now_ns();
     for (int i = 0; i < BATCH; i++) {
       if (j->wl == PAIRS) {
@@ -148,12 +158,24 @@ static void *worker(void *arg) {
     }
     if (b >= 0) j->batch_ns[b] = (now_ns() - t0) / BATCH;
   }
+  j->t_end = now_ns();
+  pthread_barrier_wait(j->done); /* the main thread reads the driver-call count here */
   for (int i = 0; i < SLOTS; i++) free_on(j->kind, slots[i], sizes[i], s, &j->failures);
   if (s) {
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
   return NULL;
+}
+
+/* gpupool's driver calls so far on device 0 (all shards), from its JSON report; -1 if unknown. */
+static long long gpupool_driver_calls(void) {
+  static char buf[1 << 16];
+  size_t n = gpupool_stats_json(0, buf, sizeof buf);
+  if (n == 0 || n >= sizeof buf) return -1;
+  const char *d = strstr(buf, "\"driver_calls\"");
+  const char *t = d ? strstr(d, "\"total\":") : NULL;
+  return t ? atoll(t + 8) : -1;
 }
 
 static int cmp(const void *a, const void *b) {
@@ -164,17 +186,29 @@ static int cmp(const void *a, const void *b) {
 static void row(int k, enum workload wl, int own, int threads, long pairs) {
   pthread_t t[16];
   job jobs[16];
-  pthread_barrier_t start;
+  pthread_barrier_t start, done;
   pthread_barrier_init(&start, NULL, threads + 1);
+  pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
   for (int i = 0; i < threads; i++) {
-    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start};
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
+  /* Every thread has warmed up when it reaches `start`; the count read here excludes the warm-up. */
+  long long calls0 = k == GPUPOOL ? gpupool_driver_calls() : -1;
   pthread_barrier_wait(&start);
-  double t0 = now_ns();
+  pthread_barrier_wait(&done);
+  long long calls1 = k == GPUPOOL ? gpupool_driver_calls() : -1;
   for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
-  double wall = now_ns() - t0;
+  double first = jobs[0].t_start, last = jobs[0].t_end;
+  for (int i = 1; i < threads; i++) {
+    if (jobs[i].t_start < first) first = jobs[i].t_start;
+    if (jobs[i].t_end > last) last = jobs[i].t_end;
+  }
+  double wall = last - first;
+  char calls[32] = "-";
+  if (calls0 >= 0 && calls1 >= 0 && nb > 0)
+    snprintf(calls, sizeof calls, "%.3f", (double)(calls1 - calls0) * 1000.0 / ((double)nb * BATCH * threads));
   double *all = calloc(nb * threads, sizeof(double));
   int failures = 0;
   for (int i = 0; i < threads; i++) {
@@ -183,11 +217,12 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
     free(jobs[i].batch_ns);
   }
   qsort(all, nb * threads, sizeof(double), cmp);
-  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f |%s\n", kind_name(k),
+  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s |%s\n", kind_name(k),
          wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
-         all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, failures ? " FAILURES" : "");
+         all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, calls, failures ? " FAILURES" : "");
   free(all);
   pthread_barrier_destroy(&start);
+  pthread_barrier_destroy(&done);
 }
 
 int main(int argc, char **argv) {
@@ -202,7 +237,7 @@ int main(int argc, char **argv) {
   cudaDeviceGetDefaultMemPool(&mp, 0);
   uint64_t max = UINT64_MAX;
   cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold, &max);
-  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s |\n|---|---|---|---|---|---|---|\n");
+  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | driver calls / 1k pairs |\n|---|---|---|---|---|---|---|---|\n");
   int counts[3] = {1, 4, 16};
   int usable[16] = {0};
   const char *only = getenv("THREADS_BENCH_ONLY");

@@ -17,6 +17,11 @@ pub enum Kind {
 
 
 /// One thread's fast-path state for one device's pool.
+///
+/// On cache lines of its own (`align(128)`: two lines, for the adjacent-line prefetcher):
+/// its owner writes its words and counters on every fast operation, and two threads'
+/// caches allocated side by side would otherwise slow each other down (false sharing).
+#[repr(align(128))]
 pub struct ThreadCache {
     pub(crate) ordered: Words<WORDS>,
     pub(crate) unordered: Words<MAGAZINE>,

@@ -1,0 +1,143 @@
+//! `tests/gpu/threads_bench.c`'s workloads through the C API over the host upstream: how the
+//! library alone scales with threads and streams, with no driver in the way (on the GPU
+//! host, beside threads_bench, this separates the pool's own scaling from the driver's).
+//!
+//! `cargo run --release --example threads_host [PAIRS_PER_THREAD]` (default 200000).
+//! Workloads as in threads_bench: 1 MiB pairs, churn (64 slots, 512 B..4 MiB log-uniform,
+//! free then allocate), serving (32 requests per thread, buffers growing by 64 KiB a token,
+//! the longer one allocated before the old one is freed). Each thread first runs its
+//! workload untimed for as many pairs as it times; the window runs from the first thread's
+//! start to the last thread's end. A stream here is any handle value (the host upstream
+//! has no driver); "legacy" is the null stream for every thread.
+
+use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::Barrier;
+use std::time::Instant;
+
+#[derive(Copy, Clone, PartialEq)]
+enum Workload {
+    Pairs,
+    Churn,
+    Serving,
+}
+
+const SLOTS: usize = 64;
+const REQUESTS: usize = 32;
+const TOKEN: usize = 64 << 10;
+
+fn alloc(n: usize, stream: usize) -> usize {
+    let mut p: *mut c_void = null_mut();
+    // SAFETY: `p` is a valid out pointer.
+    let st = unsafe { gpupool_malloc(&mut p, n, 0, stream as *mut c_void) };
+    assert_eq!(st as i32, 0, "allocation of {n} bytes failed");
+    p as usize
+}
+
+fn free(p: usize, stream: usize) {
+    if p != 0 {
+        // SAFETY: `p` came from `alloc` on device 0.
+        let st = unsafe { gpupool_free(p as *mut c_void, 0, stream as *mut c_void) };
+        assert_eq!(st as i32, 0, "free of {p:#x} failed");
+    }
+}
+
+/// One thread's work: `pairs` untimed, then `pairs` timed between the barrier and the
+/// return. Returns the timed window (start, end) in ns since `epoch`.
+fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Instant) -> (f64, f64) {
+    let mut slots = [0usize; SLOTS];
+    let mut sizes = [0usize; SLOTS];
+    let mut lengths = [0usize; SLOTS];
+    let mut rng: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut step = |rng: &mut u64| match wl {
+        Workload::Pairs => {
+            let p = alloc(1 << 20, stream);
+            free(p, stream);
+        }
+        Workload::Churn => {
+            *rng ^= *rng << 13;
+            *rng ^= *rng >> 7;
+            *rng ^= *rng << 17;
+            let slot = (*rng % SLOTS as u64) as usize;
+            let n = (512.0 * (((*rng >> 20) % 100_000) as f64 / 100_000.0 * 8192f64.ln()).exp()) as usize;
+            free(slots[slot], stream);
+            slots[slot] = alloc(n, stream);
+            sizes[slot] = n;
+        }
+        Workload::Serving => {
+            *rng ^= *rng << 13;
+            *rng ^= *rng >> 7;
+            *rng ^= *rng << 17;
+            let r = (*rng % REQUESTS as u64) as usize;
+            let mut n = sizes[r] + TOKEN;
+            if sizes[r] == 0 || sizes[r] >= lengths[r] {
+                n = TOKEN;
+                lengths[r] = (256 << 10) + ((*rng >> 24) % 32) as usize * (256 << 10);
+            }
+            let p = alloc(n, stream);
+            free(slots[r], stream);
+            slots[r] = p;
+            sizes[r] = n;
+        }
+    };
+    for _ in 0..pairs {
+        step(&mut rng);
+    }
+    start.wait();
+    let t0 = epoch.elapsed().as_nanos() as f64;
+    for _ in 0..pairs {
+        step(&mut rng);
+    }
+    let t1 = epoch.elapsed().as_nanos() as f64;
+    for p in slots {
+        free(p, stream);
+    }
+    (t0, t1)
+}
+
+fn main() {
+    let pairs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
+    // SAFETY: NUL-terminated literals.
+    let st = unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
+    assert_eq!(st as i32, 0, "gpupool_configure failed");
+    println!("| workload | streams | threads | M pairs/s | x one thread |\n|---|---|---|---|---|");
+    let mut round = 0usize;
+    for wl in [Workload::Pairs, Workload::Churn, Workload::Serving] {
+        for own in [false, true] {
+            let mut one = 0.0;
+            for threads in [1usize, 4, 16] {
+                round += 1;
+                let start = Barrier::new(threads);
+                let epoch = Instant::now();
+                let windows: Vec<(f64, f64)> = std::thread::scope(|s| {
+                    let hs: Vec<_> = (0..threads)
+                        .map(|i| {
+                            // Distinct handles per row, as threads_bench's fresh streams are.
+                            let stream = if own { 0x10_0000 * round + 0x100 * (i + 1) } else { 0 };
+                            let start = &start;
+                            s.spawn(move || worker(wl, stream, pairs, start, epoch))
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().expect("worker panicked")).collect()
+                });
+                let first = windows.iter().map(|w| w.0).fold(f64::MAX, f64::min);
+                let last = windows.iter().map(|w| w.1).fold(0.0, f64::max);
+                let rate = (threads * pairs) as f64 / (last - first) * 1e3;
+                if threads == 1 {
+                    one = rate;
+                }
+                let name = match wl {
+                    Workload::Pairs => "1 MiB pairs",
+                    Workload::Churn => "churn",
+                    Workload::Serving => "serving",
+                };
+                println!(
+                    "| {name} | {} | {threads} | {rate:.2} | {:.1} |",
+                    if own { "own stream" } else { "legacy" },
+                    rate / one
+                );
+            }
+        }
+    }
+}
