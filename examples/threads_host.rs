@@ -121,6 +121,15 @@ fn main() {
                         .collect();
                     hs.into_iter().map(|h| h.join().expect("worker panicked")).collect()
                 });
+                if std::env::var_os("THREADS_HOST_CALLS").is_some() {
+                    let mut buf = vec![0u8; 1 << 16];
+                    // SAFETY: `buf` has the length passed.
+                    let n = unsafe { gpupool::ffi::core::gpupool_stats_json(0, buf.as_mut_ptr().cast(), buf.len()) };
+                    let j = String::from_utf8_lossy(&buf[..n.min(buf.len() - 1)]).to_string();
+                    if let Some(at) = j.find("\"driver_calls\"") {
+                        eprintln!("after row {round}: {}", &j[at..at + j[at..].find('}').unwrap_or(0) + 1]);
+                    }
+                }
                 let first = windows.iter().map(|w| w.0).fold(f64::MAX, f64::min);
                 let last = windows.iter().map(|w| w.1).fold(0.0, f64::max);
                 let rate = (threads * pairs) as f64 / (last - first) * 1e3;

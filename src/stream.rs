@@ -61,6 +61,11 @@ struct StreamState {
     event: Option<EventHandle>,
     /// True once `event` has a record that covers every free on this stream.
     recorded: bool,
+    /// `event`'s latest record was seen complete (`make_safe`): until the next record, the
+    /// frees it covers are safe for any stream with no further query. Why: once a stream
+    /// stops freeing (it was destroyed, or moved on), its cached blocks are offered to the
+    /// shard's other streams again and again, and each offer asked the driver.
+    complete: bool,
     /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
     /// graph (an event recorded there belongs to the graph and cannot be queried), the
     /// event could not be created or recorded, or the free came later than the stream's
@@ -200,6 +205,7 @@ impl StreamTracker {
         match up.event_record(ev, handle) {
             Ok(()) => {
                 st.recorded = true;
+                st.complete = false;
                 st.uncovered = false;
                 st.wanted = false;
                 st.pending.clear();
@@ -264,6 +270,7 @@ impl StreamTracker {
         for s in self.states.values_mut() {
             s.uncovered = false;
             s.recorded = false; // nothing left to cover (`covering_event` answers None)
+            s.complete = false;
             s.pending.clear();
             s.pending_frees = 0;
             s.pending_bytes = 0;
@@ -282,7 +289,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, uncovered, pending: Vec::new(), pending_frees: 0, pending_bytes: 0, wanted: false });
+            self.states.insert(key, StreamState { handle, event, recorded: false, complete: false, uncovered, pending: Vec::new(), pending_frees: 0, pending_bytes: 0, wanted: false });
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -298,6 +305,7 @@ impl StreamTracker {
                         handle: STREAM_LEGACY,
                         event: Some(ev),
                         recorded: false,
+                        complete: false,
                         uncovered: false,
                         pending: Vec::new(),
                         pending_frees: 0,
@@ -313,6 +321,7 @@ impl StreamTracker {
             if !st.recorded {
                 up.event_record(ev, STREAM_LEGACY)?;
                 st.recorded = true;
+                st.complete = false;
             }
             return Ok(Some(ev));
         }
@@ -349,8 +358,15 @@ impl StreamTracker {
             Ok(None) => return true,
             Err(_) => return false,
         };
+        if self.states.get(&from).is_some_and(|s| s.complete) {
+            self.cross_stream_ready += 1;
+            return true;
+        }
         match up.event_query(ev) {
             Ok(true) => {
+                if let Some(st) = self.states.get_mut(&from) {
+                    st.complete = true;
+                }
                 self.cross_stream_ready += 1;
                 true
             }

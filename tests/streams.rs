@@ -21,6 +21,8 @@ struct Device {
     /// True once all queued work has finished.
     idle: AtomicBool,
     log: Mutex<Vec<String>>,
+    /// Event queries so far.
+    queries: std::sync::atomic::AtomicUsize,
 }
 
 struct BusyUpstream {
@@ -43,6 +45,7 @@ impl Upstream for BusyUpstream {
         Ok(())
     }
     fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        self.dev.queries.fetch_add(1, Ordering::SeqCst);
         Ok(self.dev.idle.load(Ordering::SeqCst))
     }
     fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
@@ -184,6 +187,38 @@ fn completed_event_allows_reuse_without_wait() {
         log(&dev);
         assert_eq!(p.malloc(MIB, B).unwrap(), a);
         assert!(log(&dev).iter().all(|l| !l.starts_with("wait")));
+    });
+}
+
+#[test]
+fn an_event_seen_complete_is_not_asked_about_again_until_its_stream_records_again() {
+    // A stream that stopped freeing (destroyed, or moved to another shard) leaves its cached
+    // blocks to the others; each reuse asked the driver about the same finished event.
+    for_caching(|k| {
+        let (mut p, dev) = pool(k, false);
+        let a: Vec<usize> = (0..4).map(|_| p.malloc(MIB, A).unwrap()).collect();
+        for &x in &a {
+            p.free(x, A).unwrap();
+        }
+        dev.idle.store(true, Ordering::SeqCst);
+        let queries = || dev.queries.load(Ordering::SeqCst);
+        let (before, reserved) = (queries(), p.stats().total_bytes);
+        let b: Vec<usize> = (0..4).map(|_| p.malloc(MIB, B).unwrap()).collect();
+        assert_eq!(p.stats().total_bytes, reserved, "{k:?}: B reused A's memory");
+        assert_eq!(queries() - before, 1, "{k:?}: one query for A's event, then none");
+        // A records again (a new free): its event must be asked about anew.
+        let c = p.malloc(MIB, A).unwrap();
+        p.free(c, A).unwrap();
+        dev.idle.store(false, Ordering::SeqCst);
+        log(&dev);
+        let before = queries();
+        let d = p.malloc(MIB, B).unwrap();
+        assert_eq!(d, c, "{k:?}");
+        assert_eq!(queries() - before, 1, "{k:?}");
+        assert!(log(&dev).iter().any(|l| l.starts_with(&format!("wait {B:#x}"))), "{k:?}: B waited for A's new record");
+        for x in b.into_iter().chain([d]) {
+            p.free(x, B).unwrap();
+        }
     });
 }
 
