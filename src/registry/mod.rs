@@ -135,7 +135,7 @@ fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<
         Err(std::sync::TryLockError::WouldBlock) => {
             let n = s.stream_shards.load(Ordering::Acquire);
             if shard != 0 && n != 0 && n != NOT_MADE {
-                s.streams.contended(stream, n);
+                s.streams.contended(stream, n, |k| looks_idle(&s.shards[k]));
             }
             lock_pool(&s.shards[shard])
         }
@@ -143,6 +143,16 @@ fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<
         // (locking again here would wait for ourselves).
         Err(std::sync::TryLockError::Poisoned(p)) => lock_or_stop(&s.shards[shard], Err(p)),
     }
+}
+
+/// Whether no thread works in `shard`: its lock free at each of a few looks (a working
+/// thread holds it for most of each operation). Only when a stream moves.
+fn looks_idle(shard: &Shard) -> bool {
+    (0..4).all(|_| {
+        let free = shard.try_lock().is_ok();
+        std::hint::spin_loop();
+        free
+    })
 }
 
 fn lock_or_stop(
