@@ -122,12 +122,14 @@ static void *worker(void *arg) {
    * workload's peak (which the driver serialises across threads). */
   long warm = j->nbatches < 20 ? j->nbatches : 20;
   if (j->nbatches == 0) {
-    pthread_barrier_wait(j->start);
+    pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
+    pthread_barrier_wait(j->start); /* go */
     j->t_start = now_ns();
   }
   for (long b = -warm; b < j->nbatches; b++) {
     if (b == 0) {
-      pthread_barrier_wait(j->start);
+      pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
+      pthread_barrier_wait(j->start); /* go */
       j->t_start = now_ns();
     }
     double t0 = now_ns();
@@ -194,7 +196,9 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
     jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
-  /* Every thread has warmed up when it reaches `start`; the count read here excludes the warm-up. */
+  /* `start` twice: once every thread has warmed up (the count read between the two
+   * excludes the warm-up), then to let them go. */
+  pthread_barrier_wait(&start);
   long long calls0 = k == GPUPOOL ? gpupool_driver_calls() : -1;
   pthread_barrier_wait(&start);
   pthread_barrier_wait(&done);
