@@ -9,6 +9,10 @@
 //! workload untimed for as many pairs as it times; the window runs from the first thread's
 //! start to the last thread's end. A stream here is any handle value (the host upstream
 //! has no driver); "legacy" is the null stream for every thread.
+//!
+//! Clock, as in threads_bench: between warm-up and timed work every thread of a row runs a
+//! pure-ALU loop at once; the last column scales "x one thread" by the row's median loop
+//! time over the one-thread row's (the machine's cores run slower when all are busy).
 
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
 use std::ffi::c_void;
@@ -43,9 +47,25 @@ fn free(p: usize, stream: usize) {
     }
 }
 
-/// One thread's work: `pairs` untimed, then `pairs` timed between the barrier and the
-/// return. Returns the timed window (start, end) in ns since `epoch`.
-fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Instant) -> (f64, f64) {
+/// ns per 1,000 iterations of a dependent xorshift chain: the core's clock, nothing else.
+fn clock_ref() -> f64 {
+    const ITERS: u64 = 1 << 21;
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let t = Instant::now();
+    for _ in 0..ITERS {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+    }
+    let ns = t.elapsed().as_nanos() as f64;
+    std::hint::black_box(x);
+    ns * 1000.0 / ITERS as f64
+}
+
+/// One thread's work: `pairs` untimed, the clock loop (every thread of the row at once),
+/// then `pairs` timed between the barrier and the return. Returns the timed window (start,
+/// end) in ns since `epoch` and the clock loop's ns per 1,000 iterations.
+fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Instant) -> (f64, f64, f64) {
     let mut slots = [0usize; SLOTS];
     let mut sizes = [0usize; SLOTS];
     let mut lengths = [0usize; SLOTS];
@@ -85,6 +105,8 @@ fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Ins
         step(&mut rng);
     }
     start.wait();
+    let clock = clock_ref();
+    start.wait();
     let t0 = epoch.elapsed().as_nanos() as f64;
     for _ in 0..pairs {
         step(&mut rng);
@@ -93,7 +115,7 @@ fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Ins
     for p in slots {
         free(p, stream);
     }
-    (t0, t1)
+    (t0, t1, clock)
 }
 
 fn main() {
@@ -101,16 +123,16 @@ fn main() {
     // SAFETY: NUL-terminated literals.
     let st = unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
     assert_eq!(st as i32, 0, "gpupool_configure failed");
-    println!("| workload | streams | threads | M pairs/s | x one thread |\n|---|---|---|---|---|");
+    println!("| workload | streams | threads | M pairs/s | clock ns/1k | x one thread | x one thread, equal clock |\n|---|---|---|---|---|---|---|");
     let mut round = 0usize;
     for wl in [Workload::Pairs, Workload::Churn, Workload::Serving] {
         for own in [false, true] {
-            let mut one = 0.0;
+            let (mut one, mut one_clock) = (0.0, 0.0);
             for threads in [1usize, 4, 16] {
                 round += 1;
                 let start = Barrier::new(threads);
                 let epoch = Instant::now();
-                let windows: Vec<(f64, f64)> = std::thread::scope(|s| {
+                let windows: Vec<(f64, f64, f64)> = std::thread::scope(|s| {
                     let hs: Vec<_> = (0..threads)
                         .map(|i| {
                             // Distinct handles per row, as threads_bench's fresh streams are.
@@ -133,8 +155,12 @@ fn main() {
                 let first = windows.iter().map(|w| w.0).fold(f64::MAX, f64::min);
                 let last = windows.iter().map(|w| w.1).fold(0.0, f64::max);
                 let rate = (threads * pairs) as f64 / (last - first) * 1e3;
+                let mut clocks: Vec<f64> = windows.iter().map(|w| w.2).collect();
+                clocks.sort_by(f64::total_cmp);
+                let clock = clocks[threads / 2];
                 if threads == 1 {
                     one = rate;
+                    one_clock = clock;
                 }
                 let name = match wl {
                     Workload::Pairs => "1 MiB pairs",
@@ -142,9 +168,10 @@ fn main() {
                     Workload::Serving => "serving",
                 };
                 println!(
-                    "| {name} | {} | {threads} | {rate:.2} | {:.1} |",
+                    "| {name} | {} | {threads} | {rate:.2} | {clock:.0} | {:.1} | {:.1} |",
                     if own { "own stream" } else { "legacy" },
-                    rate / one
+                    rate / one,
+                    rate / one * clock / one_clock
                 );
             }
         }

@@ -173,6 +173,9 @@ pub struct Config {
     /// `GPUPOOL_EVENT_BATCH` (default 64): frees on a user stream per event record; 1
     /// records at every free (`crate::stream`).
     pub event_batch: usize,
+    /// `GPUPOOL_EVENT_BATCH_BYTES` (default 32 MiB): bytes a user stream may leave freed
+    /// with no record before its next free records (`crate::stream`).
+    pub event_batch_bytes: usize,
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's two ranges grow into each other's free
     /// granules (an alias each) before mapping new memory; `0` turns it off.
     pub arena_lend: bool,
@@ -203,6 +206,7 @@ impl Default for Config {
             decay_window: crate::decay::DEFAULT_WINDOW,
             thread_cache: true,
             event_batch: EVENT_BATCH,
+            event_batch_bytes: EVENT_BATCH_BYTES,
             arena_lend: true,
             stream_shards: STREAM_SHARDS,
             arena_va: None,
@@ -217,6 +221,11 @@ pub const MAX_STREAM_SHARDS: usize = 32;
 
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
 pub const EVENT_BATCH: usize = 64;
+
+/// `GPUPOOL_EVENT_BATCH_BYTES`'s default: bytes a user stream may leave unrecorded. A bigger
+/// free records at once, so memory that matters to other streams becomes theirs with no
+/// delay.
+pub const EVENT_BATCH_BYTES: usize = 32 << 20;
 
 fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
@@ -310,6 +319,13 @@ impl Config {
                 accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 64",
             })?;
         }
+        if let Some(v) = get("GPUPOOL_EVENT_BATCH_BYTES") {
+            c.event_batch_bytes = parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_EVENT_BATCH_BYTES",
+                value: v.clone(),
+                accepted: "a size greater than zero: bytes or a size with unit (256MiB); default 32MiB",
+            })?;
+        }
         if let Some(v) = get("GPUPOOL_STREAM_SHARDS") {
             c.stream_shards = v.trim().parse().ok().filter(|&n: &usize| n <= MAX_STREAM_SHARDS).ok_or(Error::InvalidConfig {
                 var: "GPUPOOL_STREAM_SHARDS",
@@ -397,6 +413,11 @@ mod tests {
         assert!(!cfg(&[("GPUPOOL_ARENA_LEND", "0")]).unwrap().arena_lend);
         assert!(cfg(&[("GPUPOOL_ARENA_LEND", "maybe")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
+        assert_eq!(cfg(&[]).unwrap().event_batch_bytes, EVENT_BATCH_BYTES);
+        assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH_BYTES", "256MiB")]).unwrap().event_batch_bytes, 256 << 20);
+        for bad in ["0", "-1", "lots", "1.5x"] {
+            assert!(cfg(&[("GPUPOOL_EVENT_BATCH_BYTES", bad)]).is_err(), "{bad:?} accepted");
+        }
         assert_eq!(cfg(&[]).unwrap().stream_shards, STREAM_SHARDS);
         assert_eq!(cfg(&[("GPUPOOL_STREAM_SHARDS", " 0 ")]).unwrap().stream_shards, 0);
         for bad in ["33", "-1", "x", ""] {

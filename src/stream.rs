@@ -86,9 +86,8 @@ struct StreamState {
 /// User-stream frees between two event records, at most (module docs; the configuration
 /// layer owns the default, `GPUPOOL_EVENT_BATCH` overrides it).
 pub use crate::config::EVENT_BATCH;
-/// ...and bytes pending, at most: a bigger free records at once, so memory that matters to
-/// other streams becomes theirs with no delay.
-pub const EVENT_BATCH_BYTES: usize = 32 << 20;
+/// ...and bytes pending, at most (`GPUPOOL_EVENT_BATCH_BYTES` overrides it).
+pub use crate::config::EVENT_BATCH_BYTES;
 
 /// Per-pool stream bookkeeping: identities, one free-event per stream, a pool of spare
 /// events for deferred frees (`record_stream`), and counters.
@@ -113,9 +112,9 @@ pub struct StreamTracker {
 }
 
 impl StreamTracker {
-    /// `batch`: user-stream frees per event record (1: a record at every free; see the
-    /// module docs).
-    pub fn new(ignore_streams: bool, batch: usize) -> Self {
+    /// `batch`, `batch_bytes`: user-stream frees and bytes per event record (batch 1: a
+    /// record at every free; see the module docs).
+    pub fn new(ignore_streams: bool, batch: usize, batch_bytes: usize) -> Self {
         StreamTracker {
             states: FxHashMap::default(),
             spare_events: Vec::new(),
@@ -123,7 +122,7 @@ impl StreamTracker {
             ignore_streams,
             unrecorded_bytes: 0,
             batch: batch.max(1),
-            batch_bytes: if batch > 1 { EVENT_BATCH_BYTES } else { 0 },
+            batch_bytes: if batch > 1 { batch_bytes } else { 0 },
             cross_stream_waits: 0,
             cross_stream_ready: 0,
         }

@@ -244,3 +244,31 @@ fn threads_on_their_own_streams_churn_without_losing_a_byte() {
     assert_eq!(s.n_allocs, s.n_frees);
     assert_eq!(shard_count(d), 9, "shard 0 and eight streams, one each: {}", json(d));
 }
+
+#[test]
+fn a_thread_that_remembers_its_streams_shard_follows_a_reconfigured_device() {
+    // The front end remembers the shard of its thread's last stream (`thread_cache::route`);
+    // a device remade with another shard count must not get allocations on a shard that no
+    // longer exists. Same thread, same stream throughout.
+    let d = 48;
+    let s = stream(60);
+    host(d, c"split");
+    for _ in 0..3 {
+        let p = malloc(MIB, d, s);
+        assert_eq!(free(p, d, s), Status::Ok);
+    }
+    assert_eq!(shard_count(d), 2, "{}", json(d));
+    let p = malloc(MIB, d, s);
+    assert_eq!(free(p, d, s), Status::Ok);
+    host(d, c"arena");
+    let p = malloc(MIB, d, s);
+    assert_eq!(shard_count(d), 0, "the arena is one pool: {}", json(d));
+    assert!(json(d).contains("\"arena\""), "{}", json(d));
+    assert_eq!(stats(d).n_live_blocks, 1, "{}", status(d));
+    assert_eq!(free(p, d, s), Status::Ok);
+    host(d, c"split");
+    let p = malloc(MIB, d, s);
+    assert_eq!(shard_count(d), 2, "{}", json(d));
+    assert_eq!(stats(d).n_live_blocks, 1, "{}", status(d));
+    assert_eq!(free(p, d, s), Status::Ok);
+}

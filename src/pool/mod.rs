@@ -68,6 +68,8 @@ pub struct PoolOptions {
     pub thread_cache: bool,
     /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
     pub event_batch: usize,
+    /// `GPUPOOL_EVENT_BATCH_BYTES`: bytes a user stream may leave unrecorded.
+    pub event_batch_bytes: usize,
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
     /// granules (`Pool::map_window`).
     pub arena_lend: bool,
@@ -91,6 +93,7 @@ impl Default for PoolOptions {
             arena_va: None,
             thread_cache: true,
             event_batch: crate::stream::EVENT_BATCH,
+            event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
             arena_lend: true,
             budget: None,
             shard: 0,
@@ -222,7 +225,7 @@ impl Pool {
             upstream,
             // `none` gives each free straight back, and that release waits for exactly that
             // free's record: no batching there.
-            streams: StreamTracker::new(opts.unsafe_ignore_streams, if opts.kind == PoolKind::None { 1 } else { opts.event_batch }),
+            streams: StreamTracker::new(opts.unsafe_ignore_streams, if opts.kind == PoolKind::None { 1 } else { opts.event_batch }, opts.event_batch_bytes),
             live: FxHashMap::default(),
             pending: Vec::new(),
             unfenced: Vec::new(),

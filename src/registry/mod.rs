@@ -42,7 +42,7 @@ mod route;
 mod streams;
 
 pub use reports::{memory_status, snapshot_json, stats, stats_json};
-pub use route::{allocate, counted_twice, release_other_shards, shard_for, shard_placed, with_holder};
+pub use route::{allocate, counted_twice, placement_epoch, release_other_shards, shard_for, shard_placed, with_holder};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
 use crate::error::{Error, Result};
@@ -91,6 +91,15 @@ struct Slot {
     /// The budget the device's shards share (made with shard 0).
     budget: Mutex<Option<Arc<Budget>>>,
     streams: StreamShards,
+}
+
+impl Slot {
+    /// Set the device's stream-shard count; answers of `shard_for` remembered before are
+    /// stale from now on (`route::placement_epoch`).
+    fn set_stream_shards(&self, n: usize) {
+        self.stream_shards.store(n, Ordering::Release);
+        route::placements_changed();
+    }
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -206,6 +215,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         arena_va: cfg.arena_va,
         thread_cache: cfg.thread_cache,
         event_batch: cfg.event_batch,
+        event_batch_bytes: cfg.event_batch_bytes,
         arena_lend: cfg.arena_lend,
         budget: None,
         shard: 0,
@@ -225,7 +235,7 @@ fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
         // The unsafe test mode must reuse across streams at once (its test shows the
         // stream tests catch that), which one pool per stream would never do.
         let n = if c.pool == PoolKind::Arena || cfg.unsafe_ignore_streams { 0 } else { cfg.stream_shards };
-        s.stream_shards.store(n, Ordering::Release);
+        s.set_stream_shards(n);
     }
     Ok(pool)
 }
@@ -340,7 +350,7 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
         Err(e) => {
             *lock(&s.choice) = Some(old);
             *lock(&s.budget) = old_budget;
-            s.stream_shards.store(old_count, Ordering::Release);
+            s.set_stream_shards(old_count);
             Err(e)
         }
     }
@@ -363,7 +373,7 @@ pub fn install(device: i32, kind: PoolKind, upstream: Box<dyn upstream::Upstream
     }
     *shards[0] = Some(fresh);
     *lock(&s.budget) = Some(budget);
-    s.stream_shards.store(0, Ordering::Release);
+    s.set_stream_shards(0);
     Ok(())
 }
 

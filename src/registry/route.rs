@@ -3,7 +3,24 @@
 //! that ran out of memory after the device's other shards gave their cache back.
 
 use super::{lock_pool, slot, with_pool, with_shard, with_stream_shard, Error, Pool, Result, MAX_DEVICES, NOT_MADE, SHARDS, SLOTS};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Bumped whenever a placement that `shard_for` may have returned changes: a device's
+/// shard count (made, configured, installed) or a stream's move (`streams.rs`). The front
+/// end remembers its thread's last answer while this stays the same, so a thread that keeps
+/// using one stream asks `shard_for` once (`crate::thread_cache`).
+static PLACEMENTS: AtomicU32 = AtomicU32::new(0);
+
+/// The current placement epoch (see `PLACEMENTS`).
+#[inline]
+pub fn placement_epoch() -> u32 {
+    PLACEMENTS.load(Ordering::Acquire)
+}
+
+/// A placement changed: answers remembered under the previous epoch are stale.
+pub(super) fn placements_changed() {
+    PLACEMENTS.fetch_add(1, Ordering::AcqRel);
+}
 
 /// Whether `stream` is a user stream (one that gets a shard of its own).
 fn user_stream(stream: usize) -> bool {

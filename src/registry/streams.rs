@@ -150,6 +150,7 @@ impl StreamShards {
                         let first = thread_turn(n, now);
                         let to = (0..n).map(|i| (first + i) % n).find(|&k| k != now && idle(1 + k)).unwrap_or(first);
                         self.shards[e].store(to as u32, Ordering::Release);
+                        super::route::placements_changed();
                     }
                     return;
                 }
@@ -162,9 +163,12 @@ impl StreamShards {
     fn wait_for(&self, e: usize, n: usize) -> usize {
         let mut spins = 0u32;
         loop {
-            let s = self.shards[e].load(Ordering::Acquire);
-            if s != UNSET {
-                return 1 + (s as usize % n);
+            let s = self.shards[e].load(Ordering::Acquire) as usize;
+            if s < n {
+                return 1 + s; // no division on the common path: placements are stored below n
+            }
+            if s != UNSET as usize {
+                return 1 + s % n; // placed under a larger shard count (the device was remade)
             }
             spins += 1;
             if spins < 64 {
@@ -207,8 +211,11 @@ mod tests {
             t.contended(a, 4, idle);
         }
         assert_eq!(t.shard_of(a, 4), 1, "a few strikes move nothing");
+        let epoch = super::super::route::placement_epoch();
         t.contended(a, 4, idle);
         assert_eq!(t.shard_of(a, 4), 4, "to the one idle shard");
+        // Threads that remembered the old placement ask again (`thread_cache::route`).
+        assert_ne!(super::super::route::placement_epoch(), epoch, "a move changes the placement epoch");
         assert_eq!(t.shard_of(b, 4), 2);
         for _ in 0..MOVE_AFTER {
             t.contended(b, 4, |_| false);

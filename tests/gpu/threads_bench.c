@@ -11,6 +11,12 @@
  * pairs per second over the timed window (first thread's start to last thread's end of
  * timed work: stream creation, warm-up and teardown fall outside it) and, for gpupool, the
  * driver calls it made per 1,000 timed pairs (its own count, `gpupool_stats_json`).
+ * Clock: between warm-up and timed work every thread of a row runs the same pure-ALU loop
+ * at once (a dependent xorshift chain, no memory traffic), and the row prints its median
+ * ns per 1,000 iterations. A host's cores run slower when all of them are busy (and a
+ * shared host's clock moves with its other tenants), so a row's scaling over one thread
+ * is also given at equal clock: (aggregate N / aggregate 1) x (clock N / clock 1). That
+ * separates the allocator's scaling from the machine's.
  * Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS).
@@ -48,12 +54,28 @@ typedef struct {
   int failures;
   pthread_barrier_t *start, *done; /* timing starts after `start`; `done`: all timed work over */
   double t_start, t_end;           /* this thread's timed window */
+  double clock_ns;                 /* the reference loop's ns per 1,000 iterations */
 } job;
 
 static double now_ns(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+#define CLOCK_ITERS (1L << 21)
+static volatile uint64_t clock_sink;
+
+/* ns per 1,000 iterations of a dependent xorshift chain: the core's clock, nothing else. */
+static double clock_ref(void) {
+  uint64_t x = 0x2545F4914F6CDD1Dull;
+  double t0 = now_ns();
+  for (long i = 0; i < CLOCK_ITERS; i++) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+  }
+  double t = now_ns() - t0;
+  clock_sink = x;
+  return t * 1000.0 / CLOCK_ITERS;
 }
 
 static int n_kinds(void) {
@@ -123,12 +145,14 @@ static void *worker(void *arg) {
   long warm = j->nbatches < 20 ? j->nbatches : 20;
   if (j->nbatches == 0) {
     pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
+    j->clock_ns = clock_ref();      /* every thread of the row at once */
     pthread_barrier_wait(j->start); /* go */
     j->t_start = now_ns();
   }
   for (long b = -warm; b < j->nbatches; b++) {
     if (b == 0) {
       pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
+      j->clock_ns = clock_ref();      /* every thread of the row at once */
       pthread_barrier_wait(j->start); /* go */
       j->t_start = now_ns();
     }
@@ -193,7 +217,7 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
   pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
   for (int i = 0; i < threads; i++) {
-    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0};
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
   /* `start` twice: once every thread has warmed up (the count read between the two
@@ -221,9 +245,23 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
     free(jobs[i].batch_ns);
   }
   qsort(all, nb * threads, sizeof(double), cmp);
-  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s |%s\n", kind_name(k),
+  double clocks[16];
+  for (int i = 0; i < threads; i++) clocks[i] = jobs[i].clock_ns;
+  qsort(clocks, threads, sizeof(double), cmp);
+  double clock = clocks[threads / 2], rate = threads * (double)nb * BATCH / wall * 1e3;
+  /* This allocator's one-thread row of the same workload and streams (rows run 1, 4, 16). */
+  static double one_rate[16], one_clock[16];
+  char x[24] = "-", xc[24] = "-";
+  if (threads == 1) {
+    one_rate[k] = rate;
+    one_clock[k] = clock;
+  } else if (one_rate[k] > 0 && one_clock[k] > 0) {
+    snprintf(x, sizeof x, "%.1f", rate / one_rate[k]);
+    snprintf(xc, sizeof xc, "%.1f", rate / one_rate[k] * clock / one_clock[k]);
+  }
+  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s | %.0f | %s | %s |%s\n", kind_name(k),
          wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
-         all[nb * threads * 99 / 100], threads * (double)nb * BATCH / wall * 1e3, calls, failures ? " FAILURES" : "");
+         all[nb * threads * 99 / 100], rate, calls, clock, x, xc, failures ? " FAILURES" : "");
   free(all);
   pthread_barrier_destroy(&start);
   pthread_barrier_destroy(&done);
@@ -241,7 +279,7 @@ int main(int argc, char **argv) {
   cudaDeviceGetDefaultMemPool(&mp, 0);
   uint64_t max = UINT64_MAX;
   cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold, &max);
-  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | driver calls / 1k pairs |\n|---|---|---|---|---|---|---|---|\n");
+  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | driver calls / 1k pairs | clock ns/1k | x 1 thread | x 1 thread, equal clock |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   int counts[3] = {1, 4, 16};
   int usable[16] = {0};
   const char *only = getenv("THREADS_BENCH_ONLY");
