@@ -18,18 +18,23 @@
  * is also given at equal clock: (aggregate N / aggregate 1) x (clock N / clock 1). That
  * separates the allocator's scaling from the machine's.
  * Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
+ * THREADS_BENCH_PER_CPU=1 adds rows with one thread pinned to each CPU in turn, then 16
+ * threads pinned one per CPU (1 MiB pairs and churn, own streams).
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
  * table also has RMM's pool, arena and cuda_async resources (tests/gpu/rmm_allocators.cpp),
  * every allocator measured in the same run. */
+#define _GNU_SOURCE
 #include <math.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <cuda_runtime.h>
 #include "gpupool.h"
 #ifdef GPUPOOL_WITH_RMM
@@ -55,6 +60,7 @@ typedef struct {
   pthread_barrier_t *start, *done; /* timing starts after `start`; `done`: all timed work over */
   double t_start, t_end;           /* this thread's timed window */
   double clock_ns;                 /* the reference loop's ns per 1,000 iterations */
+  int cpu;                         /* pinned to this CPU, or -1 */
 } job;
 
 static double now_ns(void) {
@@ -130,6 +136,12 @@ static void free_on(int k, void *p, size_t n, cudaStream_t s, int *fail) {
 static void *worker(void *arg) {
   job *j = (job *)arg;
   cudaStream_t s = NULL;
+  if (j->cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(j->cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
   if (j->own_stream) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   void *slots[SLOTS] = {0};
   size_t sizes[SLOTS] = {0}, lengths[SLOTS] = {0}; /* SERVING: a request's buffer, its end */
@@ -209,7 +221,8 @@ static int cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static void row(int k, enum workload wl, int own, int threads, long pairs) {
+/* pin < 0: threads go where the OS puts them; else thread i runs on CPU pin + i. */
+static void row(int k, enum workload wl, int own, int threads, long pairs, int pin) {
   pthread_t t[16];
   job jobs[16];
   pthread_barrier_t start, done;
@@ -217,7 +230,7 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
   pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
   for (int i = 0; i < threads; i++) {
-    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0};
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0, pin < 0 ? -1 : pin + i};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
   /* `start` twice: once every thread has warmed up (the count read between the two
@@ -252,7 +265,7 @@ static void row(int k, enum workload wl, int own, int threads, long pairs) {
   /* This allocator's one-thread row of the same workload and streams (rows run 1, 4, 16). */
   static double one_rate[16], one_clock[16];
   char x[24] = "-", xc[24] = "-";
-  if (threads == 1) {
+  if (threads == 1 && pin < 0) {
     one_rate[k] = rate;
     one_clock[k] = clock;
   } else if (one_rate[k] > 0 && one_clock[k] > 0) {
@@ -294,7 +307,24 @@ int main(int argc, char **argv) {
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
         for (int k = 0; k < n_kinds() && k < 16; k++)
-          if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs);
+          if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs, -1);
+  /* THREADS_BENCH_PER_CPU=1: one thread pinned to each CPU in turn (own stream), then 16
+   * threads pinned one per CPU: whether some CPUs run the same code slower than others. */
+  if (getenv("THREADS_BENCH_PER_CPU")) {
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    for (int wl = PAIRS; wl <= CHURN; wl++)
+      for (int k = 0; k < n_kinds() && k < 16; k++) {
+        if (!usable[k]) continue;
+        for (int cpu = 0; cpu < ncpu; cpu++) {
+          printf("cpu %d: ", cpu);
+          row(k, (enum workload)wl, 1, 1, pairs, cpu);
+        }
+        if (ncpu >= 16) {
+          printf("cpus 0-15: ");
+          row(k, (enum workload)wl, 1, 16, pairs, 0);
+        }
+      }
+  }
 #ifdef GPUPOOL_WITH_RMM
   cudaDeviceSynchronize();
   for (int k = RMM_BASE; k < n_kinds() && k < 16; k++)
