@@ -18,8 +18,13 @@
  * is also given at equal clock: (aggregate N / aggregate 1) x (clock N / clock 1). That
  * separates the allocator's scaling from the machine's.
  * Usage: threads_bench [PAIRS_PER_THREAD]   (default 200000)
- * THREADS_BENCH_PER_CPU=1 adds rows with one thread pinned to each CPU in turn, then 16
- * threads pinned one per CPU (1 MiB pairs and churn, own streams).
+ * Thread i of a row runs on CPU i (on machines of 16 CPUs or more; THREADS_BENCH_PIN=0
+ * leaves placement to the OS), so every allocator's row of N threads runs on the same CPUs.
+ * THREADS_BENCH_PER_CPU=1 adds rows with one thread pinned to each CPU in turn, then one
+ * thread pinned on every CPU (own streams, each workload), and a summary line: CPUs of a
+ * shared host can run the same code at different speeds (at the same clock: perhaps a
+ * hyperthread sibling busy outside this machine's view), so "one thread" depends on where it ran; the summary
+ * compares all CPUs at once with the median CPU's one thread and with the sum of all.
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
@@ -221,8 +226,11 @@ static int cmp(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* Set while the per-CPU rows run: their one-thread rows are not the scaling baseline. */
+static int per_cpu_rows;
+
 /* pin < 0: threads go where the OS puts them; else thread i runs on CPU pin + i. */
-static void row(int k, enum workload wl, int own, int threads, long pairs, int pin) {
+static double row(int k, enum workload wl, int own, int threads, long pairs, int pin) {
   pthread_t t[16];
   job jobs[16];
   pthread_barrier_t start, done;
@@ -265,10 +273,10 @@ static void row(int k, enum workload wl, int own, int threads, long pairs, int p
   /* This allocator's one-thread row of the same workload and streams (rows run 1, 4, 16). */
   static double one_rate[16], one_clock[16];
   char x[24] = "-", xc[24] = "-";
-  if (threads == 1 && pin < 0) {
+  if (threads == 1 && !per_cpu_rows) {
     one_rate[k] = rate;
     one_clock[k] = clock;
-  } else if (one_rate[k] > 0 && one_clock[k] > 0) {
+  } else if (threads > 1 && one_rate[k] > 0 && one_clock[k] > 0) {
     snprintf(x, sizeof x, "%.1f", rate / one_rate[k]);
     snprintf(xc, sizeof xc, "%.1f", rate / one_rate[k] * clock / one_clock[k]);
   }
@@ -278,6 +286,7 @@ static void row(int k, enum workload wl, int own, int threads, long pairs, int p
   free(all);
   pthread_barrier_destroy(&start);
   pthread_barrier_destroy(&done);
+  return rate;
 }
 
 int main(int argc, char **argv) {
@@ -296,6 +305,12 @@ int main(int argc, char **argv) {
   int counts[3] = {1, 4, 16};
   int usable[16] = {0};
   const char *only = getenv("THREADS_BENCH_ONLY");
+  /* Thread i of every row on CPU i (THREADS_BENCH_PIN=0: where the OS puts it), so each
+   * allocator's one-thread row runs on the same CPU as the others': on a shared host one
+   * CPU can run the same code 1.6x faster than another (THREADS_BENCH_PER_CPU shows it),
+   * which decided one-thread rows by where the thread happened to land. */
+  const char *pin_env = getenv("THREADS_BENCH_PIN");
+  int pin_rows = (pin_env && strcmp(pin_env, "0") == 0) || sysconf(_SC_NPROCESSORS_ONLN) < 16 ? -1 : 0;
   for (int k = 0; k < n_kinds() && k < 16; k++) {
     usable[k] = !only || strcmp(only, kind_name(k)) == 0;
     if (!usable[k]) continue;
@@ -307,22 +322,30 @@ int main(int argc, char **argv) {
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
         for (int k = 0; k < n_kinds() && k < 16; k++)
-          if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs, -1);
+          if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs, pin_rows);
   /* THREADS_BENCH_PER_CPU=1: one thread pinned to each CPU in turn (own stream), then 16
    * threads pinned one per CPU: whether some CPUs run the same code slower than others. */
   if (getenv("THREADS_BENCH_PER_CPU")) {
+    per_cpu_rows = 1;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    for (int wl = PAIRS; wl <= CHURN; wl++)
+    if (ncpu > 16) ncpu = 16;
+    for (int wl = PAIRS; wl <= SERVING; wl++)
       for (int k = 0; k < n_kinds() && k < 16; k++) {
         if (!usable[k]) continue;
+        double one[16], sum = 0;
         for (int cpu = 0; cpu < ncpu; cpu++) {
           printf("cpu %d: ", cpu);
-          row(k, (enum workload)wl, 1, 1, pairs, cpu);
+          one[cpu] = row(k, (enum workload)wl, 1, 1, pairs, cpu);
+          sum += one[cpu];
         }
-        if (ncpu >= 16) {
-          printf("cpus 0-15: ");
-          row(k, (enum workload)wl, 1, 16, pairs, 0);
-        }
+        printf("cpus 0-%ld: ", ncpu - 1);
+        double all = row(k, (enum workload)wl, 1, (int)ncpu, pairs, 0);
+        qsort(one, ncpu, sizeof(double), cmp);
+        double median = (one[(ncpu - 1) / 2] + one[ncpu / 2]) / 2;
+        printf("summary: %s %s: one thread per CPU %.2f-%.2f M pairs/s (median %.2f, sum %.2f); %ld threads pinned %.2f = "
+               "%.1fx the median CPU's thread, %.0f%% of the sum\n",
+               kind_name(k), wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", one[0], one[ncpu - 1], median, sum,
+               ncpu, all, all / median, 100.0 * all / sum);
       }
   }
 #ifdef GPUPOOL_WITH_RMM
