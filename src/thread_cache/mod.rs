@@ -105,7 +105,8 @@ impl Route {
 fn route(device: i32, stream: usize) -> Result<usize> {
     let epoch = registry::placement_epoch();
     let last = ROUTE.try_with(Cell::get).unwrap_or(Route::NONE);
-    if last.device == device && last.stream == stream && last.epoch == epoch {
+    // `Route::NONE` names device -1: a bad device id must reach the registry's check.
+    if device >= 0 && last.device == device && last.stream == stream && last.epoch == epoch {
         return Ok(last.shard as usize);
     }
     // The epoch is read before the registry answers: a change meanwhile makes the next
