@@ -113,6 +113,11 @@ pub fn parse_limit(s: &str) -> Option<LimitSpec> {
     parse_size(t).map(LimitSpec::Bytes)
 }
 
+/// `var`'s value `v` as a byte count greater than zero, or the error naming `var`.
+fn positive_size(var: &'static str, v: &str, accepted: &'static str) -> Result<usize> {
+    parse_size(v).filter(|&b| b > 0).ok_or_else(|| Error::InvalidConfig { var, value: v.to_string(), accepted })
+}
+
 /// Parse a byte count with an optional unit. Rejects overflow, negatives, fractions of a byte.
 pub fn parse_size(s: &str) -> Option<usize> {
     let t = s.trim();
@@ -278,11 +283,7 @@ impl Config {
             }
         }
         if let Some(v) = get("GPUPOOL_HOST_CAPACITY") {
-            c.host_capacity = parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
-                var: "GPUPOOL_HOST_CAPACITY",
-                value: v.clone(),
-                accepted: "a size greater than zero: bytes or a size with unit (4GiB)",
-            })?;
+            c.host_capacity = positive_size("GPUPOOL_HOST_CAPACITY", &v, "a size greater than zero: bytes or a size with unit (4GiB)")?;
         }
         if let Some(v) = get("GPUPOOL_DEBUG") {
             c.debug = match v.trim() {
@@ -320,11 +321,11 @@ impl Config {
             })?;
         }
         if let Some(v) = get("GPUPOOL_EVENT_BATCH_BYTES") {
-            c.event_batch_bytes = parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
-                var: "GPUPOOL_EVENT_BATCH_BYTES",
-                value: v.clone(),
-                accepted: "a size greater than zero: bytes or a size with unit (256MiB); default 32MiB",
-            })?;
+            c.event_batch_bytes = positive_size(
+                "GPUPOOL_EVENT_BATCH_BYTES",
+                &v,
+                "a size greater than zero: bytes or a size with unit (256MiB); default 32MiB",
+            )?;
         }
         if let Some(v) = get("GPUPOOL_STREAM_SHARDS") {
             c.stream_shards = v.trim().parse().ok().filter(|&n: &usize| n <= MAX_STREAM_SHARDS).ok_or(Error::InvalidConfig {
@@ -341,11 +342,7 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_ARENA_VA") {
             if !v.trim().is_empty() {
-                c.arena_va = Some(parse_size(&v).filter(|&b| b > 0).ok_or(Error::InvalidConfig {
-                    var: "GPUPOOL_ARENA_VA",
-                    value: v.clone(),
-                    accepted: "a size greater than zero: bytes or a size with unit (512GiB)",
-                })?);
+                c.arena_va = Some(positive_size("GPUPOOL_ARENA_VA", &v, "a size greater than zero: bytes or a size with unit (512GiB)")?);
             }
         }
         if let Some(v) = get("GPUPOOL_DECAY") {
