@@ -11,6 +11,9 @@
  * pairs per second over the timed window (first thread's start to last thread's end of
  * timed work: stream creation, warm-up and teardown fall outside it) and, for gpupool, the
  * driver calls it made per 1,000 timed pairs (its own count, `gpupool_stats_json`).
+ * "All busy": the aggregate while every thread of the row was running (`busy_rate`): each
+ * thread does a fixed number of pairs, so the plain aggregate is bounded by the slowest
+ * thread's CPU, while the one-thread row ran on one CPU.
  * Clock: between warm-up and timed work every thread of a row runs the same pure-ALU loop
  * at once (a dependent xorshift chain, no memory traffic), and the row prints its median
  * ns per 1,000 iterations. A host's cores run slower when all of them are busy (and a
@@ -25,6 +28,8 @@
  * shared host can run the same code at different speeds (at the same clock: perhaps a
  * hyperthread sibling busy outside this machine's view), so "one thread" depends on where it ran; the summary
  * compares all CPUs at once with the median CPU's one thread and with the sum of all.
+ * THREADS_BENCH_PROCS=N runs N one-thread processes at once beside one process of N threads
+ * (`procs_mode` says why): the host's own ceiling for N busy CPUs.
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
@@ -33,6 +38,8 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <sched.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -60,6 +67,7 @@ typedef struct {
   int own_stream;
   long pairs;
   double *batch_ns; /* per-batch ns per pair */
+  double *batch_end; /* when each batch ended (CLOCK_MONOTONIC ns: comparable across processes) */
   long nbatches;
   int failures;
   pthread_barrier_t *start, *done; /* timing starts after `start`; `done`: all timed work over */
@@ -88,6 +96,11 @@ static double clock_ref(void) {
   clock_sink = x;
   return t * 1000.0 / CLOCK_ITERS;
 }
+
+#define TABLE_HEAD                                                                                             \
+  "| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | M pairs/s, all busy | " \
+  "driver calls / 1k pairs | clock ns/1k | x 1 thread | x 1 thread, equal clock | x 1 thread, all busy |\n"    \
+  "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 
 static int n_kinds(void) {
 #ifdef GPUPOOL_WITH_RMM
@@ -199,7 +212,11 @@ static void *worker(void *arg) {
         sizes[slot] = n;
       }
     }
-    if (b >= 0) j->batch_ns[b] = (now_ns() - t0) / BATCH;
+    double t1 = now_ns();
+    if (b >= 0) {
+      j->batch_ns[b] = (t1 - t0) / BATCH;
+      j->batch_end[b] = t1;
+    }
   }
   j->t_end = now_ns();
   pthread_barrier_wait(j->done); /* the main thread reads the driver-call count here */
@@ -228,6 +245,35 @@ static int cmp(const void *a, const void *b) {
 
 /* Set while the per-CPU rows run: their one-thread rows are not the scaling baseline. */
 static int per_cpu_rows;
+/* Set in THREADS_BENCH_PROCS's child processes: their rows are summed, not printed. */
+static int quiet_rows;
+
+/* Aggregate M pairs/s while every thread (or process) of a row was running: the window from
+ * the last one's start to the first one's end, and the whole batches each completed inside
+ * it. Each thread does a fixed number of pairs, so the plain aggregate (all pairs over first
+ * start to last end) is bounded by the slowest thread: on a host whose CPUs run the same
+ * code at different speeds, N threads then count as N copies of the slowest CPU while the
+ * one-thread row ran on one CPU. This figure is throughput while all N work. */
+static double busy_rate(int n, const double *t_start, const double *t_end, double *const *batch_end, long nb) {
+  double w0 = t_start[0], w1 = t_end[0];
+  for (int i = 1; i < n; i++) {
+    if (t_start[i] > w0) w0 = t_start[i];
+    if (t_end[i] < w1) w1 = t_end[i];
+  }
+  if (w1 <= w0) return 0;
+  long pairs = 0;
+  for (int i = 0; i < n; i++)
+    for (long b = 0; b < nb; b++) {
+      double from = b ? batch_end[i][b - 1] : t_start[i];
+      if (from >= w0 && batch_end[i][b] <= w1) pairs += BATCH;
+    }
+  return (double)pairs / (w1 - w0) * 1e3;
+}
+
+/* The last one-thread row's window and batch ends (THREADS_BENCH_PROCS's children report them). */
+static double last_start, last_end, last_batch_end[1024];
+/* The last row's all-busy aggregate (`busy_rate`). */
+static double last_busy;
 
 /* pin < 0: threads go where the OS puts them; else thread i runs on CPU pin + i. */
 static double row(int k, enum workload wl, int own, int threads, long pairs, int pin) {
@@ -238,7 +284,7 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
   for (int i = 0; i < threads; i++) {
-    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0, pin < 0 ? -1 : pin + i};
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0, pin < 0 ? -1 : pin + i};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
   /* `start` twice: once every thread has warmed up (the count read between the two
@@ -258,12 +304,26 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   char calls[32] = "-";
   if (calls0 >= 0 && calls1 >= 0 && nb > 0)
     snprintf(calls, sizeof calls, "%.3f", (double)(calls1 - calls0) * 1000.0 / ((double)nb * BATCH * threads));
+  double starts[16] = {0}, ends[16] = {0}, *batch_ends[16] = {0};
+  for (int i = 0; i < threads; i++) {
+    starts[i] = jobs[i].t_start;
+    ends[i] = jobs[i].t_end;
+    batch_ends[i] = jobs[i].batch_end;
+  }
+  double busy = busy_rate(threads, starts, ends, batch_ends, nb);
+  last_busy = busy;
+  if (threads == 1 && nb <= 1024) {
+    last_start = jobs[0].t_start;
+    last_end = jobs[0].t_end;
+    memcpy(last_batch_end, jobs[0].batch_end, nb * sizeof(double));
+  }
   double *all = calloc(nb * threads, sizeof(double));
   int failures = 0;
   for (int i = 0; i < threads; i++) {
     memcpy(all + i * nb, jobs[i].batch_ns, nb * sizeof(double));
     failures += jobs[i].failures;
     free(jobs[i].batch_ns);
+    free(jobs[i].batch_end);
   }
   qsort(all, nb * threads, sizeof(double), cmp);
   double clocks[16];
@@ -271,26 +331,125 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   qsort(clocks, threads, sizeof(double), cmp);
   double clock = clocks[threads / 2], rate = threads * (double)nb * BATCH / wall * 1e3;
   /* This allocator's one-thread row of the same workload and streams (rows run 1, 4, 16). */
-  static double one_rate[16], one_clock[16];
-  char x[24] = "-", xc[24] = "-";
+  static double one_rate[16], one_clock[16], one_busy[16];
+  char x[24] = "-", xc[24] = "-", xb[24] = "-";
   if (threads == 1 && !per_cpu_rows) {
     one_rate[k] = rate;
     one_clock[k] = clock;
+    one_busy[k] = busy;
   } else if (threads > 1 && one_rate[k] > 0 && one_clock[k] > 0) {
     snprintf(x, sizeof x, "%.1f", rate / one_rate[k]);
     snprintf(xc, sizeof xc, "%.1f", rate / one_rate[k] * clock / one_clock[k]);
+    if (one_busy[k] > 0 && busy > 0) snprintf(xb, sizeof xb, "%.1f", busy / one_busy[k]);
   }
-  printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s | %.0f | %s | %s |%s\n", kind_name(k),
-         wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
-         all[nb * threads * 99 / 100], rate, calls, clock, x, xc, failures ? " FAILURES" : "");
+  /* No window in which all threads ran (more threads than CPUs: they took turns). */
+  char busy_s[24] = "-";
+  if (busy > 0) snprintf(busy_s, sizeof busy_s, "%.2f", busy);
+  if (!quiet_rows)
+    printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s | %s | %.0f | %s | %s | %s |%s\n", kind_name(k),
+           wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
+           all[nb * threads * 99 / 100], rate, busy_s, calls, clock, x, xc, xb, failures ? " FAILURES" : "");
   free(all);
   pthread_barrier_destroy(&start);
   pthread_barrier_destroy(&done);
   return rate;
 }
 
+static const char *wl_name(int wl) { return wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving"; }
+
+/* THREADS_BENCH_PROCS=N: the machine's own ceiling for N threads. N processes, each one
+ * gpupool thread on its own stream pinned to CPU i, run every workload at the same time
+ * (a process-shared barrier starts each workload together); they share nothing of gpupool's,
+ * so their sum is what N copies of the one-thread row make on this host when all run at
+ * once. Then this process runs the same one-thread and N-thread rows. A shared host's
+ * cores can run one busy thread faster than N (turbo, other tenants, shared caches): if
+ * N threads in one process make about what N separate processes make, the gap to N x one
+ * thread is the machine's, not a lock or cache line the threads share in the allocator.
+ * Must run before this process touches CUDA (children fork from a process without a context). */
+static int procs_mode(long pairs, int n) {
+  struct shared {
+    pthread_barrier_t go;
+    double rate[16][3];
+    double start[16][3], end[16][3], batch_end[3][16][1024];
+    int failed[16];
+  } *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (sh == MAP_FAILED) return 1;
+  pthread_barrierattr_t a;
+  pthread_barrierattr_init(&a);
+  pthread_barrierattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+  pthread_barrier_init(&sh->go, &a, n);
+  for (int i = 0; i < n; i++) {
+    pid_t pid = fork();
+    if (pid < 0) return 1;
+    if (pid == 0) {
+      quiet_rows = 1;
+      int ok = gpupool_configure(0, "split", "device") == GPUPOOL_STATUS_OK;
+      sh->failed[i] = !ok;
+      for (int wl = PAIRS; wl <= SERVING; wl++) {
+        pthread_barrier_wait(&sh->go);
+        if (!ok) continue;
+        sh->rate[i][wl] = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, i);
+        sh->start[i][wl] = last_start;
+        sh->end[i][wl] = last_end;
+        memcpy(sh->batch_end[wl][i], last_batch_end, sizeof last_batch_end);
+      }
+      _exit(0);
+    }
+  }
+  int bad = 0;
+  for (int i = 0; i < n; i++) {
+    int st = 0;
+    wait(&st);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) bad = 1;
+  }
+  for (int i = 0; i < n; i++) bad |= sh->failed[i];
+  if (bad) {
+    fprintf(stderr, "threads_bench: a process of THREADS_BENCH_PROCS failed\n");
+    return 1;
+  }
+  if (gpupool_configure(0, "split", "device") != GPUPOOL_STATUS_OK) return 1;
+  long nb = pairs / BATCH;
+  for (int wl = PAIRS; wl <= SERVING; wl++) {
+    double one = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, 0), one_busy = last_busy;
+    double many = row(GPUPOOL, (enum workload)wl, 1, n, pairs, 0), many_busy = last_busy;
+    /* The processes' aggregate by both of the table's measures. */
+    double first = sh->start[0][wl], last = sh->end[0][wl], lo = 1e300, hi = 0, *ends[16] = {0};
+    for (int i = 0; i < n; i++) {
+      if (sh->start[i][wl] < first) first = sh->start[i][wl];
+      if (sh->end[i][wl] > last) last = sh->end[i][wl];
+      if (sh->rate[i][wl] < lo) lo = sh->rate[i][wl];
+      if (sh->rate[i][wl] > hi) hi = sh->rate[i][wl];
+      ends[i] = sh->batch_end[wl][i];
+    }
+    double starts[16] = {0}, stops[16] = {0};
+    for (int i = 0; i < n; i++) {
+      starts[i] = sh->start[i][wl];
+      stops[i] = sh->end[i][wl];
+    }
+    double procs_rate = last > first ? n * (double)nb * BATCH / (last - first) * 1e3 : 0;
+    double procs_busy = busy_rate(n, starts, stops, ends, nb);
+    printf("procs: gpupool %s, own stream: one thread alone %.2f M pairs/s (all busy %.2f); %d one-thread processes at once "
+           "(each alone %.2f-%.2f) %.2f = %.1fx, all busy %.2f = %.1fx; %d threads in one process %.2f = %.1fx, all busy %.2f = "
+           "%.1fx, %.0f%% of the processes all busy\n",
+           wl_name(wl), one, one_busy, n, lo, hi, procs_rate, procs_rate / one, procs_busy, procs_busy / one_busy, n, many,
+           many / one, many_busy, many_busy / one_busy, procs_busy > 0 ? 100.0 * many_busy / procs_busy : 0);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   long pairs = argc > 1 ? atol(argv[1]) : 200000;
+  const char *procs = getenv("THREADS_BENCH_PROCS");
+  if (procs) {
+    int n = atoi(procs);
+    if (n < 1 || n > 16 || n > sysconf(_SC_NPROCESSORS_ONLN)) {
+      fprintf(stderr, "threads_bench: THREADS_BENCH_PROCS=%s: expected 1..16, at most the CPUs online\n", procs);
+      return 2;
+    }
+    printf(TABLE_HEAD);
+    fflush(stdout); /* not again in every child */
+    return procs_mode(pairs, n);
+  }
   if (gpupool_configure(0, "split", "device") != GPUPOOL_STATUS_OK) {
     char m[512];
     gpupool_last_error(m, sizeof m);
@@ -301,7 +460,7 @@ int main(int argc, char **argv) {
   cudaDeviceGetDefaultMemPool(&mp, 0);
   uint64_t max = UINT64_MAX;
   cudaMemPoolSetAttribute(mp, cudaMemPoolAttrReleaseThreshold, &max);
-  printf("| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | driver calls / 1k pairs | clock ns/1k | x 1 thread | x 1 thread, equal clock |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  printf(TABLE_HEAD);
   int counts[3] = {1, 4, 16};
   int usable[16] = {0};
   const char *only = getenv("THREADS_BENCH_ONLY");
