@@ -369,8 +369,8 @@ static const char *wl_name(int wl) { return wl == PAIRS ? "1 MiB pairs" : wl == 
 static int procs_mode(long pairs, int n) {
   struct shared {
     pthread_barrier_t go;
-    double rate[16][3];
-    double start[16][3], end[16][3], batch_end[3][16][1024];
+    /* Per workload, per process: its rate, timed window and batch ends. */
+    double rate[3][16], start[3][16], end[3][16], batch_end[3][16][1024];
     int failed[16];
   } *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (sh == MAP_FAILED) return 1;
@@ -388,9 +388,9 @@ static int procs_mode(long pairs, int n) {
       for (int wl = PAIRS; wl <= SERVING; wl++) {
         pthread_barrier_wait(&sh->go);
         if (!ok) continue;
-        sh->rate[i][wl] = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, i);
-        sh->start[i][wl] = last_start;
-        sh->end[i][wl] = last_end;
+        sh->rate[wl][i] = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, i);
+        sh->start[wl][i] = last_start;
+        sh->end[wl][i] = last_end;
         memcpy(sh->batch_end[wl][i], last_batch_end, sizeof last_batch_end);
       }
       _exit(0);
@@ -413,23 +413,18 @@ static int procs_mode(long pairs, int n) {
     double one = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, 0), one_busy = last_busy;
     double many = row(GPUPOOL, (enum workload)wl, 1, n, pairs, 0), many_busy = last_busy;
     /* The processes' aggregate by both of the table's measures. */
-    double first = sh->start[0][wl], last = sh->end[0][wl], lo = 1e300, hi = 0, *ends[16] = {0};
+    double first = sh->start[wl][0], last = sh->end[wl][0], lo = 1e300, hi = 0, *ends[16] = {0};
     for (int i = 0; i < n; i++) {
-      if (sh->start[i][wl] < first) first = sh->start[i][wl];
-      if (sh->end[i][wl] > last) last = sh->end[i][wl];
-      if (sh->rate[i][wl] < lo) lo = sh->rate[i][wl];
-      if (sh->rate[i][wl] > hi) hi = sh->rate[i][wl];
+      if (sh->start[wl][i] < first) first = sh->start[wl][i];
+      if (sh->end[wl][i] > last) last = sh->end[wl][i];
+      if (sh->rate[wl][i] < lo) lo = sh->rate[wl][i];
+      if (sh->rate[wl][i] > hi) hi = sh->rate[wl][i];
       ends[i] = sh->batch_end[wl][i];
     }
-    double starts[16] = {0}, stops[16] = {0};
-    for (int i = 0; i < n; i++) {
-      starts[i] = sh->start[i][wl];
-      stops[i] = sh->end[i][wl];
-    }
     double procs_rate = last > first ? n * (double)nb * BATCH / (last - first) * 1e3 : 0;
-    double procs_busy = busy_rate(n, starts, stops, ends, nb);
+    double procs_busy = busy_rate(n, sh->start[wl], sh->end[wl], ends, nb);
     printf("procs: gpupool %s, own stream: one thread alone %.2f M pairs/s (all busy %.2f); %d one-thread processes at once "
-           "(each alone %.2f-%.2f) %.2f = %.1fx, all busy %.2f = %.1fx; %d threads in one process %.2f = %.1fx, all busy %.2f = "
+           "(each %.2f-%.2f) %.2f = %.1fx, all busy %.2f = %.1fx; %d threads in one process %.2f = %.1fx, all busy %.2f = "
            "%.1fx, %.0f%% of the processes all busy\n",
            wl_name(wl), one, one_busy, n, lo, hi, procs_rate, procs_rate / one, procs_busy, procs_busy / one_busy, n, many,
            many / one, many_busy, many_busy / one_busy, procs_busy > 0 ? 100.0 * many_busy / procs_busy : 0);
@@ -444,6 +439,10 @@ int main(int argc, char **argv) {
     int n = atoi(procs);
     if (n < 1 || n > 16 || n > sysconf(_SC_NPROCESSORS_ONLN)) {
       fprintf(stderr, "threads_bench: THREADS_BENCH_PROCS=%s: expected 1..16, at most the CPUs online\n", procs);
+      return 2;
+    }
+    if (pairs / BATCH > 1024) { /* the processes' batch ends are shared in fixed arrays */
+      fprintf(stderr, "threads_bench: THREADS_BENCH_PROCS takes at most 1,024,000 pairs per thread\n");
       return 2;
     }
     printf(TABLE_HEAD);
