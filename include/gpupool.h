@@ -273,6 +273,53 @@ enum gpupool_status gpupool_release_pool(int device, uint64_t pool_id);
 // without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
 enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 
+// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it, on an
+// arena pool), for another process to open with `gpupool_ipc_open`. The descriptor is
+// plain bytes: send it any way. `*out_len` receives its length; with `buf == NULL` and
+// `buf_len == 0` nothing else happens (ask the size first), a smaller buffer is
+// `GPUPOOL_STATUS_INVALID_ARGUMENT`. Keep the block allocated while others use it.
+// Memory of other pools (`split`, ...) is `cuMemAlloc` memory: share it with
+// `cudaIpcGetMemHandle` (this call says so with `GPUPOOL_STATUS_INVALID_ARGUMENT`).
+//
+// # Safety
+// `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
+enum gpupool_status gpupool_ipc_export(void *ptr, void *buf, size_t buf_len, size_t *out_len);
+
+// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
+// per granule, in order: what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
+// importer that may not fetch them itself. `*out_n` receives the count; `fds == NULL` with
+// `cap == 0` only asks it. The descriptors stay owned by gpupool: do not close them.
+//
+// # Safety
+// `desc` must point to `desc_len` readable bytes; `fds` NULL or `cap` writable ints;
+// `out_n` NULL or writable.
+enum gpupool_status gpupool_ipc_descriptor_fds(const void *desc,
+                                               size_t desc_len,
+                                               int *fds,
+                                               size_t cap,
+                                               size_t *out_n);
+
+// Map the block another process exported (`desc`, `desc_len` bytes from
+// `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
+// process's copies of the exporter's file descriptors (`n_fds`, in the order
+// `gpupool_ipc_descriptor_fds` lists them; they stay the caller's), or NULL to fetch them
+// from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
+// allows it). Undo with `gpupool_ipc_close`.
+//
+// # Safety
+// `desc` must point to `desc_len` readable bytes; `fds` NULL or `n_fds` readable ints;
+// `out_ptr` NULL or writable.
+enum gpupool_status gpupool_ipc_open(const void *desc,
+                                     size_t desc_len,
+                                     int device,
+                                     const int *fds,
+                                     size_t n_fds,
+                                     void **out_ptr);
+
+// Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
+// untouched). An address it did not return is `GPUPOOL_STATUS_INVALID_POINTER`.
+enum gpupool_status gpupool_ipc_close(void *ptr, int device);
+
 // Allocate `size` bytes of pinned host memory, for use on `stream`.
 //
 // # Safety

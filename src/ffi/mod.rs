@@ -7,12 +7,14 @@
 //! - `torch.rs` + `torch_shim.cpp`: PyTorch's `CUDAPluggableAllocator` functions and hooks.
 //! - `cupy.rs`: CuPy's `CFunctionAllocator` functions and its current-stream getter.
 //! - `graph.rs`: private pools for CUDA graph captures from C.
+//! - `ipc.rs`: sharing arena memory with other processes.
 //! - `report.rs`: errors of `void` entry points (stderr, once for invalid frees).
 
 pub mod boundary;
 pub mod core;
 pub mod cupy;
 pub mod graph;
+pub mod ipc;
 pub mod pinned;
 pub mod report;
 pub mod torch;

@@ -28,6 +28,7 @@ mod arena;
 mod budget;
 mod free;
 mod grow;
+mod ipc;
 mod graph_pools;
 mod release;
 mod reports;

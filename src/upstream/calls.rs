@@ -29,11 +29,13 @@ pub struct DriverCalls {
     /// `cuStreamGetCaptureInfo` (is a stream capturing a CUDA graph), asked only while
     /// private pools route allocations or for CuPy's non-default streams.
     pub capture_info: u64,
+    /// `cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle` (IPC of arena memory).
+    pub shareable: u64,
 }
 
 impl DriverCalls {
     /// Every counter with its JSON / report name.
-    pub fn fields(&self) -> [(&'static str, u64); 15] {
+    pub fn fields(&self) -> [(&'static str, u64); 16] {
         [
             ("malloc", self.malloc),
             ("free", self.free),
@@ -50,6 +52,7 @@ impl DriverCalls {
             ("stream_wait", self.stream_wait),
             ("stream_id", self.stream_id),
             ("capture_info", self.capture_info),
+            ("shareable", self.shareable),
         ]
     }
 
@@ -71,6 +74,7 @@ impl DriverCalls {
             stream_wait,
             stream_id,
             capture_info,
+            shareable,
         } = *o;
         self.malloc += malloc;
         self.free += free;
@@ -87,6 +91,7 @@ impl DriverCalls {
         self.stream_wait += stream_wait;
         self.stream_id += stream_id;
         self.capture_info += capture_info;
+        self.shareable += shareable;
     }
 
     pub fn total(&self) -> u64 {

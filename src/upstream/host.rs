@@ -240,6 +240,29 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
+    fn vmm_share_kind(&self) -> u32 {
+        super::shared::KIND_HOST
+    }
+
+    fn vmm_export(&mut self, addr: usize) -> Result<super::shared::SharedGranule> {
+        self.calls.shareable += 1;
+        self.vmm.export(addr)
+    }
+
+    fn vmm_import(&mut self, granules: &[super::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
+        let base = self.vmm.import(granules, fds, granule)?;
+        let n = granules.len() as u64;
+        (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map, self.calls.set_access) =
+            (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        Ok(base)
+    }
+
+    fn vmm_unimport(&mut self, base: usize) -> Result<()> {
+        let n = self.vmm.unimport(base)?;
+        (self.calls.mem_unmap, self.calls.address_free) = (self.calls.mem_unmap + n as u64, self.calls.address_free + 1);
+        Ok(())
+    }
+
     fn driver_calls(&self) -> DriverCalls {
         self.calls
     }

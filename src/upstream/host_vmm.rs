@@ -8,6 +8,10 @@
 //! `PROT_NONE`: touching an unmapped granule crashes the test instead of passing silently.
 //! Released granules are punched out of the file (`FALLOC_FL_PUNCH_HOLE`), giving the memory
 //! back to the OS.
+//!
+//! Sharing with another process (`crate::upstream::shared`) works as on the GPU: a
+//! granule is exported as the file's descriptor and the granule's offset in it, and an
+//! importer maps those offsets of its copy of the descriptor side by side.
 
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
@@ -25,6 +29,8 @@ pub struct HostVmm {
     aliases: FxHashMap<usize, usize>,
     /// Reservation base -> length.
     reservations: FxHashMap<usize, usize>,
+    /// Ranges mapping another process's granules (`import`): base -> granules.
+    imports: FxHashMap<usize, usize>,
 }
 
 fn os_error(what: &str) -> Error {
@@ -41,6 +47,7 @@ impl HostVmm {
             mapped: FxHashMap::default(),
             aliases: FxHashMap::default(),
             reservations: FxHashMap::default(),
+            imports: FxHashMap::default(),
         }
     }
 
@@ -248,6 +255,65 @@ impl HostVmm {
             self.unmap_at(a)?;
         }
         Ok(())
+    }
+}
+
+impl HostVmm {
+    /// The granule mapped at `addr` (a home or an alias) as another process sees it: the
+    /// file's descriptor and the granule's offset in the file.
+    pub fn export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
+        let home = self.aliases.get(&addr).copied().unwrap_or(addr);
+        let Some(&off) = self.mapped.get(&home) else {
+            return Err(Error::Internal(format!("host vmm: export of {addr:#x}, which is not mapped")));
+        };
+        Ok(crate::upstream::shared::SharedGranule { fd: self.fd()?, offset: off as u64 })
+    }
+
+    /// Map `granules` (offsets in the files behind this process's `fds`) side by side in a
+    /// new reservation; returns its base. All or nothing.
+    pub fn import(&mut self, granules: &[crate::upstream::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
+        if granule != self.granule || fds.len() != granules.len() {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: the exporter's granule is {granule} bytes, this upstream's {}",
+                self.granule
+            )));
+        }
+        let base = self.reserve(granules.len() * granule)?;
+        for (i, (g, &fd)) in granules.iter().zip(fds).enumerate() {
+            // SAFETY: a granule of the reservation just made; the file and offset are the
+            // caller's (a bad one fails here and nothing stays mapped).
+            let p = unsafe {
+                libc::mmap(
+                    (base + i * granule) as *mut libc::c_void,
+                    granule,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd,
+                    g.offset as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = os_error("mmap (import)");
+                self.reservations.remove(&base);
+                // SAFETY: the reservation made above, with what was mapped in it.
+                unsafe { libc::munmap(base as *mut libc::c_void, granules.len() * granule) };
+                return Err(e);
+            }
+        }
+        self.imports.insert(base, granules.len());
+        Ok(base)
+    }
+
+    /// Unmap a range `import` made (`ptr`: in its first granule); returns its granules.
+    pub fn unimport(&mut self, ptr: usize) -> Result<usize> {
+        let base = ptr & !(self.granule - 1);
+        let Some(n) = self.imports.remove(&base) else {
+            return Err(Error::Internal(format!("IPC: {ptr:#x} is not where an imported range starts")));
+        };
+        self.reservations.remove(&base);
+        // SAFETY: the whole range `import` mapped.
+        unsafe { libc::munmap(base as *mut libc::c_void, n * self.granule) };
+        Ok(n)
     }
 }
 

@@ -31,6 +31,7 @@ pub mod calls;
 pub mod cuda;
 pub mod host;
 pub mod host_vmm;
+pub mod shared;
 pub mod sim;
 pub mod stream_id;
 
@@ -134,6 +135,27 @@ pub trait Upstream: Send {
     /// Remove the aliases of `[addr, addr + len)` (their memory stays at its home).
     fn vmm_unalias(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
+    }
+
+    /// Which IPC descriptors this upstream exports and imports (`shared::KIND_*`; 0: none).
+    fn vmm_share_kind(&self) -> u32 {
+        0
+    }
+    /// The shareable handle of the physical granule mapped at `addr` (a home or an alias),
+    /// for another process to map (`shared.rs`). It stays valid while the granule is mapped.
+    fn vmm_export(&mut self, _addr: usize) -> Result<shared::SharedGranule> {
+        Err(Error::InvalidArgument("this upstream's memory cannot be shared with other processes".into()))
+    }
+    /// Map another process's granules side by side in a new address range of `granule`
+    /// bytes each, readable and writable by the device (and its peers); returns its base.
+    /// `fds`: this process's descriptors for `granules`, in order. All or nothing.
+    fn vmm_import(&mut self, _granules: &[shared::SharedGranule], _fds: &[i32], _granule: usize) -> Result<usize> {
+        Err(Error::InvalidArgument("this upstream cannot map memory of other processes".into()))
+    }
+    /// Unmap a range `vmm_import` made, named by any address in its first granule (the
+    /// exporter's memory is untouched).
+    fn vmm_unimport(&mut self, _ptr: usize) -> Result<()> {
+        Err(Error::InvalidArgument("this upstream cannot map memory of other processes".into()))
     }
 
     /// Driver calls made so far, by kind.

@@ -7,9 +7,17 @@
 //! Access is granted to the owning device and to every device that can access it as a
 //! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
 //! memory. Called with the device's primary context current (`CudaUpstream` does that).
+//!
+//! Granules are created shareable as POSIX file descriptors where the device supports it,
+//! so another process can map them (`crate::upstream::shared`): `export` hands out a
+//! granule's descriptor, kept open until the granule is released, and `import` maps another
+//! process's granules side by side in a range of this process. A driver that refuses
+//! shareable allocations (some containers) gets plain ones from then on; only export
+//! fails then, with a message saying so.
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
+use crate::upstream::shared::SharedGranule;
 use crate::upstream::{AliasFail, AllocError, DriverCalls};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
@@ -42,7 +50,16 @@ pub struct CudaVmm {
     access: Vec<sys::CUmemAccessDesc>,
     /// Physical allocation mapped at each granule address.
     handles: FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
+    /// Alias address -> the home granule (a key of `handles`) whose memory it shows.
+    aliases: FxHashMap<usize, usize>,
+    /// Home granule -> the file descriptor it was exported as (closed at its release).
+    exported: FxHashMap<usize, i32>,
+    /// Ranges mapping another process's granules (`import`): base -> length.
+    imports: FxHashMap<usize, usize>,
 }
+
+const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+const NO_HANDLE_TYPE: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
 
 // SAFETY: plain driver handles, valid from any thread.
 unsafe impl Send for CudaVmm {}
@@ -61,7 +78,18 @@ impl CudaVmm {
         if supported == 0 {
             return Ok(None);
         }
-        let prop = device_prop(device);
+        let mut prop = device_prop(device);
+        let mut fd_ok = 0;
+        let probe = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut fd_ok,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                device,
+            )
+        };
+        if probe == sys::CUresult::CUDA_SUCCESS && fd_ok != 0 {
+            prop.requestedHandleTypes = POSIX_FD;
+        }
         let g = granularity(&prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         let mut access = vec![sys::CUmemAccessDesc { location: prop.location, flags: rw }];
@@ -75,7 +103,15 @@ impl CudaVmm {
                 access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
             }
         }
-        Ok(Some(CudaVmm { prop, granule: g, access, handles: FxHashMap::default() }))
+        Ok(Some(CudaVmm {
+            prop,
+            granule: g,
+            access,
+            handles: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+            exported: FxHashMap::default(),
+            imports: FxHashMap::default(),
+        }))
     }
 
     pub fn granule(&self) -> usize {
@@ -115,7 +151,13 @@ impl CudaVmm {
             let p = addr + done;
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             calls.mem_create += 1;
-            let r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
+            let mut r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
+                // Shareable allocations refused (not out of memory): plain ones from now on.
+                self.prop.requestedHandleTypes = NO_HANDLE_TYPE;
+                calls.mem_create += 1;
+                r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
+            }
             if r != sys::CUresult::CUDA_SUCCESS {
                 failure = Some(("cuMemCreate", r));
                 break;
@@ -161,6 +203,10 @@ impl CudaVmm {
             calls.mem_unmap += 1;
             check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) })?;
             self.handles.remove(&p);
+            if let Some(fd) = self.exported.remove(&p) {
+                // SAFETY: the descriptor `export` got for this granule, ours to close.
+                unsafe { libc::close(fd) };
+            }
             calls.mem_release += 1;
             check("cuMemRelease", unsafe { sys::cuMemRelease(h) })?;
         }
@@ -182,6 +228,7 @@ impl CudaVmm {
             let at = to + i * g;
             check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, 0, h, 0) })
                 .map_err(|error| AliasFail { made: i, error })?;
+            self.aliases.insert(at, home);
         }
         let r = self.set_access(to, homes.len() * g, calls);
         if r != sys::CUresult::CUDA_SUCCESS {
@@ -197,10 +244,112 @@ impl CudaVmm {
         let mut first_err = None;
         for p in (addr..addr + len).step_by(self.granule) {
             calls.mem_unmap += 1;
+            match check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
+                Ok(()) => {
+                    self.aliases.remove(&p);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// The shareable descriptor of the granule mapped at `addr` (a home or an alias),
+    /// exported once and kept open until that granule is released.
+    pub fn export(&mut self, addr: usize, calls: &mut DriverCalls) -> Result<SharedGranule> {
+        let home = self.aliases.get(&addr).copied().unwrap_or(addr);
+        let Some(&h) = self.handles.get(&home) else {
+            return Err(Error::Internal(format!("arena: export of {addr:#x}, which is not mapped")));
+        };
+        if let Some(&fd) = self.exported.get(&home) {
+            return Ok(SharedGranule { fd, offset: 0 });
+        }
+        let mut fd: libc::c_int = -1;
+        calls.shareable += 1;
+        let r = unsafe { sys::cuMemExportToShareableHandle((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            let why = if self.prop.requestedHandleTypes == NO_HANDLE_TYPE {
+                "; this device or driver gave the arena no shareable memory"
+            } else {
+                ""
+            };
+            return Err(Error::InvalidArgument(format!("{}{why}", cuda_error("cuMemExportToShareableHandle", r))));
+        }
+        self.exported.insert(home, fd);
+        Ok(SharedGranule { fd, offset: 0 })
+    }
+
+    /// Map the granules behind `fds` (this process's descriptors, one per granule of
+    /// `granule` bytes, each a whole allocation) side by side in a new range, readable and
+    /// writable by the device and its peers; returns its base. All or nothing.
+    pub fn import(&mut self, fds: &[i32], granule: usize, calls: &mut DriverCalls) -> Result<usize> {
+        if granule != self.granule {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: the exporter's granule is {granule} bytes, this device's {}",
+                self.granule
+            )));
+        }
+        let len = fds.len() * granule;
+        let base = self.reserve(len, calls)?;
+        let mut mapped = 0;
+        let result = (|| {
+            for &fd in fds {
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                calls.shareable += 1;
+                check("cuMemImportFromShareableHandle", unsafe {
+                    sys::cuMemImportFromShareableHandle(&mut h, fd as usize as *mut std::ffi::c_void, POSIX_FD)
+                })?;
+                calls.mem_map += 1;
+                let r = check("cuMemMap", unsafe { sys::cuMemMap((base + mapped * granule) as sys::CUdeviceptr, granule, 0, h, 0) });
+                // The mapping keeps the memory; the handle is not needed past it.
+                calls.mem_release += 1;
+                unsafe { sys::cuMemRelease(h) };
+                r?;
+                mapped += 1;
+            }
+            let r = self.set_access(base, len, calls);
+            check("cuMemSetAccess", r)
+        })();
+        if let Err(e) = result {
+            let _ = self.unmap_imported(base, mapped * granule, len, calls);
+            return Err(e);
+        }
+        self.imports.insert(base, len);
+        Ok(base)
+    }
+
+    /// Unmap a range `import` made (`ptr`: in its first granule) and give its address
+    /// space back.
+    pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<()> {
+        let base = ptr & !(self.granule - 1);
+        let Some(len) = self.imports.remove(&base) else {
+            return Err(Error::Internal(format!("IPC: {ptr:#x} is not where an imported range starts")));
+        };
+        self.unmap_imported(base, len, len, calls)
+    }
+
+    fn unmap_imported(&mut self, base: usize, mapped: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        let mut first_err = None;
+        for p in (base..base + mapped).step_by(self.granule) {
+            calls.mem_unmap += 1;
             if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
                 first_err.get_or_insert(e);
             }
         }
+        if first_err.is_none() {
+            self.unreserve(base, len, calls)?;
+        }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for CudaVmm {
+    fn drop(&mut self) {
+        for (_, fd) in self.exported.drain() {
+            // SAFETY: descriptors `export` got, ours to close; the memory stays mapped.
+            unsafe { libc::close(fd) };
+        }
     }
 }

@@ -202,6 +202,33 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.unalias(addr, len, calls)
     }
 
+    fn vmm_share_kind(&self) -> u32 {
+        crate::upstream::shared::KIND_CUDA
+    }
+
+    fn vmm_export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.export(addr, calls)
+    }
+
+    fn vmm_import(&mut self, _granules: &[crate::upstream::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
+        if self.vmm_granule() == 0 {
+            return Err(crate::error::Error::InvalidArgument(
+                "IPC import: this device has no virtual memory management".into(),
+            ));
+        }
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.import(fds, granule, calls)
+    }
+
+    fn vmm_unimport(&mut self, base: usize) -> Result<()> {
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.unimport(base, calls)
+    }
+
     fn driver_calls(&self) -> DriverCalls {
         self.calls
     }

@@ -1,0 +1,137 @@
+//! Sharing arena memory with other processes (`GPUPOOL_POOL=arena`), where
+//! `cudaIpcGetMemHandle` refuses it: export a block as a byte descriptor, open it in
+//! another process, close it there. See `crate::upstream::shared` for the descriptor and
+//! how the file descriptors behind it travel.
+
+use super::boundary::call;
+use crate::error::{Error, Status};
+use crate::registry;
+use crate::upstream::shared::Descriptor;
+use std::ffi::{c_int, c_void};
+
+/// Copy `bytes` to `buf` (`cap` bytes) and its length to `*out_len`. `buf == NULL` with
+/// `cap == 0` only asks the length.
+unsafe fn hand_out(bytes: &[u8], buf: *mut c_void, cap: usize, out_len: *mut usize, what: &str) -> crate::error::Result<()> {
+    *out_len = bytes.len();
+    if buf.is_null() && cap == 0 {
+        return Ok(());
+    }
+    if buf.is_null() {
+        return Err(Error::NullArgument("buf"));
+    }
+    if cap < bytes.len() {
+        return Err(Error::InvalidArgument(format!("{what} needs {} bytes, the buffer has {cap}", bytes.len())));
+    }
+    std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf as *mut u8, bytes.len());
+    Ok(())
+}
+
+/// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it, on an
+/// arena pool), for another process to open with `gpupool_ipc_open`. The descriptor is
+/// plain bytes: send it any way. `*out_len` receives its length; with `buf == NULL` and
+/// `buf_len == 0` nothing else happens (ask the size first), a smaller buffer is
+/// `GPUPOOL_STATUS_INVALID_ARGUMENT`. Keep the block allocated while others use it.
+/// Memory of other pools (`split`, ...) is `cuMemAlloc` memory: share it with
+/// `cudaIpcGetMemHandle` (this call says so with `GPUPOOL_STATUS_INVALID_ARGUMENT`).
+///
+/// # Safety
+/// `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_export(ptr: *mut c_void, buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Status {
+    call(|| {
+        if out_len.is_null() {
+            return Err(Error::NullArgument("out_len"));
+        }
+        if ptr.is_null() {
+            return Err(Error::NullArgument("ptr"));
+        }
+        let p = ptr as usize;
+        let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p)).unwrap_or(Err(Error::InvalidPointer {
+            ptr: p,
+            device: -1,
+            why: crate::error::BadPointer::Unknown,
+        }))?;
+        hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
+    })
+}
+
+/// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
+/// per granule, in order: what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
+/// importer that may not fetch them itself. `*out_n` receives the count; `fds == NULL` with
+/// `cap == 0` only asks it. The descriptors stay owned by gpupool: do not close them.
+///
+/// # Safety
+/// `desc` must point to `desc_len` readable bytes; `fds` NULL or `cap` writable ints;
+/// `out_n` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_descriptor_fds(desc: *const c_void, desc_len: usize, fds: *mut c_int, cap: usize, out_n: *mut usize) -> Status {
+    call(|| {
+        if desc.is_null() {
+            return Err(Error::NullArgument("desc"));
+        }
+        if out_n.is_null() {
+            return Err(Error::NullArgument("out_n"));
+        }
+        let d = Descriptor::decode(std::slice::from_raw_parts(desc as *const u8, desc_len))?;
+        *out_n = d.granules.len();
+        if fds.is_null() && cap == 0 {
+            return Ok(());
+        }
+        if fds.is_null() {
+            return Err(Error::NullArgument("fds"));
+        }
+        if cap < d.granules.len() {
+            return Err(Error::InvalidArgument(format!("the descriptor has {} file descriptors, the array {cap}", d.granules.len())));
+        }
+        for (i, g) in d.granules.iter().enumerate() {
+            *fds.add(i) = g.fd;
+        }
+        Ok(())
+    })
+}
+
+/// Map the block another process exported (`desc`, `desc_len` bytes from
+/// `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
+/// process's copies of the exporter's file descriptors (`n_fds`, in the order
+/// `gpupool_ipc_descriptor_fds` lists them; they stay the caller's), or NULL to fetch them
+/// from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
+/// allows it). Undo with `gpupool_ipc_close`.
+///
+/// # Safety
+/// `desc` must point to `desc_len` readable bytes; `fds` NULL or `n_fds` readable ints;
+/// `out_ptr` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_open(
+    desc: *const c_void,
+    desc_len: usize,
+    device: c_int,
+    fds: *const c_int,
+    n_fds: usize,
+    out_ptr: *mut *mut c_void,
+) -> Status {
+    call(|| {
+        if out_ptr.is_null() {
+            return Err(Error::NullArgument("out_ptr"));
+        }
+        *out_ptr = std::ptr::null_mut();
+        if desc.is_null() {
+            return Err(Error::NullArgument("desc"));
+        }
+        let bytes = std::slice::from_raw_parts(desc as *const u8, desc_len);
+        let given = (!fds.is_null()).then(|| std::slice::from_raw_parts(fds, n_fds));
+        *out_ptr = registry::with_pool(device, |pool| pool.ipc_import(bytes, given))? as *mut c_void;
+        Ok(())
+    })
+}
+
+/// Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
+/// untouched). An address it did not return is `GPUPOOL_STATUS_INVALID_POINTER`.
+#[no_mangle]
+pub extern "C" fn gpupool_ipc_close(ptr: *mut c_void, device: c_int) -> Status {
+    call(|| {
+        if ptr.is_null() {
+            return Err(Error::NullArgument("ptr"));
+        }
+        registry::with_pool(device, |pool| pool.ipc_close(ptr as usize))
+    })
+}

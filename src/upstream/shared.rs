@@ -1,0 +1,212 @@
+//! Sharing arena memory with another process: the descriptor an exporter hands out and an
+//! importer maps, and how the importer gets the exporter's file descriptors.
+//!
+//! Why this exists: `cudaIpcGetMemHandle` refuses memory from the virtual memory API, so
+//! the arena's memory needs its own route. Each granule is a physical allocation of its
+//! own (`address_space.rs` says why), created with a POSIX file descriptor as its
+//! shareable handle type; exporting a block exports the granules under it, one descriptor
+//! each, and the importer maps them side by side in a range of its own.
+//!
+//! The descriptor is plain bytes (send it through any pipe, socket or pickle): the
+//! exporter's pid, the granule size, where the block starts in its first granule, its
+//! size, and per granule the exporter's file descriptor number and the offset of the
+//! granule's memory behind it (0 for CUDA, a file offset for the host upstream's
+//! stand-in). The importer either passes descriptors it received itself (`SCM_RIGHTS`,
+//! inheritance) or lets `fetch_fds` copy them out of the exporter with `pidfd_getfd`
+//! (Linux 5.6+, and the right to ptrace the exporter: same user, Yama's `ptrace_scope`
+//! allowing it). The exporter keeps each granule's descriptor open while the granule is
+//! mapped, so a descriptor stays fetchable as long as the block is live.
+
+use crate::error::{Error, Result};
+
+/// A granule as shared: the exporter's descriptor and the offset of the memory behind it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct SharedGranule {
+    pub fd: i32,
+    pub offset: u64,
+}
+
+/// Which memory a descriptor describes (an importer maps only its own kind).
+pub const KIND_CUDA: u32 = 1;
+pub const KIND_HOST: u32 = 2;
+
+/// What the exporter says about one block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    pub kind: u32,
+    pub pid: u32,
+    pub device: i32,
+    pub granule: u64,
+    /// The block's start, from the start of its first granule.
+    pub offset: u64,
+    pub size: u64,
+    pub granules: Vec<SharedGranule>,
+}
+
+const MAGIC: &[u8; 8] = b"GPPIPC01";
+/// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size, count.
+pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 4;
+pub const GRANULE_BYTES: usize = 16;
+/// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
+/// corrupt count cannot make an importer allocate without bound.
+const MAX_GRANULES: u64 = 1 << 23;
+
+impl Descriptor {
+    pub fn encoded_len(&self) -> usize {
+        HEADER_BYTES + GRANULE_BYTES * self.granules.len()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.encoded_len());
+        b.extend_from_slice(MAGIC);
+        for v in [self.kind, self.pid, self.device as u32, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [self.granule, self.offset, self.size, self.granules.len() as u64] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for g in &self.granules {
+            b.extend_from_slice(&(g.fd as u32 as u64).to_le_bytes());
+            b.extend_from_slice(&g.offset.to_le_bytes());
+        }
+        b
+    }
+
+    /// Parse `b`, checking that it is whole and consistent (the bytes came from another
+    /// process, maybe through a user's code).
+    pub fn decode(b: &[u8]) -> Result<Descriptor> {
+        let bad = |why: &str| Error::InvalidArgument(format!("IPC descriptor: {why}"));
+        if b.len() < HEADER_BYTES || &b[..8] != MAGIC {
+            return Err(bad("not a gpupool IPC descriptor (wrong length or magic)"));
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let (kind, pid, device) = (u32_at(8), u32_at(12), u32_at(16) as i32);
+        let (granule, offset, size, count) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48));
+        if kind != KIND_CUDA && kind != KIND_HOST {
+            return Err(bad(&format!("unknown memory kind {kind}")));
+        }
+        if count == 0 || count > MAX_GRANULES || b.len() != HEADER_BYTES + GRANULE_BYTES * count as usize {
+            return Err(bad(&format!("{count} granules in {} bytes", b.len())));
+        }
+        if !granule.is_power_of_two() || size == 0 || offset >= granule || offset + size > granule * count {
+            return Err(bad(&format!("block of {size} bytes at offset {offset} does not fit {count} granules of {granule}")));
+        }
+        let granules = (0..count as usize)
+            .map(|i| {
+                let at = HEADER_BYTES + GRANULE_BYTES * i;
+                let fd = u64_at(at);
+                if fd > i32::MAX as u64 {
+                    return Err(bad(&format!("granule {i}: descriptor {fd} out of range")));
+                }
+                Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8) })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Descriptor { kind, pid, device, granule, offset, size, granules })
+    }
+}
+
+/// File descriptors this process owns, closed when dropped.
+pub struct Fds(pub Vec<i32>);
+
+impl Drop for Fds {
+    fn drop(&mut self) {
+        for &fd in &self.0 {
+            // SAFETY: descriptors this process got from `pidfd_getfd` and owns.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// Copy the exporter's descriptors `fds` into this process (`pidfd_getfd`).
+pub fn fetch_fds(pid: u32, fds: &[i32]) -> Result<Fds> {
+    let os = |what: &str| {
+        let e = std::io::Error::last_os_error();
+        Error::InvalidArgument(format!(
+            "IPC import: {what} of process {pid} failed: {e} (pass the descriptors yourself, received over a Unix socket, where this process may not ptrace the exporter)"
+        ))
+    };
+    // SAFETY: plain syscalls with integer arguments.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(os("pidfd_open"));
+    }
+    let pidfd = Fds(vec![pidfd as i32]);
+    let mut got = Fds(Vec::with_capacity(fds.len()));
+    for &fd in fds {
+        // SAFETY: as above; the result is a new descriptor this process owns.
+        let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.0[0], fd, 0) };
+        if mine < 0 {
+            return Err(os(&format!("pidfd_getfd of descriptor {fd}")));
+        }
+        got.0.push(mine as i32);
+    }
+    Ok(got)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc() -> Descriptor {
+        Descriptor {
+            kind: KIND_CUDA,
+            pid: 77,
+            device: 1,
+            granule: 2 << 20,
+            offset: 4096,
+            size: 3 << 20,
+            granules: vec![SharedGranule { fd: 9, offset: 0 }, SharedGranule { fd: 12, offset: 0 }],
+        }
+    }
+
+    #[test]
+    fn a_descriptor_round_trips_and_damage_is_refused() {
+        let d = desc();
+        let b = d.encode();
+        assert_eq!(b.len(), d.encoded_len());
+        assert_eq!(Descriptor::decode(&b).unwrap(), d);
+        assert!(Descriptor::decode(&b[..b.len() - 1]).is_err(), "truncated");
+        let mut wrong = b.clone();
+        wrong[0] ^= 1;
+        assert!(Descriptor::decode(&wrong).is_err(), "magic");
+        let mut big = d.clone();
+        big.size = 4 << 20; // 4096 + 4 MiB > two granules
+        assert!(Descriptor::decode(&big.encode()).is_err(), "block past its granules");
+        let mut odd = d.clone();
+        odd.granule = 3 << 20;
+        assert!(Descriptor::decode(&odd.encode()).is_err(), "granule not a power of two");
+        let mut kind = d;
+        kind.kind = 9;
+        assert!(Descriptor::decode(&kind.encode()).is_err(), "unknown kind");
+        assert!(Descriptor::decode(&[]).is_err());
+    }
+
+    #[test]
+    fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
+        let mut p = [0i32; 2];
+        // SAFETY: a writable two-int array.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let pid = std::process::id();
+        match fetch_fds(pid, &[p[1]]) {
+            Ok(got) => {
+                assert_ne!(got.0[0], p[1]);
+                // SAFETY: writing one byte through the fetched copy, reading it at the other end.
+                unsafe {
+                    assert_eq!(libc::write(got.0[0], b"x".as_ptr().cast(), 1), 1);
+                    let mut c = 0u8;
+                    assert_eq!(libc::read(p[0], (&mut c as *mut u8).cast(), 1), 1);
+                    assert_eq!(c, b'x');
+                }
+            }
+            // A kernel before 5.6 or a sandbox without pidfd: the error must say so.
+            Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+        }
+        assert!(fetch_fds(pid, &[-1]).is_err(), "a bad descriptor number is an error");
+        // SAFETY: our own pipe.
+        unsafe {
+            libc::close(p[0]);
+            libc::close(p[1]);
+        }
+    }
+}
