@@ -99,6 +99,10 @@ def lib():
             ("gpupool_pinned_free", c_int, [vp, vp]),
             ("gpupool_pinned_get_stats", c_int, [ctypes.POINTER(Stats)]),
             ("gpupool_snapshot_json", c_size, [c_int, cp, c_size]),
+            ("gpupool_ipc_export", c_int, [vp, vp, c_size, ctypes.POINTER(c_size)]),
+            ("gpupool_ipc_descriptor_fds", c_int, [cp, c_size, ctypes.POINTER(c_int), c_size, ctypes.POINTER(c_size)]),
+            ("gpupool_ipc_open", c_int, [cp, c_size, c_int, ctypes.POINTER(c_int), c_size, ctypes.POINTER(vp)]),
+            ("gpupool_ipc_close", c_int, [vp, c_int]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args
@@ -181,6 +185,43 @@ def configure(device=0, pool=None, upstream=None):
     'async', 'host') of a device before (or between) uses."""
     enc = lambda v: None if v is None else v.encode()
     _check(lib().gpupool_configure(device, enc(pool), enc(upstream)))
+
+
+def ipc_export(ptr):
+    """The descriptor (bytes) of the live arena block at `ptr` (GPUPOOL_POOL=arena), for
+    `ipc_open` in another process: send it any way (pipe, pickle). Keep the block allocated
+    while others use it. Memory of other pools is shared with cudaIpcGetMemHandle."""
+    L, n = lib(), ctypes.c_size_t(0)
+    _check(L.gpupool_ipc_export(ptr, None, 0, ctypes.byref(n)))
+    buf = ctypes.create_string_buffer(n.value)
+    _check(L.gpupool_ipc_export(ptr, buf, n.value, ctypes.byref(n)))
+    return buf.raw[:n.value]
+
+
+def ipc_descriptor_fds(desc):
+    """The exporter's file descriptors behind `desc`, one per granule: what to pass to a
+    child (`subprocess.Popen(pass_fds=...)` keeps their numbers) or send with
+    `socket.send_fds` where the importer may not fetch them itself. They stay gpupool's."""
+    L, n = lib(), ctypes.c_size_t(0)
+    _check(L.gpupool_ipc_descriptor_fds(desc, len(desc), None, 0, ctypes.byref(n)))
+    fds = (ctypes.c_int * n.value)()
+    _check(L.gpupool_ipc_descriptor_fds(desc, len(desc), fds, n.value, ctypes.byref(n)))
+    return list(fds)
+
+
+def ipc_open(desc, device=0, fds=None):
+    """Map a block another process exported (`ipc_export`) on `device`; returns its address
+    here. `fds`: this process's copies of the exporter's descriptors (in
+    `ipc_descriptor_fds` order); None fetches them from the exporter (pidfd_getfd)."""
+    out = ctypes.c_void_p()
+    arr = None if fds is None else (ctypes.c_int * len(fds))(*fds)
+    _check(lib().gpupool_ipc_open(desc, len(desc), device, arr, 0 if fds is None else len(fds), ctypes.byref(out)))
+    return out.value
+
+
+def ipc_close(ptr, device=0):
+    """Unmap what `ipc_open` returned (the exporter's memory is untouched)."""
+    _check(lib().gpupool_ipc_close(ptr, device))
 
 
 def _socket_path(pid):

@@ -14,7 +14,7 @@
 
 use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
-use crate::upstream::shared::{fetch_fds, Descriptor, KIND_CUDA};
+use crate::upstream::shared::{fetch_fds, raise_fd_limit, Descriptor, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -36,6 +36,7 @@ impl Pool {
                 self.strategy.name()
             )));
         };
+        raise_fd_limit();
         let first = ptr & !(g - 1);
         let end = (ptr + size).div_ceil(g) * g;
         let granules = (first..end).step_by(g).map(|a| self.upstream.vmm_export(a)).collect::<Result<Vec<_>>>()?;

@@ -106,6 +106,24 @@ impl Descriptor {
     }
 }
 
+/// Raise this process's soft limit on open files to its hard limit, once. Why: an exported
+/// granule keeps one descriptor open while it is mapped, so a 4 GiB block holds 2,048,
+/// past the usual soft limit of 1,024; the hard limit is what the administrator allows
+/// (the Go runtime raises it the same way at start).
+pub fn raise_fd_limit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: a writable struct, then the same struct back.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+                l.rlim_cur = l.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+            }
+        }
+    });
+}
+
 /// File descriptors this process owns, closed when dropped.
 pub struct Fds(pub Vec<i32>);
 

@@ -129,3 +129,42 @@ def test_torch_and_cupy_share_one_pool_and_dlpack(cupy_gpu):
         assert b.sum().item() == 90.0
         print("ok", before, after)
     """))
+
+
+def test_cupy_arena_array_shared_with_another_process(cupy_gpu):
+    # cudaIpcGetMemHandle refuses the arena's memory; gpupool's own IPC shares it: a second
+    # interpreter maps the array, checks it, doubles it in place; this one sees the result.
+    out = ok(run_py("""
+        import subprocess, sys, textwrap, gpupool, cupy
+        gpupool.configure(0, pool="arena")
+        gpupool.cupy.install()
+        n = 3 * 1024 * 1024 + 5
+        a = cupy.arange(n, dtype=cupy.float32)
+        cupy.cuda.runtime.deviceSynchronize()
+        try:
+            cupy.cuda.runtime.ipcGetMemHandle(a.data.ptr)
+            print("cudaIpcGetMemHandle: accepted")
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            print("cudaIpcGetMemHandle:", e)
+        desc = gpupool.ipc_export(a.data.ptr)
+        fds = gpupool.ipc_descriptor_fds(desc)
+        child = textwrap.dedent('''
+            import sys, gpupool, cupy
+            desc, n = bytes.fromhex(sys.argv[1]), int(sys.argv[2])
+            p = gpupool.ipc_open(desc, 0, fds=gpupool.ipc_descriptor_fds(desc))
+            mem = cupy.cuda.UnownedMemory(p, n * 4, None)
+            b = cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+            assert bool((b == cupy.arange(n, dtype=cupy.float32)).all()), "child reads other values"
+            b *= 2
+            cupy.cuda.runtime.deviceSynchronize()
+            del b, mem
+            gpupool.ipc_close(p, 0)
+            print("child ok")
+        ''')
+        r = subprocess.run([sys.executable, "-c", child, desc.hex(), str(n)], pass_fds=fds, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(r.stdout.strip())
+        assert bool((a == 2 * cupy.arange(n, dtype=cupy.float32)).all()), "the child's writes are not seen"
+        print("granules:", len(fds), "ok")
+    """))
+    assert "child ok" in out, out

@@ -165,3 +165,66 @@ def test_torch_typed_oom_switch_is_parsed_without_torch():
                 assert f'invalid value "{bad}" for GPUPOOL_TORCH_TYPED_OOM; accepted: 0 | 1' in str(e), e
         print("ok")
     """))
+
+
+# A second interpreter opens an arena block of this one (host upstream: memfd granules),
+# once with the descriptors passed down (`pass_fds` keeps their numbers) and once fetching
+# them by pid, checks the bytes and writes through; this process then sees the writes.
+IPC_CHILD = """
+    import ctypes, os, sys, gpupool
+    gpupool.configure(0, pool="split", upstream="host")
+    desc = bytes.fromhex(sys.argv[1])
+    fds = gpupool.ipc_descriptor_fds(desc)
+    p = gpupool.ipc_open(desc, 0, fds=fds)
+    data = ctypes.string_at(p, SIZE)
+    assert data == bytes(i % 251 for i in range(SIZE)), "child reads other bytes"
+    ctypes.memmove(p, b"child!", 6)
+    try:
+        q = gpupool.ipc_open(desc, 0)
+        assert q != p and ctypes.string_at(q, 6) == b"child!"
+        gpupool.ipc_close(q, 0)
+        print("by pid: ok")
+    except gpupool.GpupoolError as e:
+        assert "pidfd" in str(e), e
+        print("by pid: not allowed here:", e)
+    gpupool.ipc_close(p, 0)
+    try:
+        gpupool.ipc_close(p, 0)
+        raise SystemExit("closed twice")
+    except gpupool.GpupoolError as e:
+        assert e.status == 3, e
+    print("child ok")
+"""
+
+
+def test_ipc_of_arena_memory_between_two_interpreters_on_host(library):
+    out = ok(run_py("""
+        import ctypes, os, subprocess, sys, textwrap, gpupool
+        CHILD = os.environ["IPC_CHILD"]
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        size = (3 << 20) + 777
+        p = ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(p), size, 0, None) == 0
+        ctypes.memmove(p, bytes(i % 251 for i in range(size)), size)
+        desc = gpupool.ipc_export(p.value)
+        fds = gpupool.ipc_descriptor_fds(desc)
+        assert len(fds) == 2, fds
+        code = textwrap.dedent(CHILD).replace("SIZE", str(size))
+        r = subprocess.run([sys.executable, "-c", code, desc.hex()], pass_fds=fds, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(r.stdout)
+        assert ctypes.string_at(p, 6) == b"child!"
+        assert ctypes.string_at(p.value + 6, 10) == bytes(i % 251 for i in range(6, 16))
+        split = ctypes.c_void_p()
+        gpupool.configure(1, pool="split", upstream="host")
+        assert L.gpupool_malloc(ctypes.byref(split), 4096, 1, None) == 0
+        try:
+            gpupool.ipc_export(split.value)
+            raise SystemExit("split memory exported")
+        except gpupool.GpupoolError as e:
+            assert e.status == 2 and "cudaIpcGetMemHandle" in str(e), e
+        assert L.gpupool_free(p, 0, None) == 0
+        print("ok")
+    """, env={"IPC_CHILD": IPC_CHILD}))
+    assert "child ok" in out and "ok" in out
