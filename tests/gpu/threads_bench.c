@@ -11,6 +11,9 @@
  * pairs per second over the timed window (first thread's start to last thread's end of
  * timed work: stream creation, warm-up and teardown fall outside it) and, for gpupool, the
  * driver calls it made per 1,000 timed pairs (its own count, `gpupool_stats_json`).
+ * "ctx sw": the row's threads' context switches over their timed work (voluntary /
+ * involuntary, `getrusage(RUSAGE_THREAD)`): a thread that blocks on a contended lock (the
+ * allocator's or the driver's) switches voluntarily; one the OS preempts, involuntarily.
  * "All busy": the aggregate while every thread of the row was running (`busy_rate`): each
  * thread does a fixed number of pairs, so the plain aggregate is bounded by the slowest
  * thread's CPU, while the one-thread row ran on one CPU.
@@ -39,6 +42,7 @@
 #include <math.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -74,7 +78,17 @@ typedef struct {
   double t_start, t_end;           /* this thread's timed window */
   double clock_ns;                 /* the reference loop's ns per 1,000 iterations */
   int cpu;                         /* pinned to this CPU, or -1 */
+  long vcsw, ivcsw;                /* context switches over the timed window (voluntary, involuntary) */
 } job;
+
+/* This thread's context switches so far (voluntary: it blocked, on a lock or in the kernel;
+ * involuntary: preempted). */
+static void thread_switches(long *v, long *iv) {
+  struct rusage r;
+  getrusage(RUSAGE_THREAD, &r);
+  *v = r.ru_nvcsw;
+  *iv = r.ru_nivcsw;
+}
 
 static double now_ns(void) {
   struct timespec t;
@@ -99,8 +113,9 @@ static double clock_ref(void) {
 
 #define TABLE_HEAD                                                                                             \
   "| allocator | workload | streams | threads | p50 ns/pair | p99 ns/pair | M pairs/s | M pairs/s, all busy | " \
-  "driver calls / 1k pairs | clock ns/1k | x 1 thread | x 1 thread, equal clock | x 1 thread, all busy |\n"    \
-  "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+  "driver calls / 1k pairs | clock ns/1k | x 1 thread | x 1 thread, equal clock | x 1 thread, all busy | "      \
+  "ctx sw vol / invol |\n"                                                                                     \
+  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 
 static int n_kinds(void) {
 #ifdef GPUPOOL_WITH_RMM
@@ -173,10 +188,12 @@ static void *worker(void *arg) {
    * the timed part measures the steady state, not every allocator's first growth to the
    * workload's peak (which the driver serialises across threads). */
   long warm = j->nbatches < 20 ? j->nbatches : 20;
+  long v0 = 0, iv0 = 0;
   if (j->nbatches == 0) {
     pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
     j->clock_ns = clock_ref();      /* every thread of the row at once */
     pthread_barrier_wait(j->start); /* go */
+    thread_switches(&v0, &iv0);
     j->t_start = now_ns();
   }
   for (long b = -warm; b < j->nbatches; b++) {
@@ -184,6 +201,7 @@ static void *worker(void *arg) {
       pthread_barrier_wait(j->start); /* warmed up (the main thread reads the count) */
       j->clock_ns = clock_ref();      /* every thread of the row at once */
       pthread_barrier_wait(j->start); /* go */
+      thread_switches(&v0, &iv0);
       j->t_start = now_ns();
     }
     double t0 = now_ns();
@@ -219,6 +237,9 @@ static void *worker(void *arg) {
     }
   }
   j->t_end = now_ns();
+  thread_switches(&j->vcsw, &j->ivcsw);
+  j->vcsw -= v0;
+  j->ivcsw -= iv0;
   pthread_barrier_wait(j->done); /* the main thread reads the driver-call count here */
   for (int i = 0; i < SLOTS; i++) free_on(j->kind, slots[i], sizes[i], s, &j->failures);
   if (s) {
@@ -272,8 +293,9 @@ static double busy_rate(int n, const double *t_start, const double *t_end, doubl
 
 /* The last one-thread row's window and batch ends (THREADS_BENCH_PROCS's children report them). */
 static double last_start, last_end, last_batch_end[1024];
-/* The last row's all-busy aggregate (`busy_rate`). */
+/* The last row's all-busy aggregate (`busy_rate`) and its threads' context switches. */
 static double last_busy;
+static long last_vcsw, last_ivcsw;
 
 /* pin < 0: threads go where the OS puts them; else thread i runs on CPU pin + i. */
 static double row(int k, enum workload wl, int own, int threads, long pairs, int pin) {
@@ -284,7 +306,7 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
   for (int i = 0; i < threads; i++) {
-    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0, pin < 0 ? -1 : pin + i};
+    jobs[i] = (job){k, wl, own, pairs, calloc(nb, sizeof(double)), calloc(nb, sizeof(double)), nb, 0, &start, &done, 0, 0, 0, pin < 0 ? -1 : pin + i, 0, 0};
     pthread_create(&t[i], NULL, worker, &jobs[i]);
   }
   /* `start` twice: once every thread has warmed up (the count read between the two
@@ -312,6 +334,11 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   }
   double busy = busy_rate(threads, starts, ends, batch_ends, nb);
   last_busy = busy;
+  last_vcsw = last_ivcsw = 0;
+  for (int i = 0; i < threads; i++) {
+    last_vcsw += jobs[i].vcsw;
+    last_ivcsw += jobs[i].ivcsw;
+  }
   if (threads == 1 && nb <= 1024) {
     last_start = jobs[0].t_start;
     last_end = jobs[0].t_end;
@@ -346,9 +373,9 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   char busy_s[24] = "-";
   if (busy > 0) snprintf(busy_s, sizeof busy_s, "%.2f", busy);
   if (!quiet_rows)
-    printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s | %s | %.0f | %s | %s | %s |%s\n", kind_name(k),
+    printf("| %s | %s | %s | %d | %.0f | %.0f | %.2f | %s | %s | %.0f | %s | %s | %s | %ld / %ld |%s\n", kind_name(k),
            wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving", own ? "own stream" : "legacy", threads, all[nb * threads / 2],
-           all[nb * threads * 99 / 100], rate, busy_s, calls, clock, x, xc, xb, failures ? " FAILURES" : "");
+           all[nb * threads * 99 / 100], rate, busy_s, calls, clock, x, xc, xb, last_vcsw, last_ivcsw, failures ? " FAILURES" : "");
   free(all);
   pthread_barrier_destroy(&start);
   pthread_barrier_destroy(&done);
@@ -371,6 +398,7 @@ static int procs_mode(long pairs, int n) {
     pthread_barrier_t go;
     /* Per workload, per process: its rate, timed window and batch ends. */
     double rate[3][16], start[3][16], end[3][16], batch_end[3][16][1024];
+    long vcsw[3][16], ivcsw[3][16];
     int failed[16];
   } *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (sh == MAP_FAILED) return 1;
@@ -391,6 +419,8 @@ static int procs_mode(long pairs, int n) {
         sh->rate[wl][i] = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, i);
         sh->start[wl][i] = last_start;
         sh->end[wl][i] = last_end;
+        sh->vcsw[wl][i] = last_vcsw;
+        sh->ivcsw[wl][i] = last_ivcsw;
         memcpy(sh->batch_end[wl][i], last_batch_end, sizeof last_batch_end);
       }
       _exit(0);
@@ -412,6 +442,11 @@ static int procs_mode(long pairs, int n) {
   for (int wl = PAIRS; wl <= SERVING; wl++) {
     double one = row(GPUPOOL, (enum workload)wl, 1, 1, pairs, 0), one_busy = last_busy;
     double many = row(GPUPOOL, (enum workload)wl, 1, n, pairs, 0), many_busy = last_busy;
+    long pv = 0, piv = 0;
+    for (int i = 0; i < n; i++) {
+      pv += sh->vcsw[wl][i];
+      piv += sh->ivcsw[wl][i];
+    }
     /* The processes' aggregate by both of the table's measures. */
     double first = sh->start[wl][0], last = sh->end[wl][0], lo = 1e300, hi = 0, *ends[16] = {0};
     for (int i = 0; i < n; i++) {
@@ -425,9 +460,9 @@ static int procs_mode(long pairs, int n) {
     double procs_busy = busy_rate(n, sh->start[wl], sh->end[wl], ends, nb);
     printf("procs: gpupool %s, own stream: one thread alone %.2f M pairs/s (all busy %.2f); %d one-thread processes at once "
            "(each %.2f-%.2f) %.2f = %.1fx, all busy %.2f = %.1fx; %d threads in one process %.2f = %.1fx, all busy %.2f = "
-           "%.1fx, %.0f%% of the processes all busy\n",
+           "%.1fx, %.0f%% of the processes all busy; context switches vol/invol: processes %ld/%ld, threads %ld/%ld\n",
            wl_name(wl), one, one_busy, n, lo, hi, procs_rate, procs_rate / one, procs_busy, procs_busy / one_busy, n, many,
-           many / one, many_busy, many_busy / one_busy, procs_busy > 0 ? 100.0 * many_busy / procs_busy : 0);
+           many / one, many_busy, many_busy / one_busy, procs_busy > 0 ? 100.0 * many_busy / procs_busy : 0, pv, piv, last_vcsw, last_ivcsw);
   }
   return 0;
 }
