@@ -175,10 +175,10 @@ pub struct Config {
     pub decay_window: usize,
     /// `GPUPOOL_THREAD_CACHE` (default on): the per-thread fast path (`crate::thread_cache`).
     pub thread_cache: bool,
-    /// `GPUPOOL_EVENT_BATCH` (default 64): frees on a user stream per event record; 1
+    /// `GPUPOOL_EVENT_BATCH` (default 256): frees on a user stream per event record; 1
     /// records at every free (`crate::stream`).
     pub event_batch: usize,
-    /// `GPUPOOL_EVENT_BATCH_BYTES` (default 32 MiB): bytes a user stream may leave freed
+    /// `GPUPOOL_EVENT_BATCH_BYTES` (default 256 MiB): bytes a user stream may leave freed
     /// with no record before its next free records (`crate::stream`).
     pub event_batch_bytes: usize,
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's two ranges grow into each other's free
@@ -225,12 +225,20 @@ pub const STREAM_SHARDS: usize = 16;
 pub const MAX_STREAM_SHARDS: usize = 32;
 
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
-pub const EVENT_BATCH: usize = 64;
+/// Why 256 and not fewer: an event record is a driver call into the device's one context,
+/// and threads recording at once block each other inside the driver. On the H200 (session
+/// 16, `docs/benchmarks.md`) 16 threads on 16 streams switched context 2,400-3,200 times
+/// (churn) and 9,900-14,800 times (serving) over 200,000 pairs each at 64 frees / 32 MiB,
+/// against 0-50 for 16 one-thread processes, and made 58-78% of the processes' throughput;
+/// with records 60-100x rarer they switched 23 and 513 times and made 91-93%.
+pub const EVENT_BATCH: usize = 256;
 
 /// `GPUPOOL_EVENT_BATCH_BYTES`'s default: bytes a user stream may leave unrecorded. A bigger
 /// free records at once, so memory that matters to other streams becomes theirs with no
-/// delay.
-pub const EVENT_BATCH_BYTES: usize = 32 << 20;
+/// delay. What waits is only cross-stream reuse: a pending block serves its own stream at
+/// once, another stream refused one makes the next free record (`wanted`), and pressure
+/// waits for the device; PyTorch's allocator never hands one stream's blocks to another.
+pub const EVENT_BATCH_BYTES: usize = 256 << 20;
 
 fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
