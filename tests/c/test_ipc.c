@@ -237,7 +237,9 @@ int main(int argc, char **argv) {
     close(sv[0]);
     char fd_arg[16];
     snprintf(fd_arg, sizeof fd_arg, "%d", sv[1]);
-    execl("/proc/self/exe", argv[0], up, "child", fd_arg, (char *)NULL);
+    /* argv[0], not /proc/self/exe: under valgrind the latter is valgrind's own tool. */
+    char *args[] = {argv[0], (char *)up, "child", fd_arg, NULL};
+    execvp(argv[0], args);
     _exit(127);
   }
   close(sv[1]);
