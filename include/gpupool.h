@@ -317,7 +317,9 @@ enum gpupool_status gpupool_ipc_open(const void *desc,
                                      void **out_ptr);
 
 // Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
-// untouched). An address it did not return is `GPUPOOL_STATUS_INVALID_POINTER`.
+// untouched). `ptr` must be the address it returned; any other is
+// `GPUPOOL_STATUS_INVALID_POINTER`. A device's pool cannot be reconfigured while blocks
+// of other processes are open on it (`GPUPOOL_STATUS_BUSY`).
 enum gpupool_status gpupool_ipc_close(void *ptr, int device);
 
 // Allocate `size` bytes of pinned host memory, for use on `stream`.

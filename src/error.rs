@@ -85,6 +85,8 @@ pub enum BadPointer {
     Interior { block_start: usize, block_size: usize },
     /// Points at memory the pool holds as free: freed twice, or freed after a reclaim.
     AlreadyFreed,
+    /// Refused by a call other than free (IPC export and close), which says why.
+    Refused(String),
 }
 
 /// Everything a user needs to act on an out-of-memory failure.
@@ -221,6 +223,8 @@ impl fmt::Display for Error {
                     f,
                     "gpupool: double free of pointer {ptr:#x} on device {device}: the block is already free"
                 ),
+                BadPointer::Refused(why) if *device < 0 => write!(f, "gpupool: pointer {ptr:#x}: {why}"),
+                BadPointer::Refused(why) => write!(f, "gpupool: pointer {ptr:#x} on device {device}: {why}"),
             },
             Error::InvalidDevice { device, detail } => write!(f, "gpupool: invalid device {device}: {detail}"),
             Error::OutOfMemory(r) => write!(f, "{r}"),

@@ -6,8 +6,21 @@
 use super::boundary::call;
 use crate::error::{Error, Status};
 use crate::registry;
-use crate::upstream::shared::Descriptor;
+use crate::upstream::shared::{Descriptor, MAX_DESCRIPTOR_BYTES};
 use std::ffi::{c_int, c_void};
+
+/// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
+/// before touching the memory, so a wrong length is an error, not a read past the buffer
+/// of a size that cannot exist.
+unsafe fn read_descriptor(desc: *const c_void, len: usize) -> crate::error::Result<Descriptor> {
+    if desc.is_null() {
+        return Err(Error::NullArgument("desc"));
+    }
+    if len > MAX_DESCRIPTOR_BYTES {
+        return Err(Error::InvalidArgument(format!("IPC descriptor: {len} bytes is longer than any descriptor")));
+    }
+    Descriptor::decode(std::slice::from_raw_parts(desc as *const u8, len))
+}
 
 /// Copy `bytes` to `buf` (`cap` bytes) and its length to `*out_len`. `buf == NULL` with
 /// `cap == 0` only asks the length.
@@ -46,11 +59,10 @@ pub unsafe extern "C" fn gpupool_ipc_export(ptr: *mut c_void, buf: *mut c_void, 
             return Err(Error::NullArgument("ptr"));
         }
         let p = ptr as usize;
-        let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p)).unwrap_or(Err(Error::InvalidPointer {
-            ptr: p,
-            device: -1,
-            why: crate::error::BadPointer::Unknown,
-        }))?;
+        let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p)).unwrap_or_else(|| {
+            let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
+            Err(Error::InvalidPointer { ptr: p, device: -1, why })
+        })?;
         hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
     })
 }
@@ -66,13 +78,10 @@ pub unsafe extern "C" fn gpupool_ipc_export(ptr: *mut c_void, buf: *mut c_void, 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_ipc_descriptor_fds(desc: *const c_void, desc_len: usize, fds: *mut c_int, cap: usize, out_n: *mut usize) -> Status {
     call(|| {
-        if desc.is_null() {
-            return Err(Error::NullArgument("desc"));
-        }
         if out_n.is_null() {
             return Err(Error::NullArgument("out_n"));
         }
-        let d = Descriptor::decode(std::slice::from_raw_parts(desc as *const u8, desc_len))?;
+        let d = read_descriptor(desc, desc_len)?;
         *out_n = d.granules.len();
         if fds.is_null() && cap == 0 {
             return Ok(());
@@ -114,18 +123,24 @@ pub unsafe extern "C" fn gpupool_ipc_open(
             return Err(Error::NullArgument("out_ptr"));
         }
         *out_ptr = std::ptr::null_mut();
-        if desc.is_null() {
-            return Err(Error::NullArgument("desc"));
+        // Decoded and checked here, before the pool's lock and before `fds` is read.
+        let d = read_descriptor(desc, desc_len)?;
+        if !fds.is_null() && n_fds != d.granules.len() {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: {n_fds} descriptors passed for a block of {} granules",
+                d.granules.len()
+            )));
         }
-        let bytes = std::slice::from_raw_parts(desc as *const u8, desc_len);
         let given = (!fds.is_null()).then(|| std::slice::from_raw_parts(fds, n_fds));
-        *out_ptr = registry::with_pool(device, |pool| pool.ipc_import(bytes, given))? as *mut c_void;
+        *out_ptr = registry::with_pool(device, |pool| pool.ipc_import(&d, given))? as *mut c_void;
         Ok(())
     })
 }
 
 /// Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
-/// untouched). An address it did not return is `GPUPOOL_STATUS_INVALID_POINTER`.
+/// untouched). `ptr` must be the address it returned; any other is
+/// `GPUPOOL_STATUS_INVALID_POINTER`. A device's pool cannot be reconfigured while blocks
+/// of other processes are open on it (`GPUPOOL_STATUS_BUSY`).
 #[no_mangle]
 pub extern "C" fn gpupool_ipc_close(ptr: *mut c_void, device: c_int) -> Status {
     call(|| {

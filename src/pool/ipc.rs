@@ -12,22 +12,37 @@
 //! importer sees the whole granules under the block, as `cudaIpcOpenMemHandle` shows the
 //! whole `cuMemAlloc` allocation.
 
-use super::{Hold, Pool, NO_OWNER};
+use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
-use crate::upstream::shared::{fetch_fds, raise_fd_limit, Descriptor, KIND_CUDA};
+use crate::upstream::shared::{raise_fd_limit, Descriptor, FdSource, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
     pub fn ipc_export(&mut self, ptr: usize) -> Result<Vec<u8>> {
         self.running()?;
+        let refuse = |why: String| Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(why) };
         let Some(l) = self.live.get(&ptr) else {
-            return Err(self.classify_bad_pointer(ptr));
+            let why = match self.classify_bad_pointer(ptr) {
+                Error::InvalidPointer { why: BadPointer::Interior { block_start, .. }, .. } => {
+                    format!("IPC export: it points inside the block at {block_start:#x}; pass the address malloc returned")
+                }
+                Error::InvalidPointer { why: BadPointer::AlreadyFreed, .. } => "IPC export: the block was freed".into(),
+                _ => "IPC export: not a block gpupool allocated on this device".into(),
+            };
+            return Err(refuse(why));
         };
-        let size = l.requested.max(1);
-        // A block this thread's cache holds as freed is no longer the caller's to share.
-        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+        // A block this thread's cache holds as freed is no longer the caller's to share
+        // (asked, not claimed: the cache keeps it either way).
+        if l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr) {
+            return Err(refuse("IPC export: the block was freed".into()));
         }
+        if l.private.is_some() {
+            // Graph pools' blocks are segments of their own (`graph_pools.rs`), not granules.
+            return Err(refuse(
+                "IPC export: the block belongs to a CUDA graph's private pool, whose memory cudaIpcGetMemHandle shares".into(),
+            ));
+        }
+        let size = l.requested.max(1);
         let Some(g) = self.strategy.as_arena_ref().map(|a| a.granule()) else {
             return Err(Error::InvalidArgument(format!(
                 "IPC export of {ptr:#x}: device {}'s pool is `{}`, whose memory cudaIpcGetMemHandle shares; \
@@ -36,6 +51,7 @@ impl Pool {
                 self.strategy.name()
             )));
         };
+        // Each exported granule keeps a descriptor open (`shared.rs`).
         raise_fd_limit();
         let first = ptr & !(g - 1);
         let end = (ptr + size).div_ceil(g) * g;
@@ -52,12 +68,12 @@ impl Pool {
         Ok(d.encode())
     }
 
-    /// Map the block another process exported as `bytes`; returns where it starts here.
-    /// `fds`: this process's copies of the exporter's descriptors, one per granule in the
-    /// descriptor's order; `None` fetches them from the exporter (`pidfd_getfd`).
-    pub fn ipc_import(&mut self, bytes: &[u8], fds: Option<&[i32]>) -> Result<usize> {
+    /// Map the block another process exported as `d` (decoded by the caller, before
+    /// this pool's lock); returns where it starts here. `fds`: this process's copies of
+    /// the exporter's descriptors, one per granule in the descriptor's order; `None`
+    /// fetches them from the exporter (`pidfd_getfd`), one at a time.
+    pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
         self.running()?;
-        let d = Descriptor::decode(bytes)?;
         let kind = self.upstream.vmm_share_kind();
         if d.kind != kind {
             let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
@@ -69,9 +85,8 @@ impl Pool {
                 if kind == 0 { "none" } else { name(kind) }
             )));
         }
-        let fetched;
-        let fds = match fds {
-            Some(f) if f.len() == d.granules.len() => f,
+        let source = match fds {
+            Some(f) if f.len() == d.granules.len() => FdSource::Given(f),
             Some(f) => {
                 return Err(Error::InvalidArgument(format!(
                     "IPC import: {} descriptors passed for a block of {} granules",
@@ -79,21 +94,22 @@ impl Pool {
                     d.granules.len()
                 )))
             }
-            None => {
-                fetched = fetch_fds(d.pid, &d.granules.iter().map(|g| g.fd).collect::<Vec<_>>())?;
-                &fetched.0[..]
-            }
+            None => FdSource::fetch_from(d.pid)?,
         };
-        // Fetched descriptors close when `fetched` drops: the mappings keep the memory.
-        let base = self.upstream.vmm_import(&d.granules, fds, d.granule as usize)?;
-        Ok(base + d.offset as usize)
+        self.upstream.vmm_import(d, &source)
     }
 
-    /// Unmap what `ipc_import` returned as `ptr`.
+    /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        self.upstream.vmm_unimport(ptr).map_err(|e| match e {
-            Error::Internal(_) => Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Unknown },
-            e => e,
-        })
+        if self.upstream.vmm_unimport(ptr)? {
+            return Ok(());
+        }
+        let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
+        Err(Error::InvalidPointer { ptr, device: self.device, why })
+    }
+
+    /// How many blocks of other processes this pool has mapped (`ipc_import`).
+    pub fn ipc_imports(&self) -> usize {
+        self.upstream.vmm_imports()
     }
 }

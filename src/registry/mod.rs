@@ -320,6 +320,12 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
                     p.live_count()
                 )));
             }
+            if p.ipc_imports() > 0 {
+                return Err(Error::Busy(format!(
+                    "cannot reconfigure device {device}: {} block(s) of other processes are mapped; gpupool_ipc_close them first",
+                    p.ipc_imports()
+                )));
+            }
         }
     }
     Ok(())

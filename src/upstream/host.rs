@@ -249,18 +249,22 @@ impl Upstream for HostUpstream {
         self.vmm.export(addr)
     }
 
-    fn vmm_import(&mut self, granules: &[super::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
-        let base = self.vmm.import(granules, fds, granule)?;
-        let n = granules.len() as u64;
+    fn vmm_import(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource) -> Result<usize> {
+        let ptr = self.vmm.import(d, fds)?;
+        let n = d.granules.len() as u64;
         (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map, self.calls.set_access) =
             (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n, self.calls.set_access + 1);
-        Ok(base)
+        Ok(ptr)
     }
 
-    fn vmm_unimport(&mut self, base: usize) -> Result<()> {
-        let n = self.vmm.unimport(base)?;
+    fn vmm_unimport(&mut self, ptr: usize) -> Result<bool> {
+        let Some(n) = self.vmm.unimport(ptr) else { return Ok(false) };
         (self.calls.mem_unmap, self.calls.address_free) = (self.calls.mem_unmap + n as u64, self.calls.address_free + 1);
-        Ok(())
+        Ok(true)
+    }
+
+    fn vmm_imports(&self) -> usize {
+        self.vmm.imports()
     }
 
     fn driver_calls(&self) -> DriverCalls {

@@ -13,6 +13,7 @@
 //! granule is exported as the file's descriptor and the granule's offset in it, and an
 //! importer maps those offsets of its copy of the descriptor side by side.
 
+use crate::upstream::shared::{Descriptor, FdSource};
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
 
@@ -29,8 +30,9 @@ pub struct HostVmm {
     aliases: FxHashMap<usize, usize>,
     /// Reservation base -> length.
     reservations: FxHashMap<usize, usize>,
-    /// Ranges mapping another process's granules (`import`): base -> granules.
-    imports: FxHashMap<usize, usize>,
+    /// Ranges mapping another process's granules (`import`): base -> (granules, the
+    /// address `import` returned, which alone closes it).
+    imports: FxHashMap<usize, (usize, usize)>,
 }
 
 fn os_error(what: &str) -> Error {
@@ -269,51 +271,72 @@ impl HostVmm {
         Ok(crate::upstream::shared::SharedGranule { fd: self.fd()?, offset: off as u64 })
     }
 
-    /// Map `granules` (offsets in the files behind this process's `fds`) side by side in a
-    /// new reservation; returns its base. All or nothing.
-    pub fn import(&mut self, granules: &[crate::upstream::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
-        if granule != self.granule || fds.len() != granules.len() {
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: the exporter's granule is {granule} bytes, this upstream's {}",
-                self.granule
-            )));
+    /// Map the granules of `d` (offsets in the files behind the descriptors `fds` yields)
+    /// side by side in a new reservation; returns the block's address there. All or nothing.
+    pub fn import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
+        let g = self.granule;
+        if d.granule != g as u64 {
+            return Err(Error::InvalidArgument(format!("IPC import: the exporter's granule is {} bytes, this upstream's {g}", d.granule)));
         }
-        let base = self.reserve(granules.len() * granule)?;
-        for (i, (g, &fd)) in granules.iter().zip(fds).enumerate() {
+        let n = d.granules.len();
+        let base = self.reserve(n * g)?;
+        let undo = |v: &mut HostVmm| {
+            v.reservations.remove(&base);
+            // SAFETY: the reservation made above, with what was mapped in it.
+            unsafe { libc::munmap(base as *mut libc::c_void, n * g) };
+        };
+        for (i, shared) in d.granules.iter().enumerate() {
+            let fd = match fds.get(i, shared.fd) {
+                Ok(got) => got,
+                Err(e) => {
+                    undo(self);
+                    return Err(e);
+                }
+            };
             // SAFETY: a granule of the reservation just made; the file and offset are the
             // caller's (a bad one fails here and nothing stays mapped).
             let p = unsafe {
                 libc::mmap(
-                    (base + i * granule) as *mut libc::c_void,
-                    granule,
+                    (base + i * g) as *mut libc::c_void,
+                    g,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd,
-                    g.offset as libc::off_t,
+                    fd.0,
+                    shared.offset as libc::off_t,
                 )
             };
             if p == libc::MAP_FAILED {
-                let e = os_error("mmap (import)");
-                self.reservations.remove(&base);
-                // SAFETY: the reservation made above, with what was mapped in it.
-                unsafe { libc::munmap(base as *mut libc::c_void, granules.len() * granule) };
-                return Err(e);
+                let e = std::io::Error::last_os_error();
+                undo(self);
+                // The descriptor or offset came from the caller: their error, not ours.
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: granule {i} (descriptor {}, offset {}) cannot be mapped: {e}",
+                    fd.0, shared.offset
+                )));
             }
         }
-        self.imports.insert(base, granules.len());
-        Ok(base)
+        let ptr = base + d.offset as usize;
+        self.imports.insert(base, (n, ptr));
+        Ok(ptr)
     }
 
-    /// Unmap a range `import` made (`ptr`: in its first granule); returns its granules.
-    pub fn unimport(&mut self, ptr: usize) -> Result<usize> {
+    /// Unmap the range `import` returned `ptr` for; its granules, or `None` when `ptr`
+    /// is no such address.
+    pub fn unimport(&mut self, ptr: usize) -> Option<usize> {
         let base = ptr & !(self.granule - 1);
-        let Some(n) = self.imports.remove(&base) else {
-            return Err(Error::Internal(format!("IPC: {ptr:#x} is not where an imported range starts")));
-        };
+        let &(n, returned) = self.imports.get(&base)?;
+        if returned != ptr {
+            return None;
+        }
+        self.imports.remove(&base);
         self.reservations.remove(&base);
         // SAFETY: the whole range `import` mapped.
         unsafe { libc::munmap(base as *mut libc::c_void, n * self.granule) };
-        Ok(n)
+        Some(n)
+    }
+
+    pub fn imports(&self) -> usize {
+        self.imports.len()
     }
 }
 

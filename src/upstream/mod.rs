@@ -146,16 +146,21 @@ pub trait Upstream: Send {
     fn vmm_export(&mut self, _addr: usize) -> Result<shared::SharedGranule> {
         Err(Error::InvalidArgument("this upstream's memory cannot be shared with other processes".into()))
     }
-    /// Map another process's granules side by side in a new address range of `granule`
-    /// bytes each, readable and writable by the device (and its peers); returns its base.
-    /// `fds`: this process's descriptors for `granules`, in order. All or nothing.
-    fn vmm_import(&mut self, _granules: &[shared::SharedGranule], _fds: &[i32], _granule: usize) -> Result<usize> {
+    /// Map the granules of another process's block `d` side by side in a new address
+    /// range, readable and writable by the device (and its peers); returns the block's
+    /// address in it (the range's base + `d.offset`). `fds` yields this process's copy of
+    /// each granule's descriptor, one at a time. All or nothing.
+    fn vmm_import(&mut self, _d: &shared::Descriptor, _fds: &shared::FdSource) -> Result<usize> {
         Err(Error::InvalidArgument("this upstream cannot map memory of other processes".into()))
     }
-    /// Unmap a range `vmm_import` made, named by any address in its first granule (the
-    /// exporter's memory is untouched).
-    fn vmm_unimport(&mut self, _ptr: usize) -> Result<()> {
-        Err(Error::InvalidArgument("this upstream cannot map memory of other processes".into()))
+    /// Unmap the range `vmm_import` returned `ptr` for (exactly that address; the
+    /// exporter's memory is untouched). `Ok(false)`: `ptr` is no such address.
+    fn vmm_unimport(&mut self, _ptr: usize) -> Result<bool> {
+        Ok(false)
+    }
+    /// How many imported ranges are mapped (a pool with any is not idle).
+    fn vmm_imports(&self) -> usize {
+        0
     }
 
     /// Driver calls made so far, by kind.

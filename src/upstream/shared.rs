@@ -12,9 +12,12 @@
 //! size, and per granule the exporter's file descriptor number and the offset of the
 //! granule's memory behind it (0 for CUDA, a file offset for the host upstream's
 //! stand-in). The importer either passes descriptors it received itself (`SCM_RIGHTS`,
-//! inheritance) or lets `fetch_fds` copy them out of the exporter with `pidfd_getfd`
-//! (Linux 5.6+, and the right to ptrace the exporter: same user, Yama's `ptrace_scope`
-//! allowing it). The exporter keeps each granule's descriptor open while the granule is
+//! inheritance) or lets `FdSource::fetch_from` copy them out of the exporter with
+//! `pidfd_getfd` (Linux 5.6+, and the right to ptrace the exporter: same user, Yama's
+//! `ptrace_scope` allowing it), one granule at a time so a block of thousands of granules
+//! never holds more than one fetched descriptor open. The kernel passes at most 253
+//! descriptors in one `SCM_RIGHTS` message, so a sender of a larger block sends several.
+//! The exporter keeps each granule's descriptor open (close-on-exec) while the granule is
 //! mapped, so a descriptor stays fetchable as long as the block is live.
 
 use crate::error::{Error, Result};
@@ -49,7 +52,9 @@ pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 4;
 pub const GRANULE_BYTES: usize = 16;
 /// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
 /// corrupt count cannot make an importer allocate without bound.
-const MAX_GRANULES: u64 = 1 << 23;
+pub const MAX_GRANULES: u64 = 1 << 23;
+/// The longest descriptor there can be; a longer length is refused before its bytes are read.
+pub const MAX_DESCRIPTOR_BYTES: usize = HEADER_BYTES + GRANULE_BYTES * MAX_GRANULES as usize;
 
 impl Descriptor {
     pub fn encoded_len(&self) -> usize {
@@ -89,7 +94,9 @@ impl Descriptor {
         if count == 0 || count > MAX_GRANULES || b.len() != HEADER_BYTES + GRANULE_BYTES * count as usize {
             return Err(bad(&format!("{count} granules in {} bytes", b.len())));
         }
-        if !granule.is_power_of_two() || size == 0 || offset >= granule || offset + size > granule * count {
+        // Checked: the numbers are another process's, and a wrapped sum would pass.
+        let fits = granule.checked_mul(count).zip(offset.checked_add(size)).is_some_and(|(room, end)| end <= room);
+        if !granule.is_power_of_two() || size == 0 || offset >= granule || !fits {
             return Err(bad(&format!("block of {size} bytes at offset {offset} does not fit {count} granules of {granule}")));
         }
         let granules = (0..count as usize)
@@ -124,42 +131,79 @@ pub fn raise_fd_limit() {
     });
 }
 
-/// File descriptors this process owns, closed when dropped.
-pub struct Fds(pub Vec<i32>);
+/// A file descriptor this process owns, closed when dropped.
+pub struct Fd(i32);
 
-impl Drop for Fds {
+impl Fd {
+    pub fn raw(&self) -> i32 {
+        self.0
+    }
+}
+
+impl Drop for Fd {
     fn drop(&mut self) {
-        for &fd in &self.0 {
-            // SAFETY: descriptors this process got from `pidfd_getfd` and owns.
-            unsafe { libc::close(fd) };
+        // SAFETY: a descriptor this process got from the kernel and owns.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Mark `fd` close-on-exec, so an exported granule's descriptor does not leak into the
+/// programs this process starts (the driver's export does not set it).
+pub fn set_cloexec(fd: i32) {
+    // SAFETY: flag calls on a descriptor this process owns.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
         }
     }
 }
 
-/// Copy the exporter's descriptors `fds` into this process (`pidfd_getfd`).
-pub fn fetch_fds(pid: u32, fds: &[i32]) -> Result<Fds> {
-    let os = |what: &str| {
-        let e = std::io::Error::last_os_error();
-        Error::InvalidArgument(format!(
-            "IPC import: {what} of process {pid} failed: {e} (pass the descriptors yourself, received over a Unix socket, where this process may not ptrace the exporter)"
-        ))
-    };
-    // SAFETY: plain syscalls with integer arguments.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if pidfd < 0 {
-        return Err(os("pidfd_open"));
-    }
-    let pidfd = Fds(vec![pidfd as i32]);
-    let mut got = Fds(Vec::with_capacity(fds.len()));
-    for &fd in fds {
-        // SAFETY: as above; the result is a new descriptor this process owns.
-        let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.0[0], fd, 0) };
-        if mine < 0 {
-            return Err(os(&format!("pidfd_getfd of descriptor {fd}")));
+/// Where an importer's copies of the exporter's descriptors come from.
+pub enum FdSource<'a> {
+    /// The caller's own, one per granule in the descriptor's order; they stay the caller's.
+    Given(&'a [i32]),
+    /// Copied out of the exporter (`pidfd_getfd`) one at a time, each closed once its
+    /// granule is mapped: the mapping keeps the memory.
+    Fetch { pid: u32, pidfd: Fd },
+}
+
+impl FdSource<'_> {
+    /// Open the exporter `pid` to fetch its descriptors from.
+    pub fn fetch_from(pid: u32) -> Result<FdSource<'static>> {
+        // SAFETY: a plain syscall with integer arguments.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if pidfd < 0 {
+            return Err(fetch_error(pid, "pidfd_open"));
         }
-        got.0.push(mine as i32);
+        Ok(FdSource::Fetch { pid, pidfd: Fd(pidfd as i32) })
     }
-    Ok(got)
+
+    /// This process's descriptor for granule `i`, which the exporter holds as `theirs`,
+    /// and the guard that closes it if it was fetched (keep it until the granule is mapped).
+    pub fn get(&self, i: usize, theirs: i32) -> Result<(i32, Option<Fd>)> {
+        match self {
+            FdSource::Given(fds) => fds.get(i).map(|&fd| (fd, None)).ok_or_else(|| {
+                Error::InvalidArgument(format!("IPC import: {} descriptors passed, granule {i} has none", fds.len()))
+            }),
+            FdSource::Fetch { pid, pidfd } => {
+                // SAFETY: as above; the result is a new descriptor this process owns.
+                let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), theirs, 0) };
+                if mine < 0 {
+                    return Err(fetch_error(*pid, &format!("pidfd_getfd of descriptor {theirs} (granule {i})")));
+                }
+                Ok((mine as i32, Some(Fd(mine as i32))))
+            }
+        }
+    }
+}
+
+fn fetch_error(pid: u32, what: &str) -> Error {
+    let e = std::io::Error::last_os_error();
+    Error::InvalidArgument(format!(
+        "IPC import: {what} of process {pid} failed: {e} (where this process may not ptrace the exporter, \
+         pass the descriptors yourself, received over a Unix socket)"
+    ))
 }
 
 #[cfg(test)]
@@ -198,6 +242,15 @@ mod tests {
         kind.kind = 9;
         assert!(Descriptor::decode(&kind.encode()).is_err(), "unknown kind");
         assert!(Descriptor::decode(&[]).is_err());
+        // Numbers chosen to wrap: offset + size past 2^64 must not read as fitting.
+        let mut wrap = desc();
+        wrap.offset = 4096;
+        wrap.size = u64::MAX - 100;
+        assert!(Descriptor::decode(&wrap.encode()).is_err(), "offset + size wraps");
+        let mut huge = desc();
+        huge.granule = 1 << 63;
+        huge.size = 1 << 20;
+        assert!(Descriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
     }
 
     #[test]
@@ -206,12 +259,14 @@ mod tests {
         // SAFETY: a writable two-int array.
         assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
         let pid = std::process::id();
-        match fetch_fds(pid, &[p[1]]) {
-            Ok(got) => {
-                assert_ne!(got.0[0], p[1]);
+        match FdSource::fetch_from(pid).and_then(|src| src.get(0, p[1]).map(|got| (src, got))) {
+            Ok((src, (fd, guard))) => {
+                assert_ne!(fd, p[1]);
+                assert_eq!(guard.as_ref().map(Fd::raw), Some(fd), "a fetched descriptor is closed by its guard");
+                assert!(src.get(1, -1).is_err(), "a bad descriptor number is an error");
                 // SAFETY: writing one byte through the fetched copy, reading it at the other end.
                 unsafe {
-                    assert_eq!(libc::write(got.0[0], b"x".as_ptr().cast(), 1), 1);
+                    assert_eq!(libc::write(fd, b"x".as_ptr().cast(), 1), 1);
                     let mut c = 0u8;
                     assert_eq!(libc::read(p[0], (&mut c as *mut u8).cast(), 1), 1);
                     assert_eq!(c, b'x');
@@ -220,7 +275,11 @@ mod tests {
             // A kernel before 5.6 or a sandbox without pidfd: the error must say so.
             Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
         }
-        assert!(fetch_fds(pid, &[-1]).is_err(), "a bad descriptor number is an error");
+        let given = [5, 6];
+        let src = FdSource::Given(&given);
+        assert_eq!(src.get(1, 99).unwrap().0, 6, "a given descriptor is the caller's, by position");
+        assert!(src.get(1, 99).unwrap().1.is_none(), "and not closed by gpupool");
+        assert!(src.get(2, 99).is_err(), "one too few");
         // SAFETY: our own pipe.
         unsafe {
             libc::close(p[0]);

@@ -97,18 +97,27 @@ static void mark(void *p, size_t n, size_t marks) {
   put((char *)p + n - marks, m, marks);
 }
 
-/* One message: the descriptor's bytes, with its file descriptors as SCM_RIGHTS. */
+/* Control-message space for MAX_FDS descriptors, aligned as a cmsghdr must be. */
+typedef union {
+  char buf[CMSG_SPACE(MAX_FDS * sizeof(int))];
+  struct cmsghdr align;
+} control_buf;
+
+/* One message: the descriptor's bytes, with its file descriptors as SCM_RIGHTS (at most
+ * MAX_FDS here; the kernel's own limit is 253 per message). */
 static int send_desc(int sock, const unsigned char *desc, size_t len) {
   int fds[MAX_FDS];
   size_t n = 0;
+  CHECK_STATUS(gpupool_ipc_descriptor_fds(desc, len, NULL, 0, &n), GPUPOOL_STATUS_OK);
+  if (n == 0 || n > MAX_FDS) return -1;
   CHECK_STATUS(gpupool_ipc_descriptor_fds(desc, len, fds, MAX_FDS, &n), GPUPOOL_STATUS_OK);
-  char control[CMSG_SPACE(sizeof fds)];
-  memset(control, 0, sizeof control);
+  control_buf control;
+  memset(&control, 0, sizeof control);
   struct iovec iov = {(void *)desc, len};
   struct msghdr msg = {0};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  msg.msg_control = control;
+  msg.msg_control = control.buf;
   msg.msg_controllen = CMSG_SPACE(n * sizeof(int));
   struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
   c->cmsg_level = SOL_SOCKET;
@@ -119,15 +128,16 @@ static int send_desc(int sock, const unsigned char *desc, size_t len) {
 }
 
 static size_t recv_desc(int sock, unsigned char *desc, size_t cap, int *fds, size_t *n_fds) {
-  char control[CMSG_SPACE(MAX_FDS * sizeof(int))];
+  control_buf control;
   struct iovec iov = {desc, cap};
   struct msghdr msg = {0};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  msg.msg_control = control.buf;
+  msg.msg_controllen = sizeof control.buf;
   ssize_t got = recvmsg(sock, &msg, 0);
   *n_fds = 0;
+  CHECK(got > 0 && !(msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)), "a whole message: %zd bytes, flags %#x", got, msg.msg_flags);
   for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
       *n_fds = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -163,7 +173,12 @@ static int child(int sock) {
       CHECK(strstr(last_error(), "pidfd") != NULL, "open by pid failed without saying why: %s", last_error());
       printf("child: opening by pid is not allowed here: %s\n", last_error());
     }
+    /* Only the address open returned closes it; while it is open the (otherwise idle)
+     * pool cannot be replaced, since that would forget the mapping. */
+    CHECK_STATUS(gpupool_ipc_close((char *)p + 1, dev), GPUPOOL_STATUS_INVALID_POINTER);
+    CHECK_STATUS(gpupool_configure(dev, "split", on_gpu ? "device" : "host"), GPUPOOL_STATUS_BUSY);
     CHECK_STATUS(gpupool_ipc_close(p, dev), GPUPOOL_STATUS_OK);
+    CHECK_STATUS(gpupool_configure(dev, "split", on_gpu ? "device" : "host"), GPUPOOL_STATUS_OK);
     for (size_t i = 0; i < n_fds; i++) close(fds[i]);
   }
   char done = 'd';
@@ -209,6 +224,12 @@ int main(int argc, char **argv) {
   CHECK_STATUS(gpupool_ipc_open(junk, sizeof junk, dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK(p == NULL, "a failed open leaves *out_ptr NULL");
   CHECK_STATUS(gpupool_ipc_close(blocks[0], dev), GPUPOOL_STATUS_INVALID_POINTER);
+  int on_stack = 0;
+  CHECK_STATUS(gpupool_ipc_export(&on_stack, desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
+  CHECK(strstr(last_error(), "IPC export") != NULL, "the error names the call: %s", last_error());
+  /* A length no descriptor has is refused before its bytes are read. */
+  CHECK_STATUS(gpupool_ipc_open(junk, SIZE_MAX, dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(gpupool_ipc_descriptor_fds(junk, SIZE_MAX, NULL, 0, &len), GPUPOOL_STATUS_INVALID_ARGUMENT);
 
   for (int w = 0; w < 2; w++) {
     CHECK_STATUS(gpupool_ipc_export(blocks[w], desc[w], sizeof desc[w], &desc_len[w]), GPUPOOL_STATUS_OK);
@@ -219,6 +240,36 @@ int main(int argc, char **argv) {
   CHECK(n_fds >= 3, "a block of 5 MiB spans %zu granules", n_fds);
   CHECK_STATUS(gpupool_ipc_descriptor_fds(desc[0], desc_len[0], fds, 1, &n_fds), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, fds, 1, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  /* A damaged descriptor whose offset + size wraps past 2^64 is refused, not mapped. */
+  unsigned char wrapped[4096];
+  memcpy(wrapped, desc[0], desc_len[0]);
+  uint64_t huge = UINT64_MAX - 100;
+  memcpy(wrapped + 40, &huge, sizeof huge); /* the size field */
+  CHECK_STATUS(gpupool_ipc_open(wrapped, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+
+  /* A block of more granules than one SCM_RIGHTS message carries (253), opened by pid:
+   * its descriptors are fetched one at a time. */
+  void *large = NULL;
+  const size_t large_size = 600 * MIB;
+  CHECK_STATUS(gpupool_malloc(&large, large_size, dev, NULL), GPUPOOL_STATUS_OK);
+  put((char *)large + large_size - 3, (const unsigned char *)"end", 3);
+  size_t large_len = 0;
+  CHECK_STATUS(gpupool_ipc_export(large, NULL, 0, &large_len), GPUPOOL_STATUS_OK);
+  unsigned char *large_desc = malloc(large_len);
+  CHECK_STATUS(gpupool_ipc_export(large, large_desc, large_len, &large_len), GPUPOOL_STATUS_OK);
+  size_t large_fds = 0;
+  CHECK_STATUS(gpupool_ipc_descriptor_fds(large_desc, large_len, NULL, 0, &large_fds), GPUPOOL_STATUS_OK);
+  CHECK(large_fds > 253, "600 MiB spans %zu granules", large_fds);
+  st = gpupool_ipc_open(large_desc, large_len, dev, NULL, 0, &p);
+  CHECK(st == GPUPOOL_STATUS_OK || strstr(last_error(), "pidfd"), "open of the large block by pid: %s", last_error());
+  if (st == GPUPOOL_STATUS_OK) {
+    unsigned char end[3] = {0};
+    get(end, (char *)p + large_size - 3, 3);
+    CHECK(memcmp(end, "end", 3) == 0, "the large block's last bytes through the second mapping");
+    CHECK_STATUS(gpupool_ipc_close(p, dev), GPUPOOL_STATUS_OK);
+  }
+  free(large_desc);
+  CHECK_STATUS(gpupool_free(large, dev, NULL), GPUPOOL_STATUS_OK);
 
   /* This process opens its own export: a second address, the same bytes. */
   st = gpupool_ipc_open(desc[1], desc_len[1], dev, NULL, 0, &p);
@@ -231,7 +282,7 @@ int main(int argc, char **argv) {
 
   /* Another process. */
   int sv[2];
-  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+  CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
   pid_t pid = fork();
   if (pid == 0) {
     close(sv[0]);
@@ -254,6 +305,7 @@ int main(int argc, char **argv) {
   /* Still an ordinary pool: free, and an export of a freed block is refused. */
   for (int w = 0; w < 2; w++) CHECK_STATUS(gpupool_free(blocks[w], dev, NULL), GPUPOOL_STATUS_OK);
   CHECK_STATUS(gpupool_ipc_export(blocks[0], desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
+  CHECK(strstr(last_error(), "double free") == NULL, "an export is not a free: %s", last_error());
   CHECK_STATUS(gpupool_free(before, dev, NULL), GPUPOOL_STATUS_OK);
   printf("ipc on %s: %zu granules per 5 MiB block, child checked both blocks\n", up, n_fds);
   return check_end("ipc");

@@ -17,7 +17,7 @@
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
-use crate::upstream::shared::SharedGranule;
+use crate::upstream::shared::{set_cloexec, Descriptor, FdSource, SharedGranule};
 use crate::upstream::{AliasFail, AllocError, DriverCalls};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
@@ -54,8 +54,9 @@ pub struct CudaVmm {
     aliases: FxHashMap<usize, usize>,
     /// Home granule -> the file descriptor it was exported as (closed at its release).
     exported: FxHashMap<usize, i32>,
-    /// Ranges mapping another process's granules (`import`): base -> length.
-    imports: FxHashMap<usize, usize>,
+    /// Ranges mapping another process's granules (`import`): base -> (length, the
+    /// address `import` returned, which alone closes it).
+    imports: FxHashMap<usize, (usize, usize)>,
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -277,25 +278,32 @@ impl CudaVmm {
             };
             return Err(Error::InvalidArgument(format!("{}{why}", cuda_error("cuMemExportToShareableHandle", r))));
         }
+        set_cloexec(fd);
         self.exported.insert(home, fd);
         Ok(SharedGranule { fd, offset: 0 })
     }
 
-    /// Map the granules behind `fds` (this process's descriptors, one per granule of
-    /// `granule` bytes, each a whole allocation) side by side in a new range, readable and
-    /// writable by the device and its peers; returns its base. All or nothing.
-    pub fn import(&mut self, fds: &[i32], granule: usize, calls: &mut DriverCalls) -> Result<usize> {
-        if granule != self.granule {
+    /// Map the granules of `d` (each a whole allocation, behind the descriptors `fds`
+    /// yields) side by side in a new range, readable and writable by the device and its
+    /// peers; returns the block's address there. All or nothing.
+    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
+        let granule = self.granule;
+        if d.granule != granule as u64 {
             return Err(Error::InvalidArgument(format!(
-                "IPC import: the exporter's granule is {granule} bytes, this device's {}",
-                self.granule
+                "IPC import: the exporter's granule is {} bytes, this device's {granule}",
+                d.granule
             )));
         }
-        let len = fds.len() * granule;
+        if let Some(i) = d.granules.iter().position(|g| g.offset != 0) {
+            return Err(Error::InvalidArgument(format!("IPC import: granule {i} has an offset; device granules are whole allocations")));
+        }
+        let len = d.granules.len() * granule;
         let base = self.reserve(len, calls)?;
         let mut mapped = 0;
         let result = (|| {
-            for &fd in fds {
+            for (i, shared) in d.granules.iter().enumerate() {
+                // A fetched descriptor closes at the end of this turn: the mapping keeps the memory.
+                let (fd, _fetched) = fds.get(i, shared.fd)?;
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 calls.shareable += 1;
                 check("cuMemImportFromShareableHandle", unsafe {
@@ -309,25 +317,48 @@ impl CudaVmm {
                 r?;
                 mapped += 1;
             }
-            let r = self.set_access(base, len, calls);
-            check("cuMemSetAccess", r)
+            self.grant_import(base, len, calls)
         })();
         if let Err(e) = result {
+            // Best effort: a driver that fails the import and then the unmap has lost the
+            // range either way; the import's error is the one to report.
             let _ = self.unmap_imported(base, mapped * granule, len, calls);
             return Err(e);
         }
-        self.imports.insert(base, len);
-        Ok(base)
+        let ptr = base + d.offset as usize;
+        self.imports.insert(base, (len, ptr));
+        Ok(ptr)
     }
 
-    /// Unmap a range `import` made (`ptr`: in its first granule) and give its address
-    /// space back.
-    pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<()> {
+    /// Grant an imported range to the device and its peers, or to the device alone where
+    /// a peer is refused. Unlike `set_access` the peer list stays as it is: a refusal for
+    /// another process's memory says nothing about this arena's own.
+    fn grant_import(&self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        calls.set_access += 1;
+        let r = unsafe { sys::cuMemSetAccess(base as sys::CUdeviceptr, len, self.access.as_ptr(), self.access.len()) };
+        if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
+            return check("cuMemSetAccess", r);
+        }
+        calls.set_access += 1;
+        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base as sys::CUdeviceptr, len, self.access.as_ptr(), 1) })
+    }
+
+    /// Unmap the range `import` returned `ptr` for and give its address space back.
+    /// `Ok(false)`: `ptr` is no such address. On a driver failure the range stays
+    /// recorded (and the pool busy), so nothing is forgotten while still mapped.
+    pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<bool> {
         let base = ptr & !(self.granule - 1);
-        let Some(len) = self.imports.remove(&base) else {
-            return Err(Error::Internal(format!("IPC: {ptr:#x} is not where an imported range starts")));
-        };
-        self.unmap_imported(base, len, len, calls)
+        let Some(&(len, returned)) = self.imports.get(&base) else { return Ok(false) };
+        if returned != ptr {
+            return Ok(false);
+        }
+        self.unmap_imported(base, len, len, calls)?;
+        self.imports.remove(&base);
+        Ok(true)
+    }
+
+    pub fn imports(&self) -> usize {
+        self.imports.len()
     }
 
     fn unmap_imported(&mut self, base: usize, mapped: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {

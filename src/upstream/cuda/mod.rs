@@ -212,7 +212,7 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.export(addr, calls)
     }
 
-    fn vmm_import(&mut self, _granules: &[crate::upstream::shared::SharedGranule], fds: &[i32], granule: usize) -> Result<usize> {
+    fn vmm_import(&mut self, d: &crate::upstream::shared::Descriptor, fds: &crate::upstream::shared::FdSource) -> Result<usize> {
         if self.vmm_granule() == 0 {
             return Err(crate::error::Error::InvalidArgument(
                 "IPC import: this device has no virtual memory management".into(),
@@ -220,13 +220,20 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         }
         let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
-        vmm.import(fds, granule, calls)
+        vmm.import(d, fds, calls)
     }
 
-    fn vmm_unimport(&mut self, base: usize) -> Result<()> {
+    fn vmm_unimport(&mut self, ptr: usize) -> Result<bool> {
+        if self.vmm_imports() == 0 {
+            return Ok(false);
+        }
         let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
-        vmm.unimport(base, calls)
+        vmm.unimport(ptr, calls)
+    }
+
+    fn vmm_imports(&self) -> usize {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.imports())
     }
 
     fn driver_calls(&self) -> DriverCalls {
