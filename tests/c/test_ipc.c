@@ -227,6 +227,15 @@ int main(int argc, char **argv) {
   int on_stack = 0;
   CHECK_STATUS(gpupool_ipc_export(&on_stack, desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
   CHECK(strstr(last_error(), "IPC export") != NULL, "the error names the call: %s", last_error());
+  /* A block freed into this thread's cache is refused (freed, not live), and stays the
+   * cache's: the next allocation of its size gets it back. */
+  void *cached = NULL, *again = NULL;
+  CHECK_STATUS(gpupool_malloc(&cached, 4096, dev, NULL), GPUPOOL_STATUS_OK);
+  CHECK_STATUS(gpupool_free(cached, dev, NULL), GPUPOOL_STATUS_OK);
+  CHECK_STATUS(gpupool_ipc_export(cached, desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
+  CHECK_STATUS(gpupool_malloc(&again, 4096, dev, NULL), GPUPOOL_STATUS_OK);
+  CHECK(again == cached, "the refused block is reused: %p, then %p", cached, again);
+  CHECK_STATUS(gpupool_free(again, dev, NULL), GPUPOOL_STATUS_OK);
   /* A length no descriptor has is refused before its bytes are read. */
   CHECK_STATUS(gpupool_ipc_open(junk, SIZE_MAX, dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(gpupool_ipc_descriptor_fds(junk, SIZE_MAX, NULL, 0, &len), GPUPOOL_STATUS_INVALID_ARGUMENT);
