@@ -230,7 +230,8 @@ pub const MAX_STREAM_SHARDS: usize = 32;
 /// 16, `docs/benchmarks.md`) 16 threads on 16 streams switched context 2,400-3,200 times
 /// (churn) and 9,900-14,800 times (serving) over 200,000 pairs each at 64 frees / 32 MiB,
 /// against 0-50 for 16 one-thread processes, and made 58-78% of the processes' throughput;
-/// with records 60-100x rarer they switched 23 and 513 times and made 91-93%.
+/// with records 60-100x rarer they switched 23 and 513 times and made 91-93%. The starting
+/// point: a stream nobody borrows from doubles its own batch (`crate::stream`).
 pub const EVENT_BATCH: usize = 256;
 
 /// `GPUPOOL_EVENT_BATCH_BYTES`'s default: bytes a user stream may leave unrecorded. A bigger

@@ -19,8 +19,10 @@
 //! then; anything that must know a pending free done (a release, decay or decommit, a
 //! stitch's eviction) waits for the whole device instead, and is refused while a capture
 //! may run. Those happen under pressure, on reclaim, with decay switched on, or when the
-//! stitch cache is full. The batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`), so at
-//! most that much memory per stream waits for another stream's benefit. (`split` asks a
+//! stitch cache is full. The batch is bounded (`EVENT_BATCH`, `EVENT_BATCH_BYTES`; a
+//! stream whose batches fill with no other stream asking for its blocks doubles its own, up
+//! to 16x the frees and 4x the bytes, and the first refusal resets it), so at most that much
+//! memory per stream waits for another stream's benefit. (`split` asks a
 //! few more of a stream's free blocks when its best fit is pending; `binned` passes over a
 //! stream after one refusal, and the arena's windows and stitches span whole runs: `wanted`
 //! makes that stream's next free record, so that lasts until then.) Strategies that give memory back at each
@@ -79,8 +81,49 @@ struct StreamState {
     /// Frees and bytes those ranges hold (a stitch's free names several ranges).
     pending_frees: usize,
     pending_bytes: usize,
+    /// The span `[pending_lo, pending_hi)` holding every pending range: a block outside it
+    /// is not pending, with no walk over the list (which grows with the batch).
+    pending_lo: usize,
+    pending_hi: usize,
     /// Another stream was refused a pending block: the next free records at once.
     wanted: bool,
+    /// How often this stream's batch has doubled (`on_free`): each full batch that no
+    /// other stream asked for doubles it, up to `MAX_BATCH_DOUBLINGS`; a refusal resets it.
+    doublings: u32,
+}
+
+/// A stream whose batches fill with no other stream asking for its blocks records ever less
+/// often: its batch doubles per such record, up to 16x the configured frees (4,096 by
+/// default) and 4x the bytes (1 GiB). Why: records are what make threads on different
+/// streams wait for each other inside the driver (`crate::config::EVENT_BATCH`), and a
+/// stream nobody borrows from gains nothing from them. What a longer batch costs is only
+/// how long other streams wait for its blocks, and the first refusal ends that: the
+/// stream's next free records and its batch starts over.
+const MAX_BATCH_DOUBLINGS: u32 = 4;
+const MAX_BATCH_BYTES_DOUBLINGS: u32 = 2;
+
+impl StreamState {
+    fn new(handle: StreamHandle, event: Option<EventHandle>, uncovered: bool) -> StreamState {
+        StreamState {
+            handle,
+            event,
+            recorded: false,
+            complete: false,
+            uncovered,
+            pending: Vec::new(),
+            pending_frees: 0,
+            pending_bytes: 0,
+            pending_lo: usize::MAX,
+            pending_hi: 0,
+            wanted: false,
+            doublings: 0,
+        }
+    }
+
+    fn clear_pending(&mut self) {
+        self.pending.clear();
+        (self.pending_frees, self.pending_bytes, self.pending_lo, self.pending_hi) = (0, 0, usize::MAX, 0);
+    }
 }
 
 /// User-stream frees between two event records, at most (module docs; the configuration
@@ -172,11 +215,24 @@ impl StreamTracker {
         let st = self.state(up, key, handle);
         st.handle = handle;
         let bytes: usize = ranges.iter().map(|r| r.1).sum();
-        if !st.wanted && !st.uncovered && st.event.is_some() && st.pending_frees + 1 < batch && st.pending_bytes + bytes < batch_bytes {
+        let frees_cap = batch << st.doublings;
+        let bytes_cap = batch_bytes.saturating_mul(1 << st.doublings.min(MAX_BATCH_BYTES_DOUBLINGS));
+        if !st.wanted && !st.uncovered && st.event.is_some() && st.pending_frees + 1 < frees_cap && st.pending_bytes + bytes < bytes_cap {
             st.pending.extend_from_slice(ranges);
+            for &(a, l) in ranges {
+                st.pending_lo = st.pending_lo.min(a);
+                st.pending_hi = st.pending_hi.max(a + l);
+            }
             st.pending_frees += 1;
             st.pending_bytes += bytes;
             return Ok(());
+        }
+        // A batch that filled with nobody asking grows; one another stream asked for (or
+        // an uncovered stream's recovery) starts over.
+        if st.wanted || st.uncovered {
+            st.doublings = 0;
+        } else if batch > 1 && st.pending_frees > 0 {
+            st.doublings = (st.doublings + 1).min(MAX_BATCH_DOUBLINGS);
         }
         Self::record(up, st, handle)
     }
@@ -207,9 +263,7 @@ impl StreamTracker {
                 st.complete = false;
                 st.uncovered = false;
                 st.wanted = false;
-                st.pending.clear();
-                st.pending_frees = 0;
-                st.pending_bytes = 0;
+                st.clear_pending();
                 Ok(())
             }
             Err(e) => {
@@ -270,10 +324,9 @@ impl StreamTracker {
             s.uncovered = false;
             s.recorded = false; // nothing left to cover (`covering_event` answers None)
             s.complete = false;
-            s.pending.clear();
-            s.pending_frees = 0;
-            s.pending_bytes = 0;
+            s.clear_pending();
             s.wanted = false;
+            s.doublings = 0;
         }
         self.legacy_stale = false;
         self.unrecorded_bytes = 0;
@@ -288,7 +341,7 @@ impl StreamTracker {
                 None => up.event_create().ok(),
             };
             let uncovered = event.is_none();
-            self.states.insert(key, StreamState { handle, event, recorded: false, complete: false, uncovered, pending: Vec::new(), pending_frees: 0, pending_bytes: 0, wanted: false });
+            self.states.insert(key, StreamState::new(handle, event, uncovered));
         }
         self.states.get_mut(&key).expect("inserted above")
     }
@@ -300,17 +353,7 @@ impl StreamTracker {
                 Some(s) => s,
                 None => {
                     let ev = up.event_create()?;
-                    self.states.entry(from).or_insert(StreamState {
-                        handle: STREAM_LEGACY,
-                        event: Some(ev),
-                        recorded: false,
-                        complete: false,
-                        uncovered: false,
-                        pending: Vec::new(),
-                        pending_frees: 0,
-                        pending_bytes: 0,
-                        wanted: false,
-                    })
+                    self.states.entry(from).or_insert(StreamState::new(STREAM_LEGACY, Some(ev), false))
                 }
             };
             let ev = st.event.expect("legacy state has an event");
@@ -344,7 +387,8 @@ impl StreamTracker {
             return false;
         }
         if let Some(st) = self.states.get_mut(&from) {
-            if st.pending.iter().any(|&(a, l)| a < addr + len && addr < a + l) {
+            let in_span = st.pending_lo < addr + len && addr < st.pending_hi;
+            if in_span && st.pending.iter().any(|&(a, l)| a < addr + len && addr < a + l) {
                 // Covered by no record yet: `from`'s next free records (its handle is alive
                 // only then), and this memory is everyone's from that moment on.
                 st.wanted = true;

@@ -378,6 +378,42 @@ fn user_stream_frees_record_one_event_per_batch_and_reuse_needs_none() {
     });
 }
 
+/// Frees on A between A's event records, one small block at a time, for `frees` frees.
+fn record_gaps(p: &mut Pool, dev: &Device, frees: usize) -> Vec<usize> {
+    let (mut gaps, mut since) = (Vec::new(), 0);
+    for _ in 0..frees {
+        let x = p.malloc(4096, A).unwrap();
+        p.free(x, A).unwrap();
+        since += 1;
+        if log(dev).iter().any(|l| l.starts_with("record") && l.ends_with(&format!("on {A:#x}"))) {
+            gaps.push(std::mem::take(&mut since));
+        }
+    }
+    gaps
+}
+
+#[test]
+fn a_stream_nobody_borrows_from_records_ever_less_often_until_one_asks() {
+    for_caching(|k| {
+        let (mut p, dev) = batched(k);
+        let batch = PoolOptions::default().event_batch;
+        log(&dev);
+        let gaps = record_gaps(&mut p, &dev, 47 * batch); // 1 + 2 + 4 + 8 + 16 + 16 batches
+        let want: Vec<usize> = [1, 2, 4, 8, 16, 16].iter().map(|m| m * batch).collect();
+        assert_eq!(gaps, want, "{k:?}: each unasked batch doubles, up to 16x");
+        // B is refused A's pending block: A's next free records at once, and its batch
+        // starts over at the configured size.
+        let x = p.malloc(MIB, A).unwrap();
+        p.free(x, A).unwrap();
+        let y = p.malloc(MIB, B).unwrap();
+        assert_ne!(x, y, "{k:?}: B got A's pending block");
+        let gaps = record_gaps(&mut p, &dev, 2 * batch);
+        assert_eq!(gaps[..2], [1, batch], "{k:?}: the refusal's record, then a batch of the configured size");
+        p.free(y, B).unwrap();
+        p.check_invariants().unwrap();
+    });
+}
+
 #[test]
 fn a_pending_free_goes_to_another_stream_only_after_its_streams_next_record() {
     for_caching(|k| {
