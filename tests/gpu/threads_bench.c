@@ -259,6 +259,24 @@ static long long gpupool_driver_calls(void) {
   return t ? atoll(t + 8) : -1;
 }
 
+static const char *wl_name(int wl);
+
+/* THREADS_BENCH_CALLS=1: which driver calls a gpupool row made, by kind, and how many blocks
+ * moved across streams (to tell event records from growth from cross-stream traffic). */
+static const char *const CALL_KINDS[] = {"malloc", "free", "mem_create", "mem_map", "event_record", "event_query",
+                                         "stream_wait", "stream_id", "n_cross_stream_reuses"};
+#define N_CALL_KINDS (sizeof CALL_KINDS / sizeof CALL_KINDS[0])
+static void gpupool_calls_by_kind(long long out[N_CALL_KINDS]) {
+  static char buf[1 << 16];
+  size_t n = gpupool_stats_json(0, buf, sizeof buf);
+  for (size_t i = 0; i < N_CALL_KINDS; i++) {
+    char key[64];
+    snprintf(key, sizeof key, "\"%s\":", CALL_KINDS[i]);
+    const char *at = n > 0 && n < sizeof buf ? strstr(buf, key) : NULL;
+    out[i] = at ? atoll(at + strlen(key)) : -1;
+  }
+}
+
 static int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
@@ -313,9 +331,18 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
    * excludes the warm-up), then to let them go. */
   pthread_barrier_wait(&start);
   long long calls0 = k == GPUPOOL ? gpupool_driver_calls() : -1;
+  const int detail = k == GPUPOOL && getenv("THREADS_BENCH_CALLS") != NULL;
+  long long kinds0[N_CALL_KINDS], kinds1[N_CALL_KINDS];
+  if (detail) gpupool_calls_by_kind(kinds0);
   pthread_barrier_wait(&start);
   pthread_barrier_wait(&done);
   long long calls1 = k == GPUPOOL ? gpupool_driver_calls() : -1;
+  if (detail) {
+    gpupool_calls_by_kind(kinds1);
+    fprintf(stderr, "calls: %s %s %s %d:", wl_name(wl), own ? "own stream" : "legacy", kind_name(k), threads);
+    for (size_t i = 0; i < N_CALL_KINDS; i++) fprintf(stderr, " %s %lld", CALL_KINDS[i], kinds1[i] - kinds0[i]);
+    fprintf(stderr, "\n");
+  }
   for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
   double first = jobs[0].t_start, last = jobs[0].t_end;
   for (int i = 1; i < threads; i++) {
