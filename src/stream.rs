@@ -43,6 +43,10 @@
 //! stream until one of its own frees records again, or until a device-wide synchronisation
 //! (`device_synchronized`) covers everything. The pool makes that synchronisation only where
 //! it would otherwise grow, and never while a capture may run (`Pool::cover_by_device_sync`).
+//!
+//! (Just over 500 lines on purpose: the rule above and every place that applies it — the
+//! per-stream state, batching, covering events, waits — are one safety argument, read here
+//! in one piece.)
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
