@@ -219,7 +219,7 @@ impl StreamTracker {
         let st = self.state(up, key, handle);
         st.handle = handle;
         let bytes: usize = ranges.iter().map(|r| r.1).sum();
-        let frees_cap = batch << st.doublings;
+        let frees_cap = batch.saturating_mul(1 << st.doublings);
         let bytes_cap = batch_bytes.saturating_mul(1 << st.doublings.min(MAX_BATCH_BYTES_DOUBLINGS));
         if !st.wanted && !st.uncovered && st.event.is_some() && st.pending_frees + 1 < frees_cap && st.pending_bytes + bytes < bytes_cap {
             st.pending.extend_from_slice(ranges);
@@ -231,11 +231,9 @@ impl StreamTracker {
             st.pending_bytes += bytes;
             return Ok(());
         }
-        // A batch that filled with nobody asking grows; one another stream asked for (or
-        // an uncovered stream's recovery) starts over.
-        if st.wanted || st.uncovered {
-            st.doublings = 0;
-        } else if batch > 1 && st.pending_frees > 0 {
+        // A batch that filled with nobody asking grows (one another stream asked for, or an
+        // uncovered stream's recovery, starts over in `record`).
+        if batch > 1 && !st.wanted && !st.uncovered && st.pending_frees > 0 {
             st.doublings = (st.doublings + 1).min(MAX_BATCH_DOUBLINGS);
         }
         Self::record(up, st, handle)
@@ -254,6 +252,11 @@ impl StreamTracker {
     }
 
     fn record(up: &mut dyn Upstream, st: &mut StreamState, handle: StreamHandle) -> Result<()> {
+        // Whatever makes this record (a free, or a growth's `record_now`), a stream another
+        // one asked of starts its batch over: the asker must not wait a long batch again.
+        if st.wanted || st.uncovered {
+            st.doublings = 0;
+        }
         if st.event.is_none() {
             st.event = up.event_create().ok(); // creation failed before: try again
         }

@@ -55,8 +55,9 @@ pub struct CudaVmm {
     /// Home granule -> the file descriptor it was exported as (closed at its release).
     exported: FxHashMap<usize, i32>,
     /// Ranges mapping another process's granules (`import`): base -> (length, the
-    /// address `import` returned, which alone closes it).
-    imports: FxHashMap<usize, (usize, usize)>,
+    /// address `import` returned, which alone closes it, bytes from the base already
+    /// unmapped by a close the driver failed midway: a retry resumes there).
+    imports: FxHashMap<usize, (usize, usize, usize)>,
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -322,11 +323,13 @@ impl CudaVmm {
         if let Err(e) = result {
             // Best effort: a driver that fails the import and then the unmap has lost the
             // range either way; the import's error is the one to report.
-            let _ = self.unmap_imported(base, mapped * granule, len, calls);
+            if self.unmap_imported(base, mapped * granule, calls).is_ok() {
+                let _ = self.unreserve(base, len, calls);
+            }
             return Err(e);
         }
         let ptr = base + d.offset as usize;
-        self.imports.insert(base, (len, ptr));
+        self.imports.insert(base, (len, ptr, 0));
         Ok(ptr)
     }
 
@@ -345,34 +348,39 @@ impl CudaVmm {
 
     /// Unmap the range `import` returned `ptr` for and give its address space back.
     /// `Ok(false)`: `ptr` is no such address. On a driver failure the range stays
-    /// recorded (and the pool busy), so nothing is forgotten while still mapped.
+    /// recorded (and the pool busy), so nothing is forgotten while still mapped, and a
+    /// retry resumes at the granule that failed.
     pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<bool> {
         let base = ptr & !(self.granule - 1);
-        let Some(&(len, returned)) = self.imports.get(&base) else { return Ok(false) };
+        let Some(&(len, returned, done)) = self.imports.get(&base) else { return Ok(false) };
         if returned != ptr {
             return Ok(false);
         }
-        self.unmap_imported(base, len, len, calls)?;
-        self.imports.remove(&base);
-        Ok(true)
+        match self.unmap_imported(base + done, len - done, calls) {
+            Ok(()) => {
+                self.imports.remove(&base);
+                self.unreserve(base, len, calls)?;
+                Ok(true)
+            }
+            Err((unmapped, e)) => {
+                self.imports.insert(base, (len, ptr, done + unmapped));
+                Err(e)
+            }
+        }
     }
 
     pub fn imports(&self) -> usize {
         self.imports.len()
     }
 
-    fn unmap_imported(&mut self, base: usize, mapped: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        let mut first_err = None;
-        for p in (base..base + mapped).step_by(self.granule) {
+    /// Unmap the granules of `[from, from + len)` in order, stopping at the first the
+    /// driver refuses; on failure, how many bytes were unmapped before it.
+    fn unmap_imported(&mut self, from: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), (usize, Error)> {
+        for p in (from..from + len).step_by(self.granule) {
             calls.mem_unmap += 1;
-            if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
-                first_err.get_or_insert(e);
-            }
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }).map_err(|e| (p - from, e))?;
         }
-        if first_err.is_none() {
-            self.unreserve(base, len, calls)?;
-        }
-        first_err.map_or(Ok(()), Err)
+        Ok(())
     }
 }
 
