@@ -132,17 +132,22 @@ impl CudaVmm {
         check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base as sys::CUdeviceptr, len) })
     }
 
+    /// One `cuMemSetAccess` of `[addr, addr + len)` for the first `who` entries of the
+    /// access list (1: the device alone).
+    fn grant(&self, addr: usize, len: usize, who: usize, calls: &mut DriverCalls) -> sys::CUresult {
+        calls.set_access += 1;
+        unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, self.access.as_ptr(), who) }
+    }
+
     /// Grant access to `[addr, addr + len)`. A peer the driver refuses (peer access not
-    /// possible after all) is dropped and the grant retried for the rest.
+    /// possible after all) is dropped for good and the grant retried for the device alone.
     fn set_access(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> sys::CUresult {
-        loop {
-            calls.set_access += 1;
-            let r = unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, self.access.as_ptr(), self.access.len()) };
-            if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
-                return r;
-            }
-            self.access.truncate(1);
+        let r = self.grant(addr, len, self.access.len(), calls);
+        if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
+            return r;
         }
+        self.access.truncate(1);
+        self.grant(addr, len, 1, calls)
     }
 
     pub fn map_new(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
@@ -337,13 +342,11 @@ impl CudaVmm {
     /// a peer is refused. Unlike `set_access` the peer list stays as it is: a refusal for
     /// another process's memory says nothing about this arena's own.
     fn grant_import(&self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        calls.set_access += 1;
-        let r = unsafe { sys::cuMemSetAccess(base as sys::CUdeviceptr, len, self.access.as_ptr(), self.access.len()) };
+        let r = self.grant(base, len, self.access.len(), calls);
         if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
             return check("cuMemSetAccess", r);
         }
-        calls.set_access += 1;
-        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base as sys::CUdeviceptr, len, self.access.as_ptr(), 1) })
+        check("cuMemSetAccess", self.grant(base, len, 1, calls))
     }
 
     /// Unmap the range `import` returned `ptr` for and give its address space back.
