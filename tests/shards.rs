@@ -272,3 +272,57 @@ fn a_thread_that_remembers_its_streams_shard_follows_a_reconfigured_device() {
     assert_eq!(stats(d).n_live_blocks, 1, "{}", status(d));
     assert_eq!(free(p, d, s), Status::Ok);
 }
+
+#[test]
+fn two_working_streams_dealt_one_shard_end_on_two() {
+    // A stream handle recycled from a destroyed stream, or the round-robin turn gone round,
+    // can put two live streams on one shard; threads allocating on both (sizes their thread
+    // caches miss) must end up on different shards (`registry/streams.rs`), and no byte
+    // is lost on the way. The threads pause between allocations, so they seldom find the
+    // lock taken: the sign of sharing must be the other stream's allocations, not the lock.
+    let d = 48;
+    host(d, c"split");
+    // Sixteen streams take shards 1..=16 (the default count) in turn; the next one shares
+    // shard 1 with the first.
+    for i in 0..16 {
+        let p = malloc(4096, d, stream(60 + i));
+        assert_eq!(free(p, d, stream(60 + i)), Status::Ok);
+    }
+    let (a, b) = (stream(60) as usize, stream(76) as usize);
+    let workers: Vec<_> = [a, b]
+        .into_iter()
+        .map(|s| {
+            std::thread::spawn(move || {
+                let s = s as *mut c_void;
+                let mut x = 0x2545_F491u64 ^ s as u64;
+                let t0 = std::time::Instant::now();
+                let mut held = Vec::new();
+                while t0.elapsed() < std::time::Duration::from_millis(300) {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    held.push(malloc(512 + (x % 4096) as usize * 64, d, s) as usize);
+                    if held.len() > 8 {
+                        let p = held.swap_remove((x >> 32) as usize % held.len());
+                        assert_eq!(free(p as *mut c_void, d, s), Status::Ok, "{}", last());
+                    }
+                }
+                // One block each stays live: the report shows which shard holds it.
+                for p in held.drain(1..) {
+                    assert_eq!(free(p as *mut c_void, d, s), Status::Ok, "{}", last());
+                }
+                held[0]
+            })
+        })
+        .collect();
+    let live: Vec<usize> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let j = json(d);
+    let holding = j.split("{\"shard\":").skip(1).filter(|part| !part.contains("\"used_bytes\":0,")).count();
+    assert_eq!(holding, 2, "the two streams' last blocks are on one shard: {j}");
+    for (p, s) in live.into_iter().zip([a, b]) {
+        assert_eq!(free(p as *mut c_void, d, s as *mut c_void), Status::Ok);
+    }
+    let s = stats(d);
+    assert_eq!((s.n_live_blocks, s.used_bytes, s.n_invalid_frees), (0, 0, 0), "{}", status(d));
+}

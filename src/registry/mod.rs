@@ -144,7 +144,7 @@ fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<
         Err(std::sync::TryLockError::WouldBlock) => {
             let n = s.stream_shards.load(Ordering::Acquire);
             if shard != 0 && n != 0 && n != NOT_MADE {
-                s.streams.contended(stream, n, |k| looks_idle(&s.shards[k]));
+                s.streams.contended(stream, n);
             }
             lock_pool(&s.shards[shard])
         }
@@ -152,16 +152,6 @@ fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<
         // (locking again here would wait for ourselves).
         Err(std::sync::TryLockError::Poisoned(p)) => lock_or_stop(&s.shards[shard], Err(p)),
     }
-}
-
-/// Whether no thread works in `shard`: its lock free at each of a few looks (a working
-/// thread holds it for most of each operation). Only when a stream moves.
-fn looks_idle(shard: &Shard) -> bool {
-    (0..4).all(|_| {
-        let free = shard.try_lock().is_ok();
-        std::hint::spin_loop();
-        free
-    })
 }
 
 fn lock_or_stop(
@@ -251,12 +241,17 @@ pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Res
 }
 
 /// `with_shard` for an allocation on `stream`, which may move the stream to another shard
-/// for later allocations when this one's lock is busy (`lock_for_stream`).
+/// for later allocations when this one's lock is busy or another stream allocates there
+/// too (`lock_for_stream`, `StreamShards::allocating`).
 pub fn with_stream_shard<R>(device: i32, shard: usize, stream: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     let s = slot(device)?;
     let mut g = lock_for_stream(s, shard, stream);
     if g.is_none() {
         *g = Some(create(device, shard, s)?);
+    }
+    let n = s.stream_shards.load(Ordering::Acquire);
+    if shard != 0 && n != 0 && n != NOT_MADE {
+        s.streams.allocating(stream, shard, n);
     }
     f(g.as_mut().expect("pool created above"))
 }

@@ -15,17 +15,34 @@
 //! table is full, further handles are placed by a hash. A device remade with another
 //! shard count (`gpupool_configure`) keeps the placements, modulo the new count.
 //!
-//! Why a stream that keeps finding its shard's lock taken moves to a shard seen *idle*:
-//! a recycled handle keeps the placement of the stream that had it before, so threads
-//! started together (a server's workers, each creating its stream) can land on one shard,
-//! and "the next shard in turn" is as likely to be another busy one (seen on the H200: 16
-//! threads on 16 streams at 5.7 M pairs/s one run, 19.4 the run before). A shard whose lock
-//! is free at several looks in a row has no thread working in it; the busy ones hold their
-//! lock for most of each operation. The search starts at the thread's own turn
-//! (`thread_turn`), so threads moving at once try different shards first.
+//! Why streams move, and when. A placement can go stale: a destroyed stream keeps its entry,
+//! so a recycled handle keeps the old stream's shard, and the round-robin turn goes on from
+//! wherever earlier streams left it. Threads started together (a server's workers, each
+//! creating its stream) can so find two live streams on one shard and another shard unused.
+//! Two streams sharing a shard cost far more than a lock: each is refused the other's blocks
+//! still pending on the other stream, the shard grows with driver calls, and blocks move
+//! across streams with event queries (seen on the H200: 308 and 550 `cuMemAlloc` calls and
+//! thousands of cross-stream reuses in a 16-thread row that a clean placement runs with 17
+//! and none). Most of the time those threads never meet on the lock (their thread caches take
+//! none), so a lock found taken is too rare a sign. The sign used is the shard's *last
+//! allocating stream*: every locked allocation on a stream shard notes its stream there
+//! (`allocating`), and one that finds another stream noted strikes against its placement,
+//! as does one that finds the lock taken. A shard one stream uses is written only by that
+//! stream's thread, so the note costs no shared cache line.
+//!
+//! Where a stream moves: to a shard that made no locked allocation at all while the stream
+//! gathered its last `MOVE_AFTER / 2` strikes, over at least `IDLE_WINDOW` (counts taken at
+//! the halfway strike, kept by the striking thread, compared at the last). A shard busy in
+//! that window has a live stream of its own; with none idle (more live streams than
+//! shards) the stream stays: moving would only make another pair share. Movers claim their
+//! shard (its last-stream note) so two streams moving at once do not pick the same one. The
+//! search starts at the thread's own turn (`thread_turn`), so threads moving at once try
+//! different shards first.
 
+use super::SHARDS;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Turns handed to threads whose streams moved (`thread_turn`).
 static TURNS: AtomicUsize = AtomicUsize::new(0);
@@ -33,6 +50,18 @@ static TURNS: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     /// This thread's turn, `usize::MAX` until it first needs one.
     static TURN: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// The shards' allocation counts when this thread's stream reached half its strikes.
+    static SEEN: Cell<Option<Seen>> = const { Cell::new(None) };
+}
+
+/// What a thread saw at a stream's halfway strike (`StreamShards::strike`).
+#[derive(Copy, Clone)]
+struct Seen {
+    /// The table (its address) and entry the counts were taken for.
+    table: usize,
+    entry: usize,
+    at: Instant,
+    allocs: [u32; SHARDS],
 }
 
 /// The calling thread's shard offset (`0..n`) for streams that move: its turn modulo `n`,
@@ -55,6 +84,16 @@ const ENTRIES: usize = 256;
 /// An entry's shard before its writer stored it.
 const UNSET: u32 = u32::MAX;
 
+/// What a shard's lock holder notes about the shard's use (`allocating`), on a cache line
+/// of its own: written only under the shard's lock, read only by streams about to move.
+#[repr(align(128))]
+struct Activity {
+    /// The stream of the shard's last locked allocation (0: none yet).
+    last_stream: AtomicUsize,
+    /// Locked allocations on user streams, wrapping.
+    allocs: AtomicU32,
+}
+
 pub struct StreamShards {
     /// Stream handles (0 = free entry; the legacy stream never enters).
     handles: [AtomicUsize; ENTRIES],
@@ -64,10 +103,16 @@ pub struct StreamShards {
     strikes: [AtomicU32; ENTRIES],
     /// Streams placed so far (the next one's turn).
     placed: AtomicUsize,
+    /// Per shard (index as in the registry: 1..=n are stream shards).
+    activity: [Activity; SHARDS],
 }
 
-/// Strikes after which a stream moves to the next shard in turn.
+/// Strikes after which a stream moves to a shard seen idle (module docs).
 const MOVE_AFTER: u32 = 32;
+/// The shortest time a shard must make no locked allocation to be seen idle: a live
+/// stream's thread may go this long on its thread cache alone, not much longer (its cache
+/// holds a few blocks; a workload that never misses it never allocates under the lock).
+const IDLE_WINDOW: Duration = Duration::from_millis(2);
 
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE_HANDLE: AtomicUsize = AtomicUsize::new(0);
@@ -75,6 +120,8 @@ const FREE_HANDLE: AtomicUsize = AtomicUsize::new(0);
 const NO_STRIKES: AtomicU32 = AtomicU32::new(0);
 #[allow(clippy::declare_interior_mutable_const)]
 const UNSET_SHARD: AtomicU32 = AtomicU32::new(UNSET);
+#[allow(clippy::declare_interior_mutable_const)]
+const UNUSED: Activity = Activity { last_stream: AtomicUsize::new(0), allocs: AtomicU32::new(0) };
 
 impl StreamShards {
     pub const fn new() -> Self {
@@ -83,6 +130,7 @@ impl StreamShards {
             shards: [UNSET_SHARD; ENTRIES],
             strikes: [NO_STRIKES; ENTRIES],
             placed: AtomicUsize::new(0),
+            activity: [UNUSED; SHARDS],
         }
     }
 
@@ -131,32 +179,92 @@ impl StreamShards {
         Some(1 + (Self::start(handle) % n))
     }
 
-    /// An allocation on `handle` found its shard's lock taken. Every `MOVE_AFTER` such
-    /// strikes the stream moves to the calling thread's shard (`thread_turn`; module docs
-    /// say why): a stream whose handle was recycled keeps the placement of the stream that
-    /// had it before, which may be a shard another busy stream now uses. A move changes
-    /// only where later allocations go.
-    /// `idle(k)`: whether shard `k` (`1..=n`) looks unused now.
-    pub fn contended(&self, handle: usize, n: usize, idle: impl Fn(usize) -> bool) {
+    /// An allocation on `handle` holds the lock of its shard `k` (`1..=n`): note it, and
+    /// strike against the placement if another stream allocated there last.
+    pub fn allocating(&self, handle: usize, k: usize, n: usize) {
+        let a = &self.activity[k];
+        // Only the lock holder writes these, so plain load-then-store is exact.
+        a.allocs.store(a.allocs.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        let last = a.last_stream.load(Ordering::Relaxed);
+        if last != handle {
+            a.last_stream.store(handle, Ordering::Relaxed);
+            if last != 0 {
+                self.strike(handle, n);
+            }
+        }
+    }
+
+    /// An allocation on `handle` found its shard's lock taken: a strike.
+    pub fn contended(&self, handle: usize, n: usize) {
+        self.strike(handle, n);
+    }
+
+    /// One strike against `handle`'s placement; at `MOVE_AFTER` the stream moves to a shard
+    /// seen idle since its halfway strike, if one is (module docs). A move changes only
+    /// where later allocations go.
+    fn strike(&self, handle: usize, n: usize) {
+        let Some(e) = self.entry(handle) else { return };
+        let struck = self.strikes[e].fetch_add(1, Ordering::AcqRel) + 1;
+        if struck == MOVE_AFTER / 2 {
+            self.remember_counts(e);
+            return;
+        }
+        if struck < MOVE_AFTER {
+            return;
+        }
+        let seen = SEEN.with(|c| c.get()).filter(|s| s.table == self as *const _ as usize && s.entry == e);
+        let Some(seen) = seen else {
+            // Another thread took the halfway counts (or this one's are for another
+            // stream): start the window here.
+            self.remember_counts(e);
+            self.strikes[e].store(MOVE_AFTER / 2, Ordering::Release);
+            return;
+        };
+        if seen.at.elapsed() < IDLE_WINDOW {
+            self.strikes[e].store(MOVE_AFTER - 1, Ordering::Release); // judge at the next strike
+            return;
+        }
+        self.strikes[e].store(0, Ordering::Release);
+        SEEN.with(|c| c.set(None));
+        let now = self.wait_for(e, n) - 1;
+        let first = thread_turn(n, now);
+        for k in (0..n).map(|i| (first + i) % n).filter(|&k| k != now) {
+            let a = &self.activity[1 + k];
+            if a.allocs.load(Ordering::Acquire) != seen.allocs[1 + k] {
+                continue; // busy in the window
+            }
+            let last = a.last_stream.load(Ordering::Acquire);
+            // Claim it: a stream moving at the same time finds the note changed.
+            if a.last_stream.compare_exchange(last, handle, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                self.shards[e].store(k as u32, Ordering::Release);
+                super::route::placements_changed();
+                return;
+            }
+        }
+    }
+
+    /// Keep, for this thread, every shard's allocation count now (entry `e`'s halfway strike).
+    fn remember_counts(&self, e: usize) {
+        let mut allocs = [0u32; SHARDS];
+        for (c, a) in allocs.iter_mut().zip(&self.activity) {
+            *c = a.allocs.load(Ordering::Acquire);
+        }
+        let seen = Seen { table: self as *const _ as usize, entry: e, at: Instant::now(), allocs };
+        SEEN.with(|c| c.set(Some(seen)));
+    }
+
+    /// The entry of a placed handle.
+    fn entry(&self, handle: usize) -> Option<usize> {
         let start = Self::start(handle);
         for i in 0..ENTRIES {
             let e = (start + i) % ENTRIES;
             match self.handles[e].load(Ordering::Acquire) {
-                0 => return,
-                h if h == handle => {
-                    if self.strikes[e].fetch_add(1, Ordering::AcqRel) + 1 >= MOVE_AFTER {
-                        self.strikes[e].store(0, Ordering::Release);
-                        let now = self.wait_for(e, n) - 1;
-                        let first = thread_turn(n, now);
-                        let to = (0..n).map(|i| (first + i) % n).find(|&k| k != now && idle(1 + k)).unwrap_or(first);
-                        self.shards[e].store(to as u32, Ordering::Release);
-                        super::route::placements_changed();
-                    }
-                    return;
-                }
+                0 => return None,
+                h if h == handle => return Some(e),
                 _ => {}
             }
         }
+        None
     }
 
     /// Entry `e`'s shard, once its writer (between two stores) has set it.
@@ -183,6 +291,7 @@ impl StreamShards {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     #[test]
     fn streams_are_dealt_round_robin_and_keep_their_shard() {
@@ -201,60 +310,117 @@ mod tests {
         assert_eq!(t.shard_of(handles[5], 4), 1 + 5 % 4);
     }
 
-    #[test]
-    fn a_stream_that_keeps_finding_its_shard_busy_moves_on() {
-        let t = StreamShards::new();
-        let (a, b) = (0x1000, 0x2000);
-        assert_eq!((t.shard_of(a, 4), t.shard_of(b, 4)), (1, 2));
-        let idle = |k: usize| k == 4; // shard 4 alone looks idle
-        for _ in 0..MOVE_AFTER - 1 {
-            t.contended(a, 4, idle);
-        }
-        assert_eq!(t.shard_of(a, 4), 1, "a few strikes move nothing");
-        let epoch = super::super::route::placement_epoch();
-        t.contended(a, 4, idle);
-        assert_eq!(t.shard_of(a, 4), 4, "to the one idle shard");
-        // Threads that remembered the old placement ask again (`thread_cache::route`).
-        assert_ne!(super::super::route::placement_epoch(), epoch, "a move changes the placement epoch");
-        assert_eq!(t.shard_of(b, 4), 2);
-        for _ in 0..MOVE_AFTER {
-            t.contended(b, 4, |_| false);
-        }
-        assert_ne!(t.shard_of(b, 4), 2, "none idle: off the busy one all the same");
-        t.contended(0x3000, 4, idle); // never placed: nothing to move
-        assert_eq!(t.placed(0x3000, 4), None);
+    /// Shard `k`'s lock held while `allocating` runs, as the registry holds it.
+    fn alloc_on(t: &StreamShards, locks: &[std::sync::Mutex<()>], h: usize, n: usize) -> usize {
+        let k = t.shard_of(h, n);
+        let _g = locks[k].lock().unwrap();
+        t.allocating(h, k, n);
+        k
+    }
+
+    fn locks() -> Vec<std::sync::Mutex<()>> {
+        (0..SHARDS).map(|_| std::sync::Mutex::new(())).collect()
     }
 
     #[test]
-    fn threads_whose_streams_share_a_shard_end_on_different_shards() {
-        // Two streams on one shard (as recycled handles can be), each used by its own thread
-        // that keeps finding the lock taken: after their moves they no longer meet.
-        let t = std::sync::Arc::new(StreamShards::new());
-        let n = 4;
-        let (a, b) = (0x7000, 0x7000 + 0x40 * n);
-        assert_eq!(t.shard_of(a, n), 1);
-        for i in 1..n {
-            t.shard_of(0x9000 + i * 0x40, n); // the next streams in turn
+    fn a_stream_that_keeps_finding_its_shard_busy_moves_to_an_idle_one() {
+        let (t, l, n) = (StreamShards::new(), locks(), 4);
+        let (a, b, c) = (0x1000, 0x2000, 0x3000);
+        assert_eq!((t.shard_of(a, n), t.shard_of(b, n), t.shard_of(c, n)), (1, 2, 3));
+        for _ in 0..MOVE_AFTER / 2 {
+            t.contended(a, n); // the halfway strike takes the shards' counts
         }
-        assert_eq!(t.shard_of(b, n), 1, "b shares a's shard");
-        let strike = |h: usize| {
-            let t = t.clone();
-            std::thread::spawn(move || {
-                for _ in 0..MOVE_AFTER {
-                    t.contended(h, n, |_| false); // nothing looks idle: the threads' turns decide
+        alloc_on(&t, &l, b, n); // shards 2 and 3 work in the window; 4 does not
+        alloc_on(&t, &l, c, n);
+        std::thread::sleep(IDLE_WINDOW);
+        for _ in 0..MOVE_AFTER / 2 - 1 {
+            t.contended(a, n);
+        }
+        assert_eq!(t.shard_of(a, n), 1, "fewer strikes move nothing");
+        let epoch = super::super::route::placement_epoch();
+        t.contended(a, n);
+        assert_eq!(t.shard_of(a, n), 4, "to the one idle shard");
+        // Threads that remembered the old placement ask again (`thread_cache::route`).
+        assert_ne!(super::super::route::placement_epoch(), epoch, "a move changes the placement epoch");
+        assert_eq!((t.shard_of(b, n), t.shard_of(c, n)), (2, 3));
+        t.contended(0x9000, n); // never placed: nothing to move
+        assert_eq!(t.placed(0x9000, n), None);
+    }
+
+    #[test]
+    fn a_stream_stays_when_every_other_shard_is_busy() {
+        let (t, l, n) = (StreamShards::new(), locks(), 3);
+        let (a, b, c) = (0x1000, 0x2000, 0x3000);
+        assert_eq!((t.shard_of(a, n), t.shard_of(b, n), t.shard_of(c, n)), (1, 2, 3));
+        for round in 0..3 {
+            for i in 0..MOVE_AFTER {
+                if i == MOVE_AFTER / 2 {
+                    alloc_on(&t, &l, b, n);
+                    alloc_on(&t, &l, c, n);
+                    std::thread::sleep(IDLE_WINDOW);
                 }
-            })
-            .join()
-            .unwrap()
-        };
-        for _ in 0..8 {
-            if t.shard_of(a, n) != t.shard_of(b, n) {
-                break;
+                t.contended(a, n);
             }
-            strike(a);
-            strike(b);
+            assert_eq!(t.shard_of(a, n), 1, "round {round}: moving would make another pair share");
         }
-        assert_ne!(t.shard_of(a, n), t.shard_of(b, n));
+    }
+
+    #[test]
+    fn a_stream_on_a_dead_streams_shard_does_not_move() {
+        // A destroyed stream's note stays on its shard: the next stream there strikes once.
+        let (t, l, n) = (StreamShards::new(), locks(), 2);
+        let (dead, h) = (0x1000, 0x2000 + 0x40);
+        alloc_on(&t, &l, dead, n);
+        t.shard_of(0x5000, n); // the next turn: shard 2
+        assert_eq!(t.shard_of(h, n), 1, "h is dealt the dead stream's shard");
+        for _ in 0..10 * MOVE_AFTER {
+            assert_eq!(alloc_on(&t, &l, h, n), 1);
+        }
+        std::thread::sleep(IDLE_WINDOW);
+        for _ in 0..10 * MOVE_AFTER {
+            assert_eq!(alloc_on(&t, &l, h, n), 1);
+        }
+    }
+
+    #[test]
+    fn two_live_streams_on_one_shard_move_apart_and_leave_busy_shards_alone() {
+        // As in threads_bench's 16-thread rows: a recycled handle keeps an earlier stream's
+        // shard, so two working streams share shard 1 while shard 3 has no stream at all.
+        let (t, l, n) = (Arc::new(StreamShards::new()), Arc::new(locks()), 3);
+        let (a, busy, b) = (0x7000, 0x8000, 0x9000);
+        assert_eq!((t.shard_of(a, n), t.shard_of(busy, n)), (1, 2));
+        t.shard_of(0xa000, n); // shard 3's stream, destroyed before the others start
+        assert_eq!(t.shard_of(b, n), 1, "b shares a's shard");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers: Vec<_> = [a, busy, b]
+            .into_iter()
+            .map(|h| {
+                let (t, l, stop) = (t.clone(), l.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        alloc_on(&t, &l, h, n);
+                        std::thread::yield_now(); // let the other stream in between
+                    }
+                })
+            })
+            .collect();
+        let apart = || {
+            let (sa, sb, sc) = (t.shard_of(a, n), t.shard_of(b, n), t.shard_of(busy, n));
+            sa != sb && sb != sc && sa != sc
+        };
+        let t0 = Instant::now();
+        while !apart() && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Once apart no stream meets another, so nothing moves again. (A mover may take the
+        // busy stream's shard when that thread was descheduled for the whole window, as on
+        // a loaded machine; the busy stream then moves in turn.)
+        let placed = [a, b, busy].map(|h| t.shard_of(h, n));
+        std::thread::sleep(Duration::from_millis(50));
+        stop.store(true, Ordering::Relaxed);
+        workers.into_iter().for_each(|w| w.join().unwrap());
+        assert!(apart(), "still sharing after {:?}", t0.elapsed());
+        assert_eq!([a, b, busy].map(|h| t.shard_of(h, n)), placed, "a stream moved after all were apart");
     }
 
     #[test]
@@ -269,7 +435,7 @@ mod tests {
 
     #[test]
     fn threads_racing_to_place_one_stream_agree() {
-        let t = std::sync::Arc::new(StreamShards::new());
+        let t = Arc::new(StreamShards::new());
         let got: Vec<usize> = (0..8)
             .map(|_| {
                 let t = t.clone();
