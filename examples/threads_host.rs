@@ -2,7 +2,8 @@
 //! library alone scales with threads and streams, with no driver in the way (on the GPU
 //! host, beside threads_bench, this separates the pool's own scaling from the driver's).
 //!
-//! `cargo run --release --example threads_host [PAIRS_PER_THREAD]` (default 200000).
+//! `cargo run --release --example threads_host [PAIRS_PER_THREAD]` (default 200000);
+//! `THREADS_HOST_WORKLOAD=pairs|churn|serving` and `THREADS_HOST_STREAMS=legacy|own` keep only those rows.
 //! Workloads as in threads_bench: 1 MiB pairs, churn (64 slots, 512 B..4 MiB log-uniform,
 //! free then allocate), serving (32 requests per thread, buffers growing by 64 KiB a token,
 //! the longer one allocated before the old one is freed). Each thread first runs its
@@ -125,8 +126,15 @@ fn main() {
     assert_eq!(st as i32, 0, "gpupool_configure failed");
     println!("| workload | streams | threads | M pairs/s | clock ns/1k | x one thread | x one thread, equal clock |\n|---|---|---|---|---|---|---|");
     let mut round = 0usize;
+    // As threads_bench's THREADS_BENCH_WORKLOAD / _STREAMS: only the rows named.
+    let wl_only = std::env::var("THREADS_HOST_WORKLOAD").ok();
+    let streams_only = std::env::var("THREADS_HOST_STREAMS").ok();
     for wl in [Workload::Pairs, Workload::Churn, Workload::Serving] {
+        let wl_name = ["pairs", "churn", "serving"][wl as usize];
         for own in [false, true] {
+            if wl_only.as_deref().is_some_and(|w| w != wl_name) || streams_only.as_deref().is_some_and(|s| s != ["legacy", "own"][own as usize]) {
+                continue;
+            }
             let (mut one, mut one_clock) = (0.0, 0.0);
             for threads in [1usize, 4, 16] {
                 round += 1;

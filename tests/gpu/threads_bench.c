@@ -34,7 +34,9 @@
  * THREADS_BENCH_PROCS=N runs N one-thread processes at once beside one process of N threads
  * (`procs_mode` says why): the host's own ceiling for N busy CPUs.
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
- * one of its settings such as GPUPOOL_STREAM_SHARDS).
+ * one of its settings such as GPUPOOL_STREAM_SHARDS). THREADS_BENCH_WORKLOAD=pairs|churn|serving,
+ * THREADS_BENCH_STREAMS=legacy|own and THREADS_BENCH_THREADS=1|4|16 keep only the rows they
+ * name (e.g. one row under a profiler).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
  * table also has RMM's pool, arena and cuda_async resources (tests/gpu/rmm_allocators.cpp),
  * every allocator measured in the same run. */
@@ -538,11 +540,17 @@ int main(int argc, char **argv) {
     if (k >= RMM_BASE && rmm_bench_setup(k - RMM_BASE) != 0) usable[k] = 0; /* said on stderr */
 #endif
   }
+  const char *wl_only = getenv("THREADS_BENCH_WORKLOAD"), *streams_only = getenv("THREADS_BENCH_STREAMS");
+  const char *threads_only = getenv("THREADS_BENCH_THREADS");
   for (int wl = PAIRS; wl <= SERVING; wl++)
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
-        for (int k = 0; k < n_kinds() && k < 16; k++)
+        for (int k = 0; k < n_kinds() && k < 16; k++) {
+          if (wl_only && strcmp(wl_only, wl == PAIRS ? "pairs" : wl == CHURN ? "churn" : "serving") != 0) continue;
+          if (streams_only && strcmp(streams_only, own ? "own" : "legacy") != 0) continue;
+          if (threads_only && atoi(threads_only) != counts[c]) continue;
           if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs, pin_rows);
+        }
   /* THREADS_BENCH_PER_CPU=1: one thread pinned to each CPU in turn (own stream), then 16
    * threads pinned one per CPU: whether some CPUs run the same code slower than others. */
   if (getenv("THREADS_BENCH_PER_CPU")) {
@@ -551,7 +559,7 @@ int main(int argc, char **argv) {
     if (ncpu > 16) ncpu = 16;
     for (int wl = PAIRS; wl <= SERVING; wl++)
       for (int k = 0; k < n_kinds() && k < 16; k++) {
-        if (!usable[k]) continue;
+        if (!usable[k] || (wl_only && strcmp(wl_only, wl == PAIRS ? "pairs" : wl == CHURN ? "churn" : "serving") != 0)) continue;
         double one[16], sum = 0;
         for (int cpu = 0; cpu < ncpu; cpu++) {
           printf("cpu %d: ", cpu);
