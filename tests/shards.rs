@@ -280,7 +280,7 @@ fn two_working_streams_dealt_one_shard_end_on_two() {
     // caches miss) must end up on different shards (`registry/streams.rs`), and no byte
     // is lost on the way. The threads pause between allocations, so they seldom find the
     // lock taken: the sign of sharing must be the other stream's allocations, not the lock.
-    let d = 48;
+    let d = 49;
     host(d, c"split");
     // Sixteen streams take shards 1..=16 (the default count) in turn; the next one shares
     // shard 1 with the first.

@@ -9,7 +9,8 @@
 //!   no stream (CuPy) and everything about private pools (CUDA graphs, `MemPool`s: while
 //!   one routes allocations, every allocation goes to shard 0), and holds the settings;
 //! - each user stream is placed on one of shards `1..=n` the first time it allocates
-//!   (`streams.rs`, round robin) and allocates there from then on;
+//!   (`streams.rs`, round robin) and allocates there from then on, unless it finds another
+//!   live stream allocating there too and an idle shard to move to;
 //! - a free goes to the shard that holds the block: the freeing stream's shard first (a
 //!   block is mostly freed on the stream it was allocated for), else the one the address
 //!   index names (`crate::owners`);
@@ -135,25 +136,6 @@ fn lock_pool(m: &'static PoolLock<Option<Pool>>) -> MutexGuard<'static, Option<P
     lock_or_stop(m, m.lock())
 }
 
-/// Lock shard `shard` of `s` for an allocation on `stream`. A lock found taken counts a
-/// strike against the stream's placement (`StreamShards::contended`): threads on streams
-/// placed on one shard move apart.
-fn lock_for_stream(s: &'static Slot, shard: usize, stream: usize) -> MutexGuard<'static, Option<Pool>> {
-    match s.shards[shard].try_lock() {
-        Ok(g) => g,
-        Err(std::sync::TryLockError::WouldBlock) => {
-            let n = s.stream_shards.load(Ordering::Acquire);
-            if shard != 0 && n != 0 && n != NOT_MADE {
-                s.streams.contended(stream, n);
-            }
-            lock_pool(&s.shards[shard])
-        }
-        // The poisoned guard is this lock, held: it goes to the same stop-and-report path
-        // (locking again here would wait for ourselves).
-        Err(std::sync::TryLockError::Poisoned(p)) => lock_or_stop(&s.shards[shard], Err(p)),
-    }
-}
-
 fn lock_or_stop(
     m: &'static PoolLock<Option<Pool>>,
     r: std::sync::LockResult<MutexGuard<'static, Option<Pool>>>,
@@ -241,11 +223,11 @@ pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Res
 }
 
 /// `with_shard` for an allocation on `stream`, which may move the stream to another shard
-/// for later allocations when this one's lock is busy or another stream allocates there
-/// too (`lock_for_stream`, `StreamShards::allocating`).
+/// for later allocations when another stream allocates on this one too
+/// (`StreamShards::allocating`).
 pub fn with_stream_shard<R>(device: i32, shard: usize, stream: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     let s = slot(device)?;
-    let mut g = lock_for_stream(s, shard, stream);
+    let mut g = lock_pool(&s.shards[shard]);
     if g.is_none() {
         *g = Some(create(device, shard, s)?);
     }

@@ -21,9 +21,13 @@ struct Part {
     calls: DriverCalls,
 }
 
+/// The device's own figures where it has more than one shard in use: the budget's peak of
+/// reserved bytes and its limit.
+type DeviceWide = Option<(usize, usize)>;
+
 /// Shard 0's report of `device` (made if needed: asking for a report makes the pool, as
 /// before shards) and the other shards' parts.
-fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Result<(R, Vec<Part>, Option<(usize, usize)>)> {
+fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Result<(R, Vec<Part>, DeviceWide)> {
     let (r, budget) = with_pool(device, |p| Ok((first(p), p.budget().clone())))?;
     let mut parts = Vec::new();
     for_each_shard(device, |p| parts.push(Part { shard: p.shard(), stats: p.stats(), calls: p.driver_calls() }))?;
@@ -32,7 +36,7 @@ fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Res
 }
 
 /// The sum of the shards' statistics.
-fn total(parts: &[Part], device_wide: Option<(usize, usize)>) -> Stats {
+fn total(parts: &[Part], device_wide: DeviceWide) -> Stats {
     let mut t = parts[0].stats;
     for p in &parts[1..] {
         let s = &p.stats;

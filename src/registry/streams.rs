@@ -1,7 +1,7 @@
 //! Which shard of a device's pool serves a stream: user streams are dealt out to the
 //! device's stream shards round robin, the first time each is seen, and keep their shard
-//! from then on. The legacy stream, the per-thread default stream and callers that name no
-//! stream stay on shard 0.
+//! unless they find it shared (below). The legacy stream, the per-thread default stream and
+//! callers that name no stream stay on shard 0.
 //!
 //! Why round robin and not a hash of the handle: sixteen threads on sixteen streams should
 //! find sixteen locks; hashing sixteen handles into sixteen shards puts about six of them
@@ -12,8 +12,8 @@
 //! stream handle whose stream was destroyed keeps its entry: its address may come back as
 //! another stream, which then shares that shard. That is only a placement: which pool holds
 //! a block never depends on it (frees find the pool through `crate::owners`). Once the
-//! table is full, further handles are placed by a hash. A device remade with another
-//! shard count (`gpupool_configure`) keeps the placements, modulo the new count.
+//! table is full, further handles are placed by a hash (and never move). A device remade
+//! with another shard count (`gpupool_configure`) keeps the placements, modulo the new count.
 //!
 //! Why streams move, and when. A placement can go stale: a destroyed stream keeps its entry,
 //! so a recycled handle keeps the old stream's shard, and the round-robin turn goes on from
@@ -23,21 +23,25 @@
 //! still pending on the other stream, the shard grows with driver calls, and blocks move
 //! across streams with event queries (seen on the H200: 308 and 550 `cuMemAlloc` calls and
 //! thousands of cross-stream reuses in a 16-thread row that a clean placement runs with 17
-//! and none). Most of the time those threads never meet on the lock (their thread caches take
-//! none), so a lock found taken is too rare a sign. The sign used is the shard's *last
+//! and none). Those threads seldom meet on the lock (their thread caches take none), so a
+//! lock found taken is too rare a sign; and a lock contended by threads of *one* stream is
+//! no sign at all (moving that stream helps nobody). The sign used is the shard's *last
 //! allocating stream*: every locked allocation on a stream shard notes its stream there
-//! (`allocating`), and one that finds another stream noted strikes against its placement,
-//! as does one that finds the lock taken. A shard one stream uses is written only by that
-//! stream's thread, so the note costs no shared cache line.
+//! (`allocating`); one that finds another stream noted counts an alternation on the shard.
+//! Everything a shard notes is written only by its lock holder, on a cache line of its own:
+//! a shard one stream uses costs that stream's thread a line it already owns.
 //!
-//! Where a stream moves: to a shard that made no locked allocation at all while the stream
-//! gathered its last `MOVE_AFTER / 2` strikes, over at least `IDLE_WINDOW` (counts taken at
-//! the halfway strike, kept by the striking thread, compared at the last). A shard busy in
-//! that window has a live stream of its own; with none idle (more live streams than
-//! shards) the stream stays: moving would only make another pair share. Movers claim their
-//! shard (its last-stream note) so two streams moving at once do not pick the same one. The
-//! search starts at the thread's own turn (`thread_turn`), so threads moving at once try
-//! different shards first.
+//! Where a stream moves: after `MOVE_AFTER` alternations on its shard, the stream allocating
+//! then moves to a shard that made no locked allocation since the shard's halfway
+//! alternation, at least `IDLE_WINDOW` before (each thread keeps the counts it saw there,
+//! `SEEN`). A shard busy in that window has a live stream of its own; with none idle (more
+//! live streams than shards) the stream stays, as moving would only make another pair share.
+//! A mover claims its shard by advancing that shard's count, so a second stream judging
+//! at the same time sees it busy and stays. The search starts at the thread's own turn
+//! (`thread_turn`), so threads moving at once try different shards first. What this cannot
+//! see: a live stream whose thread makes no locked allocation for the whole window (all
+//! thread-cache hits, or descheduled) looks idle, and a mover may join it; they then
+//! alternate, and one of them moves on, at the same cost again.
 
 use super::SHARDS;
 use std::cell::Cell;
@@ -50,16 +54,16 @@ static TURNS: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     /// This thread's turn, `usize::MAX` until it first needs one.
     static TURN: Cell<usize> = const { Cell::new(usize::MAX) };
-    /// The shards' allocation counts when this thread's stream reached half its strikes.
+    /// The shards' allocation counts this thread saw at a shard's halfway alternation.
     static SEEN: Cell<Option<Seen>> = const { Cell::new(None) };
 }
 
-/// What a thread saw at a stream's halfway strike (`StreamShards::strike`).
+/// What a thread saw at a shard's halfway alternation (`StreamShards::allocating`).
 #[derive(Copy, Clone)]
 struct Seen {
-    /// The table (its address) and entry the counts were taken for.
+    /// The table (its address) and the shard the counts were taken for.
     table: usize,
-    entry: usize,
+    shard: usize,
     at: Instant,
     allocs: [u32; SHARDS],
 }
@@ -85,30 +89,36 @@ const ENTRIES: usize = 256;
 const UNSET: u32 = u32::MAX;
 
 /// What a shard's lock holder notes about the shard's use (`allocating`), on a cache line
-/// of its own: written only under the shard's lock, read only by streams about to move.
+/// of its own. The holder writes with plain loads and stores (it holds the lock); the one
+/// other writer is a stream moving here, which advances `allocs` by a compare-and-swap and
+/// sets `last_stream` (either write racing the holder's still leaves `allocs` changed,
+/// which is all a mover's claim needs).
 #[repr(align(128))]
 struct Activity {
     /// The stream of the shard's last locked allocation (0: none yet).
     last_stream: AtomicUsize,
     /// Locked allocations on user streams, wrapping.
     allocs: AtomicU32,
+    /// Allocations that found another stream noted, since the last judgement.
+    alternations: AtomicU32,
 }
 
 pub struct StreamShards {
     /// Stream handles (0 = free entry; the legacy stream never enters).
     handles: [AtomicUsize; ENTRIES],
     shards: [AtomicU32; ENTRIES],
-    /// Times an allocation on the entry's stream found its shard's lock taken (written only
-    /// then, so a lookup's cache lines stay shared).
-    strikes: [AtomicU32; ENTRIES],
     /// Streams placed so far (the next one's turn).
     placed: AtomicUsize,
     /// Per shard (index as in the registry: 1..=n are stream shards).
     activity: [Activity; SHARDS],
 }
 
-/// Strikes after which a stream moves to a shard seen idle (module docs).
+/// Alternations on a shard after which its allocating stream moves to a shard seen idle
+/// (module docs).
 const MOVE_AFTER: u32 = 32;
+/// Counts older than this are taken again rather than judged by: a shard that worked an
+/// hour ago says nothing of now (an old window only makes more shards look busy).
+const SEEN_MAX_AGE: Duration = Duration::from_secs(1);
 /// The shortest time a shard must make no locked allocation to be seen idle: a live
 /// stream's thread may go this long on its thread cache alone, not much longer (its cache
 /// holds a few blocks; a workload that never misses it never allocates under the lock).
@@ -117,18 +127,15 @@ const IDLE_WINDOW: Duration = Duration::from_millis(2);
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE_HANDLE: AtomicUsize = AtomicUsize::new(0);
 #[allow(clippy::declare_interior_mutable_const)]
-const NO_STRIKES: AtomicU32 = AtomicU32::new(0);
-#[allow(clippy::declare_interior_mutable_const)]
 const UNSET_SHARD: AtomicU32 = AtomicU32::new(UNSET);
 #[allow(clippy::declare_interior_mutable_const)]
-const UNUSED: Activity = Activity { last_stream: AtomicUsize::new(0), allocs: AtomicU32::new(0) };
+const UNUSED: Activity = Activity { last_stream: AtomicUsize::new(0), allocs: AtomicU32::new(0), alternations: AtomicU32::new(0) };
 
 impl StreamShards {
     pub const fn new() -> Self {
         StreamShards {
             handles: [FREE_HANDLE; ENTRIES],
             shards: [UNSET_SHARD; ENTRIES],
-            strikes: [NO_STRIKES; ENTRIES],
             placed: AtomicUsize::new(0),
             activity: [UNUSED; SHARDS],
         }
@@ -179,77 +186,73 @@ impl StreamShards {
         Some(1 + (Self::start(handle) % n))
     }
 
-    /// An allocation on `handle` holds the lock of its shard `k` (`1..=n`): note it, and
-    /// strike against the placement if another stream allocated there last.
+    /// An allocation on `handle` holds the lock of its shard `k` (`1..=n`): note it; one
+    /// that finds another stream noted counts an alternation, and at `MOVE_AFTER` of them
+    /// `handle` may move (module docs). A move changes only where later allocations go.
     pub fn allocating(&self, handle: usize, k: usize, n: usize) {
         let a = &self.activity[k];
-        // Only the lock holder writes these, so plain load-then-store is exact.
         a.allocs.store(a.allocs.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         let last = a.last_stream.load(Ordering::Relaxed);
-        if last != handle {
-            a.last_stream.store(handle, Ordering::Relaxed);
-            if last != 0 {
-                self.strike(handle, n);
-            }
+        if last == handle {
+            return;
+        }
+        a.last_stream.store(handle, Ordering::Relaxed);
+        if last == 0 || n < 2 {
+            return; // the shard's first stream, or nowhere to move to
+        }
+        let alternations = a.alternations.load(Ordering::Relaxed) + 1;
+        a.alternations.store(alternations, Ordering::Relaxed);
+        if alternations == MOVE_AFTER / 2 {
+            self.remember_counts(k);
+        } else if alternations >= MOVE_AFTER {
+            self.judge(handle, k, n);
         }
     }
 
-    /// An allocation on `handle` found its shard's lock taken: a strike.
-    pub fn contended(&self, handle: usize, n: usize) {
-        self.strike(handle, n);
-    }
-
-    /// One strike against `handle`'s placement; at `MOVE_AFTER` the stream moves to a shard
-    /// seen idle since its halfway strike, if one is (module docs). A move changes only
-    /// where later allocations go.
-    fn strike(&self, handle: usize, n: usize) {
-        let Some(e) = self.entry(handle) else { return };
-        let struck = self.strikes[e].fetch_add(1, Ordering::AcqRel) + 1;
-        if struck == MOVE_AFTER / 2 {
-            self.remember_counts(e);
-            return;
-        }
-        if struck < MOVE_AFTER {
-            return;
-        }
-        let seen = SEEN.with(|c| c.get()).filter(|s| s.table == self as *const _ as usize && s.entry == e);
-        let Some(seen) = seen else {
-            // Another thread took the halfway counts (or this one's are for another
-            // stream): start the window here.
-            self.remember_counts(e);
-            self.strikes[e].store(MOVE_AFTER / 2, Ordering::Release);
+    /// `MOVE_AFTER` alternations on shard `k`, the last one by `handle` (under `k`'s lock):
+    /// move `handle` to a shard idle since this thread's halfway counts, if one is.
+    fn judge(&self, handle: usize, k: usize, n: usize) {
+        let alternations = &self.activity[k].alternations;
+        let seen = SEEN.with(|c| c.get()).filter(|s| s.table == self as *const _ as usize && s.shard == k);
+        let Some(seen) = seen.filter(|s| s.at.elapsed() < SEEN_MAX_AGE) else {
+            // Another thread took the halfway counts, or this one's are stale or for
+            // another shard: the window starts here.
+            self.remember_counts(k);
+            alternations.store(MOVE_AFTER / 2, Ordering::Relaxed);
             return;
         };
         if seen.at.elapsed() < IDLE_WINDOW {
-            self.strikes[e].store(MOVE_AFTER - 1, Ordering::Release); // judge at the next strike
+            alternations.store(MOVE_AFTER - 1, Ordering::Relaxed); // judge at the next one
             return;
         }
-        self.strikes[e].store(0, Ordering::Release);
+        alternations.store(0, Ordering::Relaxed);
         SEEN.with(|c| c.set(None));
-        let now = self.wait_for(e, n) - 1;
-        let first = thread_turn(n, now);
-        for k in (0..n).map(|i| (first + i) % n).filter(|&k| k != now) {
-            let a = &self.activity[1 + k];
-            if a.allocs.load(Ordering::Acquire) != seen.allocs[1 + k] {
-                continue; // busy in the window
-            }
-            let last = a.last_stream.load(Ordering::Acquire);
-            // Claim it: a stream moving at the same time finds the note changed.
-            if a.last_stream.compare_exchange(last, handle, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                self.shards[e].store(k as u32, Ordering::Release);
+        // Only a stream this table placed on `k` moves (not one placed by hash, nor one
+        // another thread moved already).
+        let Some(e) = self.entry(handle).filter(|&e| self.wait_for(e, n) == k) else { return };
+        let first = thread_turn(n, k - 1);
+        for to in (0..n).map(|i| (first + i) % n).filter(|&to| to != k - 1) {
+            let a = &self.activity[1 + to];
+            let was = seen.allocs[1 + to];
+            // Idle since the halfway counts, and claimed: a stream judging at the same time
+            // with counts taken before this finds the shard busy.
+            if a.allocs.compare_exchange(was, was.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                a.last_stream.store(handle, Ordering::Release); // arriving is no alternation
+                self.shards[e].store(to as u32, Ordering::Release);
                 super::route::placements_changed();
                 return;
             }
         }
     }
 
-    /// Keep, for this thread, every shard's allocation count now (entry `e`'s halfway strike).
-    fn remember_counts(&self, e: usize) {
+    /// Keep, for this thread, every shard's allocation count now (shard `k`'s halfway
+    /// alternation).
+    fn remember_counts(&self, k: usize) {
         let mut allocs = [0u32; SHARDS];
         for (c, a) in allocs.iter_mut().zip(&self.activity) {
             *c = a.allocs.load(Ordering::Acquire);
         }
-        let seen = Seen { table: self as *const _ as usize, entry: e, at: Instant::now(), allocs };
+        let seen = Seen { table: self as *const _ as usize, shard: k, at: Instant::now(), allocs };
         SEEN.with(|c| c.set(Some(seen)));
     }
 
@@ -322,52 +325,109 @@ mod tests {
         (0..SHARDS).map(|_| std::sync::Mutex::new(())).collect()
     }
 
-    #[test]
-    fn a_stream_that_keeps_finding_its_shard_busy_moves_to_an_idle_one() {
-        let (t, l, n) = (StreamShards::new(), locks(), 4);
-        let (a, b, c) = (0x1000, 0x2000, 0x3000);
-        assert_eq!((t.shard_of(a, n), t.shard_of(b, n), t.shard_of(c, n)), (1, 2, 3));
-        for _ in 0..MOVE_AFTER / 2 {
-            t.contended(a, n); // the halfway strike takes the shards' counts
+    /// `count` allocations taking turns between `streams` (all on one shard): each one
+    /// after the shard's first is an alternation.
+    fn take_turns(t: &StreamShards, l: &[std::sync::Mutex<()>], streams: [usize; 2], count: u32, n: usize, turn: &mut usize) {
+        for _ in 0..count {
+            alloc_on(t, l, streams[*turn % 2], n);
+            *turn += 1;
         }
+    }
+
+    #[test]
+    fn a_stream_sharing_its_shard_moves_to_the_idle_one() {
+        // One thread drives both streams, as a thread serving two streams would.
+        let (t, l, n) = (StreamShards::new(), locks(), 4);
+        let (a, b, c, gone, x) = (0x1000, 0x2000, 0x3000, 0x4000, 0x5000);
+        let placed: Vec<usize> = [a, b, c, gone, x].iter().map(|&h| t.shard_of(h, n)).collect();
+        assert_eq!(placed, [1, 2, 3, 4, 1], "x is dealt a's shard; the stream on 4 is gone");
+        let mut turn = 0;
+        take_turns(&t, &l, [a, x], 1 + MOVE_AFTER / 2, n, &mut turn); // the halfway counts
         alloc_on(&t, &l, b, n); // shards 2 and 3 work in the window; 4 does not
         alloc_on(&t, &l, c, n);
         std::thread::sleep(IDLE_WINDOW);
-        for _ in 0..MOVE_AFTER / 2 - 1 {
-            t.contended(a, n);
-        }
-        assert_eq!(t.shard_of(a, n), 1, "fewer strikes move nothing");
+        take_turns(&t, &l, [a, x], MOVE_AFTER / 2 - 1, n, &mut turn);
+        assert_eq!((t.shard_of(a, n), t.shard_of(x, n)), (1, 1), "fewer alternations move nothing");
         let epoch = super::super::route::placement_epoch();
-        t.contended(a, n);
-        assert_eq!(t.shard_of(a, n), 4, "to the one idle shard");
+        take_turns(&t, &l, [a, x], 1, n, &mut turn);
+        let mut now = [t.shard_of(a, n), t.shard_of(x, n)];
+        now.sort();
+        assert_eq!(now, [1, 4], "one of the two moved, to the one idle shard");
         // Threads that remembered the old placement ask again (`thread_cache::route`).
         assert_ne!(super::super::route::placement_epoch(), epoch, "a move changes the placement epoch");
         assert_eq!((t.shard_of(b, n), t.shard_of(c, n)), (2, 3));
-        t.contended(0x9000, n); // never placed: nothing to move
-        assert_eq!(t.placed(0x9000, n), None);
+        // Apart, they no longer alternate: nothing moves again.
+        for _ in 0..4 * MOVE_AFTER {
+            alloc_on(&t, &l, a, n);
+            alloc_on(&t, &l, x, n);
+        }
+        let mut later = [t.shard_of(a, n), t.shard_of(x, n)];
+        later.sort();
+        assert_eq!(later, [1, 4]);
     }
 
     #[test]
     fn a_stream_stays_when_every_other_shard_is_busy() {
         let (t, l, n) = (StreamShards::new(), locks(), 3);
-        let (a, b, c) = (0x1000, 0x2000, 0x3000);
-        assert_eq!((t.shard_of(a, n), t.shard_of(b, n), t.shard_of(c, n)), (1, 2, 3));
+        let (a, b, c, x) = (0x1000, 0x2000, 0x3000, 0x4000);
+        let placed: Vec<usize> = [a, b, c, x].iter().map(|&h| t.shard_of(h, n)).collect();
+        assert_eq!(placed, [1, 2, 3, 1]);
+        let mut turn = 0;
+        take_turns(&t, &l, [a, x], 1, n, &mut turn); // the shard's first note: no alternation
         for round in 0..3 {
-            for i in 0..MOVE_AFTER {
-                if i == MOVE_AFTER / 2 {
-                    alloc_on(&t, &l, b, n);
-                    alloc_on(&t, &l, c, n);
-                    std::thread::sleep(IDLE_WINDOW);
-                }
-                t.contended(a, n);
-            }
-            assert_eq!(t.shard_of(a, n), 1, "round {round}: moving would make another pair share");
+            take_turns(&t, &l, [a, x], MOVE_AFTER / 2, n, &mut turn);
+            alloc_on(&t, &l, b, n);
+            alloc_on(&t, &l, c, n);
+            std::thread::sleep(IDLE_WINDOW);
+            take_turns(&t, &l, [a, x], MOVE_AFTER / 2, n, &mut turn);
+            assert_eq!((t.shard_of(a, n), t.shard_of(x, n)), (1, 1), "round {round}: moving would make another pair share");
         }
     }
 
     #[test]
+    fn a_second_stream_judging_at_once_does_not_follow_the_first() {
+        // a and x share shard 1, shard 3's stream is gone, b works on shard 2. Both threads
+        // took their halfway counts, then judge one after the other: the first moves to 3
+        // and claims it, the second must find 3 busy and stay (else they share again).
+        let (t, l, n) = (Arc::new(StreamShards::new()), Arc::new(locks()), 3);
+        let (a, b, gone, x) = (0x1000, 0x2000, 0x3000, 0x4000);
+        let placed: Vec<usize> = [a, b, gone, x].iter().map(|&h| t.shard_of(h, n)).collect();
+        assert_eq!(placed, [1, 2, 3, 1]);
+        alloc_on(&t, &l, a, n);
+        let ready = Arc::new(std::sync::Barrier::new(2));
+        let second = {
+            let (t, l, ready) = (t.clone(), l.clone(), ready.clone());
+            std::thread::spawn(move || {
+                t.remember_counts(1); // x's thread at the halfway alternation
+                ready.wait(); // counts taken
+                ready.wait(); // a has moved
+                let _g = l[1].lock().unwrap();
+                t.activity[1].alternations.store(MOVE_AFTER - 1, Ordering::Relaxed);
+                t.activity[1].last_stream.store(a, Ordering::Relaxed);
+                t.allocating(x, 1, n); // the 32nd alternation: x judges
+            })
+        };
+        t.remember_counts(1); // a's thread at the halfway alternation
+        ready.wait();
+        alloc_on(&t, &l, b, n); // shard 2 works in the window
+        std::thread::sleep(IDLE_WINDOW);
+        {
+            let _g = l[1].lock().unwrap();
+            t.activity[1].alternations.store(MOVE_AFTER - 1, Ordering::Relaxed);
+            t.activity[1].last_stream.store(x, Ordering::Relaxed);
+            t.allocating(a, 1, n); // a judges first
+        }
+        assert_eq!(t.shard_of(a, n), 3, "a moved to the idle shard");
+        ready.wait();
+        second.join().unwrap();
+        assert_eq!(t.shard_of(x, n), 1, "x followed a onto the shard a claimed");
+        assert_eq!(t.shard_of(b, n), 2);
+    }
+
+    #[test]
     fn a_stream_on_a_dead_streams_shard_does_not_move() {
-        // A destroyed stream's note stays on its shard: the next stream there strikes once.
+        // A destroyed stream's note stays on its shard: the next stream there counts one
+        // alternation, and never more.
         let (t, l, n) = (StreamShards::new(), locks(), 2);
         let (dead, h) = (0x1000, 0x2000 + 0x40);
         alloc_on(&t, &l, dead, n);
@@ -383,7 +443,7 @@ mod tests {
     }
 
     #[test]
-    fn two_live_streams_on_one_shard_move_apart_and_leave_busy_shards_alone() {
+    fn two_working_streams_on_one_shard_end_on_shards_of_their_own() {
         // As in threads_bench's 16-thread rows: a recycled handle keeps an earlier stream's
         // shard, so two working streams share shard 1 while shard 3 has no stream at all.
         let (t, l, n) = (Arc::new(StreamShards::new()), Arc::new(locks()), 3);
