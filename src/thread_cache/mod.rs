@@ -86,7 +86,8 @@ thread_local! {
 /// registry's placement epoch stays `epoch`. Why: a thread mostly stays on one stream, and
 /// asking the registry costs two stream-table probes per pair (one to allocate, one to
 /// free) out of ~480 instructions on the fast path (callgrind, `examples/instr_per_step.rs
-/// streampair`). Placements change rarely (a device remade, a contended stream moved), and
+/// streampair`). Placements change rarely (a device remade, a stream that shared its shard
+/// moved), and
 /// each change bumps the epoch. A stale answer could only misplace an allocation, never
 /// lose a block: frees find their pool through the address index.
 #[derive(Clone, Copy)]
