@@ -87,9 +87,8 @@ thread_local! {
 /// asking the registry costs two stream-table probes per pair (one to allocate, one to
 /// free) out of ~480 instructions on the fast path (callgrind, `examples/instr_per_step.rs
 /// streampair`). Placements change rarely (a device remade, a stream that shared its shard
-/// moved), and
-/// each change bumps the epoch. A stale answer could only misplace an allocation, never
-/// lose a block: frees find their pool through the address index.
+/// moved), and each change bumps the epoch. A stale answer could only misplace an
+/// allocation, never lose a block: frees find their pool through the address index.
 #[derive(Clone, Copy)]
 struct Route {
     device: i32,
