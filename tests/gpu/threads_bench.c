@@ -412,6 +412,10 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
 }
 
 static const char *wl_name(int wl) { return wl == PAIRS ? "1 MiB pairs" : wl == CHURN ? "churn" : "serving"; }
+/* Whether THREADS_BENCH_WORKLOAD (pairs|churn|serving; unset: every workload) keeps `wl`. */
+static int workload_kept(const char *only, int wl) {
+  return !only || strcmp(only, wl == PAIRS ? "pairs" : wl == CHURN ? "churn" : "serving") == 0;
+}
 
 /* THREADS_BENCH_PROCS=N: the machine's own ceiling for N threads. N processes, each one
  * gpupool thread on its own stream pinned to CPU i, run every workload at the same time
@@ -546,7 +550,7 @@ int main(int argc, char **argv) {
     for (int own = 0; own <= 1; own++)
       for (int c = 0; c < 3; c++)
         for (int k = 0; k < n_kinds() && k < 16; k++) {
-          if (wl_only && strcmp(wl_only, wl == PAIRS ? "pairs" : wl == CHURN ? "churn" : "serving") != 0) continue;
+          if (!workload_kept(wl_only, wl)) continue;
           if (streams_only && strcmp(streams_only, own ? "own" : "legacy") != 0) continue;
           if (threads_only && atoi(threads_only) != counts[c]) continue;
           if (usable[k]) row(k, (enum workload)wl, own, counts[c], pairs, pin_rows);
@@ -559,7 +563,7 @@ int main(int argc, char **argv) {
     if (ncpu > 16) ncpu = 16;
     for (int wl = PAIRS; wl <= SERVING; wl++)
       for (int k = 0; k < n_kinds() && k < 16; k++) {
-        if (!usable[k] || (wl_only && strcmp(wl_only, wl == PAIRS ? "pairs" : wl == CHURN ? "churn" : "serving") != 0)) continue;
+        if (!usable[k] || !workload_kept(wl_only, wl)) continue;
         double one[16], sum = 0;
         for (int cpu = 0; cpu < ncpu; cpu++) {
           printf("cpu %d: ", cpu);
