@@ -11,7 +11,9 @@ usage:
         PyTorch touches the GPU); prints a markdown table per workload, then whether all
         allocators produced identical outputs.
 
-Workloads: training (transformer, random sequence length per step, AdamW), serving
+Workloads: training (transformer, random sequence length per step, AdamW), tokens (the
+same model with token-budget batching: a new sequence length and batch size every step,
+bf16 autocast, no warm-up at the longest shape), serving
 (incremental decoding, per-request KV caches grown with torch.cat), churn (256 live
 buffers, random free + log-uniform random allocation).
 Allocators: native (PyTorch default), expandable (expandable_segments:True), rmm (RMM pool
@@ -41,6 +43,7 @@ Columns:
                 memory_stats num_device_alloc + num_device_free; gpupool: upstream
                 allocs + frees; rmm: cudaMalloc/cudaFree under the pool)
   driver/step   gpupool only: driver calls per measured step (stats_json driver_calls.total)
+  2nd half/step the same, mean over the second half of the measured steps (the steady state)
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
@@ -61,7 +64,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-WORKLOADS = ("training", "serving", "churn")
+WORKLOADS = ("training", "tokens", "serving", "churn")
 ALLOCATORS = ("native", "expandable", "rmm", "split", "arena", "arena-nolend")
 GPUPOOL_ALLOCATORS = ("split", "arena", "arena-nolend")
 QUICK = os.environ.get("BENCH_QUICK") == "1"
@@ -74,6 +77,11 @@ CONFIG = {
                      warmup=10, steps=40),
     # 96 requests arriving faster than 32 slots drain them: the server full most of the
     # time, KV caches growing token by token (~25 s per allocator on an H100).
+    # Token-budget batching: every step draws a sequence length uniformly and sizes the batch
+    # to about `tokens` tokens, so almost no step repeats a shape, and no warm-up step runs
+    # the longest one (bf16 autocast, as mixed-precision training scripts do).
+    "tokens": dict(vocab=32000, d=1024, layers=8, heads=16, tokens=16384, t_min=64, t_max=1023,
+                   warmup=20, steps=40),
     "serving": dict(vocab=32000, d=1024, layers=4, heads=16, requests=96, max_active=32, prompt=(32, 384),
                     gen=(16, 160), mean_gap=1.5, warmup=30, steps=None),
     "churn": dict(slots=256, ops=1000, lo=512, hi=32 << 20, warmup=5, steps=30),
@@ -81,6 +89,7 @@ CONFIG = {
 QUICK_CONFIG = {
     "training": dict(vocab=1024, d=128, layers=2, heads=4, batch=2, t_min=32, t_max=128, t_step=32,
                      warmup=2, steps=3),
+    "tokens": dict(vocab=1024, d=128, layers=2, heads=4, tokens=256, t_min=16, t_max=64, warmup=2, steps=3),
     "serving": dict(vocab=1024, d=128, layers=2, heads=4, requests=12, max_active=4, prompt=(8, 32),
                     gen=(4, 16), mean_gap=1.0, warmup=5, steps=None),
     "churn": dict(slots=32, ops=200, lo=512, hi=1 << 20, warmup=1, steps=2),
@@ -206,6 +215,8 @@ class Recorder:
         # and a driver call (gpupool), so growth at a new peak reads apart from a steady
         # state that calls nothing.
         self.calling_steps = [0, 0]
+        # Driver calls (gpupool) or device allocations + frees (the others) of each measured step.
+        self.per_step = []
 
     def sample(self):
         free, total = self.torch.cuda.mem_get_info()
@@ -228,6 +239,9 @@ class Recorder:
             for i in range(2):
                 if before[i] is not None and after[i] is not None and after[i] > before[i]:
                     self.calling_steps[i] += 1
+            k = 1 if before[1] is not None else 0
+            if before[k] is not None and after[k] is not None:
+                self.per_step.append(after[k] - before[k])
         self.sample()
 
     def progress(self, i, total=None, extra="", every=None):
@@ -331,6 +345,32 @@ def training(torch, rec, c, steps):
             opt.zero_grad(set_to_none=True)
             losses.append(f"{loss.item():.6g}")
         rec.progress(i, total, f"T={T} loss={losses[-1]}")
+    return " ".join(losses)
+
+
+def tokens(torch, rec, c, steps):
+    F = torch.nn.functional
+    model = build_model(torch, c["vocab"], c["d"], c["layers"], c["heads"])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    rng, gen = random.Random(4242), torch.Generator().manual_seed(4242)
+    losses, total = [], c["warmup"] + steps
+    for i in range(total):
+        if i == c["warmup"]:
+            rec.mark_warm()
+        T = rng.randint(c["t_min"], c["t_max"])
+        B = max(1, c["tokens"] // T)
+        batch = torch.randint(c["vocab"], (B, T + 1), generator=gen).cuda()
+        with rec.step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(batch[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, c["vocab"]).float(), batch[:, 1:].reshape(-1))
+            del logits
+            rec.sample()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(f"{loss.item():.6g}")
+        rec.progress(i, total, f"T={T} B={B} loss={losses[-1]}")
     return " ".join(losses)
 
 
@@ -447,7 +487,7 @@ def run(workload, allocator):
     steps = int(os.environ["BENCH_STEPS"]) if os.environ.get("BENCH_STEPS") else c["steps"]
     log(f"{rec.label}: {torch.cuda.get_device_name()} torch {torch.__version__} quick={QUICK} steps={steps}")
     t0 = time.perf_counter()
-    fingerprint = {"training": training, "serving": serving, "churn": churn}[workload](torch, rec, c, steps)
+    fingerprint = {"training": training, "tokens": tokens, "serving": serving, "churn": churn}[workload](torch, rec, c, steps)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     rec.sample()
@@ -473,6 +513,9 @@ def run(workload, allocator):
         "driver_calls_per_step": per_step(rec.c0[1], c1[1]),
         "steps_with_device_allocs_frees": rec.calling_steps[0] if c1[0] is not None else None,
         "steps_with_driver_calls": rec.calling_steps[1] if c1[1] is not None else None,
+        "calls_by_step": rec.per_step,
+        "calls_per_step_second_half": (statistics.fmean(rec.per_step[len(rec.per_step) // 2:])
+                                       if rec.per_step else None),
         "driver_calls": None, "gpupool_arena": None,
         "fingerprint": fingerprint,
         "fingerprint_sha256": hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
@@ -529,7 +572,7 @@ def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
     head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc",
-            "peak dev used GiB", "allocs+frees/step", "driver/step", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
+            "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
     rows = []
     for a in allocators:
         r = results.get(a)
@@ -541,7 +584,7 @@ def table(workload, allocators, results):
                      fmt(r["peak_allocated_bytes"], ".3f", GIB), fmt(r["peak_reserved_bytes"], ".3f", GIB),
                      fmt(r["reserved_over_allocated"], ".3f"), fmt(r["peak_device_used_bytes"], ".3f", GIB),
                      fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
-                     calling(r)]
+                     fmt(r.get("calls_per_step_second_half"), ".2f"), calling(r)]
                     + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else []))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731

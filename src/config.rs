@@ -200,7 +200,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            pool: PoolKind::Split,
+            pool: PoolKind::Arena,
             upstream: UpstreamKind::Device,
             limit: None,
             host_capacity: 16 << 30,

@@ -183,12 +183,20 @@ fn reports_add_the_shards_up() {
 }
 
 #[test]
-fn the_arena_stays_one_pool() {
+fn the_arena_shards_by_stream_and_reports_every_shard() {
     let d = 46;
     host(d, c"arena");
     let a = malloc(MIB, d, stream(40));
-    let b = malloc(MIB, d, stream(41));
-    assert_eq!(shard_count(d), 0, "{}", json(d));
+    let b = malloc(3 * MIB, d, stream(41));
+    let j = json(d);
+    assert_eq!(shard_count(d), 3, "shard 0 and one per stream: {j}");
+    // Each stream's shard is an arena of its own; the device's `arena` object adds them up:
+    // one granule of the small range and two of the large one.
+    assert!(j.contains("\"strategy\":\"arena\""), "{j}");
+    assert!(j.contains("\"granules_mapped\":3,"), "{j}");
+    assert!(j.contains(&format!("\"mapped_bytes\":{}", 6 * MIB)), "{j}");
+    let text = status(d);
+    assert!(text.contains("Arena: 6.00 MiB mapped in 3 granules"), "{text}");
     assert_eq!(free(a, d, stream(40)), Status::Ok);
     assert_eq!(free(b, d, stream(41)), Status::Ok);
     // Reconfigured to split, the same device shards again.
@@ -200,8 +208,20 @@ fn the_arena_stays_one_pool() {
 
 #[test]
 fn threads_on_their_own_streams_churn_without_losing_a_byte() {
-    let d = 47;
-    host(d, c"split");
+    churn_on_own_streams(47, c"split");
+}
+
+#[test]
+fn arena_threads_on_their_own_streams_churn_without_losing_a_byte() {
+    churn_on_own_streams(42, c"arena");
+    assert!(json(42).contains("\"strategy\":\"arena\""), "{}", json(42));
+}
+
+/// Eight threads, each on its own stream, churn blocks of random sizes, checking that no
+/// block was handed out twice (each carries its owner's stamp); at the end nothing is live
+/// and each stream had a shard of its own.
+fn churn_on_own_streams(d: i32, pool: &CStr) {
+    host(d, pool);
     let threads: Vec<_> = (0..8)
         .map(|t| {
             std::thread::spawn(move || {
@@ -262,7 +282,7 @@ fn a_thread_that_remembers_its_streams_shard_follows_a_reconfigured_device() {
     assert_eq!(free(p, d, s), Status::Ok);
     host(d, c"arena");
     let p = malloc(MIB, d, s);
-    assert_eq!(shard_count(d), 0, "the arena is one pool: {}", json(d));
+    assert_eq!(shard_count(d), 2, "the arena shards by stream too: {}", json(d));
     assert!(json(d).contains("\"arena\""), "{}", json(d));
     assert_eq!(stats(d).n_live_blocks, 1, "{}", status(d));
     assert_eq!(free(p, d, s), Status::Ok);

@@ -8,7 +8,7 @@
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::block::Block;
-use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth};
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaCounters, ArenaStrategy, Growth};
 use crate::strategy::{ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
@@ -399,57 +399,109 @@ impl Pool {
         }
     }
 
-    /// The arena's lines of the reports: `(json fields, status text)`; empty for other pools.
-    pub(super) fn arena_report(&self) -> Option<(String, String)> {
+    /// The arena's figures for the reports (`None` for other pools); a device's reports add
+    /// its shards' up.
+    pub fn arena_figures(&self) -> Option<ArenaFigures> {
         let a = self.strategy.as_arena_ref()?;
-        let c = a.counters;
-        let g = a.granule();
-        let mapped = a.mapped_bytes();
-        // Where the mapped memory that serves nothing lies: free bytes of each range.
-        let use_ = a.space_usage();
-        let json = format!(
+        let usage = a.space_usage();
+        Some(ArenaFigures {
+            granule: a.granule(),
+            mapped: a.mapped_bytes(),
+            address_space: a.reserved_address_space(),
+            stitches: a.stitch_count(),
+            counters: a.counters,
+            small: usage[0],
+            large: usage[1],
+        })
+    }
+}
+
+/// What the reports say of an arena: one pool's figures, or a device's shards added up
+/// (`add`), so a device whose streams allocate on several shards reports all of them.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct ArenaFigures {
+    pub granule: usize,
+    /// Bytes of memory mapped, and address space reserved.
+    pub mapped: usize,
+    pub address_space: usize,
+    /// Stitches cached now.
+    pub stitches: usize,
+    pub counters: ArenaCounters,
+    /// (mapped, free) bytes of the small and of the large range: where the mapped memory
+    /// that serves nothing lies.
+    pub small: (usize, usize),
+    pub large: (usize, usize),
+}
+
+impl ArenaFigures {
+    /// Add another shard's arena.
+    pub fn add(&mut self, o: &ArenaFigures) {
+        self.granule = self.granule.max(o.granule);
+        self.mapped += o.mapped;
+        self.address_space += o.address_space;
+        self.stitches += o.stitches;
+        let (c, d) = (&mut self.counters, &o.counters);
+        c.granules_mapped += d.granules_mapped;
+        c.granules_unmapped += d.granules_unmapped;
+        c.stitches_made += d.stitches_made;
+        c.stitch_reuses += d.stitch_reuses;
+        c.stitches_dropped += d.stitches_dropped;
+        c.granules_aliased += d.granules_aliased;
+        c.granules_lent += d.granules_lent;
+        c.loans_ended += d.loans_ended;
+        self.small = (self.small.0 + o.small.0, self.small.1 + o.small.1);
+        self.large = (self.large.0 + o.large.0, self.large.1 + o.large.1);
+    }
+
+    /// The `arena` object of the JSON report.
+    pub fn json(&self) -> String {
+        let c = self.counters;
+        format!(
             concat!(
                 "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
                 "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
                 "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{}}}"
             ),
-            g,
-            mapped,
-            a.reserved_address_space(),
+            self.granule,
+            self.mapped,
+            self.address_space,
             c.granules_mapped,
             c.granules_unmapped,
-            a.stitch_count(),
+            self.stitches,
             c.stitches_made,
             c.stitch_reuses,
             c.stitches_dropped,
             c.granules_aliased,
             c.granules_lent,
             c.loans_ended,
-            use_[0].0,
-            use_[0].1,
-            use_[1].0,
-            use_[1].1
-        );
-        let h = crate::error::human_bytes;
-        let text = format!(
+            self.small.0,
+            self.small.1,
+            self.large.0,
+            self.large.1
+        )
+    }
+
+    /// The arena's line of the status report.
+    pub fn text(&self) -> String {
+        let (c, h, g) = (self.counters, crate::error::human_bytes, self.granule.max(1));
+        format!(
             "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free",
-            h(mapped),
-            mapped / g,
+            h(self.mapped),
+            self.mapped / g,
             h(g),
-            h(a.reserved_address_space()),
+            h(self.address_space),
             c.granules_mapped,
             c.granules_unmapped,
             c.granules_lent - c.loans_ended,
-            a.stitch_count(),
+            self.stitches,
             c.stitches_made,
             c.stitch_reuses,
             c.stitches_dropped,
-            h(use_[0].0),
-            h(use_[0].1),
-            h(use_[1].0),
-            h(use_[1].1)
-        );
-        Some((json, text))
+            h(self.small.0),
+            h(self.small.1),
+            h(self.large.0),
+            h(self.large.1)
+        )
     }
 }

@@ -35,6 +35,7 @@ mod reports;
 mod snapshot;
 mod thread_caches;
 
+pub use arena::ArenaFigures;
 pub use budget::Budget;
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
 

@@ -1,6 +1,7 @@
 //! What the pool tells: statistics, the status report and its JSON, leaks, the segment of a
 //! block, and the full consistency scan the tests run after every operation.
 
+use super::arena::ArenaFigures;
 use super::Pool;
 use crate::block::Block;
 use crate::debug::Leak;
@@ -74,14 +75,14 @@ impl Pool {
     pub fn memory_status(&mut self) -> String {
         let s = self.stats();
         let mut out = render_status(&self.report_context(), &s);
-        out.push_str(&self.status_extras());
+        out.push_str(&self.status_extras(self.arena_figures().as_ref()));
         out.push_str(&format!("  Driver calls: {}\n", self.upstream.driver_calls().text()));
         out
     }
 
     /// The status report's lines beyond the numbers: a stop, a notice, private pools, the
-    /// arena's figures.
-    pub fn status_extras(&self) -> String {
+    /// arena's figures (`arena`: this pool's, or its device's shards added up).
+    pub fn status_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
         if let Some(why) = &self.stopped {
             out.push_str(&format!("  STOPPED: this pool hands out no more memory after an internal error: {why}\n"));
@@ -97,8 +98,8 @@ impl Pool {
                 crate::error::human_bytes(free)
             ));
         }
-        if let Some((_, text)) = self.arena_report() {
-            out.push_str(&text);
+        if let Some(a) = arena {
+            out.push_str(&a.text());
             out.push('\n');
         }
         out
@@ -109,17 +110,18 @@ impl Pool {
         let mut out = render_json(&self.report_context(), &s);
         out.pop(); // the closing brace: the pool's own fields follow
         out.push_str(&format!(",\"driver_calls\":{}", self.upstream.driver_calls().json()));
-        out.push_str(&self.json_extras());
+        out.push_str(&self.json_extras(self.arena_figures().as_ref()));
         out.push('}');
         out
     }
 
     /// The JSON object's fields beyond the numbers and driver calls, each with its leading
-    /// comma: `arena`, `notice`, `stopped`, `private_pools`.
-    pub fn json_extras(&self) -> String {
+    /// comma: `arena` (`arena`: this pool's, or its device's shards added up), `notice`,
+    /// `stopped`, `private_pools`.
+    pub fn json_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
-        if let Some((json, _)) = self.arena_report() {
-            out.push_str(&format!(",\"arena\":{json}"));
+        if let Some(a) = arena {
+            out.push_str(&format!(",\"arena\":{}", a.json()));
         }
         if let Some(n) = &self.notice {
             out.push_str(&format!(",\"notice\":\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")));

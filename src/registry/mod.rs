@@ -206,7 +206,7 @@ fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
     if shard == 0 {
         // The unsafe test mode must reuse across streams at once (its test shows the
         // stream tests catch that), which one pool per stream would never do.
-        let n = if c.pool == PoolKind::Arena || cfg.unsafe_ignore_streams { 0 } else { cfg.stream_shards };
+        let n = if cfg.unsafe_ignore_streams { 0 } else { cfg.stream_shards };
         s.set_stream_shards(n);
     }
     Ok(pool)

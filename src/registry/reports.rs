@@ -12,6 +12,7 @@
 use super::{for_each_shard, with_pool, Result};
 use crate::error::human_bytes;
 use crate::stats::{render_json, render_status, Stats};
+use crate::pool::ArenaFigures;
 use crate::upstream::DriverCalls;
 
 /// What one shard contributes to the device's reports.
@@ -19,6 +20,7 @@ struct Part {
     shard: u16,
     stats: Stats,
     calls: DriverCalls,
+    arena: Option<ArenaFigures>,
 }
 
 /// The device's own figures where it has more than one shard in use: the budget's peak of
@@ -30,7 +32,7 @@ type DeviceWide = Option<(usize, usize)>;
 fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Result<(R, Vec<Part>, DeviceWide)> {
     let (r, budget) = with_pool(device, |p| Ok((first(p), p.budget().clone())))?;
     let mut parts = Vec::new();
-    for_each_shard(device, |p| parts.push(Part { shard: p.shard(), stats: p.stats(), calls: p.driver_calls() }))?;
+    for_each_shard(device, |p| parts.push(Part { shard: p.shard(), stats: p.stats(), calls: p.driver_calls(), arena: p.arena_figures() }))?;
     let device_wide = (parts.len() > 1).then(|| (budget.peak(), budget.limit()));
     Ok((r, parts, device_wide))
 }
@@ -66,6 +68,14 @@ fn total(parts: &[Part], device_wide: DeviceWide) -> Stats {
     t
 }
 
+/// The shards' arenas added up (`None`: no shard is an arena).
+fn arena(parts: &[Part]) -> Option<ArenaFigures> {
+    parts.iter().filter_map(|p| p.arena).reduce(|mut a, b| {
+        a.add(&b);
+        a
+    })
+}
+
 fn calls(parts: &[Part]) -> DriverCalls {
     let mut c = DriverCalls::default();
     for p in parts {
@@ -82,11 +92,15 @@ pub fn stats(device: i32) -> Result<Stats> {
 
 /// `device`'s status report.
 pub fn memory_status(device: i32) -> Result<String> {
-    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.memory_status(), p.status_extras(), p.report_context()))?;
+    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.memory_status(), p.status_extras(None), p.report_context()))?;
     if wide.is_none() {
         return Ok(own);
     }
     let mut out = render_status(&ctx, &total(&parts, wide));
+    if let Some(a) = arena(&parts) {
+        out.push_str(&a.text());
+        out.push('\n');
+    }
     out.push_str(&extras);
     out.push_str(&format!(
         "  Stream shards: {} in use (a lock each; peak in use above is the sum of their peaks, an upper bound):",
@@ -108,13 +122,16 @@ pub fn memory_status(device: i32) -> Result<String> {
 
 /// `device`'s statistics as JSON (`gpupool_stats_json`); a sharded device adds `shards`.
 pub fn stats_json(device: i32) -> Result<String> {
-    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.stats_json(), p.json_extras(), p.report_context()))?;
+    let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.stats_json(), p.json_extras(None), p.report_context()))?;
     if wide.is_none() {
         return Ok(own);
     }
     let mut out = render_json(&ctx, &total(&parts, wide));
     out.pop();
     out.push_str(&format!(",\"driver_calls\":{}", calls(&parts).json()));
+    if let Some(a) = arena(&parts) {
+        out.push_str(&format!(",\"arena\":{}", a.json()));
+    }
     out.push_str(&extras);
     let shards: Vec<String> = parts
         .iter()
