@@ -213,8 +213,8 @@ fn threads_on_their_own_streams_churn_without_losing_a_byte() {
 
 #[test]
 fn arena_threads_on_their_own_streams_churn_without_losing_a_byte() {
-    churn_on_own_streams(42, c"arena");
-    assert!(json(42).contains("\"strategy\":\"arena\""), "{}", json(42));
+    churn_on_own_streams(51, c"arena");
+    assert!(json(51).contains("\"strategy\":\"arena\""), "{}", json(51));
 }
 
 /// Eight threads, each on its own stream, churn blocks of random sizes, checking that no
