@@ -155,6 +155,8 @@ pub fn parse_size(s: &str) -> Option<usize> {
 /// Everything the environment can set. Built once per process for the C API.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
+    /// `GPUPOOL_POOL` (default `arena`: it holds what is live where `split` holds its worst
+    /// fragmentation; where the device has no VMM the pool falls back to `split`).
     pub pool: PoolKind,
     pub upstream: UpstreamKind,
     pub limit: Option<LimitSpec>,
@@ -436,6 +438,8 @@ mod tests {
         assert!(cfg(&[("GPUPOOL_ARENA_VA", "0")]).is_err());
         assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "64GiB")]).unwrap().arena_va, Some(64 << 30));
         assert_eq!(cfg(&[("GPUPOOL_POOL", "arena")]).unwrap().pool, PoolKind::Arena);
+        assert_eq!(cfg(&[]).unwrap().pool, PoolKind::Arena, "the arena is the default");
+        assert_eq!(cfg(&[("GPUPOOL_POOL", "split")]).unwrap().pool, PoolKind::Split);
     }
 
     #[test]

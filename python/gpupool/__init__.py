@@ -188,9 +188,11 @@ def configure(device=0, pool=None, upstream=None):
 
 
 def ipc_export(ptr):
-    """The descriptor (bytes) of the live arena block at `ptr` (GPUPOOL_POOL=arena), for
+    """The descriptor (bytes) of the live arena block at `ptr` (the default pool), for
     `ipc_open` in another process: send it any way (pipe, pickle). Keep the block allocated
-    while others use it. Memory of other pools is shared with cudaIpcGetMemHandle."""
+    while others use it. This is the route for arena memory: cudaIpcGetMemHandle (CuPy's
+    `cupy.cuda.runtime.ipcGetMemHandle`) refuses it with cudaErrorInvalidValue. Memory of
+    the segment pools (GPUPOOL_POOL=split) is shared with cudaIpcGetMemHandle."""
     L, n = lib(), ctypes.c_size_t(0)
     _check(L.gpupool_ipc_export(ptr, None, 0, ctypes.byref(n)))
     buf = ctypes.create_string_buffer(n.value)

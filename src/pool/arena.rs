@@ -412,13 +412,14 @@ impl Pool {
             counters: a.counters,
             small: usage[0],
             large: usage[1],
+            memory: self.upstream.vmm_memory_kind(),
         })
     }
 }
 
 /// What the reports say of an arena: one pool's figures, or a device's shards added up
 /// (`add`), so a device whose streams allocate on several shards reports all of them.
-#[derive(Copy, Clone, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ArenaFigures {
     pub granule: usize,
     /// Bytes of memory mapped, and address space reserved.
@@ -431,6 +432,8 @@ pub struct ArenaFigures {
     /// that serves nothing lies.
     pub small: (usize, usize),
     pub large: (usize, usize),
+    /// What its granules are created as (`Upstream::vmm_memory_kind`).
+    pub memory: String,
 }
 
 impl ArenaFigures {
@@ -451,6 +454,9 @@ impl ArenaFigures {
         c.loans_ended += d.loans_ended;
         self.small = (self.small.0 + o.small.0, self.small.1 + o.small.1);
         self.large = (self.large.0 + o.large.0, self.large.1 + o.large.1);
+        if self.memory.is_empty() {
+            self.memory.clone_from(&o.memory);
+        }
     }
 
     /// The `arena` object of the JSON report.
@@ -461,7 +467,8 @@ impl ArenaFigures {
                 "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
                 "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
-                "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{}}}"
+                "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{},",
+                "\"memory\":\"{}\"}}"
             ),
             self.granule,
             self.mapped,
@@ -478,7 +485,8 @@ impl ArenaFigures {
             self.small.0,
             self.small.1,
             self.large.0,
-            self.large.1
+            self.large.1,
+            self.memory
         )
     }
 
@@ -486,7 +494,7 @@ impl ArenaFigures {
     pub fn text(&self) -> String {
         let (c, h, g) = (self.counters, crate::error::human_bytes, self.granule.max(1));
         format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free",
+            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free; granules created as {}",
             h(self.mapped),
             self.mapped / g,
             h(g),
@@ -501,7 +509,8 @@ impl ArenaFigures {
             h(self.small.0),
             h(self.small.1),
             h(self.large.0),
-            h(self.large.1)
+            h(self.large.1),
+            if self.memory.is_empty() { "plain memory" } else { &self.memory }
         )
     }
 }

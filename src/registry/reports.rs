@@ -70,7 +70,7 @@ fn total(parts: &[Part], device_wide: DeviceWide) -> Stats {
 
 /// The shards' arenas added up (`None`: no shard is an arena).
 fn arena(parts: &[Part]) -> Option<ArenaFigures> {
-    parts.iter().filter_map(|p| p.arena).reduce(|mut a, b| {
+    parts.iter().filter_map(|p| p.arena.clone()).reduce(|mut a, b| {
         a.add(&b);
         a
     })

@@ -244,6 +244,11 @@ impl Upstream for HostUpstream {
         super::shared::KIND_HOST
     }
 
+    /// The host's granules are memfd offsets, shared as file descriptors.
+    fn vmm_memory_kind(&self) -> String {
+        "posix_fd".into()
+    }
+
     fn vmm_export(&mut self, addr: usize) -> Result<super::shared::SharedGranule> {
         self.calls.shareable += 1;
         self.vmm.export(addr)

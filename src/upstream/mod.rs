@@ -137,6 +137,13 @@ pub trait Upstream: Send {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }
 
+    /// What the granules `vmm_map_new` creates are, for the reports: the shareable handle
+    /// kinds (`posix_fd`, `fabric`, both joined by `+`, or `none`), `+gpudirect_rdma` where
+    /// they are created RDMA-capable. Empty where this upstream has no VMM.
+    fn vmm_memory_kind(&self) -> String {
+        String::new()
+    }
+
     /// Which IPC descriptors this upstream exports and imports (`shared::KIND_*`; 0: none).
     fn vmm_share_kind(&self) -> u32 {
         0

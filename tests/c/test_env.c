@@ -20,6 +20,12 @@ int main(int argc, char **argv) {
     CHECK_STATUS(gpupool_malloc(&p, (size_t)40 << 20, 0, NULL), GPUPOOL_STATUS_OUT_OF_MEMORY);
     CHECK_STATUS(gpupool_malloc(&p, (size_t)20 << 20, 0, NULL), GPUPOOL_STATUS_OK);
     CHECK_STATUS(gpupool_free(p, 0, NULL), GPUPOOL_STATUS_OK);
+    /* No GPUPOOL_POOL: the arena, on the host upstream too (its simulated VMM). */
+    char json[4096];
+    size_t n = gpupool_stats_json(0, json, sizeof json);
+    CHECK(n > 0 && n < sizeof json, "stats JSON of %zu bytes", n);
+    CHECK(strstr(json, "\"strategy\":\"arena\"") != NULL, "the default pool is the arena: %s", json);
+    CHECK(strstr(json, "\"memory\":\"posix_fd\"") != NULL, "the report says what granules are: %s", json);
   }
   return check_end(argc > 1 ? argv[1] : "env good values");
 }

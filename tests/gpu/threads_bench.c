@@ -33,6 +33,8 @@
  * compares all CPUs at once with the median CPU's one thread and with the sum of all.
  * THREADS_BENCH_PROCS=N runs N one-thread processes at once beside one process of N threads
  * (`procs_mode` says why): the host's own ceiling for N busy CPUs.
+ * gpupool's rows: "gpupool" is its split pool, "gpupool-arena" its arena, each configured on
+ * device 0 before its row.
  * THREADS_BENCH_ONLY=NAME measures that allocator alone (e.g. gpupool, for an A/B run of
  * one of its settings such as GPUPOOL_STREAM_SHARDS). THREADS_BENCH_WORKLOAD=pairs|churn|serving,
  * THREADS_BENCH_STREAMS=legacy|own and THREADS_BENCH_THREADS=1|4|16 keep only the rows they
@@ -59,8 +61,10 @@
 #include "rmm_allocators.h"
 #endif
 
-/* GPUPOOL, ASYNC, then RMM's resources from RMM_BASE on (when built with them). */
-enum alloc_kind { GPUPOOL, ASYNC, RMM_BASE };
+/* gpupool's split and arena pools, cudaMallocAsync, then RMM's resources from RMM_BASE on
+ * (when built with them). */
+enum alloc_kind { GPUPOOL, GPUPOOL_ARENA, ASYNC, RMM_BASE };
+static int is_gpupool(int k) { return k == GPUPOOL || k == GPUPOOL_ARENA; }
 enum workload { PAIRS, CHURN, SERVING };
 #define REQUESTS 32
 #define TOKEN (64u << 10)
@@ -129,6 +133,7 @@ static int n_kinds(void) {
 
 static const char *kind_name(int k) {
   if (k == GPUPOOL) return "gpupool";
+  if (k == GPUPOOL_ARENA) return "gpupool-arena";
   if (k == ASYNC) return "cudaMallocAsync";
 #ifdef GPUPOOL_WITH_RMM
   return rmm_bench_name(k - RMM_BASE);
@@ -139,7 +144,7 @@ static const char *kind_name(int k) {
 
 static void *alloc_on(int k, size_t n, cudaStream_t s, int *fail) {
   void *p = NULL;
-  if (k == GPUPOOL) {
+  if (is_gpupool(k)) {
     if (gpupool_malloc(&p, n, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
   } else if (k == ASYNC) {
     if (cudaMallocAsync(&p, n, s) != cudaSuccess) (*fail)++;
@@ -155,7 +160,7 @@ static void *alloc_on(int k, size_t n, cudaStream_t s, int *fail) {
 /* RMM's resources need the size at deallocation: every caller knows it. */
 static void free_on(int k, void *p, size_t n, cudaStream_t s, int *fail) {
   if (!p) return;
-  if (k == GPUPOOL) {
+  if (is_gpupool(k)) {
     if (gpupool_free(p, 0, s) != GPUPOOL_STATUS_OK) (*fail)++;
   } else if (k == ASYNC) {
     if (cudaFreeAsync(p, s) != cudaSuccess) (*fail)++;
@@ -322,6 +327,13 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   pthread_t t[16];
   job jobs[16];
   pthread_barrier_t start, done;
+  /* gpupool's rows run on the pool they name (device 0 is idle between rows). */
+  if (is_gpupool(k) && gpupool_configure(0, k == GPUPOOL_ARENA ? "arena" : "split", "device") != GPUPOOL_STATUS_OK) {
+    char m[512];
+    gpupool_last_error(m, sizeof m);
+    fprintf(stderr, "threads_bench: configuring %s: %s\n", kind_name(k), m);
+    return 0;
+  }
   pthread_barrier_init(&start, NULL, threads + 1);
   pthread_barrier_init(&done, NULL, threads + 1);
   long nb = pairs / BATCH;
@@ -332,13 +344,13 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
   /* `start` twice: once every thread has warmed up (the count read between the two
    * excludes the warm-up), then to let them go. */
   pthread_barrier_wait(&start);
-  long long calls0 = k == GPUPOOL ? gpupool_driver_calls() : -1;
-  const int detail = k == GPUPOOL && getenv("THREADS_BENCH_CALLS") != NULL;
+  long long calls0 = is_gpupool(k) ? gpupool_driver_calls() : -1;
+  const int detail = is_gpupool(k) && getenv("THREADS_BENCH_CALLS") != NULL;
   long long kinds0[N_CALL_KINDS], kinds1[N_CALL_KINDS];
   if (detail) gpupool_calls_by_kind(kinds0);
   pthread_barrier_wait(&start);
   pthread_barrier_wait(&done);
-  long long calls1 = k == GPUPOOL ? gpupool_driver_calls() : -1;
+  long long calls1 = is_gpupool(k) ? gpupool_driver_calls() : -1;
   if (detail) {
     gpupool_calls_by_kind(kinds1);
     fprintf(stderr, "calls: %s %s %s %d:", wl_name(wl), own ? "own stream" : "legacy", kind_name(k), threads);

@@ -11,9 +11,15 @@
 //! Granules are created shareable as POSIX file descriptors where the device supports it,
 //! so another process can map them (`crate::upstream::shared`): `export` hands out a
 //! granule's descriptor, kept open until the granule is released, and `import` maps another
-//! process's granules side by side in a range of this process. A driver that refuses
-//! shareable allocations (some containers) gets plain ones from then on; only export
-//! fails then, with a message saying so.
+//! process's granules side by side in a range of this process. Where the device also
+//! reports fabric handles (multi-node NVLink), both kinds are asked for, as PyTorch's
+//! expandable segments do. A driver that refuses a kind of shareable allocation (some
+//! containers; fabric handles without an IMEX channel) gets the next plainer one from then
+//! on: fd + fabric, then fd, then none; only export fails then, with a message saying so.
+//!
+//! Where the device reports GPUDirect RDMA with VMM memory, granules are created
+//! `gpuDirectRDMACapable`, so NCCL over InfiniBand (and other RDMA users) can register
+//! arena memory as it registers `cuMemAlloc` memory.
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
@@ -61,7 +67,29 @@ pub struct CudaVmm {
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+const FABRIC: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
 const NO_HANDLE_TYPE: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+
+/// `a | b` of two handle-type flags (the driver takes a bit set).
+fn both(a: sys::CUmemAllocationHandleType, b: sys::CUmemAllocationHandleType) -> sys::CUmemAllocationHandleType {
+    sys::CUmemAllocationHandleType(a.0 | b.0)
+}
+
+/// The next plainer request after `t` was refused: fabric goes first, then fds.
+fn plainer(t: sys::CUmemAllocationHandleType) -> sys::CUmemAllocationHandleType {
+    if t.0 & FABRIC.0 != 0 && t.0 & POSIX_FD.0 != 0 {
+        POSIX_FD
+    } else {
+        NO_HANDLE_TYPE
+    }
+}
+
+/// Whether `device` reports attribute `a` as non-zero (a failing query counts as no).
+fn attribute(device: sys::CUdevice, a: sys::CUdevice_attribute) -> bool {
+    let mut v = 0;
+    let r = unsafe { sys::cuDeviceGetAttribute(&mut v, a, device) };
+    r == sys::CUresult::CUDA_SUCCESS && v != 0
+}
 
 // SAFETY: plain driver handles, valid from any thread.
 unsafe impl Send for CudaVmm {}
@@ -81,16 +109,15 @@ impl CudaVmm {
             return Ok(None);
         }
         let mut prop = device_prop(device);
-        let mut fd_ok = 0;
-        let probe = unsafe {
-            sys::cuDeviceGetAttribute(
-                &mut fd_ok,
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                device,
-            )
-        };
-        if probe == sys::CUresult::CUDA_SUCCESS && fd_ok != 0 {
+        use sys::CUdevice_attribute as A;
+        if attribute(device, A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) {
             prop.requestedHandleTypes = POSIX_FD;
+            if attribute(device, A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) {
+                prop.requestedHandleTypes = both(POSIX_FD, FABRIC);
+            }
+        }
+        if attribute(device, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) {
+            prop.allocFlags.gpuDirectRDMACapable = 1;
         }
         let g = granularity(&prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -118,6 +145,19 @@ impl CudaVmm {
 
     pub fn granule(&self) -> usize {
         self.granule
+    }
+
+    /// What granules are created as now (`Upstream::vmm_memory_kind`).
+    pub fn memory_kind(&self) -> String {
+        let t = self.prop.requestedHandleTypes.0;
+        let handles = match (t & POSIX_FD.0 != 0, t & FABRIC.0 != 0) {
+            (true, true) => "posix_fd+fabric",
+            (true, false) => "posix_fd",
+            (false, true) => "fabric",
+            (false, false) => "none",
+        };
+        let rdma = if self.prop.allocFlags.gpuDirectRDMACapable != 0 { "+gpudirect_rdma" } else { "" };
+        format!("{handles}{rdma}")
     }
 
     pub fn reserve(&mut self, len: usize, calls: &mut DriverCalls) -> Result<usize> {
@@ -159,9 +199,10 @@ impl CudaVmm {
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             calls.mem_create += 1;
             let mut r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
-            if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
-                // Shareable allocations refused (not out of memory): plain ones from now on.
-                self.prop.requestedHandleTypes = NO_HANDLE_TYPE;
+            while r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
+                // This kind of shareable allocation refused (not out of memory): the next
+                // plainer kind from now on.
+                self.prop.requestedHandleTypes = plainer(self.prop.requestedHandleTypes);
                 calls.mem_create += 1;
                 r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
             }

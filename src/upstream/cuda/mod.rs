@@ -206,6 +206,10 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         crate::upstream::shared::KIND_CUDA
     }
 
+    fn vmm_memory_kind(&self) -> String {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or_else(String::new, |v| v.memory_kind())
+    }
+
     fn vmm_export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
         let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
