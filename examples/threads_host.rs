@@ -3,7 +3,9 @@
 //! host, beside threads_bench, this separates the pool's own scaling from the driver's).
 //!
 //! `cargo run --release --example threads_host [PAIRS_PER_THREAD]` (default 200000);
-//! `THREADS_HOST_WORKLOAD=pairs|churn|serving` and `THREADS_HOST_STREAMS=legacy|own` keep only those rows.
+//! `THREADS_HOST_WORKLOAD=pairs|churn|serving` and `THREADS_HOST_STREAMS=legacy|own` keep only those rows;
+//! `THREADS_HOST_POOL=arena` (default split) picks the pool; `THREADS_HOST_CALLS=1` prints
+//! the driver calls (those a CUDA upstream would make) after each row.
 //! Workloads as in threads_bench: 1 MiB pairs, churn (64 slots, 512 B..4 MiB log-uniform,
 //! free then allocate), serving (32 requests per thread, buffers growing by 64 KiB a token,
 //! the longer one allocated before the old one is freed). Each thread first runs its
@@ -121,8 +123,10 @@ fn worker(wl: Workload, stream: usize, pairs: usize, start: &Barrier, epoch: Ins
 
 fn main() {
     let pairs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
-    // SAFETY: NUL-terminated literals.
-    let st = unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
+    // THREADS_HOST_POOL picks the pool (default split, as threads_bench's "gpupool" rows).
+    let pool = std::ffi::CString::new(std::env::var("THREADS_HOST_POOL").unwrap_or_else(|_| "split".into())).expect("no NUL");
+    // SAFETY: NUL-terminated strings.
+    let st = unsafe { gpupool_configure(0, pool.as_ptr(), c"host".as_ptr()) };
     assert_eq!(st as i32, 0, "gpupool_configure failed");
     println!("| workload | streams | threads | M pairs/s | clock ns/1k | x one thread | x one thread, equal clock |\n|---|---|---|---|---|---|---|");
     let mut round = 0usize;
