@@ -37,6 +37,16 @@ ensure_pytest() {
     fi
   fi
 }
+ensure_pkgconfig() {
+  if ! command -v pkg-config >/dev/null 2>&1; then
+    echo "== installing pkg-config (apt-get)"
+    if ! { apt-get update -qq && apt-get install -y -qq pkg-config; } >/dev/null 2>&1; then
+      echo "error: pkg-config is missing and could not be installed with apt-get (need root and Debian's package lists)" >&2
+      return 1
+    fi
+    hash -r
+  fi
+}
 ensure_valgrind() {
   if ! command -v valgrind >/dev/null 2>&1; then
     echo "== installing valgrind (apt-get)"

@@ -10,6 +10,7 @@
 """
 
 import argparse
+import os
 import socket
 import sys
 
@@ -35,20 +36,20 @@ def _status_of_pid(pid):
 
 def _status_of_trace(path):
     from .plot import _human, series
-    from .trace import read
+    from .trace import held_segments, read
     rows = read(path)
-    times, reserved, allocated, per_stream, segments = series(rows)
+    times, reserved, allocated, per_stream, _ = series(rows)
     if not times:
         return f"{path}: no memory events\n"
     counts = {}
     for r in rows:
         counts[r.action] = counts.get(r.action, 0) + 1
-    live_segments = [s for s in segments if s[1] == times[-1]]
+    held = held_segments(rows)  # what `snapshot TRACE` draws as segments
     peak_r, peak_a = max(reserved), max(allocated)
     lines = [
         f"gpupool trace {path}: {len(rows)} events over {(times[-1] - times[0]) / 1e9:.3f} s",
         f"  at the end: {_human(reserved[-1])} reserved, {_human(allocated[-1])} allocated, "
-        f"{len(live_segments)} segment(s) held",
+        f"{len(held)} segment(s) held",
         f"  peaks: {_human(peak_r)} reserved, {_human(peak_a)} allocated"
         + (f", ratio {peak_r / peak_a:.3f} (peak reserved / peak allocated)" if peak_a else ""),
         "  events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
@@ -59,8 +60,17 @@ def _status_of_trace(path):
     return "\n".join(lines) + "\n"
 
 
+def _prog():
+    """The name this was invoked by, for the usage line: `python -m gpupool`, or the console
+    script's own name (`gpupool`, or the path it was started by)."""
+    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if not arg0 or os.path.basename(arg0) in ("__main__.py", "-c", "-m"):
+        return "python -m gpupool"
+    return os.path.basename(arg0)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m gpupool", description="gpupool tools")
+    ap = argparse.ArgumentParser(prog=_prog(), description="gpupool tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="status report of a running process (--pid) or of a trace")
     st.add_argument("trace", nargs="?")

@@ -44,10 +44,9 @@ def snapshot(device=-1):
 def from_trace(path):
     """A GPUPOOL_TRACE file as PyTorch's snapshot dict: every event in `device_traces`, and
     the segments and blocks live at the end of the trace."""
-    from .trace import read
+    from .trace import held_segments, read
     rows = read(path)
     traces = {}
-    segs = {}    # (device, base) -> (size, stream)
     live = {}    # (device, ptr) -> (size, stream)
     for r in rows:
         t = traces.setdefault(r.device, [])
@@ -61,22 +60,13 @@ def from_trace(path):
             live.pop((r.device, r.ptr), None)
         elif r.action in ("upstream_alloc", "page_commit"):
             t.append(dict(ev, action="segment_alloc" if r.action == "upstream_alloc" else "segment_map"))
-            segs[(r.device, r.ptr)] = (r.size, r.stream)
         elif r.action in ("upstream_free", "page_decommit"):
             t.append(dict(ev, action="segment_free" if r.action == "upstream_free" else "segment_unmap"))
-            segs.pop((r.device, r.ptr), None)
         elif r.action == "oom":
             t.append(dict(ev, action="oom", device_free=0))
-    # Contiguous mappings (the arena maps granule runs side by side) form one segment.
-    merged = {}
-    for (d, base), (size, stream) in sorted(segs.items()):
-        last = merged.get(d, [])
-        if last and last[-1][0] + last[-1][1] == base:
-            last[-1][1] += size
-        else:
-            last.append([base, size, stream])
-        merged[d] = last
-    segs = {(d, b): (n, st) for d, runs in merged.items() for b, n, st in runs}
+    # The segments held at the end (contiguous mappings form one: the arena maps granule
+    # runs side by side), computed as `status TRACE` counts them.
+    segs = {(d, base): (size, stream) for d, base, size, stream in held_segments(rows)}
     segments = []
     by_device = {}
     for (d, p), (size, stream) in live.items():

@@ -134,3 +134,65 @@ sys.stdin.readline()
         child.wait(timeout=30)
     gone = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
     assert gone.returncode != 0 and "GPUPOOL_STATUS_SOCKET=1" in gone.stderr
+
+
+@pytest.mark.parametrize("kind", ["split", "binned", "arena"])
+@pytest.mark.parametrize("end", ["reclaimed", "held"])
+def test_status_and_snapshot_of_a_trace_agree_on_segments(library, tmp_path, kind, end):
+    """`status TRACE` and `snapshot TRACE` count the same segments held at the end, and the
+    snapshot's bytes are the pool's: a trace that ends with everything freed and reclaimed
+    (its last event an upstream_free) holds none; the arena unmaps granule by granule, in
+    ranges that are not the ones it mapped (issue #36: status said 1 where snapshot said 0)."""
+    trace = tmp_path / "trace.csv"
+    out = ok(run_py(f"""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="{kind}", upstream="host")
+        L = gpupool.lib()
+        ps = []
+        for n in [1000, 5 << 20, 300 << 10, 12 << 20, 64, 3 << 20, 40 << 20]:
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
+            ps.append(p)
+        for p in ps[::2]:
+            assert L.gpupool_free(p, 0, None) == 0
+        if "{end}" == "reclaimed":
+            for p in ps[1::2]:
+                assert L.gpupool_free(p, 0, None) == 0
+            gpupool.reclaim(0)
+        print("TOTAL", gpupool.stats(0)["total_bytes"])
+    """, env={"GPUPOOL_TRACE": str(trace), "GPUPOOL_THREAD_CACHE": "0"}))
+    total = int(out.split("TOTAL ")[1].split()[0])
+    assert (total == 0) == (end == "reclaimed"), out
+    st = cli("status", str(trace))
+    assert st.returncode == 0, st.stderr
+    held = int(st.stdout.split(" segment(s) held")[0].rsplit(" ", 1)[1])
+    sn = cli("snapshot", str(trace), "-o", str(tmp_path / "s.pickle"))
+    assert sn.returncode == 0, sn.stderr
+    snap = pickle.loads((tmp_path / "s.pickle").read_bytes())
+    check_snapshot_books(snap)
+    assert f"{len(snap['segments'])} segment(s)" in sn.stdout, sn.stdout
+    assert held == len(snap["segments"]), (st.stdout, sn.stdout)
+    assert sum(s["total_size"] for s in snap["segments"]) == total, (snap["segments"], total)
+    assert (held == 0) == (end == "reclaimed"), st.stdout
+
+
+def test_usage_names_the_command_as_invoked(tmp_path):
+    """`python -m gpupool` says so in its usage line; the `gpupool` console script says
+    `gpupool` (a script like the one pip writes stands in for it in the source tree; the
+    installed one is run too when testing the installed wheel)."""
+    r = cli("status")
+    assert r.returncode != 0 and "usage: python -m gpupool " in r.stderr, r.stderr
+    script = tmp_path / "gpupool"
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom gpupool.__main__ import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    scripts = [script]
+    installed = pathlib.Path(sys.executable).parent / "gpupool"
+    if INSTALLED and installed.is_file():
+        scripts.append(installed)
+    e = dict(os.environ)
+    if not INSTALLED:
+        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+    for s in scripts:
+        r = subprocess.run([str(s), "status"], capture_output=True, text=True, env=e, timeout=120)
+        assert r.returncode != 0, (s, r.stdout)
+        assert "usage: gpupool " in r.stderr and "python -m" not in r.stderr, (s, r.stderr)
