@@ -44,8 +44,11 @@ for line in sys.stdin:
 [ "$(echo "$bins" | wc -w)" -eq 7 ] || { echo "error: expected 7 test binaries, found: $bins" >&2; exit 1; }
 for pair in $bins; do
   name=${pair%%=*}; bin=${pair#*=}
-  # Fewer fault-injection operations under valgrind (it runs ~30x slower).
-  if GPUPOOL_FAULT_OPS=2000 valgrind -q $VG_OPTS "$bin" --test-threads=2 > "build/valgrind-$name.log" 2>&1; then
+  # Fewer fault-injection operations under valgrind (it runs ~30x slower). Each arena shard
+  # reserves 5x its device's memory of address space (16 GiB simulated host devices by
+  # default), more than valgrind's address space holds once several arena devices and
+  # shards of a test binary are alive: 4 GiB ranges here (GPUPOOL_ARENA_VA) keep them real.
+  if GPUPOOL_FAULT_OPS=2000 GPUPOOL_ARENA_VA=4GiB valgrind -q $VG_OPTS "$bin" --test-threads=2 > "build/valgrind-$name.log" 2>&1; then
     echo "valgrind $name: $(grep -h 'test result' "build/valgrind-$name.log")"
   else
     echo "valgrind $name FAILED:"; tail -60 "build/valgrind-$name.log"; exit 1

@@ -192,7 +192,7 @@ pub struct Config {
     /// keeps one pool per device.
     pub stream_shards: usize,
     /// `GPUPOOL_ARENA_VA`: address space the arena reserves for large blocks (default:
-    /// twice the device's memory on shard 0, once on a stream shard; `pool::arena::build`).
+    /// twice the device's memory, for each shard of the device; `pool::arena::build`).
     pub arena_va: Option<usize>,
     /// `GPUPOOL_STATUS_SOCKET=1`: answer status requests from other processes on a Unix
     /// socket (`status_socket.rs`; `python -m gpupool status --pid PID`).

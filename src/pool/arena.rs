@@ -22,29 +22,27 @@ pub(super) enum GrowFail {
 }
 
 /// Build the arena over address space reserved from `up`, or say why not (the caller falls
-/// back to `split` and shows the reason in the status report). `stream_shard`: the pool is
-/// one of a device's stream shards (`crate::registry`), which reserves less.
+/// back to `split` and shows the reason in the status report). Every shard of a device
+/// (`crate::registry`) builds its own, over its own ranges.
 ///
-/// Address space, in multiples of the device's memory `M`: the large range gets `2M` on
-/// shard 0 (room for the unmapped holes releases leave between live blocks) and `M` on a
-/// stream shard; the small range `M` (stream shard: `M/4`); stitches `M` (stream shard:
-/// `M/2`), since a stitch shows mapped memory and a full stitch range evicts the least
-/// recently used stitch. So shard 0 reserves `4M` and each stream shard `1.75M`: a device
-/// with all 16 stream shards in use holds `32M` of address space, a small part of the
-/// process's 128 TiB.
-pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, stream_shard: bool) -> std::result::Result<Box<dyn Strategy>, String> {
+/// Address space, in multiples of the device's memory `M`: the large range gets `2M` (room
+/// for the unmapped holes releases leave between live blocks), the small range `M`, the
+/// stitch range as much as the large one (at most all of it is stitched at once). A stream
+/// shard reserves as much as shard 0: one stream may hold most of the device, and a range
+/// that runs out fails requests the device could serve. A device with all 16 stream shards
+/// in use holds `85M` of address space, a small part of the 128 TiB a process has.
+pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::result::Result<Box<dyn Strategy>, String> {
     let g = up.vmm_granule();
     if g == 0 {
         return Err(format!("arena unavailable: the {} upstream or its device has no virtual memory management; using split", up.name()));
     }
     let total = up.mem_info().map(|m| m.1).unwrap_or(0).max(g);
-    let round = |n: usize| n.div_ceil(g).max(1) * g;
-    let mut large = round(va_bytes.unwrap_or(if stream_shard { total } else { total.saturating_mul(2) }));
-    let small = round(if stream_shard { total / 4 } else { total }.min(large));
+    let round = |n: usize| n.div_ceil(g) * g;
+    let mut large = round(va_bytes.unwrap_or(total.saturating_mul(2)));
+    let small = round(total.min(large));
     let small_base = up.vmm_reserve(small).map_err(|e| format!("arena unavailable: reserving address space failed ({e}); using split"))?;
     loop {
-        let stitch_len = round((large / 2).max(g));
-        let reserved = up.vmm_reserve(large).and_then(|b| match up.vmm_reserve(stitch_len) {
+        let reserved = up.vmm_reserve(large).and_then(|b| match up.vmm_reserve(large) {
             Ok(s) => Ok((b, s)),
             Err(e) => {
                 let _ = up.vmm_unreserve(b, large);
@@ -53,7 +51,7 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, stream_shard
         });
         match reserved {
             Ok((base, stitch)) => {
-                return Ok(Box::new(ArenaStrategy::new((small_base, small), (base, large), (stitch, stitch_len), g)))
+                return Ok(Box::new(ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g)))
             }
             Err(e) if large <= total / 2 || va_bytes.is_some() => {
                 let _ = up.vmm_unreserve(small_base, small);

@@ -51,6 +51,20 @@ impl Pool {
                 self.strategy.name()
             )));
         };
+        // The importer maps whole granules: nothing else may live in the block's.
+        let (addr, block_size) = (l.block.addr, l.block.size);
+        if self.strategy.as_arena().is_some() {
+            let mut guarded = self.arena_guard_export(addr, block_size);
+            if guarded.is_err() {
+                // Blocks freed into thread caches, or not yet fenced, are live in the books:
+                // hand them back and look again.
+                self.flush_thread_caches(None);
+                self.fence_unfenced();
+                self.finish_pending(false);
+                guarded = self.arena_guard_export(addr, block_size);
+            }
+            guarded.map_err(|why| Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(format!("IPC export: {why}")) })?;
+        }
         // Each exported granule keeps a descriptor open (`shared.rs`).
         raise_fd_limit();
         let first = ptr & !(g - 1);
@@ -66,6 +80,10 @@ impl Pool {
             granules,
         };
         Ok(d.encode())
+    }
+
+    fn arena_guard_export(&mut self, addr: usize, size: usize) -> std::result::Result<(), String> {
+        self.strategy.as_arena().expect("arena pool").guard_export(addr, size)
     }
 
     /// Map the block another process exported as `d` (decoded by the caller, before

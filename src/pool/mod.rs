@@ -204,7 +204,7 @@ impl Pool {
         let budget = opts.budget.clone().unwrap_or_default();
         budget.init_limit(limit);
         let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va, opts.shard > 0) {
+            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va) {
                 Ok(a) => (a, None),
                 Err(why) => (strategy::build(PoolKind::Split), Some(why)),
             },

@@ -27,8 +27,9 @@
 //!
 //! What it costs: memory cached on one stream's shard serves only that shard until memory
 //! runs short; PyTorch's allocator keeps each stream's blocks to that stream in the same
-//! way. The arena is never sharded (its point is one address space per device), nor is a
-//! pool over a caller's upstream (`install`), nor the test-only unsafe stream mode.
+//! way. An arena device's shards are arenas of their own, each over its own reserved
+//! ranges (a stream's blocks coalesce within its shard, as a `split` shard's do). Not
+//! sharded: a pool over a caller's upstream (`install`), and the test-only unsafe stream mode.
 //!
 //! Locks: a thread holds at most one shard lock, except `fork`, `configure` and `install`,
 //! which take them all in index order. Lock choice: `std::sync::Mutex` (futex: a short

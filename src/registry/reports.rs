@@ -21,6 +21,9 @@ struct Part {
     stats: Stats,
     calls: DriverCalls,
     arena: Option<ArenaFigures>,
+    strategy: &'static str,
+    /// Why this shard runs another strategy than configured (an arena without address space).
+    notice: Option<String>,
 }
 
 /// The device's own figures where it has more than one shard in use: the budget's peak of
@@ -32,7 +35,14 @@ type DeviceWide = Option<(usize, usize)>;
 fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Result<(R, Vec<Part>, DeviceWide)> {
     let (r, budget) = with_pool(device, |p| Ok((first(p), p.budget().clone())))?;
     let mut parts = Vec::new();
-    for_each_shard(device, |p| parts.push(Part { shard: p.shard(), stats: p.stats(), calls: p.driver_calls(), arena: p.arena_figures() }))?;
+    for_each_shard(device, |p| parts.push(Part {
+            shard: p.shard(),
+            stats: p.stats(),
+            calls: p.driver_calls(),
+            arena: p.arena_figures(),
+            strategy: p.strategy_name(),
+            notice: p.notice().map(str::to_owned),
+        }))?;
     let device_wide = (parts.len() > 1).then(|| (budget.peak(), budget.limit()));
     Ok((r, parts, device_wide))
 }
@@ -76,6 +86,12 @@ fn arena(parts: &[Part]) -> Option<ArenaFigures> {
     })
 }
 
+/// Notices of stream shards (shard 0's are in its own extras): a shard whose arena could not
+/// reserve its address space runs `split`, and the device's report must say so.
+fn shard_notices(parts: &[Part]) -> Vec<String> {
+    parts.iter().filter(|p| p.shard != 0).filter_map(|p| p.notice.as_ref().map(|n| format!("shard {}: {n}", p.shard))).collect()
+}
+
 fn calls(parts: &[Part]) -> DriverCalls {
     let mut c = DriverCalls::default();
     for p in parts {
@@ -102,6 +118,9 @@ pub fn memory_status(device: i32) -> Result<String> {
         out.push('\n');
     }
     out.push_str(&extras);
+    for n in shard_notices(&parts) {
+        out.push_str(&format!("  Notice: {n}\n"));
+    }
     out.push_str(&format!(
         "  Stream shards: {} in use (a lock each; peak in use above is the sum of their peaks, an upper bound):",
         parts.len()
@@ -133,12 +152,17 @@ pub fn stats_json(device: i32) -> Result<String> {
         out.push_str(&format!(",\"arena\":{}", a.json()));
     }
     out.push_str(&extras);
+    let notices = shard_notices(&parts);
+    if !notices.is_empty() {
+        let esc: Vec<String> = notices.iter().map(|n| format!("\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\""))).collect();
+        out.push_str(&format!(",\"shard_notices\":[{}]", esc.join(",")));
+    }
     let shards: Vec<String> = parts
         .iter()
         .map(|p| {
             format!(
-                "{{\"shard\":{},\"used_bytes\":{},\"total_bytes\":{},\"peak_used_bytes\":{},\"n_allocs\":{}}}",
-                p.shard, p.stats.used_bytes, p.stats.total_bytes, p.stats.peak_used_bytes, p.stats.n_allocs
+                "{{\"shard\":{},\"strategy\":\"{}\",\"used_bytes\":{},\"total_bytes\":{},\"peak_used_bytes\":{},\"n_allocs\":{}}}",
+                p.shard, p.strategy, p.stats.used_bytes, p.stats.total_bytes, p.stats.peak_used_bytes, p.stats.n_allocs
             )
         })
         .collect();

@@ -203,7 +203,7 @@ int main(int argc, char **argv) {
 
   void *blocks[2] = {NULL, NULL}, *before = NULL;
   const size_t sizes[2] = {BIG, SMALL};
-  /* A small block first, so the exported small block starts inside its granule. */
+  /* A small block first, so the small block to export starts inside its granule. */
   CHECK_STATUS(gpupool_malloc(&before, 3000, dev, NULL), GPUPOOL_STATUS_OK);
   for (int w = 0; w < 2; w++) {
     CHECK_STATUS(gpupool_malloc(&blocks[w], sizes[w], dev, NULL), GPUPOOL_STATUS_OK);
@@ -240,8 +240,27 @@ int main(int argc, char **argv) {
   CHECK_STATUS(gpupool_ipc_open(junk, SIZE_MAX, dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(gpupool_ipc_descriptor_fds(junk, SIZE_MAX, NULL, 0, &len), GPUPOOL_STATUS_INVALID_ARGUMENT);
 
+  /* The small block shares its granule with `before`: the importer would map that block
+   * too, so the export is refused, saying why; with `before` freed it goes through, and
+   * nothing allocated later lands in the exported block's granule. */
+  CHECK_STATUS(gpupool_ipc_export(blocks[1], desc[1], sizeof desc[1], &len), GPUPOOL_STATUS_INVALID_POINTER);
+  CHECK(strstr(last_error(), "shares its") != NULL && strstr(last_error(), "granule") != NULL,
+        "the refusal names the shared granule: %s", last_error());
+  CHECK_STATUS(gpupool_free(before, dev, NULL), GPUPOOL_STATUS_OK);
+  before = NULL;
   for (int w = 0; w < 2; w++) {
     CHECK_STATUS(gpupool_ipc_export(blocks[w], desc[w], sizeof desc[w], &desc_len[w]), GPUPOOL_STATUS_OK);
+  }
+  {
+    const uintptr_t g = (uintptr_t)2 * MIB, lo = (uintptr_t)blocks[1] & ~(g - 1);
+    const uintptr_t hi = ((uintptr_t)blocks[1] + SMALL + g - 1) & ~(g - 1);
+    void *after[8];
+    for (int i = 0; i < 8; i++) {
+      CHECK_STATUS(gpupool_malloc(&after[i], 3000, dev, NULL), GPUPOOL_STATUS_OK);
+      CHECK((uintptr_t)after[i] + 3000 <= lo || (uintptr_t)after[i] >= hi,
+            "a later block (%p) lands in the exported block's granule [%#lx, %#lx)", after[i], (unsigned long)lo, (unsigned long)hi);
+    }
+    for (int i = 0; i < 8; i++) CHECK_STATUS(gpupool_free(after[i], dev, NULL), GPUPOOL_STATUS_OK);
   }
   int fds[MAX_FDS];
   size_t n_fds = 0;
@@ -315,7 +334,6 @@ int main(int argc, char **argv) {
   for (int w = 0; w < 2; w++) CHECK_STATUS(gpupool_free(blocks[w], dev, NULL), GPUPOOL_STATUS_OK);
   CHECK_STATUS(gpupool_ipc_export(blocks[0], desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
   CHECK(strstr(last_error(), "double free") == NULL, "an export is not a free: %s", last_error());
-  CHECK_STATUS(gpupool_free(before, dev, NULL), GPUPOOL_STATUS_OK);
   printf("ipc on %s: %zu granules per 5 MiB block, child checked both blocks\n", up, n_fds);
   return check_end("ipc");
 }

@@ -87,6 +87,12 @@ pub struct ArenaStrategy {
     /// there, until the pool removes the alias (`stuck`, `unstick`). They hold no memory of
     /// their own: the home is still free in its range.
     stuck: std::collections::BTreeMap<usize, space::Slot>,
+    /// Exported blocks (`guard_export`): block address -> the free memory of its granules,
+    /// booked as allocated in its space (space, node) while the block lives, so no other
+    /// block is placed where the importing process can read and write.
+    exported: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
+    /// Bytes those guards hold (free memory set aside: counted as cached).
+    guard_bytes: usize,
     pub counters: ArenaCounters,
 }
 
@@ -100,6 +106,8 @@ impl ArenaStrategy {
             loans: Default::default(),
             small_loans: 0,
             stuck: Default::default(),
+            exported: Default::default(),
+            guard_bytes: 0,
             counters: ArenaCounters::default(),
         }
     }
@@ -222,6 +230,53 @@ impl ArenaStrategy {
             return None;
         }
         self.spaces[LARGE].take_scrap(rounded, stream, reusable)
+    }
+
+    /// Make the live block `[addr, addr + size)` exportable: another process maps whole
+    /// granules (`gpupool_ipc_export`), so the granules under the block must hold nothing
+    /// else while it lives. Refused (saying why) where another live block shares one; free
+    /// memory in them is set aside until the block is freed (`put`). A stitched block's
+    /// granules are its own already.
+    pub fn guard_export(&mut self, addr: usize, size: usize) -> Result<(), String> {
+        if self.stitches.contains(addr) || self.exported.contains_key(&addr) {
+            return Ok(());
+        }
+        let g = self.granule;
+        let si = self.space_of(addr);
+        let (first, end) = (addr & !(g - 1), (addr + size).div_ceil(g) * g);
+        let overlapping: Vec<(space::Node, space::Slot)> =
+            self.spaces[si].walk().filter(|(_, n)| n.addr < end && n.end() > first).map(|(s, n)| (*n, s)).collect();
+        if let Some((n, _)) = overlapping.iter().find(|(n, _)| n.state == space::State::Allocated && n.addr != addr) {
+            return Err(format!(
+                "the block shares its {} KiB granule(s) with the live block at {:#x}, which the importer could then read and \
+                 write; allocate what you share at least one granule ({} KiB) large, before smaller blocks fill its granules, \
+                 or copy it into such a block",
+                g >> 10,
+                n.addr,
+                g >> 10
+            ));
+        }
+        let mut guards = Vec::new();
+        for (n, _) in overlapping.into_iter().filter(|(n, _)| n.state == space::State::Free) {
+            let (a, e) = (n.addr.max(first), n.end().min(end));
+            // One guard per free node, carved with that node's stream: the memory goes back
+            // as free memory of the stream that freed it, not of the exported block's.
+            let b = self.spaces[si].carve_range(a, e - a, n.stream);
+            self.guard_bytes += b.size;
+            guards.push((si, b.handle));
+        }
+        self.exported.insert(addr, guards);
+        Ok(())
+    }
+
+    /// The guards of exported block `addr` go back as free memory (it was freed).
+    fn unguard(&mut self, addr: usize) {
+        for (si, slot) in self.exported.remove(&addr).unwrap_or_default() {
+            let n = *self.spaces[si].node(slot);
+            self.guard_bytes -= n.size;
+            let base = self.spaces[si].base;
+            self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: n.stream, handle: slot });
+        }
     }
 
     /// New memory now backs `[addr, addr + len)`.
@@ -427,6 +482,9 @@ impl Strategy for ArenaStrategy {
     }
 
     fn put(&mut self, block: Block) -> Option<Segment> {
+        if !self.exported.is_empty() {
+            self.unguard(block.addr);
+        }
         if self.stitches.contains(block.addr) {
             // The stitch stays mapped and cached; its home granules are free again.
             let st = self.stitches.get_mut(block.handle);
@@ -450,7 +508,7 @@ impl Strategy for ArenaStrategy {
     }
 
     fn cached_bytes(&self) -> usize {
-        self.spaces.iter().map(|s| s.free_bytes).sum()
+        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.guard_bytes
     }
 
     fn free_block_count(&self) -> usize {
@@ -606,6 +664,31 @@ mod tests {
         a.put(home);
         a.put(other);
         a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn an_exported_block_keeps_its_granules_to_itself_until_freed() {
+        let mut a = arena();
+        let (x, _) = grow(&mut a, 64 << 10, L);
+        let (y, _) = grow(&mut a, 64 << 10, L);
+        assert!(a.guard_export(y.addr, y.size).unwrap_err().contains("shares its"), "x lives in y's granule");
+        a.put(x);
+        let cached = a.cached_bytes();
+        a.guard_export(y.addr, y.size).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(a.cached_bytes(), cached, "the guards are free memory set aside, still cached");
+        // Nothing else is placed in y's granule while it is exported: the next small block
+        // needs a granule of its own.
+        let (z, mapped) = grow(&mut a, 64 << 10, L);
+        assert_eq!(mapped, 1, "a new granule for z");
+        assert_ne!(z.addr & !(G - 1), y.addr & !(G - 1));
+        // Freed, y's granule is one free block again (its guards went back with it).
+        a.put(y);
+        a.check_invariants().unwrap();
+        let g0 = y.addr & !(G - 1);
+        assert!(a.free_blocks().iter().any(|b| (b.addr, b.size) == (g0, G)), "{:?}", a.free_blocks());
+        assert_eq!(a.cached_bytes(), 2 * G - z.size, "both granules free but z");
+        a.put(z);
     }
 
     #[test]

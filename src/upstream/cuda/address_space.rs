@@ -12,8 +12,8 @@
 //! so another process can map them (`crate::upstream::shared`): `export` hands out a
 //! granule's descriptor, kept open until the granule is released, and `import` maps another
 //! process's granules side by side in a range of this process. Where the device also
-//! reports fabric handles (multi-node NVLink), both kinds are asked for, as PyTorch's
-//! expandable segments do. A driver that refuses a kind of shareable allocation (some
+//! reports fabric handles (multi-node NVLink), both kinds are asked for at once (as
+//! NCCL's `cuMemCreate` with fabric does), so fds keep working for `export`. A driver that refuses a kind of shareable allocation (some
 //! containers; fabric handles without an IMEX channel) gets the next plainer one from then
 //! on: fd + fabric, then fd, then none; only export fails then, with a message saying so.
 //!
