@@ -58,7 +58,7 @@ impl Upstream for BusyUpstream {
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
         self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
         self.host.vmm_unmap(addr, len)
     }

@@ -167,6 +167,9 @@ pub struct Pool {
     scratch_ranges: Vec<(usize, usize)>,
     /// `PoolOptions::arena_lend`.
     arena_lend: bool,
+    /// Bytes of arena granules the driver unmapped but would not release (`UnmapFail`):
+    /// booked unmapped, never handed out again, reported.
+    arena_leaked: usize,
     c: Counters,
     /// The device's reserved bytes and their limit, shared with the device's other shards.
     budget: std::sync::Arc<Budget>,
@@ -234,6 +237,7 @@ impl Pool {
             unfenced_bytes: 0,
             scratch_ranges: Vec::new(),
             arena_lend: opts.arena_lend,
+            arena_leaked: 0,
             c: Counters::default(),
             budget,
             shard: opts.shard,
