@@ -60,6 +60,43 @@ def test_out_of_memory_is_what_batch_size_finders_retry_smaller_on_host(library)
     assert "ok" in out
 
 
+def test_an_unknown_variable_draws_one_warning_naming_the_setting_meant(library):
+    # GPUPOOL_LIMIT is no setting (GPUPOOL_MEMORY_LIMIT is): one line on stderr however many
+    # calls follow. The project's own variables (GPUPOOL_LIBRARY, set by run_py; the Python
+    # package's GPUPOOL_TORCH_TYPED_OOM; the tests' GPUPOOL_FAULT_OPS) draw none.
+    p = run_py("""
+        import gpupool
+        for _ in range(3):
+            gpupool.stats(0)
+            gpupool.memory_status()
+        print("ok")
+    """, env={"GPUPOOL_LIMIT": "abc", "GPUPOOL_UPSTREAM": "host", "GPUPOOL_TORCH_TYPED_OOM": "0",
+              "GPUPOOL_FAULT_OPS": "1000"})
+    assert "ok" in ok(p)
+    lines = [l for l in p.stderr.splitlines() if "is not a gpupool setting" in l]
+    assert len([l for l in lines if "GPUPOOL_LIMIT " in l]) == 1, p.stderr
+    assert "did you mean GPUPOOL_MEMORY_LIMIT?" in lines[0], lines
+    for known in ("GPUPOOL_LIBRARY", "GPUPOOL_TORCH_TYPED_OOM", "GPUPOOL_FAULT_OPS", "GPUPOOL_UPSTREAM"):
+        assert not any(known + " is not" in l for l in lines), p.stderr
+
+
+def test_memory_status_shows_a_malformed_configuration(library):
+    # The error stats() raises, not "no device pool in use yet".
+    out = ok(run_py("""
+        import gpupool
+        text = gpupool.memory_status()
+        assert "no device pool in use yet" not in text, text
+        assert "GPUPOOL_MEMORY_LIMIT" in text and "lots" in text and "accepted" in text, text
+        try:
+            gpupool.stats(0)
+            raise SystemExit("no error")
+        except gpupool.GpupoolError as e:
+            assert str(e) == text.strip(), (str(e), text)
+        print("ok")
+    """, env={"GPUPOOL_MEMORY_LIMIT": "lots", "GPUPOOL_UPSTREAM": "host"}))
+    assert "ok" in out
+
+
 def test_missing_library_says_what_it_looked_for():
     p = run_py("import gpupool; gpupool.lib()", env={"GPUPOOL_LIBRARY": "/nonexistent/libgpupool.so"})
     assert p.returncode != 0
