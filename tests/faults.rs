@@ -409,7 +409,7 @@ fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
         total += churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, true).1;
     }
     println!("Arena: {total} virtual memory calls failed, books exact throughout");
-    assert!(total > 200, "the schedule injected almost nothing ({total})");
+    assert!(total > 100, "the schedule injected almost nothing ({total})");
 }
 
 #[test]
