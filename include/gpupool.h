@@ -148,7 +148,9 @@ enum gpupool_status gpupool_get_limit(int device, size_t *out_bytes);
 
 // Human-readable report of `device` (-1: every device in use), like CUDA.jl's
 // `memory_status()`. snprintf convention: writes at most `len` bytes including the NUL
-// and returns the report's length (allocate return + 1 bytes for all of it).
+// and returns the report's length (allocate return + 1 bytes for all of it). Where no
+// pool is in use because the environment's configuration is malformed (or the trace file
+// it names cannot be opened), the report is that error (also `gpupool_last_error`'s).
 //
 // # Safety
 // `buf` must be NULL or point to `len` writable bytes.

@@ -254,9 +254,122 @@ fn bool_flag(var: &'static str, v: &str) -> Result<bool> {
 static CONFIG: std::sync::OnceLock<Result<Config>> = std::sync::OnceLock::new();
 
 /// The environment's configuration, parsed once per process; a malformed value is returned
-/// as an error by every call that needs it.
+/// as an error by every call that needs it. The first call also warns about `GPUPOOL_*`
+/// variables nothing reads (`warn_unknown_variables`).
 pub fn get() -> Result<&'static Config> {
-    CONFIG.get_or_init(Config::from_env).as_ref().map_err(Clone::clone)
+    CONFIG
+        .get_or_init(|| {
+            warn_unknown_variables();
+            Config::from_env()
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Every variable `Config::from_lookup` reads.
+pub const VARIABLES: [&str; 16] = [
+    "GPUPOOL_POOL",
+    "GPUPOOL_UPSTREAM",
+    "GPUPOOL_MEMORY_LIMIT",
+    "GPUPOOL_HOST_CAPACITY",
+    "GPUPOOL_DEBUG",
+    "GPUPOOL_TRACE",
+    "GPUPOOL_CHECK_INVARIANTS",
+    "GPUPOOL_UNSAFE_IGNORE_STREAMS",
+    "GPUPOOL_THREAD_CACHE",
+    "GPUPOOL_EVENT_BATCH",
+    "GPUPOOL_EVENT_BATCH_BYTES",
+    "GPUPOOL_STREAM_SHARDS",
+    "GPUPOOL_ARENA_LEND",
+    "GPUPOOL_STATUS_SOCKET",
+    "GPUPOOL_ARENA_VA",
+    "GPUPOOL_DECAY",
+];
+
+/// Variables of the project that the library does not read: the Python package's (first
+/// two, which users set too), then those of its tests, scripts and CMake build. Never
+/// warned about (`tests/env_names.rs` checks every `GPUPOOL_` name of the repository is
+/// here, in `VARIABLES`, or no environment variable at all).
+pub const OTHER_VARIABLES: [&str; 13] = [
+    "GPUPOOL_LIBRARY",
+    "GPUPOOL_TORCH_TYPED_OOM",
+    "GPUPOOL_TEST_INSTALLED",
+    "GPUPOOL_MODEL_OPS",
+    "GPUPOOL_ARENA_MODEL_OPS",
+    "GPUPOOL_FAULT_OPS",
+    "GPUPOOL_BLESS",
+    "GPUPOOL_VENV",
+    "GPUPOOL_BUILD_EXAMPLES",
+    "GPUPOOL_BUILD_TESTS",
+    "GPUPOOL_RMM_ROOT",
+    "GPUPOOL_RAPIDS_LOGGER_ROOT",
+    "GPUPOOL_SOURCE",
+];
+
+/// Of `names` (environment variable names), those starting `GPUPOOL_` that nothing in the
+/// project reads, each once, in order, with the setting a user most likely meant.
+pub fn unknown_variables(names: impl IntoIterator<Item = String>) -> Vec<(String, &'static str)> {
+    let mut out: Vec<(String, &'static str)> = Vec::new();
+    for n in names {
+        if n.starts_with("GPUPOOL_")
+            && !VARIABLES.contains(&n.as_str())
+            && !OTHER_VARIABLES.contains(&n.as_str())
+            && !out.iter().any(|(m, _)| *m == n)
+        {
+            let near = closest(&n);
+            out.push((n, near));
+        }
+    }
+    out
+}
+
+/// The setting closest to `name`: the one sharing most words (`GPUPOOL_LIMIT` ->
+/// `GPUPOOL_MEMORY_LIMIT`), then the fewest edits (`GPUPOOL_POLL` -> `GPUPOOL_POOL`).
+/// Settings users set only: the library's and the Python package's two.
+fn closest(name: &str) -> &'static str {
+    let words = |s: &str| -> Vec<String> { s.trim_start_matches("GPUPOOL_").split('_').map(str::to_ascii_uppercase).collect() };
+    let mine = words(name);
+    let upper = name.to_ascii_uppercase();
+    VARIABLES
+        .iter()
+        .chain(&OTHER_VARIABLES[..2])
+        .copied()
+        .min_by_key(|v| {
+            let shared = words(v).iter().filter(|w| mine.contains(w)).count();
+            (std::cmp::Reverse(shared), edit_distance(&upper, v))
+        })
+        .expect("settings exist")
+}
+
+/// Levenshtein distance of two ASCII names.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, &x) in a.iter().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, &y) in b.iter().enumerate() {
+            let next = (diag + (x != y) as usize).min(row[j] + 1).min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+/// One line on stderr per `GPUPOOL_*` variable of the environment that nothing reads (a
+/// typo, or a setting of another version), naming the setting meant most likely: such a
+/// variable changes nothing, which the user would otherwise never learn. Once per process.
+fn warn_unknown_variables() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let names = std::env::vars_os().filter_map(|(k, _)| k.into_string().ok());
+        for (name, near) in unknown_variables(names) {
+            crate::error::warn(&format!(
+                "gpupool: warning: {name} is not a gpupool setting and is ignored; did you mean {near}? (the settings: README, \"Configuration\")"
+            ));
+        }
+    });
 }
 
 impl Config {
@@ -440,6 +553,24 @@ mod tests {
         assert_eq!(cfg(&[("GPUPOOL_POOL", "arena")]).unwrap().pool, PoolKind::Arena);
         assert_eq!(cfg(&[]).unwrap().pool, PoolKind::Arena, "the arena is the default");
         assert_eq!(cfg(&[("GPUPOOL_POOL", "split")]).unwrap().pool, PoolKind::Split);
+    }
+
+    #[test]
+    fn unknown_variables_are_named_once_with_the_setting_meant() {
+        let env = |v: &[&str]| unknown_variables(v.iter().map(|s| s.to_string()));
+        assert_eq!(env(&["GPUPOOL_LIMIT", "PATH", "GPUPOOL_POOL", "GPUPOOL_LIMIT"]), vec![("GPUPOOL_LIMIT".to_string(), "GPUPOOL_MEMORY_LIMIT")]);
+        let near = |n: &str| env(&[n])[0].1;
+        assert_eq!(near("GPUPOOL_POLL"), "GPUPOOL_POOL");
+        assert_eq!(near("GPUPOOL_MEM_LIMIT"), "GPUPOOL_MEMORY_LIMIT");
+        assert_eq!(near("GPUPOOL_EVENTBATCH"), "GPUPOOL_EVENT_BATCH");
+        assert_eq!(near("GPUPOOL_THREADCACHE"), "GPUPOOL_THREAD_CACHE");
+        assert_eq!(near("GPUPOOL_ARENA_LENDING"), "GPUPOOL_ARENA_LEND");
+        assert_eq!(near("GPUPOOL_upstream"), "GPUPOOL_UPSTREAM");
+        assert_eq!(near("GPUPOOL_TORCH_TYPED_OOMS"), "GPUPOOL_TORCH_TYPED_OOM");
+        // The project's own names, the library's and the others, are never warned about.
+        assert!(env(&VARIABLES).is_empty());
+        assert!(env(&OTHER_VARIABLES).is_empty());
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
     }
 
     #[test]

@@ -162,10 +162,16 @@ pub fn human_bytes(n: usize) -> String {
     }
 }
 
+/// What an out-of-memory message starts with: PyTorch's own phrase, which batch-size finders
+/// (HF accelerate's `should_reduce_batch_size`, Lightning's batch size scaler, toma) look for
+/// in a `RuntimeError`'s text to tell "too big, try smaller" from a real failure. gpupool's
+/// report follows it.
+pub const CUDA_OOM_PHRASE: &str = "CUDA out of memory.";
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let h = human_bytes;
-        write!(f, "gpupool: out of memory on device {}: tried to allocate {}", self.device, h(self.requested))?;
+        write!(f, "{CUDA_OOM_PHRASE} gpupool: out of memory on device {}: tried to allocate {}", self.device, h(self.requested))?;
         if self.rounded != self.requested {
             write!(f, " (rounded to {})", h(self.rounded))?;
         }

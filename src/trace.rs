@@ -166,6 +166,15 @@ pub fn global() -> Result<Option<&'static Tracer>> {
         .map_err(Clone::clone)
 }
 
+/// Why `GPUPOOL_TRACE`'s file could not be opened, once a pool tried (`global`); None
+/// before that or when it opened. Opens nothing.
+pub fn open_error() -> Option<crate::error::Error> {
+    match GLOBAL.get() {
+        Some(Err(e)) => Some(e.clone()),
+        _ => None,
+    }
+}
+
 /// At exit: flush the trace file.
 pub fn finish_global() {
     if let Some(Ok(Some(t))) = GLOBAL.get() {

@@ -394,7 +394,7 @@ impl Upstream for StickyAliases {
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
         self.host.vmm_unmap(addr, len)
     }
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), gpupool::upstream::AliasFail> {

@@ -274,6 +274,7 @@ fn oom_recovers_by_releasing_cache(kind: PoolKind) {
     }
     let e = p.malloc(40 * MIB, LEGACY).unwrap_err();
     let msg = e.to_string();
+    assert!(msg.starts_with("CUDA out of memory. "), "OOM message does not start with PyTorch's phrase: {msg}");
     for needle in ["out of memory", "40.00 MiB", "Device:", "reserved", "in use", "cached", "largest free block", "limit", "Hint"] {
         assert!(msg.contains(needle), "OOM message lacks {needle:?}: {msg}");
     }

@@ -2,8 +2,12 @@
 //! a seeded random one), under every strategy. Every failure must come back as a clear
 //! error, the pool's books must stay exact (its invariant scan runs after every operation),
 //! no block may be handed out twice or lost, and once the faults stop everything works and
-//! all memory goes back. Also: a panic inside a pool stops that pool instead of letting it
-//! hand out memory from half-updated books.
+//! all memory goes back. The arena's virtual memory calls fail at random points inside them
+//! (a granule's creation, map or access grant, an alias's map or grant, an unmap, a release
+//! after a successful unmap, an alias's removal), and after every operation its books must
+//! agree with what the host upstream really maps: nothing handed out unmapped, nothing
+//! mapped over memory still mapped. Also: a panic inside a pool stops that pool instead of
+//! letting it hand out memory from half-updated books.
 
 #[macro_use]
 mod common;
@@ -17,12 +21,15 @@ use gpupool::config::PoolKind;
 use gpupool::error::{Error, Result};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
+use gpupool::upstream::host::HOST_PAGE;
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, UnmapFail, Upstream};
+use std::collections::HashSet;
 use gpupool::{Pool, PoolOptions};
 use std::sync::{Arc, Mutex};
 
 /// Which calls fail: each kind fails every `every`-th call when set, and every call fails
-/// with probability `1/random` from the seeded generator when set.
+/// with probability `1/random` from the seeded generator when set (`vmm_only`: only the
+/// virtual memory calls). Also what the host really maps, kept after every such call.
 #[derive(Default)]
 struct Schedule {
     every: u64,
@@ -31,25 +38,46 @@ struct Schedule {
     calls: u64,
     injected: u64,
     off: bool,
+    vmm_only: bool,
+    /// Granules that show memory now (homes and aliases), and the bytes of the homes: what
+    /// the arena's books must agree with.
+    real: HashSet<usize>,
+    real_home_bytes: usize,
+    /// Maps the pool asked for over memory still mapped (must never happen).
+    violations: Vec<String>,
+    /// Granules unmapped whose release was made to fail (their memory "leaked").
+    leaks: u64,
 }
 
 impl Schedule {
-    fn fail(&mut self) -> bool {
+    fn dice(&mut self) -> u64 {
+        // xorshift64*: a fixed seed gives a reproducible schedule.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn fail_any(&mut self) -> bool {
         if self.off {
             return false;
         }
         self.calls += 1;
         let by_count = self.every != 0 && self.calls % self.every == 0;
-        let by_dice = self.random != 0 && {
-            // xorshift64*: a fixed seed gives a reproducible schedule.
-            self.rng ^= self.rng >> 12;
-            self.rng ^= self.rng << 25;
-            self.rng ^= self.rng >> 27;
-            self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D) % self.random == 0
-        };
+        let by_dice = self.random != 0 && self.dice() % self.random == 0;
         let f = by_count || by_dice;
         self.injected += f as u64;
         f
+    }
+
+    /// Whether this (non-VMM) call fails.
+    fn fail(&mut self) -> bool {
+        !self.vmm_only && self.fail_any()
+    }
+
+    /// A position in `0..n`, where a failing call fails.
+    fn position(&mut self, n: usize) -> usize {
+        (self.dice() % n.max(1) as u64) as usize
     }
 }
 
@@ -66,6 +94,34 @@ fn injected(what: &str) -> Error {
 impl FaultyUpstream {
     fn fail(&self) -> bool {
         self.s.lock().unwrap().fail()
+    }
+
+    /// Whether this VMM call fails, and if so where in its `n` steps.
+    fn fail_vmm(&self, n: usize) -> Option<usize> {
+        let mut s = self.s.lock().unwrap();
+        s.fail_any().then(|| s.position(n))
+    }
+
+    /// Note what the host really maps in `[addr, addr + len)` after a VMM call.
+    fn sync(&self, addr: usize, len: usize) {
+        let mut s = self.s.lock().unwrap();
+        for g in (addr..addr + len).step_by(HOST_PAGE) {
+            if self.host.vmm_is_mapped(g) {
+                s.real.insert(g);
+            } else {
+                s.real.remove(&g);
+            }
+        }
+        s.real_home_bytes = self.host.vmm_mapped_bytes();
+    }
+
+    /// The pool must never map over memory still mapped: the driver would refuse, and books
+    /// that allow it are wrong.
+    fn expect_unmapped(&self, addr: usize, len: usize, what: &str) {
+        let mut s = self.s.lock().unwrap();
+        if let Some(g) = (addr..addr + len).step_by(HOST_PAGE).find(|g| s.real.contains(g)) {
+            s.violations.push(format!("{what} over {g:#x}, which is mapped"));
+        }
     }
 }
 
@@ -130,41 +186,88 @@ impl Upstream for FaultyUpstream {
     }
     host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        if self.fail() {
-            return Err(if len % (4 * MIB) == 0 { AllocError::OutOfMemory } else { AllocError::Other(injected("map")) });
+        self.expect_unmapped(addr, len, "map");
+        let n = len / HOST_PAGE;
+        // Granule k's creation (an even k: out of memory), its map, or the access grant
+        // over all of them (k = n) fails; the upstream undoes what it mapped (all or nothing).
+        if let Some(k) = self.fail_vmm(2 * n + 1) {
+            if k / 2 > 0 && self.host.vmm_map_new(addr, k / 2 * HOST_PAGE).is_ok() {
+                let _ = self.host.vmm_unmap(addr, k / 2 * HOST_PAGE);
+            }
+            return Err(match k {
+                k if k == 2 * n => AllocError::Other(injected("set access")),
+                k if k % 2 == 0 => AllocError::OutOfMemory,
+                _ => AllocError::Other(injected("map")),
+            });
         }
-        self.host.vmm_map_new(addr, len)
+        let r = self.host.vmm_map_new(addr, len);
+        self.sync(addr, len);
+        r
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        if self.fail() {
-            return Err(injected("unmap"));
-        }
-        self.host.vmm_unmap(addr, len)
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
+        let n = len / HOST_PAGE;
+        // Granule k's unmap fails (it stays mapped), or its unmap succeeds and the release
+        // of its memory fails (its address is gone, its memory leaked); the ones before it
+        // are gone.
+        let r = match self.fail_vmm(2 * n) {
+            None => self.host.vmm_unmap(addr, len),
+            Some(k) => {
+                let before = k / 2 * HOST_PAGE;
+                match self.host.vmm_unmap(addr, before) {
+                    Err(f) => Err(f),
+                    Ok(()) if k % 2 == 0 => Err(UnmapFail { unmapped: before, leaked: 0, error: injected("unmap") }),
+                    Ok(()) => match self.host.vmm_unmap(addr + before, HOST_PAGE) {
+                        Err(f) => Err(UnmapFail { unmapped: before + f.unmapped, ..f }),
+                        Ok(()) => {
+                            self.s.lock().unwrap().leaks += 1;
+                            Err(UnmapFail { unmapped: before + HOST_PAGE, leaked: HOST_PAGE, error: injected("release") })
+                        }
+                    },
+                }
+            }
+        };
+        self.sync(addr, len);
+        r
     }
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
-        if self.fail() {
-            return Err(AliasFail { made: 0, error: injected("alias") });
-        }
-        // A failure after some aliases are in place, as a refused access grant leaves them.
-        if homes.len() > 1 && self.fail() {
-            self.host.vmm_alias(&homes[..homes.len() / 2], to)?;
-            return Err(AliasFail { made: homes.len() / 2, error: injected("alias access") });
-        }
-        self.host.vmm_alias(homes, to)
+        self.expect_unmapped(to, homes.len() * HOST_PAGE, "alias");
+        // The map of alias `made` fails, or (made = all) the access grant over them, which
+        // leaves them all in place.
+        let r = match self.fail_vmm(homes.len() + 1) {
+            None => self.host.vmm_alias(homes, to),
+            Some(made) => match self.host.vmm_alias(&homes[..made], to) {
+                Err(f) => Err(f),
+                Ok(()) => Err(AliasFail { made, error: injected(if made == homes.len() { "alias access" } else { "alias" }) }),
+            },
+        };
+        self.sync(to, homes.len() * HOST_PAGE);
+        r
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        if self.fail() {
+        if self.fail_vmm(1).is_some() {
             return Err(injected("unalias"));
         }
-        self.host.vmm_unalias(addr, len)
+        let r = self.host.vmm_unalias(addr, len);
+        self.sync(addr, len);
+        r
     }
 }
 
 const STREAMS: [StreamHandle; 3] = [0, 0xA00, 0xB00];
 
-/// Random operations under `schedule`; returns (operations, faults injected).
-fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize) -> (usize, u64) {
-    let s = Arc::new(Mutex::new(Schedule { every, random, rng: seed | 1, ..Default::default() }));
+/// The arena's books against what the host really maps (after operation `i`): the same
+/// bytes of memory mapped, and the pool never asked to map over mapped memory.
+fn books_agree(p: &Pool, s: &Mutex<Schedule>, i: usize) {
+    let s = s.lock().unwrap();
+    assert!(s.violations.is_empty(), "operation {i}: {:?}", s.violations);
+    let books = p.arena_figures().expect("an arena pool").mapped;
+    assert_eq!(books, s.real_home_bytes, "operation {i}: the arena books {books} bytes mapped, the host maps {}", s.real_home_bytes);
+}
+
+/// Random operations under `schedule` (`vmm_only`: only the virtual memory calls fail);
+/// returns (operations, faults injected).
+fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_only: bool) -> (usize, u64) {
+    let s = Arc::new(Mutex::new(Schedule { every, random, rng: seed | 1, vmm_only, ..Default::default() }));
     let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
     let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
     let mut p = match Pool::new(0, Box::new(up), &opts) {
@@ -194,6 +297,13 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize) -> (usi
                     Ok(a) => {
                         for &(b, n, _, _) in &live {
                             assert!(a + size <= b || b + n <= a, "{kind:?}: block {a:#x}+{size} handed out over live {b:#x}+{n}");
+                        }
+                        if kind == PoolKind::Arena {
+                            let g = s.lock().unwrap();
+                            let first = a & !(HOST_PAGE - 1);
+                            if let Some(u) = (first..a + size).step_by(HOST_PAGE).find(|u| !g.real.contains(u)) {
+                                panic!("operation {i}: block {a:#x}+{size} handed out over the unmapped granule {u:#x}");
+                            }
                         }
                         stamp(a, size, i as u64);
                         live.push((a, size, stream, i as u64));
@@ -231,12 +341,15 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize) -> (usi
             },
             _ => {}
         }
+        if kind == PoolKind::Arena {
+            books_agree(&p, &s, i);
+        }
     }
     // Faults stop: everything works and everything goes back.
-    let faults = {
+    let (faults, leaks) = {
         let mut g = s.lock().unwrap();
         g.off = true;
-        g.injected
+        (g.injected, g.leaks)
     };
     p.set_limit(0).unwrap();
     for (a, n, st, id) in live.drain(..) {
@@ -249,6 +362,12 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize) -> (usi
     p.check_invariants().unwrap();
     assert_eq!(p.used_bytes(), 0, "{kind:?}: bytes still counted in use");
     assert_eq!(p.reserved_bytes(), 0, "{kind:?}: memory lost: {} bytes still reserved after freeing all and reclaiming", p.reserved_bytes());
+    if kind == PoolKind::Arena {
+        books_agree(&p, &s, ops);
+        // Each granule whose release failed is reported as leaked, exactly.
+        let leaked = p.arena_figures().unwrap().leaked;
+        assert_eq!(leaked, leaks as usize * HOST_PAGE, "granules leaked: {leaks} injected, {leaked} bytes reported");
+    }
     (ops, faults)
 }
 
@@ -259,7 +378,7 @@ fn every_nth_call_failing_loses_nothing() {
     for kind in KINDS {
         let mut total = 0;
         for every in [2, 3, 7, 13] {
-            total += churn(kind, every, 0, every, 4_000).1;
+            total += churn(kind, every, 0, every, 4_000, false).1;
         }
         println!("{kind:?}: {total} faults injected (every 2nd/3rd/7th/13th call), survived");
         assert!(total > 100, "{kind:?}: the schedule injected almost nothing ({total})");
@@ -272,11 +391,25 @@ fn seeded_random_faults_lose_nothing() {
     for kind in KINDS {
         let mut total = 0;
         for seed in 1..=4u64 {
-            total += churn(kind, 0, 5, seed * 7919, ops / 4).1;
+            total += churn(kind, 0, 5, seed * 7919, ops / 4, false).1;
         }
         println!("{kind:?}: {ops} operations, {total} random faults injected, survived");
         assert!(total > 50, "{kind:?}: {total}");
     }
+}
+
+/// Only the arena's virtual memory calls fail (at random points inside them), often, so
+/// failures land on every path that maps, aliases, unmaps and removes aliases; after every
+/// operation the books agree with what is mapped (`churn`). A tenth of `GPUPOOL_FAULT_OPS`.
+#[test]
+fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
+    let ops: usize = std::env::var("GPUPOOL_FAULT_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000) / 10;
+    let mut total = 0;
+    for (seed, random) in [(11u64, 3u64), (13, 4), (17, 6), (19, 10)] {
+        total += churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, true).1;
+    }
+    println!("Arena: {total} virtual memory calls failed, books exact throughout");
+    assert!(total > 100, "the schedule injected almost nothing ({total})");
 }
 
 #[test]

@@ -38,6 +38,8 @@ fn bad_input_gets_clear_status_and_changes_nothing() {
         let (st, p) = malloc(usize::MAX, 1);
         assert_eq!((st, p), (Status::OutOfMemory, null_mut()));
         assert!(last().contains("out of memory on device 1"), "{}", last());
+        // PyTorch's phrase first, which batch-size finders match, then gpupool's report.
+        assert!(last().starts_with("CUDA out of memory. gpupool: out of memory on device 1"), "{}", last());
         assert_eq!(gpupool_free(keep.add(256), 1, null_mut()), Status::InvalidPointer);
         assert!(last().contains("inside the live block"), "{}", last());
         assert_eq!(gpupool_free(0x1234_5600 as *mut c_void, 1, null_mut()), Status::InvalidPointer);

@@ -110,7 +110,7 @@ impl Upstream for CaptureUpstream {
         self.unsafe_call("map");
         self.host.vmm_map_new(addr, len)
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
         self.unsafe_call("unmap");
         self.host.vmm_unmap(addr, len)
     }

@@ -23,6 +23,8 @@ struct Device {
     log: Mutex<Vec<String>>,
     /// Event queries so far.
     queries: std::sync::atomic::AtomicUsize,
+    /// While set, every event record fails (a driver that refuses them).
+    refuse_records: AtomicBool,
 }
 
 struct BusyUpstream {
@@ -41,6 +43,10 @@ impl Upstream for BusyUpstream {
         Ok(self.next_event)
     }
     fn event_record(&mut self, ev: EventHandle, s: StreamHandle) -> Result<()> {
+        if self.dev.refuse_records.load(Ordering::SeqCst) {
+            self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x} refused"));
+            return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });
+        }
         self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x}"));
         Ok(())
     }
@@ -58,7 +64,7 @@ impl Upstream for BusyUpstream {
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
         self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
         self.host.vmm_unmap(addr, len)
     }
@@ -300,6 +306,43 @@ fn stream_less_frees_are_reused_only_after_a_legacy_fence() {
     assert!(more.contains(&again) || again == first, "fenced blocks are reused");
     p.free(again, 0).unwrap();
     assert_eq!(p.stats().used_bytes, 0);
+}
+
+#[test]
+fn stream_less_frees_stay_unfenced_while_the_fence_cannot_be_recorded() {
+    use gpupool::pool::UNFENCED_MAX_BLOCKS;
+    for_caching(|kind| {
+        let (mut p, dev) = pool(kind, false);
+        dev.refuse_records.store(true, Ordering::SeqCst);
+        let freed: Vec<usize> = (0..UNFENCED_MAX_BLOCKS).map(|_| p.malloc(MIB, 0).unwrap()).collect();
+        for a in &freed {
+            p.free_unordered(*a).unwrap();
+        }
+        assert!(log(&dev).iter().any(|l| l.ends_with("refused")), "{kind:?}: the full batch tried a fence");
+        // No fence: none of them is reused, on the legacy stream or another, before or
+        // after pressure (reclaim fences at once, and fails again).
+        let mut more = Vec::new();
+        for s in [0, A, 0, B] {
+            if s == B {
+                let _ = p.reclaim();
+            }
+            for _ in 0..UNFENCED_MAX_BLOCKS / 4 {
+                let a = p.malloc(MIB, s).unwrap();
+                assert!(!freed.contains(&a), "{kind:?}: {a:#x} reused on {s:#x} though its fence failed");
+                more.push((a, s));
+            }
+        }
+        // The driver records again: the next fence (the next allocation's, the batch being
+        // full) hands them on.
+        dev.refuse_records.store(false, Ordering::SeqCst);
+        let a = p.malloc(MIB, 0).unwrap();
+        assert!(freed.contains(&a), "{kind:?}: fenced blocks are reused");
+        p.free(a, 0).unwrap();
+        for (a, s) in more {
+            p.free(a, s).unwrap();
+        }
+        assert_eq!(p.stats().used_bytes, 0);
+    });
 }
 
 /// Blocks handed from stream to stream through many short-lived streams: each stream's free

@@ -8,6 +8,7 @@ use gpupool::Status;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
 
+#[macro_use]
 mod common;
 use common::{device_stats as stats, last_error as last};
 
@@ -354,6 +355,53 @@ fn cupy_frees_are_reused_only_after_a_batched_fence() {
     reclaim(d);
     let s = stats(d);
     assert_eq!((s.total_bytes, s.used_bytes, s.n_live_blocks), (0, 0, 0));
+    check(d);
+}
+
+/// A host device whose driver refuses event records while `refuse` is set.
+struct RefusingRecords {
+    host: gpupool::upstream::host::HostUpstream,
+    refuse: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl gpupool::upstream::Upstream for RefusingRecords {
+    fn name(&self) -> &'static str {
+        "refusing-records"
+    }
+    host_memory!();
+    fn event_record(&mut self, _ev: gpupool::upstream::EventHandle, _s: gpupool::stream::StreamHandle) -> gpupool::error::Result<()> {
+        if self.refuse.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn cupy_frees_stay_unfenced_while_the_fence_cannot_be_recorded() {
+    use gpupool::thread_cache::FENCE_BATCH;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let d = 32;
+    let refuse = std::sync::Arc::new(AtomicBool::new(true));
+    let up = RefusingRecords { host: gpupool::upstream::host::HostUpstream::new(1 << 30), refuse: refuse.clone() };
+    gpupool::registry::install(d, gpupool::config::PoolKind::Split, Box::new(up)).unwrap();
+    // A full batch of CuPy frees, then allocations whose fences all fail: nothing comes back.
+    let mut seen = Vec::new();
+    for i in 0..4 * FENCE_BATCH {
+        let p = cupy_malloc(MIB, d);
+        assert!(!seen.contains(&p), "allocation {i}: {p:#x} reused though no fence was recorded");
+        seen.push(p);
+        cupy_free(p, d);
+    }
+    assert!(kept(d) > 0, "the magazine holds the unfenced frees");
+    check(d);
+    // Records work again: the next allocation's fence makes them reusable.
+    refuse.store(false, Ordering::SeqCst);
+    let p = cupy_malloc(MIB, d);
+    assert!(seen.contains(&p), "{p:#x}: a fenced block is reused");
+    cupy_free(p, d);
+    let s = stats(d);
+    assert_eq!((s.used_bytes, s.n_live_blocks, s.n_invalid_frees), (0, 0, 0));
     check(d);
 }
 

@@ -61,6 +61,10 @@ std::string last_error(int status) {
     s.resize(n);
   }
   if (s.empty()) s = "gpupool: allocation failed with status " + std::to_string(status);
+  // Out of memory carries PyTorch's phrase first (the library's text does): batch-size
+  // finders (accelerate, Lightning) look for it to retry smaller.
+  const char *phrase = "CUDA out of memory.";
+  if (status == kOutOfMemory && s.find(phrase) == std::string::npos) s = std::string(phrase) + " " + s;
   return s;
 }
 

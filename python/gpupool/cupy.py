@@ -65,7 +65,7 @@ def _oom_type():
             library raises this class with the message alone (PyErr_SetString), so the
             constructor takes the message and keeps CuPy's attributes at "unknown"."""
 
-            def __init__(self, message="gpupool: out of memory", size=0, total=-1, limit=0):
+            def __init__(self, message="CUDA out of memory. gpupool: out of memory", size=0, total=-1, limit=0):
                 MemoryError.__init__(self, message)
                 self._size, self._total, self._limit = size, total, limit
 

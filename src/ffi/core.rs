@@ -200,7 +200,9 @@ fn report(device: c_int, one: impl Fn(i32) -> crate::error::Result<String>, join
 
 /// Human-readable report of `device` (-1: every device in use), like CUDA.jl's
 /// `memory_status()`. snprintf convention: writes at most `len` bytes including the NUL
-/// and returns the report's length (allocate return + 1 bytes for all of it).
+/// and returns the report's length (allocate return + 1 bytes for all of it). Where no
+/// pool is in use because the environment's configuration is malformed (or the trace file
+/// it names cannot be opened), the report is that error (also `gpupool_last_error`'s).
 ///
 /// # Safety
 /// `buf` must be NULL or point to `len` writable bytes.
@@ -209,7 +211,15 @@ pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, 
     call_value(0, || {
         let mut s = report(device, registry::memory_status, ("", "", ""));
         if s.is_empty() {
-            s = "gpupool: no device pool in use yet\n".into();
+            // A malformed configuration keeps every pool from being made: "no pool yet"
+            // would hide why.
+            s = match registry::settings_error() {
+                Some(e) => {
+                    super::boundary::record(&e);
+                    format!("{e}\n")
+                }
+                None => "gpupool: no device pool in use yet\n".into(),
+            };
         }
         write_str(&s, buf, len)
     })

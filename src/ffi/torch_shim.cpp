@@ -40,6 +40,14 @@ std::string last_error() {
   return s;
 }
 
+// Out of memory carries PyTorch's phrase first, as the library's own text does: batch-size
+// finders (accelerate, Lightning) look for it in the RuntimeError to retry smaller.
+std::string oom_text(std::string s) {
+  const char *phrase = "CUDA out of memory.";
+  if (s.find(phrase) == std::string::npos) s = std::string(phrase) + " " + (s.empty() ? "gpupool: out of memory" : s);
+  return s;
+}
+
 }  // namespace
 
 // Called only by gpupool_torch_malloc (torch.rs), which Rust exports with the "C-unwind" ABI
@@ -48,7 +56,7 @@ extern "C" void *gpupool_torch_malloc_or_throw(size_t size, int device, void *st
   void *p = nullptr;
   int st = gpupool_malloc(&p, size, device, stream);
   if (st == 0) return p;
-  if (st == kOutOfMemory) throw OutOfMemory(last_error());
+  if (st == kOutOfMemory) throw OutOfMemory(oom_text(last_error()));
   throw std::runtime_error(last_error());
 }
 

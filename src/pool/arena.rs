@@ -342,21 +342,15 @@ impl Pool {
                     }
                     let home = self.arena().end_loan(at, StreamKey::LEGACY);
                     loans_ended = true;
-                    if self.upstream.vmm_unmap(home, g).is_ok() {
-                        self.arena().unmapped(home, g);
-                        self.sub_reserved(g);
-                        got += g;
+                    if let Some(n) = self.unmap_granule(home) {
+                        got += n;
                         self.c.upstream_frees += 1;
                         self.trace(0, Action::UpstreamFree, home, g);
                     }
                     continue;
                 }
-                if self.upstream.vmm_unmap(at, g).is_err() {
-                    break;
-                }
-                self.arena().unmapped(at, g);
-                self.sub_reserved(g);
-                got += g;
+                let Some(n) = self.unmap_granule(at) else { break };
+                got += n;
                 released_here = true;
             }
             if released_here {
@@ -365,6 +359,33 @@ impl Pool {
             }
         }
         (got, loans_ended)
+    }
+
+    /// Unmap the free granule `at` (no alias over it, its streams waited for) and book
+    /// exactly what the driver did. `None`: it is still mapped (and booked so). Otherwise its
+    /// address is gone and booked unmapped, so no block is ever carved over it unmapped;
+    /// returns the bytes released, 0 where the driver unmapped it but would not release
+    /// its memory (leaked: counted and reported, never handed out again).
+    fn unmap_granule(&mut self, at: usize) -> Option<usize> {
+        let g = self.arena().granule();
+        let leaked = match self.upstream.vmm_unmap(at, g) {
+            Ok(()) => None,
+            Err(f) if f.unmapped >= g => Some(f.error),
+            Err(_) => return None,
+        };
+        self.arena().unmapped(at, g);
+        self.sub_reserved(g);
+        let Some(error) = leaked else { return Some(g) };
+        self.arena_leaked += g;
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            crate::error::warn(&format!(
+                "gpupool: warning: device {}: the driver unmapped a granule of the arena but would not release its memory ({error}); \
+                 it is lost until the process ends (the status report counts such memory as leaked; this is said once)",
+                self.device
+            ));
+        }
+        Some(0)
     }
 
     /// Wait until every free on `streams` has completed (each stream once per operation:
@@ -418,6 +439,7 @@ impl Pool {
             small: usage[0],
             large: usage[1],
             memory: self.upstream.vmm_memory_kind(),
+            leaked: self.arena_leaked,
         })
     }
 }
@@ -439,6 +461,9 @@ pub struct ArenaFigures {
     pub large: (usize, usize),
     /// What its granules are created as (`Upstream::vmm_memory_kind`).
     pub memory: String,
+    /// Bytes of granules unmapped whose memory the driver would not release (lost until
+    /// the process ends).
+    pub leaked: usize,
 }
 
 impl ArenaFigures {
@@ -462,6 +487,7 @@ impl ArenaFigures {
         if self.memory.is_empty() {
             self.memory.clone_from(&o.memory);
         }
+        self.leaked += o.leaked;
     }
 
     /// The `arena` object of the JSON report.
@@ -473,7 +499,7 @@ impl ArenaFigures {
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
                 "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
                 "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{},",
-                "\"memory\":\"{}\"}}"
+                "\"memory\":\"{}\",\"leaked_bytes\":{}}}"
             ),
             self.granule,
             self.mapped,
@@ -491,7 +517,8 @@ impl ArenaFigures {
             self.small.1,
             self.large.0,
             self.large.1,
-            self.memory
+            self.memory,
+            self.leaked
         )
     }
 
@@ -516,6 +543,10 @@ impl ArenaFigures {
             h(self.large.0),
             h(self.large.1),
             if self.memory.is_empty() { "plain memory" } else { &self.memory }
-        )
+        ) + &if self.leaked > 0 {
+            format!("; {} unmapped whose memory the driver would not release (leaked)", h(self.leaked))
+        } else {
+            String::new()
+        }
     }
 }

@@ -288,12 +288,12 @@ impl Pool {
         Ok(())
     }
 
-    /// Fence the legacy stream and hand every unfenced block to the strategy.
+    /// Fence the legacy stream and hand every unfenced block to the strategy. Where the
+    /// fence fails they stay unfenced (never reused unsafely), for the next fence.
     pub(super) fn fence_unfenced(&mut self) {
-        if self.unfenced.is_empty() {
+        if self.unfenced.is_empty() || !self.fence_legacy_now() {
             return;
         }
-        self.fence_legacy_now();
         self.unfenced_bytes = 0;
         for b in std::mem::take(&mut self.unfenced) {
             let _ = self.put_block(b, None);

@@ -167,6 +167,9 @@ pub struct Pool {
     scratch_ranges: Vec<(usize, usize)>,
     /// `PoolOptions::arena_lend`.
     arena_lend: bool,
+    /// Bytes of arena granules the driver unmapped but would not release (`UnmapFail`):
+    /// booked unmapped, never handed out again, reported.
+    arena_leaked: usize,
     c: Counters,
     /// The device's reserved bytes and their limit, shared with the device's other shards.
     budget: std::sync::Arc<Budget>,
@@ -234,6 +237,7 @@ impl Pool {
             unfenced_bytes: 0,
             scratch_ranges: Vec::new(),
             arena_lend: opts.arena_lend,
+            arena_leaked: 0,
             c: Counters::default(),
             budget,
             shard: opts.shard,
@@ -329,15 +333,20 @@ impl Pool {
     }
 
     /// Enqueue a fence on the legacy stream now: CuPy frees made before it may be reused
-    /// (`free_unordered`'s rule; the thread caches' magazines batch them).
-    pub fn fence_legacy_now(&mut self) {
+    /// (`free_unordered`'s rule; the thread caches' magazines batch them). False when no
+    /// fence could be recorded nor the legacy stream waited for: nothing proves those frees
+    /// safe to reuse, so the caller keeps them unfenced (and tries again later).
+    #[must_use]
+    pub fn fence_legacy_now(&mut self) -> bool {
         // Mark the legacy stream as freed-on so the fence records, then record it.
         let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
-        if self.streams.fence_legacy(&mut *self.upstream).is_err() {
-            // Without a fence the blocks cannot be proven safe: wait for the device instead.
-            let allowed = self.device_sync_allowed();
-            let _ = self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, allowed);
+        if self.streams.fence_legacy(&mut *self.upstream).is_ok() {
+            return true;
         }
+        // Without a fence the blocks cannot be proven safe: wait for the legacy stream
+        // instead (a record and a wait on it).
+        let allowed = self.device_sync_allowed();
+        self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, allowed).is_ok()
     }
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.

@@ -121,6 +121,12 @@ pub fn config() -> Result<&'static Config> {
     crate::config::get()
 }
 
+/// Why no pool can be made under the environment's settings: a malformed value, or a
+/// trace file a pool could not open. None when they are fine (or the trace was not tried).
+pub fn settings_error() -> Option<Error> {
+    config().err().or_else(crate::trace::open_error)
+}
+
 /// Lock a plain registry mutex (a configuration choice), recovering from poisoning: nothing
 /// in it can be half-updated.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -42,8 +42,8 @@
 //!   that a block is reused only after a fence enqueued on the legacy stream after its free.
 //!   The magazine keeps that rule: a CuPy free marks the word UNFENCED; once enough are
 //!   waiting, the owner's next locked allocation records one fence and makes them all
-//!   REUSABLE. One lock and one event record serve `FENCE_BATCH` pairs, as the pool's own
-//!   batching does.
+//!   REUSABLE (a fence the driver refuses leaves them UNFENCED, for the next one). One lock
+//!   and one event record serve `FENCE_BATCH` pairs, as the pool's own batching does.
 //! - Off where every operation must reach the pool: `GPUPOOL_DEBUG`, `GPUPOOL_TRACE`,
 //!   `GPUPOOL_POOL=none`, `GPUPOOL_THREAD_CACHE=0`; and under the test-only
 //!   `GPUPOOL_UNSAFE_IGNORE_STREAMS`, whose pool must reuse at once to show the stream tests
@@ -168,8 +168,8 @@ fn locked_malloc(
     if kind == Kind::Unordered && size != 0 {
         // SAFETY: the owner thread (we run inside its allocation call).
         let unfenced = unsafe { &mut *cache.unfenced.get() };
-        if unfenced.0 >= FENCE_BATCH || unfenced.1 >= FENCE_BYTES {
-            pool.fence_legacy_now();
+        // A fence that fails leaves them unfenced (not reusable), for the next allocation's.
+        if (unfenced.0 >= FENCE_BATCH || unfenced.1 >= FENCE_BYTES) && pool.fence_legacy_now() {
             cache.unordered.fenced();
             *unfenced = (0, 0);
         }

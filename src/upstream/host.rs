@@ -14,7 +14,7 @@
 //! driver calls.
 
 use super::host_vmm::HostVmm;
-use super::{AliasFail, AllocError, DriverCalls, Upstream, MIN_ALIGN};
+use super::{AliasFail, AllocError, DriverCalls, UnmapFail, Upstream, MIN_ALIGN};
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
@@ -78,6 +78,15 @@ impl HostUpstream {
 }
 
 impl HostUpstream {
+    /// Whether the granule of `addr` shows memory now (mapped, or an alias), and the bytes
+    /// of memory mapped: what is really mapped, for tests to hold the arena's books against.
+    pub fn vmm_is_mapped(&self, addr: usize) -> bool {
+        self.vmm.is_mapped(addr)
+    }
+    pub fn vmm_mapped_bytes(&self) -> usize {
+        self.vmm.mapped_bytes()
+    }
+
     /// Take `n` bytes of the device's capacity, if it has them.
     fn take(&mut self, n: usize) -> bool {
         let cap = self.capacity;
@@ -215,13 +224,16 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        let n = (len / self.vmm.granule()) as u64;
-        self.vmm.unmap(addr, len)?;
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
+        // What went back before a failure is counted and given back too (the file's pages
+        // are released with the address: the host never leaks one).
+        let r = self.vmm.unmap(addr, len);
+        let gone = r.as_ref().map_or_else(|f| f.unmapped, |()| len);
+        let n = (gone / self.vmm.granule()) as u64;
         self.calls.mem_unmap += n;
         self.calls.mem_release += n;
-        self.give(len);
-        Ok(())
+        self.give(gone);
+        r
     }
 
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {

@@ -14,6 +14,7 @@
 //! importer maps those offsets of its copy of the descriptor side by side.
 
 use crate::upstream::shared::{Descriptor, FdSource};
+use crate::upstream::UnmapFail;
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
 
@@ -219,19 +220,29 @@ impl HostVmm {
         Ok(())
     }
 
-    /// Unmap and release every granule of `[addr, addr + len)`.
-    pub fn unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    /// Unmap and release every granule of `[addr, addr + len)`, in order. A failure says
+    /// how many bytes before it are gone. Releasing cannot fail here (a hole the kernel will
+    /// not punch leaves the offset reused all the same), so nothing is ever leaked.
+    pub fn unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         for a in (addr..addr + len).step_by(self.granule) {
+            let fail = |error| UnmapFail { unmapped: a - addr, leaked: 0, error };
             let Some(&off) = self.mapped.get(&a) else {
-                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped")));
+                return Err(fail(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped"))));
             };
             if self.aliases.values().any(|&h| h == a) {
-                return Err(Error::Internal(format!("host vmm: unmap of {a:#x}, which still has an alias")));
+                return Err(fail(Error::Internal(format!("host vmm: unmap of {a:#x}, which still has an alias"))));
             }
-            self.unmap_at(a)?;
+            self.unmap_at(a).map_err(fail)?;
             self.release_offset(off);
         }
         Ok(())
+    }
+
+    /// Whether `addr`'s granule shows memory now (a home or an alias), for tests that check
+    /// the arena's books against what is really mapped.
+    pub fn is_mapped(&self, addr: usize) -> bool {
+        let g = addr & !(self.granule - 1);
+        self.mapped.contains_key(&g) || self.aliases.contains_key(&g)
     }
 
     /// Map the granule mapped at `home` at `to` too: the same bytes at both addresses.

@@ -64,6 +64,28 @@ pub struct AliasFail {
     pub error: Error,
 }
 
+/// Why `Upstream::vmm_unmap` failed, and what is unmapped all the same: the pool books
+/// exactly the granules whose addresses are gone as unmapped, so it never hands out an
+/// address with nothing behind it, and never maps over one still mapped.
+#[derive(Debug)]
+pub struct UnmapFail {
+    /// Bytes from `addr` on whose addresses are unmapped (free to map again): the granules
+    /// before the one that failed, and that one too where only the release of its physical
+    /// memory failed.
+    pub unmapped: usize,
+    /// Of those, bytes whose physical memory could not be released: no address shows it any
+    /// more, so the pool cannot use it again, and the driver may still count it.
+    pub leaked: usize,
+    pub error: Error,
+}
+
+impl UnmapFail {
+    /// A failure before anything was unmapped.
+    pub fn nothing(error: Error) -> UnmapFail {
+        UnmapFail { unmapped: 0, leaked: 0, error }
+    }
+}
+
 impl From<Error> for AllocError {
     fn from(e: Error) -> Self {
         AllocError::Other(e)
@@ -120,10 +142,12 @@ pub trait Upstream: Send {
     fn vmm_map_new(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
         Err(AllocError::Other(Error::Internal("this upstream has no virtual memory API".into())))
     }
-    /// Unmap the granules of `[addr, addr + len)` and release their physical memory. The
-    /// pool calls it one granule at a time, so a failure leaves the books exact.
-    fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> Result<()> {
-        Err(Error::Internal("this upstream has no virtual memory API".into()))
+    /// Unmap the granules of `[addr, addr + len)` in order and release their physical
+    /// memory. A failure says how much is unmapped all the same (`UnmapFail`): a granule
+    /// whose unmap succeeded and whose release failed is unmapped (and its memory leaked),
+    /// not still mapped. The pool calls it one granule at a time.
+    fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), UnmapFail> {
+        Err(UnmapFail::nothing(Error::Internal("this upstream has no virtual memory API".into())))
     }
     /// Map the physical memory of the granules mapped at `homes` side by side from the
     /// unmapped granule `to` on as well (aliases: both addresses show the same bytes),

@@ -2,7 +2,7 @@
 //! `capacity` bytes without touching memory, so a user's trace can be replayed against an
 //! 80 GiB "GPU" on a laptop.
 
-use super::{AliasFail, AllocError, DriverCalls, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, UnmapFail, Upstream};
 use crate::error::{Error, Result};
 use crate::upstream::stream_id::StreamHandle;
 use std::collections::BTreeSet;
@@ -122,7 +122,8 @@ impl Upstream for SimUpstream {
         self.allocated += len;
         Ok(())
     }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
+    /// Never fails: the replay's device has no driver to refuse.
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         for g in (addr..addr + len).step_by(SIM_PAGE) {
             assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
         }

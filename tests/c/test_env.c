@@ -12,6 +12,11 @@ int main(int argc, char **argv) {
     gpupool_stats s = gpupool_stats_init();
     CHECK_STATUS(gpupool_get_stats(0, &s), GPUPOOL_STATUS_INVALID_CONFIG);
     CHECK_STATUS(gpupool_set_limit(0, 0), GPUPOOL_STATUS_INVALID_CONFIG);
+    /* The status report shows the error instead of "no device pool in use yet". */
+    char report[4096];
+    gpupool_memory_status(-1, report, sizeof report);
+    CHECK(strstr(report, argv[1]) != NULL && strstr(report, "no device pool") == NULL, "report names %s: %s", argv[1],
+          report);
   } else {
     /* GPUPOOL_MEMORY_LIMIT=50% of a 64 MiB host device (GPUPOOL_HOST_CAPACITY=64MiB). */
     size_t limit = 0;

@@ -52,6 +52,22 @@ CUPY_SPIN_FILL = """
 """
 
 
+# The rule batch-size finders apply to an exception to decide "too big: retry smaller"
+# (HF accelerate's `should_reduce_batch_size`, toma's; Lightning's scaler matches the same
+# text), as code for the scenarios run in subprocesses.
+_SHOULD_REDUCE_BATCH_SIZE = """
+def should_reduce_batch_size(e):
+    statements = ["CUDA out of memory.", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+                  "DefaultCPUAllocator: can't allocate memory"]
+    return isinstance(e, RuntimeError) and len(e.args) == 1 and any(s in e.args[0] for s in statements)
+"""
+
+
+def with_batch_rule(code):
+    """`code` (indented as run_py takes it) with `should_reduce_batch_size` defined first."""
+    return _SHOULD_REDUCE_BATCH_SIZE + textwrap.dedent(code)
+
+
 def ok(p):
     assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
     return p.stdout

@@ -50,7 +50,7 @@ CUPY_OOM = """
     assert type(err) is gpupool.cupy.OutOfMemoryError, type(err)
     assert isinstance(err, cupy.cuda.memory.OutOfMemoryError) and isinstance(err, MemoryError), type(err).__mro__
     msg = str(err)
-    assert msg.startswith("gpupool: out of memory on device 0") and "limit" in msg, msg
+    assert msg.startswith("CUDA out of memory. gpupool: out of memory on device 0") and "limit" in msg, msg
     again = pickle.loads(pickle.dumps(err))
     assert type(again) is type(err) and str(again) == msg
     s = gpupool.stats(0)

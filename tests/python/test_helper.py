@@ -1,6 +1,6 @@
 """The Python helper itself, on the host upstream (runs everywhere, CI included)."""
 import pytest
-from conftest import INSTALLED, ok, run_py
+from conftest import INSTALLED, ok, run_py, with_batch_rule
 
 
 def test_stats_status_json_reclaim_limits_on_host(library):
@@ -28,6 +28,72 @@ def test_stats_status_json_reclaim_limits_on_host(library):
         assert gpupool.reclaim(0) == s["total_bytes"]
         print("ok")
     """))
+    assert "ok" in out
+
+
+def test_out_of_memory_is_what_batch_size_finders_retry_smaller_on_host(library):
+    # A failed allocation raised from Python (gpupool's own error class, a RuntimeError with
+    # the library's text): PyTorch's phrase comes first, gpupool's report after it, and the
+    # rule accelerate and toma apply recognises it. Other errors it must not.
+    out = ok(run_py(with_batch_rule("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="split", upstream="host")
+        gpupool.set_limit("64MiB", 0)
+        p = ctypes.c_void_p()
+        st = gpupool.lib().gpupool_malloc(ctypes.byref(p), 128 << 20, 0, None)
+        assert st == 5, st
+        try:
+            gpupool._check(st)
+            raise SystemExit("no exception")
+        except RuntimeError as e:
+            msg = str(e)
+            assert msg.startswith("CUDA out of memory. gpupool: out of memory on device 0"), msg
+            assert "limit" in msg and "Hint" in msg, msg
+            assert should_reduce_batch_size(e), repr(e)
+        try:
+            gpupool._check(gpupool.lib().gpupool_free(ctypes.c_void_p(0x1234500), 0, None))
+            raise SystemExit("no exception")
+        except RuntimeError as e:
+            assert not should_reduce_batch_size(e), repr(e)
+        print("ok")
+    """)))
+    assert "ok" in out
+
+
+def test_an_unknown_variable_draws_one_warning_naming_the_setting_meant(library):
+    # GPUPOOL_LIMIT is no setting (GPUPOOL_MEMORY_LIMIT is): one line on stderr however many
+    # calls follow. The project's own variables (GPUPOOL_LIBRARY, set by run_py; the Python
+    # package's GPUPOOL_TORCH_TYPED_OOM; the tests' GPUPOOL_FAULT_OPS) draw none.
+    p = run_py("""
+        import gpupool
+        for _ in range(3):
+            gpupool.stats(0)
+            gpupool.memory_status()
+        print("ok")
+    """, env={"GPUPOOL_LIMIT": "abc", "GPUPOOL_UPSTREAM": "host", "GPUPOOL_TORCH_TYPED_OOM": "0",
+              "GPUPOOL_FAULT_OPS": "1000"})
+    assert "ok" in ok(p)
+    lines = [l for l in p.stderr.splitlines() if "is not a gpupool setting" in l]
+    assert len([l for l in lines if "GPUPOOL_LIMIT " in l]) == 1, p.stderr
+    assert "did you mean GPUPOOL_MEMORY_LIMIT?" in lines[0], lines
+    for known in ("GPUPOOL_LIBRARY", "GPUPOOL_TORCH_TYPED_OOM", "GPUPOOL_FAULT_OPS", "GPUPOOL_UPSTREAM"):
+        assert not any(known + " is not" in l for l in lines), p.stderr
+
+
+def test_memory_status_shows_a_malformed_configuration(library):
+    # The error stats() raises, not "no device pool in use yet".
+    out = ok(run_py("""
+        import gpupool
+        text = gpupool.memory_status()
+        assert "no device pool in use yet" not in text, text
+        assert "GPUPOOL_MEMORY_LIMIT" in text and "lots" in text and "accepted" in text, text
+        try:
+            gpupool.stats(0)
+            raise SystemExit("no error")
+        except gpupool.GpupoolError as e:
+            assert str(e) == text.strip(), (str(e), text)
+        print("ok")
+    """, env={"GPUPOOL_MEMORY_LIMIT": "lots", "GPUPOOL_UPSTREAM": "host"}))
     assert "ok" in out
 
 
@@ -113,7 +179,7 @@ def test_cupy_entry_point_raises_the_registered_out_of_memory_class_on_host(libr
             raise SystemExit("no exception past the limit")
         except PoolOutOfMemory as e:
             msg = str(e)
-            assert msg.startswith("gpupool: out of memory on device 0") and "limit" in msg, msg
+            assert msg.startswith("CUDA out of memory. gpupool: out of memory on device 0") and "limit" in msg, msg
         s = gpupool.stats(0)
         assert s["n_ooms"] == before["n_ooms"] + 1, (before, s)
         assert (s["used_bytes"], s["n_live_blocks"]) == (before["used_bytes"], before["n_live_blocks"]), (before, s)
@@ -132,7 +198,7 @@ def test_cupy_entry_point_raises_the_registered_out_of_memory_class_on_host(libr
             malloc(None, 1 << 40, 0)
             raise SystemExit("no exception for 1 TiB")
         except MemoryError as e:
-            assert type(e) is MemoryError and str(e).startswith("gpupool: out of memory"), repr(e)
+            assert type(e) is MemoryError and str(e).startswith("CUDA out of memory. gpupool: out of memory"), repr(e)
         free(None, b, 0)
         s = gpupool.stats(0)
         assert s["used_bytes"] == 0 and s["n_live_blocks"] == 0 and s["n_ooms"] == before["n_ooms"] + 2, s

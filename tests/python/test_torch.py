@@ -1,5 +1,5 @@
 """PyTorch through gpupool (GPU; skipped without torch or a GPU)."""
-from conftest import ok, run_py
+from conftest import ok, run_py, with_batch_rule
 
 MLP = """
     import os, torch
@@ -70,7 +70,7 @@ def test_stats_answer_and_empty_cache_returns_memory_to_driver(torch_gpu):
 # Fill the pool up to its limit (1% of the device) in 64 MiB tensors until out of memory,
 # free one, allocate again; gpupool's counters must follow each step exactly. {typed}: the
 # exception is torch.OutOfMemoryError (the compiled shim) or a plain RuntimeError.
-OOM_SCENARIO = """
+OOM_SCENARIO = with_batch_rule("""
     import gpupool, torch
     alloc = gpupool.torch.install()
     assert alloc.typed_oom == {typed}, alloc.typed_oom
@@ -95,6 +95,9 @@ OOM_SCENARIO = """
         assert isinstance(e, torch.OutOfMemoryError) == {typed}, type(e)
     msg = str(err)
     assert "gpupool: out of memory on device 0" in msg and "limit" in msg, msg
+    # PyTorch's phrase first: accelerate's and Lightning's batch-size finders retry smaller.
+    assert msg.startswith("CUDA out of memory. gpupool: out of memory"), msg
+    assert should_reduce_batch_size(err), repr(err)
     s = gpupool.stats(0)
     assert len(xs) >= 1 and s["n_ooms"] == before["n_ooms"] + 2, (len(xs), before, s)
     assert s["used_bytes"] == before["used_bytes"] + len(xs) * chunk, (len(xs), before, s)
@@ -112,13 +115,13 @@ OOM_SCENARIO = """
     assert (s3["used_bytes"], s3["n_live_blocks"]) == (before["used_bytes"], before["n_live_blocks"]), (before, s3)
     assert s3["n_ooms"] == before["n_ooms"] + 2, s3
     print("raised:", type(err).__name__, msg.splitlines()[0][:200])
-"""
+""")
 
 
 def test_oom_raises_torch_out_of_memory_error_and_recovers(torch_gpu):
     p = run_py(OOM_SCENARIO.format(typed=True))
     out = ok(p)
-    assert "raised: OutOfMemoryError gpupool: out of memory" in out, out
+    assert "raised: OutOfMemoryError CUDA out of memory. gpupool: out of memory" in out, out
     assert "PyTorch will report" not in p.stderr, p.stderr   # no fallback warning
 
 
@@ -127,7 +130,7 @@ def test_oom_without_the_shim_is_a_runtime_error_with_gpupool_message(torch_gpu,
     # (an empty extension folder stays empty), no warning.
     p = run_py(OOM_SCENARIO.format(typed=False), env={"GPUPOOL_TORCH_TYPED_OOM": "0", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     out = ok(p)
-    assert "raised: RuntimeError gpupool: out of memory" in out, out
+    assert "raised: RuntimeError CUDA out of memory. gpupool: out of memory" in out, out
     assert "gpupool:" not in p.stderr, p.stderr
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
@@ -145,7 +148,7 @@ def test_shim_is_compiled_once_with_a_notice_and_then_needs_no_compiler(torch_gp
 
 def test_shim_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_path):
     # No compiler (CXX names none) and an empty extension cache: the shim cannot be built.
-    p = run_py("""
+    p = run_py(with_batch_rule("""
         import warnings, gpupool, torch
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -168,10 +171,11 @@ def test_shim_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_pa
         except RuntimeError as e:
             assert not isinstance(e, torch.OutOfMemoryError), type(e)
             assert "gpupool: out of memory on device 0" in str(e), e
+            assert should_reduce_batch_size(e), repr(e)
         assert gpupool.stats(0)["n_ooms"] == 1
         assert torch.ones(1024, device="cuda").sum().item() == 1024
         print("fell back")
-    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"})
+    """), env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"})
     assert "fell back" in ok(p)
 
 

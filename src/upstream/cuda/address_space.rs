@@ -24,7 +24,7 @@
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
 use crate::upstream::shared::{set_cloexec, Descriptor, FdSource, SharedGranule};
-use crate::upstream::{AliasFail, AllocError, DriverCalls};
+use crate::upstream::{AliasFail, AllocError, DriverCalls, UnmapFail};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 
@@ -196,6 +196,12 @@ impl CudaVmm {
         let mut failure = None;
         while done < len {
             let p = addr + done;
+            if self.handles.contains_key(&p) {
+                // Left mapped by the undo of an earlier failed map (below), which the pool
+                // booked as unmapped: its memory serves as new memory here.
+                done += g;
+                continue;
+            }
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             calls.mem_create += 1;
             let mut r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
@@ -230,7 +236,11 @@ impl CudaVmm {
         match failure {
             None => Ok(()),
             Some((call, r)) => {
-                let _ = self.unmap(addr, done, calls);
+                // All or nothing: undo every granule mapped here. One the driver will not
+                // unmap stays in `handles`, for the next map of its address to take as is.
+                for p in (addr..addr + done).step_by(g) {
+                    let _ = self.unmap(p, g, calls);
+                }
                 if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                     Err(AllocError::OutOfMemory)
                 } else {
@@ -240,23 +250,29 @@ impl CudaVmm {
         }
     }
 
-    /// Stops at the first granule the driver will not unmap, which stays mapped (and
-    /// booked): the granules before it are gone. A failed release after a successful unmap
-    /// is reported but the granule counts as gone (its address is free again).
-    pub fn unmap(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+    /// Unmap and release granule by granule, stopping at the first failure. A granule the
+    /// driver will not unmap stays mapped (and in `handles`): the granules before it are
+    /// gone. One whose unmap succeeded but whose release failed is gone too (its address is
+    /// free, and the next map there must not find it in `handles`): the failure says so,
+    /// and its physical memory is leaked.
+    pub fn unmap(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), UnmapFail> {
         for p in (addr..addr + len).step_by(self.granule) {
+            let before = p - addr;
             let Some(&h) = self.handles.get(&p) else {
-                return Err(Error::Internal(format!("arena: unmap of {p:#x}, which is not mapped")));
+                let error = Error::Internal(format!("arena: unmap of {p:#x}, which is not mapped"));
+                return Err(UnmapFail { unmapped: before, leaked: 0, error });
             };
             calls.mem_unmap += 1;
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) })?;
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) })
+                .map_err(|error| UnmapFail { unmapped: before, leaked: 0, error })?;
             self.handles.remove(&p);
             if let Some(fd) = self.exported.remove(&p) {
                 // SAFETY: the descriptor `export` got for this granule, ours to close.
                 unsafe { libc::close(fd) };
             }
             calls.mem_release += 1;
-            check("cuMemRelease", unsafe { sys::cuMemRelease(h) })?;
+            check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+                .map_err(|error| UnmapFail { unmapped: before + self.granule, leaked: self.granule, error })?;
         }
         Ok(())
     }

@@ -16,7 +16,7 @@ pub mod managed;
 pub mod pinned;
 pub mod vmm;
 
-use super::{AliasFail, AllocError, DriverCalls, EventHandle, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, EventHandle, UnmapFail, Upstream};
 use address_space::CudaVmm;
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey};
@@ -183,9 +183,9 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.map_new(addr, len, calls)
     }
 
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> Result<()> {
-        let _g = self.enter()?;
-        let (vmm, calls) = self.vmm_parts()?;
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
+        let _g = self.enter().map_err(UnmapFail::nothing)?;
+        let (vmm, calls) = self.vmm_parts().map_err(UnmapFail::nothing)?;
         vmm.unmap(addr, len, calls)
     }
 
