@@ -119,7 +119,9 @@ impl CudaVmm {
         if attribute(device, A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) {
             prop.allocFlags.gpuDirectRDMACapable = 1;
         }
-        let g = granularity(&prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
+        // The granule of plain device memory: the shareable kinds and the RDMA flag asked
+        // for above do not change it, and a query that refused them would hide the VMM.
+        let g = granularity(&device_prop(device), sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         let mut access = vec![sys::CUmemAccessDesc { location: prop.location, flags: rw }];
         let mut n = 0;
@@ -205,10 +207,19 @@ impl CudaVmm {
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             calls.mem_create += 1;
             let mut r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
-            while r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
-                // This kind of shareable allocation refused (not out of memory): the next
-                // plainer kind from now on.
-                self.prop.requestedHandleTypes = plainer(self.prop.requestedHandleTypes);
+            // A kind of memory the driver refuses (not for lack of memory: no IMEX channel
+            // for fabric handles, a container without fd export, no RDMA with VMM) steps
+            // down for good: fd + fabric, then fd, then plain, then without the RDMA flag.
+            // Other failures (a context error) leave the request as it is.
+            use sys::CUresult as R;
+            while matches!(r, R::CUDA_ERROR_NOT_PERMITTED | R::CUDA_ERROR_NOT_SUPPORTED | R::CUDA_ERROR_INVALID_VALUE) {
+                if self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
+                    self.prop.requestedHandleTypes = plainer(self.prop.requestedHandleTypes);
+                } else if self.prop.allocFlags.gpuDirectRDMACapable != 0 {
+                    self.prop.allocFlags.gpuDirectRDMACapable = 0;
+                } else {
+                    break;
+                }
                 calls.mem_create += 1;
                 r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
             }
