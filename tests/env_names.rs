@@ -30,6 +30,9 @@ const NOT_VARIABLES: &[&str] = &[
     "GPUPOOL_TOP_LEVEL",
     "GPUPOOL_HAVE_CUDA",
     "GPUPOOL_WARNINGS",
+    "GPUPOOL_PC_PREFIX",
+    "GPUPOOL_PC_LIBDIR",
+    "GPUPOOL_PC_INCLUDEDIR",
     // Constants of the benchmark scripts.
     "GPUPOOL_ALLOCATORS",
     "GPUPOOL_CONFIGS",
