@@ -3,7 +3,11 @@
 //! Stream policy. CuPy passes no stream to an allocator, but it exposes the calling
 //! thread's current stream to C (`cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]`,
 //! `intptr_t (void)`); `gpupool.cupy.install()` hands that function to
-//! `gpupool_cupy_set_stream_getter`. With it:
+//! `gpupool_cupy_set_stream_getter`. A program that installs the two symbols itself
+//! (`CFunctionAllocator(0, gpupool_cupy_malloc, gpupool_cupy_free, lib)`) registers
+//! nothing, so the first `gpupool_cupy_malloc` looks the function up itself, through the
+//! C-API of the interpreter that calls it (CuPy holds the GIL there): the loaded
+//! `cupy.cuda.stream` module's capsule, as `install()` reads it. With it:
 //! - an allocation is made for CuPy's current stream, exactly as a PyTorch allocation is for
 //!   PyTorch's: reuse on the same stream is protected by stream order, reuse on another stream
 //!   waits for an event recorded at the free (legacy stream: recorded lazily);
@@ -52,6 +56,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// CuPy's `get_current_stream_ptr` (0: none registered).
 static STREAM_GETTER: AtomicUsize = AtomicUsize::new(0);
 
+/// Whether the getter is settled: registered (or refused) by `gpupool_cupy_set_stream_getter`,
+/// or looked for by `discover_stream_getter` with the GIL held.
+static GETTER_SETTLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 type StreamGetter = unsafe extern "C" fn() -> isize;
 
 fn current_stream() -> Option<usize> {
@@ -71,6 +79,75 @@ fn current_stream() -> Option<usize> {
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_cupy_set_stream_getter(getter: Option<unsafe extern "C" fn() -> isize>) {
     STREAM_GETTER.store(getter.map_or(0, |f| f as usize), Ordering::Release);
+    GETTER_SETTLED.store(true, Ordering::Release);
+}
+
+/// The signature CuPy's capsule names (spaces aside; Cython may add `noexcept`).
+fn getter_signature_ok(name: &std::ffi::CStr) -> bool {
+    let sig: String = name.to_string_lossy().chars().filter(|c| !c.is_whitespace()).collect();
+    sig == "intptr_t(void)" || sig == "intptr_t(void)noexcept"
+}
+
+/// Find CuPy's `get_current_stream_ptr` in the running interpreter, for a caller that
+/// installed `gpupool_cupy_malloc` without registering it (the raw `CFunctionAllocator`
+/// route). Only with the GIL held (CuPy's calls hold it); only from a `cupy.cuda.stream`
+/// already loaded (no import runs from inside an allocation). Without an interpreter, or
+/// without the GIL, nothing is settled and a later call looks again; without CuPy's module
+/// or its capsule, the stream-less rule stays (module notes).
+fn discover_stream_getter() {
+    type Obj = *mut c_void;
+    // SAFETY: dlsym lookups of CPython's stable C-API, called with the types it declares,
+    // with the GIL held (checked first); borrowed references are not kept past the calls,
+    // the one new reference (`__pyx_capi__`) is released, and any Python error raised
+    // here is cleared so the caller's state is as it was.
+    unsafe {
+        let sym = |n: &std::ffi::CStr| libc::dlsym(libc::RTLD_DEFAULT, n.as_ptr());
+        let (gil, modules, get_item, get_attr, cap_name, cap_ptr, dec_ref, clear) = (
+            sym(c"PyGILState_Check"),
+            sym(c"PyImport_GetModuleDict"),
+            sym(c"PyDict_GetItemString"),
+            sym(c"PyObject_GetAttrString"),
+            sym(c"PyCapsule_GetName"),
+            sym(c"PyCapsule_GetPointer"),
+            sym(c"Py_DecRef"),
+            sym(c"PyErr_Clear"),
+        );
+        if [gil, modules, get_item, get_attr, cap_name, cap_ptr, dec_ref, clear].iter().any(|p| p.is_null()) {
+            GETTER_SETTLED.store(true, Ordering::Release); // no interpreter in this process
+            return;
+        }
+        let gil: unsafe extern "C" fn() -> c_int = std::mem::transmute(gil);
+        if gil() == 0 {
+            return; // not now: a later call with the GIL looks again
+        }
+        let modules: unsafe extern "C" fn() -> Obj = std::mem::transmute(modules);
+        let get_item: unsafe extern "C" fn(Obj, *const c_char) -> Obj = std::mem::transmute(get_item);
+        let get_attr: unsafe extern "C" fn(Obj, *const c_char) -> Obj = std::mem::transmute(get_attr);
+        let cap_name: unsafe extern "C" fn(Obj) -> *const c_char = std::mem::transmute(cap_name);
+        let cap_ptr: unsafe extern "C" fn(Obj, *const c_char) -> *mut c_void = std::mem::transmute(cap_ptr);
+        let dec_ref: unsafe extern "C" fn(Obj) = std::mem::transmute(dec_ref);
+        let clear: unsafe extern "C" fn() = std::mem::transmute(clear);
+        GETTER_SETTLED.store(true, Ordering::Release);
+        let dict = modules();
+        let module = if dict.is_null() { dict } else { get_item(dict, c"cupy.cuda.stream".as_ptr()) };
+        if module.is_null() {
+            clear();
+            return;
+        }
+        let capi = get_attr(module, c"__pyx_capi__".as_ptr());
+        if capi.is_null() {
+            clear();
+            return;
+        }
+        let capsule = get_item(capi, c"get_current_stream_ptr".as_ptr());
+        let name = if capsule.is_null() { std::ptr::null() } else { cap_name(capsule) };
+        let f = if !name.is_null() && getter_signature_ok(std::ffi::CStr::from_ptr(name)) { cap_ptr(capsule, name) } else { std::ptr::null_mut() };
+        dec_ref(capi);
+        clear();
+        if !f.is_null() {
+            STREAM_GETTER.store(f as usize, Ordering::Release);
+        }
+    }
 }
 
 /// The Python class raised for out of memory (a `PyObject *`; 0: `MemoryError`).
@@ -135,6 +212,9 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     let _ = param; // CuPy passes the `param` given to CFunctionAllocator; gpupool needs none
     let mut out = std::ptr::null_mut();
     let mut err: Option<Error> = None;
+    if !GETTER_SETTLED.load(Ordering::Acquire) {
+        discover_stream_getter();
+    }
     call(|| {
         let r = match current_stream() {
             None => thread_cache::malloc_unordered(device, size),

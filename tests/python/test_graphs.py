@@ -149,6 +149,21 @@ def test_cupy_non_blocking_streams_never_corrupt_and_the_test_catches_an_unsafe_
     assert "CORRUPTED 0" not in unsafe, "the stress did not catch a pool that ignores streams: " + unsafe
 
 
+def test_raw_cupy_route_on_non_blocking_streams_never_corrupts(cupy_gpu):
+    # The two C symbols installed by hand, as the design's CuPy route reads (no
+    # gpupool.cupy.install(), so no stream getter registered): the library finds CuPy's
+    # current stream itself, and the same stress stays clean.
+    raw = CUPY_STREAMS.replace("    gpupool.cupy.install()\n", """    import ctypes
+    _L = gpupool.lib()
+    _addr = lambda name: ctypes.cast(getattr(_L, name), ctypes.c_void_p).value
+    cupy.cuda.set_allocator(cupy.cuda.memory.CFunctionAllocator(
+        0, _addr("gpupool_cupy_malloc"), _addr("gpupool_cupy_free"), _L).malloc)
+""")
+    assert "install()" not in raw
+    out = ok(run_py(raw.replace("@RUNS@", "1000").replace("@THREADS@", "4"), timeout=600))
+    assert "RUNS 1000 CORRUPTED 0" in out, out
+
+
 def test_cupy_arrays_outliving_their_destroyed_stream_free_safely(cupy_gpu):
     """A CuPy array freed after its stream was destroyed: the free must not name the dead
     stream to the driver (recording an event there crashes inside it), and its memory must

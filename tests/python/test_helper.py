@@ -294,3 +294,38 @@ def test_ipc_of_arena_memory_between_two_interpreters_on_host(library):
         print("ok")
     """, env={"IPC_CHILD": IPC_CHILD}))
     assert "child ok" in out and "ok" in out
+
+
+def test_raw_cupy_route_finds_the_current_stream_getter_itself_on_host(library):
+    # A program that installs gpupool_cupy_malloc / _free itself (CFunctionAllocator) never
+    # registers CuPy's current-stream getter: the library looks it up on its first call with
+    # the GIL held, in the loaded cupy.cuda.stream module, as gpupool.cupy.install() does.
+    # Here a stand-in module exports a getter that counts its calls.
+    out = ok(run_py("""
+        import ctypes, sys, types, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        calls = []
+        def current():
+            calls.append(1)
+            return 0x5000            # a user stream, as CuPy's non-blocking streams are
+        getter = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(current)
+        api = ctypes.pythonapi
+        api.PyCapsule_New.restype = ctypes.py_object
+        api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        NAME = b"intptr_t (void)"
+        capsule = api.PyCapsule_New(ctypes.cast(getter, ctypes.c_void_p), NAME, None)
+        for m in ("cupy", "cupy.cuda", "cupy.cuda.stream"):
+            sys.modules[m] = types.ModuleType(m)
+        sys.modules["cupy.cuda.stream"].__pyx_capi__ = {"get_current_stream_ptr": capsule}
+        L = ctypes.PyDLL(gpupool.library_path())   # calls keep the GIL, as CuPy's do
+        L.gpupool_cupy_malloc.restype = ctypes.c_void_p
+        L.gpupool_cupy_malloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        L.gpupool_cupy_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        p = L.gpupool_cupy_malloc(None, 1 << 20, 0)
+        assert p and calls, ("the getter was not found", p, calls)
+        L.gpupool_cupy_free(None, p, 0)
+        s = gpupool.stats(0)
+        assert s["n_live_blocks"] == 0 and s["n_invalid_frees"] == 0, s
+        print("ok", len(calls))
+    """))
+    assert out.startswith("ok")
