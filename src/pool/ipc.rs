@@ -14,7 +14,7 @@
 
 use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
-use crate::upstream::shared::{raise_fd_limit, Descriptor, FdSource, KIND_CUDA};
+use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -69,10 +69,16 @@ impl Pool {
         raise_fd_limit();
         let first = ptr & !(g - 1);
         let end = (ptr + size).div_ceil(g) * g;
-        let granules = (first..end).step_by(g).map(|a| self.upstream.vmm_export(a)).collect::<Result<Vec<_>>>()?;
+        // Each granule's file identity goes along, so an importer can tell the exported file
+        // from whatever its number names later (`shared.rs`, "Trust").
+        let granules = (first..end)
+            .step_by(g)
+            .map(|a| self.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
+            .collect::<Result<Vec<_>>>()?;
         let d = Descriptor {
             kind: self.upstream.vmm_share_kind(),
             pid: std::process::id(),
+            start_time: start_time_of(std::process::id()),
             device: self.device,
             granule: g as u64,
             offset: (ptr - first) as u64,
@@ -112,7 +118,7 @@ impl Pool {
                     d.granules.len()
                 )))
             }
-            None => FdSource::fetch_from(d.pid)?,
+            None => FdSource::fetch_from(d.pid, d.start_time)?,
         };
         self.upstream.vmm_import(d, &source)
     }

@@ -279,7 +279,7 @@ impl HostVmm {
         let Some(&off) = self.mapped.get(&home) else {
             return Err(Error::Internal(format!("host vmm: export of {addr:#x}, which is not mapped")));
         };
-        Ok(crate::upstream::shared::SharedGranule { fd: self.fd()?, offset: off as u64 })
+        Ok(crate::upstream::shared::SharedGranule { fd: self.fd()?, offset: off as u64, ..Default::default() })
     }
 
     /// Map the granules of `d` (offsets in the files behind the descriptors `fds` yields)
@@ -297,7 +297,7 @@ impl HostVmm {
             unsafe { libc::munmap(base as *mut libc::c_void, n * g) };
         };
         for (i, shared) in d.granules.iter().enumerate() {
-            let fd = match fds.get(i, shared.fd) {
+            let fd = match fds.get(i, shared) {
                 Ok(got) => got,
                 Err(e) => {
                     undo(self);

@@ -19,14 +19,55 @@
 //! descriptors in one `SCM_RIGHTS` message, so a sender of a larger block sends several.
 //! The exporter keeps each granule's descriptor open (close-on-exec) while the granule is
 //! mapped, so a descriptor stays fetchable as long as the block is live.
+//!
+//! Trust. A descriptor names file descriptor numbers in another process, and numbers are
+//! reused: a stale descriptor (its block freed, the number since given to another file), a
+//! reused pid, or a forged one (a client steering a privileged importer) would map memory
+//! nobody exported. So the descriptor binds what it names: the exporter's start time (a
+//! reused pid is another process, started later) and each granule's file identity (device
+//! and inode, as `fstat` gives them at export). The importer checks both on every
+//! descriptor it maps, fetched or passed in, and refuses, saying why, where one differs.
+//! A forger would need the inodes of the victim's exported files, which only a process
+//! allowed to inspect the victim (`/proc/PID/fdinfo`, the same right `pidfd_getfd` needs)
+//! can read.
 
 use crate::error::{Error, Result};
 
-/// A granule as shared: the exporter's descriptor and the offset of the memory behind it.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+/// A granule as shared: the exporter's descriptor, the offset of the memory behind it, and
+/// the identity of the file it was at export (`FileId::of`; zero until the exporter fills
+/// it in).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct SharedGranule {
     pub fd: i32,
     pub offset: u64,
+    pub file: FileId,
+}
+
+/// A file's identity: its device and inode numbers.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl FileId {
+    /// The identity of the file `fd` refers to.
+    pub fn of(fd: i32) -> Result<FileId> {
+        // SAFETY: fstat into a zeroed struct of the type it fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(Error::InvalidArgument(format!("IPC: fstat of descriptor {fd} failed: {}", std::io::Error::last_os_error())));
+        }
+        Ok(FileId { dev: st.st_dev, ino: st.st_ino })
+    }
+}
+
+/// This process's start time (clock ticks after boot, `/proc/self/stat`'s 22nd field), or 0
+/// where it cannot be read.
+pub fn start_time_of(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(19)).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 /// Which memory a descriptor describes (an importer maps only its own kind).
@@ -38,6 +79,8 @@ pub const KIND_HOST: u32 = 2;
 pub struct Descriptor {
     pub kind: u32,
     pub pid: u32,
+    /// The exporter's start time (`start_time_of`): a process that got its pid later is not it.
+    pub start_time: u64,
     pub device: i32,
     pub granule: u64,
     /// The block's start, from the start of its first granule.
@@ -46,10 +89,12 @@ pub struct Descriptor {
     pub granules: Vec<SharedGranule>,
 }
 
-const MAGIC: &[u8; 8] = b"GPPIPC01";
-/// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size, count.
-pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 4;
-pub const GRANULE_BYTES: usize = 16;
+const MAGIC: &[u8; 8] = b"GPPIPC02";
+/// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
+/// count, start time.
+pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5;
+/// Per granule: descriptor number, offset, file device, file inode.
+pub const GRANULE_BYTES: usize = 32;
 /// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
 /// corrupt count cannot make an importer allocate without bound.
 pub const MAX_GRANULES: u64 = 1 << 23;
@@ -67,12 +112,13 @@ impl Descriptor {
         for v in [self.kind, self.pid, self.device as u32, 0] {
             b.extend_from_slice(&v.to_le_bytes());
         }
-        for v in [self.granule, self.offset, self.size, self.granules.len() as u64] {
+        for v in [self.granule, self.offset, self.size, self.granules.len() as u64, self.start_time] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         for g in &self.granules {
-            b.extend_from_slice(&(g.fd as u32 as u64).to_le_bytes());
-            b.extend_from_slice(&g.offset.to_le_bytes());
+            for v in [g.fd as u32 as u64, g.offset, g.file.dev, g.file.ino] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
         }
         b
     }
@@ -87,7 +133,7 @@ impl Descriptor {
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let (kind, pid, device) = (u32_at(8), u32_at(12), u32_at(16) as i32);
-        let (granule, offset, size, count) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48));
+        let (granule, offset, size, count, start_time) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48), u64_at(56));
         if kind != KIND_CUDA && kind != KIND_HOST {
             return Err(bad(&format!("unknown memory kind {kind}")));
         }
@@ -106,10 +152,10 @@ impl Descriptor {
                 if fd > i32::MAX as u64 {
                     return Err(bad(&format!("granule {i}: descriptor {fd} out of range")));
                 }
-                Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8) })
+                Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8), file: FileId { dev: u64_at(at + 16), ino: u64_at(at + 24) } })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Descriptor { kind, pid, device, granule, offset, size, granules })
+        Ok(Descriptor { kind, pid, start_time, device, granule, offset, size, granules })
     }
 }
 
@@ -132,6 +178,7 @@ pub fn raise_fd_limit() {
 }
 
 /// A file descriptor this process owns, closed when dropped.
+#[derive(Debug)]
 pub struct Fd(i32);
 
 impl Fd {
@@ -169,32 +216,53 @@ pub enum FdSource<'a> {
 }
 
 impl FdSource<'_> {
-    /// Open the exporter `pid` to fetch its descriptors from.
-    pub fn fetch_from(pid: u32) -> Result<FdSource<'static>> {
+    /// Open the exporter `pid`, started at `start_time` (`start_time_of`), to fetch its
+    /// descriptors from. A process now holding that pid that started at another time is
+    /// not the exporter: refused.
+    pub fn fetch_from(pid: u32, start_time: u64) -> Result<FdSource<'static>> {
         // SAFETY: a plain syscall with integer arguments.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
         if pidfd < 0 {
             return Err(fetch_error(pid, "pidfd_open"));
         }
-        Ok(FdSource::Fetch { pid, pidfd: Fd(pidfd as i32) })
+        let pidfd = Fd(pidfd as i32);
+        // Read after the pidfd pins the process: if it is the exporter, it stays so.
+        let now = start_time_of(pid);
+        if now != start_time {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: process {pid} is not the exporter (it started at tick {now}, the exporter at {start_time}): \
+                 the exporter is gone and its pid was reused; its blocks are no longer shared"
+            )));
+        }
+        Ok(FdSource::Fetch { pid, pidfd })
     }
 
-    /// This process's descriptor for granule `i`, which the exporter holds as `theirs`,
-    /// and the guard that closes it if it was fetched (keep it until the granule is mapped).
-    pub fn get(&self, i: usize, theirs: i32) -> Result<(i32, Option<Fd>)> {
-        match self {
+    /// This process's descriptor for granule `i`, shared as `theirs`, and the guard that
+    /// closes it if it was fetched (keep it until the granule is mapped). Refused where the
+    /// file is not the one exported (`FileId`): a stale or forged descriptor.
+    pub fn get(&self, i: usize, theirs: &SharedGranule) -> Result<(i32, Option<Fd>)> {
+        let (fd, guard) = match self {
             FdSource::Given(fds) => fds.get(i).map(|&fd| (fd, None)).ok_or_else(|| {
                 Error::InvalidArgument(format!("IPC import: {} descriptors passed, granule {i} has none", fds.len()))
-            }),
+            })?,
             FdSource::Fetch { pid, pidfd } => {
                 // SAFETY: as above; the result is a new descriptor this process owns.
-                let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), theirs, 0) };
+                let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), theirs.fd, 0) };
                 if mine < 0 {
-                    return Err(fetch_error(*pid, &format!("pidfd_getfd of descriptor {theirs} (granule {i})")));
+                    return Err(fetch_error(*pid, &format!("pidfd_getfd of descriptor {} (granule {i})", theirs.fd)));
                 }
-                Ok((mine as i32, Some(Fd(mine as i32))))
+                (mine as i32, Some(Fd(mine as i32)))
             }
+        };
+        let got = FileId::of(fd)?;
+        if got != theirs.file {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: granule {i}'s descriptor {} is not the file the exporter shared (device {}, inode {}; found \
+                 device {}, inode {}): the descriptor is stale (its block was freed and the number reused) or forged",
+                theirs.fd, theirs.file.dev, theirs.file.ino, got.dev, got.ino
+            )));
         }
+        Ok((fd, guard))
     }
 }
 
@@ -214,11 +282,15 @@ mod tests {
         Descriptor {
             kind: KIND_CUDA,
             pid: 77,
+            start_time: 12345,
             device: 1,
             granule: 2 << 20,
             offset: 4096,
             size: 3 << 20,
-            granules: vec![SharedGranule { fd: 9, offset: 0 }, SharedGranule { fd: 12, offset: 0 }],
+            granules: vec![
+                SharedGranule { fd: 9, offset: 0, file: FileId { dev: 3, ino: 40 } },
+                SharedGranule { fd: 12, offset: 0, file: FileId { dev: 3, ino: 41 } },
+            ],
         }
     }
 
@@ -254,16 +326,58 @@ mod tests {
     }
 
     #[test]
+    fn stale_forged_and_reused_pid_descriptors_are_refused() {
+        let mut a = [0i32; 2];
+        let mut b = [0i32; 2];
+        // SAFETY: writable two-int arrays.
+        assert_eq!(unsafe { libc::pipe(a.as_mut_ptr()) }, 0);
+        assert_eq!(unsafe { libc::pipe(b.as_mut_ptr()) }, 0);
+        let exported = SharedGranule { fd: a[1], offset: 0, file: FileId::of(a[1]).unwrap() };
+        // Stale: the number now names another file (the block was freed, the number reused).
+        // SAFETY: dup2 onto our own descriptor.
+        assert_eq!(unsafe { libc::dup2(b[1], a[1]) }, a[1]);
+        let pid = std::process::id();
+        match FdSource::fetch_from(pid, start_time_of(pid)) {
+            Ok(src) => {
+                let e = src.get(0, &exported).unwrap_err().to_string();
+                assert!(e.contains("stale") && e.contains("inode"), "{e}");
+            }
+            Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+        }
+        // Passed in by the caller: checked the same way.
+        let given = [a[1]];
+        assert!(FdSource::Given(&given).get(0, &exported).unwrap_err().to_string().contains("stale"));
+        // Forged: an identity nobody exported.
+        let forged = SharedGranule { file: FileId { dev: 1, ino: 2 }, ..exported };
+        assert!(FdSource::Given(&given).get(0, &forged).is_err());
+        // A reused pid: the process with it started at another time.
+        assert!(start_time_of(pid) > 0, "this process's start time is readable");
+        if let Err(e) = FdSource::fetch_from(pid, start_time_of(pid) + 1) {
+            let e = e.to_string();
+            assert!(e.contains("not the exporter") || e.contains("pidfd"), "{e}");
+        } else {
+            panic!("a process started at another time was taken for the exporter");
+        }
+        // SAFETY: our own pipes.
+        unsafe {
+            for fd in [a[0], a[1], b[0], b[1]] {
+                libc::close(fd);
+            }
+        }
+    }
+
+    #[test]
     fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
         let mut p = [0i32; 2];
         // SAFETY: a writable two-int array.
         assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
         let pid = std::process::id();
-        match FdSource::fetch_from(pid).and_then(|src| src.get(0, p[1]).map(|got| (src, got))) {
+        let shared = |fd: i32| SharedGranule { fd, offset: 0, file: FileId::of(fd).unwrap() };
+        match FdSource::fetch_from(pid, start_time_of(pid)).and_then(|src| src.get(0, &shared(p[1])).map(|got| (src, got))) {
             Ok((src, (fd, guard))) => {
                 assert_ne!(fd, p[1]);
                 assert_eq!(guard.as_ref().map(Fd::raw), Some(fd), "a fetched descriptor is closed by its guard");
-                assert!(src.get(1, -1).is_err(), "a bad descriptor number is an error");
+                assert!(src.get(1, &SharedGranule { fd: -1, ..shared(p[1]) }).is_err(), "a bad descriptor number is an error");
                 // SAFETY: writing one byte through the fetched copy, reading it at the other end.
                 unsafe {
                     assert_eq!(libc::write(fd, b"x".as_ptr().cast(), 1), 1);
@@ -275,11 +389,11 @@ mod tests {
             // A kernel before 5.6 or a sandbox without pidfd: the error must say so.
             Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
         }
-        let given = [5, 6];
+        let given = [p[0], p[1]];
         let src = FdSource::Given(&given);
-        assert_eq!(src.get(1, 99).unwrap().0, 6, "a given descriptor is the caller's, by position");
-        assert!(src.get(1, 99).unwrap().1.is_none(), "and not closed by gpupool");
-        assert!(src.get(2, 99).is_err(), "one too few");
+        assert_eq!(src.get(1, &shared(p[1])).unwrap().0, p[1], "a given descriptor is the caller's, by position");
+        assert!(src.get(1, &shared(p[1])).unwrap().1.is_none(), "and not closed by gpupool");
+        assert!(src.get(2, &shared(p[1])).is_err(), "one too few");
         // SAFETY: our own pipe.
         unsafe {
             libc::close(p[0]);

@@ -274,6 +274,19 @@ int main(int argc, char **argv) {
   uint64_t huge = UINT64_MAX - 100;
   memcpy(wrapped + 40, &huge, sizeof huge); /* the size field */
   CHECK_STATUS(gpupool_ipc_open(wrapped, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  /* A forged descriptor (granule 0's file inode changed: bytes 88..96) names a file nobody
+   * exported as that granule: refused, fetched or passed in. */
+  unsigned char forged[4096];
+  memcpy(forged, desc[0], desc_len[0]);
+  forged[88] ^= 0x5a;
+  CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(), "stale") != NULL || strstr(last_error(), "pidfd") != NULL, "forged: %s", last_error());
+  CHECK(p == NULL, "a refused open leaves *out_ptr NULL");
+  /* A descriptor naming an exporter that started at another time (a reused pid). */
+  memcpy(forged, desc[0], desc_len[0]);
+  forged[56] ^= 0x01;
+  CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(), "not the exporter") != NULL || strstr(last_error(), "pidfd") != NULL, "reused pid: %s", last_error());
 
   /* A block of more granules than one SCM_RIGHTS message carries (253), opened by pid:
    * its descriptors are fetched one at a time. */

@@ -339,7 +339,7 @@ impl CudaVmm {
             return Err(Error::Internal(format!("arena: export of {addr:#x}, which is not mapped")));
         };
         if let Some(&fd) = self.exported.get(&home) {
-            return Ok(SharedGranule { fd, offset: 0 });
+            return Ok(SharedGranule { fd, offset: 0, ..Default::default() });
         }
         let mut fd: libc::c_int = -1;
         calls.shareable += 1;
@@ -354,7 +354,7 @@ impl CudaVmm {
         }
         set_cloexec(fd);
         self.exported.insert(home, fd);
-        Ok(SharedGranule { fd, offset: 0 })
+        Ok(SharedGranule { fd, offset: 0, ..Default::default() })
     }
 
     /// Map the granules of `d` (each a whole allocation, behind the descriptors `fds`
@@ -377,7 +377,7 @@ impl CudaVmm {
         let result = (|| {
             for (i, shared) in d.granules.iter().enumerate() {
                 // A fetched descriptor closes at the end of this turn: the mapping keeps the memory.
-                let (fd, _fetched) = fds.get(i, shared.fd)?;
+                let (fd, _fetched) = fds.get(i, shared)?;
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 calls.shareable += 1;
                 check("cuMemImportFromShareableHandle", unsafe {
