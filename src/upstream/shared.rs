@@ -27,9 +27,14 @@
 //! reused pid is another process, started later) and each granule's file identity (device
 //! and inode, as `fstat` gives them at export). The importer checks both on every
 //! descriptor it maps, fetched or passed in, and refuses, saying why, where one differs.
-//! A forger would need the inodes of the victim's exported files, which only a process
-//! allowed to inspect the victim (`/proc/PID/fdinfo`, the same right `pidfd_getfd` needs)
-//! can read.
+//! How far that goes depends on the files. The host upstream's granules live in a memfd
+//! of the exporter's own, whose inode no other file has: a forger would need it, which only
+//! a process allowed to inspect the exporter can read (`/proc/PID/fdinfo`, the right
+//! `pidfd_getfd` needs too). The driver's exported descriptors are each an open of
+//! `/dev/nvidiactl`, all with that device file's identity: there the check refuses a number
+//! since given to any other file, and a reused pid, but not a number given to another of
+//! the exporter's exported granules (or its other driver descriptors), which only a record
+//! of the exporter's own exports, asked at import, could tell apart.
 
 use crate::error::{Error, Result};
 
