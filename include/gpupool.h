@@ -320,8 +320,10 @@ enum gpupool_status gpupool_ipc_open(const void *desc,
 
 // Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
 // untouched). `ptr` must be the address it returned; any other is
-// `GPUPOOL_STATUS_INVALID_POINTER`. A device's pool cannot be reconfigured while blocks
-// of other processes are open on it (`GPUPOOL_STATUS_BUSY`).
+// `GPUPOOL_STATUS_INVALID_POINTER`. The work this process queued on the device is waited
+// for first (kernels still using the block finish before it is unmapped); work of the
+// exporter on the block is the exporter's to order. A device's pool cannot be
+// reconfigured while blocks of other processes are open on it (`GPUPOOL_STATUS_BUSY`).
 enum gpupool_status gpupool_ipc_close(void *ptr, int device);
 
 // Allocate `size` bytes of pinned host memory, for use on `stream`.

@@ -427,6 +427,11 @@ impl CudaVmm {
         if returned != ptr {
             return Ok(false);
         }
+        // Kernels this process queued on the block may still read or write it: unmapping
+        // under them faults. The block's streams are not known here, so the device's work
+        // is waited for (closes are rare; a failure leaves the range mapped and booked).
+        calls.event_sync += 1;
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         match self.unmap_imported(base + done, len - done, calls) {
             Ok(()) => {
                 self.imports.remove(&base);
