@@ -394,10 +394,16 @@ impl CudaVmm {
             self.grant_import(base, len, calls)
         })();
         if let Err(e) = result {
-            // Best effort: a driver that fails the import and then the unmap has lost the
-            // range either way; the import's error is the one to report.
-            if self.unmap_imported(base, mapped * granule, calls).is_ok() {
-                let _ = self.unreserve(base, len, calls);
+            // A driver that fails the import and then the unmap has lost the range either
+            // way: the import's error is the one returned, the lost range is said once.
+            match self.unmap_imported(base, mapped * granule, calls) {
+                Ok(()) => {
+                    let _ = self.unreserve(base, len, calls);
+                }
+                Err((_, undo)) => crate::error::warn(&format!(
+                    "IPC import failed ({e}) and undoing it failed too ({undo}): {len} bytes of address space at {base:#x} \
+                     stay mapped to the exporter's memory until this process ends"
+                )),
             }
             return Err(e);
         }
