@@ -1,4 +1,4 @@
-//! The layers import one way (README, "How it works"): each module of `src/` may use only
+//! The layers import one way (docs/internals.md): each module of `src/` may use only
 //! modules of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
 //! the trace; the upstreams (driver layer); blocks; strategies and the stream tracker; the
 //! device pool; process-level services; the registry; the front end (thread caches); the C

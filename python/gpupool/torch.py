@@ -2,7 +2,7 @@
 
 CUDA graphs: `torch.cuda.graph`, `torch.cuda.make_graphed_callables` and `MemPool`
 scopes reach gpupool through the begin/end-allocate-to-pool and release-pool hooks, which
-keep each graph's memory in a private pool (see README, "CUDA graphs").
+keep each graph's memory in a private pool (see docs/graphs.md).
 
 `torch.compile(mode="reduce-overhead")` uses inductor's CUDA-graph *trees* by default,
 which call `torch._C._cuda_checkPoolLiveAllocations`; PyTorch's `CUDAPluggableAllocator`
