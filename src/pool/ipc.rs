@@ -14,7 +14,7 @@
 
 use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
-use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
+use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, ExportRecord, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -36,6 +36,15 @@ impl Pool {
         if l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr) {
             return Err(refuse("IPC export: the block was freed".into()));
         }
+        // A block this thread's cache handed out would go back to that cache when freed,
+        // never reaching the pool, which must end the export then: it becomes the pool's.
+        let owner = l.owner;
+        if owner != NO_OWNER && self.caches.claim(owner, ptr).is_some() {
+            if let Some(l) = self.live.get_mut(&ptr) {
+                l.owner = NO_OWNER;
+            }
+        }
+        let Some(l) = self.live.get(&ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
         if l.private.is_some() {
             // Graph pools' blocks are segments of their own (`graph_pools.rs`), not granules.
             return Err(refuse(
@@ -75,10 +84,13 @@ impl Pool {
             .step_by(g)
             .map(|a| self.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
             .collect::<Result<Vec<_>>>()?;
+        let record = ExportRecord::add(&granules.iter().map(|g| (g.fd, g.offset)).collect::<Vec<_>>())?;
+        self.strategy.as_arena().expect("arena pool").note_export(addr, record);
         let d = Descriptor {
             kind: self.upstream.vmm_share_kind(),
             pid: std::process::id(),
             start_time: start_time_of(std::process::id()),
+            record,
             device: self.device,
             granule: g as u64,
             offset: (ptr - first) as u64,
@@ -118,7 +130,7 @@ impl Pool {
                     d.granules.len()
                 )))
             }
-            None => FdSource::fetch_from(d.pid, d.start_time)?,
+            None => FdSource::fetch_from(d)?,
         };
         self.upstream.vmm_import(d, &source)
     }

@@ -233,6 +233,10 @@ impl HostVmm {
                 return Err(fail(Error::Internal(format!("host vmm: unmap of {a:#x}, which still has an alias"))));
             }
             self.unmap_at(a).map_err(fail)?;
+            if let Some(fd) = self.fd {
+                // Exports of it end before its offset can back another granule.
+                crate::upstream::shared::ExportRecord::granule_released(fd, off as u64);
+            }
             self.release_offset(off);
         }
         Ok(())
@@ -357,6 +361,10 @@ impl Drop for HostVmm {
         // GPU, where the driver keeps memory until the context goes); only the file
         // descriptor closes, the mappings keep the memory.
         if let Some(fd) = self.fd.take() {
+            // Every export of this file ends before its number can be reused.
+            for off in self.mapped.values() {
+                crate::upstream::shared::ExportRecord::granule_released(fd, *off as u64);
+            }
             // SAFETY: our own descriptor.
             unsafe { libc::close(fd) };
         }

@@ -27,14 +27,19 @@
 //! reused pid is another process, started later) and each granule's file identity (device
 //! and inode, as `fstat` gives them at export). The importer checks both on every
 //! descriptor it maps, fetched or passed in, and refuses, saying why, where one differs.
-//! How far that goes depends on the files. The host upstream's granules live in a memfd
-//! of the exporter's own, whose inode no other file has: a forger would need it, which only
-//! a process allowed to inspect the exporter can read (`/proc/PID/fdinfo`, the right
-//! `pidfd_getfd` needs too). The driver's exported descriptors are each an open of
-//! `/dev/nvidiactl`, all with that device file's identity: there the check refuses a number
-//! since given to any other file, and a reused pid, but not a number given to another of
-//! the exporter's exported granules (or its other driver descriptors), which only a record
-//! of the exporter's own exports, asked at import, could tell apart.
+//! File identity alone does not tell the driver's exported descriptors apart (each is an
+//! open of `/dev/nvidiactl`), so the exporter also keeps a record of its live exports
+//! (`ExportRecord`): a `memfd` of its own with a random token per export, cleared before
+//! any granule of that export is released and its descriptor closed. A descriptor names
+//! the record's descriptor number, its slot and its token; an importer that fetches
+//! descriptors by pid fetches the record too, checks that it is this exporter's (magic,
+//! pid, start time) and that the slot still holds the token, and checks again after each
+//! granule's descriptor is fetched: a descriptor fetched while its export's token was
+//! still there is that export's (the record is cleared first). A stale descriptor (its
+//! block freed, its memory released, the numbers reused) is refused. Descriptors passed in
+//! by the caller (`SCM_RIGHTS`) come from whoever holds the memory and are checked by file
+//! identity alone. An export also ends when its block is freed (the pool ends it before
+//! the block's memory can serve another allocation).
 
 use crate::error::{Error, Result};
 
@@ -86,6 +91,9 @@ pub struct Descriptor {
     pub pid: u32,
     /// The exporter's start time (`start_time_of`): a process that got its pid later is not it.
     pub start_time: u64,
+    /// Where the exporter records this export (`ExportRecord`): its descriptor number there,
+    /// the slot and the token.
+    pub record: RecordRef,
     pub device: i32,
     pub granule: u64,
     /// The block's start, from the start of its first granule.
@@ -94,10 +102,10 @@ pub struct Descriptor {
     pub granules: Vec<SharedGranule>,
 }
 
-const MAGIC: &[u8; 8] = b"GPPIPC02";
+const MAGIC: &[u8; 8] = b"GPPIPC03";
 /// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
-/// count, start time.
-pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5;
+/// count, start time, record descriptor + slot, token.
+pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8;
 /// Per granule: descriptor number, offset, file device, file inode.
 pub const GRANULE_BYTES: usize = 32;
 /// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
@@ -120,6 +128,9 @@ impl Descriptor {
         for v in [self.granule, self.offset, self.size, self.granules.len() as u64, self.start_time] {
             b.extend_from_slice(&v.to_le_bytes());
         }
+        b.extend_from_slice(&(self.record.fd as u32).to_le_bytes());
+        b.extend_from_slice(&self.record.slot.to_le_bytes());
+        b.extend_from_slice(&self.record.token.to_le_bytes());
         for g in &self.granules {
             for v in [g.fd as u32 as u64, g.offset, g.file.dev, g.file.ino] {
                 b.extend_from_slice(&v.to_le_bytes());
@@ -139,6 +150,7 @@ impl Descriptor {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let (kind, pid, device) = (u32_at(8), u32_at(12), u32_at(16) as i32);
         let (granule, offset, size, count, start_time) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48), u64_at(56));
+        let record = RecordRef { fd: u32_at(64) as i32, slot: u32_at(68), token: u64_at(72) };
         if kind != KIND_CUDA && kind != KIND_HOST {
             return Err(bad(&format!("unknown memory kind {kind}")));
         }
@@ -160,7 +172,7 @@ impl Descriptor {
                 Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8), file: FileId { dev: u64_at(at + 16), ino: u64_at(at + 24) } })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Descriptor { kind, pid, start_time, device, granule, offset, size, granules })
+        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, granules })
     }
 }
 
@@ -216,15 +228,17 @@ pub enum FdSource<'a> {
     /// The caller's own, one per granule in the descriptor's order; they stay the caller's.
     Given(&'a [i32]),
     /// Copied out of the exporter (`pidfd_getfd`) one at a time, each closed once its
-    /// granule is mapped: the mapping keeps the memory.
-    Fetch { pid: u32, pidfd: Fd },
+    /// granule is mapped: the mapping keeps the memory. `record`: the exporter's record of
+    /// its exports (fetched and checked), and this export's slot and token in it.
+    Fetch { pid: u32, pidfd: Fd, record: Fd, at: RecordRef },
 }
 
 impl FdSource<'_> {
-    /// Open the exporter `pid`, started at `start_time` (`start_time_of`), to fetch its
-    /// descriptors from. A process now holding that pid that started at another time is
-    /// not the exporter: refused.
-    pub fn fetch_from(pid: u32, start_time: u64) -> Result<FdSource<'static>> {
+    /// Open the exporter of `d` to fetch its descriptors from: a process holding its pid
+    /// that started at another time is not the exporter, and an export the exporter no
+    /// longer records (its block freed) is not fetched from. Both refused.
+    pub fn fetch_from(d: &Descriptor) -> Result<FdSource<'static>> {
+        let pid = d.pid;
         // SAFETY: a plain syscall with integer arguments.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
         if pidfd < 0 {
@@ -233,13 +247,36 @@ impl FdSource<'_> {
         let pidfd = Fd(pidfd as i32);
         // Read after the pidfd pins the process: if it is the exporter, it stays so.
         let now = start_time_of(pid);
-        if now != start_time {
+        if now != d.start_time {
             return Err(Error::InvalidArgument(format!(
-                "IPC import: process {pid} is not the exporter (it started at tick {now}, the exporter at {start_time}): \
-                 the exporter is gone and its pid was reused; its blocks are no longer shared"
+                "IPC import: process {pid} is not the exporter (it started at tick {now}, the exporter at {}): \
+                 the exporter is gone and its pid was reused; its blocks are no longer shared",
+                d.start_time
             )));
         }
-        Ok(FdSource::Fetch { pid, pidfd })
+        // SAFETY: as above; the result is a new descriptor this process owns.
+        let record = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), d.record.fd, 0) };
+        if record < 0 {
+            return Err(fetch_error(pid, &format!("pidfd_getfd of its export record (descriptor {})", d.record.fd)));
+        }
+        let record = Fd(record as i32);
+        ExportRecord::check(&record, pid, d.start_time)?;
+        let src = FdSource::Fetch { pid, pidfd, record, at: d.record };
+        src.still_exported()?;
+        Ok(src)
+    }
+
+    /// For a fetching source: the exporter still records this export (else: refused).
+    fn still_exported(&self) -> Result<()> {
+        if let FdSource::Fetch { pid, record, at, .. } = self {
+            if ExportRecord::token_at(record, at.slot) != Some(at.token) {
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: process {pid} no longer exports this block (the descriptor is stale: the block was \
+                     freed, or its memory released, after the export)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// This process's descriptor for granule `i`, shared as `theirs`, and the guard that
@@ -250,13 +287,17 @@ impl FdSource<'_> {
             FdSource::Given(fds) => fds.get(i).map(|&fd| (fd, None)).ok_or_else(|| {
                 Error::InvalidArgument(format!("IPC import: {} descriptors passed, granule {i} has none", fds.len()))
             })?,
-            FdSource::Fetch { pid, pidfd } => {
+            FdSource::Fetch { pid, pidfd, .. } => {
                 // SAFETY: as above; the result is a new descriptor this process owns.
                 let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), theirs.fd, 0) };
                 if mine < 0 {
                     return Err(fetch_error(*pid, &format!("pidfd_getfd of descriptor {} (granule {i})", theirs.fd)));
                 }
-                (mine as i32, Some(Fd(mine as i32)))
+                let fetched = Fd(mine as i32);
+                // Still recorded after the fetch: the descriptor was the export's then (the
+                // exporter clears the record before it closes an exported descriptor).
+                self.still_exported()?;
+                (mine as i32, Some(fetched))
             }
         };
         let got = FileId::of(fd)?;
@@ -279,6 +320,147 @@ fn fetch_error(pid: u32, what: &str) -> Error {
     ))
 }
 
+/// Where a descriptor's export is recorded: the exporter's record descriptor, the slot, the
+/// token.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordRef {
+    pub fd: i32,
+    pub slot: u32,
+    pub token: u64,
+}
+
+/// This process's record of its live exports: a `memfd` (close-on-exec) holding a header
+/// (magic, pid, start time) and one 8-byte token per slot, 0 where free. Importers read it
+/// through `pidfd_getfd`. One per process, whatever the device or upstream.
+pub struct ExportRecord {
+    fd: Fd,
+    /// Slot -> the granules (descriptor, offset) its export shares.
+    live: Vec<Option<Vec<(i32, u64)>>>,
+    free: Vec<u32>,
+}
+
+const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXREC");
+const RECORD_HEADER: usize = 24;
+/// Live exports a process may have at once.
+pub const RECORD_SLOTS: u32 = 1 << 16;
+
+static RECORD: std::sync::Mutex<Option<ExportRecord>> = std::sync::Mutex::new(None);
+
+impl ExportRecord {
+    fn create() -> Result<ExportRecord> {
+        let os = |what: &str| Error::InvalidArgument(format!("IPC export: {what} failed: {}", std::io::Error::last_os_error()));
+        // SAFETY: a NUL-terminated name; valid flags.
+        let fd = unsafe { libc::memfd_create(c"gpupool-exports".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(os("memfd_create"));
+        }
+        let fd = Fd(fd);
+        let len = RECORD_HEADER + 8 * RECORD_SLOTS as usize;
+        let pid = std::process::id();
+        let mut head = Vec::with_capacity(RECORD_HEADER);
+        for v in [RECORD_MAGIC, pid as u64, start_time_of(pid)] {
+            head.extend_from_slice(&v.to_le_bytes());
+        }
+        // SAFETY: our own file; a buffer of the length passed.
+        let ok = unsafe { libc::ftruncate(fd.raw(), len as libc::off_t) == 0 && libc::pwrite(fd.raw(), head.as_ptr().cast(), head.len(), 0) == head.len() as isize };
+        if !ok {
+            return Err(os("writing the export record"));
+        }
+        Ok(ExportRecord { fd, live: Vec::new(), free: Vec::new() })
+    }
+
+    fn write_token(&self, slot: u32, token: u64) -> bool {
+        let b = token.to_le_bytes();
+        // SAFETY: our own file, an 8-byte buffer.
+        unsafe { libc::pwrite(self.fd.raw(), b.as_ptr().cast(), 8, (RECORD_HEADER + 8 * slot as usize) as libc::off_t) == 8 }
+    }
+
+    /// Record an export of `granules` (descriptor, offset each); returns where it is.
+    pub fn add(granules: &[(i32, u64)]) -> Result<RecordRef> {
+        let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(ExportRecord::create()?);
+        }
+        let r = g.as_mut().expect("made above");
+        let slot = match r.free.pop() {
+            Some(s) => s,
+            None if (r.live.len() as u32) < RECORD_SLOTS => {
+                r.live.push(None);
+                (r.live.len() - 1) as u32
+            }
+            None => return Err(Error::InvalidArgument(format!("IPC export: {RECORD_SLOTS} exports are live; free some first"))),
+        };
+        let mut token = 0u64;
+        while token == 0 {
+            // SAFETY: an 8-byte buffer.
+            if unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, 0) } != 8 {
+                r.free.push(slot);
+                return Err(Error::InvalidArgument("IPC export: getrandom failed".into()));
+            }
+        }
+        if !r.write_token(slot, token) {
+            r.free.push(slot);
+            return Err(Error::InvalidArgument("IPC export: writing the export record failed".into()));
+        }
+        r.live[slot as usize] = Some(granules.to_vec());
+        Ok(RecordRef { fd: r.fd.raw(), slot, token })
+    }
+
+    /// Export `at` ended (its block was freed): its slot is cleared, so its descriptor can
+    /// no longer be fetched from.
+    pub fn end(at: RecordRef) {
+        let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = g.as_mut() else { return };
+        let slot = at.slot as usize;
+        if r.live.get(slot).is_some_and(|e| e.is_some()) && ExportRecord::token_at(&r.fd, at.slot) == Some(at.token) && r.write_token(at.slot, 0) {
+            r.live[slot] = None;
+            r.free.push(at.slot);
+        }
+    }
+
+    /// The granule shared as (`fd`, `offset`) is about to be released (its descriptor
+    /// closed, or its memory given back): every export that shares it ends first.
+    pub fn granule_released(fd: i32, offset: u64) {
+        let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = g.as_mut() else { return };
+        for slot in 0..r.live.len() {
+            if r.live[slot].as_ref().is_some_and(|v| v.contains(&(fd, offset))) {
+                // A record the exporter cannot clear would let a stale descriptor through:
+                // keep the slot out of use rather than reuse it.
+                if r.write_token(slot as u32, 0) {
+                    r.live[slot] = None;
+                    r.free.push(slot as u32);
+                }
+            }
+        }
+    }
+
+    /// An importer's check that `fd` is the record of exporter `pid` started at `start_time`.
+    fn check(fd: &Fd, pid: u32, start_time: u64) -> Result<()> {
+        let mut b = [0u8; RECORD_HEADER];
+        // SAFETY: a buffer of the length passed.
+        let n = unsafe { libc::pread(fd.raw(), b.as_mut_ptr().cast(), b.len(), 0) };
+        let at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if n != RECORD_HEADER as isize || at(0) != RECORD_MAGIC || at(8) != pid as u64 || at(16) != start_time {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: the descriptor's export record is not process {pid}'s (forged or stale descriptor)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The token in `slot` of the record `fd` (None where unreadable).
+    fn token_at(fd: &Fd, slot: u32) -> Option<u64> {
+        if slot >= RECORD_SLOTS {
+            return None;
+        }
+        let mut b = [0u8; 8];
+        // SAFETY: an 8-byte buffer.
+        let n = unsafe { libc::pread(fd.raw(), b.as_mut_ptr().cast(), 8, (RECORD_HEADER + 8 * slot as usize) as libc::off_t) };
+        (n == 8).then(|| u64::from_le_bytes(b))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +470,7 @@ mod tests {
             kind: KIND_CUDA,
             pid: 77,
             start_time: 12345,
+            record: RecordRef { fd: 5, slot: 3, token: 0xfeed },
             device: 1,
             granule: 2 << 20,
             offset: 4096,
@@ -330,6 +513,45 @@ mod tests {
         assert!(Descriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
     }
 
+    /// A descriptor of this process sharing `g`, recorded as a live export.
+    fn exported(g: SharedGranule) -> Descriptor {
+        let pid = std::process::id();
+        let record = ExportRecord::add(&[(g.fd, g.offset)]).unwrap();
+        Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, granules: vec![g] }
+    }
+
+    #[test]
+    fn an_export_no_longer_recorded_is_not_fetched_from() {
+        let mut p = [0i32; 2];
+        // SAFETY: a writable two-int array.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let g = SharedGranule { fd: p[1], offset: 0, file: FileId::of(p[1]).unwrap() };
+        let d = exported(g);
+        match FdSource::fetch_from(&d) {
+            Ok(src) => {
+                assert!(src.get(0, &g).is_ok(), "a live export is fetched");
+                // Its granule released: the record ends the export first, so the source
+                // opened before refuses the next fetch, and a new one refuses to open.
+                ExportRecord::granule_released(p[1], 0);
+                assert!(src.get(0, &g).unwrap_err().to_string().contains("no longer exports"));
+                assert!(FdSource::fetch_from(&d).err().is_some_and(|e| e.to_string().contains("no longer exports")));
+                // A forged token in a live slot is refused too.
+                let live = exported(g);
+                let forged = Descriptor { record: RecordRef { token: live.record.token ^ 1, ..live.record }, ..live.clone() };
+                assert!(FdSource::fetch_from(&forged).err().is_some_and(|e| e.to_string().contains("no longer exports")));
+                // A record descriptor that is not the exporter's record.
+                let wrong = Descriptor { record: RecordRef { fd: p[0], ..live.record }, ..live };
+                assert!(FdSource::fetch_from(&wrong).err().is_some_and(|e| e.to_string().contains("not process")));
+            }
+            Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+        }
+        // SAFETY: our own pipe.
+        unsafe {
+            libc::close(p[0]);
+            libc::close(p[1]);
+        }
+    }
+
     #[test]
     fn stale_forged_and_reused_pid_descriptors_are_refused() {
         let mut a = [0i32; 2];
@@ -337,12 +559,14 @@ mod tests {
         // SAFETY: writable two-int arrays.
         assert_eq!(unsafe { libc::pipe(a.as_mut_ptr()) }, 0);
         assert_eq!(unsafe { libc::pipe(b.as_mut_ptr()) }, 0);
-        let exported = SharedGranule { fd: a[1], offset: 0, file: FileId::of(a[1]).unwrap() };
+        let exported_granule = SharedGranule { fd: a[1], offset: 0, file: FileId::of(a[1]).unwrap() };
+        let d = super::tests::exported(exported_granule);
+        let exported = exported_granule;
         // Stale: the number now names another file (the block was freed, the number reused).
         // SAFETY: dup2 onto our own descriptor.
         assert_eq!(unsafe { libc::dup2(b[1], a[1]) }, a[1]);
         let pid = std::process::id();
-        match FdSource::fetch_from(pid, start_time_of(pid)) {
+        match FdSource::fetch_from(&d) {
             Ok(src) => {
                 let e = src.get(0, &exported).unwrap_err().to_string();
                 assert!(e.contains("stale") && e.contains("inode"), "{e}");
@@ -357,7 +581,7 @@ mod tests {
         assert!(FdSource::Given(&given).get(0, &forged).is_err());
         // A reused pid: the process with it started at another time.
         assert!(start_time_of(pid) > 0, "this process's start time is readable");
-        if let Err(e) = FdSource::fetch_from(pid, start_time_of(pid) + 1) {
+        if let Err(e) = FdSource::fetch_from(&Descriptor { start_time: d.start_time + 1, ..d.clone() }) {
             let e = e.to_string();
             assert!(e.contains("not the exporter") || e.contains("pidfd"), "{e}");
         } else {
@@ -378,7 +602,9 @@ mod tests {
         assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
         let pid = std::process::id();
         let shared = |fd: i32| SharedGranule { fd, offset: 0, file: FileId::of(fd).unwrap() };
-        match FdSource::fetch_from(pid, start_time_of(pid)).and_then(|src| src.get(0, &shared(p[1])).map(|got| (src, got))) {
+        let d = exported(shared(p[1]));
+        assert_eq!(d.pid, pid);
+        match FdSource::fetch_from(&d).and_then(|src| src.get(0, &shared(p[1])).map(|got| (src, got))) {
             Ok((src, (fd, guard))) => {
                 assert_ne!(fd, p[1]);
                 assert_eq!(guard.as_ref().map(Fd::raw), Some(fd), "a fetched descriptor is closed by its guard");

@@ -274,11 +274,11 @@ int main(int argc, char **argv) {
   uint64_t huge = UINT64_MAX - 100;
   memcpy(wrapped + 40, &huge, sizeof huge); /* the size field */
   CHECK_STATUS(gpupool_ipc_open(wrapped, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
-  /* A forged descriptor (granule 0's file inode changed: bytes 88..96) names a file nobody
-   * exported as that granule: refused, fetched or passed in. */
+  /* A forged descriptor (granule 0's file inode changed: bytes 104..112) names a file
+   * nobody exported as that granule: refused, fetched or passed in. */
   unsigned char forged[4096];
   memcpy(forged, desc[0], desc_len[0]);
-  forged[88] ^= 0x5a;
+  forged[104] ^= 0x5a;
   CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(last_error(), "stale") != NULL || strstr(last_error(), "pidfd") != NULL, "forged: %s", last_error());
   CHECK(p == NULL, "a refused open leaves *out_ptr NULL");
@@ -287,6 +287,11 @@ int main(int argc, char **argv) {
   forged[56] ^= 0x01;
   CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(last_error(), "not the exporter") != NULL || strstr(last_error(), "pidfd") != NULL, "reused pid: %s", last_error());
+  /* A token the exporter never recorded (bytes 72..80). */
+  memcpy(forged, desc[0], desc_len[0]);
+  forged[72] ^= 0x01;
+  CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(last_error(), "no longer exports") != NULL || strstr(last_error(), "pidfd") != NULL, "forged token: %s", last_error());
 
   /* A block of more granules than one SCM_RIGHTS message carries (253), opened by pid:
    * its descriptors are fetched one at a time. */
@@ -343,8 +348,13 @@ int main(int argc, char **argv) {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exit status %d", status);
   for (int w = 0; w < 2; w++) CHECK(holds(blocks[w], sizes[w], w, 64), "the parent sees the child's marks in block %d", w);
 
-  /* Still an ordinary pool: free, and an export of a freed block is refused. */
+  /* Still an ordinary pool: free, and an export of a freed block is refused. A descriptor
+   * of a freed block is stale: its export ended with the block, so it is not fetched from
+   * (its memory may serve another block now). */
   for (int w = 0; w < 2; w++) CHECK_STATUS(gpupool_free(blocks[w], dev, NULL), GPUPOOL_STATUS_OK);
+  st = gpupool_ipc_open(desc[1], desc_len[1], dev, NULL, 0, &p);
+  CHECK(st == GPUPOOL_STATUS_INVALID_ARGUMENT && (strstr(last_error(), "no longer exports") || strstr(last_error(), "pidfd")),
+        "a freed block's descriptor: status %d, %s", (int)st, last_error());
   CHECK_STATUS(gpupool_ipc_export(blocks[0], desc[0], sizeof desc[0], &len), GPUPOOL_STATUS_INVALID_POINTER);
   CHECK(strstr(last_error(), "double free") == NULL, "an export is not a free: %s", last_error());
   printf("ipc on %s: %zu granules per 5 MiB block, child checked both blocks\n", up, n_fds);

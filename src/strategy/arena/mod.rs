@@ -93,6 +93,9 @@ pub struct ArenaStrategy {
     exported: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
     /// Bytes those guards hold (free memory set aside: counted as cached).
     guard_bytes: usize,
+    /// Exported blocks -> where their exports are recorded: a block freed ends them
+    /// (`put`), so a descriptor of it cannot map memory that serves another block.
+    export_records: rustc_hash::FxHashMap<usize, Vec<crate::upstream::shared::RecordRef>>,
     pub counters: ArenaCounters,
 }
 
@@ -108,6 +111,7 @@ impl ArenaStrategy {
             stuck: Default::default(),
             exported: Default::default(),
             guard_bytes: 0,
+            export_records: Default::default(),
             counters: ArenaCounters::default(),
         }
     }
@@ -269,8 +273,17 @@ impl ArenaStrategy {
         Ok(())
     }
 
-    /// The guards of exported block `addr` go back as free memory (it was freed).
+    /// Block `addr` was exported as `at`: the export ends when the block is freed.
+    pub fn note_export(&mut self, addr: usize, at: crate::upstream::shared::RecordRef) {
+        self.export_records.entry(addr).or_default().push(at);
+    }
+
+    /// The guards of exported block `addr` go back as free memory (it was freed), and its
+    /// exports end.
     fn unguard(&mut self, addr: usize) {
+        for at in self.export_records.remove(&addr).unwrap_or_default() {
+            crate::upstream::shared::ExportRecord::end(at);
+        }
         for (si, slot) in self.exported.remove(&addr).unwrap_or_default() {
             let n = *self.spaces[si].node(slot);
             self.guard_bytes -= n.size;
