@@ -126,3 +126,39 @@ fn every_shard_reports_its_strategy() {
     free(a, d, stream(Some(7)));
     free(b, d, stream(None));
 }
+
+#[test]
+fn a_freed_stitched_block_ends_its_export() {
+    // A block whose granules are stitched (an alias range of scattered free granules) has
+    // no neighbours to guard, but its export must still end when it is freed, or its
+    // descriptor would map memory that serves the next block.
+    use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_export, gpupool_ipc_open};
+    let d = 57;
+    host(d, c"arena");
+    let s = stream(None);
+    // Eight 2-granule blocks, every other one freed: 8 free granules, no 3 in a row, so
+    // 6 granules come from a stitch rather than new memory.
+    let blocks: Vec<_> = (0..8).map(|_| malloc(4 * MIB, d, s).unwrap()).collect();
+    for b in blocks.iter().step_by(2) {
+        free(*b, d, s);
+    }
+    let big = malloc(12 * MIB, d, s).unwrap();
+    assert!(json(d).contains("\"stitches_made\":1"), "the test needs a stitch: {}", json(d));
+    let mut len = 0usize;
+    let mut desc = vec![0u8; 4096];
+    assert_eq!(unsafe { gpupool_ipc_export(big, desc.as_mut_ptr().cast(), desc.len(), &mut len) }, Status::Ok, "{}", last());
+    let mut p = null_mut();
+    let opened = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), len, d, null_mut(), 0, &mut p) };
+    if opened != Status::Ok {
+        assert!(last().contains("pidfd"), "only a sandbox without pidfd may refuse a live export: {}", last());
+        free(big, d, s);
+        blocks.iter().skip(1).step_by(2).for_each(|b| free(*b, d, s));
+        return;
+    }
+    assert_eq!(unsafe { gpupool_ipc_close(p, d) }, Status::Ok, "{}", last());
+    free(big, d, s);
+    let again = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), len, d, null_mut(), 0, &mut p) };
+    assert_eq!(again, Status::InvalidArgument, "a freed block's descriptor was opened");
+    assert!(last().contains("no longer exports"), "{}", last());
+    blocks.iter().skip(1).step_by(2).for_each(|b| free(*b, d, s));
+}

@@ -495,7 +495,7 @@ impl Strategy for ArenaStrategy {
     }
 
     fn put(&mut self, block: Block) -> Option<Segment> {
-        if !self.exported.is_empty() {
+        if !self.exported.is_empty() || !self.export_records.is_empty() {
             self.unguard(block.addr);
         }
         if self.stitches.contains(block.addr) {
