@@ -4,11 +4,10 @@
 //! less). A shard whose reservation fails runs `split`, and the device's report says so.
 //! Through the C API on the host upstream (simulated devices of 256 MiB).
 
-use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc, gpupool_reclaim, gpupool_stats_json};
+use gpupool::ffi::core::{gpupool_free, gpupool_malloc, gpupool_reclaim};
 use gpupool::Status;
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
-use std::sync::Once;
 
 mod common;
 use common::last_error as last;
@@ -16,16 +15,11 @@ use common::last_error as last;
 const MIB: usize = 1 << 20;
 
 fn host(device: i32, pool: &CStr) {
-    static ENV: Once = Once::new();
-    ENV.call_once(|| std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB"));
-    assert_eq!(unsafe { gpupool_configure(device, pool.as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+    common::host_device_256mib(device, pool);
 }
 
 fn json(device: i32) -> String {
-    let n = unsafe { gpupool_stats_json(device, null_mut(), 0) };
-    let mut buf = vec![0u8; n + 1];
-    unsafe { gpupool_stats_json(device, buf.as_mut_ptr() as *mut c_char, buf.len()) };
-    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+    common::device_json(device)
 }
 
 /// A user stream's handle (`None`: the legacy stream, shard 0).
@@ -155,7 +149,7 @@ fn a_freed_stitched_block_ends_its_export() {
         blocks.iter().skip(1).step_by(2).for_each(|b| free(*b, d, s));
         return;
     }
-    assert_eq!(unsafe { gpupool_ipc_close(p, d) }, Status::Ok, "{}", last());
+    assert_eq!(gpupool_ipc_close(p, d), Status::Ok, "{}", last());
     free(big, d, s);
     let again = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), len, d, null_mut(), 0, &mut p) };
     assert_eq!(again, Status::InvalidArgument, "a freed block's descriptor was opened");

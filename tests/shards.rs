@@ -8,7 +8,6 @@ use gpupool::ffi::core::*;
 use gpupool::Status;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
-use std::sync::Once;
 
 mod common;
 use common::{device_stats as stats, last_error as last};
@@ -16,20 +15,11 @@ use common::{device_stats as stats, last_error as last};
 const MIB: usize = 1 << 20;
 
 fn host(device: i32, pool: &CStr) {
-    static ENV: Once = Once::new();
-    // Read once per process, before the first call: every device here is a simulated one
-    // of 256 MiB, so out-of-memory paths are reachable.
-    ENV.call_once(|| std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB"));
-    assert_eq!(unsafe { gpupool_configure(device, pool.as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+    common::host_device_256mib(device, pool);
 }
 
-
-
 fn json(device: i32) -> String {
-    let n = unsafe { gpupool_stats_json(device, null_mut(), 0) };
-    let mut buf = vec![0u8; n + 1];
-    unsafe { gpupool_stats_json(device, buf.as_mut_ptr() as *mut c_char, buf.len()) };
-    CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+    common::device_json(device)
 }
 
 fn status(device: i32) -> String {

@@ -88,3 +88,22 @@ pub fn device_stats(device: i32) -> gpupool::Stats {
     assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, gpupool::Status::Ok);
     s
 }
+
+/// Configure `device` as a `pool` on a simulated host device of 256 MiB. The capacity is
+/// read once per process, before the first call, so every caller in a test binary gets it:
+/// out-of-memory paths are reachable.
+pub fn host_device_256mib(device: i32, pool: &std::ffi::CStr) {
+    static ENV: std::sync::Once = std::sync::Once::new();
+    ENV.call_once(|| std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB"));
+    let st = unsafe { gpupool::ffi::core::gpupool_configure(device, pool.as_ptr(), c"host".as_ptr()) };
+    assert_eq!(st, gpupool::Status::Ok, "{}", last_error());
+}
+
+/// `device`'s statistics as JSON, through the C API.
+pub fn device_json(device: i32) -> String {
+    use gpupool::ffi::core::gpupool_stats_json;
+    let n = unsafe { gpupool_stats_json(device, std::ptr::null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_stats_json(device, buf.as_mut_ptr() as *mut std::ffi::c_char, buf.len()) };
+    std::ffi::CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}
