@@ -149,3 +149,96 @@ fn the_replay_tool_ends_with_a_summary_and_keeps_progress_off_a_redirected_strea
     assert!(text.contains("no driver call in the trace's second half: "), "{text}");
     assert!(!String::from_utf8_lossy(&out.stderr).contains("replaying through"), "progress only on a terminal");
 }
+
+/// A training loop with token-budget batching, as allocation events: every step draws a
+/// sequence length T and sizes the batch to about 16K tokens, so almost no step repeats a
+/// shape (the `tokens` workload of scripts/bench_workloads.py, in outline: parameters,
+/// gradients and two optimizer states that live throughout, per-layer activations saved
+/// for the backward pass between temporaries, attention scores of B x H x T x T, logits
+/// in bf16 and fp32, then the backward pass freeing them in reverse).
+fn token_budget_loop(steps: usize) -> Vec<gpupool::replay::Op> {
+    use gpupool::replay::Op;
+    use gpupool::trace::Action;
+    let (layers, d, heads, vocab, budget) = (8usize, 1024usize, 16usize, 32000usize, 16384usize);
+    let mut ops = Vec::new();
+    let mut next = 0x1000usize;
+    let mut alloc = |ops: &mut Vec<Op>, size: usize| {
+        next += 0x1000;
+        ops.push(Op { device: 0, stream: 0, action: Action::Alloc, ptr: next, size });
+        (next, size)
+    };
+    let free = |ops: &mut Vec<Op>, b: (usize, usize)| ops.push(Op { device: 0, stream: 0, action: Action::Free, ptr: b.0, size: b.1 });
+    let weights: Vec<usize> = std::iter::once(vocab * d * 4).chain((0..layers).flat_map(|_| [3 * d * d * 4, d * d * 4, 4 * d * d * 4, 4 * d * d * 4])).collect();
+    let params: Vec<_> = weights.iter().map(|&w| alloc(&mut ops, w)).collect();
+    let mut state = Vec::new(); // gradients and optimizer states, made by the first step
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for step in 0..steps {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let t = 64 + (x % 960) as usize;
+        let b = (budget / t).max(1);
+        let n = b * t;
+        let mut saved = Vec::new();
+        for _ in 0..layers {
+            saved.push(alloc(&mut ops, n * d * 2)); // normalised input
+            saved.push(alloc(&mut ops, n * 3 * d * 2)); // q, k, v
+            let scores = alloc(&mut ops, b * heads * t * t * 2);
+            saved.push(alloc(&mut ops, b * heads * t * t * 2)); // softmax
+            free(&mut ops, scores);
+            saved.push(alloc(&mut ops, n * d * 2)); // attention output
+            saved.push(alloc(&mut ops, n * 4 * d * 2)); // MLP hidden
+            let act = alloc(&mut ops, n * 4 * d * 2);
+            saved.push(alloc(&mut ops, n * d * 2)); // block output
+            free(&mut ops, act);
+        }
+        let logits = alloc(&mut ops, n * vocab * 2);
+        let logits32 = alloc(&mut ops, n * vocab * 4);
+        let grad32 = alloc(&mut ops, n * vocab * 4);
+        free(&mut ops, logits32);
+        let grad = alloc(&mut ops, n * vocab * 2);
+        free(&mut ops, grad32);
+        free(&mut ops, logits);
+        if step == 0 {
+            state.extend(weights.iter().map(|&w| alloc(&mut ops, w)));
+        }
+        let mut g = grad;
+        for chunk in saved.chunks(6).rev() {
+            let g2 = alloc(&mut ops, n * 4 * d * 2);
+            let g3 = alloc(&mut ops, n * d * 2);
+            free(&mut ops, g);
+            free(&mut ops, g2);
+            for &s in chunk.iter().rev() {
+                free(&mut ops, s);
+            }
+            g = g3;
+        }
+        free(&mut ops, g);
+        if step == 0 {
+            state.extend(weights.iter().flat_map(|&w| [w, w]).map(|w| alloc(&mut ops, w)));
+        }
+    }
+    for s in state.into_iter().chain(params) {
+        free(&mut ops, s);
+    }
+    ops
+}
+
+#[test]
+fn a_loop_whose_shapes_never_repeat_holds_its_peak_on_the_arena() {
+    let ops = token_budget_loop(60);
+    let arena = replay(&ops, PoolKind::Arena, 80 << 30).unwrap();
+    let split = replay(&ops, PoolKind::Split, 80 << 30).unwrap();
+    eprintln!(
+        "arena: {:.3} of the peak in use, {} driver calls, {} in the second half; split: {:.3}",
+        arena.reserved_over_used_at_peak, arena.driver_calls, arena.driver_calls_second_half, split.reserved_over_used_at_peak
+    );
+    assert_eq!((arena.ooms, arena.unmatched_frees), (0, 0));
+    assert!(arena.peak_reserved as f64 <= 1.05 * arena.peak_used as f64, "arena holds {:.3} of its peak in use", arena.peak_reserved as f64 / arena.peak_used as f64);
+    assert!(split.peak_reserved > arena.peak_reserved, "split {} <= arena {}", split.peak_reserved, arena.peak_reserved);
+    // Driver calls in the second half (about 30 steps): the goal is at most 2 a step (60),
+    // which the arena does not reach where shapes never repeat (it stitches the largest
+    // tensors of most steps anew; docs/arena.md). This bound only catches it getting worse
+    // while a policy that reaches the goal is found; tighten it with that policy.
+    assert!(arena.driver_calls_second_half <= 8_000, "{} driver calls in the second half", arena.driver_calls_second_half);
+}
