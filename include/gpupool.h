@@ -13,6 +13,9 @@
 #define GPUPOOL_STREAM_LEGACY ((void *)0x1)
 #define GPUPOOL_STREAM_PER_THREAD ((void *)0x2)
 
+/* gpupool_ipc_export_flags: export a block that shares a granule with other live blocks. */
+#define GPUPOOL_IPC_SHARE_GRANULES 1u
+
 // Status code returned by every `gpupool_*` C function. `0` is success.
 //
 // The numbers are stable across releases; new codes are only appended.
@@ -287,6 +290,20 @@ enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 // `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
 enum gpupool_status gpupool_ipc_export(void *ptr, void *buf, size_t buf_len, size_t *out_len);
 
+// `gpupool_ipc_export` with `flags`: `GPUPOOL_IPC_SHARE_GRANULES` exports a block that
+// shares a granule with other live blocks too (every small block does); the importer can
+// then reach those blocks, as CUDA's own IPC shows the whole `cuMemAlloc` allocation and
+// PyTorch's the whole segment. Without it, such a block is refused. Unknown flag bits are
+// `GPUPOOL_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// As `gpupool_ipc_export`.
+enum gpupool_status gpupool_ipc_export_flags(void *ptr,
+                                             uint32_t flags,
+                                             void *buf,
+                                             size_t buf_len,
+                                             size_t *out_len);
+
 // The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
 // per granule, in order: what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
 // importer that may not fetch them itself. `*out_n` receives the count; `fds == NULL` with
@@ -349,6 +366,51 @@ enum gpupool_status gpupool_pinned_get_stats(struct gpupool_stats *out);
 // # Safety
 // `out_released` must be NULL or writable.
 enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
+
+// Take a hold for one send of a block to another process: `*out_fd` receives this
+// process's holds file descriptor (send a copy of it with the block's; it stays open
+// until the process ends: do not close it) and `*out_slot` the send's slot, held until
+// the importer releases it (`gpupool_ipc_open_dlpack`, `gpupool_share_release`). Keep the
+// block allocated until `gpupool_share_held` says it was released.
+//
+// # Safety
+// `out_fd` and `out_slot` NULL or writable.
+enum gpupool_status gpupool_share_hold(int *out_fd, uint32_t *out_slot);
+
+// Whether the importer of `slot` (`gpupool_share_hold`) still holds it: `*out_held` 1, or
+// 0 once it let go, after which the slot may serve another send (do not ask again).
+//
+// # Safety
+// `out_held` NULL or writable.
+enum gpupool_status gpupool_share_held(uint32_t slot, int *out_held);
+
+// How many sends of this process other processes still hold (as last asked with
+// `gpupool_share_held`).
+size_t gpupool_share_held_count(void);
+
+// Release hold `slot` of the exporter whose holds file is `holds_fd` (this process's copy,
+// which stays the caller's): the exporter may free the block. For a send this process
+// did not open (it already had the block open from an earlier send).
+enum gpupool_status gpupool_share_release(int holds_fd, uint32_t slot);
+
+// Map the block another process exported (`desc`, as `gpupool_ipc_open`, the descriptors
+// `fds` passed in, which stay the caller's) and hand it out as `*out_tensor`: a
+// `DLManagedTensor*` of `size` bytes (1-D, uint8) on `device` (CPU memory on the host
+// upstream). Its deleter, which the framework calls when the last tensor over it is gone,
+// closes the import and releases the exporter's hold `slot` in the holds file `holds_fd`
+// (this process's copy, which stays the caller's; -1: no hold). Wrap it in a capsule named
+// "dltensor" for `from_dlpack`.
+//
+// # Safety
+// `desc`: `desc_len` readable bytes; `fds`: `n_fds` readable ints; `out_tensor` writable.
+enum gpupool_status gpupool_ipc_open_dlpack(const void *desc,
+                                            size_t desc_len,
+                                            int device,
+                                            const int *fds,
+                                            size_t n_fds,
+                                            int holds_fd,
+                                            uint32_t slot,
+                                            void **out_tensor);
 
 // `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
 // `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of

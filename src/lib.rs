@@ -34,6 +34,7 @@ pub mod decay;
 pub mod error;
 pub mod pages;
 pub mod fork;
+pub mod holds;
 pub mod ffi;
 pub mod owners;
 pub mod pool;

@@ -15,7 +15,7 @@ import os
 import pathlib
 
 __all__ = ["GpupoolError", "library_path", "lib", "stats", "stats_json", "memory_status", "reclaim",
-           "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy", "snapshot"]
+           "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy", "share", "snapshot"]
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _LIB = None
@@ -103,6 +103,13 @@ def lib():
             ("gpupool_ipc_descriptor_fds", c_int, [cp, c_size, ctypes.POINTER(c_int), c_size, ctypes.POINTER(c_size)]),
             ("gpupool_ipc_open", c_int, [cp, c_size, c_int, ctypes.POINTER(c_int), c_size, ctypes.POINTER(vp)]),
             ("gpupool_ipc_close", c_int, [vp, c_int]),
+            ("gpupool_ipc_export_flags", c_int, [vp, ctypes.c_uint32, vp, c_size, ctypes.POINTER(c_size)]),
+            ("gpupool_ipc_open_dlpack", c_int, [cp, c_size, c_int, ctypes.POINTER(c_int), c_size, c_int,
+                                                ctypes.c_uint32, ctypes.POINTER(vp)]),
+            ("gpupool_share_hold", c_int, [ctypes.POINTER(c_int), ctypes.POINTER(ctypes.c_uint32)]),
+            ("gpupool_share_held", c_int, [ctypes.c_uint32, ctypes.POINTER(c_int)]),
+            ("gpupool_share_held_count", c_size, []),
+            ("gpupool_share_release", c_int, [c_int, ctypes.c_uint32]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args
@@ -238,4 +245,4 @@ def _fn_address(name):
     return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
 
 
-from . import cupy, snapshot, torch  # noqa: E402  (submodules use the helpers above)
+from . import cupy, share, snapshot, torch  # noqa: E402  (submodules use the helpers above)

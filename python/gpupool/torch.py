@@ -31,7 +31,7 @@ GPUPOOL_TORCH_TYPED_OOM=0 (or `typed_oom=False`) chooses that path without compi
 
 import warnings
 
-from . import _fn_address, _torch_oom, library_path, lib
+from . import _fn_address, _torch_oom, library_path, lib, share
 
 # (setter names across PyTorch versions, gpupool function)
 _HOOKS = [
@@ -119,7 +119,136 @@ def install(compile_graphs=True, typed_oom=None):
     torch.cuda.memory.change_current_allocator(alloc)
     if compile_graphs:
         use_plain_cuda_graphs_in_compile()
+    share_cuda_tensors()
     return alloc
+
+
+# Process sharing. PyTorch sends a CUDA tensor to another process (torch.multiprocessing
+# queues and pipes, `reductions.reduce_tensor`) by asking its allocator for an IPC handle
+# of the storage's memory, which `CUDAPluggableAllocator` refuses for every plug-in
+# ("does not yet support shareIPcHandle"). So after `install()` gpupool's own reductions
+# take CUDA tensors and storages: the storage's block goes as a `share.Sent` (the block's
+# descriptor, a hold, the file descriptors), with an interprocess CUDA event recorded on
+# the current stream so the consumer's work follows the producer's queued writes; the
+# consumer maps the block once per storage (views of one storage sent together, or sent
+# again, share the mapping), rebuilds the tensor with the same offset, size, stride,
+# dtype, class and `requires_grad`, and lets go when its last tensor over it goes. The
+# producer keeps the storage until then (`share.collect`, also run by
+# `torch.cuda.ipc_collect()`), so its memory is not reused while a consumer uses it.
+# CPU tensors keep PyTorch's reductions.
+
+_opened = {}  # (producer, its block address, device) -> StorageWeakRef of the mapping here
+
+
+def share_cuda_tensors():
+    """Route `torch.multiprocessing`'s pickling of CUDA tensors and storages through gpupool
+    (`install()` calls this). Idempotent."""
+    import torch
+    import torch.multiprocessing  # noqa: F401  (PyTorch registers its reductions on import; ours go over them)
+    from multiprocessing.reduction import ForkingPickler
+    from torch.multiprocessing import reductions as R
+    if getattr(R, "_gpupool_routed", False):
+        return
+    tensor_types = set(torch._tensor_classes) | {torch.Tensor, torch.nn.parameter.Parameter}
+    for t in tensor_types:
+        ForkingPickler.register(t, lambda x, _orig=R.reduce_tensor: _reduce_tensor(x, _orig))
+    ForkingPickler.register(torch.UntypedStorage, lambda s: _reduce_storage(s, R.reduce_storage))
+    ForkingPickler.register(torch.storage.TypedStorage, lambda s: _reduce_typed_storage(s, R.reduce_typed_storage))
+    collect = torch.cuda.ipc_collect
+
+    def ipc_collect():
+        share.collect()
+        return collect()
+    ipc_collect.__doc__ = collect.__doc__
+    torch.cuda.ipc_collect = ipc_collect
+    R._gpupool_routed = True
+
+
+def _send_storage(storage):
+    """What a consumer needs to map `storage` (a CUDA UntypedStorage of gpupool memory)."""
+    import torch
+    device = storage.device.index
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return (None, 0, device, None)
+    event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+    event.record(torch.cuda.current_stream(device))
+    sent = share.export(storage.data_ptr(), nbytes, device, (storage, event))
+    return (sent, nbytes, device, event.ipc_handle())
+
+
+def _storage_here(info):
+    """The UntypedStorage over a sent block in this process (mapped once per block)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    sent, nbytes, device, event = info
+    if sent is None:
+        return torch.UntypedStorage(0, device=torch.device("cuda", device))
+    key = (sent.producer, sent.ptr, device)
+    received = share.Received(sent)
+    ref = _opened.get(key)
+    storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    if storage is not None:
+        received.let_go()
+    else:
+        managed = received.open_dlpack(device)
+        try:
+            storage = torch.from_dlpack(share.capsule(managed)).untyped_storage()
+        except BaseException:
+            share.delete_dlpack(managed)
+            raise
+        _opened[key] = StorageWeakRef(storage)
+        if len(_opened) > 1024 and len(_opened) & 1023 == 0:
+            for k in [k for k, r in _opened.items() if r.expired()]:
+                del _opened[k]
+    torch.cuda.Event.from_ipc_handle(device, event).wait(torch.cuda.current_stream(device))
+    return storage
+
+
+def _mine(storage):
+    return storage.device.type == "cuda"
+
+
+def _reduce_tensor(t, orig):
+    if not t.is_cuda or t.is_sparse:
+        return orig(t)
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError("Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
+                           "support crossing process boundaries.  If you just want to transfer the data, call detach() "
+                           "on the tensor before serializing (e.g., putting it on the queue).")
+    info = _send_storage(t.untyped_storage())
+    return (_rebuild_tensor, (type(t), info, t.dtype, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad))
+
+
+def _rebuild_tensor(cls, info, dtype, offset, size, stride, requires_grad):
+    import torch
+    storage = _storage_here(info)
+    t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    if cls is torch.nn.parameter.Parameter:
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    t.requires_grad = requires_grad
+    return t
+
+
+def _reduce_storage(s, orig):
+    if not _mine(s):
+        return orig(s)
+    return (_rebuild_storage, (_send_storage(s),))
+
+
+def _rebuild_storage(info):
+    return _storage_here(info)
+
+
+def _reduce_typed_storage(s, orig):
+    if not _mine(s):
+        return orig(s)
+    return (_rebuild_typed_storage, (_send_storage(s._untyped_storage), s.dtype))
+
+
+def _rebuild_typed_storage(info, dtype):
+    import torch
+    return torch.storage.TypedStorage(wrap_storage=_storage_here(info), dtype=dtype, _internal=True)
 
 
 def mempool(typed_oom=None):

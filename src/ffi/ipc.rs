@@ -1,25 +1,70 @@
-//! Sharing arena memory with other processes (`GPUPOOL_POOL=arena`), where
-//! `cudaIpcGetMemHandle` refuses it: export a block as a byte descriptor, open it in
-//! another process, close it there. See `crate::upstream::shared` for the descriptor and
-//! how the file descriptors behind it travel.
+//! Sharing gpupool blocks with other processes: export a block as a byte descriptor, open
+//! it in another process, close it there. Arena blocks (whose memory `cudaIpcGetMemHandle`
+//! refuses) go as their granules' shareable handles (`crate::upstream::shared` gives the
+//! descriptor and how the file descriptors behind it travel); blocks of the segment pools
+//! as CUDA's own IPC handle of their segment (`crate::upstream::legacy_descriptor`).
 
 use super::boundary::call;
 use crate::error::{Error, Status};
 use crate::registry;
+use crate::upstream::legacy_descriptor::LegacyDescriptor;
 use crate::upstream::shared::{Descriptor, MAX_DESCRIPTOR_BYTES};
 use std::ffi::{c_int, c_void};
+
+/// A descriptor of either kind.
+pub(super) enum AnyDescriptor {
+    Arena(Descriptor),
+    Segment(LegacyDescriptor),
+}
+
+impl AnyDescriptor {
+    /// The file descriptors behind it (one per granule; none for a segment's handle).
+    pub(super) fn fds(&self) -> Vec<i32> {
+        match self {
+            AnyDescriptor::Arena(d) => d.granules.iter().map(|g| g.fd).collect(),
+            AnyDescriptor::Segment(_) => Vec::new(),
+        }
+    }
+
+    /// Map it on `device`: `fds` as `gpupool_ipc_open` takes them.
+    pub(super) fn open(&self, device: c_int, fds: Option<&[c_int]>) -> crate::error::Result<usize> {
+        let n = self.fds().len();
+        if fds.is_some_and(|f| f.len() != n) {
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: {} descriptors passed for a block of {n} granules",
+                fds.map_or(0, |f| f.len())
+            )));
+        }
+        match self {
+            AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.ipc_import(d, fds)),
+            AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.ipc_import_legacy(d)),
+        }
+    }
+
+    /// The block's size.
+    pub(super) fn size(&self) -> u64 {
+        match self {
+            AnyDescriptor::Arena(d) => d.size,
+            AnyDescriptor::Segment(d) => d.size,
+        }
+    }
+}
 
 /// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
 /// before touching the memory, so a wrong length is an error, not a read past the buffer
 /// of a size that cannot exist.
-unsafe fn read_descriptor(desc: *const c_void, len: usize) -> crate::error::Result<Descriptor> {
+pub(super) unsafe fn read_descriptor(desc: *const c_void, len: usize) -> crate::error::Result<AnyDescriptor> {
     if desc.is_null() {
         return Err(Error::NullArgument("desc"));
     }
     if len > MAX_DESCRIPTOR_BYTES {
         return Err(Error::InvalidArgument(format!("IPC descriptor: {len} bytes is longer than any descriptor")));
     }
-    Descriptor::decode(std::slice::from_raw_parts(desc as *const u8, len))
+    let b = std::slice::from_raw_parts(desc as *const u8, len);
+    if LegacyDescriptor::is_one(b) {
+        return LegacyDescriptor::decode(b).map(AnyDescriptor::Segment);
+    }
+    Descriptor::decode(b).map(AnyDescriptor::Arena)
 }
 
 /// Copy `bytes` to `buf` (`cap` bytes) and its length to `*out_len`. `buf == NULL` with
@@ -51,20 +96,43 @@ unsafe fn hand_out(bytes: &[u8], buf: *mut c_void, cap: usize, out_len: *mut usi
 /// `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_ipc_export(ptr: *mut c_void, buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Status {
+    call(|| export(ptr, false, buf, buf_len, out_len))
+}
+
+/// `gpupool_ipc_export` with `flags`: `GPUPOOL_IPC_SHARE_GRANULES` exports a block that
+/// shares a granule with other live blocks too (every small block does); the importer can
+/// then reach those blocks, as CUDA's own IPC shows the whole `cuMemAlloc` allocation and
+/// PyTorch's the whole segment. Without it, such a block is refused. Unknown flag bits are
+/// `GPUPOOL_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// As `gpupool_ipc_export`.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_export_flags(ptr: *mut c_void, flags: u32, buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> Status {
     call(|| {
-        if out_len.is_null() {
-            return Err(Error::NullArgument("out_len"));
+        if flags & !GPUPOOL_IPC_SHARE_GRANULES != 0 {
+            return Err(Error::InvalidArgument(format!("IPC export: unknown flags {flags:#x}")));
         }
-        if ptr.is_null() {
-            return Err(Error::NullArgument("ptr"));
-        }
-        let p = ptr as usize;
-        let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p)).unwrap_or_else(|| {
-            let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
-            Err(Error::InvalidPointer { ptr: p, device: -1, why })
-        })?;
-        hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
+        export(ptr, flags & GPUPOOL_IPC_SHARE_GRANULES != 0, buf, buf_len, out_len)
     })
+}
+
+/// `gpupool_ipc_export_flags`: export blocks that share granules with other live blocks.
+pub const GPUPOOL_IPC_SHARE_GRANULES: u32 = 1;
+
+unsafe fn export(ptr: *mut c_void, share_granules: bool, buf: *mut c_void, buf_len: usize, out_len: *mut usize) -> crate::error::Result<()> {
+    if out_len.is_null() {
+        return Err(Error::NullArgument("out_len"));
+    }
+    if ptr.is_null() {
+        return Err(Error::NullArgument("ptr"));
+    }
+    let p = ptr as usize;
+    let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p, share_granules)).unwrap_or_else(|| {
+        let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
+        Err(Error::InvalidPointer { ptr: p, device: -1, why })
+    })?;
+    hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
 }
 
 /// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
@@ -81,19 +149,19 @@ pub unsafe extern "C" fn gpupool_ipc_descriptor_fds(desc: *const c_void, desc_le
         if out_n.is_null() {
             return Err(Error::NullArgument("out_n"));
         }
-        let d = read_descriptor(desc, desc_len)?;
-        *out_n = d.granules.len();
+        let theirs = read_descriptor(desc, desc_len)?.fds();
+        *out_n = theirs.len();
         if fds.is_null() && cap == 0 {
             return Ok(());
         }
         if fds.is_null() {
             return Err(Error::NullArgument("fds"));
         }
-        if cap < d.granules.len() {
-            return Err(Error::InvalidArgument(format!("the descriptor has {} file descriptors, the array {cap}", d.granules.len())));
+        if cap < theirs.len() {
+            return Err(Error::InvalidArgument(format!("the descriptor has {} file descriptors, the array {cap}", theirs.len())));
         }
-        for (i, g) in d.granules.iter().enumerate() {
-            *fds.add(i) = g.fd;
+        for (i, fd) in theirs.into_iter().enumerate() {
+            *fds.add(i) = fd;
         }
         Ok(())
     })
@@ -125,14 +193,11 @@ pub unsafe extern "C" fn gpupool_ipc_open(
         *out_ptr = std::ptr::null_mut();
         // Decoded and checked here, before the pool's lock and before `fds` is read.
         let d = read_descriptor(desc, desc_len)?;
-        if !fds.is_null() && n_fds != d.granules.len() {
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: {n_fds} descriptors passed for a block of {} granules",
-                d.granules.len()
-            )));
+        if !fds.is_null() && n_fds != d.fds().len() {
+            return Err(Error::InvalidArgument(format!("IPC import: {n_fds} descriptors passed for a block of {} granules", d.fds().len())));
         }
         let given = (!fds.is_null()).then(|| std::slice::from_raw_parts(fds, n_fds));
-        *out_ptr = registry::with_pool(device, |pool| pool.ipc_import(&d, given))? as *mut c_void;
+        *out_ptr = d.open(device, given)? as *mut c_void;
         Ok(())
     })
 }

@@ -8,6 +8,7 @@
 //! - `cupy.rs`: CuPy's `CFunctionAllocator` functions and its current-stream getter.
 //! - `graph.rs`: private pools for CUDA graph captures from C.
 //! - `ipc.rs`: sharing arena memory with other processes.
+//! - `share.rs`: holds and DLPack imports for the frameworks' process-sharing routes.
 //! - `report.rs`: errors of `void` entry points (stderr, once for invalid frees).
 
 pub mod boundary;
@@ -17,4 +18,5 @@ pub mod graph;
 pub mod ipc;
 pub mod pinned;
 pub mod report;
+pub mod share;
 pub mod torch;

@@ -14,11 +14,18 @@
 
 use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
+use crate::upstream::legacy_descriptor::LegacyDescriptor;
 use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, ExportRecord, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
-    pub fn ipc_export(&mut self, ptr: usize) -> Result<Vec<u8>> {
+    /// `share_granules`: export a block that shares a granule with other live blocks too,
+    /// which the importer can then reach (as CUDA's own IPC shows the whole `cuMemAlloc`
+    /// allocation, and PyTorch's the whole segment, other tensors included); the framework
+    /// routes (`gpupool.torch`, `gpupool.cupy`) ask for it, as small tensors always share
+    /// granules. Without it such a block is refused and free memory in its granules is set
+    /// aside while it lives.
+    pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
         self.running()?;
         let refuse = |why: String| Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(why) };
         let Some(l) = self.live.get(&ptr) else {
@@ -53,29 +60,27 @@ impl Pool {
         }
         let size = l.requested.max(1);
         let Some(g) = self.strategy.as_arena_ref().map(|a| a.granule()) else {
-            return Err(Error::InvalidArgument(format!(
-                "IPC export of {ptr:#x}: device {}'s pool is `{}`, whose memory cudaIpcGetMemHandle shares; \
-                 gpupool_ipc_export serves GPUPOOL_POOL=arena memory",
-                self.device,
-                self.strategy.name()
-            )));
+            // A segment pool's block lies in a `cuMemAlloc` segment: CUDA's own IPC handle
+            // of the segment and the block's offset in it.
+            let (segment, device) = (l.block.segment, self.device);
+            let handle = self.upstream.legacy_ipc_export(segment).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "IPC export of {ptr:#x}: device {device}'s pool is `{}`, whose blocks go through CUDA's IPC handles: {e}",
+                    self.strategy.name()
+                ))
+            })?;
+            let pid = std::process::id();
+            let d = LegacyDescriptor { pid, device, start_time: start_time_of(pid), handle, offset: (ptr - segment) as u64, size: size as u64 };
+            return Ok(d.encode());
         };
-        // The importer maps whole granules: nothing else may live in the block's.
-        let (addr, block_size) = (l.block.addr, l.block.size);
-        if self.strategy.as_arena().is_some() {
-            let mut guarded = self.arena_guard_export(addr, block_size);
-            if guarded.is_err() {
-                // Blocks freed into thread caches, or not yet fenced, are live in the books:
-                // hand them back and look again.
-                self.flush_thread_caches(None);
-                self.fence_unfenced();
-                self.finish_pending(false);
-                guarded = self.arena_guard_export(addr, block_size);
-            }
-            guarded.map_err(|why| Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(format!("IPC export: {why}")) })?;
-        }
+        // The granules' shareable handles and the record come before the guard that keeps
+        // the granules to the block, so a failed export (a driver call, the record) leaves
+        // the arena's books as they were: the block stays usable and unguarded. A refused
+        // guard ends the record; a granule's descriptor stays with the upstream until the
+        // granule is released, and serves its next export.
         // Each exported granule keeps a descriptor open (`shared.rs`).
         raise_fd_limit();
+        let (addr, block_size) = (l.block.addr, l.block.size);
         let first = ptr & !(g - 1);
         let end = (ptr + size).div_ceil(g) * g;
         // Each granule's file identity goes along, so an importer can tell the exported file
@@ -85,6 +90,21 @@ impl Pool {
             .map(|a| self.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
             .collect::<Result<Vec<_>>>()?;
         let record = ExportRecord::add(&granules.iter().map(|g| (g.fd, g.offset)).collect::<Vec<_>>())?;
+        // The importer maps whole granules: nothing else may live in the block's (unless
+        // the caller shares granules, as the framework routes do).
+        let mut guarded = if share_granules { Ok(()) } else { self.arena_guard_export(addr, block_size) };
+        if guarded.is_err() {
+            // Blocks freed into thread caches, or not yet fenced, are live in the books:
+            // hand them back and look again.
+            self.flush_thread_caches(None);
+            self.fence_unfenced();
+            self.finish_pending(false);
+            guarded = self.arena_guard_export(addr, block_size);
+        }
+        if let Err(why) = guarded {
+            ExportRecord::end(record);
+            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
+        }
         self.strategy.as_arena().expect("arena pool").note_export(addr, record);
         let d = Descriptor {
             kind: self.upstream.vmm_share_kind(),
@@ -135,9 +155,16 @@ impl Pool {
         self.upstream.vmm_import(d, &source)
     }
 
+    /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
+    /// returns where it starts here.
+    pub fn ipc_import_legacy(&mut self, d: &LegacyDescriptor) -> Result<usize> {
+        self.running()?;
+        self.upstream.legacy_ipc_open(&d.handle, d.offset as usize)
+    }
+
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        if self.upstream.vmm_unimport(ptr)? {
+        if self.upstream.vmm_unimport(ptr)? || self.upstream.legacy_ipc_close(ptr)? {
             return Ok(());
         }
         let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
@@ -146,6 +173,6 @@ impl Pool {
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
-        self.upstream.vmm_imports()
+        self.upstream.vmm_imports() + self.upstream.legacy_ipc_imports()
     }
 }

@@ -31,6 +31,7 @@ pub mod calls;
 pub mod cuda;
 pub mod host;
 pub mod host_vmm;
+pub mod legacy_descriptor;
 pub mod shared;
 pub mod sim;
 pub mod stream_id;
@@ -191,6 +192,24 @@ pub trait Upstream: Send {
     }
     /// How many imported ranges are mapped (a pool with any is not idle).
     fn vmm_imports(&self) -> usize {
+        0
+    }
+    /// The CUDA IPC handle (`cuIpcGetMemHandle`) of the allocation holding `ptr` (memory
+    /// from `allocate`): how segment pools' blocks go to another process.
+    fn legacy_ipc_export(&mut self, _ptr: usize) -> Result<[u8; 64]> {
+        Err(Error::InvalidArgument(format!("IPC export: the {} upstream's memory cannot be shared with other processes", self.name())))
+    }
+    /// Map another process's allocation `handle` (once per process: later opens are
+    /// counted) and return `offset` into it.
+    fn legacy_ipc_open(&mut self, _handle: &[u8; 64], _offset: usize) -> Result<usize> {
+        Err(Error::InvalidArgument(format!("IPC import: the {} upstream cannot map CUDA IPC handles", self.name())))
+    }
+    /// Undo one `legacy_ipc_open` that returned `ptr`; `Ok(false)`: it returned no such.
+    fn legacy_ipc_close(&mut self, _ptr: usize) -> Result<bool> {
+        Ok(false)
+    }
+    /// Opens of `legacy_ipc_open` outstanding.
+    fn legacy_ipc_imports(&self) -> usize {
         0
     }
 

@@ -12,6 +12,7 @@ pub mod address_space;
 pub mod async_;
 pub mod device;
 pub mod driver;
+pub mod legacy_ipc;
 pub mod managed;
 pub mod pinned;
 pub mod vmm;
@@ -64,6 +65,8 @@ pub struct CudaUpstream<K: MemKind> {
     calls: DriverCalls,
     /// Make calls in relaxed capture mode (`Upstream::set_capture_relaxed`).
     relaxed: bool,
+    /// Other processes' `cuMemAlloc` allocations mapped here (`legacy_ipc_open`).
+    legacy: legacy_ipc::LegacyImports,
 }
 
 // SAFETY: the context and event handles are plain driver handles, valid from any thread;
@@ -72,7 +75,7 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false };
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false, legacy: Default::default() };
         {
             let _g = up.ctx.enter()?;
             up.kind.init(up.ctx.device)?;
@@ -238,6 +241,28 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
 
     fn vmm_imports(&self) -> usize {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.imports())
+    }
+
+    fn legacy_ipc_export(&mut self, ptr: usize) -> Result<[u8; 64]> {
+        let _g = self.enter()?;
+        legacy_ipc::export(ptr, &mut self.calls)
+    }
+
+    fn legacy_ipc_open(&mut self, handle: &[u8; 64], offset: usize) -> Result<usize> {
+        let _g = self.enter()?;
+        self.legacy.open(handle, offset, &mut self.calls)
+    }
+
+    fn legacy_ipc_close(&mut self, ptr: usize) -> Result<bool> {
+        if self.legacy.count() == 0 {
+            return Ok(false);
+        }
+        let _g = self.enter()?;
+        self.legacy.close(ptr, &mut self.calls)
+    }
+
+    fn legacy_ipc_imports(&self) -> usize {
+        self.legacy.count()
     }
 
     fn driver_calls(&self) -> DriverCalls {

@@ -1,0 +1,225 @@
+"""Sharing gpupool blocks with other processes the way the frameworks do, whatever the
+framework: the part of `gpupool.torch`'s `torch.multiprocessing` route and of
+`gpupool.cupy.share` that knows nothing of tensors.
+
+A send (`export`) is the block's descriptor (`gpupool.ipc_export`, granules shared: small
+blocks share their granule with others, as PyTorch's own IPC shares whole segments), a
+*hold* (a slot in this process's holds file that the importer clears when it lets go, so
+the block is not freed and reused while another process uses it), and the file
+descriptors behind both. The descriptors travel the way `torch.multiprocessing` sends
+CPU tensors' file descriptors: through multiprocessing's resource sharer, a thread of the
+sending process that hands them over a Unix socket (`SCM_RIGHTS`) to the process that
+unpickles the send, authenticated with the multiprocessing authkey (so between a process
+and the processes it started through multiprocessing, any start method). No ptrace right
+is needed, unlike fetching them by pid.
+
+The importer (`Received.open_dlpack`) maps the block and gets a DLPack tensor whose
+deleter (in the library, no Python) closes the mapping and clears the hold when the
+framework drops its last tensor over it. The exporter keeps what it was asked to keep
+(the framework's storage) until it finds the hold cleared: `collect()`, which runs every
+so often as more is sent, from `torch.cuda.ipc_collect()` once `gpupool.torch.install()`
+ran, and at exit, where anything still held is warned about.
+"""
+
+import atexit
+import ctypes
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections import namedtuple
+
+from . import GpupoolError, _check, ipc_descriptor_fds, lib
+
+SHARE_GRANULES = 1
+
+# This process among exporters: importers key what they have open by it (a pid is reused).
+PRODUCER = uuid.uuid4().hex
+
+_lock = threading.Lock()
+_sent = {}          # hold slot -> what keeps the block alive until the importer lets go
+_next_collect = 64  # collect when this many sends are outstanding
+_FDS_PER_MESSAGE = 250  # the kernel passes at most 253 descriptors per SCM_RIGHTS message
+
+
+class Fds:
+    """File descriptors that travel inside a pickle: dup'd here, handed over by
+    multiprocessing's resource sharer to the one process that calls `detach()` (once).
+    A large block's descriptors go in several messages."""
+
+    def __init__(self, fds):
+        from multiprocessing import reduction, resource_sharer
+        dups = [os.dup(f) for f in fds]
+
+        def send(conn, _pid):
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                for i in range(0, len(dups), _FDS_PER_MESSAGE):
+                    reduction.sendfds(s, dups[i:i + _FDS_PER_MESSAGE])
+
+        def close():
+            for f in dups:
+                os.close(f)
+
+        self.n = len(dups)
+        self.ident = resource_sharer._resource_sharer.register(send, close)
+
+    def __reduce__(self):
+        return (_fds_from, (self.n, self.ident))
+
+    def detach(self):
+        """This process's copies of the descriptors (the caller closes them)."""
+        from multiprocessing import reduction, resource_sharer
+        out = []
+        with resource_sharer._resource_sharer.get_connection(self.ident) as conn:
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                while len(out) < self.n:
+                    out += reduction.recvfds(s, min(_FDS_PER_MESSAGE, self.n - len(out)))
+        return out
+
+
+def _fds_from(n, ident):
+    f = Fds.__new__(Fds)
+    f.n, f.ident = n, ident
+    return f
+
+
+# What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
+# importer caches by), its device, the descriptor, the hold's slot, and the descriptors
+# (the holds file's first, then one per granule).
+Sent = namedtuple("Sent", "producer ptr size device desc slot fds")
+
+
+def _export_bytes(ptr):
+    L, n = lib(), ctypes.c_size_t(0)
+    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, None, 0, ctypes.byref(n)))
+    buf = ctypes.create_string_buffer(n.value)
+    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, buf, n.value, ctypes.byref(n)))
+    return buf.raw[:n.value]
+
+
+def export(ptr, size, device, keep):
+    """A `Sent` of the live gpupool block at `ptr` (its start, as allocated) for one other
+    process; `keep` (the framework's storage, ...) stays referenced here until that process
+    lets go of the block (`collect`)."""
+    global _next_collect
+    desc = _export_bytes(ptr)
+    L = lib()
+    hfd, slot = ctypes.c_int(), ctypes.c_uint32()
+    _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
+    try:
+        fds = Fds([hfd.value] + ipc_descriptor_fds(desc))
+    except BaseException:
+        L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
+        _held(slot.value)
+        raise
+    with _lock:
+        _sent[slot.value] = keep
+        due = len(_sent) >= _next_collect
+    if due:
+        collect()
+        with _lock:
+            _next_collect = max(64, 2 * len(_sent))
+    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds)
+
+
+def _held(slot):
+    h = ctypes.c_int()
+    _check(lib().gpupool_share_held(slot, ctypes.byref(h)))
+    return h.value == 1
+
+
+def collect():
+    """Drop what was kept for sends whose importers let go (their blocks can be freed and
+    reused). Returns how many sends are still held."""
+    with _lock:
+        slots = list(_sent)
+    released = [s for s in slots if not _held(s)]
+    with _lock:
+        kept = [_sent.pop(s, None) for s in released]
+        left = len(_sent)
+    del kept  # the framework's storages go here, outside the lock
+    return left
+
+
+def outstanding():
+    """Sends of this process that other processes still hold (as last collected)."""
+    with _lock:
+        return len(_sent)
+
+
+class Received:
+    """A `Sent` on the importing side: its descriptors, taken from the exporter once."""
+
+    def __init__(self, sent):
+        self.sent = sent
+        self.fds = sent.fds.detach()
+
+    def let_go(self):
+        """This process already has the block open (an earlier send): release this send's
+        hold at once and close the descriptors."""
+        try:
+            _check(lib().gpupool_share_release(self.fds[0], self.sent.slot))
+        finally:
+            self.close()
+
+    def open_dlpack(self, device):
+        """Map the block on `device`; returns a `DLManagedTensor*` (an int) whose deleter
+        closes the mapping and releases the hold. The descriptors are closed either way."""
+        try:
+            gran = self.fds[1:]
+            arr = (ctypes.c_int * len(gran))(*gran)
+            out = ctypes.c_void_p()
+            _check(lib().gpupool_ipc_open_dlpack(self.sent.desc, len(self.sent.desc), device, arr, len(gran),
+                                                 self.fds[0], self.sent.slot, ctypes.byref(out)))
+            return out.value
+        finally:
+            self.close()
+
+    def close(self):
+        for f in self.fds:
+            os.close(f)
+        self.fds = []
+
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+def capsule(managed):
+    """A "dltensor" capsule over `managed` (a `DLManagedTensor*`) for `from_dlpack`, which
+    takes it over. If the framework refuses it, `delete_dlpack(managed)` undoes the import."""
+    return _PyCapsule_New(managed, b"dltensor", None)
+
+
+class _DLManaged(ctypes.Structure):
+    # DLTensor (data, device, ndim, dtype, shape, strides, byte_offset), manager_ctx, deleter
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("dtype", ctypes.c_uint8 * 4), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.CFUNCTYPE(None, ctypes.c_void_p))]
+
+
+def dlpack_data(managed):
+    """The address an imported `DLManagedTensor*` shows the block at."""
+    return _DLManaged.from_address(managed).data
+
+
+def delete_dlpack(managed):
+    """Run an imported tensor's deleter (one no framework took over)."""
+    _DLManaged.from_address(managed).deleter(managed)
+
+
+@atexit.register
+def _at_exit():
+    try:
+        left = collect() if _sent else 0
+    except GpupoolError:
+        left = len(_sent)
+    if left:
+        sys.stderr.write(
+            f"gpupool: warning: producer process is exiting while other processes still hold {left} block(s) it "
+            "shared (torch.multiprocessing / gpupool.cupy.share). Arena memory stays valid for them (their mappings "
+            "keep it); memory of the split pool goes with this process, as with PyTorch's own CUDA IPC "
+            "(see PyTorch's Note [Sharing CUDA tensors]): keep the producer alive until consumers let go.\n")

@@ -1,0 +1,198 @@
+//! Holds across processes: how an exporter knows when every process it sent a block to has
+//! let go of it, so the block can be freed (and its memory reused) only then.
+//!
+//! Why: a block shared with another process must outlive the importer's use of it, and
+//! the importer may hold it for longer than the exporter's own reference to the tensor
+//! lives (PyTorch promises this for CUDA tensors sent through `torch.multiprocessing`: the
+//! producer's memory is not reused while a consumer holds it). A count in memory both
+//! processes map is what PyTorch's `CudaIPCSentData` uses; this is the same idea with one
+//! slot per send, so no slot ever has two writers that need an atomic read-modify-write
+//! across processes.
+//!
+//! The exporter owns one *holds file* per process: a `memfd` of `SLOTS` 4-byte slots,
+//! mapped shared. Each send takes a free slot and sets it to 1 (`hold`); the file's
+//! descriptor travels with the send (`SCM_RIGHTS`); the importer maps the file once
+//! (`release` keeps the mapping until the process ends, so a release from a tensor's
+//! destructor late in the process's life never touches an unmapped page) and stores 0 in
+//! its slot when it lets go. The exporter polls (`held`): a slot read as 0 goes back to the
+//! free list and the exporter drops its reference to the block. A slot the importer never
+//! releases (it crashed) stays held until the exporter ends, as in PyTorch.
+
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+
+/// Slots in a holds file (4 MiB of address space; only touched pages take memory).
+pub const SLOTS: u32 = 1 << 20;
+const FILE_BYTES: usize = SLOTS as usize * 4;
+
+/// A holds file mapped in this process.
+struct Mapping {
+    base: *mut AtomicU32,
+    len: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics; the pointer is valid
+// until the process ends (never unmapped).
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    fn of(fd: i32, len: usize) -> Result<Mapping> {
+        // SAFETY: mapping `len` bytes of an open file, shared, read-write.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::InvalidArgument(format!("holds file: mmap of descriptor {fd} failed: {}", std::io::Error::last_os_error())));
+        }
+        Ok(Mapping { base: p.cast(), len })
+    }
+
+    fn slot(&self, slot: u32) -> Result<&AtomicU32> {
+        if (slot as usize + 1) * 4 > self.len {
+            return Err(Error::InvalidArgument(format!("holds file: slot {slot} is past the file's {} slots", self.len / 4)));
+        }
+        // SAFETY: in bounds (checked), aligned (4-byte slots from a page-aligned base), and
+        // the mapping lives until the process ends.
+        Ok(unsafe { &*self.base.add(slot as usize) })
+    }
+}
+
+/// This process's own holds file, as an exporter.
+struct Own {
+    fd: i32,
+    map: Mapping,
+    /// Slots given back by importers, and the first slot never used.
+    free: Vec<u32>,
+    next: u32,
+    /// Slots held now (an importer has not let go).
+    held: usize,
+}
+
+static OWN: Mutex<Option<Own>> = Mutex::new(None);
+/// Holds files of other processes mapped here (by file identity), as an importer.
+static THEIRS: Mutex<Option<HashMap<(u64, u64), Mapping>>> = Mutex::new(None);
+
+fn create() -> Result<Own> {
+    // SAFETY: plain system calls on a descriptor this function owns.
+    let fd = unsafe { libc::memfd_create(c"gpupool-holds".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::InvalidArgument(format!("holds file: memfd_create failed: {}", std::io::Error::last_os_error())));
+    }
+    if unsafe { libc::ftruncate(fd, FILE_BYTES as libc::off_t) } != 0 {
+        let e = std::io::Error::last_os_error();
+        unsafe { libc::close(fd) };
+        return Err(Error::InvalidArgument(format!("holds file: ftruncate failed: {e}")));
+    }
+    let map = Mapping::of(fd, FILE_BYTES).inspect_err(|_| unsafe {
+        libc::close(fd);
+    })?;
+    Ok(Own { fd, map, free: Vec::new(), next: 0, held: 0 })
+}
+
+/// Take a slot of this process's holds file for one send, marked held. Returns the file's
+/// descriptor (this process's; it stays open until the process ends: send a copy) and
+/// the slot.
+pub fn hold() -> Result<(i32, u32)> {
+    let mut own = OWN.lock().unwrap_or_else(|p| p.into_inner());
+    if own.is_none() {
+        *own = Some(create()?);
+    }
+    let o = own.as_mut().expect("created above");
+    let slot = match o.free.pop() {
+        Some(s) => s,
+        None if o.next < SLOTS => {
+            o.next += 1;
+            o.next - 1
+        }
+        None => {
+            return Err(Error::InvalidArgument(format!(
+                "holds file: all {SLOTS} slots are held by importers (other processes hold that many shared blocks)"
+            )))
+        }
+    };
+    o.map.slot(slot)?.store(1, Ordering::Release);
+    o.held += 1;
+    Ok((o.fd, slot))
+}
+
+/// Whether the importer of `slot` (from `hold`) still holds it. A slot found released goes
+/// back to the free list: ask once more and it may be another send's.
+pub fn held(slot: u32) -> Result<bool> {
+    let mut own = OWN.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(o) = own.as_mut() else {
+        return Err(Error::InvalidArgument(format!("holds: slot {slot} was never handed out (no holds file in this process)")));
+    };
+    if slot >= o.next || o.free.contains(&slot) {
+        return Err(Error::InvalidArgument(format!("holds: slot {slot} is not held (never handed out, or already found released)")));
+    }
+    if o.map.slot(slot)?.load(Ordering::Acquire) != 0 {
+        return Ok(true);
+    }
+    o.free.push(slot);
+    o.held -= 1;
+    Ok(false)
+}
+
+/// How many slots of this process's holds file importers still hold (as last polled).
+pub fn held_count() -> usize {
+    OWN.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |o| o.held)
+}
+
+/// Map the holds file behind `fd` (another process's; the caller keeps `fd`) once per
+/// process, so `release` can find it later without a descriptor. Returns its identity.
+pub fn map_theirs(fd: i32) -> Result<(u64, u64)> {
+    // SAFETY: fstat into a zeroed struct of the type it fills.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Error::InvalidArgument(format!("holds file: fstat of descriptor {fd} failed: {}", std::io::Error::last_os_error())));
+    }
+    let id = (st.st_dev, st.st_ino);
+    let mut theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
+    let m = theirs.get_or_insert_with(HashMap::new);
+    if let std::collections::hash_map::Entry::Vacant(e) = m.entry(id) {
+        let len = st.st_size as usize;
+        if len < 4 || len % 4 != 0 {
+            return Err(Error::InvalidArgument(format!("holds file: descriptor {fd} is {len} bytes, not a holds file")));
+        }
+        e.insert(Mapping::of(fd, len)?);
+    }
+    Ok(id)
+}
+
+/// Let go of `slot` in the holds file `id` (`map_theirs`): its exporter may free the block.
+pub fn release(id: (u64, u64), slot: u32) -> Result<()> {
+    let theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(m) = theirs.as_ref().and_then(|m| m.get(&id)) else {
+        return Err(Error::InvalidArgument("holds: release in a holds file this process never mapped".into()));
+    };
+    m.slot(slot)?.store(0, Ordering::Release);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_held_until_its_importer_releases_it_then_reused() {
+        let (fd, a) = hold().unwrap();
+        let (_, b) = hold().unwrap();
+        assert_ne!(a, b);
+        // The importer maps the file through its own descriptor (here: a duplicate).
+        let dup = unsafe { libc::dup(fd) };
+        let id = map_theirs(dup).unwrap();
+        unsafe { libc::close(dup) };
+        assert!(held(a).unwrap() && held(b).unwrap());
+        release(id, a).unwrap();
+        assert!(!held(a).unwrap(), "released");
+        assert!(held(a).is_err(), "a released slot is asked about only once");
+        assert!(held(b).unwrap(), "the other send is still held");
+        let (_, c) = hold().unwrap();
+        assert_eq!(c, a, "the released slot serves the next send");
+        assert!(release(id, SLOTS).is_err(), "past the file");
+        assert!(release((0, 0), 0).is_err(), "a file never mapped");
+        release(id, b).unwrap();
+        release(id, c).unwrap();
+        assert!(!held(b).unwrap() && !held(c).unwrap());
+    }
+}

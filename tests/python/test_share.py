@@ -1,0 +1,141 @@
+"""The process-sharing route the frameworks use (`gpupool.share`), on the host upstream
+(runs everywhere, CI included): a producer sends arena blocks through a
+`multiprocessing` queue (spawn) to a consumer, which maps them, reads and writes them; the
+producer keeps each block until the consumer lets go, a block sent again is not mapped
+twice, and a producer that exits first says so. `test_torch.py` runs the same through
+`torch.multiprocessing` on a GPU."""
+import textwrap
+
+from conftest import ok, run_py
+
+CHILD = """
+import ctypes, gpupool
+
+def consume(inq, outq):
+    gpupool.configure(0, pool="arena", upstream="host")
+    held, opened = [], {}
+    while True:
+        msg = inq.get()
+        if msg in ("release", "stop"):
+            for m in held:
+                gpupool.share.delete_dlpack(m)
+            held.clear()
+            opened.clear()
+            outq.put("released")
+            if msg == "stop":
+                return
+            continue
+        out = []
+        for s in msg:
+            r = gpupool.share.Received(s)
+            if (s.producer, s.ptr) in opened:
+                r.let_go()
+                out.append(("again", ctypes.string_at(opened[(s.producer, s.ptr)], 4)))
+                continue
+            m = r.open_dlpack(0)
+            held.append(m)
+            p = gpupool.share.dlpack_data(m)
+            opened[(s.producer, s.ptr)] = p
+            data = ctypes.string_at(p, s.size)
+            ctypes.memmove(p, b"kid!", 4)
+            out.append((p, data))
+        outq.put(out)
+"""
+
+
+def _child_module(tmp_path):
+    (tmp_path / "share_child.py").write_text(textwrap.dedent(CHILD))
+    return {"PYTHONPATH_EXTRA": str(tmp_path)}
+
+
+def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(library, tmp_path):
+    out = ok(run_py("""
+        import ctypes, gc, multiprocessing, os, sys, weakref, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import share_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        # Small blocks share a granule (the route exports them anyway); a large one spans two.
+        sizes = [256, 4096, (3 << 20) + 777, 9 << 20]
+        ptrs = []
+        for i, n in enumerate(sizes):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
+            ctypes.memmove(p, bytes((i * 7 + j) % 251 for j in range(n)), n)
+            ptrs.append(p.value)
+
+        class Keep:
+            pass
+        keeps = [Keep() for _ in sizes]
+        alive = [weakref.ref(k) for k in keeps]
+        sents = [gpupool.share.export(p, n, 0, k) for p, n, k in zip(ptrs, sizes, keeps)]
+        del keeps
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=share_child.consume, args=(inq, outq))
+        child.start()
+        inq.put(sents)
+        got = outq.get(timeout=60)
+        for i, ((where, data), n) in enumerate(zip(got, sizes)):
+            assert data == bytes((i * 7 + j) % 251 for j in range(n)), f"block {i}: the consumer read other bytes"
+            assert ctypes.string_at(ptrs[i], 4) == b"kid!", f"block {i}: the consumer's write is not here"
+            assert ctypes.string_at(ptrs[i] + 4, 4) == bytes((i * 7 + j) % 251 for j in range(4, 8))
+        assert gpupool.share.collect() == 4 and all(a() is not None for a in alive), "kept while the consumer holds"
+        # Sent again (another view of the same block): not mapped twice, released at once.
+        inq.put([gpupool.share.export(ptrs[1], sizes[1], 0, Keep())])
+        assert outq.get(timeout=60) == [("again", b"kid!")]
+        assert gpupool.share.collect() == 4, "the second send was let go at once"
+        inq.put("release")
+        assert outq.get(timeout=60) == "released"
+        assert gpupool.share.collect() == 0, "every hold released"
+        gc.collect()
+        assert all(a() is None for a in alive), "what was kept for the sends is dropped"
+        inq.put("stop")
+        assert outq.get(timeout=60) == "released"
+        child.join(60)
+        assert child.exitcode == 0, child.exitcode
+        for p in ptrs:
+            assert L.gpupool_free(ctypes.c_void_p(p), 0, None) == 0
+        assert "0 live allocation" in gpupool.report_leaks() or gpupool.stats(0)["n_live_blocks"] == 0
+        print("ok")
+    """, env=_child_module(tmp_path), timeout=180))
+    assert "ok" in out
+
+
+def test_a_producer_that_exits_while_a_consumer_holds_says_so_on_host(library, tmp_path):
+    p = run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import share_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        p = ctypes.c_void_p()
+        assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None) == 0
+        ctypes.memmove(p, b"live", 4)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        # A daemon consumer: multiprocessing ends it at exit, still holding the block.
+        child = ctx.Process(target=share_child.consume, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put([gpupool.share.export(p.value, 1 << 20, 0, p)])
+        assert outq.get(timeout=60)[0][1][:4] == b"live"
+        print("producer leaves")
+    """, env=_child_module(tmp_path), timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert "producer leaves" in p.stdout
+    assert "producer process is exiting while other processes still hold 1 block(s)" in p.stderr, p.stderr
+
+
+def test_sending_refuses_what_is_not_a_gpupool_block_on_host(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        buf = ctypes.create_string_buffer(64)
+        try:
+            gpupool.share.export(ctypes.addressof(buf), 64, 0, None)
+            raise SystemExit("exported memory gpupool never allocated")
+        except gpupool.GpupoolError as e:
+            assert e.status == 3 and "not a block gpupool allocated" in str(e), e
+        assert gpupool.share.outstanding() == 0
+        print("ok")
+    """))
+    assert "ok" in out

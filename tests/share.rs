@@ -1,0 +1,120 @@
+//! The frameworks' process-sharing route through the C API on the host upstream: a small
+//! block (sharing its granule with others) exports only when asked to share granules, a
+//! hold stays held until the import's DLPack deleter runs, and the deleter closes the
+//! import. Both ends are this process here (the host upstream maps its own exports as
+//! another process's); `tests/python/test_share.py` runs them in two.
+
+use gpupool::ffi::core::{gpupool_free, gpupool_malloc};
+use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_descriptor_fds, gpupool_ipc_export, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
+use gpupool::ffi::share::{gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_held_count, gpupool_share_hold, gpupool_share_release};
+use gpupool::Status;
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+mod common;
+use common::last_error as last;
+
+/// The parts of a `DLManagedTensor` the test reads (DLPack's unversioned layout).
+#[repr(C)]
+struct DlTensorHead {
+    data: *mut c_void,
+    device_type: i32,
+    device_id: i32,
+    ndim: i32,
+    dtype: [u8; 4],
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlTensorHead)>,
+}
+
+fn malloc(size: usize, d: i32) -> *mut c_void {
+    let mut p = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, size, d, null_mut()) }, Status::Ok, "{}", last());
+    p
+}
+
+fn export(p: *mut c_void, flags: u32) -> Result<Vec<u8>, String> {
+    let mut desc = vec![0u8; 4096];
+    let mut len = 0;
+    match unsafe { gpupool_ipc_export_flags(p, flags, desc.as_mut_ptr().cast(), desc.len(), &mut len) } {
+        Status::Ok => Ok(desc[..len].to_vec()),
+        _ => Err(last()),
+    }
+}
+
+fn fds(desc: &[u8]) -> Vec<i32> {
+    let mut n = 0;
+    let mut out = vec![0i32; 64];
+    assert_eq!(unsafe { gpupool_ipc_descriptor_fds(desc.as_ptr().cast(), desc.len(), out.as_mut_ptr(), out.len(), &mut n) }, Status::Ok);
+    out.truncate(n);
+    out
+}
+
+fn held(slot: u32) -> bool {
+    let mut h = -1;
+    assert_eq!(unsafe { gpupool_share_held(slot, &mut h) }, Status::Ok, "{}", last());
+    h == 1
+}
+
+#[test]
+fn a_small_block_is_shared_held_and_let_go_through_its_dlpack_deleter() {
+    let d = 61;
+    common::host_device_256mib(d, c"arena");
+    let (a, b) = (malloc(4096, d), malloc(4096, d));
+    unsafe { std::ptr::copy_nonoverlapping(b"shared!".as_ptr(), b.cast::<u8>(), 7) };
+    // The strict route refuses a block whose granule holds another live block; the
+    // framework route exports it.
+    let mut len = 0;
+    assert_eq!(unsafe { gpupool_ipc_export(b, null_mut(), 0, &mut len) }, Status::InvalidPointer);
+    let strict = export(b, 0);
+    assert!(strict.as_ref().is_err_and(|e| e.contains("shares its")), "{strict:?}");
+    assert!(export(b, 0x8).is_err_and(|e| e.contains("unknown flags")));
+    let desc = export(b, GPUPOOL_IPC_SHARE_GRANULES).unwrap();
+    let (mut holds_fd, mut slot) = (-1, 0);
+    assert_eq!(unsafe { gpupool_share_hold(&mut holds_fd, &mut slot) }, Status::Ok, "{}", last());
+    assert!(holds_fd >= 0 && held(slot));
+    let count = gpupool_share_held_count();
+    assert!(count >= 1);
+
+    let f = fds(&desc);
+    let mut t: *mut c_void = null_mut();
+    let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, f.as_ptr(), f.len(), holds_fd, slot, &mut t) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    let head = t.cast::<DlTensorHead>();
+    let (data, size) = unsafe { ((*head).data, *(*head).shape) };
+    assert_eq!(unsafe { ((*head).device_type, (*head).ndim, (*head).dtype) }, (1, 1, [1, 8, 1, 0]), "host memory, 1-D uint8");
+    assert_eq!(size, 4096);
+    assert_ne!(data, b, "mapped at an address of its own");
+    assert_eq!(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), 7) }, b"shared!");
+    unsafe { std::ptr::copy_nonoverlapping(b"written".as_ptr(), data.cast::<u8>(), 7) };
+    assert_eq!(unsafe { std::slice::from_raw_parts(b.cast::<u8>(), 7) }, b"written", "one memory");
+    assert!(held(slot), "held while the tensor lives");
+
+    // The framework drops its last tensor: the deleter closes the import and lets go.
+    unsafe { ((*head).deleter.unwrap())(head) };
+    assert!(!held(slot), "released by the deleter");
+    assert_eq!(gpupool_ipc_close(data, d), Status::InvalidPointer, "the deleter closed the import");
+
+    // A second send of a block the importer already has open is released at once.
+    let (mut fd2, mut slot2) = (-1, 0);
+    assert_eq!(unsafe { gpupool_share_hold(&mut fd2, &mut slot2) }, Status::Ok);
+    assert_eq!(fd2, holds_fd, "one holds file per process");
+    assert_eq!(gpupool_share_release(fd2, slot2), Status::Ok, "{}", last());
+    assert!(!held(slot2));
+    assert_eq!(gpupool_share_release(-1, 0), Status::InvalidArgument);
+
+    // A failed open takes no hold-file mapping's slot and leaves nothing open.
+    let mut bad = desc.clone();
+    bad[0] ^= 0xff;
+    let st = unsafe { gpupool_ipc_open_dlpack(bad.as_ptr().cast(), bad.len(), d, f.as_ptr(), f.len(), -1, 0, &mut t) };
+    assert_ne!(st, Status::Ok);
+    assert!(t.is_null());
+    let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, null_mut(), 0, -1, 0, &mut t) };
+    assert_eq!(st, Status::InvalidArgument, "an arena block needs its granules' descriptors");
+    assert!(last().contains("0 descriptors passed for a block of 1 granules"), "{}", last());
+    for p in [a, b] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}
