@@ -6,8 +6,10 @@
 //! parent thread at the moment of the fork would stay locked forever in the child, which
 //! has only the forking thread. So:
 //! - before the fork (`pthread_atfork` prepare), the forking thread takes every pool lock,
-//!   so no other thread is in the middle of an update when memory is copied; after it
-//!   (parent and child handlers) the locks are released again;
+//!   so no other thread is in the middle of an update when memory is copied, and then the
+//!   close-on-exec window's lock (`crate::upstream::shared::new_fd_cloexec`), so no child
+//!   starts holding an exported descriptor that is not yet close-on-exec; after it (parent
+//!   and child handlers) the locks are released again;
 //! - in the child every entry point then fails with `Status::Stopped` saying why, and the
 //!   thread caches' fast path hands nothing out;
 //! - the at-exit hooks do not run in the child (`process.rs`): its trace writer thread and
@@ -19,6 +21,7 @@
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::process::in_child;
+use crate::upstream::shared::hold_cloexec_window;
 use std::cell::RefCell;
 use std::sync::{MutexGuard, Once, OnceLock};
 
@@ -31,6 +34,8 @@ static LOCK_ALL: OnceLock<LockAll> = OnceLock::new();
 thread_local! {
     /// The pool locks the forking thread holds between prepare and parent/child.
     static HELD: RefCell<Vec<MutexGuard<'static, Option<Pool>>>> = const { RefCell::new(Vec::new()) };
+    /// The close-on-exec window's lock, held likewise.
+    static WINDOW: RefCell<Option<MutexGuard<'static, ()>>> = const { RefCell::new(None) };
 }
 
 extern "C" fn prepare() {
@@ -40,11 +45,16 @@ extern "C" fn prepare() {
             let guards = lock_all();
             let _ = HELD.try_with(|h| *h.borrow_mut() = guards);
         }
+        // After the pool locks: an export takes the window inside its pool's lock, so this
+        // order is the one every thread takes them in.
+        let window = hold_cloexec_window();
+        let _ = WINDOW.try_with(|w| *w.borrow_mut() = Some(window));
     });
 }
 
 extern "C" fn release() {
     let _ = std::panic::catch_unwind(|| {
+        let _ = WINDOW.try_with(|w| w.borrow_mut().take());
         let _ = HELD.try_with(|h| h.borrow_mut().clear());
     });
 }

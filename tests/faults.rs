@@ -4,10 +4,13 @@
 //! no block may be handed out twice or lost, and once the faults stop everything works and
 //! all memory goes back. The arena's virtual memory calls fail at random points inside them
 //! (a granule's creation, map or access grant, an alias's map or grant, an unmap, a release
-//! after a successful unmap, an alias's removal), and after every operation its books must
-//! agree with what the host upstream really maps: nothing handed out unmapped, nothing
-//! mapped over memory still mapped. Also: a panic inside a pool stops that pool instead of
-//! letting it hand out memory from half-updated books.
+//! after a successful unmap, an alias's removal, the export of a granule's shareable handle,
+//! an import's reservation, descriptor, map or access grant, an import's unmap), and after
+//! every operation its books must agree with what the host upstream really maps: nothing
+//! handed out unmapped, nothing mapped over memory still mapped, no reserved range but the
+//! arena's and the imports' open now, and an export that failed leaves the arena's books as
+//! they were. Also: a panic inside a pool stops that pool instead of letting it hand out
+//! memory from half-updated books.
 
 #[macro_use]
 mod common;
@@ -22,14 +25,16 @@ use gpupool::error::{Error, Result};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::host::HOST_PAGE;
+use gpupool::upstream::shared::{Descriptor, FdSource, SharedGranule};
 use gpupool::upstream::{AliasFail, AllocError, EventHandle, UnmapFail, Upstream};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use gpupool::{Pool, PoolOptions};
 use std::sync::{Arc, Mutex};
 
 /// Which calls fail: each kind fails every `every`-th call when set, and every call fails
 /// with probability `1/random` from the seeded generator when set (`vmm_only`: only the
-/// virtual memory calls). Also what the host really maps, kept after every such call.
+/// virtual memory calls; `only`: only that one kind of them, at step `at` where set). Also
+/// what the host really maps, kept after every such call.
 #[derive(Default)]
 struct Schedule {
     every: u64,
@@ -39,14 +44,25 @@ struct Schedule {
     injected: u64,
     off: bool,
     vmm_only: bool,
+    only: Option<&'static str>,
+    at: Option<usize>,
     /// Granules that show memory now (homes and aliases), and the bytes of the homes: what
     /// the arena's books must agree with.
     real: HashSet<usize>,
     real_home_bytes: usize,
-    /// Maps the pool asked for over memory still mapped (must never happen).
+    /// Address ranges the host has reserved (count, bytes), and the imports it maps.
+    reserved: (usize, usize),
+    imports: usize,
+    /// Maps the pool asked for over memory still mapped, and failed imports that left
+    /// memory mapped (must never happen).
     violations: Vec<String>,
     /// Granules unmapped whose release was made to fail (their memory "leaked").
     leaks: u64,
+    /// Failures injected into the virtual memory calls, by call and step.
+    hits: BTreeMap<&'static str, u64>,
+    /// Granules of the block being exported asked for so far (the pool exports a block's
+    /// granules in order, first to last).
+    export_step: usize,
 }
 
 impl Schedule {
@@ -72,13 +88,55 @@ impl Schedule {
 
     /// Whether this (non-VMM) call fails.
     fn fail(&mut self) -> bool {
-        !self.vmm_only && self.fail_any()
+        !self.vmm_only && self.only.is_none() && self.fail_any()
     }
 
     /// A position in `0..n`, where a failing call fails.
     fn position(&mut self, n: usize) -> usize {
-        (self.dice() % n.max(1) as u64) as usize
+        match self.at {
+            Some(k) => k.min(n.max(1) - 1),
+            None => (self.dice() % n.max(1) as u64) as usize,
+        }
     }
+}
+
+/// Every step of every virtual memory call at which a failure is injected (`Schedule::hits`);
+/// the long run fails unless each was hit.
+const STEPS: &[&str] = &[
+    "map: create (first granule)",
+    "map: create (later granule)",
+    "map: map (first granule)",
+    "map: map (later granule)",
+    "map: set_access",
+    "unmap: unmap",
+    "unmap: release",
+    "alias: map (first)",
+    "alias: map (later)",
+    "alias: set_access",
+    "unalias",
+    "export (first granule)",
+    "export (later granule)",
+    "import: reserve",
+    "import: descriptor (first granule)",
+    "import: descriptor (later granule)",
+    "import: map (first granule)",
+    "import: map (later granule)",
+    "import: set_access",
+    "import: close",
+];
+
+fn first_or_later(k: usize, first: &'static str, later: &'static str) -> &'static str {
+    if k == 0 {
+        first
+    } else {
+        later
+    }
+}
+
+/// The schedule, also after a failed assertion poisoned its lock (the pool's teardown still
+/// calls the upstream, and a second panic would abort the test run).
+fn lock(s: &Mutex<Schedule>) -> std::sync::MutexGuard<'_, Schedule> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 struct FaultyUpstream {
@@ -91,20 +149,60 @@ fn injected(what: &str) -> Error {
     Error::Cuda { call: "injected", code: 999, name: what.to_string() }
 }
 
+/// Bytes of this process's mappings of the file with inode `ino` (`/proc/self/maps`).
+fn mapped_of_file(ino: u64) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 5 && f[4].parse::<u64>().ok() == Some(ino)).then_some(f[0])
+        })
+        .map(|range| {
+            let (a, b) = range.split_once('-').unwrap();
+            usize::from_str_radix(b, 16).unwrap() - usize::from_str_radix(a, 16).unwrap()
+        })
+        .sum()
+}
+
+/// A live descriptor of another file (a pipe's read end; its write end is closed): what a
+/// stale descriptor number names.
+fn another_file() -> i32 {
+    let mut p = [0i32; 2];
+    assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    unsafe { libc::close(p[1]) };
+    p[0]
+}
+
+/// The file of `fd` opened again write-only: the same file (it passes the identity check),
+/// which `mmap` refuses to map readable.
+fn write_only(fd: i32) -> i32 {
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).unwrap();
+    let w = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+    assert!(w >= 0, "reopening descriptor {fd}: {}", std::io::Error::last_os_error());
+    w
+}
+
 impl FaultyUpstream {
     fn fail(&self) -> bool {
-        self.s.lock().unwrap().fail()
+        lock(&self.s).fail()
     }
 
-    /// Whether this VMM call fails, and if so where in its `n` steps.
-    fn fail_vmm(&self, n: usize) -> Option<usize> {
-        let mut s = self.s.lock().unwrap();
+    /// Whether this VMM call (`kind`) fails, and if so where in its `n` steps.
+    fn fail_vmm(&self, kind: &'static str, n: usize) -> Option<usize> {
+        let mut s = lock(&self.s);
+        if s.only.is_some_and(|o| o != kind) {
+            return None;
+        }
         s.fail_any().then(|| s.position(n))
+    }
+
+    fn hit(&self, step: &'static str) {
+        *lock(&self.s).hits.entry(step).or_default() += 1;
     }
 
     /// Note what the host really maps in `[addr, addr + len)` after a VMM call.
     fn sync(&self, addr: usize, len: usize) {
-        let mut s = self.s.lock().unwrap();
+        let mut s = lock(&self.s);
         for g in (addr..addr + len).step_by(HOST_PAGE) {
             if self.host.vmm_is_mapped(g) {
                 s.real.insert(g);
@@ -113,15 +211,28 @@ impl FaultyUpstream {
             }
         }
         s.real_home_bytes = self.host.vmm_mapped_bytes();
+        s.reserved = self.host.vmm_reserved();
+        s.imports = self.host.vmm_imports();
     }
 
     /// The pool must never map over memory still mapped: the driver would refuse, and books
     /// that allow it are wrong.
     fn expect_unmapped(&self, addr: usize, len: usize, what: &str) {
-        let mut s = self.s.lock().unwrap();
+        let mut s = lock(&self.s);
         if let Some(g) = (addr..addr + len).step_by(HOST_PAGE).find(|g| s.real.contains(g)) {
             s.violations.push(format!("{what} over {g:#x}, which is mapped"));
         }
+    }
+
+    /// Import `d` with granule `i`'s descriptor replaced by `fd` (the host's import fails
+    /// there and undoes what it did).
+    fn import_with(&mut self, d: &Descriptor, fds: &FdSource, i: usize, fd: i32) -> Result<usize> {
+        let FdSource::Given(given) = fds else { return Err(injected("import (descriptors fetched)")) };
+        let mut mine = given.to_vec();
+        mine[i] = fd;
+        let r = self.host.vmm_import(d, &FdSource::Given(&mine));
+        unsafe { libc::close(fd) };
+        r
     }
 }
 
@@ -164,7 +275,7 @@ impl Upstream for FaultyUpstream {
             return Err(injected("event query"));
         }
         // Busy while faults are injected (cross-stream reuse must wait), idle after.
-        Ok(self.s.lock().unwrap().off)
+        Ok(lock(&self.s).off)
     }
     fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
         if self.fail() {
@@ -184,20 +295,41 @@ impl Upstream for FaultyUpstream {
         }
         Ok(())
     }
-    host_address_space!();
+    fn vmm_granule(&mut self) -> usize {
+        self.host.vmm_granule()
+    }
+    fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
+        let r = self.host.vmm_reserve(len);
+        self.sync(0, 0);
+        r
+    }
+    fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
+        let r = self.host.vmm_unreserve(base, len);
+        self.sync(0, 0);
+        r
+    }
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.expect_unmapped(addr, len, "map");
         let n = len / HOST_PAGE;
         // Granule k's creation (an even k: out of memory), its map, or the access grant
         // over all of them (k = n) fails; the upstream undoes what it mapped (all or nothing).
-        if let Some(k) = self.fail_vmm(2 * n + 1) {
+        if let Some(k) = self.fail_vmm("map", 2 * n + 1) {
             if k / 2 > 0 && self.host.vmm_map_new(addr, k / 2 * HOST_PAGE).is_ok() {
                 let _ = self.host.vmm_unmap(addr, k / 2 * HOST_PAGE);
             }
             return Err(match k {
-                k if k == 2 * n => AllocError::Other(injected("set access")),
-                k if k % 2 == 0 => AllocError::OutOfMemory,
-                _ => AllocError::Other(injected("map")),
+                k if k == 2 * n => {
+                    self.hit("map: set_access");
+                    AllocError::Other(injected("set access"))
+                }
+                k if k % 2 == 0 => {
+                    self.hit(first_or_later(k / 2, "map: create (first granule)", "map: create (later granule)"));
+                    AllocError::OutOfMemory
+                }
+                _ => {
+                    self.hit(first_or_later(k / 2, "map: map (first granule)", "map: map (later granule)"));
+                    AllocError::Other(injected("map"))
+                }
             });
         }
         let r = self.host.vmm_map_new(addr, len);
@@ -209,9 +341,10 @@ impl Upstream for FaultyUpstream {
         // Granule k's unmap fails (it stays mapped), or its unmap succeeds and the release
         // of its memory fails (its address is gone, its memory leaked); the ones before it
         // are gone.
-        let r = match self.fail_vmm(2 * n) {
+        let r = match self.fail_vmm("unmap", 2 * n) {
             None => self.host.vmm_unmap(addr, len),
             Some(k) => {
+                self.hit(if k % 2 == 0 { "unmap: unmap" } else { "unmap: release" });
                 let before = k / 2 * HOST_PAGE;
                 match self.host.vmm_unmap(addr, before) {
                     Err(f) => Err(f),
@@ -219,7 +352,7 @@ impl Upstream for FaultyUpstream {
                     Ok(()) => match self.host.vmm_unmap(addr + before, HOST_PAGE) {
                         Err(f) => Err(UnmapFail { unmapped: before + f.unmapped, ..f }),
                         Ok(()) => {
-                            self.s.lock().unwrap().leaks += 1;
+                            lock(&self.s).leaks += 1;
                             Err(UnmapFail { unmapped: before + HOST_PAGE, leaked: HOST_PAGE, error: injected("release") })
                         }
                     },
@@ -233,40 +366,192 @@ impl Upstream for FaultyUpstream {
         self.expect_unmapped(to, homes.len() * HOST_PAGE, "alias");
         // The map of alias `made` fails, or (made = all) the access grant over them, which
         // leaves them all in place.
-        let r = match self.fail_vmm(homes.len() + 1) {
+        let r = match self.fail_vmm("alias", homes.len() + 1) {
             None => self.host.vmm_alias(homes, to),
-            Some(made) => match self.host.vmm_alias(&homes[..made], to) {
-                Err(f) => Err(f),
-                Ok(()) => Err(AliasFail { made, error: injected(if made == homes.len() { "alias access" } else { "alias" }) }),
-            },
+            Some(made) => {
+                self.hit(match made {
+                    m if m == homes.len() => "alias: set_access",
+                    0 => "alias: map (first)",
+                    _ => "alias: map (later)",
+                });
+                match self.host.vmm_alias(&homes[..made], to) {
+                    Err(f) => Err(f),
+                    Ok(()) => Err(AliasFail { made, error: injected(if made == homes.len() { "alias access" } else { "alias" }) }),
+                }
+            }
         };
         self.sync(to, homes.len() * HOST_PAGE);
         r
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        if self.fail_vmm(1).is_some() {
+        if self.fail_vmm("unalias", 1).is_some() {
+            self.hit("unalias");
             return Err(injected("unalias"));
         }
         let r = self.host.vmm_unalias(addr, len);
         self.sync(addr, len);
         r
     }
+    fn vmm_share_kind(&self) -> u32 {
+        self.host.vmm_share_kind()
+    }
+    fn vmm_export(&mut self, addr: usize) -> Result<SharedGranule> {
+        let step = {
+            let mut s = lock(&self.s);
+            s.export_step += 1;
+            s.export_step - 1
+        };
+        // The shareable handle of the block's `step`-th granule is refused.
+        if self.fail_vmm("export", 1).is_some() {
+            self.hit(first_or_later(step, "export (first granule)", "export (later granule)"));
+            return Err(injected("export"));
+        }
+        self.host.vmm_export(addr)
+    }
+    fn vmm_import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
+        let n = d.granules.len();
+        let file = d.granules[0].file.ino;
+        let before = mapped_of_file(file);
+        // The reservation fails (k = 0), granule i's descriptor names another file
+        // (k = 1 + i) or cannot be mapped (k = 1 + n + i), or the access grant over the
+        // whole range fails (k = 1 + 2n). The host's import undoes what it did on the
+        // first two; the grant's failure is undone here, as the driver's upstream does.
+        let r = match self.fail_vmm("import", 2 * n + 2) {
+            None => self.host.vmm_import(d, fds),
+            Some(0) => {
+                self.hit("import: reserve");
+                Err(injected("import reserve"))
+            }
+            Some(k) if k <= n => {
+                self.hit(first_or_later(k - 1, "import: descriptor (first granule)", "import: descriptor (later granule)"));
+                self.import_with(d, fds, k - 1, another_file())
+            }
+            Some(k) if k <= 2 * n => {
+                self.hit(first_or_later(k - 1 - n, "import: map (first granule)", "import: map (later granule)"));
+                let FdSource::Given(given) = fds else { return Err(injected("import (descriptors fetched)")) };
+                let w = write_only(given[k - 1 - n]);
+                self.import_with(d, fds, k - 1 - n, w)
+            }
+            Some(_) => {
+                self.hit("import: set_access");
+                self.host.vmm_import(d, fds).and_then(|p| {
+                    assert!(self.host.vmm_unimport(p).unwrap(), "the range just imported closes");
+                    Err(injected("import set access"))
+                })
+            }
+        };
+        if r.is_err() {
+            let after = mapped_of_file(file);
+            if after != before {
+                lock(&self.s).violations.push(format!("a failed import left {} bytes of the exporter's file mapped", after.abs_diff(before)));
+            }
+        }
+        self.sync(0, 0);
+        r
+    }
+    fn vmm_unimport(&mut self, ptr: usize) -> Result<bool> {
+        // A close the driver fails leaves the range mapped and booked, for a retry.
+        if self.fail_vmm("close", 1).is_some() {
+            self.hit("import: close");
+            return Err(injected("import close"));
+        }
+        let r = self.host.vmm_unimport(ptr);
+        self.sync(0, 0);
+        r
+    }
+    fn vmm_imports(&self) -> usize {
+        self.host.vmm_imports()
+    }
 }
 
 const STREAMS: [StreamHandle; 3] = [0, 0xA00, 0xB00];
 
-/// The arena's books against what the host really maps (after operation `i`): the same
-/// bytes of memory mapped, and the pool never asked to map over mapped memory.
-fn books_agree(p: &Pool, s: &Mutex<Schedule>, i: usize) {
-    let s = s.lock().unwrap();
-    assert!(s.violations.is_empty(), "operation {i}: {:?}", s.violations);
-    let books = p.arena_figures().expect("an arena pool").mapped;
-    assert_eq!(books, s.real_home_bytes, "operation {i}: the arena books {books} bytes mapped, the host maps {}", s.real_home_bytes);
+/// Imports open in a churn: (imported address, size, the exported block, its stamp id).
+type Imports = Vec<(usize, usize, usize, u64)>;
+
+/// The address range an import of a block of `n` bytes at `q` holds: its whole granules.
+fn import_range(q: usize, n: usize) -> usize {
+    (q + n).div_ceil(HOST_PAGE) * HOST_PAGE - (q & !(HOST_PAGE - 1))
 }
 
-/// Random operations under `schedule` (`vmm_only`: only the virtual memory calls fail);
-/// returns (operations, faults injected).
-fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_only: bool) -> (usize, u64) {
+/// The arena's books against what the host really maps (after operation `i`): the same
+/// bytes of memory mapped, the pool never asked to map over mapped memory, no failed import
+/// left memory mapped, and the host reserves the arena's ranges and the open imports'
+/// alone (a failed import leaves no range behind).
+fn books_agree(p: &Pool, s: &Mutex<Schedule>, i: usize, imports: &Imports) {
+    let s = lock(s);
+    assert!(s.violations.is_empty(), "operation {i}: {:?}", s.violations);
+    let f = p.arena_figures().expect("an arena pool");
+    assert_eq!(f.mapped, s.real_home_bytes, "operation {i}: the arena books {} bytes mapped, the host maps {}", f.mapped, s.real_home_bytes);
+    assert_eq!(s.imports, imports.len(), "operation {i}: the host maps {} imports, {} are open", s.imports, imports.len());
+    assert_eq!(p.ipc_imports(), imports.len(), "operation {i}: the pool counts {} imports", p.ipc_imports());
+    let want = (3 + imports.len(), f.address_space + imports.iter().map(|&(q, n, ..)| import_range(q, n)).sum::<usize>());
+    assert_eq!(s.reserved, want, "operation {i}: the host reserves (ranges, bytes) {:?}, the arena and the open imports {want:?}", s.reserved);
+}
+
+/// What a failed export must leave as it was: the arena's mapped, used and free bytes of
+/// each range, its stitches, and the pool's cached and used bytes.
+fn arena_state(p: &Pool) -> (usize, (usize, usize), (usize, usize), usize, usize, usize) {
+    let f = p.arena_figures().expect("an arena pool");
+    (f.mapped, f.small, f.large, f.stitches, p.cached_bytes(), p.used_bytes())
+}
+
+/// Export the live block at `a` (`n` bytes, stamped `id`) and import the descriptor
+/// (its own descriptors passed in, as received over a socket). A failed export leaves the
+/// arena's books as they were and the block intact; an import shows the block's bytes.
+fn export_and_import(p: &mut Pool, s: &Mutex<Schedule>, (a, n, id): (usize, usize, u64), imports: &mut Imports, i: usize) {
+    let before = arena_state(p);
+    let injected_before = {
+        let mut g = lock(s);
+        g.export_step = 0;
+        g.injected
+    };
+    match p.ipc_export(a, false) {
+        Ok(bytes) => {
+            let d = Descriptor::decode(&bytes).unwrap_or_else(|e| panic!("operation {i}: the descriptor exported does not decode: {e}"));
+            let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
+            let injected_before = lock(s).injected;
+            match p.ipc_import(&d, Some(&fds)) {
+                Ok(q) => {
+                    assert!(intact(q, n, id), "operation {i}: the import of {a:#x} at {q:#x} does not show its bytes");
+                    imports.push((q, n, a, id));
+                }
+                Err(e) => assert!(lock(s).injected > injected_before, "operation {i}: an import failed with no fault injected: {e}"),
+            }
+        }
+        Err(Error::Cuda { call: "injected", .. }) => {
+            assert_eq!(arena_state(p), before, "operation {i}: an export that failed changed the arena's books");
+            check(a, n, id);
+        }
+        // Refused: the block shares a granule with another live block.
+        Err(Error::InvalidPointer { .. }) => {}
+        Err(e) => panic!("operation {i}: export of {a:#x}: unexpected error {e} ({} faults injected before)", injected_before),
+    }
+}
+
+/// Close the import at `imports[j]`; a close that fails leaves it open and mapped (`false`).
+fn close_import(p: &mut Pool, imports: &mut Imports, j: usize) -> bool {
+    let (q, n, _, id) = imports[j];
+    check(q, n, id);
+    match p.ipc_close(q) {
+        Ok(()) => {
+            imports.swap_remove(j);
+            true
+        }
+        Err(Error::Cuda { call: "injected", .. }) => false,
+        Err(e) => panic!("close of the import at {q:#x}: unexpected error {e}"),
+    }
+}
+
+/// What a churn did: operations, faults injected, and the virtual memory failures by step.
+struct Churned {
+    faults: u64,
+    hits: BTreeMap<&'static str, u64>,
+}
+
+/// Random operations under `schedule` (`vmm_only`: only the virtual memory calls fail). On
+/// the arena some operations export a live block and import it again, or close an import.
+fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_only: bool) -> Churned {
     let s = Arc::new(Mutex::new(Schedule { every, random, rng: seed | 1, vmm_only, ..Default::default() }));
     let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
     let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
@@ -283,6 +568,7 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
     };
     // Live blocks: (addr, size, stream, stamp id).
     let mut live: Vec<(usize, usize, StreamHandle, u64)> = Vec::new();
+    let mut imports: Imports = Vec::new();
     for i in 0..ops {
         let r = next();
         let stream = STREAMS[(r >> 8) as usize % 3];
@@ -299,7 +585,7 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
                             assert!(a + size <= b || b + n <= a, "{kind:?}: block {a:#x}+{size} handed out over live {b:#x}+{n}");
                         }
                         if kind == PoolKind::Arena {
-                            let g = s.lock().unwrap();
+                            let g = lock(&s);
                             let first = a & !(HOST_PAGE - 1);
                             if let Some(u) = (first..a + size).step_by(HOST_PAGE).find(|u| !g.real.contains(u)) {
                                 panic!("operation {i}: block {a:#x}+{size} handed out over the unmapped granule {u:#x}");
@@ -315,12 +601,32 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
             5..=7 if !live.is_empty() => {
                 let (a, n, st, id) = live.swap_remove((r >> 20) as usize % live.len());
                 check(a, n, id);
+                // The exporter keeps a block while others map it: its imports close first.
+                while let Some(j) = imports.iter().position(|m| m.2 == a) {
+                    close_import(&mut p, &mut imports, j);
+                }
                 match p.free(a, st) {
                     Ok(()) => {}
                     // A free that failed changed nothing: the block is still the caller's.
                     Err(e) => {
                         assert!(matches!(e, Error::Cuda { .. } | Error::Internal(_)), "{kind:?}: {e}");
                         live.push((a, n, st, id));
+                    }
+                }
+            }
+            8 if kind == PoolKind::Arena && (r >> 44) % 2 == 0 => {
+                if !imports.is_empty() && (r >> 48) % 3 == 0 {
+                    let j = (r >> 20) as usize % imports.len();
+                    close_import(&mut p, &mut imports, j);
+                } else {
+                    // Blocks of a granule or more: smaller ones share their granule with
+                    // other live blocks, and their export is refused.
+                    let large: Vec<_> = live.iter().filter(|b| b.1 >= HOST_PAGE).map(|&(a, n, _, id)| (a, n, id)).collect();
+                    if !large.is_empty() {
+                        export_and_import(&mut p, &s, large[(r >> 20) as usize % large.len()], &mut imports, i);
+                    } else if !live.is_empty() {
+                        let (a, n, _, id) = live[(r >> 20) as usize % live.len()];
+                        export_and_import(&mut p, &s, (a, n, id), &mut imports, i);
                     }
                 }
             }
@@ -342,16 +648,19 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
             _ => {}
         }
         if kind == PoolKind::Arena {
-            books_agree(&p, &s, i);
+            books_agree(&p, &s, i, &imports);
         }
     }
     // Faults stop: everything works and everything goes back.
     let (faults, leaks) = {
-        let mut g = s.lock().unwrap();
+        let mut g = lock(&s);
         g.off = true;
         (g.injected, g.leaks)
     };
     p.set_limit(0).unwrap();
+    while !imports.is_empty() {
+        assert!(close_import(&mut p, &mut imports, 0), "{kind:?}: a close after the faults failed");
+    }
     for (a, n, st, id) in live.drain(..) {
         check(a, n, id);
         p.free(a, st).unwrap_or_else(|e| panic!("{kind:?}: free after the faults failed: {e}"));
@@ -363,22 +672,28 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
     assert_eq!(p.used_bytes(), 0, "{kind:?}: bytes still counted in use");
     assert_eq!(p.reserved_bytes(), 0, "{kind:?}: memory lost: {} bytes still reserved after freeing all and reclaiming", p.reserved_bytes());
     if kind == PoolKind::Arena {
-        books_agree(&p, &s, ops);
+        books_agree(&p, &s, ops, &imports);
         // Each granule whose release failed is reported as leaked, exactly.
         let leaked = p.arena_figures().unwrap().leaked;
         assert_eq!(leaked, leaks as usize * HOST_PAGE, "granules leaked: {leaks} injected, {leaked} bytes reported");
     }
-    (ops, faults)
+    let hits = std::mem::take(&mut lock(&s).hits);
+    Churned { faults, hits }
 }
 
 const KINDS: [PoolKind; 4] = [PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
+
+/// Operations of the long runs, per strategy: `GPUPOOL_FAULT_OPS` (CI sets 400,000).
+fn fault_ops() -> usize {
+    std::env::var("GPUPOOL_FAULT_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000)
+}
 
 #[test]
 fn every_nth_call_failing_loses_nothing() {
     for kind in KINDS {
         let mut total = 0;
         for every in [2, 3, 7, 13] {
-            total += churn(kind, every, 0, every, 4_000, false).1;
+            total += churn(kind, every, 0, every, 4_000, false).faults;
         }
         println!("{kind:?}: {total} faults injected (every 2nd/3rd/7th/13th call), survived");
         assert!(total > 100, "{kind:?}: the schedule injected almost nothing ({total})");
@@ -387,29 +702,145 @@ fn every_nth_call_failing_loses_nothing() {
 
 #[test]
 fn seeded_random_faults_lose_nothing() {
-    let ops: usize = std::env::var("GPUPOOL_FAULT_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let ops = fault_ops();
     for kind in KINDS {
         let mut total = 0;
         for seed in 1..=4u64 {
-            total += churn(kind, 0, 5, seed * 7919, ops / 4, false).1;
+            total += churn(kind, 0, 5, seed * 7919, ops / 4, false).faults;
         }
         println!("{kind:?}: {ops} operations, {total} random faults injected, survived");
         assert!(total > 50, "{kind:?}: {total}");
     }
 }
 
-/// Only the arena's virtual memory calls fail (at random points inside them), often, so
-/// failures land on every path that maps, aliases, unmaps and removes aliases; after every
-/// operation the books agree with what is mapped (`churn`). A tenth of `GPUPOOL_FAULT_OPS`.
+/// Only the arena's virtual memory calls fail (at random steps inside them), often, so
+/// failures land on every path that maps, aliases, unmaps, removes aliases, exports,
+/// imports and closes imports; after every operation the books agree with what is mapped
+/// and reserved (`churn`). `GPUPOOL_FAULT_OPS` operations; in a run of 100,000 or more
+/// (CI's), every step of every call (`STEPS`) must have failed at least once.
 #[test]
 fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
-    let ops: usize = std::env::var("GPUPOOL_FAULT_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000) / 10;
+    let ops = fault_ops();
     let mut total = 0;
+    let mut hits: BTreeMap<&'static str, u64> = BTreeMap::new();
     for (seed, random) in [(11u64, 3u64), (13, 4), (17, 6), (19, 10)] {
-        total += churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, true).1;
+        let c = churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, true);
+        total += c.faults;
+        for (k, v) in c.hits {
+            *hits.entry(k).or_default() += v;
+        }
     }
-    println!("Arena: {total} virtual memory calls failed, books exact throughout");
+    println!("Arena: {} operations, {total} virtual memory calls failed, books exact throughout; by step:", ops.max(4_000));
+    for step in STEPS {
+        println!("  {step:<36} {}", hits.get(step).copied().unwrap_or(0));
+    }
+    let missed: Vec<&&str> = STEPS.iter().filter(|s| !hits.contains_key(**s)).collect();
+    assert!(missed.is_empty() || ops < 100_000, "no failure was injected at {missed:?}");
     assert!(total > 100, "the schedule injected almost nothing ({total})");
+}
+
+/// An arena pool over the faulty upstream, no call failing until the schedule says so.
+fn faulty_arena() -> (Pool, Arc<Mutex<Schedule>>) {
+    let s = Arc::new(Mutex::new(Schedule::default()));
+    let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, ..Default::default() };
+    (Pool::new(0, Box::new(up), &opts).unwrap(), s)
+}
+
+/// From now on the `every`-th call of `kind` fails (at step `at` where set); `None`:
+/// nothing fails.
+fn fail_only(s: &Mutex<Schedule>, kind: Option<&'static str>, every: u64, at: Option<usize>) {
+    let mut g = lock(s);
+    (g.only, g.every, g.at, g.calls, g.export_step) = (kind, if kind.is_some() { every } else { 0 }, at, 0, 0);
+}
+
+/// An export whose driver call fails at the block's first granule, or at a later one,
+/// changes nothing in the arena: the block stays intact and usable, and is not marked
+/// exported (the free memory of its granules still serves other blocks, where an export
+/// sets it aside).
+#[test]
+fn a_failed_export_leaves_the_block_usable_and_unexported() {
+    let (mut p, s) = faulty_arena();
+    // A small block alone in its granule (the rest of the granule is free memory an export
+    // sets aside), and a block over three granules or more.
+    let small = 256 << 10;
+    let a = p.malloc(small, 0).unwrap();
+    stamp(a, small, 1);
+    let b = p.malloc(5 * MIB, 0).unwrap();
+    stamp(b, 5 * MIB, 2);
+    for (blk, n, id, every) in [(a, small, 1, 1), (b, 5 * MIB, 2, 1), (b, 5 * MIB, 2, 3)] {
+        let before = arena_state(&p);
+        fail_only(&s, Some("export"), every, None);
+        let e = p.ipc_export(blk, false).expect_err("the export was made to fail");
+        assert!(matches!(e, Error::Cuda { call: "injected", .. }), "{e}");
+        assert_eq!(arena_state(&p), before, "an export that failed at granule {} changed the arena's books", every - 1);
+        check(blk, n, id);
+    }
+    let hits = lock(&s).hits.clone();
+    assert!(hits.contains_key("export (first granule)") && hits.contains_key("export (later granule)"), "{hits:?}");
+    fail_only(&s, None, 0, None);
+    // Not marked exported: the next small block goes into the free memory of a's granule.
+    let c = p.malloc(small, 0).unwrap();
+    assert_eq!(c & !(HOST_PAGE - 1), a & !(HOST_PAGE - 1), "a block that failed to export keeps its granule's free memory set aside");
+    p.free(c, 0).unwrap();
+    // Usable: it exports once the driver works, and the export sets the free memory aside.
+    let before = arena_state(&p);
+    let d = Descriptor::decode(&p.ipc_export(a, false).unwrap()).unwrap();
+    assert_ne!(arena_state(&p), before, "an export sets its granules' free memory aside (what the checks above look for)");
+    let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
+    let q = p.ipc_import(&d, Some(&fds)).unwrap();
+    check(q, small, 1);
+    p.ipc_close(q).unwrap();
+    for blk in [a, b] {
+        p.free(blk, 0).unwrap();
+    }
+    p.reclaim().unwrap();
+    assert_eq!(p.reserved_bytes(), 0);
+}
+
+/// An import failing at each of its steps (the reservation, a granule's descriptor, a
+/// granule's map, the access grant; first granule and later ones) leaves nothing behind:
+/// no range reserved, no import booked, nothing of the exporter's file mapped; then the
+/// import works and closes.
+#[test]
+fn a_failed_import_leaves_nothing_mapped_or_reserved() {
+    let (mut p, s) = faulty_arena();
+    let b = p.malloc(5 * MIB, 0xA00).unwrap();
+    stamp(b, 5 * MIB, 3);
+    let d = Descriptor::decode(&p.ipc_export(b, false).unwrap()).unwrap();
+    let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
+    let n = d.granules.len();
+    assert!(n >= 3);
+    let reserved = lock(&s).reserved;
+    let file = d.granules[0].file.ino;
+    let mapped = mapped_of_file(file);
+    assert!(mapped >= 5 * MIB, "the exporter's own mappings of its file are seen");
+    for k in 0..2 * n + 2 {
+        fail_only(&s, Some("import"), 1, Some(k));
+        let e = p.ipc_import(&d, Some(&fds)).expect_err("the import was made to fail");
+        let g = lock(&s);
+        assert!(g.violations.is_empty(), "step {k}: {:?}", g.violations);
+        assert_eq!(g.reserved, reserved, "step {k} ({e}): a failed import left address space reserved");
+        assert_eq!((g.imports, p.ipc_imports()), (0, 0), "step {k} ({e}): a failed import is booked");
+        assert_eq!(mapped_of_file(file), mapped, "step {k} ({e}): a failed import left the exporter's memory mapped");
+    }
+    let hits = lock(&s).hits.clone();
+    let missed: Vec<&&str> = STEPS.iter().filter(|t| t.starts_with("import: ") && **t != "import: close" && !hits.contains_key(**t)).collect();
+    assert!(missed.is_empty(), "steps not failed: {missed:?}");
+    fail_only(&s, None, 0, None);
+    let q = p.ipc_import(&d, Some(&fds)).unwrap();
+    check(q, 5 * MIB, 3);
+    assert_eq!(lock(&s).reserved, (reserved.0 + 1, reserved.1 + n * HOST_PAGE));
+    // A close that fails leaves the import mapped and booked; the next one closes it.
+    fail_only(&s, Some("close"), 1, None);
+    assert!(p.ipc_close(q).is_err());
+    assert_eq!((lock(&s).imports, p.ipc_imports()), (1, 1));
+    check(q, 5 * MIB, 3);
+    fail_only(&s, None, 0, None);
+    p.ipc_close(q).unwrap();
+    assert_eq!(lock(&s).reserved, reserved);
+    assert_eq!(mapped_of_file(file), mapped);
+    p.free(b, 0xA00).unwrap();
 }
 
 #[test]

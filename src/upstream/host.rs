@@ -86,6 +86,10 @@ impl HostUpstream {
     pub fn vmm_mapped_bytes(&self) -> usize {
         self.vmm.mapped_bytes()
     }
+    /// Address ranges reserved now (count, bytes): the arena's, and one per mapped import.
+    pub fn vmm_reserved(&self) -> (usize, usize) {
+        self.vmm.reserved_total()
+    }
 
     /// Take `n` bytes of the device's capacity, if it has them.
     fn take(&mut self, n: usize) -> bool {

@@ -242,6 +242,12 @@ impl HostVmm {
         Ok(())
     }
 
+    /// How many address ranges are reserved, and their bytes (the pool's own and those of
+    /// mapped imports), for tests that check a failed import leaves none behind.
+    pub fn reserved_total(&self) -> (usize, usize) {
+        (self.reservations.len(), self.reservations.values().sum())
+    }
+
     /// Whether `addr`'s granule shows memory now (a home or an alias), for tests that check
     /// the arena's books against what is really mapped.
     pub fn is_mapped(&self, addr: usize) -> bool {

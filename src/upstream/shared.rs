@@ -211,6 +211,29 @@ impl Drop for Fd {
     }
 }
 
+/// Held from the moment a descriptor exists without close-on-exec until it is marked so.
+/// `crate::fork`'s prepare handler takes it too (after the pool locks), so `fork()` waits
+/// for the window to close and no child starts with such a descriptor open.
+static CLOEXEC_WINDOW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Run `make`, which creates a descriptor without close-on-exec (the driver's export of a
+/// shareable handle cannot ask for the flag), and mark what it returns close-on-exec, with
+/// `fork()` held off in between: a thread that forks meanwhile (and then execs) gives its
+/// child no copy of it. Spawns that run no fork handlers (`posix_spawn`, `vfork`) are not
+/// held off (docs/ipc.md).
+pub fn new_fd_cloexec<E>(make: impl FnOnce() -> std::result::Result<i32, E>) -> std::result::Result<i32, E> {
+    let _window = hold_cloexec_window();
+    let fd = make()?;
+    set_cloexec(fd);
+    Ok(fd)
+}
+
+/// The close-on-exec window's lock (`new_fd_cloexec`), for the fork handlers to hold across
+/// a fork. It guards no data, so a poisoned lock is taken as it is.
+pub fn hold_cloexec_window() -> std::sync::MutexGuard<'static, ()> {
+    CLOEXEC_WINDOW.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Mark `fd` close-on-exec, so an exported granule's descriptor does not leak into the
 /// programs this process starts (the driver's export does not set it).
 pub fn set_cloexec(fd: i32) {

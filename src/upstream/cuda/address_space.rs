@@ -23,7 +23,7 @@
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
-use crate::upstream::shared::{set_cloexec, Descriptor, FdSource, SharedGranule};
+use crate::upstream::shared::{new_fd_cloexec, Descriptor, FdSource, SharedGranule};
 use crate::upstream::{AliasFail, AllocError, DriverCalls, UnmapFail};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
@@ -343,18 +343,26 @@ impl CudaVmm {
         if let Some(&fd) = self.exported.get(&home) {
             return Ok(SharedGranule { fd, offset: 0, ..Default::default() });
         }
-        let mut fd: libc::c_int = -1;
         calls.shareable += 1;
-        let r = unsafe { sys::cuMemExportToShareableHandle((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
+        // The driver's descriptor comes without close-on-exec: it is marked so before a
+        // fork() in another thread can copy it into a child (`new_fd_cloexec`).
+        let made = new_fd_cloexec(|| {
+            let mut fd: libc::c_int = -1;
+            let r = unsafe { sys::cuMemExportToShareableHandle((&mut fd as *mut libc::c_int).cast(), h, POSIX_FD, 0) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                Ok(fd)
+            } else {
+                Err(r)
+            }
+        });
+        let fd = made.map_err(|r| {
             let why = if self.prop.requestedHandleTypes == NO_HANDLE_TYPE {
                 "; this device or driver gave the arena no shareable memory"
             } else {
                 ""
             };
-            return Err(Error::InvalidArgument(format!("{}{why}", cuda_error("cuMemExportToShareableHandle", r))));
-        }
-        set_cloexec(fd);
+            Error::InvalidArgument(format!("{}{why}", cuda_error("cuMemExportToShareableHandle", r)))
+        })?;
         self.exported.insert(home, fd);
         Ok(SharedGranule { fd, offset: 0, ..Default::default() })
     }

@@ -1,0 +1,56 @@
+//! The close-on-exec window of exported descriptors: the driver's export hands out a
+//! descriptor without close-on-exec, and gpupool marks it so right after
+//! (`gpupool::upstream::shared::new_fd_cloexec`). A `fork()` in another thread in between
+//! waits (the fork handlers take the window's lock), so a child never holds such a
+//! descriptor unmarked, and a program it execs never inherits it.
+
+use gpupool::upstream::shared::new_fd_cloexec;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+#[test]
+fn a_fork_during_an_export_waits_until_its_descriptor_is_close_on_exec() {
+    // The fork handlers are installed on the first call that reaches a device's pool.
+    let st = unsafe { gpupool::ffi::core::gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
+    assert_eq!(st, gpupool::Status::Ok);
+    let fd = Arc::new(AtomicI32::new(-1));
+    let (inside, window_open) = mpsc::channel();
+    let exporter = {
+        let fd = fd.clone();
+        std::thread::spawn(move || {
+            new_fd_cloexec(|| -> Result<i32, ()> {
+                // Stands in for the driver's export: a descriptor without close-on-exec,
+                // and a while before the flag is set.
+                let mut p = [0i32; 2];
+                assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+                unsafe { libc::close(p[1]) };
+                fd.store(p[0], Ordering::SeqCst);
+                inside.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+                Ok(p[0])
+            })
+            .unwrap()
+        })
+    };
+    window_open.recv().unwrap();
+    let watched = fd.load(Ordering::SeqCst);
+    // SAFETY: the child makes async-signal-safe calls only (fcntl, _exit).
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // What an exec now would inherit: the descriptor, open without close-on-exec.
+        let flags = unsafe { libc::fcntl(watched, libc::F_GETFD) };
+        let inherited = flags >= 0 && flags & libc::FD_CLOEXEC == 0;
+        unsafe { libc::_exit(inherited as i32) };
+    }
+    assert!(pid > 0, "fork failed: {}", std::io::Error::last_os_error());
+    let mut status = 0;
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "the child did not exit normally ({status:#x})");
+    assert_eq!(libc::WEXITSTATUS(status), 0, "a child forked while the export's descriptor lacked close-on-exec holds it unmarked");
+    let got = exporter.join().unwrap();
+    assert_eq!(got, watched);
+    let flags = unsafe { libc::fcntl(got, libc::F_GETFD) };
+    assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "the descriptor is close-on-exec once the export returns");
+    unsafe { libc::close(got) };
+}
