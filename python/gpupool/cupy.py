@@ -33,6 +33,7 @@ import itertools
 import weakref
 
 from . import _check, _fn_address, lib
+from . import share as _share
 
 
 def _current_stream_getter():
@@ -201,7 +202,105 @@ def install(pinned=True, typed_oom=False):
     cupy.cuda.set_allocator(alloc.malloc)
     if pinned:
         cupy.cuda.set_pinned_memory_allocator(pinned_malloc)
+    _name_share_in_ipc_errors()
     return alloc
+
+
+# Process sharing: CuPy users share an array's memory with `runtime.ipcGetMemHandle`, which
+# works on `cuMemAlloc` memory (the split pool) and fails with "invalid argument" on arena
+# memory (the driver's virtual memory API). `share()` works on both, through
+# `gpupool.share` (see that module): send what it returns through a multiprocessing queue
+# or pipe, and the receiving process gets a `cupy.ndarray` over the same memory.
+
+
+class SharedArray:
+    """`share(a)`: pickles (multiprocessing's pickler) to a `cupy.ndarray` over `a`'s memory
+    in the receiving process."""
+
+    def __init__(self, a):
+        import cupy
+        _share.route_multiprocessing()
+        self.mem = a.data.mem
+        self.device = a.data.device_id
+        with cupy.cuda.Device(self.device):
+            # Recorded now, on the caller's current stream (pickling may happen on a queue's
+            # feeder thread, whose current stream is another).
+            self.event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self.event.record()
+            handle = cupy.cuda.runtime.ipcGetEventHandle(self.event.ptr)
+        self.meta = (a.shape, a.dtype.str, a.strides, a.data.ptr - self.mem.ptr, handle)
+
+    def __reduce__(self):
+        # Each pickling is one send, with a hold of its own.
+        sent = _share.export(self.mem.ptr, self.mem.size, self.device, (self.mem, self.event))
+        return (_open_shared, (sent, self.meta))
+
+
+def share(a):
+    """Send `a` (a `cupy.ndarray` whose memory is gpupool's) to another process: put what
+    this returns on a multiprocessing queue (or pipe); the receiver gets a `cupy.ndarray`
+    over the same memory, ordered after the work queued on `a` here. The memory stays
+    allocated here until the receiver's last array over it is gone (`gpupool.share`)."""
+    return SharedArray(a)
+
+
+class _Import:
+    """A mapping of another process's block here; closed when the last array over it goes."""
+
+    def __init__(self, managed):
+        self.managed = managed
+        self.ptr = _share.dlpack_data(managed)
+
+    def __del__(self):
+        _share.delete_dlpack(self.managed)
+
+
+_imports = weakref.WeakValueDictionary()  # (producer, its address, device) -> _Import
+
+
+def _open_shared(sent, meta):
+    import cupy
+    shape, dtype, strides, offset, handle = meta
+    key = (sent.producer, sent.ptr, sent.device)
+    received = _share.Received(sent)
+    imp = _imports.get(key)
+    if imp is not None:
+        received.let_go()
+    else:
+        imp = _Import(received.open_dlpack(sent.device))
+        _imports[key] = imp
+    with cupy.cuda.Device(sent.device):
+        mem = cupy.cuda.UnownedMemory(imp.ptr, sent.size, imp, sent.device)
+        ev = cupy.cuda.runtime.ipcOpenEventHandle(handle)
+        try:
+            cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, ev)
+        finally:
+            cupy.cuda.runtime.eventDestroy(ev)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _name_share_in_ipc_errors():
+    """Make `cupy.cuda.runtime.ipcGetMemHandle` say, where it fails on gpupool's arena
+    memory, that `gpupool.cupy.share` is the route."""
+    import cupy.cuda.runtime as rt
+    orig = getattr(rt, "_gpupool_orig_ipcGetMemHandle", rt.ipcGetMemHandle)
+
+    class IpcError(rt.CUDARuntimeError):
+        def __init__(self, status, text):
+            super().__init__(status)
+            self.args = (text,)
+
+    def ipcGetMemHandle(ptr):
+        try:
+            return orig(ptr)
+        except rt.CUDARuntimeError as e:
+            raise IpcError(e.status, f"{e}: cudaIpcGetMemHandle cannot share gpupool's arena memory (GPUPOOL_POOL=arena, "
+                                     "the default, maps memory with the driver's virtual memory API); send arrays to "
+                                     "other processes with gpupool.cupy.share(array), or raw blocks with "
+                                     "gpupool.ipc_export") from e
+    ipcGetMemHandle.__doc__ = orig.__doc__
+    rt._gpupool_orig_ipcGetMemHandle = orig
+    rt.ipcGetMemHandle = ipcGetMemHandle
 
 
 _pool_ids = itertools.count(1)

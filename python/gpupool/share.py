@@ -44,44 +44,137 @@ _FDS_PER_MESSAGE = 250  # the kernel passes at most 253 descriptors per SCM_RIGH
 
 
 class Fds:
-    """File descriptors that travel inside a pickle: dup'd here, handed over by
-    multiprocessing's resource sharer to the one process that calls `detach()` (once).
-    A large block's descriptors go in several messages."""
+    """File descriptors that travel inside a pickle to the one process that calls
+    `detach()` (once), handed over by multiprocessing's resource sharer. Made while
+    multiprocessing pickles a message (its queues, pipes, `ForkingPickler.dumps`), every
+    send in the message goes in one handover (`_Bundle`); otherwise each on its own."""
 
     def __init__(self, fds):
-        from multiprocessing import reduction, resource_sharer
         dups = [os.dup(f) for f in fds]
-
-        def send(conn, _pid):
-            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                for i in range(0, len(dups), _FDS_PER_MESSAGE):
-                    reduction.sendfds(s, dups[i:i + _FDS_PER_MESSAGE])
-
-        def close():
-            for f in dups:
-                os.close(f)
-
+        bundle = getattr(_scope, "bundle", None)
+        if bundle is None:
+            bundle = _Bundle()
+            self.start = bundle.add(dups)
+            self.ident = bundle.ident
+        else:
+            self.start = bundle.add(dups)
+            self.ident = bundle.ident
         self.n = len(dups)
-        self.ident = resource_sharer._resource_sharer.register(send, close)
 
     def __reduce__(self):
-        return (_fds_from, (self.n, self.ident))
+        return (_fds_from, (self.ident, self.start, self.n))
 
     def detach(self):
         """This process's copies of the descriptors (the caller closes them)."""
-        from multiprocessing import reduction, resource_sharer
-        out = []
-        with resource_sharer._resource_sharer.get_connection(self.ident) as conn:
-            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                while len(out) < self.n:
-                    out += reduction.recvfds(s, min(_FDS_PER_MESSAGE, self.n - len(out)))
-        return out
+        with _lock:
+            got = _received.get(self.ident)
+        if got is None:
+            got = _Received(_fetch(self.ident))
+            with _lock:
+                got = _received.setdefault(self.ident, got)
+        return got.take(self.ident, self.start, self.n)
 
 
-def _fds_from(n, ident):
+def _fds_from(ident, start, n):
     f = Fds.__new__(Fds)
-    f.n, f.ident = n, ident
+    f.ident, f.start, f.n = ident, start, n
     return f
+
+
+_scope = threading.local()  # .bundle: the handover of the message being pickled on this thread
+
+
+class _Bundle:
+    """The descriptors of one message's sends: registered with the resource sharer when the
+    first is added (the importer connects only once the message has arrived, so later ones
+    go along), handed over in one connection, closed here after."""
+
+    def __init__(self):
+        self.fds = []
+        self.ident = None
+
+    def add(self, dups):
+        if self.ident is None:
+            from multiprocessing import resource_sharer
+            self.ident = resource_sharer._resource_sharer.register(self._send, self._close)
+        start = len(self.fds)
+        self.fds += dups
+        return start
+
+    def _send(self, conn, _pid):
+        from multiprocessing import reduction
+        conn.send(len(self.fds))
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            for i in range(0, len(self.fds), _FDS_PER_MESSAGE):
+                reduction.sendfds(s, self.fds[i:i + _FDS_PER_MESSAGE])
+
+    def _close(self):
+        for f in self.fds:
+            os.close(f)
+        self.fds = []
+
+    def drop(self):
+        """The message was never sent: close the descriptors and withdraw the handover."""
+        if self.ident is not None:
+            from multiprocessing import resource_sharer
+            resource_sharer._resource_sharer._cache.pop(self.ident[1], None)
+        self._close()
+
+
+def _fetch(ident):
+    from multiprocessing import reduction, resource_sharer
+    out = []
+    with resource_sharer._resource_sharer.get_connection(ident) as conn:
+        n = conn.recv()
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            while len(out) < n:
+                out += reduction.recvfds(s, min(_FDS_PER_MESSAGE, n - len(out)))
+    return out
+
+
+class _Received:
+    """A handover's descriptors here, until every send in it took its own."""
+
+    def __init__(self, fds):
+        self.fds = fds
+        self.left = len(fds)
+
+    def take(self, ident, start, n):
+        mine = self.fds[start:start + n]
+        with _lock:
+            self.left -= n
+            if self.left <= 0:
+                _received.pop(ident, None)
+        return mine
+
+
+_received = {}  # handover -> its descriptors here, while some send in it has not taken its own
+
+
+def _dumps_in_one_handover(orig):
+    """`ForkingPickler.dumps` with every send of the message in one handover."""
+    def dumps(cls, obj, protocol=None):
+        if getattr(_scope, "bundle", None) is not None:
+            return orig(cls, obj, protocol)
+        bundle = _scope.bundle = _Bundle()
+        try:
+            return orig(cls, obj, protocol)
+        except BaseException:
+            bundle.drop()
+            raise
+        finally:
+            _scope.bundle = None
+    dumps._gpupool = True
+    return classmethod(dumps)
+
+
+def route_multiprocessing():
+    """Make multiprocessing's pickler put every send of one message in one handover
+    (`torch.multiprocessing` and `gpupool.cupy.share` call this). Idempotent."""
+    from multiprocessing.reduction import ForkingPickler
+    if getattr(ForkingPickler.dumps, "_gpupool", False):
+        return
+    ForkingPickler.dumps = _dumps_in_one_handover(ForkingPickler.dumps.__func__)
 
 
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
@@ -90,11 +183,13 @@ def _fds_from(n, ident):
 Sent = namedtuple("Sent", "producer ptr size device desc slot fds")
 
 
-def _export_bytes(ptr):
+def _export_bytes(ptr, size):
+    # One call, into a buffer large enough for any granule size of 64 KiB or more: asking
+    # the length first would export twice.
     L, n = lib(), ctypes.c_size_t(0)
-    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, None, 0, ctypes.byref(n)))
-    buf = ctypes.create_string_buffer(n.value)
-    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, buf, n.value, ctypes.byref(n)))
+    cap = 256 + 32 * (size // (64 << 10) + 2)
+    buf = ctypes.create_string_buffer(cap)
+    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, buf, cap, ctypes.byref(n)))
     return buf.raw[:n.value]
 
 
@@ -103,7 +198,7 @@ def export(ptr, size, device, keep):
     process; `keep` (the framework's storage, ...) stays referenced here until that process
     lets go of the block (`collect`)."""
     global _next_collect
-    desc = _export_bytes(ptr)
+    desc = _export_bytes(ptr, size)
     L = lib()
     hfd, slot = ctypes.c_int(), ctypes.c_uint32()
     _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))

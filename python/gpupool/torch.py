@@ -149,6 +149,9 @@ def share_cuda_tensors():
     from torch.multiprocessing import reductions as R
     if getattr(R, "_gpupool_routed", False):
         return
+    share.route_multiprocessing()
+    import atexit
+    atexit.register(_opened.clear)  # its weak references must go before torch does
     tensor_types = set(torch._tensor_classes) | {torch.Tensor, torch.nn.parameter.Parameter}
     for t in tensor_types:
         ForkingPickler.register(t, lambda x, _orig=R.reduce_tensor: _reduce_tensor(x, _orig))

@@ -102,6 +102,10 @@ impl Pool {
             out.push_str(&a.text());
             out.push('\n');
         }
+        let imports = self.ipc_imports();
+        if imports > 0 {
+            out.push_str(&format!("  IPC: {imports} block(s) of other processes mapped here (gpupool_ipc_open)\n"));
+        }
         out
     }
 
@@ -117,7 +121,8 @@ impl Pool {
 
     /// The JSON object's fields beyond the numbers and driver calls, each with its leading
     /// comma: `arena` (`arena`: this pool's, or its device's shards added up), `notice`,
-    /// `stopped`, `private_pools`.
+    /// `stopped`, `private_pools`, `ipc_imports` (blocks of other processes mapped here) and
+    /// `ipc_import_address_space` (what the arena's imports reserve).
     pub fn json_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
         if let Some(a) = arena {
@@ -131,6 +136,7 @@ impl Pool {
         }
         let (n, reserved, free) = self.private_pool_summary();
         out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
+        out.push_str(&format!(",\"ipc_imports\":{},\"ipc_import_address_space\":{}", self.ipc_imports(), self.upstream.vmm_import_bytes()));
         out
     }
 

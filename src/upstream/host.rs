@@ -288,6 +288,10 @@ impl Upstream for HostUpstream {
         self.vmm.imports()
     }
 
+    fn vmm_import_bytes(&self) -> usize {
+        self.vmm.import_bytes()
+    }
+
     fn driver_calls(&self) -> DriverCalls {
         self.calls
     }

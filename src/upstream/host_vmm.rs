@@ -359,6 +359,11 @@ impl HostVmm {
     pub fn imports(&self) -> usize {
         self.imports.len()
     }
+
+    /// Address space the mapped imports hold.
+    pub fn import_bytes(&self) -> usize {
+        self.imports.values().map(|&(n, _)| n * self.granule).sum()
+    }
 }
 
 impl Drop for HostVmm {

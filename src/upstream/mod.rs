@@ -194,6 +194,10 @@ pub trait Upstream: Send {
     fn vmm_imports(&self) -> usize {
         0
     }
+    /// Address space those imported ranges hold.
+    fn vmm_import_bytes(&self) -> usize {
+        0
+    }
     /// The CUDA IPC handle (`cuIpcGetMemHandle`) of the allocation holding `ptr` (memory
     /// from `allocate`): how segment pools' blocks go to another process.
     fn legacy_ipc_export(&mut self, _ptr: usize) -> Result<[u8; 64]> {

@@ -26,8 +26,7 @@ def _lib():
     return str(ROOT / "target" / "release" / "libgpupool.so")
 
 
-def run_py(code, env=None, timeout=300):
-    """Run `code` in a fresh interpreter with gpupool importable; returns CompletedProcess."""
+def _env(env):
     e = dict(os.environ)
     if INSTALLED:
         e.pop("GPUPOOL_LIBRARY", None)
@@ -36,7 +35,18 @@ def run_py(code, env=None, timeout=300):
         e["GPUPOOL_LIBRARY"] = _lib()
     e["PYTHONUNBUFFERED"] = "1"
     e.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
+    return e
+
+
+def run_py(code, env=None, timeout=300):
+    """Run `code` in a fresh interpreter with gpupool importable; returns CompletedProcess."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_script(path, args, env=None, timeout=300):
+    """Run the script `path` (a file: multiprocessing's spawn re-imports it in children)."""
+    return subprocess.run([sys.executable, str(path), *args], env=_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -168,3 +168,66 @@ def test_cupy_arena_array_shared_with_another_process(cupy_gpu):
         print("granules:", len(fds), "ok")
     """))
     assert "child ok" in out, out
+
+
+CUPY_SHARE_CHILD = """
+import os
+
+def consume(pool, inq, outq):
+    os.environ["GPUPOOL_POOL"] = pool
+    import cupy, gpupool.cupy
+    gpupool.cupy.install()
+    arrays = inq.get()
+    ok = all(bool((a == cupy.arange(a.size, dtype=a.dtype).reshape(a.shape) % 97).all()) for a in arrays)
+    for a in arrays[1:]:  # arrays[0] is a view of arrays[1]
+        a *= 2
+    cupy.cuda.get_current_stream().synchronize()
+    same = arrays[0].data.ptr == arrays[1].data.ptr
+    outq.put((ok, same))
+    assert inq.get() == "release"
+    del arrays
+    import gc
+    gc.collect()
+    outq.put(gpupool.stats_json(0)["ipc_imports"])
+"""
+
+
+@pytest.mark.parametrize("pool", ["split", "arena"])
+def test_an_array_is_shared_with_a_child_and_back(cupy_gpu, pool, tmp_path):
+    (tmp_path / "cupy_share_child.py").write_text(CUPY_SHARE_CHILD)
+    out = ok(run_py(f"""
+        import multiprocessing, os, sys
+        os.environ["GPUPOOL_POOL"] = "{pool}"
+        sys.path.insert(0, {str(tmp_path)!r})
+        import cupy, gpupool, gpupool.cupy, cupy_share_child
+        gpupool.cupy.install()
+        base = cupy.arange(1 << 20, dtype=cupy.float32) % 97
+        small = cupy.arange(64, dtype=cupy.int32) % 97
+        view = base[:4096]
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=cupy_share_child.consume, args=("{pool}", inq, outq), daemon=True)
+        child.start()
+        inq.put([gpupool.cupy.share(view), gpupool.cupy.share(base), gpupool.cupy.share(small)])
+        checked, same = outq.get(timeout=120)
+        assert checked, "the child read other values"
+        assert same, "two arrays over one block share one mapping in the child"
+        assert bool((base == 2 * (cupy.arange(1 << 20, dtype=cupy.float32) % 97)).all()), "the child's writes are not here"
+        assert bool((small == 2 * (cupy.arange(64, dtype=cupy.int32) % 97)).all())
+        # The view and its base are one block: the child mapped it once and let the second
+        # send go at once.
+        assert gpupool.share.collect() == 2, "held while the child holds"
+        inq.put("release")
+        assert outq.get(timeout=120) == 0, "the child closed its mappings"
+        child.join(60)
+        assert child.exitcode == 0
+        assert gpupool.share.collect() == 0
+        if "{pool}" == "arena":
+            try:
+                cupy.cuda.runtime.ipcGetMemHandle(base.data.ptr)
+                raise SystemExit("cudaIpcGetMemHandle accepted arena memory")
+            except cupy.cuda.runtime.CUDARuntimeError as e:
+                assert "gpupool.cupy.share" in str(e), e
+        print("ok")
+    """, timeout=300))
+    assert "ok" in out

@@ -72,7 +72,7 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
         del keeps
         ctx = multiprocessing.get_context("spawn")
         inq, outq = ctx.Queue(), ctx.Queue()
-        child = ctx.Process(target=share_child.consume, args=(inq, outq))
+        child = ctx.Process(target=share_child.consume, args=(inq, outq), daemon=True)
         child.start()
         inq.put(sents)
         got = outq.get(timeout=60)
@@ -138,4 +138,67 @@ def test_sending_refuses_what_is_not_a_gpupool_block_on_host(library):
         assert gpupool.share.outstanding() == 0
         print("ok")
     """))
+    assert "ok" in out
+
+
+LAZY_CHILD = """
+import ctypes, gpupool
+
+class Lazy:
+    # Exported while multiprocessing pickles the message (as the torch and CuPy routes do).
+    def __init__(self, ptr, size):
+        self.ptr, self.size = ptr, size
+
+    def __reduce__(self):
+        return (opened, (gpupool.share.export(self.ptr, self.size, 0, self),))
+
+def opened(sent):
+    r = gpupool.share.Received(sent)
+    m = r.open_dlpack(0)
+    data = ctypes.string_at(gpupool.share.dlpack_data(m), 4)
+    gpupool.share.delete_dlpack(m)
+    return data
+
+def consume(inq, outq):
+    gpupool.configure(0, pool="arena", upstream="host")
+    outq.put(inq.get())
+    outq.put(len(gpupool.share._received))
+"""
+
+
+def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_path):
+    (tmp_path / "lazy_child.py").write_text(textwrap.dedent(LAZY_CHILD))
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        from multiprocessing import resource_sharer
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import lazy_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        gpupool.share.route_multiprocessing()  # idempotent
+        L = gpupool.lib()
+        ptrs = []
+        for i in range(5):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), (i + 1) << 20, 0, None) == 0
+            ctypes.memmove(p, b"blk" + bytes([48 + i]), 4)
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=lazy_child.consume, args=(inq, outq), daemon=True)
+        child.start()
+        registered = len(resource_sharer._resource_sharer._cache)
+        handovers = []
+        register = resource_sharer._resource_sharer.register
+        resource_sharer._resource_sharer.register = lambda *a: handovers.append(1) or register(*a)
+        inq.put([lazy_child.Lazy(p, (i + 1) << 20) for i, p in enumerate(ptrs)])
+        assert outq.get(timeout=60) == [b"blk" + bytes([48 + i]) for i in range(5)]
+        assert outq.get(timeout=60) == 0, "every descriptor received was taken"
+        assert len(handovers) == 1, f"{len(handovers)} handovers for one message"
+        # One handover for the five sends, taken by the child (nothing left registered).
+        assert len(resource_sharer._resource_sharer._cache) == registered, resource_sharer._resource_sharer._cache
+        assert gpupool.share.collect() == 0, "the child let go of all five"
+        child.join(60)
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
     assert "ok" in out

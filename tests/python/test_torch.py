@@ -1,4 +1,5 @@
 """PyTorch through gpupool (GPU; skipped without torch or a GPU)."""
+import pytest
 from conftest import ok, run_py, with_batch_rule
 
 MLP = """
@@ -241,3 +242,27 @@ def test_foreign_free_is_counted_not_fatal(torch_gpu):
     """)
     assert "alive" in ok(p)
     assert p.stderr.count("not allocated by gpupool") == 1, p.stderr
+
+
+@pytest.mark.parametrize("pool", ["split", "arena"])
+def test_cuda_tensors_go_through_torch_multiprocessing(torch_gpu, pool):
+    # scripts/share_check.py: mixed sizes and dtypes, views beside their bases, the consumer
+    # checks and adds 1, the producer sees it; a block the consumer holds is not reused;
+    # letting go frees it; nothing live or imported at the end in either process.
+    import json
+    from conftest import ROOT, run_script
+    p = run_script(ROOT / "scripts" / "share_check.py", ["--allocator", pool, "--tensors", "300", "--max-mib", "16"],
+                   timeout=600)
+    r = json.loads(ok(p).strip().splitlines()[-1])
+    assert r["consumer_bad"] == 0 and r["producer_sees_change_bad"] == 0, r
+    assert r["reused_while_held"] == 0, r
+    before, held = r["live_blocks_while_held"]
+    assert held >= 300 and held == before, r          # the producer's own references went; the blocks stayed
+    assert r["held_after_release"] == 0 and r["live_blocks_after_release"] == 0, r
+    held_there = r["consumer_while_held"]
+    assert held_there["imports"] >= 1, r
+    if pool == "arena":  # a receiver reserves what it maps, rounded to granules, not a multiple of the device
+        assert held_there["import_address_space"] <= 2 * r["bytes"], r
+    assert r["consumer_after_release"]["imports"] == 0, r
+    assert r["consumer_end"]["live_blocks"] == 0 and r["consumer_exit"] == 0, r
+    assert "exiting while other processes still hold" not in p.stderr, p.stderr

@@ -465,6 +465,11 @@ impl CudaVmm {
         self.imports.len()
     }
 
+    /// Address space the mapped imports hold.
+    pub fn import_bytes(&self) -> usize {
+        self.imports.values().map(|&(len, _, _)| len).sum()
+    }
+
     /// Unmap the granules of `[from, from + len)` in order, stopping at the first the
     /// driver refuses; on failure, how many bytes were unmapped before it.
     fn unmap_imported(&mut self, from: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), (usize, Error)> {

@@ -243,6 +243,10 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.imports())
     }
 
+    fn vmm_import_bytes(&self) -> usize {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.import_bytes())
+    }
+
     fn legacy_ipc_export(&mut self, ptr: usize) -> Result<[u8; 64]> {
         let _g = self.enter()?;
         legacy_ipc::export(ptr, &mut self.calls)

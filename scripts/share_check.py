@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""CUDA tensors through a torch.multiprocessing queue, producer to consumer and back, under
+one allocator: `native` (PyTorch's), or gpupool's `split` / `arena` (gpupool.torch.install()
+in both processes). The consumer checks every tensor and adds 1 in place; the producer
+checks the change. Under gpupool it also checks that a block the consumer still holds is
+not reused by the producer (its storage kept alive: new tensors land elsewhere, the live
+block count stays), that letting go frees it (`torch.cuda.ipc_collect()`), and that both
+processes end with no live block and nothing imported. Prints one JSON line last:
+tensors/s through the queue (consumer start-up excluded) and the checks.
+
+    python3 scripts/share_check.py --allocator arena --tensors 1000
+"""
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+DTYPES = ["float32", "bfloat16", "uint8", "int64"]
+
+
+def items(n, seed, max_bytes):
+    """(dtype, element count, view start) of each tensor: sizes log-uniform 256 B to max_bytes;
+    every 7th is sent as a view (from element 3 on) beside its base."""
+    import torch
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        dt = getattr(torch, DTYPES[i % len(DTYPES)])
+        nbytes = int(math.exp(rng.uniform(math.log(256), math.log(max_bytes))))
+        elems = max(8, nbytes // torch.empty((), dtype=dt).element_size())
+        out.append((dt, elems, 3 if i % 7 == 0 else None))
+    return out
+
+
+def pattern(i, elems, dtype, device):
+    import torch
+    v = (torch.arange(elems, device=device, dtype=torch.int64) * 7 + i) % 97
+    return v.to(dtype)
+
+
+def setup(allocator):
+    if allocator != "native":
+        os.environ["GPUPOOL_POOL"] = allocator
+        import gpupool.torch
+        gpupool.torch.install()
+
+
+def consumer(allocator, inq, outq):
+    setup(allocator)
+    import torch
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    outq.put("ready")
+    held = []
+    receive = check = 0.0
+    while True:
+        t0 = time.perf_counter()
+        msg = inq.get()
+        t1 = time.perf_counter()
+        if msg == "release":
+            held.clear()
+            torch.cuda.synchronize()
+            import gc
+            gc.collect()
+            outq.put(("released", _live(allocator)))
+            continue
+        if msg == "report":
+            outq.put(("report", _live(allocator)))
+            continue
+        if msg == "stop":
+            outq.put(("stopped", _live(allocator)))
+            return
+        bad = []
+        for i, t, elems, view in msg:
+            want = pattern(i, elems, t.dtype, t.device)
+            if not torch.equal(t, want if view is None else want[view:]):
+                bad.append(i)
+            held.append(t)
+        # Bases change only once every tensor (views of them included) was checked.
+        for i, t, elems, view in msg:
+            if view is None:
+                t.add_(1)
+        torch.cuda.synchronize()
+        receive += t1 - t0
+        check += time.perf_counter() - t1
+        outq.put(("checked", [m[0] for m in msg], bad, receive, check))
+        del msg, t, want  # only `held` keeps what was received
+
+
+def _live(allocator):
+    if allocator == "native":
+        return None
+    import gpupool
+    s = gpupool.stats_json(0)
+    return {"live_blocks": s["n_live_blocks"], "imports": s.get("ipc_imports"),
+            "import_address_space": s.get("ipc_import_address_space")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--allocator", choices=["native", "split", "arena"], required=True)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    setup(a.allocator)
+    import torch
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=consumer, args=(a.allocator, inq, outq), daemon=True)
+    child.start()
+    assert outq.get(timeout=300) == "ready"
+    dev = torch.device("cuda", 0)
+    spec = items(a.tensors, a.seed, a.max_mib << 20)
+    tensors = [pattern(i, e, dt, dev) for i, (dt, e, _) in enumerate(spec)]
+    torch.cuda.synchronize()
+    result = {"allocator": a.allocator, "tensors": a.tensors, "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+    bad = []
+    t0 = time.perf_counter()
+    for s in range(0, a.tensors, a.batch):
+        batch = []
+        for i in range(s, min(s + a.batch, a.tensors)):
+            batch.append((i, tensors[i], spec[i][1], None))
+            if spec[i][2] is not None:
+                batch.append((i, tensors[i][spec[i][2]:], spec[i][1], spec[i][2]))
+        inq.put(batch)
+    del batch  # only `tensors` keeps the producer's own
+    done = 0
+    while done < a.tensors:
+        kind, ids, b, receive, check = outq.get(timeout=600)
+        assert kind == "checked"
+        done += len(set(ids))
+        bad += b
+    elapsed = time.perf_counter() - t0
+    result["tensors_per_s"] = round(a.tensors / elapsed, 1)
+    # Where the consumer's time went: in `get` (waiting, unpickling: the imports) and in
+    # checking and changing the tensors.
+    result["consumer_get_s"], result["consumer_check_s"] = round(receive, 3), round(check, 3)
+    result["elapsed_s"] = round(elapsed, 3)
+    result["consumer_bad"] = len(bad)
+    changed = sum(1 for i, t in enumerate(tensors) if not torch.equal(t, pattern(i, spec[i][1], t.dtype, dev) + 1))
+    result["producer_sees_change_bad"] = changed
+    if a.allocator != "native":
+        import gpupool
+        held_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        live_before = gpupool.stats_json(0)["n_live_blocks"]
+        del tensors
+        import gc
+        gc.collect()
+        torch.cuda.ipc_collect()
+        # The consumer still holds every block: none may be freed, and new tensors of the same
+        # sizes land elsewhere.
+        live_held = gpupool.stats_json(0)["n_live_blocks"]
+        again = [torch.empty(e, dtype=dt, device=dev) for dt, e, _ in spec]
+        reused = sum(1 for t in again if t.untyped_storage().data_ptr() in held_ptrs)
+        del again
+        result["live_blocks_while_held"] = [live_before, live_held]
+        inq.put("report")
+        result["consumer_while_held"] = outq.get(timeout=300)[1]
+        result["reused_while_held"] = reused
+        inq.put("release")
+        kind, consumer_live = outq.get(timeout=300)
+        freed = None
+        for _ in range(100):
+            left = gpupool.share.collect()
+            if left == 0:
+                break
+            time.sleep(0.05)
+        gc.collect()
+        freed = gpupool.stats_json(0)["n_live_blocks"]
+        result["held_after_release"] = left
+        result["live_blocks_after_release"] = freed
+        result["consumer_after_release"] = consumer_live
+    else:
+        del tensors
+        inq.put("release")
+        outq.get(timeout=300)
+    inq.put("stop")
+    kind, consumer_end = outq.get(timeout=300)
+    child.join(120)
+    result["consumer_exit"] = child.exitcode
+    result["consumer_end"] = consumer_end
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
