@@ -161,6 +161,11 @@ def main():
         result["live_blocks_while_held"] = [live_before, live_held]
         inq.put("report")
         result["consumer_while_held"] = outq.get(timeout=300)[1]
+        arena = gpupool.stats_json(0).get("arena")
+        if arena:
+            # What the consumer maps: whole granules (each block's, rounded up).
+            g = arena["granule"]
+            result["bytes_in_granules"] = sum(-(-(e * torch.empty((), dtype=dt).element_size()) // g) * g for dt, e, _ in spec)
         result["reused_while_held"] = reused
         inq.put("release")
         kind, consumer_live = outq.get(timeout=300)

@@ -185,7 +185,7 @@ def consume(pool, inq, outq):
     same = arrays[0].data.ptr == arrays[1].data.ptr
     outq.put((ok, same))
     assert inq.get() == "release"
-    del arrays
+    del arrays, a
     import gc
     gc.collect()
     outq.put(gpupool.stats_json(0)["ipc_imports"])

@@ -262,7 +262,7 @@ def test_cuda_tensors_go_through_torch_multiprocessing(torch_gpu, pool):
     held_there = r["consumer_while_held"]
     assert held_there["imports"] >= 1, r
     if pool == "arena":  # a receiver reserves what it maps, rounded to granules, not a multiple of the device
-        assert held_there["import_address_space"] <= 2 * r["bytes"], r
+        assert 0 < held_there["import_address_space"] <= 2 * r["bytes_in_granules"], r
     assert r["consumer_after_release"]["imports"] == 0, r
     assert r["consumer_end"]["live_blocks"] == 0 and r["consumer_exit"] == 0, r
     assert "exiting while other processes still hold" not in p.stderr, p.stderr
