@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Session 20, run C: the process-sharing route after run B (one fd handover per message;
+# the tests' own reference leaks and the CuPy view fixed).
+set -u
+export GPUPOOL_LIBRARY=$PWD/dist/libgpupool.so PYTHONPATH=$PWD/python
+nvidia-smi -L
+timeout 280 python3 -m pytest -q -p no:cacheprovider tests/python/test_cupy.py -k "shared_with_a_child" 2>&1 | tail -40
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/python/test_torch.py -k "multiprocessing" 2>&1 | tail -30
+for a in native split arena; do
+  timeout 100 python3 scripts/share_check.py --allocator $a --tensors 1000 2>&1 | tail -3
+done
