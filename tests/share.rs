@@ -118,3 +118,53 @@ fn a_small_block_is_shared_held_and_let_go_through_its_dlpack_deleter() {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }
 }
+
+fn imports(d: i32) -> usize {
+    let j = common::device_json(d);
+    let at = j.find("\"ipc_imports\":").expect("ipc_imports in the report") + 14;
+    j[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+fn open(desc: &[u8], d: i32) -> *mut DlTensorHead {
+    let f = fds(desc);
+    let mut t: *mut c_void = null_mut();
+    let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, f.as_ptr(), f.len(), -1, 0, &mut t) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    t.cast()
+}
+
+#[test]
+fn blocks_of_one_granule_share_its_mapping_until_the_last_goes() {
+    let d = 62;
+    common::host_device_256mib(d, c"arena");
+    let (a, b) = (malloc(4096, d), malloc(8192, d));
+    let big = malloc(5 << 20, d);
+    unsafe {
+        std::ptr::copy_nonoverlapping(b"AAAA".as_ptr(), a.cast::<u8>(), 4);
+        std::ptr::copy_nonoverlapping(b"BBBB".as_ptr(), b.cast::<u8>(), 4);
+    }
+    let (da, db, dbig) = (export(a, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(b, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(big, 0).unwrap());
+    let (ta, tb) = (open(&da, d), open(&db, d));
+    assert_eq!(imports(d), 1, "the second block of the granule maps nothing");
+    let (pa, pb) = unsafe { ((*ta).data as usize, (*tb).data as usize) };
+    assert_eq!(pb - pa, b as usize - a as usize, "laid out as in the exporter");
+    assert_eq!(unsafe { std::slice::from_raw_parts(pb as *const u8, 4) }, b"BBBB");
+    // A block of several granules is an import of its own.
+    let tbig = open(&dbig, d);
+    assert_eq!(imports(d), 2);
+    unsafe { ((*tbig).deleter.unwrap())(tbig) };
+    assert_eq!(imports(d), 1);
+    // The granule stays mapped while a tensor over it lives.
+    unsafe { ((*ta).deleter.unwrap())(ta) };
+    assert_eq!(imports(d), 1);
+    assert_eq!(unsafe { std::slice::from_raw_parts(pb as *const u8, 4) }, b"BBBB", "still mapped for b");
+    unsafe { ((*tb).deleter.unwrap())(tb) };
+    assert_eq!(imports(d), 0, "closed with the last");
+    // Opened again later: a fresh import.
+    let again = open(&da, d);
+    assert_eq!((imports(d), unsafe { std::slice::from_raw_parts((*again).data as *const u8, 4) }), (1, &b"AAAA"[..]));
+    unsafe { ((*again).deleter.unwrap())(again) };
+    for p in [a, b, big] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}

@@ -110,6 +110,59 @@ struct Imported {
     ptr: usize,
     device: i32,
     hold: Option<((u64, u64), u32)>,
+    /// The granule mapping it shares with other blocks of that granule (`open_shared`).
+    shared: Option<GranuleKey>,
+}
+
+/// An exporter's granule: its pid, start time, device and the granule's address there.
+type GranuleKey = (u32, u64, i32, u64);
+
+/// A granule of another process mapped here once for every block of it this process holds:
+/// where it starts here, the address its import returned (what closes it), and how many
+/// tensors over it live.
+struct SharedGranule {
+    base: usize,
+    opened: usize,
+    refs: usize,
+}
+
+/// Granule mappings shared by the blocks held in them. Why: small tensors pack many to a
+/// granule, and each import of one maps the whole granule (a reservation, an import, a map
+/// and an access grant); the second block of a granule mapped here costs none of it. Safe
+/// because a granule with a block held here stays the same memory in the exporter: the
+/// hold keeps that block, hence its granule, alive there.
+static SHARED: std::sync::Mutex<Option<std::collections::HashMap<GranuleKey, SharedGranule>>> = std::sync::Mutex::new(None);
+
+/// Open `d` on `device`: a block within one granule of the arena through the shared
+/// mapping of its granule where there is one (returning its key), anything else as an
+/// import of its own.
+fn open_shared(d: &super::ipc::AnyDescriptor, device: c_int, fds: &[c_int]) -> crate::error::Result<(usize, Option<GranuleKey>)> {
+    let super::ipc::AnyDescriptor::Arena(a) = d else { return Ok((d.open(device, Some(fds))?, None)) };
+    if a.granules.len() != 1 {
+        return Ok((d.open(device, Some(fds))?, None));
+    }
+    let key = (a.pid, a.start_time, device, a.origin);
+    let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    let map = shared.get_or_insert_with(Default::default);
+    if let Some(g) = map.get_mut(&key) {
+        g.refs += 1;
+        return Ok((g.base + a.offset as usize, Some(key)));
+    }
+    let ptr = d.open(device, Some(fds))?;
+    map.insert(key, SharedGranule { base: ptr - a.offset as usize, opened: ptr, refs: 1 });
+    Ok((ptr, Some(key)))
+}
+
+/// One tensor over shared granule `key` is gone: the address to close, with the last.
+fn unshare(key: GranuleKey) -> Option<usize> {
+    let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    let map = shared.as_mut()?;
+    let g = map.get_mut(&key)?;
+    g.refs -= 1;
+    if g.refs > 0 {
+        return None;
+    }
+    map.remove(&key).map(|g| g.opened)
 }
 
 /// Map the block another process exported (`desc`, as `gpupool_ipc_open`, the descriptors
@@ -145,7 +198,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
         // The holds file first: an import that cannot release its hold later must not be made.
         let hold = if holds_fd >= 0 { Some((holds::map_theirs(holds_fd)?, slot)) } else { None };
         let given: &[c_int] = if n_fds == 0 { &[] } else { std::slice::from_raw_parts(fds, n_fds) };
-        let ptr = d.open(device, Some(given))?;
+        let (ptr, shared) = open_shared(&d, device, given)?;
         let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
         let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
         let t = Box::into_raw(Box::new(Imported {
@@ -166,6 +219,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
             ptr,
             device,
             hold,
+            shared,
         }));
         (*t).managed.dl_tensor.shape = &mut (*t).shape;
         *out_tensor = t.cast();
@@ -180,7 +234,14 @@ unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
         return;
     }
     let t = Box::from_raw(t.cast::<Imported>());
-    let closed = call(|| registry::with_pool(t.device, |pool| pool.ipc_close(t.ptr)));
+    let close = match t.shared {
+        Some(key) => unshare(key),
+        None => Some(t.ptr),
+    };
+    let closed = match close {
+        Some(ptr) => call(|| registry::with_pool(t.device, |pool| pool.ipc_close(ptr))),
+        None => crate::error::Status::Ok,
+    };
     if closed != crate::error::Status::Ok {
         crate::error::warn(&format!(
             "gpupool: warning: closing the import at {:#x} on device {} when its last tensor went failed: {}",

@@ -115,6 +115,7 @@ impl Pool {
             granule: g as u64,
             offset: (ptr - first) as u64,
             size: size as u64,
+            origin: first as u64,
             granules,
         };
         Ok(d.encode())

@@ -99,13 +99,17 @@ pub struct Descriptor {
     /// The block's start, from the start of its first granule.
     pub offset: u64,
     pub size: u64,
+    /// Where the block's first granule is in the exporter: with the pid and start time it
+    /// names that granule, so an importer can map a granule once for every block of it
+    /// that it holds (`gpupool_ipc_open_dlpack`).
+    pub origin: u64,
     pub granules: Vec<SharedGranule>,
 }
 
-const MAGIC: &[u8; 8] = b"GPPIPC03";
+const MAGIC: &[u8; 8] = b"GPPIPC04";
 /// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
-/// count, start time, record descriptor + slot, token.
-pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8;
+/// count, start time, record descriptor + slot, token, origin.
+pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8 + 8;
 /// Per granule: descriptor number, offset, file device, file inode.
 pub const GRANULE_BYTES: usize = 32;
 /// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
@@ -131,6 +135,7 @@ impl Descriptor {
         b.extend_from_slice(&(self.record.fd as u32).to_le_bytes());
         b.extend_from_slice(&self.record.slot.to_le_bytes());
         b.extend_from_slice(&self.record.token.to_le_bytes());
+        b.extend_from_slice(&self.origin.to_le_bytes());
         for g in &self.granules {
             for v in [g.fd as u32 as u64, g.offset, g.file.dev, g.file.ino] {
                 b.extend_from_slice(&v.to_le_bytes());
@@ -151,6 +156,7 @@ impl Descriptor {
         let (kind, pid, device) = (u32_at(8), u32_at(12), u32_at(16) as i32);
         let (granule, offset, size, count, start_time) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48), u64_at(56));
         let record = RecordRef { fd: u32_at(64) as i32, slot: u32_at(68), token: u64_at(72) };
+        let origin = u64_at(80);
         if kind != KIND_CUDA && kind != KIND_HOST {
             return Err(bad(&format!("unknown memory kind {kind}")));
         }
@@ -172,7 +178,7 @@ impl Descriptor {
                 Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8), file: FileId { dev: u64_at(at + 16), ino: u64_at(at + 24) } })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, granules })
+        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, origin, granules })
     }
 }
 
@@ -498,6 +504,7 @@ mod tests {
             granule: 2 << 20,
             offset: 4096,
             size: 3 << 20,
+            origin: 0x7f00_0000_0000,
             granules: vec![
                 SharedGranule { fd: 9, offset: 0, file: FileId { dev: 3, ino: 40 } },
                 SharedGranule { fd: 12, offset: 0, file: FileId { dev: 3, ino: 41 } },
@@ -540,7 +547,7 @@ mod tests {
     fn exported(g: SharedGranule) -> Descriptor {
         let pid = std::process::id();
         let record = ExportRecord::add(&[(g.fd, g.offset)]).unwrap();
-        Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, granules: vec![g] }
+        Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, granules: vec![g] }
     }
 
     #[test]
