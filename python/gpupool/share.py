@@ -23,6 +23,7 @@ ran, and at exit, where anything still held is warned about.
 
 import atexit
 import ctypes
+import errno
 import os
 import socket
 import sys
@@ -180,7 +181,7 @@ def route_multiprocessing():
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
 # importer caches by), its device, the descriptor, the hold's slot, and the descriptors
 # (the holds file's first, then one per granule).
-Sent = namedtuple("Sent", "producer ptr size device desc slot fds")
+Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid")
 
 
 def _export_bytes(ptr, size):
@@ -215,7 +216,26 @@ def export(ptr, size, device, keep):
         collect()
         with _lock:
             _next_collect = max(64, 2 * len(_sent))
-    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds)
+    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid())
+
+
+_fd_limit_raised = False
+
+
+def _raise_fd_limit():
+    """Raise this process's soft limit on open files to its hard limit, once: a block
+    arrives with one descriptor per granule (the library does the same for exporters)."""
+    global _fd_limit_raised
+    if _fd_limit_raised:
+        return
+    _fd_limit_raised = True
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def _held(slot):
@@ -248,7 +268,17 @@ class Received:
 
     def __init__(self, sent):
         self.sent = sent
-        self.fds = sent.fds.detach()
+        _raise_fd_limit()
+        try:
+            self.fds = sent.fds.detach()
+        except (OSError, EOFError) as e:
+            if getattr(e, "errno", None) == errno.EMFILE:
+                raise GpupoolError(2, f"gpupool: receiving a shared block from process {sent.pid} needs more open files "
+                                      f"than this process may have ({e}); raise the limit (ulimit -n)") from e
+            raise GpupoolError(2, f"gpupool: the process that shared this block (pid {sent.pid}) is gone or no longer "
+                                  f"hands out its file descriptors ({type(e).__name__}: {e}); a block can be received "
+                                  "only while its sender lives, once, by a process multiprocessing started from the "
+                                  "sender's process tree") from e
 
     def let_go(self):
         """This process already has the block open (an earlier send): release this send's

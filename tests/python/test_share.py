@@ -202,3 +202,28 @@ def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_pa
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
     assert "ok" in out
+
+
+def test_a_block_from_a_process_that_is_gone_is_refused_saying_so_on_host(library, tmp_path):
+    sent = tmp_path / "sent.pickle"
+    ok(run_py(f"""
+        import ctypes, gpupool
+        from multiprocessing.reduction import ForkingPickler
+        gpupool.configure(0, pool="arena", upstream="host")
+        p = ctypes.c_void_p()
+        assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 4096, 0, None) == 0
+        s = gpupool.share.export(p.value, 4096, 0, p)
+        open({str(sent)!r}, "wb").write(bytes(ForkingPickler.dumps(s)))
+    """))
+    out = ok(run_py(f"""
+        import pickle, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        s = pickle.loads(open({str(sent)!r}, "rb").read())
+        try:
+            gpupool.share.Received(s)
+            raise SystemExit("received from a process that is gone")
+        except gpupool.GpupoolError as e:
+            assert f"(pid {{s.pid}}) is gone" in str(e), e
+        print("ok")
+    """))
+    assert "ok" in out
