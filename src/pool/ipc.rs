@@ -1,11 +1,9 @@
-//! Sharing arena blocks with other processes: export a live block as a descriptor, map
-//! another process's descriptor, unmap it again. The descriptor's format and the driver
-//! calls are the upstream's (`crate::upstream::shared`); this file checks the pointer
-//! against the pool's books and picks the granules under the block.
-//!
-//! Why only the arena: `split` and the others hand out `cuMemAlloc` memory, which
-//! `cudaIpcGetMemHandle` shares already (CuPy, PyTorch and C programs use it as is); the
-//! arena's memory comes from the virtual memory API, which that call refuses.
+//! Sharing blocks with other processes: export a live block as a descriptor, map another
+//! process's descriptor, unmap it again. This file checks the pointer against the pool's
+//! books and picks what goes: an arena block's granules (`crate::upstream::shared` gives
+//! the descriptor and the driver calls: `cudaIpcGetMemHandle` refuses memory of the virtual
+//! memory API), or a segment pool's segment handle and offset, through CUDA's own IPC
+//! (`crate::upstream::legacy_descriptor`).
 //!
 //! The contract is CUDA IPC's: the exporter keeps the block allocated while an importer
 //! uses it (a freed block's memory goes to the exporter's next allocation), and the
