@@ -278,13 +278,12 @@ enum gpupool_status gpupool_release_pool(int device, uint64_t pool_id);
 // without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
 enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 
-// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it, on an
-// arena pool), for another process to open with `gpupool_ipc_open`. The descriptor is
+// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it), for
+// another process to open with `gpupool_ipc_open`: an arena block's granules, or a segment
+// pool's (`split`, ...) segment handle (`cuIpcGetMemHandle`) and offset. The descriptor is
 // plain bytes: send it any way. `*out_len` receives its length; with `buf == NULL` and
 // `buf_len == 0` nothing else happens (ask the size first), a smaller buffer is
 // `GPUPOOL_STATUS_INVALID_ARGUMENT`. Keep the block allocated while others use it.
-// Memory of other pools (`split`, ...) is `cuMemAlloc` memory: share it with
-// `cudaIpcGetMemHandle` (this call says so with `GPUPOOL_STATUS_INVALID_ARGUMENT`).
 //
 // # Safety
 // `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
@@ -305,7 +304,7 @@ enum gpupool_status gpupool_ipc_export_flags(void *ptr,
                                              size_t *out_len);
 
 // The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
-// per granule, in order: what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
+// per granule, in order (none for a segment pool's block): what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
 // importer that may not fetch them itself. `*out_n` receives the count; `fds == NULL` with
 // `cap == 0` only asks it. The descriptors stay owned by gpupool: do not close them.
 //

@@ -84,13 +84,12 @@ unsafe fn hand_out(bytes: &[u8], buf: *mut c_void, cap: usize, out_len: *mut usi
     Ok(())
 }
 
-/// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it, on an
-/// arena pool), for another process to open with `gpupool_ipc_open`. The descriptor is
+/// The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it), for
+/// another process to open with `gpupool_ipc_open`: an arena block's granules, or a segment
+/// pool's (`split`, ...) segment handle (`cuIpcGetMemHandle`) and offset. The descriptor is
 /// plain bytes: send it any way. `*out_len` receives its length; with `buf == NULL` and
 /// `buf_len == 0` nothing else happens (ask the size first), a smaller buffer is
 /// `GPUPOOL_STATUS_INVALID_ARGUMENT`. Keep the block allocated while others use it.
-/// Memory of other pools (`split`, ...) is `cuMemAlloc` memory: share it with
-/// `cudaIpcGetMemHandle` (this call says so with `GPUPOOL_STATUS_INVALID_ARGUMENT`).
 ///
 /// # Safety
 /// `buf` must be NULL or point to `buf_len` writable bytes; `out_len` NULL or writable.
@@ -128,15 +127,20 @@ unsafe fn export(ptr: *mut c_void, share_granules: bool, buf: *mut c_void, buf_l
         return Err(Error::NullArgument("ptr"));
     }
     let p = ptr as usize;
-    let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p, share_granules)).unwrap_or_else(|| {
+    let unknown = || {
         let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
-        Err(Error::InvalidPointer { ptr: p, device: -1, why })
-    })?;
+        Error::InvalidPointer { ptr: p, device: -1, why }
+    };
+    if buf.is_null() && buf_len == 0 {
+        *out_len = registry::with_owner_of(p, |pool| pool.ipc_export_len(p)).unwrap_or_else(|| Err(unknown()))?;
+        return Ok(());
+    }
+    let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p, share_granules)).unwrap_or_else(|| Err(unknown()))?;
     hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
 }
 
 /// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
-/// per granule, in order: what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
+/// per granule, in order (none for a segment pool's block): what an exporter sends over a Unix socket (`SCM_RIGHTS`) to an
 /// importer that may not fetch them itself. `*out_n` receives the count; `fds == NULL` with
 /// `cap == 0` only asks it. The descriptors stay owned by gpupool: do not close them.
 ///

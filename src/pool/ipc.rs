@@ -119,6 +119,22 @@ impl Pool {
         Ok(d.encode())
     }
 
+    /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
+    /// (a pointer that is no live block gets `ipc_export`'s error).
+    pub fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
+        let Some(l) = self.live.get(&ptr).filter(|l| l.private.is_none()) else {
+            return self.ipc_export(ptr, false).map(|d| d.len());
+        };
+        let size = l.requested.max(1);
+        Ok(match self.strategy.as_arena_ref().map(|a| a.granule()) {
+            Some(g) => {
+                let granules = ((ptr + size).div_ceil(g) - ptr / g) as usize;
+                crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules
+            }
+            None => crate::upstream::legacy_descriptor::LEGACY_DESCRIPTOR_BYTES,
+        })
+    }
+
     fn arena_guard_export(&mut self, addr: usize, size: usize) -> std::result::Result<(), String> {
         self.strategy.as_arena().expect("arena pool").guard_export(addr, size)
     }
