@@ -90,6 +90,16 @@ impl HostUpstream {
     pub fn vmm_reserved(&self) -> (usize, usize) {
         self.vmm.reserved_total()
     }
+    /// Whether the page at `addr` (page aligned, inside a segment) is decommitted now
+    /// (inaccessible), and the bytes of memory this upstream holds (segments less their
+    /// decommitted pages, and mapped granules): what is really backed, for tests to hold a
+    /// segment pool's books against.
+    pub fn is_decommitted(&self, addr: usize) -> bool {
+        self.decommitted.contains(&addr)
+    }
+    pub fn held_bytes(&self) -> usize {
+        self.allocated
+    }
 
     /// Take `n` bytes of the device's capacity, if it has them.
     fn take(&mut self, n: usize) -> bool {
@@ -183,15 +193,20 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
-    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn decommit(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         self.calls.mem_unmap += 1;
-        protect(addr, len, libc::PROT_NONE)?;
-        // SAFETY: whole pages of ours, now inaccessible; their contents are discarded.
-        unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        // Page by page, as the `vmm` upstream unmaps: a failure says exactly which pages
+        // before it are inaccessible.
         for p in (addr..addr + len).step_by(HOST_PAGE) {
+            if self.decommitted.contains(&p) {
+                continue;
+            }
+            protect(p, HOST_PAGE, libc::PROT_NONE).map_err(|error| UnmapFail { unmapped: p - addr, leaked: 0, error })?;
+            // SAFETY: a whole page of ours, now inaccessible; its contents are discarded.
+            unsafe { libc::madvise(p as *mut libc::c_void, HOST_PAGE, libc::MADV_DONTNEED) };
             self.decommitted.insert(p);
+            self.give(HOST_PAGE);
         }
-        self.give(len);
         Ok(())
     }
 

@@ -16,7 +16,9 @@
 //!   `decommit` whole pages inside a segment, keeping the addresses reserved, and
 //!   `commit` them again. The pool calls `decommit` only on pages of free blocks whose
 //!   streams it synchronised, and `commit` before handing such pages out; `deallocate`
-//!   of a segment with decommitted pages releases what is still committed.
+//!   of a segment with decommitted pages releases what is still committed. A failed
+//!   `decommit` says how many pages from its start went back all the same (`UnmapFail`),
+//!   and the pool books exactly those as decommitted; a failed `commit` backs nothing.
 //! - Upstreams with the virtual memory management API (`vmm_granule() > 0`: CUDA devices
 //!   that support it, `host`, the simulated device) serve the `arena` strategy: they reserve
 //!   address ranges with nothing behind them, map physical granules into them, map a
@@ -65,14 +67,15 @@ pub struct AliasFail {
     pub error: Error,
 }
 
-/// Why `Upstream::vmm_unmap` failed, and what is unmapped all the same: the pool books
-/// exactly the granules whose addresses are gone as unmapped, so it never hands out an
-/// address with nothing behind it, and never maps over one still mapped.
+/// Why `Upstream::vmm_unmap` or `Upstream::decommit` failed, and what is unmapped all the
+/// same: the pool books exactly the granules (pages) whose addresses are gone as unmapped
+/// (decommitted), so it never hands out an address with nothing behind it, and never maps
+/// over one still mapped.
 #[derive(Debug)]
 pub struct UnmapFail {
     /// Bytes from `addr` on whose addresses are unmapped (free to map again): the granules
     /// before the one that failed, and that one too where only the release of its physical
-    /// memory failed.
+    /// memory failed. Those after it are mapped as before.
     pub unmapped: usize,
     /// Of those, bytes whose physical memory could not be released: no address shows it any
     /// more, so the pool cannot use it again, and the driver may still count it.
@@ -116,13 +119,16 @@ pub trait Upstream: Send {
         0
     }
     /// Back the page-aligned range `[addr, addr + len)` of a segment with memory again.
+    /// All or nothing.
     fn commit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
         Err(AllocError::Other(Error::Internal("this upstream cannot commit pages".into())))
     }
     /// Give back the memory of the page-aligned range `[addr, addr + len)` of a segment,
-    /// keeping the addresses. No queued work may touch it.
-    fn decommit(&mut self, _addr: usize, _len: usize) -> Result<()> {
-        Err(Error::Internal("this upstream cannot decommit pages".into()))
+    /// keeping the addresses, page by page in order. No queued work may touch it. A failure
+    /// stops at the page that failed and says how much went back all the same
+    /// (`UnmapFail`): those pages have no memory behind them, the rest keep theirs.
+    fn decommit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), UnmapFail> {
+        Err(UnmapFail::nothing(Error::Internal("this upstream cannot decommit pages".into())))
     }
 
     /// Granularity of the virtual memory API (the arena's granule, a power of two), or 0

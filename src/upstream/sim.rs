@@ -86,7 +86,7 @@ impl Upstream for SimUpstream {
         self.allocated += len;
         Ok(())
     }
-    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn decommit(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         for p in (addr..addr + len).step_by(SIM_PAGE) {
             assert!(self.decommitted.insert(p), "decommit of a decommitted page {p:#x}");
         }

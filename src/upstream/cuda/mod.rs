@@ -46,8 +46,10 @@ pub trait MemKind: Send {
     fn commit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), sys::CUresult> {
         Err(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
     }
-    fn decommit(&mut self, _addr: usize, _len: usize) -> Result<()> {
-        check("decommit", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
+    /// Give back the memory of the pages of `[addr, addr + len)` in order; a failure says
+    /// how much went back all the same (`Upstream::decommit`).
+    fn decommit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), UnmapFail> {
+        Err(UnmapFail::nothing(driver::cuda_error("decommit", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)))
     }
     /// `(free, total)` of the memory this kind draws on.
     fn mem_info(&mut self) -> Result<(usize, usize)> {
@@ -153,8 +155,8 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         }
     }
 
-    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
-        let _g = self.enter()?;
+    fn decommit(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
+        let _g = self.enter().map_err(UnmapFail::nothing)?;
         self.calls.mem_unmap += 1;
         self.kind.decommit(addr, len)
     }

@@ -7,10 +7,16 @@
 //! pages inside a segment that still has live blocks (`decommit`) and back them again
 //! later (`commit`), so the pool's free space between live blocks is not stranded.
 //! Memory is ordinary device memory to every kernel, copy and framework.
+//!
+//! A page's handle is kept until its unmap succeeds: a decommit the driver fails part-way
+//! says exactly which pages went back (`UnmapFail`), so the pool's books match what is
+//! mapped, and a segment release that fails keeps the segment, whose pages still mapped a
+//! later release unmaps.
 
 use super::driver::check;
 use super::MemKind;
 use crate::error::{Error, Result};
+use crate::upstream::UnmapFail;
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 
@@ -32,14 +38,19 @@ impl VmmMem {
         super::address_space::device_prop(self.device)
     }
 
-    /// Map fresh physical pages over `[addr, addr + len)` and make them readable and
-    /// writable by the device. On failure everything mapped here is undone.
+    /// Map fresh physical pages over the unmapped pages of `[addr, addr + len)` and make
+    /// the range readable and writable by the device. A page still mapped keeps its memory
+    /// (one whose unmap failed when a commit was undone). All or nothing: on failure the
+    /// pages mapped here are unmapped again, and one the driver refuses to unmap stays
+    /// mapped with its handle kept, as any mapped page.
     fn map_pages(&mut self, addr: usize, len: usize) -> std::result::Result<(), sys::CUresult> {
         let prop = self.prop();
-        let mut done = 0;
+        let mut mapped = Vec::new();
         let mut failure = None;
-        while done < len {
-            let p = addr + done;
+        for p in (addr..addr + len).step_by(self.page) {
+            if self.pages.contains_key(&p) {
+                continue;
+            }
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             let r = unsafe { sys::cuMemCreate(&mut h, self.page, &prop, 0) };
             if r != sys::CUresult::CUDA_SUCCESS {
@@ -53,7 +64,7 @@ impl VmmMem {
                 break;
             }
             self.pages.insert(p, h);
-            done += self.page;
+            mapped.push(p);
         }
         if failure.is_none() {
             let desc = sys::CUmemAccessDesc {
@@ -68,26 +79,31 @@ impl VmmMem {
         match failure {
             None => Ok(()),
             Some(r) => {
-                let _ = self.unmap_pages(addr, done);
+                for p in mapped {
+                    let _ = self.unmap_pages(p, self.page);
+                }
                 Err(r)
             }
         }
     }
 
-    /// Unmap and release the mapped pages of `[addr, addr + len)` (unmapped ones are skipped).
-    fn unmap_pages(&mut self, addr: usize, len: usize) -> Result<()> {
-        let mut first_err = None;
+    /// Unmap and release the mapped pages of `[addr, addr + len)` in order (unmapped ones
+    /// are skipped), stopping at the first failure, which says how much is unmapped
+    /// (`UnmapFail`): the pages before the failing one, and that one too where only the
+    /// release of its memory failed (its handle is gone, its memory leaked). The page whose
+    /// unmap failed and those after it stay mapped, their handles kept, so the caller's
+    /// books still hold them and a later call unmaps them.
+    fn unmap_pages(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         for p in (addr..addr + len).step_by(self.page) {
-            if let Some(h) = self.pages.remove(&p) {
-                if let Err(e) = check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.page) }) {
-                    first_err.get_or_insert(e);
-                }
-                if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
-                    first_err.get_or_insert(e);
-                }
-            }
+            let Some(&h) = self.pages.get(&p) else { continue };
+            let before = p - addr;
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.page) })
+                .map_err(|error| UnmapFail { unmapped: before, leaked: 0, error })?;
+            self.pages.remove(&p);
+            check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+                .map_err(|error| UnmapFail { unmapped: before + self.page, leaked: self.page, error })?;
         }
-        first_err.map_or(Ok(()), Err)
+        Ok(())
     }
 }
 
@@ -131,7 +147,11 @@ impl MemKind for VmmMem {
             return Err(r);
         }
         if let Err(r) = self.map_pages(base as usize, len) {
-            unsafe { sys::cuMemAddressFree(base, len) };
+            // A page whose unmap failed keeps the range reserved (given up, never reused),
+            // so no later range can meet its handle.
+            if !(base as usize..base as usize + len).step_by(self.page).any(|p| self.pages.contains_key(&p)) {
+                unsafe { sys::cuMemAddressFree(base, len) };
+            }
             return Err(r);
         }
         self.ranges.insert(base as usize, len);
@@ -139,13 +159,16 @@ impl MemKind for VmmMem {
     }
 
     fn release(&mut self, addr: usize, _stream: sys::CUstream) -> Result<()> {
-        let len = self
+        let len = *self
             .ranges
-            .remove(&addr)
+            .get(&addr)
             .ok_or_else(|| Error::Internal(format!("vmm: {addr:#x} is not a segment of this upstream")))?;
-        let unmapped = self.unmap_pages(addr, len);
+        // A failure keeps the segment (the pool keeps it too, and releases it again later):
+        // the pages still mapped keep their handles, and the retry unmaps only those.
+        self.unmap_pages(addr, len).map_err(|f| f.error)?;
         check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(addr as sys::CUdeviceptr, len) })?;
-        unmapped
+        self.ranges.remove(&addr);
+        Ok(())
     }
 
     fn page_size(&self) -> usize {
@@ -156,7 +179,7 @@ impl MemKind for VmmMem {
         self.map_pages(addr, len)
     }
 
-    fn decommit(&mut self, addr: usize, len: usize) -> Result<()> {
+    fn decommit(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         self.unmap_pages(addr, len)
     }
 }
