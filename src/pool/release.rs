@@ -61,7 +61,10 @@ impl Pool {
                 synced.push(b.stream);
             }
             for (s, l) in runs {
-                if self.upstream.decommit(s, l).is_ok() {
+                // A failure says how many pages from `s` went back all the same: exactly
+                // those are booked decommitted, the rest stay backed.
+                let l = self.upstream.decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
+                if l > 0 {
                     self.holes.mark_decommitted(b.segment, s, l);
                     self.sub_reserved(l);
                     self.c.decommits += 1;
