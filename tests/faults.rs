@@ -9,8 +9,12 @@
 //! every operation its books must agree with what the host upstream really maps: nothing
 //! handed out unmapped, nothing mapped over memory still mapped, no reserved range but the
 //! arena's and the imports' open now, and an export that failed leaves the arena's books as
-//! they were. Also: a panic inside a pool stops that pool instead of letting it hand out
-//! memory from half-updated books.
+//! they were. The segment pools (`split`, `binned`, `none`) run page-mapped too, where the
+//! upstream's page commit fails as a whole and its page decommit fails at any page (its
+//! unmap, or the release of its memory after the unmap), and after every operation their
+//! books agree with what the host really backs: the bytes held, and no block handed out
+//! over a decommitted page. Also: a panic inside a pool stops that pool instead of letting
+//! it hand out memory from half-updated books.
 
 #[macro_use]
 mod common;
@@ -32,9 +36,9 @@ use gpupool::{Pool, PoolOptions};
 use std::sync::{Arc, Mutex};
 
 /// Which calls fail: each kind fails every `every`-th call when set, and every call fails
-/// with probability `1/random` from the seeded generator when set (`vmm_only`: only the
-/// virtual memory calls; `only`: only that one kind of them, at step `at` where set). Also
-/// what the host really maps, kept after every such call.
+/// with probability `1/random` from the seeded generator when set (`only`: only the calls
+/// of those kinds, by the names `fail` and `fail_vmm` give them, e.g. `VMM_CALLS`; at step
+/// `at` where set). Also what the host really maps, kept after every such call.
 #[derive(Default)]
 struct Schedule {
     every: u64,
@@ -43,8 +47,7 @@ struct Schedule {
     calls: u64,
     injected: u64,
     off: bool,
-    vmm_only: bool,
-    only: Option<&'static str>,
+    only: &'static [&'static str],
     at: Option<usize>,
     /// Granules that show memory now (homes and aliases), and the bytes of the homes: what
     /// the arena's books must agree with.
@@ -56,13 +59,19 @@ struct Schedule {
     /// Maps the pool asked for over memory still mapped, and failed imports that left
     /// memory mapped (must never happen).
     violations: Vec<String>,
-    /// Granules unmapped whose release was made to fail (their memory "leaked").
+    /// Granules (pages) unmapped whose release was made to fail (their memory "leaked").
     leaks: u64,
     /// Failures injected into the virtual memory calls, by call and step.
     hits: BTreeMap<&'static str, u64>,
     /// Granules of the block being exported asked for so far (the pool exports a block's
     /// granules in order, first to last).
     export_step: usize,
+    /// Page-mapped: the upstream has pages (`page_size`), which segment pools decommit.
+    pages: bool,
+    /// Pages the host has decommitted now (inaccessible), and the bytes it backs: what a
+    /// segment pool's books must agree with.
+    decommitted: HashSet<usize>,
+    held: usize,
 }
 
 impl Schedule {
@@ -86,9 +95,9 @@ impl Schedule {
         f
     }
 
-    /// Whether this (non-VMM) call fails.
-    fn fail(&mut self) -> bool {
-        !self.vmm_only && self.only.is_none() && self.fail_any()
+    /// Whether this call of `kind` fails.
+    fn fail(&mut self, kind: &'static str) -> bool {
+        (self.only.is_empty() || self.only.contains(&kind)) && self.fail_any()
     }
 
     /// A position in `0..n`, where a failing call fails.
@@ -99,6 +108,9 @@ impl Schedule {
         }
     }
 }
+
+/// The arena's virtual memory calls, by the names `fail_vmm` gives them.
+const VMM_CALLS: &[&str] = &["map", "unmap", "alias", "unalias", "export", "import", "close"];
 
 /// Every step of every virtual memory call at which a failure is injected (`Schedule::hits`);
 /// the long run fails unless each was hit.
@@ -123,6 +135,16 @@ const STEPS: &[&str] = &[
     "import: map (later granule)",
     "import: set_access",
     "import: close",
+];
+
+/// Every step of the page calls at which a failure is injected; the page churns fail unless
+/// each was hit.
+const PAGE_STEPS: &[&str] = &[
+    "commit",
+    "decommit: unmap (first page)",
+    "decommit: unmap (later page)",
+    "decommit: release (first page)",
+    "decommit: release (later page)",
 ];
 
 fn first_or_later(k: usize, first: &'static str, later: &'static str) -> &'static str {
@@ -183,17 +205,15 @@ fn write_only(fd: i32) -> i32 {
 }
 
 impl FaultyUpstream {
-    fn fail(&self) -> bool {
-        lock(&self.s).fail()
+    fn fail(&self, kind: &'static str) -> bool {
+        lock(&self.s).fail(kind)
     }
 
-    /// Whether this VMM call (`kind`) fails, and if so where in its `n` steps.
+    /// Whether this call of `kind` (a VMM or page call) fails, and if so where in its `n`
+    /// steps.
     fn fail_vmm(&self, kind: &'static str, n: usize) -> Option<usize> {
         let mut s = lock(&self.s);
-        if s.only.is_some_and(|o| o != kind) {
-            return None;
-        }
-        s.fail_any().then(|| s.position(n))
+        s.fail(kind).then(|| s.position(n))
     }
 
     fn hit(&self, step: &'static str) {
@@ -213,6 +233,23 @@ impl FaultyUpstream {
         s.real_home_bytes = self.host.vmm_mapped_bytes();
         s.reserved = self.host.vmm_reserved();
         s.imports = self.host.vmm_imports();
+    }
+
+    /// Note which pages of `[addr, addr + len)` the host has decommitted, and the bytes it
+    /// backs, after a call that may change them.
+    fn sync_pages(&self, addr: usize, len: usize) {
+        let mut s = lock(&self.s);
+        if !s.pages {
+            return;
+        }
+        for p in (addr & !(HOST_PAGE - 1)..addr + len).step_by(HOST_PAGE) {
+            if self.host.is_decommitted(p) {
+                s.decommitted.insert(p);
+            } else {
+                s.decommitted.remove(&p);
+            }
+        }
+        s.held = self.host.held_bytes();
     }
 
     /// The pool must never map over memory still mapped: the driver would refuse, and books
@@ -241,56 +278,113 @@ impl Upstream for FaultyUpstream {
         "faulty-host"
     }
     fn allocate(&mut self, size: usize, st: StreamHandle) -> std::result::Result<usize, AllocError> {
-        if self.fail() {
+        if self.fail("allocate") {
             // Half the failures look like out of memory (the pool escalates), half like a
             // broken driver (reported as is).
             return Err(if size % 2 == 0 { AllocError::OutOfMemory } else { AllocError::Other(injected("allocate")) });
         }
-        self.host.allocate(size, st)
+        let r = self.host.allocate(size, st);
+        self.sync_pages(0, 0);
+        r
     }
     fn deallocate(&mut self, a: usize, size: usize, st: StreamHandle) -> Result<()> {
-        if self.fail() {
+        if self.fail("deallocate") {
             return Err(injected("deallocate"));
         }
-        self.host.deallocate(a, size, st)
+        let r = self.host.deallocate(a, size, st);
+        self.sync_pages(a, size);
+        r
+    }
+    fn page_size(&self) -> usize {
+        if lock(&self.s).pages {
+            self.host.page_size()
+        } else {
+            0
+        }
+    }
+    fn commit(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        // The pool recommits only pages it decommitted, which the host must have decommitted.
+        if let Some(p) = (addr..addr + len).step_by(HOST_PAGE).find(|p| !self.host.is_decommitted(*p)) {
+            lock(&self.s).violations.push(format!("commit over {p:#x}, which is backed"));
+        }
+        // The commit fails as a whole (out of memory, or a broken driver): nothing is backed.
+        if let Some(k) = self.fail_vmm("commit", 2) {
+            self.hit("commit");
+            return Err(if k == 0 { AllocError::OutOfMemory } else { AllocError::Other(injected("commit")) });
+        }
+        let r = self.host.commit(addr, len);
+        self.sync_pages(addr, len);
+        r
+    }
+    fn decommit(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
+        if let Some(p) = (addr..addr + len).step_by(HOST_PAGE).find(|p| self.host.is_decommitted(*p)) {
+            lock(&self.s).violations.push(format!("decommit over {p:#x}, which is decommitted"));
+        }
+        let n = len / HOST_PAGE;
+        // Page k's unmap fails (it and the pages after it stay backed), or its unmap
+        // succeeds and the release of its memory fails (it is gone, its memory leaked); the
+        // pages before it are gone.
+        let r = match self.fail_vmm("decommit", 2 * n) {
+            None => self.host.decommit(addr, len),
+            Some(k) => {
+                let (page, release) = (k / 2, k % 2 == 1);
+                self.hit(match (release, page) {
+                    (false, 0) => "decommit: unmap (first page)",
+                    (false, _) => "decommit: unmap (later page)",
+                    (true, 0) => "decommit: release (first page)",
+                    (true, _) => "decommit: release (later page)",
+                });
+                let gone = (page + release as usize) * HOST_PAGE;
+                match self.host.decommit(addr, gone) {
+                    Err(f) => Err(f),
+                    Ok(()) if release => {
+                        lock(&self.s).leaks += 1;
+                        Err(UnmapFail { unmapped: gone, leaked: HOST_PAGE, error: injected("decommit release") })
+                    }
+                    Ok(()) => Err(UnmapFail { unmapped: gone, leaked: 0, error: injected("decommit unmap") }),
+                }
+            }
+        };
+        self.sync_pages(addr, len);
+        r
     }
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         self.host.mem_info()
     }
     fn event_create(&mut self) -> Result<EventHandle> {
-        if self.fail() {
+        if self.fail("event create") {
             return Err(injected("event create"));
         }
         self.next_event += 1;
         Ok(self.next_event)
     }
     fn event_record(&mut self, _ev: EventHandle, _s: StreamHandle) -> Result<()> {
-        if self.fail() {
+        if self.fail("event record") {
             return Err(injected("event record"));
         }
         Ok(())
     }
     fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
-        if self.fail() {
+        if self.fail("event query") {
             return Err(injected("event query"));
         }
         // Busy while faults are injected (cross-stream reuse must wait), idle after.
         Ok(lock(&self.s).off)
     }
     fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
-        if self.fail() {
+        if self.fail("event synchronize") {
             return Err(injected("event synchronize"));
         }
         Ok(())
     }
     fn stream_wait_event(&mut self, _s: StreamHandle, _ev: EventHandle) -> Result<()> {
-        if self.fail() {
+        if self.fail("stream wait") {
             return Err(injected("stream wait"));
         }
         Ok(())
     }
     fn synchronize_device(&mut self) -> Result<()> {
-        if self.fail() {
+        if self.fail("device synchronize") {
             return Err(injected("device synchronize"));
         }
         Ok(())
@@ -489,6 +583,33 @@ fn books_agree(p: &Pool, s: &Mutex<Schedule>, i: usize, imports: &Imports) {
     assert_eq!(s.reserved, want, "operation {i}: the host reserves (ranges, bytes) {:?}, the arena and the open imports {want:?}", s.reserved);
 }
 
+/// A segment pool's books against what the host really backs (at `at`): the
+/// pool holds exactly the bytes the host backs (its segments less the pages booked
+/// decommitted; a page decommitted but booked backed, or booked decommitted but backed,
+/// shows here), and it never asked to commit a backed page or decommit a decommitted one.
+fn pages_agree(p: &Pool, s: &Mutex<Schedule>, kind: PoolKind, at: &str) {
+    let s = lock(s);
+    assert!(s.violations.is_empty(), "{kind:?}, {at}: {:?}", s.violations);
+    assert_eq!(
+        p.reserved_bytes(),
+        s.held,
+        "{kind:?}, {at}: the pool books {} bytes backed, the host backs {} ({} pages decommitted)",
+        p.reserved_bytes(),
+        s.held,
+        s.decommitted.len()
+    );
+}
+
+/// Write into every page (`HOST_PAGE`, the unit of commit and decommit) the block
+/// `[a, a + n)` overlaps: one with no memory behind it (`PROT_NONE`) faults.
+fn touch_pages(a: usize, n: usize) {
+    let pages = (a & !(HOST_PAGE - 1)..a + n).step_by(HOST_PAGE);
+    for q in pages.map(|p| p.max(a)) {
+        // SAFETY: a block the pool handed out on the host upstream; its stamp comes after.
+        unsafe { std::ptr::write_volatile(q as *mut u8, 0x5a) };
+    }
+}
+
 /// What a failed export must leave as it was: the arena's mapped, used and free bytes of
 /// each range, its stitches, and the pool's cached and used bytes.
 fn arena_state(p: &Pool) -> (usize, (usize, usize), (usize, usize), usize, usize, usize) {
@@ -543,18 +664,24 @@ fn close_import(p: &mut Pool, imports: &mut Imports, j: usize) -> bool {
     }
 }
 
-/// What a churn did: operations, faults injected, and the virtual memory failures by step.
+/// What a churn did: faults injected, the virtual memory and page call failures by step,
+/// and the page runs the pool committed and decommitted.
 struct Churned {
     faults: u64,
     hits: BTreeMap<&'static str, u64>,
+    page_ops: (u64, u64),
 }
 
-/// Random operations under `schedule` (`vmm_only`: only the virtual memory calls fail). On
-/// the arena some operations export a live block and import it again, or close an import.
-fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_only: bool) -> Churned {
-    let s = Arc::new(Mutex::new(Schedule { every, random, rng: seed | 1, vmm_only, ..Default::default() }));
+/// Random operations under `schedule` (`only`: only the calls of those kinds fail). On the
+/// arena some operations export a live block and import it again, or close an import.
+/// `pages`: the upstream is page-mapped, so segment pools decommit the pages inside free
+/// blocks and commit them again, and cache decay is on.
+fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, only: &'static [&'static str], pages: bool) -> Churned {
+    let s = Arc::new(Mutex::new(Schedule { every, random, rng: seed | 1, only, pages, ..Default::default() }));
     let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
-    let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
+    // Page-mapped, cache decay gives pages back during the run too, not only at reclaims.
+    let decay_window = if pages { 64 } else { 0 };
+    let opts = PoolOptions { kind, check_invariants: true, decay_window, ..Default::default() };
     let mut p = match Pool::new(0, Box::new(up), &opts) {
         Ok(p) => p,
         Err(e) => panic!("{kind:?}: pool creation failed without faults: {e}"),
@@ -590,6 +717,16 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
                             if let Some(u) = (first..a + size).step_by(HOST_PAGE).find(|u| !g.real.contains(u)) {
                                 panic!("operation {i}: block {a:#x}+{size} handed out over the unmapped granule {u:#x}");
                             }
+                        } else if pages {
+                            // A write into every page of the block below faults on a
+                            // decommitted one; say which first.
+                            let g = lock(&s);
+                            let first = a & !(HOST_PAGE - 1);
+                            if let Some(u) = (first..a + size).step_by(HOST_PAGE).find(|u| g.decommitted.contains(u)) {
+                                panic!("{kind:?}, operation {i}: block {a:#x}+{size} handed out over the decommitted page {u:#x}");
+                            }
+                            drop(g);
+                            touch_pages(a, size);
                         }
                         stamp(a, size, i as u64);
                         live.push((a, size, stream, i as u64));
@@ -649,6 +786,8 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
         }
         if kind == PoolKind::Arena {
             books_agree(&p, &s, i, &imports);
+        } else if pages {
+            pages_agree(&p, &s, kind, &format!("operation {i}"));
         }
     }
     // Faults stop: everything works and everything goes back.
@@ -671,6 +810,10 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
     p.check_invariants().unwrap();
     assert_eq!(p.used_bytes(), 0, "{kind:?}: bytes still counted in use");
     assert_eq!(p.reserved_bytes(), 0, "{kind:?}: memory lost: {} bytes still reserved after freeing all and reclaiming", p.reserved_bytes());
+    if pages && kind != PoolKind::Arena {
+        pages_agree(&p, &s, kind, "the end");
+        assert!(lock(&s).decommitted.is_empty(), "{kind:?}: pages decommitted after every segment went back");
+    }
     if kind == PoolKind::Arena {
         books_agree(&p, &s, ops, &imports);
         // Each granule whose release failed is reported as leaked, exactly.
@@ -678,7 +821,7 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, vmm_onl
         assert_eq!(leaked, leaks as usize * HOST_PAGE, "granules leaked: {leaks} injected, {leaked} bytes reported");
     }
     let hits = std::mem::take(&mut lock(&s).hits);
-    Churned { faults, hits }
+    Churned { faults, hits, page_ops: p.page_ops() }
 }
 
 const KINDS: [PoolKind; 4] = [PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
@@ -693,7 +836,7 @@ fn every_nth_call_failing_loses_nothing() {
     for kind in KINDS {
         let mut total = 0;
         for every in [2, 3, 7, 13] {
-            total += churn(kind, every, 0, every, 4_000, false).faults;
+            total += churn(kind, every, 0, every, 4_000, &[], false).faults;
         }
         println!("{kind:?}: {total} faults injected (every 2nd/3rd/7th/13th call), survived");
         assert!(total > 100, "{kind:?}: the schedule injected almost nothing ({total})");
@@ -706,7 +849,7 @@ fn seeded_random_faults_lose_nothing() {
     for kind in KINDS {
         let mut total = 0;
         for seed in 1..=4u64 {
-            total += churn(kind, 0, 5, seed * 7919, ops / 4, false).faults;
+            total += churn(kind, 0, 5, seed * 7919, ops / 4, &[], false).faults;
         }
         println!("{kind:?}: {ops} operations, {total} random faults injected, survived");
         assert!(total > 50, "{kind:?}: {total}");
@@ -724,7 +867,7 @@ fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
     let mut total = 0;
     let mut hits: BTreeMap<&'static str, u64> = BTreeMap::new();
     for (seed, random) in [(11u64, 3u64), (13, 4), (17, 6), (19, 10)] {
-        let c = churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, true);
+        let c = churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, VMM_CALLS, false);
         total += c.faults;
         for (k, v) in c.hits {
             *hits.entry(k).or_default() += v;
@@ -739,6 +882,106 @@ fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
     assert!(total > 100, "the schedule injected almost nothing ({total})");
 }
 
+/// The segment pools' churns, page-mapped with cache decay on: only the page calls fail
+/// (often, at random pages inside them), then those and segment releases (a release that
+/// fails leaves the cache over its cap, which `binned` answers with page decommits), then
+/// every call. After every operation the books agree with what the host backs, no block is
+/// handed out over a decommitted page, and once the faults stop all memory goes back
+/// (`churn`). `GPUPOOL_FAULT_OPS / 2` operations a strategy (at least 4,000). `split` must
+/// have had every step of the page calls (`PAGE_STEPS`) fail; `binned` decommits rarely (a
+/// free block of it is a whole segment, released whole where it can be), so only in a run
+/// of 100,000 or more (CI's). `none` caches nothing: it never commits or decommits a page.
+#[test]
+fn segment_pool_books_stay_exact_when_page_calls_fail() {
+    let ops = (fault_ops() / 2).max(4_000);
+    let runs: [(u64, u64, &'static [&'static str]); 3] =
+        [(23, 3, &["commit", "decommit"]), (29, 3, &["commit", "decommit", "deallocate"]), (31, 5, &[])];
+    for kind in [PoolKind::Split, PoolKind::Binned, PoolKind::None] {
+        let (mut total, mut pages) = (0, (0, 0));
+        let mut hits: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for (seed, random, only) in runs {
+            let c = churn(kind, 0, random, seed * 7919, ops / runs.len(), only, true);
+            total += c.faults;
+            pages = (pages.0 + c.page_ops.0, pages.1 + c.page_ops.1);
+            for (k, v) in c.hits {
+                *hits.entry(k).or_default() += v;
+            }
+        }
+        println!("{kind:?}: {ops} operations, page-mapped, {total} faults injected, {} page runs committed and {} decommitted, books exact throughout; failed page calls by step: {hits:?}", pages.0, pages.1);
+        if kind == PoolKind::None {
+            assert_eq!(pages, (0, 0), "{kind:?}: a pool that caches nothing committed or decommitted pages");
+            continue;
+        }
+        let missed: Vec<&&str> = PAGE_STEPS.iter().filter(|t| !hits.contains_key(**t)).collect();
+        assert!(missed.is_empty() || (kind == PoolKind::Binned && fault_ops() < 100_000), "{kind:?}: no failure was injected at {missed:?}");
+        assert!(pages.1 > 0 && total > 100, "{kind:?}: the churn decommitted nothing, or injected almost nothing ({total})");
+    }
+}
+
+/// A pool of `kind` over the page-mapped faulty upstream, no call failing until the
+/// schedule says so.
+fn faulty_paged(kind: PoolKind) -> (Pool, Arc<Mutex<Schedule>>) {
+    let s = Arc::new(Mutex::new(Schedule { pages: true, ..Default::default() }));
+    let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
+    let opts = PoolOptions { kind, check_invariants: true, ..Default::default() };
+    (Pool::new(0, Box::new(up), &opts).unwrap(), s)
+}
+
+/// A decommit of a free block's pages failing at each page (its unmap, or the release of
+/// its memory after the unmap) gives back the pages before it, and that one where only the
+/// release failed: the pool books exactly those decommitted and the rest backed, a later
+/// reclaim gives the rest back, and blocks over those pages are backed again before they
+/// are handed out (a write into every page of them would fault otherwise).
+#[test]
+fn a_failed_decommit_books_exactly_the_pages_it_gave_back() {
+    let (mut p, s) = faulty_paged(PoolKind::Split);
+    // A 2 MiB block at the start of a 20 MiB segment: the rest is one free block of
+    // `n` whole pages.
+    let a = p.malloc(2 * MIB, 0).unwrap();
+    stamp(a, 2 * MIB, 1);
+    assert_eq!(a % HOST_PAGE, 0, "a segment of a page or more is page aligned");
+    let (first, n) = (a + 2 * MIB, 9);
+    let pages = |from: usize, to: usize| (from..to).map(|j| first + j * HOST_PAGE).collect::<HashSet<usize>>();
+    for k in 0..2 * n {
+        fail_only(&s, &["decommit"], 1, Some(k));
+        p.reclaim().unwrap();
+        let gone = k / 2 + k % 2;
+        assert_eq!(lock(&s).decommitted, pages(0, gone), "position {k}: the host decommitted other pages than expected");
+        pages_agree(&p, &s, PoolKind::Split, &format!("position {k}"));
+        assert_eq!(p.reserved_bytes(), 20 * MIB - gone * HOST_PAGE, "position {k}");
+        // Nothing failing, the next reclaim gives the rest back.
+        fail_only(&s, &[], 0, None);
+        p.reclaim().unwrap();
+        assert_eq!(lock(&s).decommitted, pages(0, n), "position {k}: a reclaim left pages backed");
+        pages_agree(&p, &s, PoolKind::Split, &format!("position {k}"));
+        // The free pages serve blocks again, backed before they are handed out.
+        let mut blocks = Vec::new();
+        for (j, size) in [8 * MIB, 8 * MIB, 2 * MIB].into_iter().enumerate() {
+            let b = p.malloc(size, 0).unwrap();
+            assert!(b >= first && b + size <= first + n * HOST_PAGE, "position {k}: the block {b:#x} is not in the free pages");
+            assert!(!(b..b + size).step_by(HOST_PAGE).any(|q| lock(&s).decommitted.contains(&q)), "position {k}: block {b:#x}+{size} handed out over a decommitted page");
+            touch_pages(b, size);
+            stamp(b, size, 100 + j as u64);
+            blocks.push((b, size, 100 + j as u64));
+        }
+        pages_agree(&p, &s, PoolKind::Split, &format!("position {k}"));
+        assert!(lock(&s).decommitted.is_empty(), "position {k}");
+        for (b, size, id) in blocks {
+            check(b, size, id);
+            p.free(b, 0).unwrap();
+        }
+    }
+    let hits = lock(&s).hits.clone();
+    let missed: Vec<&&str> = PAGE_STEPS.iter().filter(|t| t.starts_with("decommit") && !hits.contains_key(**t)).collect();
+    assert!(missed.is_empty(), "steps not failed: {missed:?}");
+    check(a, 2 * MIB, 1);
+    p.free(a, 0).unwrap();
+    p.reclaim().unwrap();
+    pages_agree(&p, &s, PoolKind::Split, "the end");
+    assert_eq!(p.reserved_bytes(), 0);
+    assert!(lock(&s).decommitted.is_empty());
+}
+
 /// An arena pool over the faulty upstream, no call failing until the schedule says so.
 fn faulty_arena() -> (Pool, Arc<Mutex<Schedule>>) {
     let s = Arc::new(Mutex::new(Schedule::default()));
@@ -747,11 +990,11 @@ fn faulty_arena() -> (Pool, Arc<Mutex<Schedule>>) {
     (Pool::new(0, Box::new(up), &opts).unwrap(), s)
 }
 
-/// From now on the `every`-th call of `kind` fails (at step `at` where set); `None`:
-/// nothing fails.
-fn fail_only(s: &Mutex<Schedule>, kind: Option<&'static str>, every: u64, at: Option<usize>) {
+/// From now on the `every`-th call of the kinds `only` fails (at step `at` where set);
+/// empty: nothing fails.
+fn fail_only(s: &Mutex<Schedule>, only: &'static [&'static str], every: u64, at: Option<usize>) {
     let mut g = lock(s);
-    (g.only, g.every, g.at, g.calls, g.export_step) = (kind, if kind.is_some() { every } else { 0 }, at, 0, 0);
+    (g.only, g.every, g.at, g.calls, g.export_step) = (only, if only.is_empty() { 0 } else { every }, at, 0, 0);
 }
 
 /// An export whose driver call fails at the block's first granule, or at a later one,
@@ -770,7 +1013,7 @@ fn a_failed_export_leaves_the_block_usable_and_unexported() {
     stamp(b, 5 * MIB, 2);
     for (blk, n, id, every) in [(a, small, 1, 1), (b, 5 * MIB, 2, 1), (b, 5 * MIB, 2, 3)] {
         let before = arena_state(&p);
-        fail_only(&s, Some("export"), every, None);
+        fail_only(&s, &["export"], every, None);
         let e = p.ipc_export(blk, false).expect_err("the export was made to fail");
         assert!(matches!(e, Error::Cuda { call: "injected", .. }), "{e}");
         assert_eq!(arena_state(&p), before, "an export that failed at granule {} changed the arena's books", every - 1);
@@ -778,7 +1021,7 @@ fn a_failed_export_leaves_the_block_usable_and_unexported() {
     }
     let hits = lock(&s).hits.clone();
     assert!(hits.contains_key("export (first granule)") && hits.contains_key("export (later granule)"), "{hits:?}");
-    fail_only(&s, None, 0, None);
+    fail_only(&s, &[], 0, None);
     // Not marked exported: the next small block goes into the free memory of a's granule.
     let c = p.malloc(small, 0).unwrap();
     assert_eq!(c & !(HOST_PAGE - 1), a & !(HOST_PAGE - 1), "a block that failed to export keeps its granule's free memory set aside");
@@ -816,7 +1059,7 @@ fn a_failed_import_leaves_nothing_mapped_or_reserved() {
     let mapped = mapped_of_file(file);
     assert!(mapped >= 5 * MIB, "the exporter's own mappings of its file are seen");
     for k in 0..2 * n + 2 {
-        fail_only(&s, Some("import"), 1, Some(k));
+        fail_only(&s, &["import"], 1, Some(k));
         let e = p.ipc_import(&d, Some(&fds)).expect_err("the import was made to fail");
         let g = lock(&s);
         assert!(g.violations.is_empty(), "step {k}: {:?}", g.violations);
@@ -827,16 +1070,16 @@ fn a_failed_import_leaves_nothing_mapped_or_reserved() {
     let hits = lock(&s).hits.clone();
     let missed: Vec<&&str> = STEPS.iter().filter(|t| t.starts_with("import: ") && **t != "import: close" && !hits.contains_key(**t)).collect();
     assert!(missed.is_empty(), "steps not failed: {missed:?}");
-    fail_only(&s, None, 0, None);
+    fail_only(&s, &[], 0, None);
     let q = p.ipc_import(&d, Some(&fds)).unwrap();
     check(q, 5 * MIB, 3);
     assert_eq!(lock(&s).reserved, (reserved.0 + 1, reserved.1 + n * HOST_PAGE));
     // A close that fails leaves the import mapped and booked; the next one closes it.
-    fail_only(&s, Some("close"), 1, None);
+    fail_only(&s, &["close"], 1, None);
     assert!(p.ipc_close(q).is_err());
     assert_eq!((lock(&s).imports, p.ipc_imports()), (1, 1));
     check(q, 5 * MIB, 3);
-    fail_only(&s, None, 0, None);
+    fail_only(&s, &[], 0, None);
     p.ipc_close(q).unwrap();
     assert_eq!(lock(&s).reserved, reserved);
     assert_eq!(mapped_of_file(file), mapped);
