@@ -128,7 +128,7 @@ impl Pool {
         let size = l.requested.max(1);
         Ok(match self.strategy.as_arena_ref().map(|a| a.granule()) {
             Some(g) => {
-                let granules = ((ptr + size).div_ceil(g) - ptr / g) as usize;
+                let granules = (ptr + size).div_ceil(g) - ptr / g;
                 crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules
             }
             None => crate::upstream::legacy_descriptor::LEGACY_DESCRIPTOR_BYTES,
