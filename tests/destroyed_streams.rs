@@ -12,6 +12,7 @@ use common::MIB;
 use gpupool::config::PoolKind;
 use gpupool::error::Result;
 use gpupool::ffi::core::*;
+use gpupool::pool::FreeOn;
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::{AllocError, EventHandle, Upstream};
@@ -218,8 +219,8 @@ fn a_stream_less_free_after_the_stream_died_records_nothing_there() {
     streams.lock().unwrap().destroyed.insert(E);
     // CuPy frees name no stream: `a` was booked on E (dead), `b` on S, the current stream.
     gpupool::registry::with_pool(d, |p| {
-        p.free_as_allocated(a, true, Some(S))?;
-        p.free_as_allocated(b, true, Some(S))
+        p.free(a, FreeOn::AsAllocated { current: Some(S) })?;
+        p.free(b, FreeOn::AsAllocated { current: Some(S) })
     })
     .unwrap();
     assert_eq!(streams.lock().unwrap().misuse, Vec::<String>::new());
@@ -242,7 +243,7 @@ fn cupy_frees_off_their_stream_in_a_steady_loop_make_no_driver_call() {
     const A: StreamHandle = 0xa000;
     let step = |p: &mut gpupool::Pool| -> Result<()> {
         let a = p.malloc(22 * MIB, A)?;
-        p.free_as_allocated(a, true, Some(0))?;
+        p.free(a, FreeOn::AsAllocated { current: Some(0) })?;
         let b = p.malloc(22 * MIB, 0)?;
         p.free(b, 0)
     };
@@ -261,7 +262,7 @@ fn no_device_wide_wait_while_a_capture_nobody_announced_may_run() {
     const C: StreamHandle = 0xc000; // a stream CuPy captures on without telling the pool
     let a = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, E)).unwrap();
     streams.lock().unwrap().destroyed.insert(E);
-    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap(); // E uncovered
+    gpupool::registry::with_pool(d, |p| p.free(a, FreeOn::AsAllocated { current: Some(S) })).unwrap(); // E uncovered
     streams.lock().unwrap().capturing.insert(C, 5);
     let g = gpupool::registry::with_pool(d, |p| p.malloc_detecting_capture(MIB, C)).unwrap();
     // Pressure on another stream while the capture's pool is held: E's memory could only be
@@ -276,7 +277,7 @@ fn no_device_wide_wait_while_a_capture_nobody_announced_may_run() {
     // The capture ends and its memory is released: now the wait is allowed and E's memory serves.
     streams.lock().unwrap().capturing.clear();
     gpupool::registry::with_pool(d, |p| {
-        p.free_as_allocated(g, true, Some(C))?;
+        p.free(g, FreeOn::AsAllocated { current: Some(C) })?;
         p.release_pool((5, gpupool::pool::IMPLICIT_POOL_TAG)).map(|_| ())
     })
     .unwrap();
@@ -295,7 +296,7 @@ fn while_a_route_is_active_a_dead_streams_memory_stays_cached_not_stranded() {
     let streams = install(d);
     let a = gpupool::registry::with_pool(d, |p| p.malloc(20 * MIB, E)).unwrap();
     streams.lock().unwrap().destroyed.insert(E);
-    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap();
+    gpupool::registry::with_pool(d, |p| p.free(a, FreeOn::AsAllocated { current: Some(S) })).unwrap();
     let reserved = stats(d).total_bytes;
     // A MemPool-like route on another stream: no device-wide wait may happen meanwhile, so
     // reclaim cannot give E's segment back; it must stay in the cache, not in limbo.
@@ -326,7 +327,7 @@ fn a_segment_with_a_dead_streams_block_is_not_handed_out_while_no_wait_may_be_ma
     let (a, b) = gpupool::registry::with_pool(d, |p| Ok((p.malloc(4 * MIB, E)?, p.malloc(4 * MIB, E)?))).unwrap();
     gpupool::registry::with_pool(d, |p| p.free(b, S)).unwrap(); // covered by S's event
     streams.lock().unwrap().destroyed.insert(E);
-    gpupool::registry::with_pool(d, |p| p.free_as_allocated(a, true, Some(S))).unwrap(); // E uncovered
+    gpupool::registry::with_pool(d, |p| p.free(a, FreeOn::AsAllocated { current: Some(S) })).unwrap(); // E uncovered
     gpupool::registry::with_pool(d, |p| p.begin_allocate_to_pool((9, 9), gpupool::pool::Filter::Stream(gpupool::stream::StreamKey(0x9000)))).unwrap();
     reclaim(d);
     // The segment holds E's block, so it stayed in place with each block's own stream: T
@@ -366,7 +367,7 @@ fn an_unannounced_capture_blocks_the_wait_only_until_its_stream_is_seen_idle() {
     // there would belong to the graph): C is uncovered, and the capture is noted.
     let x = gpupool::registry::with_pool(d, |p| p.malloc_detecting_capture(8 * MIB, C)).unwrap();
     streams.lock().unwrap().capturing.insert(C, 7);
-    gpupool::registry::with_pool(d, |p| p.free_as_allocated(x, true, Some(C))).unwrap();
+    gpupool::registry::with_pool(d, |p| p.free(x, FreeOn::AsAllocated { current: Some(C) })).unwrap();
     set_limit(d, stats(d).total_bytes);
     let r = gpupool::registry::with_pool(d, |p| p.malloc(8 * MIB, S));
     assert!(r.is_err(), "C's block went to S during the capture: {r:?}");
@@ -384,7 +385,7 @@ fn an_unannounced_capture_blocks_the_wait_only_until_its_stream_is_seen_idle() {
     assert_eq!(misuse(&streams), Vec::<String>::new());
     gpupool::registry::with_pool(d, |p| {
         p.free(z, S)?;
-        p.free_as_allocated(y, true, Some(C))
+        p.free(y, FreeOn::AsAllocated { current: Some(C) })
     })
     .unwrap();
     set_limit(d, 0);
@@ -401,7 +402,7 @@ fn memory_of_many_destroyed_streams_is_reused_before_the_pool_grows_without_boun
         let s = 0x10000 + i * 0x100;
         let x = gpupool::registry::with_pool(d, |p| p.malloc(24 * MIB, s)).unwrap();
         streams.lock().unwrap().destroyed.insert(s);
-        gpupool::registry::with_pool(d, |p| p.free_as_allocated(x, true, Some(S))).unwrap();
+        gpupool::registry::with_pool(d, |p| p.free(x, FreeOn::AsAllocated { current: Some(S) })).unwrap();
     }
     // Whenever 64 MiB of such frees (here: three tasks' buffers) wait for a device-wide
     // wait, the growth that would follow waits once instead and reuses them: the pool holds

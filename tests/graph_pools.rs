@@ -9,7 +9,7 @@ mod common;
 use common::MIB;
 use gpupool::config::PoolKind;
 use gpupool::error::Result;
-use gpupool::pool::{Callback, Filter, C_POOL_TAG, IMPLICIT_POOL_TAG};
+use gpupool::pool::{Callback, Filter, FreeOn, C_POOL_TAG, IMPLICIT_POOL_TAG};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
@@ -289,15 +289,15 @@ fn a_capture_nobody_announced_gets_its_own_pool_via_cupys_path() {
     let (mut p, dev) = pool(PoolKind::Split);
     begin_capture(&dev, S, 11);
     let a = p.malloc_detecting_capture(MIB, S).unwrap();
-    p.free_as_allocated(a, true, Some(S)).unwrap();
+    p.free(a, FreeOn::AsAllocated { current: Some(S) }).unwrap();
     let b = p.malloc_detecting_capture(MIB, S).unwrap();
     assert_eq!(a, b);
-    p.free_as_allocated(b, true, Some(S)).unwrap();
+    p.free(b, FreeOn::AsAllocated { current: Some(S) }).unwrap();
     end_capture(&dev, S);
     assert_eq!(forbidden(&dev), Vec::<String>::new());
     let e = p.malloc_detecting_capture(MIB, S).unwrap();
     assert_ne!(e, a, "the capture's memory stays with it after the capture ends");
-    p.free_as_allocated(e, true, Some(T)).unwrap();
+    p.free(e, FreeOn::AsAllocated { current: Some(T) }).unwrap();
     assert!(p.release_pool((11, IMPLICIT_POOL_TAG)).unwrap() >= MIB);
 }
 
@@ -424,7 +424,7 @@ fn a_stream_less_free_of_a_private_block_goes_back_to_its_pool() {
     p.begin_allocate_to_pool((41, C_POOL_TAG), Filter::Stream(legacy)).unwrap();
     let a = p.malloc(MIB, 0).unwrap();
     assert_eq!(p.private_pool_summary().0, 1);
-    p.free_unordered(a).unwrap(); // CuPy without its stream getter
+    p.free(a, FreeOn::Unordered).unwrap(); // CuPy without its stream getter
     p.check_invariants().unwrap();
     let b = p.malloc(MIB, 0).unwrap();
     assert_eq!(a, b, "the private block went back to its pool and serves the pool again");

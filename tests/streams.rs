@@ -10,6 +10,7 @@ use common::MIB;
 use gpupool::config::PoolKind;
 use gpupool::error::Result;
 use gpupool::stream::{StreamHandle, STREAM_LEGACY};
+use gpupool::pool::FreeOn;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
 use gpupool::{Pool, PoolOptions};
@@ -287,18 +288,18 @@ fn stream_less_frees_are_reused_only_after_a_legacy_fence() {
     use gpupool::pool::UNFENCED_MAX_BLOCKS;
     let (mut p, dev) = pool(PoolKind::Split, false);
     let first = p.malloc(MIB, 0).unwrap();
-    p.free_unordered(first).unwrap();
+    p.free(first, FreeOn::Unordered).unwrap();
     assert!(log(&dev).is_empty(), "no fence for a single free (they are batched)");
     let second = p.malloc(MIB, 0).unwrap();
     assert_ne!(second, first, "an unfenced block must not be handed out");
-    assert!(p.free_unordered(first).is_err(), "double free of an unfenced block is detected");
+    assert!(p.free(first, FreeOn::Unordered).is_err(), "double free of an unfenced block is detected");
     // Fill the batch: the fence is recorded on the legacy stream and the blocks come back.
     let mut more = vec![second];
     for _ in 0..UNFENCED_MAX_BLOCKS - 2 {
         more.push(p.malloc(MIB, 0).unwrap());
     }
     for a in &more {
-        p.free_unordered(*a).unwrap();
+        p.free(*a, FreeOn::Unordered).unwrap();
     }
     let l = log(&dev);
     assert_eq!(l, vec![format!("record ev1 on {STREAM_LEGACY:#x}")], "one fence for the whole batch");
@@ -316,7 +317,7 @@ fn stream_less_frees_stay_unfenced_while_the_fence_cannot_be_recorded() {
         dev.refuse_records.store(true, Ordering::SeqCst);
         let freed: Vec<usize> = (0..UNFENCED_MAX_BLOCKS).map(|_| p.malloc(MIB, 0).unwrap()).collect();
         for a in &freed {
-            p.free_unordered(*a).unwrap();
+            p.free(*a, FreeOn::Unordered).unwrap();
         }
         assert!(log(&dev).iter().any(|l| l.ends_with("refused")), "{kind:?}: the full batch tried a fence");
         // No fence: none of them is reused, on the legacy stream or another, before or

@@ -22,7 +22,7 @@
 //!   that capture and frees record no event there (`pool/graph_pools.rs`).
 //!
 //! Without a getter (a caller that never registered one) the older rule applies: blocks are
-//! tagged with the legacy stream and reused only after a fence on it (`Pool::free_unordered`),
+//! tagged with the legacy stream and reused only after a fence on it (`FreeOn::Unordered`),
 //! which orders blocking streams only.
 //!
 //! Out of memory. CuPy calls the allocator with the GIL held, so a failure is raised as a
@@ -47,6 +47,7 @@ use super::boundary::call;
 use super::core::free_with;
 use super::report::call_void;
 use crate::error::Error;
+use crate::pool::FreeOn;
 use crate::registry;
 use crate::stream::{is_legacy, STREAM_LEGACY};
 use crate::thread_cache;
@@ -248,7 +249,7 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
             if p != 0 && thread_cache::try_free_unordered(device, p) {
                 return Ok(());
             }
-            return free_with(p, device, STREAM_LEGACY, |pool| pool.free_unordered(p));
+            return free_with(p, device, STREAM_LEGACY, |pool| pool.free(p, FreeOn::Unordered));
         }
         // This thread's fast path holds only blocks it allocated on the legacy stream.
         if p != 0 && thread_cache::try_free(device, p, STREAM_LEGACY) {
@@ -257,6 +258,6 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
         // The current stream is alive now: a block booked on it records its free there;
         // any other booked stream may have been destroyed since and is not touched.
         let current = current_stream();
-        free_with(p, device, current.unwrap_or(STREAM_LEGACY), |pool| pool.free_as_allocated(p, true, current))
+        free_with(p, device, current.unwrap_or(STREAM_LEGACY), |pool| pool.free(p, FreeOn::AsAllocated { current }))
     });
 }

@@ -1,6 +1,6 @@
-//! Frees: with a stream, on the allocation stream (CuPy), without one (CuPy without its
-//! stream getter); deferred frees (`record_stream`) and fences; the live-pointer checks that
-//! turn a bad pointer into a clear error.
+//! Frees: the one entry point (`Pool::free`, told by `FreeOn` what is known of the freeing
+//! stream) and the steps behind it; deferred frees (`record_stream`) and fences; the
+//! live-pointer checks that turn a bad pointer into a clear error.
 
 use super::{Live, Pending, Pool, NO_OWNER, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
 use crate::block::Block;
@@ -9,21 +9,50 @@ use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use super::Hold;
 
+/// What a free knows about the stream its block was last used on: the argument of
+/// `Pool::free`. A bare stream handle converts to `FreeOn::Stream`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeOn {
+    /// The caller names the stream, alive now (the C API, PyTorch): the free records there.
+    /// Freeing null (0) does nothing.
+    Stream(StreamHandle),
+    /// The stream the block was allocated for (CuPy, which names no stream at free; CuPy's
+    /// own pool reuses a block only on its allocation stream, so that stream's order is the
+    /// one its users rely on). That stream may have been destroyed since: the free records
+    /// there only when it is `current`, the caller's current stream (alive now), and
+    /// otherwise touches no handle. Whether the stream captures a graph is asked even while
+    /// no private pool routes (CuPy captures nobody announced).
+    AsAllocated { current: Option<StreamHandle> },
+    /// No stream at all (CuPy without its stream getter): the block is reused only after
+    /// the next fence on the legacy stream. Freeing null (0) does nothing.
+    Unordered,
+}
+
+impl From<StreamHandle> for FreeOn {
+    fn from(stream: StreamHandle) -> FreeOn {
+        FreeOn::Stream(stream)
+    }
+}
+
 impl Pool {
-    /// Free `ptr`, last used on `stream`. Freeing null (0) does nothing.
-    pub fn free(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
-        if ptr == 0 {
-            return Ok(());
+    /// Free `ptr`, last used on the stream `on` says what is known of (a stream handle:
+    /// that stream, alive now).
+    #[inline]
+    pub fn free(&mut self, ptr: usize, on: impl Into<FreeOn>) -> Result<()> {
+        match on.into() {
+            FreeOn::Stream(stream) => {
+                if ptr == 0 {
+                    return Ok(());
+                }
+                self.free_on_stream(ptr, stream)
+            }
+            FreeOn::AsAllocated { current } => self.free_as_allocated(ptr, current),
+            FreeOn::Unordered => self.free_unordered(ptr),
         }
-        self.free_checked(ptr, stream, false)
     }
 
-    /// Free `ptr` on the stream it was allocated for (CuPy, which names no stream at free;
-    /// CuPy's own pool reuses a block only on its allocation stream, so that stream's order
-    /// is the one its users rely on). `check_capture`: ask whether that stream is capturing
-    /// a graph even while no private pool routes (CuPy captures nobody announced).
-    /// `current`: the caller's current stream, known to be alive now.
-    pub fn free_as_allocated(&mut self, ptr: usize, check_capture: bool, current: Option<StreamHandle>) -> Result<()> {
+    /// `FreeOn::AsAllocated`.
+    fn free_as_allocated(&mut self, ptr: usize, current: Option<StreamHandle>) -> Result<()> {
         self.running()?;
         let Some((handle, key)) = self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
             self.c.invalid_frees += 1;
@@ -32,7 +61,7 @@ impl Pool {
         // The key booked at allocation. Its handle's stream may have been destroyed since
         // (the driver must then not be asked about it): only when it is the caller's current
         // stream is it known alive, and the free records there.
-        self.free_later(ptr, handle, key, check_capture, current)
+        self.free_later(ptr, handle, key, true, current)
     }
 
     /// A free made later than the block's last use on its stream (`handle`/`key`, booked at
@@ -47,15 +76,16 @@ impl Pool {
         self.free_live(ptr, live, None, key, false)
     }
 
-    pub(super) fn free_checked(&mut self, ptr: usize, stream: StreamHandle, check_capture: bool) -> Result<()> {
+    /// `FreeOn::Stream` for a non-null `ptr`.
+    fn free_on_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
         self.running()?;
         // Resolve the stream first, so a failure there changes nothing.
         let key = self.streams.key(&mut *self.upstream, stream)?;
-        self.free_keyed(ptr, stream, key, check_capture)
+        self.free_keyed(ptr, stream, key, false)
     }
 
     /// The free of `ptr` on `stream`, whose key is `key`.
-    pub(super) fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
+    fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
         let live = self.take_live(ptr, stream)?;
         self.free_live(ptr, live, Some(stream), key, check_capture)
     }
@@ -63,7 +93,7 @@ impl Pool {
     /// The rest of a free once `live` is out of the live map (one map operation per free).
     /// `stream`: the freeing stream's handle, alive now; None when no live handle is known
     /// (`free_later`): then nothing is recorded and the stream is left uncovered.
-    pub(super) fn free_live(&mut self, ptr: usize, live: Live, stream: Option<StreamHandle>, key: StreamKey, check_capture: bool) -> Result<()> {
+    fn free_live(&mut self, ptr: usize, live: Live, stream: Option<StreamHandle>, key: StreamKey, check_capture: bool) -> Result<()> {
         if let Some(id) = live.private {
             let block = Block { stream: key, ..live.block };
             // Used on other streams too (`record_stream`): no event may be asked about
@@ -254,17 +284,16 @@ impl Pool {
         Ok(())
     }
 
-    /// Free for a caller that cannot name its stream (CuPy). The block becomes reusable
-    /// after the next fence (an event record) on the legacy default stream: work issued
-    /// later on any blocking stream waits for legacy-stream work, which waited for all
-    /// earlier work on blocking streams. Fences are batched: they
-    /// cost about a microsecond each, so up to `UNFENCED_MAX_BLOCKS` blocks /
-    /// `UNFENCED_MAX_BYTES` wait for one; meanwhile requests are served from fenced cache
-    /// or new memory, never from unfenced blocks. Pressure (limit, OOM, reclaim) fences at once.
-    pub fn free_unordered(&mut self, ptr: usize) -> Result<()> {
+    /// `FreeOn::Unordered`. The block becomes reusable after the next fence (an event
+    /// record) on the legacy default stream: work issued later on any blocking stream waits
+    /// for legacy-stream work, which waited for all earlier work on blocking streams. Fences
+    /// are batched: up to `UNFENCED_MAX_BLOCKS` blocks / `UNFENCED_MAX_BYTES` wait for one;
+    /// meanwhile requests are served from fenced cache or new memory, never from unfenced
+    /// blocks. Pressure (limit, OOM, reclaim) fences at once.
+    fn free_unordered(&mut self, ptr: usize) -> Result<()> {
         self.running()?;
         if self.streams.ignores_streams() {
-            return self.free(ptr, crate::stream::STREAM_LEGACY);
+            return self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY));
         }
         if ptr == 0 {
             return Ok(());

@@ -37,6 +37,7 @@ mod thread_caches;
 
 pub use arena::ArenaFigures;
 pub use budget::Budget;
+pub use free::FreeOn;
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
 
 /// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
@@ -333,7 +334,7 @@ impl Pool {
     }
 
     /// Enqueue a fence on the legacy stream now: CuPy frees made before it may be reused
-    /// (`free_unordered`'s rule; the thread caches' magazines batch them). False when no
+    /// (`FreeOn::Unordered`'s rule; the thread caches' magazines batch them). False when no
     /// fence could be recorded nor the legacy stream waited for: nothing proves those frees
     /// safe to reuse, so the caller keeps them unfenced (and tries again later).
     #[must_use]

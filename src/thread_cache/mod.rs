@@ -33,12 +33,13 @@
 //!   records its stream's event only if that stream is the one of the operation in
 //!   progress (alive now): its user may have destroyed it since the free, and recording on
 //!   a destroyed stream crashes inside the driver. Otherwise the block stays on its stream
-//!   (`Pool::free_later`) until that stream records again or the device is synchronised. A
-//!   destroyed stream's handle can be recycled, but only after its queued work completed
-//!   (the driver releases a stream's resources then), so a recycled handle hides nothing.
+//!   (as with `FreeOn::AsAllocated`) until that stream records again or the device is
+//!   synchronised. A destroyed stream's handle can be recycled, but only after its queued
+//!   work completed (the driver releases a stream's resources then), so a recycled handle
+//!   hides nothing.
 //!   The per-thread default stream's handle names a different stream on each thread; its
 //!   operations always go through the pool.
-//! - CuPy's frees name no stream, and the pool's rule for them (`Pool::free_unordered`) is
+//! - CuPy's frees name no stream, and the pool's rule for them (`FreeOn::Unordered`) is
 //!   that a block is reused only after a fence enqueued on the legacy stream after its free.
 //!   The magazine keeps that rule: a CuPy free marks the word UNFENCED; once enough are
 //!   waiting, the owner's next locked allocation records one fence and makes them all

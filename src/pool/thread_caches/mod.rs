@@ -6,7 +6,7 @@
 //! owner threads, which change them without the lock, so every read here is a snapshot and
 //! every change a compare-and-swap (see `crate::thread_cache` for the protocol).
 
-use super::Pool;
+use super::{FreeOn, Pool};
 use crate::stream::StreamHandle;
 mod cache;
 mod words;
@@ -240,12 +240,12 @@ impl Pool {
     pub fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
         let counted = self.c.frees;
         let _ = match hold {
-            Hold::Unfenced => self.free_unordered(ptr),
+            Hold::Unfenced => self.free(ptr, FreeOn::Unordered),
             // Kept only when freed on its allocation stream: free it there, recording only
             // if that stream is known alive (its user may have destroyed it since the free).
             _ => match self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
                 Some((h, key)) => self.free_later(ptr, h, key, false, current),
-                None => self.free(ptr, crate::stream::STREAM_LEGACY),
+                None => self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY)),
             },
         };
         self.c.frees = counted;
