@@ -108,11 +108,7 @@ impl Pool {
             // the same stitch would be chosen forever.
             let mut may_evict = true;
             loop {
-                let plan = {
-                    let (streams, up) = (&mut self.streams, &mut *self.upstream);
-                    let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-                    self.strategy.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, &mut gate)
-                };
+                let plan = self.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
                 let served = match plan {
                     None => break,
                     Some(Growth::Evict { id }) => {
@@ -129,9 +125,7 @@ impl Pool {
                         let spilled = if window.targets.is_empty() {
                             None
                         } else {
-                            let (streams, up) = (&mut self.streams, &mut *self.upstream);
-                            let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-                            self.strategy.as_arena().expect("arena pool").take_spilled(rounded, key, &mut gate)
+                            self.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled(rounded, key, gate))
                         };
                         match spilled {
                             Some(b) => Ok(b),
@@ -159,12 +153,10 @@ impl Pool {
     fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let mut targets = window.targets.as_slice();
         if self.arena_lend && !targets.is_empty() {
-            let homes = {
-                let (streams, up) = (&mut self.streams, &mut *self.upstream);
-                let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-                let a = self.strategy.as_arena_ref().expect("arena pool");
-                a.lendable(a.space_of_addr(window.start), targets.len(), key, &mut gate)
-            };
+            let homes = self.with_gate(key, stream, |s, gate| {
+                let a = s.as_arena_ref().expect("arena pool");
+                a.lendable(a.space_of_addr(window.start), targets.len(), key, gate)
+            });
             let g = self.arena().granule();
             // One alias call per run of adjacent targets (one access grant per run). The
             // homes are free memory their streams allowed to `stream`; aliasing them

@@ -6,6 +6,7 @@
 use super::{Pool, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
+use crate::strategy::Strategy;
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::AllocError;
@@ -40,10 +41,18 @@ impl Pool {
         Ok(())
     }
 
-    pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+    /// Run `f` on the strategy with the reuse gate of a request on `stream` (`key`): free
+    /// memory last used on another stream serves it only where `StreamTracker::make_safe`
+    /// makes it safe for this one.
+    #[inline]
+    pub(super) fn with_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut dyn Strategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
         let (streams, up) = (&mut self.streams, &mut *self.upstream);
         let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-        self.strategy.take(rounded, key, &mut gate)
+        f(&mut *self.strategy, &mut gate)
+    }
+
+    pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+        self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
     }
 
     pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
