@@ -5,6 +5,7 @@
 //! The strategy plans and keeps the books; every driver call is made here, and the books
 //! are updated after each call that succeeded, so a failure midway leaves them exact.
 
+use super::grow::{Attempt, Grower, Request, Stage};
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::block::Block;
@@ -62,88 +63,75 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::resu
     }
 }
 
+/// Growth of the arena (`Pool::escalate`): a window of its ranges mapped (new memory, or
+/// the other range's free granules lent), stitches of free granules, spilled small blocks.
+pub(super) struct ArenaGrowth;
+
+impl Grower for ArenaGrowth {
+    fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt> {
+        let Request { rounded, key, stream, .. } = *req;
+        if stage == Stage::AsIs {
+            // Decay trims before planning: a release after it could unmap what the plan
+            // counts on.
+            pool.decay_before_grow(rounded);
+        }
+        // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
+        // stream's work cannot be waited for now) is not planned again in this growth: the
+        // same stitch would be chosen forever.
+        let mut may_evict = true;
+        loop {
+            let plan = pool.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
+            let served = match plan {
+                None => return Ok(Attempt::Nothing),
+                Some(Growth::Evict { id }) => {
+                    // A stitch whose alias removal failed is left broken (never chosen
+                    // again); one whose stream could not be waited for stays cached.
+                    if pool.drop_stitch(id).is_err() {
+                        may_evict = false;
+                    }
+                    continue;
+                }
+                Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
+                Some(Growth::Stitch { base, homes, fresh }) => pool.make_stitch(base, homes, &fresh, key, stream),
+                Some(Growth::Window { space, window }) => {
+                    let spilled = if window.targets.is_empty() {
+                        None
+                    } else {
+                        pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled(rounded, key, gate))
+                    };
+                    match spilled {
+                        Some(b) => Ok(b),
+                        None => pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key)),
+                    }
+                }
+            };
+            return match served {
+                Ok(b) => Ok(Attempt::Served(b)),
+                Err(GrowFail::OutOfMemory { by_limit }) => Ok(Attempt::Refused { by_limit }),
+                Err(GrowFail::Other(e)) => Err(e),
+            };
+        }
+    }
+
+    fn before_release(&self, pool: &mut Pool, _stage: Stage, _covered: bool) -> bool {
+        // What the stages moved back joins the searchable books, and the cache is tried
+        // before any granule goes back.
+        pool.strategy.flush_deferred();
+        true
+    }
+
+    fn release(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<bool> {
+        // The limit or the device refused new memory: free granules this request could not
+        // use (the other space's, edges of the other class) go back, some, then all. Those
+        // it could use were stitched already.
+        let want = if stage == Stage::ReleaseSome { Some(req.rounded) } else { None };
+        Ok(pool.release_cached(want)? > 0)
+    }
+}
+
 impl Pool {
     fn arena(&mut self) -> &mut ArenaStrategy {
         self.strategy.as_arena().expect("called for arena pools only")
-    }
-
-    /// Serve `rounded` bytes by mapping a window (`Pool::grow` for the arena), escalating as
-    /// the segment pools do: as is, after flushing thread caches and CuPy frees, after
-    /// waiting for deferred frees.
-    pub(super) fn grow_arena(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<crate::block::Block> {
-        let mut by_limit = false;
-        for stage in 0..3 {
-            if stage > 0 {
-                self.flush_thread_caches(Some(stream));
-                self.fence_unfenced();
-                if stage == 1 {
-                    self.cover_by_device_sync();
-                }
-                if stage == 2 {
-                    self.finish_pending(true);
-                }
-                self.strategy.flush_deferred();
-                if retake {
-                    if let Some(b) = self.take_cached(rounded, key, stream) {
-                        return Ok(b);
-                    }
-                }
-                // The limit or the device refused new memory: free granules this request
-                // could not use (the other space's, edges of the other class) go back,
-                // some, then all. Those it could use were stitched already.
-                let want = if stage == 1 { Some(rounded) } else { None };
-                if self.release_cached(want)? > 0 && retake {
-                    if let Some(b) = self.take_cached(rounded, key, stream) {
-                        return Ok(b);
-                    }
-                }
-            }
-            if stage == 0 {
-                // Decay trims before planning: a release after it could unmap what the
-                // plan counts on.
-                self.decay_before_grow(rounded);
-            }
-            // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
-            // stream's work cannot be waited for now) is not planned again in this growth:
-            // the same stitch would be chosen forever.
-            let mut may_evict = true;
-            loop {
-                let plan = self.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
-                let served = match plan {
-                    None => break,
-                    Some(Growth::Evict { id }) => {
-                        // A stitch whose alias removal failed is left broken (never chosen
-                        // again); one whose stream could not be waited for stays cached.
-                        if self.drop_stitch(id).is_err() {
-                            may_evict = false;
-                        }
-                        continue;
-                    }
-                    Some(Growth::Reuse { id, first, granules }) => Ok(self.arena().carve_stitch(id, first, granules, key, true)),
-                    Some(Growth::Stitch { base, homes, fresh }) => self.make_stitch(base, homes, &fresh, key, stream),
-                    Some(Growth::Window { space, window }) => {
-                        let spilled = if window.targets.is_empty() {
-                            None
-                        } else {
-                            self.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled(rounded, key, gate))
-                        };
-                        match spilled {
-                            Some(b) => Ok(b),
-                            None => self.map_window(&window, key, stream).map(|()| self.arena().carve_window(space, &window, key)),
-                        }
-                    }
-                };
-                match served {
-                    Ok(b) => return Ok(b),
-                    Err(GrowFail::OutOfMemory { by_limit: l }) => {
-                        by_limit = l;
-                        break;
-                    }
-                    Err(GrowFail::Other(e)) => return Err(e),
-                }
-            }
-        }
-        Err(self.oom(size, rounded, by_limit))
     }
 
     /// Back every unmapped granule of `window`: first with the other range's free granules

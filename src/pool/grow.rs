@@ -1,8 +1,11 @@
 //! Finding memory for a request: the cache first, then PyTorch's escalation order (flush
 //! deferred frees, thread caches' reusable blocks, a device-wide wait where frees no event
 //! covers would otherwise make the pool grow, new segments, releasing some cached memory,
-//! then all of it) and the out-of-memory report. The arena grows through `arena.rs`.
+//! then all of it) and the out-of-memory report. The escalation is one loop (`escalate`)
+//! for every growth path of the main cache: segment pools grow here, the arena through
+//! `arena.rs`.
 
+use super::arena::ArenaGrowth;
 use super::{Pool, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
@@ -10,6 +13,104 @@ use crate::strategy::Strategy;
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::AllocError;
+
+/// A request the cache could not serve: `size` bytes asked for, `rounded` by the strategy,
+/// on `stream` (`key`).
+#[derive(Clone, Copy)]
+pub(super) struct Request {
+    pub size: usize,
+    pub rounded: usize,
+    pub key: StreamKey,
+    pub stream: StreamHandle,
+}
+
+/// The stages of the escalation (`Pool::escalate`): as is, after releasing some cached
+/// memory, after releasing all of it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stage {
+    AsIs,
+    ReleaseSome,
+    ReleaseAll,
+}
+
+/// What one attempt to serve a request with new memory came to.
+pub(super) enum Attempt {
+    Served(Block),
+    /// The upstream or the limit (`by_limit`) refused new memory.
+    Refused { by_limit: bool },
+    /// Nothing could be tried (the arena found no plan): the out-of-memory report keeps
+    /// the cause an earlier stage found.
+    Nothing,
+}
+
+/// A growth path's part in the escalation (`Pool::escalate`): how it serves a request once
+/// with new memory, and how it gives cached memory back between stages. Segment pools
+/// reserve segments (`SegmentGrowth`); the arena maps windows (`ArenaGrowth`, `arena.rs`).
+pub(super) trait Grower {
+    /// Serve `req` with new memory at `stage`.
+    fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt>;
+    /// This path's steps at a later `stage` after the shared ones (thread caches flushed,
+    /// CuPy's frees fenced, and the device waited for where that covers frees (`covered`)
+    /// or the deferred frees finished), before memory is released: whether to try the
+    /// cache now.
+    fn before_release(&self, pool: &mut Pool, stage: Stage, covered: bool) -> bool;
+    /// Release cached memory for `stage`; whether to try the cache again after it.
+    fn release(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<bool>;
+}
+
+/// Growth of the segment pools: a new segment of the strategy's `preferred` size, else
+/// one of just the request.
+struct SegmentGrowth {
+    preferred: usize,
+}
+
+impl Grower for SegmentGrowth {
+    fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt> {
+        let Request { rounded, key, stream, .. } = *req;
+        // The preferred segment first; when it does not fit, just the request.
+        let mut sizes = [self.preferred, rounded];
+        let n = if self.preferred == rounded { 1 } else { 2 };
+        sizes[..n].sort_unstable_by(|a, b| b.cmp(a));
+        let mut by_limit = false;
+        for &seg_size in &sizes[..n] {
+            if stage == Stage::AsIs {
+                pool.decay_before_grow(seg_size);
+            }
+            let Some(got) = pool.within_budget(seg_size, |up| up.allocate(seg_size, stream)) else {
+                by_limit = seg_size == rounded;
+                continue;
+            };
+            match got {
+                Ok(base) => {
+                    pool.book_segment(base, seg_size, stream);
+                    if key != StreamKey::LEGACY && pool.upstream.stream_ordered() {
+                        // Stream-ordered upstreams make the memory valid on `stream` only;
+                        // cover it so another stream reusing the remainder waits. (Other
+                        // upstreams' memory is idle when it arrives: nothing to cover.)
+                        let _ = pool.streams.record_now(&mut *pool.upstream, key, stream);
+                    }
+                    let seg = Segment { base, size: seg_size, stream: key };
+                    return Ok(Attempt::Served(pool.strategy.add_segment(seg, rounded)));
+                }
+                Err(AllocError::OutOfMemory) => by_limit = false,
+                Err(AllocError::Other(e)) => return Err(e),
+            }
+        }
+        Ok(Attempt::Refused { by_limit })
+    }
+
+    fn before_release(&self, _pool: &mut Pool, stage: Stage, covered: bool) -> bool {
+        stage == Stage::ReleaseSome && covered
+    }
+
+    fn release(&self, pool: &mut Pool, _req: &Request, stage: Stage) -> Result<bool> {
+        // A release the driver refuses keeps its segment for later; the request may still
+        // be served by what did go back or by the upstream.
+        let want = if stage == Stage::ReleaseSome { Some(self.preferred) } else { None };
+        let _ = pool.release_cached(want);
+        Ok(true)
+    }
+}
 
 impl Pool {
     /// May the pool wait for the whole device now? Not while a capture on this device may
@@ -96,10 +197,10 @@ impl Pool {
         self.grow(size, rounded, key, stream, true)
     }
 
-    /// Reserve a new segment and carve the block from it, escalating (release some cache,
-    /// then all of it) when the upstream or the limit refuses; `retake`: between stages,
-    /// try the cache again (false when the cached candidate is known not to fit). The
-    /// arena maps a window instead (`arena.rs`).
+    /// Serve the request with new memory, escalating when the upstream or the limit
+    /// refuses (`escalate`): a new segment carved for it, or, in the arena, a mapped window
+    /// (`arena.rs`). `retake`: between stages, try the cache again (false when the cached
+    /// candidate is known not to fit).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
         if key != StreamKey::LEGACY && self.streams.is_uncovered(key) && !self.capturing(stream, true) {
             // This call names the stream, so it is alive now: cover its earlier frees (those
@@ -108,73 +209,52 @@ impl Pool {
             // stream captures a graph: an event recorded there belongs to the graph.)
             let _ = self.streams.record_now(&mut *self.upstream, key, stream);
         }
+        let req = Request { size, rounded, key, stream };
         if self.strategy.as_arena_ref().is_some() {
-            return self.grow_arena(size, rounded, key, stream, retake);
+            return self.escalate(&req, retake, &ArenaGrowth);
         }
         let preferred = match self.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
         };
-        // Escalation: 0 = as is, 1 = after releasing some cache, 2 = after releasing all.
+        self.escalate(&req, retake, &SegmentGrowth { preferred })
+    }
+
+    /// The out-of-memory escalation of every growth path of the main cache: serve as is;
+    /// then, twice, flush the thread caches and fence CuPy's frees, wait for the device
+    /// where frees no event covers could serve (first time) or finish the deferred frees,
+    /// waiting (second time), release cached memory (some, then all), trying the cache
+    /// around that release where `how` says, and serve again; then out of memory.
+    fn escalate(&mut self, req: &Request, retake: bool, how: &impl Grower) -> Result<Block> {
+        let Request { size, rounded, key, stream } = *req;
         let mut by_limit = false;
-        for stage in 0..3 {
-            match stage {
-                // A release the driver refuses keeps its segment for later; the request
-                // may still be served by what did go back or by the upstream.
-                1 => {
-                    self.flush_thread_caches(Some(stream));
-                    self.fence_unfenced();
-                    // Blocks no event covers may serve once the device is idle: before any
-                    // memory goes back for a new segment.
-                    if self.cover_by_device_sync() && retake {
-                        if let Some(b) = self.take_cached(rounded, key, stream) {
-                            return Ok(b);
-                        }
-                    }
-                    let _ = self.release_cached(Some(preferred));
-                }
-                2 => {
-                    self.flush_thread_caches(Some(stream));
-                    self.fence_unfenced();
+        for stage in [Stage::AsIs, Stage::ReleaseSome, Stage::ReleaseAll] {
+            if stage != Stage::AsIs {
+                self.flush_thread_caches(Some(stream));
+                self.fence_unfenced();
+                // Blocks no event covers may serve once the device is idle: before any
+                // memory goes back.
+                let covered = if stage == Stage::ReleaseSome {
+                    self.cover_by_device_sync()
+                } else {
                     self.finish_pending(true);
-                    let _ = self.release_cached(None);
-                }
-                _ => {}
-            }
-            if stage > 0 && retake {
-                if let Some(b) = self.take_cached(rounded, key, stream) {
-                    return Ok(b);
-                }
-            }
-            // The preferred segment first; when it does not fit, just the request.
-            let mut sizes = [preferred, rounded];
-            let n = if preferred == rounded { 1 } else { 2 };
-            sizes[..n].sort_unstable_by(|a, b| b.cmp(a));
-            for &seg_size in &sizes[..n] {
-                if stage == 0 {
-                    self.decay_before_grow(seg_size);
-                }
-                let Some(got) = self.within_budget(seg_size, |up| up.allocate(seg_size, stream)) else {
-                    by_limit = seg_size == rounded;
-                    continue;
+                    false
                 };
-                match got {
-                    Ok(base) => {
-                        self.book_segment(base, seg_size, stream);
-                        if key != StreamKey::LEGACY && self.upstream.stream_ordered() {
-                            // Stream-ordered upstreams make the memory valid on `stream` only;
-                            // cover it so another stream reusing the remainder waits. (Other
-                            // upstreams' memory is idle when it arrives: nothing to cover.)
-                            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
-                        }
-                        let seg = Segment { base, size: seg_size, stream: key };
-                        return Ok(self.strategy.add_segment(seg, rounded));
+                if how.before_release(self, stage, covered) && retake {
+                    if let Some(b) = self.take_cached(rounded, key, stream) {
+                        return Ok(b);
                     }
-                    Err(AllocError::OutOfMemory) => {
-                        by_limit = false;
-                    }
-                    Err(AllocError::Other(e)) => return Err(e),
                 }
+                if how.release(self, req, stage)? && retake {
+                    if let Some(b) = self.take_cached(rounded, key, stream) {
+                        return Ok(b);
+                    }
+                }
+            }
+            match how.serve(self, req, stage)? {
+                Attempt::Served(b) => return Ok(b),
+                Attempt::Refused { by_limit: l } => by_limit = l,
+                Attempt::Nothing => {}
             }
         }
         Err(self.oom(size, rounded, by_limit))
