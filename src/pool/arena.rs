@@ -1,22 +1,28 @@
-//! The pool's side of the `arena` strategy: reserving its address space, the driver calls
-//! that serve a planned growth (new memory under a window, or aliases for a stitch), and
-//! giving whole free granules back under pressure (stitches over them first).
+//! The pool's side of the `arena` strategy: reserving its address space, its part in the
+//! out-of-memory escalation (`ArenaGrowth`: the driver calls that serve a planned growth,
+//! new memory under a window or aliases for a stitch), and giving whole free granules back
+//! under pressure (stitches over them first). What the reports say of it is in
+//! `arena/figures.rs`.
 //!
 //! The strategy plans and keeps the books; every driver call is made here, and the books
 //! are updated after each call that succeeded, so a failure midway leaves them exact.
+
+mod figures;
+
+pub use figures::ArenaFigures;
 
 use super::grow::{Attempt, Grower, Request, Stage};
 use super::Pool;
 use crate::error::{Error, Result};
 use crate::block::Block;
-use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaCounters, ArenaStrategy, Growth};
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth};
 use crate::strategy::{ReleaseOrder, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::{AliasFail, AllocError, Upstream};
 
 /// Why a growth failed.
-pub(super) enum GrowFail {
+enum GrowFail {
     /// Not enough memory (device or limit): release or flush, then retry.
     OutOfMemory { by_limit: bool },
     Other(Error),
@@ -402,131 +408,6 @@ impl Pool {
             if self.upstream.vmm_unreserve(base, len).is_ok() {
                 crate::owners::remove(base, self.device, self.shard);
             }
-        }
-    }
-
-    /// The arena's figures for the reports (`None` for other pools); a device's reports add
-    /// its shards' up.
-    pub fn arena_figures(&self) -> Option<ArenaFigures> {
-        let a = self.strategy.as_arena_ref()?;
-        let usage = a.space_usage();
-        Some(ArenaFigures {
-            granule: a.granule(),
-            mapped: a.mapped_bytes(),
-            address_space: a.reserved_address_space(),
-            stitches: a.stitch_count(),
-            counters: a.counters,
-            small: usage[0],
-            large: usage[1],
-            memory: self.upstream.vmm_memory_kind(),
-            leaked: self.arena_leaked,
-        })
-    }
-}
-
-/// What the reports say of an arena: one pool's figures, or a device's shards added up
-/// (`add`), so a device whose streams allocate on several shards reports all of them.
-#[derive(Clone, Debug, Default)]
-pub struct ArenaFigures {
-    pub granule: usize,
-    /// Bytes of memory mapped, and address space reserved.
-    pub mapped: usize,
-    pub address_space: usize,
-    /// Stitches cached now.
-    pub stitches: usize,
-    pub counters: ArenaCounters,
-    /// (mapped, free) bytes of the small and of the large range: where the mapped memory
-    /// that serves nothing lies.
-    pub small: (usize, usize),
-    pub large: (usize, usize),
-    /// What its granules are created as (`Upstream::vmm_memory_kind`).
-    pub memory: String,
-    /// Bytes of granules unmapped whose memory the driver would not release (lost until
-    /// the process ends).
-    pub leaked: usize,
-}
-
-impl ArenaFigures {
-    /// Add another shard's arena.
-    pub fn add(&mut self, o: &ArenaFigures) {
-        self.granule = self.granule.max(o.granule);
-        self.mapped += o.mapped;
-        self.address_space += o.address_space;
-        self.stitches += o.stitches;
-        let (c, d) = (&mut self.counters, &o.counters);
-        c.granules_mapped += d.granules_mapped;
-        c.granules_unmapped += d.granules_unmapped;
-        c.stitches_made += d.stitches_made;
-        c.stitch_reuses += d.stitch_reuses;
-        c.stitches_dropped += d.stitches_dropped;
-        c.granules_aliased += d.granules_aliased;
-        c.granules_lent += d.granules_lent;
-        c.loans_ended += d.loans_ended;
-        self.small = (self.small.0 + o.small.0, self.small.1 + o.small.1);
-        self.large = (self.large.0 + o.large.0, self.large.1 + o.large.1);
-        if self.memory.is_empty() {
-            self.memory.clone_from(&o.memory);
-        }
-        self.leaked += o.leaked;
-    }
-
-    /// The `arena` object of the JSON report.
-    pub fn json(&self) -> String {
-        let c = self.counters;
-        format!(
-            concat!(
-                "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
-                "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
-                "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
-                "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{},",
-                "\"memory\":\"{}\",\"leaked_bytes\":{}}}"
-            ),
-            self.granule,
-            self.mapped,
-            self.address_space,
-            c.granules_mapped,
-            c.granules_unmapped,
-            self.stitches,
-            c.stitches_made,
-            c.stitch_reuses,
-            c.stitches_dropped,
-            c.granules_aliased,
-            c.granules_lent,
-            c.loans_ended,
-            self.small.0,
-            self.small.1,
-            self.large.0,
-            self.large.1,
-            self.memory,
-            self.leaked
-        )
-    }
-
-    /// The arena's line of the status report.
-    pub fn text(&self) -> String {
-        let (c, h, g) = (self.counters, crate::error::human_bytes, self.granule.max(1));
-        format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free; granules created as {}",
-            h(self.mapped),
-            self.mapped / g,
-            h(g),
-            h(self.address_space),
-            c.granules_mapped,
-            c.granules_unmapped,
-            c.granules_lent - c.loans_ended,
-            self.stitches,
-            c.stitches_made,
-            c.stitch_reuses,
-            c.stitches_dropped,
-            h(self.small.0),
-            h(self.small.1),
-            h(self.large.0),
-            h(self.large.1),
-            if self.memory.is_empty() { "plain memory" } else { &self.memory }
-        ) + &if self.leaked > 0 {
-            format!("; {} unmapped whose memory the driver would not release (leaked)", h(self.leaked))
-        } else {
-            String::new()
         }
     }
 }

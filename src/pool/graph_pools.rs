@@ -1,8 +1,7 @@
 //! Private pools: memory set aside for a CUDA graph capture, a PyTorch graph pool or
-//! `MemPool`, or a capture announced from C or CuPy.
-//!
-//! (Over 500 lines on purpose: routes, the private pools' books and the capture rules they
-//! obey change together; each half alone would not say when memory may move.)
+//! `MemPool`, or a capture announced from C or CuPy. This file keeps the private pools'
+//! books and memory (allocation, growth, frees, release); `graph_pools/routes.rs` decides
+//! which allocations go to them and what a capture in progress forbids.
 //!
 //! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
 //! uses them at every replay, long after the capture freed them. Such memory must not go
@@ -28,6 +27,11 @@
 //! - While any route is active the upstream makes its calls in relaxed capture mode, and
 //!   frees on a capturing stream record no event (`StreamTracker::on_free_capturing`).
 
+mod routes;
+
+pub use routes::{routes_active, Callback, Filter};
+pub(super) use routes::forget_routes;
+
 use super::{Live, Pool, NO_OWNER};
 use crate::block::{Block, Segment};
 use crate::error::{Error, Result};
@@ -35,9 +39,8 @@ use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::AllocError;
+use routes::Route;
 use rustc_hash::FxHashMap;
-use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A private pool's id: PyTorch's `MempoolId_t` (a pair), or one of the namespaces below.
 pub type PoolId = (u64, u64);
@@ -47,55 +50,6 @@ pub const C_POOL_TAG: u64 = u64::MAX;
 /// Second half of the ids of pools made for captures nobody announced (CuPy's
 /// `Stream.begin_capture` without the helper); the first half is the capture id.
 pub const IMPLICIT_POOL_TAG: u64 = u64::MAX - 1;
-
-/// Routes active in the whole process: while any is, the thread caches step aside so that
-/// every allocation reaches a pool that can route it (one relaxed load on the fast path).
-static ACTIVE_ROUTES: AtomicUsize = AtomicUsize::new(0);
-
-pub fn routes_active() -> bool {
-    ACTIVE_ROUTES.load(Ordering::Relaxed) != 0
-}
-
-/// `n` routes ended with their pool (dropped or reconfigured).
-pub(super) fn forget_routes(n: usize) {
-    ACTIVE_ROUTES.fetch_sub(n, Ordering::AcqRel);
-}
-
-/// A caller's predicate over stream handles (PyTorch's `std::function<bool(cudaStream_t)>`,
-/// wrapped by `torch_shim.cpp`). `drop` frees `ctx` when the route ends.
-pub struct Callback {
-    pub call: unsafe extern "C" fn(ctx: *mut c_void, stream: *mut c_void) -> c_int,
-    pub ctx: *mut c_void,
-    pub drop: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
-}
-
-// SAFETY: `ctx` is owned by the route and only used under the pool's lock; PyTorch's
-// predicate only asks the driver about the stream, which is valid from any thread.
-unsafe impl Send for Callback {}
-
-impl Drop for Callback {
-    fn drop(&mut self) {
-        if let Some(d) = self.drop {
-            // SAFETY: the creator handed us `ctx` with this destructor, to call once.
-            unsafe { d(self.ctx) };
-        }
-    }
-}
-
-/// Which allocations a route takes.
-pub enum Filter {
-    /// Streams taking part in this capture sequence (`cuStreamGetCaptureInfo` id).
-    Capture(u64),
-    /// Exactly this stream (announced while not capturing: a `MemPool`-like scope).
-    Stream(StreamKey),
-    /// Whatever the caller's predicate accepts.
-    Callback(Callback),
-}
-
-struct Route {
-    id: PoolId,
-    filter: Filter,
-}
 
 struct PrivatePool {
     strategy: Box<dyn Strategy>,
@@ -195,68 +149,6 @@ impl PrivatePools {
 }
 
 impl Pool {
-    /// Route allocations that `filter` accepts to the private pool `id` (made if new; one
-    /// more use) until `end_allocate_to_pool(id)`.
-    pub fn begin_allocate_to_pool(&mut self, id: PoolId, filter: Filter) -> Result<()> {
-        self.running()?;
-        self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
-        self.graphs.routes.push(Route { id, filter });
-        ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
-        self.upstream.set_capture_relaxed(true);
-        Ok(())
-    }
-
-    /// Stop routing to `id` (the latest route to it). Allocations go to the main cache again.
-    pub fn end_allocate_to_pool(&mut self, id: PoolId) -> Result<()> {
-        let Some(i) = self.graphs.routes.iter().rposition(|r| r.id == id) else {
-            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.device)));
-        };
-        self.graphs.routes.remove(i);
-        ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
-        if self.graphs.routes.is_empty() {
-            self.upstream.set_capture_relaxed(false);
-            self.replay_capture_deferred();
-            self.release_unused_private_pools();
-        }
-        Ok(())
-    }
-
-    /// Frees held past a capture (`defer_past_capture`), now that no route is active: their
-    /// extra streams get events as in any free.
-    fn replay_capture_deferred(&mut self) {
-        for (block, extra) in std::mem::take(&mut self.graphs.capture_deferred) {
-            let mut events = Vec::new();
-            let mut uncovered = false;
-            for &h in &extra {
-                match self.streams.record_on(&mut *self.upstream, h) {
-                    Ok(ev) => events.push(ev),
-                    Err(_) => uncovered = true,
-                }
-            }
-            if uncovered {
-                // No event says when that stream's work is done: wait for the whole device,
-                // or, where none may be made now, hold the free for the next replay.
-                if self.wait_for_device().is_err() {
-                    for ev in events {
-                        self.streams.recycle(ev);
-                    }
-                    self.graphs.capture_deferred.push((block, extra));
-                    continue;
-                }
-            }
-            if events.is_empty() {
-                let _ = self.put_block(block, None);
-            } else {
-                self.pending.push(super::Pending { block, events });
-            }
-        }
-    }
-
-    /// Hold a main-pool free until no route is active (see `capture_deferred`).
-    pub(super) fn defer_past_capture(&mut self, block: Block, extra: Vec<StreamHandle>) {
-        self.graphs.capture_deferred.push((block, extra));
-    }
-
     /// Keep a private block out of reuse until its pool goes (see `quarantined`).
     pub(super) fn quarantine_private(&mut self, block: Block, id: PoolId) -> Result<()> {
         let Some(pool) = self.graphs.pools.get_mut(&id) else {
@@ -382,50 +274,6 @@ impl Pool {
         self.destroy_if_unused(id).map(|_| ())
     }
 
-    /// Which private pool an allocation on `stream` goes to, if a route takes it. The capture
-    /// id is asked at most once per call.
-    pub(super) fn route(&mut self, stream: StreamHandle) -> Result<Option<PoolId>> {
-        let mut capture: Option<Option<u64>> = None;
-        let mut key: Option<StreamKey> = None;
-        for i in (0..self.graphs.routes.len()).rev() {
-            let hit = match &self.graphs.routes[i].filter {
-                Filter::Capture(cid) => {
-                    let cid = *cid;
-                    if capture.is_none() {
-                        capture = Some(self.upstream.capture_id(stream)?);
-                    }
-                    capture == Some(Some(cid))
-                }
-                Filter::Stream(k) => {
-                    let k = *k;
-                    if key.is_none() {
-                        key = Some(self.streams.key(&mut *self.upstream, stream)?);
-                    }
-                    key == Some(k)
-                }
-                // SAFETY: the creator's predicate with its own context.
-                Filter::Callback(cb) => unsafe { (cb.call)(cb.ctx, stream as *mut c_void) != 0 },
-            };
-            if hit {
-                return Ok(Some(self.graphs.routes[i].id));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Whether `stream` is capturing a graph, asked only while routes are active (or when
-    /// the caller asks, `check`): frees there must not record events.
-    pub(super) fn capturing(&mut self, stream: StreamHandle, check: bool) -> bool {
-        if !(check || self.graphs.has_routes()) || crate::stream::is_legacy(stream) {
-            return false;
-        }
-        let capture = self.upstream.capture_id(stream).ok().flatten();
-        if !self.graphs.has_routes() {
-            self.graphs.note_capture(stream, capture);
-        }
-        capture.is_some()
-    }
-
     /// Release the private pool `id` if nobody uses it and nothing in it is live: wait for
     /// the device once, then give every segment back.
     fn destroy_if_unused(&mut self, id: PoolId) -> Result<usize> {
@@ -502,38 +350,6 @@ impl Pool {
             }
             let _ = self.destroy_if_unused(id);
         }
-    }
-
-    /// The capture sequence `stream` takes part in, if it is capturing.
-    pub fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
-        self.upstream.capture_id(stream)
-    }
-
-    /// The pool's identity for `stream`.
-    pub fn stream_key(&mut self, stream: StreamHandle) -> Result<StreamKey> {
-        self.streams.key(&mut *self.upstream, stream)
-    }
-
-    /// CuPy's allocation on its current stream: a route takes it first; else a stream that
-    /// captures a graph nobody announced gets a private pool for that capture (released by
-    /// `gpupool_release_capture`), since the graph keeps using what it was given.
-    pub fn malloc_detecting_capture(&mut self, size: usize, stream: StreamHandle) -> Result<usize> {
-        self.running()?;
-        if size != 0 && !crate::stream::is_legacy(stream) {
-            if self.graphs.has_routes() {
-                if let Some(id) = self.route(stream)? {
-                    return self.malloc_private(size, stream, id);
-                }
-            }
-            let capture = self.upstream.capture_id(stream)?;
-            if !self.graphs.has_routes() {
-                self.graphs.note_capture(stream, capture);
-            }
-            if let Some(cid) = capture {
-                return self.malloc_private(size, stream, (cid, IMPLICIT_POOL_TAG));
-            }
-        }
-        self.malloc(size, stream)
     }
 
     /// Private pools for the status report: `(pools, reserved bytes, free bytes)`.

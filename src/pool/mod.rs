@@ -1,11 +1,18 @@
 //! One device's pool: the facade that ties a strategy, an upstream and the stream tracker
 //! together, and owns the live-pointer map, the limit, the counters and the OOM escalation.
+//! Allocation, limits and the pool's lifetime are here. Elsewhere: frees (one entry point,
+//! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
+//! and the escalation in `grow.rs`, the arena's driver calls in `arena.rs`; giving memory
+//! back in `release.rs`; private pools for CUDA graphs in `graph_pools.rs`; the pool's side
+//! of the thread caches in `thread_caches/`; exports to other processes in `ipc.rs`;
+//! reports and snapshots in `reports.rs` and `snapshot.rs`; the budget a device's shards
+//! share in `budget.rs`; how a pool is built in `options.rs`.
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the
-//! minimal one) → wait for the whole device if some stream's frees are covered by no event
-//! (`cover_by_device_sync`), release some cached segments and retry → release all cached
-//! segments (and finish deferred frees, synchronising) and retry → out of memory.
+//! minimal one; the arena maps a window) → wait for the whole device if some stream's frees
+//! are covered by no event (`cover_by_device_sync`), release some cached memory and retry →
+//! release all of it (and finish deferred frees, synchronising) and retry → out of memory.
 //!
 //! A `Pool` is not thread-safe by itself; `crate::registry` puts each behind a lock (a
 //! device has one `Pool` per shard, see there; the shards share one `Budget`).
@@ -30,6 +37,7 @@ mod free;
 mod grow;
 mod ipc;
 mod graph_pools;
+mod options;
 mod release;
 mod reports;
 mod snapshot;
@@ -39,70 +47,13 @@ pub use arena::ArenaFigures;
 pub use budget::Budget;
 pub use free::FreeOn;
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
+pub use options::PoolOptions;
 
-/// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait.
-/// A legacy-stream event record costs 0.26–0.52 µs on the H200 (`hotpath_bench`); 32 blocks
-/// per fence make it ~10–16 ns per free, at the price of up to 32 blocks (≤ 64 MiB) waiting.
+/// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait
+/// for one legacy-stream event record, so one record serves many frees, at the price of
+/// that much freed memory not yet reusable.
 pub const UNFENCED_MAX_BLOCKS: usize = 32;
 pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
-
-/// How to build a pool.
-#[derive(Clone, Debug)]
-pub struct PoolOptions {
-    pub kind: PoolKind,
-    pub limit: Option<LimitSpec>,
-    /// Full invariant scan after every operation (tests).
-    pub check_invariants: bool,
-    /// TEST ONLY: ignore streams when reusing blocks (see `Config::unsafe_ignore_streams`).
-    pub unsafe_ignore_streams: bool,
-    /// `GPUPOOL_DEBUG` level (0, 1, 2): what each live allocation records.
-    pub debug: u8,
-    /// Where events go (`GPUPOOL_TRACE`), if anywhere.
-    pub tracer: Option<&'static Tracer>,
-    /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
-    pub decay_window: usize,
-    /// `GPUPOOL_ARENA_VA`: address space of the arena's large-block range (default: twice
-    /// the device's memory).
-    pub arena_va: Option<usize>,
-    /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream and CuPy frees for
-    /// their next allocation of the same size (`crate::thread_cache`); ignored where every
-    /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
-    /// test mode).
-    pub thread_cache: bool,
-    /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
-    pub event_batch: usize,
-    /// `GPUPOOL_EVENT_BATCH_BYTES`: bytes a user stream may leave unrecorded.
-    pub event_batch_bytes: usize,
-    /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
-    /// granules (`Pool::map_window`).
-    pub arena_lend: bool,
-    /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
-    pub budget: Option<std::sync::Arc<Budget>>,
-    /// Which shard of its device this pool is (0 for a device that is not sharded): the
-    /// address index (`crate::owners`) names it, so a free finds its pool.
-    pub shard: u16,
-}
-
-impl Default for PoolOptions {
-    fn default() -> Self {
-        PoolOptions {
-            kind: PoolKind::Split,
-            limit: None,
-            check_invariants: false,
-            unsafe_ignore_streams: false,
-            debug: 0,
-            tracer: None,
-            decay_window: crate::decay::DEFAULT_WINDOW,
-            arena_va: None,
-            thread_cache: true,
-            event_batch: crate::stream::EVENT_BATCH,
-            event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
-            arena_lend: true,
-            budget: None,
-            shard: 0,
-        }
-    }
-}
 
 /// A block handed out and not yet freed.
 struct Live {

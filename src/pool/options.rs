@@ -1,0 +1,65 @@
+//! How to build a pool (`PoolOptions`): the strategy, the limit, the stream and
+//! thread-cache settings, the shard and its shared budget, and the test switches
+//! (`crate::registry` fills them in from the configuration).
+
+use super::Budget;
+use crate::config::{LimitSpec, PoolKind};
+use crate::trace::Tracer;
+
+/// How to build a pool.
+#[derive(Clone, Debug)]
+pub struct PoolOptions {
+    pub kind: PoolKind,
+    pub limit: Option<LimitSpec>,
+    /// Full invariant scan after every operation (tests).
+    pub check_invariants: bool,
+    /// TEST ONLY: ignore streams when reusing blocks (see `Config::unsafe_ignore_streams`).
+    pub unsafe_ignore_streams: bool,
+    /// `GPUPOOL_DEBUG` level (0, 1, 2): what each live allocation records.
+    pub debug: u8,
+    /// Where events go (`GPUPOOL_TRACE`), if anywhere.
+    pub tracer: Option<&'static Tracer>,
+    /// `GPUPOOL_DECAY` window in allocations; 0 = keep all cached memory (`decay.rs`).
+    pub decay_window: usize,
+    /// `GPUPOOL_ARENA_VA`: address space of the arena's large-block range (default: twice
+    /// the device's memory).
+    pub arena_va: Option<usize>,
+    /// `GPUPOOL_THREAD_CACHE`: let threads keep their legacy-stream and CuPy frees for
+    /// their next allocation of the same size (`crate::thread_cache`); ignored where every
+    /// operation must reach the pool (debug records, trace, the `none` strategy, the unsafe
+    /// test mode).
+    pub thread_cache: bool,
+    /// `GPUPOOL_EVENT_BATCH`: user-stream frees per event record (`crate::stream`).
+    pub event_batch: usize,
+    /// `GPUPOOL_EVENT_BATCH_BYTES`: bytes a user stream may leave unrecorded.
+    pub event_batch_bytes: usize,
+    /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
+    /// granules (`Pool::map_window`).
+    pub arena_lend: bool,
+    /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
+    pub budget: Option<std::sync::Arc<Budget>>,
+    /// Which shard of its device this pool is (0 for a device that is not sharded): the
+    /// address index (`crate::owners`) names it, so a free finds its pool.
+    pub shard: u16,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            kind: PoolKind::Split,
+            limit: None,
+            check_invariants: false,
+            unsafe_ignore_streams: false,
+            debug: 0,
+            tracer: None,
+            decay_window: crate::decay::DEFAULT_WINDOW,
+            arena_va: None,
+            thread_cache: true,
+            event_batch: crate::stream::EVENT_BATCH,
+            event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
+            arena_lend: true,
+            budget: None,
+            shard: 0,
+        }
+    }
+}
