@@ -21,15 +21,14 @@
 //! creating its stream) can so find two live streams on one shard and another shard unused.
 //! Two streams sharing a shard cost far more than a lock: each is refused the other's blocks
 //! still pending on the other stream, the shard grows with driver calls, and blocks move
-//! across streams with event queries (seen on the H200: 308 and 550 `cuMemAlloc` calls and
-//! thousands of cross-stream reuses in a 16-thread row that a clean placement runs with 17
-//! and none). Those threads seldom meet on the lock (their thread caches take none), so a
-//! lock found taken is too rare a sign; and a lock contended by threads of *one* stream is
-//! no sign at all (moving that stream helps nobody). The sign used is the shard's *last
-//! allocating stream*: every locked allocation on a stream shard notes its stream there
-//! (`allocating`); one that finds another stream noted counts an alternation on the shard.
-//! Everything a shard notes is written only by its lock holder, on a cache line of its own:
-//! a shard one stream uses costs that stream's thread a line it already owns.
+//! across streams with event queries (docs/benchmarks.md has the figures). Those threads
+//! seldom meet on the lock (their thread caches take none), so a lock found taken is too
+//! rare a sign; and a lock contended by threads of *one* stream is no sign at all (moving
+//! that stream helps nobody). The sign used is the shard's *last allocating stream*: every
+//! locked allocation on a stream shard notes its stream there (`allocating`); one that
+//! finds another stream noted counts an alternation on the shard. Everything a shard notes
+//! is written only by its lock holder, on a cache line of its own: a shard one stream uses
+//! costs that stream's thread a line it already owns.
 //!
 //! Where a stream moves: after `MOVE_AFTER` alternations on its shard, the stream allocating
 //! then moves to a shard that made no locked allocation since the shard's halfway

@@ -2,7 +2,7 @@
 //! the same size on the same thread skips the device lock, the live-pointer map and the
 //! strategy.
 //!
-//! Why: a cached malloc+free pair costs ~120–200 ns through the locked pool, most of it two
+//! Why: a cached malloc+free pair through the locked pool spends most of its time in two
 //! uncontended mutex round trips (four atomic read-modify-writes) and the live map. Here a
 //! pair is two compare-and-swaps on words this thread owns.
 //!
@@ -86,8 +86,8 @@ thread_local! {
 /// The shard that served this thread's last call on (`device`, `stream`), valid while the
 /// registry's placement epoch stays `epoch`. Why: a thread mostly stays on one stream, and
 /// asking the registry costs two stream-table probes per pair (one to allocate, one to
-/// free) out of ~480 instructions on the fast path (callgrind, `examples/instr_per_step.rs
-/// streampair`). Placements change rarely (a device remade, a stream that shared its shard
+/// free), a large share of the fast path (`examples/instr_per_step.rs streampair` counts
+/// its instructions). Placements change rarely (a device remade, a stream that shared its shard
 /// moved), and each change bumps the epoch. A stale answer could only misplace an
 /// allocation, never lose a block: frees find their pool through the address index.
 #[derive(Clone, Copy)]
