@@ -329,3 +329,54 @@ def test_raw_cupy_route_finds_the_current_stream_getter_itself_on_host(library):
         print("ok", len(calls))
     """))
     assert out.startswith("ok")
+
+
+OTHER_USER_CHILD = """
+import sys, gpupool
+gpupool.configure(0, pool="split", upstream="host")
+try:
+    gpupool.ipc_open(bytes.fromhex(sys.argv[1]), 0)
+    print("mapped another user's memory")
+except gpupool.GpupoolError as e:
+    assert e.status == 2, e
+    assert "pass the descriptors yourself" in str(e), e
+    assert gpupool.stats_json(0)["ipc_imports"] == 0
+    print("refused:", e)
+"""
+
+
+def test_a_descriptor_fetched_by_another_user_is_refused_on_host(library):
+    # A descriptor names the exporter's pid and file descriptor numbers; an importer of
+    # another user may not take them out of the exporter (pidfd_getfd needs the right to
+    # ptrace it), and the refusal says what to do instead. Needs root to start the importer
+    # as another user.
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to start an importer as another user")
+    out = ok(run_py("""
+        import ctypes, os, subprocess, sys, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        p = ctypes.c_void_p()
+        assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        desc = gpupool.ipc_export(p.value)
+        # An interpreter the other user may run (this one may live in root's home).
+        def runnable(c):
+            try:
+                return subprocess.run([c, "-c", "import gpupool"], user=65534, group=65534, capture_output=True,
+                                      env=dict(os.environ, HOME="/tmp")).returncode == 0
+            except OSError:
+                return False
+        py = next((c for c in (sys.executable, "/usr/bin/python3") if runnable(c)), None)
+        if py is None:
+            print("skip: no interpreter here that another user may run with gpupool importable")
+            raise SystemExit(0)
+        r = subprocess.run([py, "-c", os.environ["OTHER_USER_CHILD"], desc.hex()], user=65534, group=65534,
+                           capture_output=True, text=True, env=dict(os.environ, HOME="/tmp"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.startswith("refused:"), r.stdout
+        print(r.stdout.strip())
+        print("ok")
+    """, env={"OTHER_USER_CHILD": OTHER_USER_CHILD}))
+    if out.startswith("skip:"):
+        pytest.skip(out.strip()[6:])
+    assert "ok" in out
