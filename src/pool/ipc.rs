@@ -13,7 +13,8 @@
 use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, ExportRecord, FdSource, FileId, SharedGranule, KIND_CUDA};
+use crate::upstream::export_record::ExportRecord;
+use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).

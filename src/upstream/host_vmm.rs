@@ -235,7 +235,7 @@ impl HostVmm {
             self.unmap_at(a).map_err(fail)?;
             if let Some(fd) = self.fd {
                 // Exports of it end before its offset can back another granule.
-                crate::upstream::shared::ExportRecord::granule_released(fd, off as u64);
+                crate::upstream::export_record::ExportRecord::granule_released(fd, off as u64);
             }
             self.release_offset(off);
         }
@@ -374,7 +374,7 @@ impl Drop for HostVmm {
         if let Some(fd) = self.fd.take() {
             // Every export of this file ends before its number can be reused.
             for off in self.mapped.values() {
-                crate::upstream::shared::ExportRecord::granule_released(fd, *off as u64);
+                crate::upstream::export_record::ExportRecord::granule_released(fd, *off as u64);
             }
             // SAFETY: our own descriptor.
             unsafe { libc::close(fd) };

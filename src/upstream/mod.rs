@@ -31,6 +31,7 @@
 
 pub mod calls;
 pub mod cuda;
+pub mod export_record;
 pub mod host;
 pub mod host_vmm;
 pub mod legacy_descriptor;

@@ -6,7 +6,9 @@
 //!
 //! A loan books its home as allocated in the home's range and the borrowed granule as mapped
 //! free memory in the other; it ends only when the borrowed granule is released (the pool
-//! removes the alias, and the home is free again in its own range).
+//! removes the alias, and the home is free again in its own range). A granule whose alias
+//! the driver would not remove (a failed loan) stays in quarantine, booked as allocated,
+//! until the pool removes it (`quarantine`, `unstick`).
 
 use super::{plan, ArenaStrategy, FreeRun, SMALL};
 use crate::block::Block;
@@ -84,4 +86,27 @@ impl ArenaStrategy {
         n.addr
     }
 
+    /// The pool could not remove the alias left at the unmapped granule `at` (a failed loan):
+    /// keep everything off it until `unstick`.
+    pub fn quarantine(&mut self, at: usize, stream: StreamKey) {
+        let si = self.space_of(at);
+        self.spaces[si].mark_mapped(at, self.granule, stream);
+        let b = self.spaces[si].carve_range(at, self.granule, stream);
+        self.stuck.insert(at, b.handle);
+    }
+
+    /// Granules in quarantine, for the pool to retry removing their aliases.
+    pub fn stuck(&self) -> Vec<usize> {
+        self.stuck.keys().copied().collect()
+    }
+
+    /// The alias at quarantined granule `at` is gone: it is unmapped address space again.
+    pub fn unstick(&mut self, at: usize) {
+        let slot = self.stuck.remove(&at).expect("a quarantined granule");
+        let si = self.space_of(at);
+        let n = *self.spaces[si].node(slot);
+        let base = self.spaces[si].base;
+        self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: StreamKey::LEGACY, handle: slot });
+        self.spaces[si].mark_unmapped(at, self.granule);
+    }
 }

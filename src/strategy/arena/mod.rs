@@ -1,9 +1,5 @@
 //! `arena`: a pool that does not fragment, built on the virtual memory management API.
 //!
-//! (Over 500 lines on purpose: the arena's books across its three address ranges and its
-//! stitch cache change together; `space.rs`, `plan.rs` and `stitch.rs` hold the parts that
-//! stand alone.)
-//!
 //! Each device reserves large address ranges up front (`space.rs`): one for small requests
 //! (<= 1 MiB, so their long-lived crumbs never pin the granules large tensors need), one
 //! for the rest, and one for stitches. Physical memory is mapped into them granule by
@@ -23,6 +19,7 @@
 //! The strategy plans and keeps the books; the pool (`pool/arena.rs`) makes the driver
 //! calls, so all of this is testable without a GPU.
 
+mod export;
 mod loans;
 pub mod plan;
 pub mod space;
@@ -32,6 +29,7 @@ use super::{ReleaseOrder, Strategy};
 use crate::block::{round_up, Block, Segment};
 use crate::upstream::stream_id::StreamKey;
 use space::{FreeRun, Space, ROUND};
+use export::Exports;
 use stitch::Stitches;
 
 /// Requests up to this size live in the small space.
@@ -87,15 +85,8 @@ pub struct ArenaStrategy {
     /// there, until the pool removes the alias (`stuck`, `unstick`). They hold no memory of
     /// their own: the home is still free in its range.
     stuck: std::collections::BTreeMap<usize, space::Slot>,
-    /// Exported blocks (`guard_export`): block address -> the free memory of its granules,
-    /// booked as allocated in its space (space, node) while the block lives, so no other
-    /// block is placed where the importing process can read and write.
-    exported: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
-    /// Bytes those guards hold (free memory set aside: counted as cached).
-    guard_bytes: usize,
-    /// Exported blocks -> where their exports are recorded: a block freed ends them
-    /// (`put`), so a descriptor of it cannot map memory that serves another block.
-    export_records: rustc_hash::FxHashMap<usize, Vec<crate::upstream::shared::RecordRef>>,
+    /// Exported blocks: their guards and export records (`export.rs`).
+    exports: Exports,
     pub counters: ArenaCounters,
 }
 
@@ -109,9 +100,7 @@ impl ArenaStrategy {
             loans: Default::default(),
             small_loans: 0,
             stuck: Default::default(),
-            exported: Default::default(),
-            guard_bytes: 0,
-            export_records: Default::default(),
+            exports: Exports::default(),
             counters: ArenaCounters::default(),
         }
     }
@@ -236,62 +225,6 @@ impl ArenaStrategy {
         self.spaces[LARGE].take_scrap(rounded, stream, reusable)
     }
 
-    /// Make the live block `[addr, addr + size)` exportable: another process maps whole
-    /// granules (`gpupool_ipc_export`), so the granules under the block must hold nothing
-    /// else while it lives. Refused (saying why) where another live block shares one; free
-    /// memory in them is set aside until the block is freed (`put`). A stitched block's
-    /// granules are its own already.
-    pub fn guard_export(&mut self, addr: usize, size: usize) -> Result<(), String> {
-        if self.stitches.contains(addr) || self.exported.contains_key(&addr) {
-            return Ok(());
-        }
-        let g = self.granule;
-        let si = self.space_of(addr);
-        let (first, end) = (addr & !(g - 1), (addr + size).div_ceil(g) * g);
-        let overlapping: Vec<(space::Node, space::Slot)> =
-            self.spaces[si].walk().filter(|(_, n)| n.addr < end && n.end() > first).map(|(s, n)| (*n, s)).collect();
-        if let Some((n, _)) = overlapping.iter().find(|(n, _)| n.state == space::State::Allocated && n.addr != addr) {
-            return Err(format!(
-                "the block shares its {} KiB granule(s) with the live block at {:#x}, which the importer could then read and \
-                 write; allocate what you share at least one granule ({} KiB) large, before smaller blocks fill its granules, \
-                 or copy it into such a block",
-                g >> 10,
-                n.addr,
-                g >> 10
-            ));
-        }
-        let mut guards = Vec::new();
-        for (n, _) in overlapping.into_iter().filter(|(n, _)| n.state == space::State::Free) {
-            let (a, e) = (n.addr.max(first), n.end().min(end));
-            // One guard per free node, carved with that node's stream: the memory goes back
-            // as free memory of the stream that freed it, not of the exported block's.
-            let b = self.spaces[si].carve_range(a, e - a, n.stream);
-            self.guard_bytes += b.size;
-            guards.push((si, b.handle));
-        }
-        self.exported.insert(addr, guards);
-        Ok(())
-    }
-
-    /// Block `addr` was exported as `at`: the export ends when the block is freed.
-    pub fn note_export(&mut self, addr: usize, at: crate::upstream::shared::RecordRef) {
-        self.export_records.entry(addr).or_default().push(at);
-    }
-
-    /// The guards of exported block `addr` go back as free memory (it was freed), and its
-    /// exports end.
-    fn unguard(&mut self, addr: usize) {
-        for at in self.export_records.remove(&addr).unwrap_or_default() {
-            crate::upstream::shared::ExportRecord::end(at);
-        }
-        for (si, slot) in self.exported.remove(&addr).unwrap_or_default() {
-            let n = *self.spaces[si].node(slot);
-            self.guard_bytes -= n.size;
-            let base = self.spaces[si].base;
-            self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: n.stream, handle: slot });
-        }
-    }
-
     /// New memory now backs `[addr, addr + len)`.
     pub fn mapped(&mut self, addr: usize, len: usize, stream: StreamKey) {
         let si = self.space_of(addr);
@@ -304,30 +237,6 @@ impl ArenaStrategy {
         let si = self.space_of(addr);
         self.spaces[si].mark_unmapped(addr, len);
         self.counters.granules_unmapped += (len / self.granule) as u64;
-    }
-
-    /// The pool could not remove the alias left at the unmapped granule `at` (a failed loan):
-    /// keep everything off it until `unstick`.
-    pub fn quarantine(&mut self, at: usize, stream: StreamKey) {
-        let si = self.space_of(at);
-        self.spaces[si].mark_mapped(at, self.granule, stream);
-        let b = self.spaces[si].carve_range(at, self.granule, stream);
-        self.stuck.insert(at, b.handle);
-    }
-
-    /// Granules in quarantine, for the pool to retry removing their aliases.
-    pub fn stuck(&self) -> Vec<usize> {
-        self.stuck.keys().copied().collect()
-    }
-
-    /// The alias at quarantined granule `at` is gone: it is unmapped address space again.
-    pub fn unstick(&mut self, at: usize) {
-        let slot = self.stuck.remove(&at).expect("a quarantined granule");
-        let si = self.space_of(at);
-        let n = *self.spaces[si].node(slot);
-        let base = self.spaces[si].base;
-        self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: StreamKey::LEGACY, handle: slot });
-        self.spaces[si].mark_unmapped(at, self.granule);
     }
 
     /// Hand out the window of a `Growth::Window` whose granules are all mapped now.
@@ -495,7 +404,7 @@ impl Strategy for ArenaStrategy {
     }
 
     fn put(&mut self, block: Block) -> Option<Segment> {
-        if !self.exported.is_empty() || !self.export_records.is_empty() {
+        if !self.exports.is_empty() {
             self.unguard(block.addr);
         }
         if self.stitches.contains(block.addr) {
@@ -521,7 +430,7 @@ impl Strategy for ArenaStrategy {
     }
 
     fn cached_bytes(&self) -> usize {
-        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.guard_bytes
+        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes
     }
 
     fn free_block_count(&self) -> usize {
@@ -584,225 +493,4 @@ impl Strategy for ArenaStrategy {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const G: usize = 2 << 20;
-    const L: StreamKey = StreamKey::LEGACY;
-
-    fn arena() -> ArenaStrategy {
-        ArenaStrategy::new((1 << 40, 64 * G), (2 << 40, 256 * G), (3 << 40, 256 * G), G)
-    }
-
-    /// Serve a request as the pool would, with unlimited memory and every driver call
-    /// succeeding; returns the block and how many granules were mapped or aliased.
-    fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usize) {
-        if let Some(b) = a.take(rounded, stream, &mut |_, _, _| true) {
-            return (b, 0);
-        }
-        loop {
-            let b = match a.plan(rounded, stream, true, &mut |_, _, _| true).expect("address space left") {
-                Growth::Window { space, window } => {
-                    for &t in &window.targets {
-                        a.mapped(t, G, stream);
-                    }
-                    (a.carve_window(space, &window, stream), window.targets.len())
-                }
-                Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, stream, true), 0),
-                Growth::Stitch { base, homes, fresh } => {
-                    for &f in &fresh {
-                        a.mapped(f, G, stream);
-                    }
-                    let n = homes.len();
-                    let id = a.add_stitch(base, homes);
-                    (a.carve_stitch(id, 0, n, stream, false), n)
-                }
-                Growth::Evict { id } => {
-                    a.drop_stitch(id);
-                    continue;
-                }
-            };
-            a.check_invariants().unwrap();
-            return b;
-        }
-    }
-
-    #[test]
-    fn carves_from_mapped_memory_and_coalesces_across_the_range() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 3 * G / 2, L); // 1.5 granules: 2 mapped
-        assert_eq!(a.mapped_bytes(), 2 * G);
-        let (y, n) = grow(&mut a, G / 2 + 512, L); // 512 B more than the mapped half granule left
-        assert_eq!((y.addr, n), (x.addr + x.size, 1), "carved right after, in the mapped tail and one new granule");
-        assert_eq!(a.mapped_bytes(), 3 * G);
-        a.put(x);
-        a.put(y);
-        a.check_invariants().unwrap();
-        assert_eq!(a.free_block_count(), 1, "one free block across what were two blocks");
-        assert_eq!(a.largest_free_block(), 3 * G);
-        let (z, n) = grow(&mut a, 3 * G, L);
-        assert_eq!((z.addr, n), (x.addr, 0));
-        assert_eq!(a.counters.granules_mapped, 3, "reuse mapped nothing");
-    }
-
-    #[test]
-    fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
-        let mut a = arena();
-        // Eight 2-granule blocks, free every other one: 8 granules free, no 3 in a row.
-        let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
-        for b in blocks.iter().step_by(2) {
-            a.put(*b);
-        }
-        let mapped = a.mapped_bytes();
-        let (big, aliased) = grow(&mut a, 6 * G, L);
-        assert_eq!(a.mapped_bytes(), mapped, "no new memory: free granules shown side by side");
-        assert_eq!((aliased, a.counters.stitches_made), (6, 1));
-        assert_eq!(a.cached_bytes(), 2 * G, "six of the eight free granules are booked for the stitch");
-        assert!(a.take(2 * G + 512, L, &mut |_, _, _| true).is_none(), "its granules are not handed out twice");
-        // Freed, the stitch stays: the same request again reuses it, no driver call.
-        a.put(big);
-        assert_eq!(a.cached_bytes(), 8 * G);
-        let (again, n) = grow(&mut a, 6 * G, L);
-        assert_eq!((again.addr, n, a.counters.stitch_reuses), (big.addr, 0, 1));
-        a.put(again);
-        // A smaller request takes part of it, also with no driver call.
-        let (part, n) = grow(&mut a, 4 * G + 512, L);
-        assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 5 * G, 0, 2));
-        assert_eq!(a.cached_bytes(), 3 * G, "only the prefix's granules are booked");
-        a.put(part);
-        // A home granule handed out directly makes the stitch unavailable, not wrong.
-        let (home, _) = grow(&mut a, 2 * G, L);
-        let (other, _) = grow(&mut a, 6 * G, L);
-        assert_ne!(other.addr, big.addr);
-        a.put(home);
-        a.put(other);
-        a.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn an_exported_block_keeps_its_granules_to_itself_until_freed() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 64 << 10, L);
-        let (y, _) = grow(&mut a, 64 << 10, L);
-        assert!(a.guard_export(y.addr, y.size).unwrap_err().contains("shares its"), "x lives in y's granule");
-        a.put(x);
-        let cached = a.cached_bytes();
-        a.guard_export(y.addr, y.size).unwrap();
-        a.check_invariants().unwrap();
-        assert_eq!(a.cached_bytes(), cached, "the guards are free memory set aside, still cached");
-        // Nothing else is placed in y's granule while it is exported: the next small block
-        // needs a granule of its own.
-        let (z, mapped) = grow(&mut a, 64 << 10, L);
-        assert_eq!(mapped, 1, "a new granule for z");
-        assert_ne!(z.addr & !(G - 1), y.addr & !(G - 1));
-        // Freed, y's granule is one free block again (its guards went back with it).
-        a.put(y);
-        a.check_invariants().unwrap();
-        let g0 = y.addr & !(G - 1);
-        assert!(a.free_blocks().iter().any(|b| (b.addr, b.size) == (g0, G)), "{:?}", a.free_blocks());
-        assert_eq!(a.cached_bytes(), 2 * G - z.size, "both granules free but z");
-        a.put(z);
-    }
-
-    #[test]
-    fn small_requests_share_granules_in_their_own_space() {
-        let mut a = arena();
-        let smalls: Vec<Block> = (0..16).map(|_| grow(&mut a, 64 << 10, L).0).collect();
-        assert_eq!(a.mapped_bytes(), G, "16 x 64 KiB share one granule");
-        assert!(smalls.iter().all(|b| a.spaces[SMALL].contains(b.addr)));
-        let (big, _) = grow(&mut a, 4 << 20, L);
-        assert!(a.spaces[LARGE].contains(big.addr));
-    }
-
-    #[test]
-    fn other_streams_memory_needs_permission() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 4 * G, L);
-        a.put(Block { stream: StreamKey(7), ..x });
-        assert!(a.take(4 * G, L, &mut |_, _, _| false).is_none());
-        match a.plan(4 * G, L, true, &mut |_, _, _| false).unwrap() {
-            Growth::Window { window, .. } => {
-                assert_ne!(window.start, x.addr, "a refused stream's memory is not used");
-                assert_eq!(window.targets.len(), 4);
-            }
-            g => panic!("{g:?}"),
-        }
-        let y = a.take(4 * G, L, &mut |s, _, _| s == StreamKey(7)).unwrap();
-        assert_eq!(y.addr, x.addr);
-    }
-
-    #[test]
-    fn a_window_over_two_streams_memory_leaves_the_rest_with_its_stream() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 3 * G, L);
-        let (y, _) = grow(&mut a, 7 * G, L);
-        a.put(Block { stream: StreamKey(1), ..x });
-        a.put(Block { stream: StreamKey(3), ..y });
-        // No single free block holds 8 granules; the window spans both streams' memory.
-        let (z, n) = grow(&mut a, 8 * G, StreamKey(2));
-        assert_eq!((z.addr, n), (x.addr, 0));
-        let rest: Vec<Block> = a.free_blocks().into_iter().filter(|b| b.addr == x.addr + 8 * G).collect();
-        assert_eq!(rest.len(), 1);
-        // Stream 2 waited for 1 and 3 before using their memory; the 2 granules it did not
-        // take are still 3's: another stream must wait for 3, not for 2, to get them.
-        assert_eq!((rest[0].size, rest[0].stream), (2 * G, StreamKey(3)));
-    }
-
-    #[test]
-    fn a_crumb_takes_only_scraps_beside_live_large_blocks() {
-        let mut a = arena();
-        // Granules g0 g1 g2; three 3/4-granule blocks: x in g0, y across g0/g1, z across
-        // g1/g2, and a scrap of 3/4 granule after z in g2.
-        let q = 3 * G / 4;
-        let (x, _) = grow(&mut a, q, L);
-        let (y, _) = grow(&mut a, q, L);
-        let (z, _) = grow(&mut a, q, L);
-        assert_eq!(a.mapped_bytes(), 3 * G);
-        // x and y freed on two streams: g0 is wholly free, in two nodes each smaller than a
-        // granule. It is no scrap (a loan, a release or a stitch can use it whole).
-        a.put(Block { stream: StreamKey(1), ..x });
-        a.put(Block { stream: StreamKey(2), ..y });
-        let c = a.take_spilled(G / 2, L, &mut |_, _, _| true).expect("the scrap after z");
-        assert_eq!(c.addr, z.addr + z.size, "the crumb went beside live z");
-        // A quarter granule is left after it: a second crumb of half a granule fits only in
-        // x's or y's node, whose first bytes lie in g0, which no live block holds.
-        assert!(a.take_spilled(G / 2, L, &mut |_, _, _| true).is_none(), "a crumb would pin the free granule g0");
-        assert!(a.take_spilled(2 * G, L, &mut |_, _, _| true).is_none(), "large requests never spill");
-        a.check_invariants().unwrap();
-    }
-
-    #[test]
-    fn a_granule_shared_by_two_streams_free_blocks_is_released_after_both() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 3 * G / 2, L);
-        let (y, _) = grow(&mut a, 3 * G / 2, L);
-        a.put(x);
-        a.put(Block { stream: StreamKey(9), ..y });
-        a.check_invariants().unwrap();
-        let runs = a.releasable(ReleaseOrder::OldestFirst);
-        assert_eq!(runs.len(), 1);
-        assert_eq!((runs[0].addr, runs[0].len), (x.addr, 3 * G), "granule 1 holds both blocks' ends");
-        assert_eq!(runs[0].streams, vec![L, StreamKey(9)]);
-        a.unmapped(runs[0].addr, runs[0].len);
-        a.check_invariants().unwrap();
-        assert_eq!(a.mapped_bytes(), 0);
-    }
-
-    #[test]
-    fn release_lists_whole_free_granules_only() {
-        let mut a = arena();
-        let (x, _) = grow(&mut a, 3 * G / 2, L); // granules 0-1, x ends mid-granule 1
-        let (y, _) = grow(&mut a, 3 * G, L); // from x's end: granules 1-4 (2-4 new)
-        assert_eq!((y.addr, a.mapped_bytes()), (x.addr + x.size, 5 * G));
-        a.put(y);
-        // Granule 1 is shared with the live x: only granules 2-4 can go back.
-        let runs = a.releasable(ReleaseOrder::LargestFirst);
-        assert_eq!(runs.iter().map(|r| (r.addr, r.len, r.streams.clone())).collect::<Vec<_>>(), vec![(x.addr + 2 * G, 3 * G, vec![L])]);
-        for r in runs {
-            a.unmapped(r.addr, r.len);
-        }
-        a.check_invariants().unwrap();
-        assert_eq!(a.mapped_bytes(), 2 * G);
-        assert_eq!(a.cached_bytes(), G / 2);
-    }
-}
+mod tests;

@@ -279,7 +279,7 @@ impl CudaVmm {
             self.handles.remove(&p);
             if let Some(fd) = self.exported.remove(&p) {
                 // Exports of it end before its descriptor number can be reused.
-                crate::upstream::shared::ExportRecord::granule_released(fd, 0);
+                crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
                 // SAFETY: the descriptor `export` got for this granule, ours to close.
                 unsafe { libc::close(fd) };
             }
@@ -484,7 +484,7 @@ impl CudaVmm {
 impl Drop for CudaVmm {
     fn drop(&mut self) {
         for (_, fd) in self.exported.drain() {
-            crate::upstream::shared::ExportRecord::granule_released(fd, 0);
+            crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
             // SAFETY: descriptors `export` got, ours to close; the memory stays mapped.
             unsafe { libc::close(fd) };
         }

@@ -1,0 +1,86 @@
+//! Exported blocks of the arena: another process maps whole granules, so while an exported
+//! block lives the free memory in its granules is set aside (its guards), and its exports
+//! are recorded, to end when the block is freed (`put` calls `unguard`).
+
+use super::{space, ArenaStrategy};
+use crate::block::Block;
+use crate::upstream::export_record::{ExportRecord, RecordRef};
+
+/// The arena's books of exported blocks.
+#[derive(Default)]
+pub(super) struct Exports {
+    /// Exported blocks (`guard_export`): block address -> the free memory of its granules,
+    /// booked as allocated in its space (space, node) while the block lives, so no other
+    /// block is placed where the importing process can read and write.
+    guarded: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
+    /// Bytes those guards hold (free memory set aside: counted as cached).
+    pub(super) guard_bytes: usize,
+    /// Exported blocks -> where their exports are recorded: a block freed ends them
+    /// (`put`), so a descriptor of it cannot map memory that serves another block.
+    records: rustc_hash::FxHashMap<usize, Vec<RecordRef>>,
+}
+
+impl Exports {
+    /// No block is guarded and no export recorded (`put` skips `unguard`).
+    pub(super) fn is_empty(&self) -> bool {
+        self.guarded.is_empty() && self.records.is_empty()
+    }
+}
+
+impl ArenaStrategy {
+    /// Make the live block `[addr, addr + size)` exportable: another process maps whole
+    /// granules (`gpupool_ipc_export`), so the granules under the block must hold nothing
+    /// else while it lives. Refused (saying why) where another live block shares one; free
+    /// memory in them is set aside until the block is freed (`put`). A stitched block's
+    /// granules are its own already.
+    pub fn guard_export(&mut self, addr: usize, size: usize) -> Result<(), String> {
+        if self.stitches.contains(addr) || self.exports.guarded.contains_key(&addr) {
+            return Ok(());
+        }
+        let g = self.granule;
+        let si = self.space_of(addr);
+        let (first, end) = (addr & !(g - 1), (addr + size).div_ceil(g) * g);
+        let overlapping: Vec<(space::Node, space::Slot)> =
+            self.spaces[si].walk().filter(|(_, n)| n.addr < end && n.end() > first).map(|(s, n)| (*n, s)).collect();
+        if let Some((n, _)) = overlapping.iter().find(|(n, _)| n.state == space::State::Allocated && n.addr != addr) {
+            return Err(format!(
+                "the block shares its {} KiB granule(s) with the live block at {:#x}, which the importer could then read and \
+                 write; allocate what you share at least one granule ({} KiB) large, before smaller blocks fill its granules, \
+                 or copy it into such a block",
+                g >> 10,
+                n.addr,
+                g >> 10
+            ));
+        }
+        let mut guards = Vec::new();
+        for (n, _) in overlapping.into_iter().filter(|(n, _)| n.state == space::State::Free) {
+            let (a, e) = (n.addr.max(first), n.end().min(end));
+            // One guard per free node, carved with that node's stream: the memory goes back
+            // as free memory of the stream that freed it, not of the exported block's.
+            let b = self.spaces[si].carve_range(a, e - a, n.stream);
+            self.exports.guard_bytes += b.size;
+            guards.push((si, b.handle));
+        }
+        self.exports.guarded.insert(addr, guards);
+        Ok(())
+    }
+
+    /// Block `addr` was exported as `at`: the export ends when the block is freed.
+    pub fn note_export(&mut self, addr: usize, at: RecordRef) {
+        self.exports.records.entry(addr).or_default().push(at);
+    }
+
+    /// The guards of exported block `addr` go back as free memory (it was freed), and its
+    /// exports end.
+    pub(super) fn unguard(&mut self, addr: usize) {
+        for at in self.exports.records.remove(&addr).unwrap_or_default() {
+            ExportRecord::end(at);
+        }
+        for (si, slot) in self.exports.guarded.remove(&addr).unwrap_or_default() {
+            let n = *self.spaces[si].node(slot);
+            self.exports.guard_bytes -= n.size;
+            let base = self.spaces[si].base;
+            self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: n.stream, handle: slot });
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! Unit tests of the arena's books, driven as the pool drives them, with every driver call
+//! succeeding: carving and coalescing, stitches, exports, the two ranges, streams, release.
+
+use super::*;
+
+const G: usize = 2 << 20;
+const L: StreamKey = StreamKey::LEGACY;
+
+fn arena() -> ArenaStrategy {
+    ArenaStrategy::new((1 << 40, 64 * G), (2 << 40, 256 * G), (3 << 40, 256 * G), G)
+}
+
+/// Serve a request as the pool would, with unlimited memory and every driver call
+/// succeeding; returns the block and how many granules were mapped or aliased.
+fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usize) {
+    if let Some(b) = a.take(rounded, stream, &mut |_, _, _| true) {
+        return (b, 0);
+    }
+    loop {
+        let b = match a.plan(rounded, stream, true, &mut |_, _, _| true).expect("address space left") {
+            Growth::Window { space, window } => {
+                for &t in &window.targets {
+                    a.mapped(t, G, stream);
+                }
+                (a.carve_window(space, &window, stream), window.targets.len())
+            }
+            Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, stream, true), 0),
+            Growth::Stitch { base, homes, fresh } => {
+                for &f in &fresh {
+                    a.mapped(f, G, stream);
+                }
+                let n = homes.len();
+                let id = a.add_stitch(base, homes);
+                (a.carve_stitch(id, 0, n, stream, false), n)
+            }
+            Growth::Evict { id } => {
+                a.drop_stitch(id);
+                continue;
+            }
+        };
+        a.check_invariants().unwrap();
+        return b;
+    }
+}
+
+#[test]
+fn carves_from_mapped_memory_and_coalesces_across_the_range() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 3 * G / 2, L); // 1.5 granules: 2 mapped
+    assert_eq!(a.mapped_bytes(), 2 * G);
+    let (y, n) = grow(&mut a, G / 2 + 512, L); // 512 B more than the mapped half granule left
+    assert_eq!((y.addr, n), (x.addr + x.size, 1), "carved right after, in the mapped tail and one new granule");
+    assert_eq!(a.mapped_bytes(), 3 * G);
+    a.put(x);
+    a.put(y);
+    a.check_invariants().unwrap();
+    assert_eq!(a.free_block_count(), 1, "one free block across what were two blocks");
+    assert_eq!(a.largest_free_block(), 3 * G);
+    let (z, n) = grow(&mut a, 3 * G, L);
+    assert_eq!((z.addr, n), (x.addr, 0));
+    assert_eq!(a.counters.granules_mapped, 3, "reuse mapped nothing");
+}
+
+#[test]
+fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
+    let mut a = arena();
+    // Eight 2-granule blocks, free every other one: 8 granules free, no 3 in a row.
+    let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
+    for b in blocks.iter().step_by(2) {
+        a.put(*b);
+    }
+    let mapped = a.mapped_bytes();
+    let (big, aliased) = grow(&mut a, 6 * G, L);
+    assert_eq!(a.mapped_bytes(), mapped, "no new memory: free granules shown side by side");
+    assert_eq!((aliased, a.counters.stitches_made), (6, 1));
+    assert_eq!(a.cached_bytes(), 2 * G, "six of the eight free granules are booked for the stitch");
+    assert!(a.take(2 * G + 512, L, &mut |_, _, _| true).is_none(), "its granules are not handed out twice");
+    // Freed, the stitch stays: the same request again reuses it, no driver call.
+    a.put(big);
+    assert_eq!(a.cached_bytes(), 8 * G);
+    let (again, n) = grow(&mut a, 6 * G, L);
+    assert_eq!((again.addr, n, a.counters.stitch_reuses), (big.addr, 0, 1));
+    a.put(again);
+    // A smaller request takes part of it, also with no driver call.
+    let (part, n) = grow(&mut a, 4 * G + 512, L);
+    assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 5 * G, 0, 2));
+    assert_eq!(a.cached_bytes(), 3 * G, "only the prefix's granules are booked");
+    a.put(part);
+    // A home granule handed out directly makes the stitch unavailable, not wrong.
+    let (home, _) = grow(&mut a, 2 * G, L);
+    let (other, _) = grow(&mut a, 6 * G, L);
+    assert_ne!(other.addr, big.addr);
+    a.put(home);
+    a.put(other);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn an_exported_block_keeps_its_granules_to_itself_until_freed() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 64 << 10, L);
+    let (y, _) = grow(&mut a, 64 << 10, L);
+    assert!(a.guard_export(y.addr, y.size).unwrap_err().contains("shares its"), "x lives in y's granule");
+    a.put(x);
+    let cached = a.cached_bytes();
+    a.guard_export(y.addr, y.size).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.cached_bytes(), cached, "the guards are free memory set aside, still cached");
+    // Nothing else is placed in y's granule while it is exported: the next small block
+    // needs a granule of its own.
+    let (z, mapped) = grow(&mut a, 64 << 10, L);
+    assert_eq!(mapped, 1, "a new granule for z");
+    assert_ne!(z.addr & !(G - 1), y.addr & !(G - 1));
+    // Freed, y's granule is one free block again (its guards went back with it).
+    a.put(y);
+    a.check_invariants().unwrap();
+    let g0 = y.addr & !(G - 1);
+    assert!(a.free_blocks().iter().any(|b| (b.addr, b.size) == (g0, G)), "{:?}", a.free_blocks());
+    assert_eq!(a.cached_bytes(), 2 * G - z.size, "both granules free but z");
+    a.put(z);
+}
+
+#[test]
+fn small_requests_share_granules_in_their_own_space() {
+    let mut a = arena();
+    let smalls: Vec<Block> = (0..16).map(|_| grow(&mut a, 64 << 10, L).0).collect();
+    assert_eq!(a.mapped_bytes(), G, "16 x 64 KiB share one granule");
+    assert!(smalls.iter().all(|b| a.spaces[SMALL].contains(b.addr)));
+    let (big, _) = grow(&mut a, 4 << 20, L);
+    assert!(a.spaces[LARGE].contains(big.addr));
+}
+
+#[test]
+fn other_streams_memory_needs_permission() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 4 * G, L);
+    a.put(Block { stream: StreamKey(7), ..x });
+    assert!(a.take(4 * G, L, &mut |_, _, _| false).is_none());
+    match a.plan(4 * G, L, true, &mut |_, _, _| false).unwrap() {
+        Growth::Window { window, .. } => {
+            assert_ne!(window.start, x.addr, "a refused stream's memory is not used");
+            assert_eq!(window.targets.len(), 4);
+        }
+        g => panic!("{g:?}"),
+    }
+    let y = a.take(4 * G, L, &mut |s, _, _| s == StreamKey(7)).unwrap();
+    assert_eq!(y.addr, x.addr);
+}
+
+#[test]
+fn a_window_over_two_streams_memory_leaves_the_rest_with_its_stream() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 3 * G, L);
+    let (y, _) = grow(&mut a, 7 * G, L);
+    a.put(Block { stream: StreamKey(1), ..x });
+    a.put(Block { stream: StreamKey(3), ..y });
+    // No single free block holds 8 granules; the window spans both streams' memory.
+    let (z, n) = grow(&mut a, 8 * G, StreamKey(2));
+    assert_eq!((z.addr, n), (x.addr, 0));
+    let rest: Vec<Block> = a.free_blocks().into_iter().filter(|b| b.addr == x.addr + 8 * G).collect();
+    assert_eq!(rest.len(), 1);
+    // Stream 2 waited for 1 and 3 before using their memory; the 2 granules it did not
+    // take are still 3's: another stream must wait for 3, not for 2, to get them.
+    assert_eq!((rest[0].size, rest[0].stream), (2 * G, StreamKey(3)));
+}
+
+#[test]
+fn a_crumb_takes_only_scraps_beside_live_large_blocks() {
+    let mut a = arena();
+    // Granules g0 g1 g2; three 3/4-granule blocks: x in g0, y across g0/g1, z across
+    // g1/g2, and a scrap of 3/4 granule after z in g2.
+    let q = 3 * G / 4;
+    let (x, _) = grow(&mut a, q, L);
+    let (y, _) = grow(&mut a, q, L);
+    let (z, _) = grow(&mut a, q, L);
+    assert_eq!(a.mapped_bytes(), 3 * G);
+    // x and y freed on two streams: g0 is wholly free, in two nodes each smaller than a
+    // granule. It is no scrap (a loan, a release or a stitch can use it whole).
+    a.put(Block { stream: StreamKey(1), ..x });
+    a.put(Block { stream: StreamKey(2), ..y });
+    let c = a.take_spilled(G / 2, L, &mut |_, _, _| true).expect("the scrap after z");
+    assert_eq!(c.addr, z.addr + z.size, "the crumb went beside live z");
+    // A quarter granule is left after it: a second crumb of half a granule fits only in
+    // x's or y's node, whose first bytes lie in g0, which no live block holds.
+    assert!(a.take_spilled(G / 2, L, &mut |_, _, _| true).is_none(), "a crumb would pin the free granule g0");
+    assert!(a.take_spilled(2 * G, L, &mut |_, _, _| true).is_none(), "large requests never spill");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_granule_shared_by_two_streams_free_blocks_is_released_after_both() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 3 * G / 2, L);
+    let (y, _) = grow(&mut a, 3 * G / 2, L);
+    a.put(x);
+    a.put(Block { stream: StreamKey(9), ..y });
+    a.check_invariants().unwrap();
+    let runs = a.releasable(ReleaseOrder::OldestFirst);
+    assert_eq!(runs.len(), 1);
+    assert_eq!((runs[0].addr, runs[0].len), (x.addr, 3 * G), "granule 1 holds both blocks' ends");
+    assert_eq!(runs[0].streams, vec![L, StreamKey(9)]);
+    a.unmapped(runs[0].addr, runs[0].len);
+    a.check_invariants().unwrap();
+    assert_eq!(a.mapped_bytes(), 0);
+}
+
+#[test]
+fn release_lists_whole_free_granules_only() {
+    let mut a = arena();
+    let (x, _) = grow(&mut a, 3 * G / 2, L); // granules 0-1, x ends mid-granule 1
+    let (y, _) = grow(&mut a, 3 * G, L); // from x's end: granules 1-4 (2-4 new)
+    assert_eq!((y.addr, a.mapped_bytes()), (x.addr + x.size, 5 * G));
+    a.put(y);
+    // Granule 1 is shared with the live x: only granules 2-4 can go back.
+    let runs = a.releasable(ReleaseOrder::LargestFirst);
+    assert_eq!(runs.iter().map(|r| (r.addr, r.len, r.streams.clone())).collect::<Vec<_>>(), vec![(x.addr + 2 * G, 3 * G, vec![L])]);
+    for r in runs {
+        a.unmapped(r.addr, r.len);
+    }
+    a.check_invariants().unwrap();
+    assert_eq!(a.mapped_bytes(), 2 * G);
+    assert_eq!(a.cached_bytes(), G / 2);
+}

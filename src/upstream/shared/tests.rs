@@ -1,0 +1,172 @@
+//! Unit tests of `upstream::shared`: the descriptor's bytes, and the importer's checks of
+//! what a descriptor names (pid, file identity, export record).
+
+use super::*;
+
+fn desc() -> Descriptor {
+    Descriptor {
+        kind: KIND_CUDA,
+        pid: 77,
+        start_time: 12345,
+        record: RecordRef { fd: 5, slot: 3, token: 0xfeed },
+        device: 1,
+        granule: 2 << 20,
+        offset: 4096,
+        size: 3 << 20,
+        origin: 0x7f00_0000_0000,
+        granules: vec![
+            SharedGranule { fd: 9, offset: 0, file: FileId { dev: 3, ino: 40 } },
+            SharedGranule { fd: 12, offset: 0, file: FileId { dev: 3, ino: 41 } },
+        ],
+    }
+}
+
+#[test]
+fn a_descriptor_round_trips_and_damage_is_refused() {
+    let d = desc();
+    let b = d.encode();
+    assert_eq!(b.len(), d.encoded_len());
+    assert_eq!(Descriptor::decode(&b).unwrap(), d);
+    assert!(Descriptor::decode(&b[..b.len() - 1]).is_err(), "truncated");
+    let mut wrong = b.clone();
+    wrong[0] ^= 1;
+    assert!(Descriptor::decode(&wrong).is_err(), "magic");
+    let mut big = d.clone();
+    big.size = 4 << 20; // 4096 + 4 MiB > two granules
+    assert!(Descriptor::decode(&big.encode()).is_err(), "block past its granules");
+    let mut odd = d.clone();
+    odd.granule = 3 << 20;
+    assert!(Descriptor::decode(&odd.encode()).is_err(), "granule not a power of two");
+    let mut kind = d;
+    kind.kind = 9;
+    assert!(Descriptor::decode(&kind.encode()).is_err(), "unknown kind");
+    assert!(Descriptor::decode(&[]).is_err());
+    // Numbers chosen to wrap: offset + size past 2^64 must not read as fitting.
+    let mut wrap = desc();
+    wrap.offset = 4096;
+    wrap.size = u64::MAX - 100;
+    assert!(Descriptor::decode(&wrap.encode()).is_err(), "offset + size wraps");
+    let mut huge = desc();
+    huge.granule = 1 << 63;
+    huge.size = 1 << 20;
+    assert!(Descriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
+}
+
+/// A descriptor of this process sharing `g`, recorded as a live export.
+fn exported(g: SharedGranule) -> Descriptor {
+    let pid = std::process::id();
+    let record = ExportRecord::add(&[(g.fd, g.offset)]).unwrap();
+    Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, granules: vec![g] }
+}
+
+#[test]
+fn an_export_no_longer_recorded_is_not_fetched_from() {
+    let mut p = [0i32; 2];
+    // SAFETY: a writable two-int array.
+    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let g = SharedGranule { fd: p[1], offset: 0, file: FileId::of(p[1]).unwrap() };
+    let d = exported(g);
+    match FdSource::fetch_from(&d) {
+        Ok(src) => {
+            assert!(src.get(0, &g).is_ok(), "a live export is fetched");
+            // Its granule released: the record ends the export first, so the source
+            // opened before refuses the next fetch, and a new one refuses to open.
+            ExportRecord::granule_released(p[1], 0);
+            assert!(src.get(0, &g).unwrap_err().to_string().contains("no longer exports"));
+            assert!(FdSource::fetch_from(&d).err().is_some_and(|e| e.to_string().contains("no longer exports")));
+            // A forged token in a live slot is refused too.
+            let live = exported(g);
+            let forged = Descriptor { record: RecordRef { token: live.record.token ^ 1, ..live.record }, ..live.clone() };
+            assert!(FdSource::fetch_from(&forged).err().is_some_and(|e| e.to_string().contains("no longer exports")));
+            // A record descriptor that is not the exporter's record.
+            let wrong = Descriptor { record: RecordRef { fd: p[0], ..live.record }, ..live };
+            assert!(FdSource::fetch_from(&wrong).err().is_some_and(|e| e.to_string().contains("not process")));
+        }
+        Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+    }
+    // SAFETY: our own pipe.
+    unsafe {
+        libc::close(p[0]);
+        libc::close(p[1]);
+    }
+}
+
+#[test]
+fn stale_forged_and_reused_pid_descriptors_are_refused() {
+    let mut a = [0i32; 2];
+    let mut b = [0i32; 2];
+    // SAFETY: writable two-int arrays.
+    assert_eq!(unsafe { libc::pipe(a.as_mut_ptr()) }, 0);
+    assert_eq!(unsafe { libc::pipe(b.as_mut_ptr()) }, 0);
+    let exported_granule = SharedGranule { fd: a[1], offset: 0, file: FileId::of(a[1]).unwrap() };
+    let d = super::tests::exported(exported_granule);
+    let exported = exported_granule;
+    // Stale: the number now names another file (the block was freed, the number reused).
+    // SAFETY: dup2 onto our own descriptor.
+    assert_eq!(unsafe { libc::dup2(b[1], a[1]) }, a[1]);
+    let pid = std::process::id();
+    match FdSource::fetch_from(&d) {
+        Ok(src) => {
+            let e = src.get(0, &exported).unwrap_err().to_string();
+            assert!(e.contains("stale") && e.contains("inode"), "{e}");
+        }
+        Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+    }
+    // Passed in by the caller: checked the same way.
+    let given = [a[1]];
+    assert!(FdSource::Given(&given).get(0, &exported).unwrap_err().to_string().contains("stale"));
+    // Forged: an identity nobody exported.
+    let forged = SharedGranule { file: FileId { dev: 1, ino: 2 }, ..exported };
+    assert!(FdSource::Given(&given).get(0, &forged).is_err());
+    // A reused pid: the process with it started at another time.
+    assert!(start_time_of(pid) > 0, "this process's start time is readable");
+    if let Err(e) = FdSource::fetch_from(&Descriptor { start_time: d.start_time + 1, ..d.clone() }) {
+        let e = e.to_string();
+        assert!(e.contains("not the exporter") || e.contains("pidfd"), "{e}");
+    } else {
+        panic!("a process started at another time was taken for the exporter");
+    }
+    // SAFETY: our own pipes.
+    unsafe {
+        for fd in [a[0], a[1], b[0], b[1]] {
+            libc::close(fd);
+        }
+    }
+}
+
+#[test]
+fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
+    let mut p = [0i32; 2];
+    // SAFETY: a writable two-int array.
+    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let pid = std::process::id();
+    let shared = |fd: i32| SharedGranule { fd, offset: 0, file: FileId::of(fd).unwrap() };
+    let d = exported(shared(p[1]));
+    assert_eq!(d.pid, pid);
+    match FdSource::fetch_from(&d).and_then(|src| src.get(0, &shared(p[1])).map(|got| (src, got))) {
+        Ok((src, (fd, guard))) => {
+            assert_ne!(fd, p[1]);
+            assert_eq!(guard.as_ref().map(Fd::raw), Some(fd), "a fetched descriptor is closed by its guard");
+            assert!(src.get(1, &SharedGranule { fd: -1, ..shared(p[1]) }).is_err(), "a bad descriptor number is an error");
+            // SAFETY: writing one byte through the fetched copy, reading it at the other end.
+            unsafe {
+                assert_eq!(libc::write(fd, b"x".as_ptr().cast(), 1), 1);
+                let mut c = 0u8;
+                assert_eq!(libc::read(p[0], (&mut c as *mut u8).cast(), 1), 1);
+                assert_eq!(c, b'x');
+            }
+        }
+        // A kernel before 5.6 or a sandbox without pidfd: the error must say so.
+        Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+    }
+    let given = [p[0], p[1]];
+    let src = FdSource::Given(&given);
+    assert_eq!(src.get(1, &shared(p[1])).unwrap().0, p[1], "a given descriptor is the caller's, by position");
+    assert!(src.get(1, &shared(p[1])).unwrap().1.is_none(), "and not closed by gpupool");
+    assert!(src.get(2, &shared(p[1])).is_err(), "one too few");
+    // SAFETY: our own pipe.
+    unsafe {
+        libc::close(p[0]);
+        libc::close(p[1]);
+    }
+}
