@@ -44,9 +44,8 @@
 //! (`device_synchronized`) covers everything. The pool makes that synchronisation only where
 //! it would otherwise grow, and never while a capture may run (`Pool::cover_by_device_sync`).
 //!
-//! (Just over 500 lines on purpose: the rule above and every place that applies it — the
-//! per-stream state, batching, covering events, waits — are one safety argument, read here
-//! in one piece.)
+//! One stream's books (its event, pending frees, batch) are `state.rs`; the tracker here
+//! applies the rule to them.
 
 use crate::error::Result;
 use crate::upstream::{EventHandle, Upstream};
@@ -54,81 +53,13 @@ use crate::upstream::{EventHandle, Upstream};
 /// Set in the keys of per-thread default streams (driver ids), never in handles.
 const PER_THREAD_KEY_BIT: u64 = 1 << 62;
 use rustc_hash::FxHashMap;
+use state::{StreamState, MAX_BATCH_BYTES_DOUBLINGS, MAX_BATCH_DOUBLINGS};
+
+mod state;
 
 // Stream identities (handles, keys, the legacy stream) belong to the driver layer; the
 // tracker below and every layer above use them from there.
 pub use crate::upstream::stream_id::{is_legacy, StreamHandle, StreamKey, STREAM_DEFAULT, STREAM_LEGACY, STREAM_PER_THREAD};
-
-struct StreamState {
-    /// The handle of this stream's last free that named one (for the per-thread stream:
-    /// valid only on the thread that freed, which is why it is recorded eagerly). Never used
-    /// for a driver call after that free returned: the stream may have been destroyed since.
-    handle: StreamHandle,
-    event: Option<EventHandle>,
-    /// True once `event` has a record that covers every free on this stream.
-    recorded: bool,
-    /// `event`'s latest record was seen complete (`make_safe`): until the next record, the
-    /// frees it covers are safe for any stream with no further query. Why: once a stream
-    /// stops freeing (it was destroyed, or moved on), its cached blocks are offered to the
-    /// shard's other streams again and again, and each offer asked the driver.
-    complete: bool,
-    /// Frees happened on this stream that no event covers: the stream was capturing a CUDA
-    /// graph (an event recorded there belongs to the graph and cannot be queried), the
-    /// event could not be created or recorded, or the free came later than the stream's
-    /// last known use (`on_free_unrecorded`). Its blocks are then not handed to other
-    /// streams until a later free records successfully or the whole device is waited for
-    /// (`device_synchronized`).
-    uncovered: bool,
-    /// Ranges freed since the event's last record (in the strategy's gating addresses,
-    /// `Strategy::home_ranges`), and their bytes: they serve this stream only.
-    pending: Vec<(usize, usize)>,
-    /// Frees and bytes those ranges hold (a stitch's free names several ranges).
-    pending_frees: usize,
-    pending_bytes: usize,
-    /// The span `[pending_lo, pending_hi)` holding every pending range: a block outside it
-    /// is not pending, with no walk over the list (which grows with the batch).
-    pending_lo: usize,
-    pending_hi: usize,
-    /// Another stream was refused a pending block: the next free records at once.
-    wanted: bool,
-    /// How often this stream's batch has doubled (`on_free`): each full batch that no
-    /// other stream asked for doubles it, up to `MAX_BATCH_DOUBLINGS`; a refusal resets it.
-    doublings: u32,
-}
-
-/// A stream whose batches fill with no other stream asking for its blocks records ever less
-/// often: its batch doubles per such record, up to 16x the configured frees (4,096 by
-/// default) and 4x the bytes (1 GiB). Why: records are what make threads on different
-/// streams wait for each other inside the driver (`crate::config::EVENT_BATCH`), and a
-/// stream nobody borrows from gains nothing from them. What a longer batch costs is only
-/// how long other streams wait for its blocks, and the first refusal ends that: the
-/// stream's next free records and its batch starts over.
-const MAX_BATCH_DOUBLINGS: u32 = 4;
-const MAX_BATCH_BYTES_DOUBLINGS: u32 = 2;
-
-impl StreamState {
-    fn new(handle: StreamHandle, event: Option<EventHandle>, uncovered: bool) -> StreamState {
-        StreamState {
-            handle,
-            event,
-            recorded: false,
-            complete: false,
-            uncovered,
-            pending: Vec::new(),
-            pending_frees: 0,
-            pending_bytes: 0,
-            pending_lo: usize::MAX,
-            pending_hi: 0,
-            wanted: false,
-            doublings: 0,
-        }
-    }
-
-    fn clear_pending(&mut self) {
-        self.pending.clear();
-        (self.pending_frees, self.pending_bytes, self.pending_lo, self.pending_hi) = (0, 0, usize::MAX, 0);
-    }
-}
 
 /// User-stream frees between two event records, at most (module docs; the configuration
 /// layer owns the default, `GPUPOOL_EVENT_BATCH` overrides it).
