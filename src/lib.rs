@@ -18,7 +18,7 @@
 //! - `registry`: per-device pools, created lazily, in shards with a lock each (user
 //!   streams spread over them) that share the device's budget; device-wide reports.
 //! - `thread_cache`: the per-thread fast path for same-size reuse on the legacy stream
-//!   (`pool/thread_caches.rs` is the pool's side).
+//!   (`pool/attached_caches/` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `owners`: which device's pool got an address range (lookups without pool locks).

@@ -4,7 +4,7 @@
 //! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
 //! and the escalation in `grow.rs`, the arena's driver calls in `arena.rs`; giving memory
 //! back in `release.rs`; private pools for CUDA graphs in `graph_pools.rs`; the pool's side
-//! of the thread caches in `thread_caches/`; exports to other processes in `ipc.rs`;
+//! of the thread caches in `attached_caches/`; exports to other processes in `ipc.rs`;
 //! reports and snapshots in `reports.rs` and `snapshot.rs`; the budget a device's shards
 //! share in `budget.rs`; how a pool is built in `options.rs`.
 //!
@@ -28,8 +28,8 @@ use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{EventHandle, Upstream};
 use rustc_hash::FxHashMap;
-use thread_caches::ThreadCaches;
-pub use thread_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
+use attached_caches::AttachedCaches;
+pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
 mod budget;
@@ -41,7 +41,7 @@ mod options;
 mod release;
 mod reports;
 mod snapshot;
-mod thread_caches;
+mod attached_caches;
 
 pub use arena::ArenaFigures;
 pub use budget::Budget;
@@ -134,7 +134,7 @@ pub struct Pool {
     /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
     holes: Holes,
     /// Threads' fast-path caches for this pool (`crate::thread_cache`).
-    caches: ThreadCaches,
+    caches: AttachedCaches,
     /// Why the configured strategy is not the one running (arena without VMM), for the
     /// status report.
     notice: Option<String>,
@@ -198,7 +198,7 @@ impl Pool {
             tracer: opts.tracer,
             decay: Decay::new(opts.decay_window),
             holes: Holes::new(upstream_page),
-            caches: ThreadCaches::new(
+            caches: AttachedCaches::new(
                 // Off where every operation must reach the pool, and in the unsafe test mode
                 // (whose point is a pool that reuses at once, the way the cache never does).
                 opts.thread_cache

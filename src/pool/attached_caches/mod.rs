@@ -1,6 +1,6 @@
 //! The pool's side of the per-thread fast path (`crate::thread_cache`): which threads'
-//! caches belong to this pool (`ThreadCaches`), and the pool's operations on them: attaching
-//! a thread, taking kept blocks back, and the figures reports subtract.
+//! caches are attached to this pool (`AttachedCaches`), and the pool's operations on them:
+//! attaching a thread, taking kept blocks back, and the figures reports subtract.
 //!
 //! Everything here runs under the device lock. The caches' words are shared with their
 //! owner threads, which change them without the lock, so every read here is a snapshot and
@@ -55,7 +55,8 @@ fn split_owner(owner: u32) -> (u32, Kind) {
 /// (`gpupool_configure`) is recognised as stale.
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
-pub struct ThreadCaches {
+/// The thread caches attached to one pool, by id (module docs).
+pub struct AttachedCaches {
     enabled: bool,
     pool_id: u64,
     /// Caches by id; `None` = a free id.
@@ -69,9 +70,9 @@ pub struct ThreadCaches {
     stopped: Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl ThreadCaches {
+impl AttachedCaches {
     pub fn new(enabled: bool) -> Self {
-        ThreadCaches {
+        AttachedCaches {
             enabled,
             pool_id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             caches: Vec::new(),
