@@ -184,13 +184,11 @@ def route_multiprocessing():
 Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid")
 
 
-def _export_bytes(ptr, size):
-    # One call, into a buffer large enough for any granule size of 64 KiB or more: asking
-    # the length first would export twice.
+def _export_bytes(ptr):
     L, n = lib(), ctypes.c_size_t(0)
-    cap = 256 + 32 * (size // (64 << 10) + 2)
-    buf = ctypes.create_string_buffer(cap)
-    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, buf, cap, ctypes.byref(n)))
+    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, None, 0, ctypes.byref(n)))  # the length only
+    buf = ctypes.create_string_buffer(n.value)
+    _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, buf, n.value, ctypes.byref(n)))
     return buf.raw[:n.value]
 
 
@@ -199,7 +197,7 @@ def export(ptr, size, device, keep):
     process; `keep` (the framework's storage, ...) stays referenced here until that process
     lets go of the block (`collect`)."""
     global _next_collect
-    desc = _export_bytes(ptr, size)
+    desc = _export_bytes(ptr)
     L = lib()
     hfd, slot = ctypes.c_int(), ctypes.c_uint32()
     _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
