@@ -186,6 +186,9 @@ pub struct Config {
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's two ranges grow into each other's free
     /// granules (an alias each) before mapping new memory; `0` turns it off.
     pub arena_lend: bool,
+    /// `GPUPOOL_ARENA_CHUNK` (default 256 MiB): the largest physical allocation the arena
+    /// maps for a long growth (`strategy/arena/chunks.rs`); `0` maps granule by granule.
+    pub arena_chunk: usize,
     /// `GPUPOOL_STREAM_SHARDS` (default 16, at most `MAX_STREAM_SHARDS`): user streams are
     /// spread over this many shards of each device's pool, each with its own lock, so
     /// threads on different streams do not wait for each other (`crate::registry`); 0
@@ -215,12 +218,16 @@ impl Default for Config {
             event_batch: EVENT_BATCH,
             event_batch_bytes: EVENT_BATCH_BYTES,
             arena_lend: true,
+            arena_chunk: ARENA_CHUNK,
             stream_shards: STREAM_SHARDS,
             arena_va: None,
             status_socket: false,
         }
     }
 }
+
+/// `GPUPOOL_ARENA_CHUNK`'s default: the largest physical allocation the arena maps at once.
+pub const ARENA_CHUNK: usize = 256 << 20;
 
 /// `GPUPOOL_STREAM_SHARDS`'s default and its largest accepted value.
 pub const STREAM_SHARDS: usize = 16;
@@ -267,7 +274,7 @@ pub fn get() -> Result<&'static Config> {
 }
 
 /// Every variable `Config::from_lookup` reads.
-pub const VARIABLES: [&str; 16] = [
+pub const VARIABLES: [&str; 17] = [
     "GPUPOOL_POOL",
     "GPUPOOL_UPSTREAM",
     "GPUPOOL_MEMORY_LIMIT",
@@ -281,6 +288,7 @@ pub const VARIABLES: [&str; 16] = [
     "GPUPOOL_EVENT_BATCH_BYTES",
     "GPUPOOL_STREAM_SHARDS",
     "GPUPOOL_ARENA_LEND",
+    "GPUPOOL_ARENA_CHUNK",
     "GPUPOOL_STATUS_SOCKET",
     "GPUPOOL_ARENA_VA",
     "GPUPOOL_DECAY",
@@ -460,6 +468,13 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_ARENA_LEND") {
             c.arena_lend = bool_flag("GPUPOOL_ARENA_LEND", &v)?;
+        }
+        if let Some(v) = get("GPUPOOL_ARENA_CHUNK") {
+            c.arena_chunk = parse_size(&v).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_ARENA_CHUNK",
+                value: v.clone(),
+                accepted: "a size: bytes or a size with unit (256MiB); 0 maps granule by granule",
+            })?;
         }
         if let Some(v) = get("GPUPOOL_STATUS_SOCKET") {
             c.status_socket = bool_flag("GPUPOOL_STATUS_SOCKET", &v)?;

@@ -242,8 +242,18 @@ fn long_randomized_run_with_decay_matches_the_model() {
     randomized_run(ops / 2, 512);
 }
 
+#[test]
+fn long_randomized_run_with_chunks_matches_the_model() {
+    // Blocks up to 200 MiB: growths long enough to be mapped in chunks, stitched, lent
+    // around and released whole, under limits and reclaims.
+    randomized_run_of(20_000, 0, 1 << 30, 200 * MIB);
+}
+
 fn randomized_run(ops: usize, decay_window: usize) {
-    let capacity = 256 * MIB;
+    randomized_run_of(ops, decay_window, 256 * MIB, 40 * MIB)
+}
+
+fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: usize) {
     let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, decay_window, ..Default::default() };
     let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
@@ -263,7 +273,7 @@ fn randomized_run(ops: usize, decay_window: usize) {
                 let size = match (r >> 8) % 10 {
                     0..=4 => 1 + (r >> 16) as usize % (64 * 1024),
                     5..=7 => 1 + (r >> 16) as usize % (4 * MIB),
-                    _ => 1 + (r >> 16) as usize % (40 * MIB),
+                    _ => 1 + (r >> 16) as usize % largest,
                 };
                 match p.malloc(size, stream) {
                     Ok(a) => {
@@ -278,7 +288,10 @@ fn randomized_run(ops: usize, decay_window: usize) {
                         // passes the cap.
                         let cap = if limit == 0 { capacity } else { limit.min(capacity) };
                         let need = rep.rounded.div_ceil(G) * G + G;
-                        let stranded = (live.len() + 1) * 2 * G;
+                        // A chunk (a growth of 64 MiB or more maps chunks of half of it)
+                        // partly in use strands the rest of it as well.
+                        let chunk = if largest >= 64 * MIB { largest / 2 } else { 0 };
+                        let stranded = (live.len() + 1) * (2 * G + chunk);
                         assert!(rep.in_use + need + stranded > cap, "spurious OOM at op {id}: {rep:?}");
                     }
                     Err(e) => panic!("unexpected error {e}"),
@@ -296,7 +309,7 @@ fn randomized_run(ops: usize, decay_window: usize) {
                 assert_eq!(p.stats().total_bytes, before - n as u64);
             }
             97..=98 => {
-                limit = if r % 3 == 0 { 0 } else { (64 + (r >> 8) as usize % 160) * MIB };
+                limit = if r % 3 == 0 { 0 } else { (64 + (r >> 8) as usize % 160) * MIB * (capacity / (256 * MIB)) };
                 p.set_limit(limit).unwrap();
             }
             _ => {
@@ -452,4 +465,90 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
     p.check_invariants().unwrap();
     let again = p.malloc(512 * 1024, 0).unwrap();
     p.free(again, 0).unwrap();
+}
+
+#[test]
+fn a_long_growth_is_mapped_in_chunks_which_are_stitched_and_released_whole() {
+    let mut p = pool(PoolKind::Arena, 2 << 30);
+    // 256 MiB of new memory: two chunks of 128 MiB (half the run), one create + one map
+    // each and one access grant per chunk, not 128 of each.
+    let before = p.driver_calls();
+    let a1 = p.malloc(256 * MIB, 0).unwrap();
+    let d = p.driver_calls();
+    assert_eq!((d.mem_create - before.mem_create, d.mem_map - before.mem_map), (2, 2), "{}", d.text());
+    let b = p.malloc(2 * MIB, 0).unwrap(); // a granule between the two big blocks
+    let a2 = p.malloc(256 * MIB, 0).unwrap();
+    let c = p.malloc(2 * MIB, 0).unwrap();
+    p.free(a1, 0).unwrap();
+    p.free(a2, 0).unwrap();
+    // 400 MiB: no free run is that long, two of 256 MiB are free. The stitch shows the four
+    // chunks whole (one alias each, one grant), no new memory.
+    let mapped = p.stats().total_bytes;
+    let before = p.driver_calls();
+    let big = p.malloc(400 * MIB, 0).unwrap();
+    let d = p.driver_calls();
+    assert_eq!(p.stats().total_bytes, mapped, "no new memory");
+    assert_eq!(p.arena_counters().unwrap().stitches_made, 1);
+    assert_eq!((d.mem_map - before.mem_map, d.set_access - before.set_access), (4, 1), "one alias per chunk: {}", d.text());
+    stamp(big, 400 * MIB, 9);
+    stamp(b, 2 * MIB, 10);
+    assert!(intact(big, 400 * MIB, 9) && intact(b, 2 * MIB, 10));
+    p.check_invariants().unwrap();
+    for x in [big, b, c] {
+        p.free(x, 0).unwrap();
+    }
+    // Released whole: one unmap + release per chunk and per granule (and one unmap per
+    // alias mapping of the stitch over them).
+    let before = p.driver_calls();
+    p.reclaim().unwrap();
+    let d = p.driver_calls();
+    assert_eq!(p.stats().total_bytes, 0);
+    assert_eq!(d.mem_release - before.mem_release, 6, "4 chunks + 2 granules: {}", d.text());
+    assert_eq!(d.mem_unmap - before.mem_unmap, 6 + 4, "and the stitch's 4 alias mappings: {}", d.text());
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_in_it() {
+    let mut p = pool(PoolKind::Arena, 2 << 30);
+    let a = p.malloc(256 * MIB, 0).unwrap(); // two chunks of 128 MiB
+    p.free(a, 0).unwrap();
+    let x = p.malloc(4 * MIB, 0).unwrap(); // carved at the first chunk's start
+    let y = p.malloc(4 * MIB, 0).unwrap();
+    assert!(x == a && y > x && y < a + 128 * MIB, "both carved from the first chunk");
+    let granules = 128 * MIB / G;
+    let len = p.ipc_export_len(x).unwrap();
+    assert_eq!(len, gpupool::upstream::shared::HEADER_BYTES + granules * gpupool::upstream::shared::GRANULE_BYTES, "the whole chunk is listed");
+    // The importer maps the chunk whole and would see `y` too: a strict export is refused,
+    // one that shares granules goes.
+    let e = p.ipc_export(x, false).unwrap_err().to_string();
+    assert!(e.contains("shares its"), "{e}");
+    assert!(p.ipc_export(x, true).is_ok());
+    p.free(y, 0).unwrap();
+    stamp(x, 4 * MIB, 3);
+    let desc = p.ipc_export(x, false).unwrap();
+    let d = gpupool::upstream::shared::Descriptor::decode(&desc).unwrap();
+    assert_eq!((d.granules.len(), d.offset), (granules, 0));
+    // The rest of the chunk is set aside while `x` lives: a new block goes elsewhere.
+    let z = p.malloc(4 * MIB, 0).unwrap();
+    assert!(z >= a + 128 * MIB, "not in the exported chunk");
+    // The importer maps the chunk and sees the block's bytes.
+    let fds: Vec<i32> = d.granules.iter().map(|s| s.fd).collect();
+    let at = p.ipc_import(&d, Some(&fds)).unwrap();
+    assert!(intact(at, 4 * MIB, 3), "the import shows the exported bytes");
+    p.ipc_close(at).unwrap();
+    for b in [x, z] {
+        p.free(b, 0).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn chunks_off_maps_granule_by_granule() {
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, thread_cache: false, arena_chunk: 0, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &opts).unwrap();
+    let before = p.driver_calls();
+    let a = p.malloc(128 * MIB, 0).unwrap();
+    assert_eq!(p.driver_calls().mem_create - before.mem_create, 64);
+    p.free(a, 0).unwrap();
 }

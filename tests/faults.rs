@@ -110,7 +110,7 @@ impl Schedule {
 }
 
 /// The arena's virtual memory calls, by the names `fail_vmm` gives them.
-const VMM_CALLS: &[&str] = &["map", "unmap", "alias", "unalias", "export", "import", "close"];
+const VMM_CALLS: &[&str] = &["map", "map chunk", "unmap", "alias", "unalias", "export", "import", "close"];
 
 /// Every step of every virtual memory call at which a failure is injected (`Schedule::hits`);
 /// the long run fails unless each was hit.
@@ -120,6 +120,9 @@ const STEPS: &[&str] = &[
     "map: map (first granule)",
     "map: map (later granule)",
     "map: set_access",
+    "map chunk: create",
+    "map chunk: map",
+    "map chunk: set_access",
     "unmap: unmap",
     "unmap: release",
     "alias: map (first)",
@@ -430,6 +433,18 @@ impl Upstream for FaultyUpstream {
         self.sync(addr, len);
         r
     }
+    fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.expect_unmapped(addr, len, "map chunk");
+        // One allocation: its creation (out of memory), its map, or the access grant fails,
+        // and nothing stays mapped.
+        if let Some(k) = self.fail_vmm("map chunk", 3) {
+            self.hit(["map chunk: create", "map chunk: map", "map chunk: set_access"][k]);
+            return Err(if k == 0 { AllocError::OutOfMemory } else { AllocError::Other(injected("map chunk")) });
+        }
+        let r = self.host.vmm_map_chunk(addr, len);
+        self.sync(addr, len);
+        r
+    }
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         let n = len / HOST_PAGE;
         // Granule k's unmap fails (it stays mapped), or its unmap succeeds and the release
@@ -704,6 +719,8 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, only: &
                 let size = match (r >> 16) % 3 {
                     0 => 1 + (r >> 24) as usize % 4096,
                     1 => 4096 + (r >> 24) as usize % (2 * MIB),
+                    // Now and then a block long enough for the arena to map chunks.
+                    _ if kind == PoolKind::Arena && (r >> 40) % 16 == 0 => 64 * MIB + (r >> 24) as usize % (32 * MIB),
                     _ => 2 * MIB + (r >> 24) as usize % (12 * MIB),
                 };
                 match p.malloc(size, stream) {

@@ -236,9 +236,8 @@ fn a_loop_whose_shapes_never_repeat_holds_its_peak_on_the_arena() {
     assert_eq!((arena.ooms, arena.unmatched_frees), (0, 0));
     assert!(arena.peak_reserved as f64 <= 1.05 * arena.peak_used as f64, "arena holds {:.3} of its peak in use", arena.peak_reserved as f64 / arena.peak_used as f64);
     assert!(split.peak_reserved > arena.peak_reserved, "split {} <= arena {}", split.peak_reserved, arena.peak_reserved);
-    // Driver calls in the second half (about 30 steps): the goal is at most 2 a step (60),
-    // which the arena does not reach where shapes never repeat (it stitches the largest
-    // tensors of most steps anew; docs/arena.md). This bound only catches it getting worse
-    // while a policy that reaches the goal is found; tighten it with that policy.
-    assert!(arena.driver_calls_second_half <= 8_000, "{} driver calls in the second half", arena.driver_calls_second_half);
+    // Driver calls in the second half (about 30 steps): at most 2 a step. The largest
+    // tensors of most steps are still stitched anew, but their memory was mapped in chunks
+    // (`strategy/arena/chunks.rs`), so a stitch is one alias per chunk, not per granule.
+    assert!(arena.driver_calls_second_half <= 60, "{} driver calls in the second half", arena.driver_calls_second_half);
 }

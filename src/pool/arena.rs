@@ -38,7 +38,7 @@ enum GrowFail {
 /// shard reserves as much as shard 0: one stream may hold most of the device, and a range
 /// that runs out fails requests the device could serve. A device with all 16 stream shards
 /// in use holds `85M` of address space, a small part of the 128 TiB a process has.
-pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::result::Result<Box<dyn Strategy>, String> {
+pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, max_chunk: usize) -> std::result::Result<Box<dyn Strategy>, String> {
     let g = up.vmm_granule();
     if g == 0 {
         return Err(format!("arena unavailable: the {} upstream or its device has no virtual memory management; using split", up.name()));
@@ -58,7 +58,9 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>) -> std::resu
         });
         match reserved {
             Ok((base, stitch)) => {
-                return Ok(Box::new(ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g)))
+                let mut a = ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g);
+                a.set_max_chunk(max_chunk);
+                return Ok(Box::new(a));
             }
             Err(e) if large <= total / 2 || va_bytes.is_some() => {
                 let _ = up.vmm_unreserve(small_base, small);
@@ -81,6 +83,9 @@ impl Grower for ArenaGrowth {
             // counts on.
             pool.decay_before_grow(rounded);
         }
+        // Once memory had to be released for this request, new memory is mapped granule by
+        // granule: a chunk partly in use could be neither stitched nor released later.
+        pool.arena().set_chunking(stage == Stage::AsIs);
         // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
         // stream's work cannot be waited for now) is not planned again in this growth: the
         // same stitch would be chosen forever.
@@ -98,7 +103,7 @@ impl Grower for ArenaGrowth {
                     continue;
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
-                Some(Growth::Stitch { base, homes, fresh }) => pool.make_stitch(base, homes, &fresh, key, stream),
+                Some(Growth::Stitch { base, homes, fresh, take }) => pool.make_stitch(base, homes, &fresh, take, key, stream),
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
                         None
@@ -204,17 +209,39 @@ impl Pool {
         self.map_granules(targets, key, stream)
     }
 
-    /// Map new memory under the unmapped granules `t` (ascending), one call per run.
+    /// Map new memory under the unmapped granules `t` (ascending): per run of adjacent
+    /// ones, one call granule by granule, or one per chunk where the run is long
+    /// (`ArenaStrategy::chunk_for`).
     fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let g = self.arena().granule();
+        let mut pieces = Vec::new();
         for r in adjacent_runs(t, g) {
             let (addr, len) = (t[r.start], r.len() * g);
-            let Some(got) = self.within_budget(len, |up| up.vmm_map_new(addr, len)) else {
+            let chunk = self.arena().chunk_for(addr, len);
+            if chunk <= g {
+                pieces.push((addr, len, false));
+                continue;
+            }
+            let mut at = addr;
+            while at < addr + len {
+                // A tail shorter than two chunks is one: no chunk of a granule or two.
+                let rest = addr + len - at;
+                let l = if rest < 2 * chunk { rest } else { chunk };
+                pieces.push((at, l, l > g));
+                at += l;
+            }
+        }
+        for (addr, len, chunked) in pieces {
+            let Some(got) = self.within_budget(len, |up| if chunked { up.vmm_map_chunk(addr, len) } else { up.vmm_map_new(addr, len) }) else {
                 return Err(GrowFail::OutOfMemory { by_limit: true });
             };
             match got {
                 Ok(()) => {
-                    self.arena().mapped(addr, len, key);
+                    if chunked {
+                        self.arena().mapped_chunk(addr, len, key);
+                    } else {
+                        self.arena().mapped(addr, len, key);
+                    }
                     self.add_reserved(len);
                     self.c.upstream_allocs += 1;
                     self.c.upstream_alloc_bytes += len as u64;
@@ -230,26 +257,28 @@ impl Pool {
     /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
     /// homes are free memory whose streams the plan made safe for `stream`; nothing is
     /// unmapped, so no queued work is disturbed.
-    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
         if let Err(AliasFail { made, error }) = self.upstream.vmm_alias(&homes, base) {
-            // Undo the aliases made, one granule at a time. One the driver will not remove
-            // is booked as a broken stitch over what was aliased, so its address space is
-            // not reused while mapped and the removal is retried later.
-            for k in 0..made {
-                if self.upstream.vmm_unalias(base + k * g, g).is_err() {
-                    let id = self.arena().add_stitch(base, homes[..made].to_vec());
-                    self.arena().stitch_broken(id, k);
+            // Undo the aliases made (whole allocations), one mapping at a time. One the
+            // driver will not remove is booked as a broken stitch over what was aliased, so
+            // its address space is not reused while mapped and the removal is retried later.
+            let made_homes = homes[..made].to_vec();
+            let maps = self.arena().mappings_of(&made_homes);
+            for (i, n) in maps {
+                if self.upstream.vmm_unalias(base + i * g, n * g).is_err() {
+                    let id = self.arena().add_stitch(base, made_homes);
+                    self.arena().stitch_broken(id, i);
                     break;
                 }
             }
             return Err(GrowFail::Other(error));
         }
         self.trace(stream, Action::Stitch, base, homes.len() * g);
-        let n = homes.len();
+        let take = take.min(homes.len());
         let id = self.arena().add_stitch(base, homes);
-        Ok(self.arena().carve_stitch(id, 0, n, key, false))
+        Ok(self.arena().carve_stitch(id, 0, take, key, false))
     }
 
     /// Remove stitch `id`'s aliases and forget it (it is not handed out). The stream its
@@ -262,10 +291,13 @@ impl Pool {
             self.streams.synchronize(&mut *self.upstream, s, allowed)?;
         }
         let g = self.arena().granule();
-        let (base, len, done) = self.arena().stitch_range(id);
-        for i in done..len / g {
-            if let Err(e) = self.upstream.vmm_unalias(base + i * g, g) {
-                self.arena().stitch_broken(id, i);
+        let (base, _, done) = self.arena().stitch_range(id);
+        for (off, len) in self.arena().stitch_mappings(id) {
+            if off / g < done {
+                continue;
+            }
+            if let Err(e) = self.upstream.vmm_unalias(base + off, len) {
+                self.arena().stitch_broken(id, off / g);
                 return Err(e);
             }
         }
@@ -314,10 +346,14 @@ impl Pool {
             if over.into_iter().any(|id| self.drop_stitch(id).is_err()) {
                 continue;
             }
-            // One granule per call: a failure midway leaves the books exact (the driver's
-            // unmap is per granule anyway).
+            // One allocation per call: a failure midway leaves the books exact (the driver
+            // unmaps whole allocations anyway).
             let mut released_here = false;
-            for at in (addr..addr + len).step_by(g) {
+            let mut next = addr;
+            while next < addr + len {
+                let at = next;
+                let (_, alloc) = self.arena().allocation_at(at);
+                next = at + alloc;
                 if self.arena().is_lent(at) {
                     // Its memory is the other range's granule: remove the alias and give the
                     // home back too (idle: its users' streams were waited for above, and a
@@ -328,14 +364,14 @@ impl Pool {
                     }
                     let home = self.arena().end_loan(at, StreamKey::LEGACY);
                     loans_ended = true;
-                    if let Some(n) = self.unmap_granule(home) {
+                    if let Some(n) = self.unmap_allocation(home, g) {
                         got += n;
                         self.c.upstream_frees += 1;
                         self.trace(0, Action::UpstreamFree, home, g);
                     }
                     continue;
                 }
-                let Some(n) = self.unmap_granule(at) else { break };
+                let Some(n) = self.unmap_allocation(at, alloc) else { break };
                 got += n;
                 released_here = true;
             }
@@ -347,13 +383,13 @@ impl Pool {
         (got, loans_ended)
     }
 
-    /// Unmap the free granule `at` (no alias over it, its streams waited for) and book
-    /// exactly what the driver did. `None`: it is still mapped (and booked so). Otherwise its
-    /// address is gone and booked unmapped, so no block is ever carved over it unmapped;
-    /// returns the bytes released, 0 where the driver unmapped it but would not release
-    /// its memory (leaked: counted and reported, never handed out again).
-    fn unmap_granule(&mut self, at: usize) -> Option<usize> {
-        let g = self.arena().granule();
+    /// Unmap the free allocation `[at, at + g)` (a granule or a chunk; no alias over it,
+    /// its streams waited for) and book exactly what the driver did. `None`: it is still
+    /// mapped (and booked so). Otherwise its address is gone and booked unmapped, so no
+    /// block is ever carved over it unmapped; returns the bytes released, 0 where the driver
+    /// unmapped it but would not release its memory (leaked: counted and reported, never
+    /// handed out again).
+    fn unmap_allocation(&mut self, at: usize, g: usize) -> Option<usize> {
         let leaked = match self.upstream.vmm_unmap(at, g) {
             Ok(()) => None,
             Err(f) if f.unmapped >= g => Some(f.error),

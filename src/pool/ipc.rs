@@ -80,8 +80,8 @@ impl Pool {
         // Each exported granule keeps a descriptor open (`shared.rs`).
         raise_fd_limit();
         let (addr, block_size) = (l.block.addr, l.block.size);
-        let first = ptr & !(g - 1);
-        let end = (ptr + size).div_ceil(g) * g;
+        // Whole allocations: the importer maps a chunk only whole.
+        let (first, end) = self.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
         // Each granule's file identity goes along, so an importer can tell the exported file
         // from whatever its number names later (`shared.rs`, "Trust").
         let granules = (first..end)
@@ -129,7 +129,8 @@ impl Pool {
         let size = l.requested.max(1);
         Ok(match self.strategy.as_arena_ref().map(|a| a.granule()) {
             Some(g) => {
-                let granules = (ptr + size).div_ceil(g) - ptr / g;
+                let (first, end) = self.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
+                let granules = (end - first) / g;
                 crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules
             }
             None => crate::upstream::legacy_descriptor::LEGACY_DESCRIPTOR_BYTES,

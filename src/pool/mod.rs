@@ -159,7 +159,7 @@ impl Pool {
         let budget = opts.budget.clone().unwrap_or_default();
         budget.init_limit(limit);
         let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va) {
+            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va, opts.arena_chunk) {
                 Ok(a) => (a, None),
                 Err(why) => (strategy::build(PoolKind::Split), Some(why)),
             },

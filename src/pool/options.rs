@@ -36,6 +36,9 @@ pub struct PoolOptions {
     /// `GPUPOOL_ARENA_LEND` (default on): the arena's ranges grow into each other's free
     /// granules (`Pool::map_window`).
     pub arena_lend: bool,
+    /// `GPUPOOL_ARENA_CHUNK`: the largest physical allocation the arena maps for a long
+    /// growth (`strategy/arena/chunks.rs`); a granule or less: granule by granule.
+    pub arena_chunk: usize,
     /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
     pub budget: Option<std::sync::Arc<Budget>>,
     /// Which shard of its device this pool is (0 for a device that is not sharded): the
@@ -58,6 +61,7 @@ impl Default for PoolOptions {
             event_batch: crate::stream::EVENT_BATCH,
             event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
             arena_lend: true,
+            arena_chunk: crate::strategy::arena::CHUNK_MAX,
             budget: None,
             shard: 0,
         }

@@ -196,6 +196,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         event_batch: cfg.event_batch,
         event_batch_bytes: cfg.event_batch_bytes,
         arena_lend: cfg.arena_lend,
+        arena_chunk: cfg.arena_chunk,
         budget: None,
         shard: 0,
     })

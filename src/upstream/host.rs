@@ -134,6 +134,25 @@ fn protect(addr: usize, len: usize, prot: libc::c_int) -> Result<()> {
     Ok(())
 }
 
+impl HostUpstream {
+    /// New memory under `[addr, addr + len)`: granule by granule, or one chunk.
+    fn map(&mut self, addr: usize, len: usize, chunk: bool) -> std::result::Result<(), AllocError> {
+        let n = if chunk { 1 } else { (len / self.vmm.granule()) as u64 };
+        if !self.take(len) {
+            self.calls.mem_create += 1; // the failing call
+            return Err(AllocError::OutOfMemory);
+        }
+        let r = if chunk { self.vmm.map_chunk(addr, len) } else { self.vmm.map_new(addr, len) };
+        if let Err(e) = r {
+            self.give(len);
+            return Err(e.into());
+        }
+        (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
+            (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        Ok(())
+    }
+}
+
 impl Upstream for HostUpstream {
     fn name(&self) -> &'static str {
         "host"
@@ -229,26 +248,20 @@ impl Upstream for HostUpstream {
     }
 
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        let n = (len / self.vmm.granule()) as u64;
-        if !self.take(len) {
-            self.calls.mem_create += 1; // the failing call
-            return Err(AllocError::OutOfMemory);
-        }
-        if let Err(e) = self.vmm.map_new(addr, len) {
-            self.give(len);
-            return Err(e.into());
-        }
-        (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
-            (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
-        Ok(())
+        self.map(addr, len, false)
+    }
+
+    fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.map(addr, len, true)
     }
 
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         // What went back before a failure is counted and given back too (the file's pages
         // are released with the address: the host never leaks one).
+        let n = self.vmm.allocations_in(addr, len);
         let r = self.vmm.unmap(addr, len);
         let gone = r.as_ref().map_or_else(|f| f.unmapped, |()| len);
-        let n = (gone / self.vmm.granule()) as u64;
+        let n = if gone == len { n } else { self.vmm.allocations_in(addr, gone).min(n) } as u64;
         self.calls.mem_unmap += n;
         self.calls.mem_release += n;
         self.give(gone);
@@ -257,17 +270,33 @@ impl Upstream for HostUpstream {
 
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         let g = self.vmm.granule();
-        for (i, &home) in homes.iter().enumerate() {
-            self.vmm.alias(home, to + i * g).map_err(|error| AliasFail { made: i, error })?;
+        let mut i = 0;
+        while i < homes.len() {
+            let Some(n) = self.vmm.whole_allocation_at(homes, i) else {
+                let error = crate::error::Error::Internal(format!("host vmm: alias of {:#x}, which is not the start of a whole chunk", homes[i]));
+                return Err(AliasFail { made: i, error });
+            };
+            for k in 0..n {
+                if let Err(error) = self.vmm.alias(homes[i + k], to + (i + k) * g) {
+                    // The chunk's aliases made so far go: `made` counts whole allocations.
+                    if k > 0 {
+                        let _ = self.vmm.unalias(to + i * g, k * g);
+                    }
+                    return Err(AliasFail { made: i, error });
+                }
+            }
+            self.vmm.note_alias_chunk(to + i * g, n * g);
             self.calls.mem_map += 1;
+            i += n;
         }
         self.calls.set_access += 1;
         Ok(())
     }
 
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        let n = self.vmm.alias_mappings_in(addr, len);
         self.vmm.unalias(addr, len)?;
-        self.calls.mem_unmap += (len / self.vmm.granule()) as u64;
+        self.calls.mem_unmap += n as u64;
         Ok(())
     }
 

@@ -9,6 +9,10 @@
 //! Released granules are punched out of the file (`FALLOC_FL_PUNCH_HOLE`), giving the memory
 //! back to the OS.
 //!
+//! A chunk (`map_chunk`: one allocation of several granules on a GPU) is booked as such,
+//! and unmapping or aliasing part of one is refused as the driver refuses it, so the CPU
+//! tests catch a pool that would cut one.
+//!
 //! Sharing with another process (`crate::upstream::shared`) works as on the GPU: a
 //! granule is exported as the file's descriptor and the granule's offset in it, and an
 //! importer maps those offsets of its copy of the descriptor side by side.
@@ -17,6 +21,7 @@ use crate::upstream::shared::{Descriptor, FdSource};
 use crate::upstream::UnmapFail;
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 
 pub struct HostVmm {
     granule: usize,
@@ -29,6 +34,10 @@ pub struct HostVmm {
     mapped: FxHashMap<usize, usize>,
     /// Alias address -> the home granule whose memory it shows.
     aliases: FxHashMap<usize, usize>,
+    /// Chunks (allocations of several granules): base -> bytes; and alias mappings of
+    /// chunks: start -> bytes.
+    chunks: BTreeMap<usize, usize>,
+    alias_chunks: BTreeMap<usize, usize>,
     /// Reservation base -> length.
     reservations: FxHashMap<usize, usize>,
     /// Ranges mapping another process's granules (`import`): base -> (granules, the
@@ -49,6 +58,8 @@ impl HostVmm {
             spare_offsets: Vec::new(),
             mapped: FxHashMap::default(),
             aliases: FxHashMap::default(),
+            chunks: BTreeMap::new(),
+            alias_chunks: BTreeMap::new(),
             reservations: FxHashMap::default(),
             imports: FxHashMap::default(),
         }
@@ -220,12 +231,47 @@ impl HostVmm {
         Ok(())
     }
 
+    /// Map new memory over `[addr, addr + len)` as one chunk; all or nothing.
+    pub fn map_chunk(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.map_new(addr, len)?;
+        if len > self.granule {
+            self.chunks.insert(addr, len);
+        }
+        Ok(())
+    }
+
+    /// The chunk holding `addr`, if it is in one: (base, bytes).
+    fn chunk_of(map: &BTreeMap<usize, usize>, addr: usize) -> Option<(usize, usize)> {
+        map.range(..=addr).next_back().filter(|(&b, &l)| addr < b + l).map(|(&b, &l)| (b, l))
+    }
+
+    /// Allocations (granules, or chunks counted once) in `[addr, addr + len)`, for the
+    /// driver-call counts.
+    pub fn allocations_in(&self, addr: usize, len: usize) -> usize {
+        let in_chunks: usize = self.chunks.range(addr..addr + len).map(|(_, &l)| l / self.granule - 1).sum();
+        len / self.granule - in_chunks
+    }
+
+    /// Alias mappings in `[addr, addr + len)` (chunk aliases counted once).
+    pub fn alias_mappings_in(&self, addr: usize, len: usize) -> usize {
+        let in_chunks: usize = self.alias_chunks.range(addr..addr + len).map(|(_, &l)| l / self.granule - 1).sum();
+        len / self.granule - in_chunks
+    }
+
     /// Unmap and release every granule of `[addr, addr + len)`, in order. A failure says
     /// how many bytes before it are gone. Releasing cannot fail here (a hole the kernel will
     /// not punch leaves the offset reused all the same), so nothing is ever leaked.
     pub fn unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         for a in (addr..addr + len).step_by(self.granule) {
             let fail = |error| UnmapFail { unmapped: a - addr, leaked: 0, error };
+            if let Some((b, l)) = Self::chunk_of(&self.chunks, a) {
+                if b < addr || b + l > addr + len {
+                    return Err(fail(Error::Internal(format!("host vmm: unmap of {addr:#x}+{len:#x} cuts the chunk {b:#x}+{l:#x}"))));
+                }
+                if b == a && (a..a + l).step_by(self.granule).any(|x| self.aliases.values().any(|&h| h == x)) {
+                    return Err(fail(Error::Internal(format!("host vmm: unmap of chunk {a:#x}, which still has an alias"))));
+                }
+            }
             let Some(&off) = self.mapped.get(&a) else {
                 return Err(fail(Error::Internal(format!("host vmm: unmap of {a:#x}, which is not mapped"))));
             };
@@ -238,8 +284,29 @@ impl HostVmm {
                 crate::upstream::export_record::ExportRecord::granule_released(fd, off as u64);
             }
             self.release_offset(off);
+            if let Some((b, l)) = Self::chunk_of(&self.chunks, a).filter(|&(b, l)| a + self.granule == b + l) {
+                debug_assert!(l > self.granule);
+                self.chunks.remove(&b);
+            }
         }
         Ok(())
+    }
+
+    /// Whether `homes[i..]` starts with a whole allocation (a granule, or a chunk's
+    /// granules in order from its first), and its granules.
+    pub fn whole_allocation_at(&self, homes: &[usize], i: usize) -> Option<usize> {
+        let g = self.granule;
+        match Self::chunk_of(&self.chunks, homes[i]) {
+            None => Some(1),
+            Some((b, l)) => (b == homes[i] && i + l / g <= homes.len() && (0..l / g).all(|k| homes[i + k] == b + k * g)).then_some(l / g),
+        }
+    }
+
+    /// `[to, to + len)` aliases a whole chunk (booked so it is removed whole).
+    pub fn note_alias_chunk(&mut self, to: usize, len: usize) {
+        if len > self.granule {
+            self.alias_chunks.insert(to, len);
+        }
     }
 
     /// How many address ranges are reserved, and their bytes (the pool's own and those of
@@ -269,8 +336,19 @@ impl HostVmm {
         Ok(())
     }
 
-    /// Remove the aliases in `[addr, addr + len)`.
+    /// Remove the aliases in `[addr, addr + len)` (whole alias mappings).
     pub fn unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        for at in [addr, addr + len - 1] {
+            if let Some((b, l)) = Self::chunk_of(&self.alias_chunks, at) {
+                if b < addr || b + l > addr + len {
+                    return Err(Error::Internal(format!("host vmm: unalias of {addr:#x}+{len:#x} cuts the chunk alias {b:#x}+{l:#x}")));
+                }
+            }
+        }
+        let whole: Vec<usize> = self.alias_chunks.range(addr..addr + len).map(|(&b, _)| b).collect();
+        for b in whole {
+            self.alias_chunks.remove(&b);
+        }
         for a in (addr..addr + len).step_by(self.granule) {
             if self.aliases.remove(&a).is_none() {
                 return Err(Error::Internal(format!("host vmm: unalias of {a:#x}, which is no alias")));

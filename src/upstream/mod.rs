@@ -150,21 +150,32 @@ pub trait Upstream: Send {
     fn vmm_map_new(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), AllocError> {
         Err(AllocError::Other(Error::Internal("this upstream has no virtual memory API".into())))
     }
-    /// Unmap the granules of `[addr, addr + len)` in order and release their physical
-    /// memory. A failure says how much is unmapped all the same (`UnmapFail`): a granule
-    /// whose unmap succeeded and whose release failed is unmapped (and its memory leaked),
-    /// not still mapped. The pool calls it one granule at a time.
+    /// Back the unmapped granules of `[addr, addr + len)` with one new physical allocation
+    /// (a chunk): one create, one map and one access grant for all of it. The driver maps,
+    /// unmaps and exports an allocation only whole, so the pool aliases, releases and
+    /// exports a chunk only whole. An upstream without such allocations maps granule by
+    /// granule (the same books, more calls). All or nothing.
+    fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.vmm_map_new(addr, len)
+    }
+    /// Unmap the allocations of `[addr, addr + len)` (whole ones) in order and release
+    /// their physical memory. A failure says how much is unmapped all the same
+    /// (`UnmapFail`): an allocation whose unmap succeeded and whose release failed is
+    /// unmapped (and its memory leaked), not still mapped. The pool calls it one allocation
+    /// at a time.
     fn vmm_unmap(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), UnmapFail> {
         Err(UnmapFail::nothing(Error::Internal("this upstream has no virtual memory API".into())))
     }
     /// Map the physical memory of the granules mapped at `homes` side by side from the
     /// unmapped granule `to` on as well (aliases: both addresses show the same bytes),
-    /// without allocating. One access grant covers them all, so a stitch of N granules
-    /// costs N + 1 driver calls, not 2N.
+    /// without allocating. `homes` lists whole allocations (a chunk's granules in order from
+    /// its first): one map per allocation. One access grant covers them all. A failure
+    /// says how many granules are aliased (whole allocations), for the caller to remove.
     fn vmm_alias(&mut self, _homes: &[usize], _to: usize) -> std::result::Result<(), AliasFail> {
         Err(AliasFail { made: 0, error: Error::Internal("this upstream has no virtual memory API".into()) })
     }
-    /// Remove the aliases of `[addr, addr + len)` (their memory stays at its home).
+    /// Remove the aliases of `[addr, addr + len)`, whole alias mappings (their memory stays
+    /// at its home).
     fn vmm_unalias(&mut self, _addr: usize, _len: usize) -> Result<()> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))
     }

@@ -22,6 +22,10 @@ pub struct SimUpstream {
     mapped: BTreeSet<usize>,
     aliases: BTreeSet<usize>,
     calls: DriverCalls,
+    /// Chunks (one allocation of several granules) and alias mappings of them: start ->
+    /// bytes, for the driver-call counts (a chunk is one call where a granule is one).
+    chunks: std::collections::BTreeMap<usize, usize>,
+    alias_chunks: std::collections::BTreeMap<usize, usize>,
 }
 
 impl SimUpstream {
@@ -42,6 +46,8 @@ impl SimUpstream {
             mapped: BTreeSet::new(),
             aliases: BTreeSet::new(),
             calls: DriverCalls::default(),
+            chunks: Default::default(),
+            alias_chunks: Default::default(),
         }
     }
 }
@@ -109,6 +115,15 @@ impl Upstream for SimUpstream {
         }
         Ok(())
     }
+    fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let before = self.calls;
+        self.vmm_map_new(addr, len)?;
+        if len > SIM_PAGE {
+            self.chunks.insert(addr, len);
+        }
+        (self.calls.mem_create, self.calls.mem_map) = (before.mem_create + 1, before.mem_map + 1);
+        Ok(())
+    }
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.calls.mem_create += (len / SIM_PAGE) as u64;
         if len > self.capacity - self.allocated {
@@ -127,8 +142,9 @@ impl Upstream for SimUpstream {
         for g in (addr..addr + len).step_by(SIM_PAGE) {
             assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
         }
-        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
-        self.calls.mem_release += (len / SIM_PAGE) as u64;
+        let n = (len / SIM_PAGE - sim_in_chunks(&mut self.chunks, addr, len)) as u64;
+        self.calls.mem_unmap += n;
+        self.calls.mem_release += n;
         self.allocated -= len;
         Ok(())
     }
@@ -139,7 +155,13 @@ impl Upstream for SimUpstream {
                 let error = Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {at:#x}"));
                 return Err(AliasFail { made: i, error });
             }
-            self.calls.mem_map += 1;
+            if self.chunks.get(&home).is_some_and(|&l| i + l / SIM_PAGE <= homes.len()) {
+                let l = self.chunks[&home];
+                self.alias_chunks.insert(at, l);
+                self.calls.mem_map += 1;
+            } else if !self.alias_chunks.range(..at).next_back().is_some_and(|(&b, &l)| at < b + l) {
+                self.calls.mem_map += 1;
+            }
         }
         self.calls.set_access += 1;
         Ok(())
@@ -150,7 +172,7 @@ impl Upstream for SimUpstream {
                 return Err(Error::Internal(format!("simulated vmm: unalias of {g:#x}, which is no alias")));
             }
         }
-        self.calls.mem_unmap += (len / SIM_PAGE) as u64;
+        self.calls.mem_unmap += (len / SIM_PAGE - sim_in_chunks(&mut self.alias_chunks, addr, len)) as u64;
         Ok(())
     }
     fn driver_calls(&self) -> DriverCalls {
@@ -159,4 +181,14 @@ impl Upstream for SimUpstream {
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         Ok((self.capacity - self.allocated, self.capacity))
     }
+}
+
+/// Granules of `[addr, addr + len)` beyond the first of each chunk of `chunks` starting
+/// there (a chunk is one call), forgetting those chunks.
+fn sim_in_chunks(chunks: &mut std::collections::BTreeMap<usize, usize>, addr: usize, len: usize) -> usize {
+    let inside: Vec<(usize, usize)> = chunks.range(addr..addr + len).map(|(&b, &l)| (b, l)).collect();
+    inside.iter().map(|&(b, l)| {
+        chunks.remove(&b);
+        l / SIM_PAGE - 1
+    }).sum()
 }

@@ -34,12 +34,16 @@ impl ArenaStrategy {
     /// memory in them is set aside until the block is freed (`put`). A stitched block's
     /// granules are its own already.
     pub fn guard_export(&mut self, addr: usize, size: usize) -> Result<(), String> {
-        if self.stitches.contains(addr) || self.exports.guarded.contains_key(&addr) {
+        if self.exports.guarded.contains_key(&addr) {
             return Ok(());
+        }
+        if self.stitches.contains(addr) {
+            return self.guard_stitched(addr, size);
         }
         let g = self.granule;
         let si = self.space_of(addr);
-        let (first, end) = (addr & !(g - 1), (addr + size).div_ceil(g) * g);
+        // Whole allocations: a chunk is mapped whole by the importer.
+        let (first, end) = self.export_extent(addr, size);
         let overlapping: Vec<(space::Node, space::Slot)> =
             self.spaces[si].walk().filter(|(_, n)| n.addr < end && n.end() > first).map(|(s, n)| (*n, s)).collect();
         if let Some((n, _)) = overlapping.iter().find(|(n, _)| n.state == space::State::Allocated && n.addr != addr) {
@@ -60,6 +64,44 @@ impl ArenaStrategy {
             let b = self.spaces[si].carve_range(a, e - a, n.stream);
             self.exports.guard_bytes += b.size;
             guards.push((si, b.handle));
+        }
+        self.exports.guarded.insert(addr, guards);
+        Ok(())
+    }
+
+    /// `guard_export` for a stitched block: its granules are its own, but a stitch aliases
+    /// chunks whole, so the importer also sees the stitch's granules around the block that
+    /// lie in the same chunks. Those are set aside while the block lives (refused where
+    /// another live block holds one).
+    fn guard_stitched(&mut self, addr: usize, size: usize) -> Result<(), String> {
+        let g = self.granule;
+        let (first, end) = self.export_extent(addr, size);
+        let Some((_, st)) = self.stitches.iter().find(|(_, s)| addr >= s.base && addr < s.base + s.len) else {
+            return Ok(());
+        };
+        let in_use = st.first_in_use..st.first_in_use + st.granules_in_use;
+        let homes: Vec<usize> = ((first - st.base) / g..(end - st.base) / g).filter(|j| !in_use.contains(j)).map(|j| st.homes[j]).collect();
+        let large = super::LARGE;
+        let nodes: Vec<space::Node> = self.spaces[large]
+            .walk()
+            .filter(|(_, n)| homes.iter().any(|&h| n.addr < h + g && n.end() > h))
+            .map(|(_, n)| *n)
+            .collect();
+        if let Some(n) = nodes.iter().find(|n| n.state == space::State::Allocated) {
+            return Err(format!(
+                "the stitched block shows allocations whose memory also holds the live block at {:#x}, which the importer \
+                 could then read and write; copy what you share into a block of its own",
+                n.addr
+            ));
+        }
+        let mut guards = Vec::new();
+        for n in nodes.iter().filter(|n| n.state == space::State::Free) {
+            for &h in homes.iter().filter(|&&h| n.addr < h + g && n.end() > h) {
+                let (a, e) = (n.addr.max(h), n.end().min(h + g));
+                let b = self.spaces[large].carve_range(a, e - a, n.stream);
+                self.exports.guard_bytes += b.size;
+                guards.push((large, b.handle));
+            }
         }
         self.exports.guarded.insert(addr, guards);
         Ok(())

@@ -39,6 +39,7 @@ impl ArenaStrategy {
                 let g = self.granule;
                 (r.addr..r.addr + r.len).step_by(g).map(move |a| FreeRun { addr: a, len: g, ..r.clone() })
             })
+            .filter(|r| self.chunks.of(r.addr).is_none()) // a chunk is aliased whole, never lent
             .partition(|r| !stitched.contains(&r.addr));
         let mut homes = plan::stitch_homes(&free, n, self.granule, stream, reusable);
         if STITCHED_LENDABLE && homes.len() < n {
@@ -51,7 +52,7 @@ impl ArenaStrategy {
     /// shows another's through an alias, and an alias cannot be aliased again (the driver
     /// maps an allocation's handle, which only its home has).
     pub(super) fn home_runs(&self, si: usize) -> Vec<FreeRun> {
-        super::split_runs(self.spaces[si].free_granule_runs(), self.granule, |a| self.loans.contains_key(&a))
+        super::release::split_runs(self.spaces[si].free_granule_runs(), self.granule, |a| self.loans.contains_key(&a))
     }
 
     /// The pool aliased the other range's free granule `home` at the unmapped granule `at`:

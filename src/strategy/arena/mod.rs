@@ -3,7 +3,9 @@
 //! Each device reserves large address ranges up front (`space.rs`): one for small requests
 //! (<= 1 MiB, so their long-lived crumbs never pin the granules large tensors need), one
 //! for the rest, and one for stitches. Physical memory is mapped into them granule by
-//! granule (2 MiB on current GPUs) only where blocks need it.
+//! granule (2 MiB on current GPUs) only where blocks need it; a long growth of the large
+//! range is mapped as a few chunks of many granules (`chunks.rs`), which are then stitched,
+//! released and exported whole.
 //!
 //! - Blocks are carved best fit from mapped free memory at 512 B and coalesce with free
 //!   neighbours anywhere in their range. Freed memory stays mapped: reuse makes no driver
@@ -11,7 +13,8 @@
 //! - A request that no free block serves gets, in this order: a window of free memory and
 //!   address space that needs no new memory (`plan.rs`); a cached stitch whose granules
 //!   are all free again (`stitch.rs`, no driver call); a new stitch of scattered free
-//!   granules mapped side by side (one alias per granule, once); and only when the free
+//!   granules mapped side by side (one alias per allocation: a granule or a whole chunk,
+//!   once); and only when the free
 //!   granules do not suffice, new memory mapped under a window.
 //! - Memory goes back only under pressure (limit, OOM, reclaim, decay), as whole free
 //!   granules, in bulk; stitches over them are dropped first.
@@ -19,8 +22,11 @@
 //! The strategy plans and keeps the books; the pool (`pool/arena.rs`) makes the driver
 //! calls, so all of this is testable without a GPU.
 
+mod chunks;
+pub use chunks::CHUNK_MAX;
 mod export;
 mod loans;
+mod release;
 pub mod plan;
 pub mod space;
 pub mod stitch;
@@ -64,9 +70,9 @@ pub enum Growth {
     /// whose homes are all free.
     Reuse { id: u32, first: usize, granules: usize },
     /// Map new memory under the unmapped granules `fresh` of the large space, then alias
-    /// `homes` (free granules, `fresh` among them) side by side at `base` as a new stitch,
-    /// and hand it out.
-    Stitch { base: usize, homes: Vec<usize>, fresh: Vec<usize> },
+    /// `homes` (free granules, `fresh` among them; chunks whole) side by side at `base` as
+    /// a new stitch, and hand out its first `take` granules.
+    Stitch { base: usize, homes: Vec<usize>, fresh: Vec<usize>, take: usize },
     /// A stitch would serve, but the stitch cache is full: evict `id` and plan again.
     Evict { id: u32 },
 }
@@ -87,6 +93,8 @@ pub struct ArenaStrategy {
     stuck: std::collections::BTreeMap<usize, space::Slot>,
     /// Exported blocks: their guards and export records (`export.rs`).
     exports: Exports,
+    /// Allocations of several granules in the large range (`chunks.rs`).
+    chunks: chunks::Chunks,
     pub counters: ArenaCounters,
 }
 
@@ -101,6 +109,7 @@ impl ArenaStrategy {
             small_loans: 0,
             stuck: Default::default(),
             exports: Exports::default(),
+            chunks: chunks::Chunks::new(granule),
             counters: ArenaCounters::default(),
         }
     }
@@ -182,6 +191,8 @@ impl ArenaStrategy {
         // Scattered free granules, topped up with new ones: a stitch, where it needs less
         // new memory than the window.
         let n = whole / g;
+        // Chunks are stitched whole: only runs of whole allocations count.
+        let runs = self.chunks.whole_runs(runs);
         let free: usize = runs.iter().map(|r| r.len / g).sum();
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
         if n.saturating_sub(free) < window_new {
@@ -191,9 +202,14 @@ impl ArenaStrategy {
                     return Some(Growth::Evict { id });
                 }
             }
-            if let Some(base) = self.stitches.find_va(whole).filter(|_| !full) {
-                let mut homes = plan::stitch_homes(&runs, n, g, stream, reusable);
-                let new = n - homes.len();
+            // Chunks go in whole, so a stitch may show more than `n` granules.
+            let fits = |s: &Self, granules: usize| s.stitches.find_va(granules * g).filter(|_| !full);
+            let mut homes = match fits(self, n) {
+                Some(_) => self.chunks.extend(plan::stitch_homes(&runs, n, g, stream, reusable)),
+                None => Vec::new(),
+            };
+            let new = n.saturating_sub(homes.len());
+            if let Some(base) = fits(self, n).and_then(|_| fits(self, homes.len() + new)) {
                 if new < window_new {
                     let fresh: Vec<usize> = match new {
                         0 => Vec::new(),
@@ -204,7 +220,7 @@ impl ArenaStrategy {
                     };
                     homes.extend(&fresh);
                     homes.sort_unstable();
-                    return Some(Growth::Stitch { base, homes, fresh });
+                    return Some(Growth::Stitch { base, homes, fresh, take: n });
                 }
             }
         }
@@ -232,8 +248,9 @@ impl ArenaStrategy {
         self.counters.granules_mapped += (len / self.granule) as u64;
     }
 
-    /// The memory of `[addr, addr + len)` (whole free granules, no stitch over them) went back.
+    /// The memory of `[addr, addr + len)` (a whole free allocation, no stitch over it) went back.
     pub fn unmapped(&mut self, addr: usize, len: usize) {
+        self.chunks.remove(addr);
         let si = self.space_of(addr);
         self.spaces[si].mark_unmapped(addr, len);
         self.counters.granules_unmapped += (len / self.granule) as u64;
@@ -308,21 +325,6 @@ impl ArenaStrategy {
         self.stitches.iter().filter(|(_, s)| !s.in_use).map(|(id, _)| id).collect()
     }
 
-    /// Runs of whole free granules, in the order they should go back. Granules shown by a
-    /// handed-out stitch stay (its aliases are one mapping the pool cannot cut into while
-    /// the block lives); they can go once it is freed.
-    pub fn releasable(&self, order: ReleaseOrder) -> Vec<FreeRun> {
-        let g = self.granule;
-        let pinned: std::collections::HashSet<usize> =
-            self.stitches.iter().filter(|(_, s)| s.in_use).flat_map(|(_, s)| s.homes.iter().copied()).collect();
-        let mut runs = split_runs(self.spaces.iter().flat_map(|s| s.free_granule_runs()), g, |a| pinned.contains(&a));
-        match order {
-            ReleaseOrder::LargestFirst => runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr))),
-            ReleaseOrder::OldestFirst => runs.sort_unstable_by_key(|r| (r.freed_at, r.addr)),
-        }
-        runs
-    }
-
     /// Bytes mapped by the books (used + free; stitches and loans add no memory).
     pub fn mapped_bytes(&self) -> usize {
         self.spaces.iter().map(|s| s.mapped_bytes()).sum::<usize>() - (self.loans.len() + self.stuck.len()) * self.granule
@@ -348,24 +350,6 @@ impl ArenaStrategy {
     pub fn stitch_count(&self) -> usize {
         self.stitches.count()
     }
-}
-
-/// `runs` cut around every granule `excluded` names (granules of `g` bytes): what is left
-/// of each run, in order.
-fn split_runs(runs: impl IntoIterator<Item = FreeRun>, g: usize, excluded: impl Fn(usize) -> bool) -> Vec<FreeRun> {
-    let mut out = Vec::new();
-    for r in runs {
-        let mut start = r.addr;
-        for a in (r.addr..r.addr + r.len).step_by(g).chain(std::iter::once(r.addr + r.len)) {
-            if a == r.addr + r.len || excluded(a) {
-                if a > start {
-                    out.push(FreeRun { addr: start, len: a - start, ..r.clone() });
-                }
-                start = a + g;
-            }
-        }
-    }
-    out
 }
 
 impl Strategy for ArenaStrategy {
@@ -455,6 +439,7 @@ impl Strategy for ArenaStrategy {
             s.check_invariants()?;
         }
         self.stitches.check_invariants()?;
+        self.chunks.check(|a| self.spaces[LARGE].is_mapped(a))?;
         let g = self.granule;
         let large = &self.spaces[LARGE];
         for (&at, &slot) in &self.loans {

@@ -25,13 +25,13 @@ fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usi
                 (a.carve_window(space, &window, stream), window.targets.len())
             }
             Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, stream, true), 0),
-            Growth::Stitch { base, homes, fresh } => {
+            Growth::Stitch { base, homes, fresh, take } => {
                 for &f in &fresh {
                     a.mapped(f, G, stream);
                 }
                 let n = homes.len();
                 let id = a.add_stitch(base, homes);
-                (a.carve_stitch(id, 0, n, stream, false), n)
+                (a.carve_stitch(id, 0, take, stream, false), n)
             }
             Growth::Evict { id } => {
                 a.drop_stitch(id);

@@ -4,6 +4,11 @@
 //! the same handle mapped again, how the arena stitches scattered granules into one range),
 //! and released (`cuMemUnmap` + `cuMemRelease`).
 //!
+//! A physical allocation is one granule (`map_new`) or a chunk of several (`map_chunk`):
+//! the driver maps, unmaps and exports an allocation only whole (`cuMemMap` at an offset
+//! into a handle is refused), so aliases, releases and exports here take whole allocations,
+//! and an alias or an import of a chunk is one `cuMemMap`.
+//!
 //! Access is granted to the owning device and to every device that can access it as a
 //! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
 //! memory. Called with the device's primary context current (`CudaUpstream` does that).
@@ -23,10 +28,13 @@
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
-use crate::upstream::shared::{new_fd_cloexec, Descriptor, FdSource, SharedGranule};
+use crate::upstream::shared::{new_fd_cloexec, SharedGranule};
 use crate::upstream::{AliasFail, AllocError, DriverCalls, UnmapFail};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+
+mod import;
 
 /// Device memory of `device`, as `cuMemCreate` takes it.
 pub fn device_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
@@ -54,16 +62,18 @@ pub struct CudaVmm {
     granule: usize,
     /// Who may read and write arena memory: the device, then its peers.
     access: Vec<sys::CUmemAccessDesc>,
-    /// Physical allocation mapped at each granule address.
-    handles: FxHashMap<usize, sys::CUmemGenericAllocationHandle>,
-    /// Alias address -> the home granule (a key of `handles`) whose memory it shows.
+    /// Physical allocations mapped: base -> (handle, bytes: a granule or a chunk).
+    handles: BTreeMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
+    /// Alias address (every granule of an alias) -> the home granule whose memory it shows.
     aliases: FxHashMap<usize, usize>,
-    /// Home granule -> the file descriptor it was exported as (closed at its release).
+    /// Alias mappings: start -> bytes (one per allocation aliased).
+    alias_maps: BTreeMap<usize, usize>,
+    /// Allocation base -> the file descriptor it was exported as (closed at its release).
     exported: FxHashMap<usize, i32>,
-    /// Ranges mapping another process's granules (`import`): base -> (length, the
-    /// address `import` returned, which alone closes it, bytes from the base already
-    /// unmapped by a close the driver failed midway: a retry resumes there).
-    imports: FxHashMap<usize, (usize, usize, usize)>,
+    /// Ranges mapping another process's allocations (`import`): base -> (length, the
+    /// address `import` returned, which alone closes it, mappings not yet unmapped by a
+    /// close the driver failed midway (a retry resumes there): their lengths in order).
+    imports: FxHashMap<usize, (usize, usize, Vec<usize>)>,
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -138,8 +148,9 @@ impl CudaVmm {
             prop,
             granule: g,
             access,
-            handles: FxHashMap::default(),
+            handles: BTreeMap::new(),
             aliases: FxHashMap::default(),
+            alias_maps: BTreeMap::new(),
             exported: FxHashMap::default(),
             imports: FxHashMap::default(),
         }))
@@ -192,51 +203,69 @@ impl CudaVmm {
         self.grant(addr, len, 1, calls)
     }
 
-    pub fn map_new(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
-        let g = self.granule;
+    /// The allocation mapped at `addr` (any address in it): (base, handle, bytes).
+    fn allocation(&self, addr: usize) -> Option<(usize, sys::CUmemGenericAllocationHandle, usize)> {
+        self.handles.range(..=addr).next_back().filter(|(&b, &(_, l))| addr < b + l).map(|(&b, &(h, l))| (b, h, l))
+    }
+
+    /// A new physical allocation of `len` bytes. A kind of memory the driver refuses (not
+    /// for lack of memory: no IMEX channel for fabric handles, a container without fd
+    /// export, no RDMA with VMM) steps down for good: fd + fabric, then fd, then plain,
+    /// then without the RDMA flag. Other failures leave the request as it is.
+    fn create(&mut self, len: usize, calls: &mut DriverCalls) -> std::result::Result<sys::CUmemGenericAllocationHandle, sys::CUresult> {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        calls.mem_create += 1;
+        let mut r = unsafe { sys::cuMemCreate(&mut h, len, &self.prop, 0) };
+        use sys::CUresult as R;
+        while matches!(r, R::CUDA_ERROR_NOT_PERMITTED | R::CUDA_ERROR_NOT_SUPPORTED | R::CUDA_ERROR_INVALID_VALUE) {
+            if self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
+                self.prop.requestedHandleTypes = plainer(self.prop.requestedHandleTypes);
+            } else if self.prop.allocFlags.gpuDirectRDMACapable != 0 {
+                self.prop.allocFlags.gpuDirectRDMACapable = 0;
+            } else {
+                break;
+            }
+            calls.mem_create += 1;
+            r = unsafe { sys::cuMemCreate(&mut h, len, &self.prop, 0) };
+        }
+        if r == R::CUDA_SUCCESS {
+            Ok(h)
+        } else {
+            Err(r)
+        }
+    }
+
+    /// New memory under `[addr, addr + len)`: one allocation of `piece` bytes per piece
+    /// (a granule each for `map_new`, the whole range for `map_chunk`), one access grant.
+    /// All or nothing.
+    fn map_pieces(&mut self, addr: usize, len: usize, piece: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
         let mut done = 0;
         let mut failure = None;
         while done < len {
             let p = addr + done;
-            if self.handles.contains_key(&p) {
+            if let Some(&(_, l)) = self.handles.get(&p).filter(|&&(_, l)| l == piece) {
                 // Left mapped by the undo of an earlier failed map (below), which the pool
                 // booked as unmapped: its memory serves as new memory here.
-                done += g;
+                done += l;
                 continue;
             }
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            calls.mem_create += 1;
-            let mut r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
-            // A kind of memory the driver refuses (not for lack of memory: no IMEX channel
-            // for fabric handles, a container without fd export, no RDMA with VMM) steps
-            // down for good: fd + fabric, then fd, then plain, then without the RDMA flag.
-            // Other failures (a context error) leave the request as it is.
-            use sys::CUresult as R;
-            while matches!(r, R::CUDA_ERROR_NOT_PERMITTED | R::CUDA_ERROR_NOT_SUPPORTED | R::CUDA_ERROR_INVALID_VALUE) {
-                if self.prop.requestedHandleTypes != NO_HANDLE_TYPE {
-                    self.prop.requestedHandleTypes = plainer(self.prop.requestedHandleTypes);
-                } else if self.prop.allocFlags.gpuDirectRDMACapable != 0 {
-                    self.prop.allocFlags.gpuDirectRDMACapable = 0;
-                } else {
+            let h = match self.create(piece, calls) {
+                Ok(h) => h,
+                Err(r) => {
+                    failure = Some(("cuMemCreate", r));
                     break;
                 }
-                calls.mem_create += 1;
-                r = unsafe { sys::cuMemCreate(&mut h, g, &self.prop, 0) };
-            }
-            if r != sys::CUresult::CUDA_SUCCESS {
-                failure = Some(("cuMemCreate", r));
-                break;
-            }
+            };
             calls.mem_map += 1;
-            let r = unsafe { sys::cuMemMap(p as sys::CUdeviceptr, g, 0, h, 0) };
+            let r = unsafe { sys::cuMemMap(p as sys::CUdeviceptr, piece, 0, h, 0) };
             if r != sys::CUresult::CUDA_SUCCESS {
                 calls.mem_release += 1;
                 unsafe { sys::cuMemRelease(h) };
                 failure = Some(("cuMemMap", r));
                 break;
             }
-            self.handles.insert(p, h);
-            done += g;
+            self.handles.insert(p, (h, piece));
+            done += piece;
         }
         if failure.is_none() {
             let r = self.set_access(addr, len, calls);
@@ -247,10 +276,10 @@ impl CudaVmm {
         match failure {
             None => Ok(()),
             Some((call, r)) => {
-                // All or nothing: undo every granule mapped here. One the driver will not
+                // All or nothing: undo every allocation mapped here. One the driver will not
                 // unmap stays in `handles`, for the next map of its address to take as is.
-                for p in (addr..addr + done).step_by(g) {
-                    let _ = self.unmap(p, g, calls);
+                for p in (addr..addr + done).step_by(piece) {
+                    let _ = self.unmap(p, piece, calls);
                 }
                 if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                     Err(AllocError::OutOfMemory)
@@ -261,51 +290,79 @@ impl CudaVmm {
         }
     }
 
-    /// Unmap and release granule by granule, stopping at the first failure. A granule the
-    /// driver will not unmap stays mapped (and in `handles`): the granules before it are
-    /// gone. One whose unmap succeeded but whose release failed is gone too (its address is
+    /// New memory under every granule of `[addr, addr + len)`, one allocation each.
+    pub fn map_new(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
+        self.map_pieces(addr, len, self.granule, calls)
+    }
+
+    /// New memory under `[addr, addr + len)` as one allocation (a chunk).
+    pub fn map_chunk(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
+        self.map_pieces(addr, len, len, calls)
+    }
+
+    /// Unmap and release the allocations of `[addr, addr + len)` (whole ones: the driver
+    /// unmaps whole mappings only), in order, stopping at the first failure. An allocation
+    /// the driver will not unmap stays mapped (and in `handles`): those before it are gone.
+    /// One whose unmap succeeded but whose release failed is gone too (its address is
     /// free, and the next map there must not find it in `handles`): the failure says so,
     /// and its physical memory is leaked.
     pub fn unmap(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), UnmapFail> {
-        for p in (addr..addr + len).step_by(self.granule) {
+        let mut p = addr;
+        while p < addr + len {
             let before = p - addr;
-            let Some(&h) = self.handles.get(&p) else {
-                let error = Error::Internal(format!("arena: unmap of {p:#x}, which is not mapped"));
-                return Err(UnmapFail { unmapped: before, leaked: 0, error });
+            let (h, l) = match self.handles.get(&p) {
+                Some(&(h, l)) if p + l <= addr + len => (h, l),
+                _ => {
+                    let error = Error::Internal(format!("arena: unmap of {p:#x}, which is no whole allocation of {addr:#x}+{len:#x}"));
+                    return Err(UnmapFail { unmapped: before, leaked: 0, error });
+                }
             };
             calls.mem_unmap += 1;
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) })
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, l) })
                 .map_err(|error| UnmapFail { unmapped: before, leaked: 0, error })?;
             self.handles.remove(&p);
             if let Some(fd) = self.exported.remove(&p) {
-                // Exports of it end before its descriptor number can be reused.
+                // Exports of it end before its descriptor number can be reused (every
+                // export lists its allocations whole, so from offset 0).
                 crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
-                // SAFETY: the descriptor `export` got for this granule, ours to close.
+                // SAFETY: the descriptor `export` got for this allocation, ours to close.
                 unsafe { libc::close(fd) };
             }
             calls.mem_release += 1;
             check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
-                .map_err(|error| UnmapFail { unmapped: before + self.granule, leaked: self.granule, error })?;
+                .map_err(|error| UnmapFail { unmapped: before + l, leaked: l, error })?;
+            p += l;
         }
         Ok(())
     }
 
-    /// Map the handles behind the granules at `homes` side by side from `to` on as well,
-    /// then grant access to the whole run in one call (the driver grants access over a
-    /// range of separate mappings). On failure the first `made` aliases are in place and
-    /// the caller removes them: a failed grant leaves all of them mapped.
+    /// Map the allocations behind the granules at `homes` side by side from `to` on as
+    /// well, then grant access to the whole run in one call (the driver grants access over
+    /// a range of separate mappings). `homes` lists whole allocations, each from its first
+    /// granule in order: one `cuMemMap` each. On failure the first `made` granules are
+    /// aliased (whole allocations) and the caller removes them: a failed grant leaves all
+    /// of them mapped.
     pub fn alias(&mut self, homes: &[usize], to: usize, calls: &mut DriverCalls) -> std::result::Result<(), AliasFail> {
         let g = self.granule;
-        for (i, &home) in homes.iter().enumerate() {
-            let Some(&h) = self.handles.get(&home) else {
-                let error = Error::Internal(format!("arena: alias of {home:#x}, which is not mapped"));
+        let mut i = 0;
+        while i < homes.len() {
+            let home = homes[i];
+            let whole = self.allocation(home).filter(|&(b, _, l)| {
+                b == home && i + l / g <= homes.len() && (0..l / g).all(|k| homes[i + k] == home + k * g)
+            });
+            let Some((_, h, l)) = whole else {
+                let error = Error::Internal(format!("arena: alias of {home:#x}, which is not the start of a whole mapped allocation"));
                 return Err(AliasFail { made: i, error });
             };
             calls.mem_map += 1;
             let at = to + i * g;
-            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, g, 0, h, 0) })
+            check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, l, 0, h, 0) })
                 .map_err(|error| AliasFail { made: i, error })?;
-            self.aliases.insert(at, home);
+            for k in 0..l / g {
+                self.aliases.insert(at + k * g, home + k * g);
+            }
+            self.alias_maps.insert(at, l);
+            i += l / g;
         }
         let r = self.set_access(to, homes.len() * g, calls);
         if r != sys::CUresult::CUDA_SUCCESS {
@@ -314,16 +371,23 @@ impl CudaVmm {
         Ok(())
     }
 
-    /// Unmap the aliases of `[addr, addr + len)`; the memory stays mapped at its home.
-    /// One call per granule: each alias is its own mapping, and the driver unmaps whole
-    /// mappings only.
+    /// Unmap the alias mappings of `[addr, addr + len)` (whole ones); the memory stays
+    /// mapped at its home. One call per mapping: the driver unmaps whole mappings only.
     pub fn unalias(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        let maps: Vec<(usize, usize)> = self.alias_maps.range(addr..addr + len).map(|(&a, &l)| (a, l)).collect();
+        let covered: usize = maps.iter().map(|m| m.1).sum();
+        if maps.first().map_or(true, |m| m.0 != addr) || covered != len {
+            return Err(Error::Internal(format!("arena: unalias of {addr:#x}+{len:#x}, which is not whole alias mappings")));
+        }
         let mut first_err = None;
-        for p in (addr..addr + len).step_by(self.granule) {
+        for (p, l) in maps {
             calls.mem_unmap += 1;
-            match check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }) {
+            match check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, l) }) {
                 Ok(()) => {
-                    self.aliases.remove(&p);
+                    self.alias_maps.remove(&p);
+                    for k in (p..p + l).step_by(self.granule) {
+                        self.aliases.remove(&k);
+                    }
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -333,15 +397,17 @@ impl CudaVmm {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// The shareable descriptor of the granule mapped at `addr` (a home or an alias),
-    /// exported once and kept open until that granule is released.
+    /// The shareable descriptor of the allocation behind the granule mapped at `addr` (a
+    /// home or an alias) and the granule's offset in it, exported once and kept open until
+    /// that allocation is released.
     pub fn export(&mut self, addr: usize, calls: &mut DriverCalls) -> Result<SharedGranule> {
         let home = self.aliases.get(&addr).copied().unwrap_or(addr);
-        let Some(&h) = self.handles.get(&home) else {
+        let Some((base, h, _)) = self.allocation(home) else {
             return Err(Error::Internal(format!("arena: export of {addr:#x}, which is not mapped")));
         };
-        if let Some(&fd) = self.exported.get(&home) {
-            return Ok(SharedGranule { fd, offset: 0, ..Default::default() });
+        let offset = (home - base) as u64;
+        if let Some(&fd) = self.exported.get(&base) {
+            return Ok(SharedGranule { fd, offset, ..Default::default() });
         }
         calls.shareable += 1;
         // The driver's descriptor comes without close-on-exec: it is marked so before a
@@ -363,122 +429,10 @@ impl CudaVmm {
             };
             Error::InvalidArgument(format!("{}{why}", cuda_error("cuMemExportToShareableHandle", r)))
         })?;
-        self.exported.insert(home, fd);
-        Ok(SharedGranule { fd, offset: 0, ..Default::default() })
+        self.exported.insert(base, fd);
+        Ok(SharedGranule { fd, offset, ..Default::default() })
     }
 
-    /// Map the granules of `d` (each a whole allocation, behind the descriptors `fds`
-    /// yields) side by side in a new range, readable and writable by the device and its
-    /// peers; returns the block's address there. All or nothing.
-    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
-        let granule = self.granule;
-        if d.granule != granule as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: the exporter's granule is {} bytes, this device's {granule}",
-                d.granule
-            )));
-        }
-        if let Some(i) = d.granules.iter().position(|g| g.offset != 0) {
-            return Err(Error::InvalidArgument(format!("IPC import: granule {i} has an offset; device granules are whole allocations")));
-        }
-        let len = d.granules.len() * granule;
-        let base = self.reserve(len, calls)?;
-        let mut mapped = 0;
-        let result = (|| {
-            for (i, shared) in d.granules.iter().enumerate() {
-                // A fetched descriptor closes at the end of this turn: the mapping keeps the memory.
-                let (fd, _fetched) = fds.get(i, shared)?;
-                let mut h: sys::CUmemGenericAllocationHandle = 0;
-                calls.shareable += 1;
-                check("cuMemImportFromShareableHandle", unsafe {
-                    sys::cuMemImportFromShareableHandle(&mut h, fd as usize as *mut std::ffi::c_void, POSIX_FD)
-                })?;
-                calls.mem_map += 1;
-                let r = check("cuMemMap", unsafe { sys::cuMemMap((base + mapped * granule) as sys::CUdeviceptr, granule, 0, h, 0) });
-                // The mapping keeps the memory; the handle is not needed past it.
-                calls.mem_release += 1;
-                unsafe { sys::cuMemRelease(h) };
-                r?;
-                mapped += 1;
-            }
-            self.grant_import(base, len, calls)
-        })();
-        if let Err(e) = result {
-            // A driver that fails the import and then the unmap has lost the range either
-            // way: the import's error is the one returned, the lost range is said once.
-            match self.unmap_imported(base, mapped * granule, calls) {
-                Ok(()) => {
-                    let _ = self.unreserve(base, len, calls);
-                }
-                Err((_, undo)) => crate::error::warn(&format!(
-                    "IPC import failed ({e}) and undoing it failed too ({undo}): {len} bytes of address space at {base:#x} \
-                     stay mapped to the exporter's memory until this process ends"
-                )),
-            }
-            return Err(e);
-        }
-        let ptr = base + d.offset as usize;
-        self.imports.insert(base, (len, ptr, 0));
-        Ok(ptr)
-    }
-
-    /// Grant an imported range to the device and its peers, or to the device alone where
-    /// a peer is refused. Unlike `set_access` the peer list stays as it is: a refusal for
-    /// another process's memory says nothing about this arena's own.
-    fn grant_import(&self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        let r = self.grant(base, len, self.access.len(), calls);
-        if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
-            return check("cuMemSetAccess", r);
-        }
-        check("cuMemSetAccess", self.grant(base, len, 1, calls))
-    }
-
-    /// Unmap the range `import` returned `ptr` for and give its address space back.
-    /// `Ok(false)`: `ptr` is no such address. On a driver failure the range stays
-    /// recorded (and the pool busy), so nothing is forgotten while still mapped, and a
-    /// retry resumes at the granule that failed.
-    pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<bool> {
-        let base = ptr & !(self.granule - 1);
-        let Some(&(len, returned, done)) = self.imports.get(&base) else { return Ok(false) };
-        if returned != ptr {
-            return Ok(false);
-        }
-        // Kernels this process queued on the block may still read or write it: unmapping
-        // under them faults. The block's streams are not known here, so the device's work
-        // is waited for (closes are rare; a failure leaves the range mapped and booked).
-        calls.event_sync += 1;
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
-        match self.unmap_imported(base + done, len - done, calls) {
-            Ok(()) => {
-                self.imports.remove(&base);
-                self.unreserve(base, len, calls)?;
-                Ok(true)
-            }
-            Err((unmapped, e)) => {
-                self.imports.insert(base, (len, ptr, done + unmapped));
-                Err(e)
-            }
-        }
-    }
-
-    pub fn imports(&self) -> usize {
-        self.imports.len()
-    }
-
-    /// Address space the mapped imports hold.
-    pub fn import_bytes(&self) -> usize {
-        self.imports.values().map(|&(len, _, _)| len).sum()
-    }
-
-    /// Unmap the granules of `[from, from + len)` in order, stopping at the first the
-    /// driver refuses; on failure, how many bytes were unmapped before it.
-    fn unmap_imported(&mut self, from: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), (usize, Error)> {
-        for p in (from..from + len).step_by(self.granule) {
-            calls.mem_unmap += 1;
-            check("cuMemUnmap", unsafe { sys::cuMemUnmap(p as sys::CUdeviceptr, self.granule) }).map_err(|e| (p - from, e))?;
-        }
-        Ok(())
-    }
 }
 
 impl Drop for CudaVmm {

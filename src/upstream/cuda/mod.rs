@@ -188,6 +188,12 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.map_new(addr, len, calls)
     }
 
+    fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.map_chunk(addr, len, calls)
+    }
+
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
         let _g = self.enter().map_err(UnmapFail::nothing)?;
         let (vmm, calls) = self.vmm_parts().map_err(UnmapFail::nothing)?;
