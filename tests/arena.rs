@@ -524,6 +524,15 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     let e = p.ipc_export(x, false).unwrap_err().to_string();
     assert!(e.contains("shares its"), "{e}");
     assert!(p.ipc_export(x, true).is_ok());
+    // `y` starts past the chunk's first granule: its descriptor says so, and an importer
+    // maps the chunk and finds `y` at that offset.
+    stamp(y, 4 * MIB, 4);
+    let dy = gpupool::upstream::shared::Descriptor::decode(&p.ipc_export(y, true).unwrap()).unwrap();
+    assert_eq!((dy.offset as usize, dy.granules.len()), (y - a, granules));
+    let fds: Vec<i32> = dy.granules.iter().map(|s| s.fd).collect();
+    let at = p.ipc_import(&dy, Some(&fds)).unwrap();
+    assert!(intact(at, 4 * MIB, 4), "the import shows y's bytes");
+    p.ipc_close(at).unwrap();
     p.free(y, 0).unwrap();
     stamp(x, 4 * MIB, 3);
     let desc = p.ipc_export(x, false).unwrap();

@@ -115,7 +115,7 @@ struct Imported {
 }
 
 /// An exporter's granule: its pid, start time, device and the granule's address there.
-type GranuleKey = (u32, u64, i32, u64);
+type GranuleKey = (u32, u64, i32, u64, usize);
 
 /// A granule of another process mapped here once for every block of it this process holds:
 /// where it starts here, the address its import returned (what closes it), and how many
@@ -133,15 +133,14 @@ struct SharedGranule {
 /// hold keeps that block, hence its granule, alive there.
 static SHARED: std::sync::Mutex<Option<std::collections::HashMap<GranuleKey, SharedGranule>>> = std::sync::Mutex::new(None);
 
-/// Open `d` on `device`: a block within one granule of the arena through the shared
-/// mapping of its granule where there is one (returning its key), anything else as an
-/// import of its own.
+/// Open `d` on `device`: a block of the arena through the shared mapping of the same
+/// granules (the same first granule and count: a granule, or a chunk listed whole) where
+/// there is one (returning its key), anything else as an import of its own. The
+/// allocations listed are exactly those the block lies in, so the hold on any block mapped
+/// through them keeps them all alive in the exporter.
 fn open_shared(d: &super::ipc::AnyDescriptor, device: c_int, fds: &[c_int]) -> crate::error::Result<(usize, Option<GranuleKey>)> {
     let super::ipc::AnyDescriptor::Arena(a) = d else { return Ok((d.open(device, Some(fds))?, None)) };
-    if a.granules.len() != 1 {
-        return Ok((d.open(device, Some(fds))?, None));
-    }
-    let key = (a.pid, a.start_time, device, a.origin);
+    let key = (a.pid, a.start_time, device, a.origin, a.granules.len());
     let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     let map = shared.get_or_insert_with(Default::default);
     if let Some(g) = map.get_mut(&key) {

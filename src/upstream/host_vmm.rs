@@ -42,7 +42,7 @@ pub struct HostVmm {
     reservations: FxHashMap<usize, usize>,
     /// Ranges mapping another process's granules (`import`): base -> (granules, the
     /// address `import` returned, which alone closes it).
-    imports: FxHashMap<usize, (usize, usize)>,
+    imports: BTreeMap<usize, (usize, usize)>,
 }
 
 fn os_error(what: &str) -> Error {
@@ -61,7 +61,7 @@ impl HostVmm {
             chunks: BTreeMap::new(),
             alias_chunks: BTreeMap::new(),
             reservations: FxHashMap::default(),
-            imports: FxHashMap::default(),
+            imports: BTreeMap::new(),
         }
     }
 
@@ -422,8 +422,8 @@ impl HostVmm {
     /// Unmap the range `import` returned `ptr` for; its granules, or `None` when `ptr`
     /// is no such address.
     pub fn unimport(&mut self, ptr: usize) -> Option<usize> {
-        let base = ptr & !(self.granule - 1);
-        let &(n, returned) = self.imports.get(&base)?;
+        // The block may start past the range's first granule (a chunk listed whole).
+        let (&base, &(n, returned)) = self.imports.range(..=ptr).next_back()?;
         if returned != ptr {
             return None;
         }

@@ -166,7 +166,8 @@ impl Descriptor {
         }
         // Checked: the numbers are another process's, and a wrapped sum would pass.
         let fits = granule.checked_mul(count).zip(offset.checked_add(size)).is_some_and(|(room, end)| end <= room);
-        if !granule.is_power_of_two() || size == 0 || offset >= granule || !fits {
+        // The block may start past the first granule: a chunk is listed whole.
+        if !granule.is_power_of_two() || size == 0 || !fits {
             return Err(bad(&format!("block of {size} bytes at offset {offset} does not fit {count} granules of {granule}")));
         }
         let granules = (0..count as usize)

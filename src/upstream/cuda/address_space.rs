@@ -73,7 +73,7 @@ pub struct CudaVmm {
     /// Ranges mapping another process's allocations (`import`): base -> (length, the
     /// address `import` returned, which alone closes it, mappings not yet unmapped by a
     /// close the driver failed midway (a retry resumes there): their lengths in order).
-    imports: FxHashMap<usize, (usize, usize, Vec<usize>)>,
+    imports: BTreeMap<usize, (usize, usize, Vec<usize>)>,
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -152,7 +152,7 @@ impl CudaVmm {
             aliases: FxHashMap::default(),
             alias_maps: BTreeMap::new(),
             exported: FxHashMap::default(),
-            imports: FxHashMap::default(),
+            imports: BTreeMap::new(),
         }))
     }
 

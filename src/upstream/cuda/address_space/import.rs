@@ -81,8 +81,10 @@ impl CudaVmm {
     /// recorded (and the pool busy), so nothing is forgotten while still mapped, and a
     /// retry resumes at the mapping that failed.
     pub fn unimport(&mut self, ptr: usize, calls: &mut DriverCalls) -> Result<bool> {
-        let base = ptr & !(self.granule - 1);
-        let Some((len, returned, maps)) = self.imports.get(&base).cloned() else { return Ok(false) };
+        // The block may start past the range's first granule (a chunk listed whole).
+        let Some((base, (len, returned, maps))) = self.imports.range(..=ptr).next_back().map(|(&b, v)| (b, v.clone())) else {
+            return Ok(false);
+        };
         if returned != ptr {
             return Ok(false);
         }
