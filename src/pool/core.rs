@@ -141,6 +141,20 @@ impl Core {
         self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
     }
 
+    /// Enqueue a fence on the legacy stream (`Pool::fence_legacy_now`); where none can be
+    /// recorded, wait for the legacy stream instead (`device_wait`: whether that wait may
+    /// wait for the whole device). False when neither worked.
+    pub fn fence_legacy(&mut self, device_wait: bool) -> bool {
+        // Mark the legacy stream as freed-on so the fence records, then record it.
+        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
+        if self.streams.fence_legacy(&mut *self.upstream).is_ok() {
+            return true;
+        }
+        // Without a fence the blocks cannot be proven safe: wait for the legacy stream
+        // instead (a record and a wait on it).
+        self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, device_wait).is_ok()
+    }
+
     /// Whether the unfenced frees reached their batch bound (`UNFENCED_MAX_BLOCKS` /
     /// `UNFENCED_MAX_BYTES`) and must be fenced now.
     pub fn unfenced_full(&self) -> bool {

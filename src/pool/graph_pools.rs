@@ -1,7 +1,10 @@
-//! Private pools: memory set aside for a CUDA graph capture, a PyTorch graph pool or
-//! `MemPool`, or a capture announced from C or CuPy. This file keeps the private pools'
-//! books and memory (allocation, growth, frees, release); `graph_pools/routes.rs` decides
-//! which allocations go to them and what a capture in progress forbids.
+//! The graph-pool routing layer: private pools, memory set aside for a CUDA graph capture,
+//! a PyTorch graph pool or `MemPool`, or a capture announced from C or CuPy. Its state is
+//! `PrivatePools` (the pools, the routes to them, frees held past a capture, captures
+//! nobody announced). This file keeps the private pools' books and memory (allocation,
+//! growth, frees, release: `Pool` methods, since they reach the core's upstream and live
+//! map, the limits and the counters); `graph_pools/routes.rs` decides which allocations go
+//! to them and what a capture in progress forbids.
 //!
 //! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
 //! uses them at every replay, long after the capture freed them. Such memory must not go
@@ -90,9 +93,13 @@ impl PrivatePools {
     pub fn has_routes(&self) -> bool {
         !self.routes.is_empty()
     }
-    /// A capture nobody announced may be running (see `unannounced`).
-    pub fn unannounced_capture_may_run(&self) -> bool {
-        !self.unannounced.is_empty()
+    /// May the pool wait for the whole device now? Not while a capture on this device may
+    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
+    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
+    /// to have stopped since (`unannounced`).
+    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    pub fn device_wait_allowed(&self) -> bool {
+        self.routes.is_empty() && self.unannounced.is_empty()
     }
     /// What a call on `stream` (alive now) learned of its capture: `Some(id)` capturing.
     fn note_capture(&mut self, stream: StreamHandle, capture: Option<u64>) {

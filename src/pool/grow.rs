@@ -113,13 +113,10 @@ impl Grower for SegmentGrowth {
 }
 
 impl Pool {
-    /// May the pool wait for the whole device now? Not while a capture on this device may
-    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
-    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
-    /// to have stopped since.
-    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    /// May the pool wait for the whole device now? The graph-pool layer says
+    /// (`PrivatePools::device_wait_allowed`).
     pub(super) fn device_sync_allowed(&self) -> bool {
-        !self.graphs.has_routes() && !self.graphs.unannounced_capture_may_run()
+        self.graphs.device_wait_allowed()
     }
 
     /// Under memory pressure (the upstream or the limit refused new memory): blocks freed

@@ -30,10 +30,10 @@
 use crate::config::PoolKind;
 use crate::trace::Action;
 use crate::error::{Error, Result};
-use crate::stream::{StreamHandle, StreamKey};
+use crate::stream::StreamHandle;
 use crate::upstream::Upstream;
 use attached_caches::AttachedCaches;
-use core::{Core, Live, Pending};
+use self::core::{Core, Live, Pending};
 use limits::Limits;
 use recorder::Recorder;
 pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
@@ -188,15 +188,8 @@ impl Pool {
     /// safe to reuse, so the caller keeps them unfenced (and tries again later).
     #[must_use]
     pub fn fence_legacy_now(&mut self) -> bool {
-        // Mark the legacy stream as freed-on so the fence records, then record it.
-        let _ = self.core.streams.on_free(&mut *self.core.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
-        if self.core.streams.fence_legacy(&mut *self.core.upstream).is_ok() {
-            return true;
-        }
-        // Without a fence the blocks cannot be proven safe: wait for the legacy stream
-        // instead (a record and a wait on it).
         let allowed = self.device_sync_allowed();
-        self.core.streams.synchronize(&mut *self.core.upstream, StreamKey::LEGACY, allowed).is_ok()
+        self.core.fence_legacy(allowed)
     }
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
