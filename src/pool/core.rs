@@ -117,11 +117,13 @@ impl Core {
 
     /// Whether the strategy is the arena (which maps granules rather than reserving
     /// segments).
+    #[inline]
     pub fn is_arena(&self) -> bool {
         self.strategy.as_arena_ref().is_some()
     }
 
     /// The tracker's identity for `stream`.
+    #[inline]
     pub fn key(&mut self, stream: StreamHandle) -> Result<StreamKey> {
         self.streams.key(&mut *self.upstream, stream)
     }
@@ -137,6 +139,7 @@ impl Core {
     }
 
     /// A cached block of `rounded` bytes safe for `stream` (`key`), if the strategy has one.
+    #[inline]
     pub fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
     }
@@ -157,11 +160,13 @@ impl Core {
 
     /// Whether the unfenced frees reached their batch bound (`UNFENCED_MAX_BLOCKS` /
     /// `UNFENCED_MAX_BYTES`) and must be fenced now.
+    #[inline]
     pub fn unfenced_full(&self) -> bool {
         self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES
     }
 
     /// Hold a stream-less free until the next legacy-stream fence.
+    #[inline]
     pub fn push_unfenced(&mut self, block: Block) {
         self.unfenced_bytes += block.size;
         self.unfenced.push(block);
@@ -185,6 +190,7 @@ impl Core {
     }
 
     /// Bytes cached in the strategy and backed by memory (its decommitted pages left out).
+    #[inline]
     pub fn cached_committed(&self) -> usize {
         self.strategy.cached_bytes().saturating_sub(self.holes.bytes())
     }

@@ -55,6 +55,7 @@ impl Limits {
     /// Ask `up` for `bytes` of new memory with `get`, within the device's budget: `None`
     /// when the limit refuses (the upstream is not asked); a refusal by the upstream gives
     /// the claim back. On success the caller books the bytes (`confirm`).
+    #[inline]
     pub fn within<T, E>(
         &self,
         bytes: usize,
@@ -72,17 +73,20 @@ impl Limits {
     }
 
     /// A claim (`within`) whose memory arrived.
+    #[inline]
     pub fn confirm(&self) {
         self.budget.confirm();
     }
 
     /// `bytes` went back to the upstream.
+    #[inline]
     pub fn released(&self, bytes: usize) {
         self.budget.released(bytes);
     }
 
     /// About to reserve `grow` more bytes with `used` in use: the reserved bytes decay would
     /// keep beforehand, if decay is on.
+    #[inline]
     pub fn decay_cap(&self, used: usize, grow: usize) -> Option<usize> {
         self.decay.as_ref().map(|d| d.cap(used + grow).saturating_sub(grow))
     }

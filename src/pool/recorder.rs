@@ -37,6 +37,7 @@ pub(super) struct Counters {
 
 impl Counters {
     /// `bytes` arrived from the upstream (reserved; the peak may move).
+    #[inline]
     pub fn add_reserved(&mut self, bytes: usize) {
         self.reserved += bytes;
         self.peak_reserved = self.peak_reserved.max(self.reserved);
@@ -67,6 +68,7 @@ impl Recorder {
     }
 
     /// The leak record of a block allocated now on `stream` (`None` unless debugging).
+    #[inline]
     pub fn alloc_record(&self, stream: StreamHandle) -> Option<Box<AllocRecord>> {
         AllocRecord::capture(self.debug, stream)
     }
