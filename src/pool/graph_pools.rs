@@ -98,7 +98,7 @@ impl PrivatePools {
     /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
     /// to have stopped since (`unannounced`).
     /// (The wait covers this device's context only; captures elsewhere are not asked about.)
-    pub fn device_wait_allowed(&self) -> bool {
+    pub fn device_sync_allowed(&self) -> bool {
         self.routes.is_empty() && self.unannounced.is_empty()
     }
     /// What a call on `stream` (alive now) learned of its capture: `Some(id)` capturing.

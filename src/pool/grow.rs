@@ -114,9 +114,9 @@ impl Grower for SegmentGrowth {
 
 impl Pool {
     /// May the pool wait for the whole device now? The graph-pool layer says
-    /// (`PrivatePools::device_wait_allowed`).
+    /// (`PrivatePools::device_sync_allowed`).
     pub(super) fn device_sync_allowed(&self) -> bool {
-        self.graphs.device_wait_allowed()
+        self.graphs.device_sync_allowed()
     }
 
     /// Under memory pressure (the upstream or the limit refused new memory): blocks freed

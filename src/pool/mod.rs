@@ -27,7 +27,6 @@
 //! A `Pool` is not thread-safe by itself; `crate::registry` puts each behind a lock (a
 //! device has one `Pool` per shard, see there; the shards share one `Budget`).
 
-use crate::config::PoolKind;
 use crate::trace::Action;
 use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
@@ -95,16 +94,7 @@ impl Pool {
             limits,
             rec: Recorder::new(opts),
             graphs: Default::default(),
-            caches: AttachedCaches::new(
-                // Off where every operation must reach the pool, and in the unsafe test mode
-                // (whose point is a pool that reuses at once, the way the cache never does).
-                opts.thread_cache
-                    && opts.debug == 0
-                    && opts.tracer.is_none()
-                    && opts.kind != PoolKind::None
-                    && !opts.unsafe_ignore_streams
-                    && device >= 0,
-            ),
+            caches: AttachedCaches::new(opts, device),
             stopped: None,
         })
     }

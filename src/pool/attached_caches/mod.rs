@@ -6,7 +6,8 @@
 //! owner threads, which change them without the lock, so every read here is a snapshot and
 //! every change a compare-and-swap (see `crate::thread_cache` for the protocol).
 
-use super::{FreeOn, Pool};
+use super::{FreeOn, Pool, PoolOptions};
+use crate::config::PoolKind;
 use crate::stream::StreamHandle;
 mod cache;
 mod words;
@@ -71,7 +72,17 @@ pub struct AttachedCaches {
 }
 
 impl AttachedCaches {
-    pub fn new(enabled: bool) -> Self {
+    /// The caches of device `device`'s pool built with `opts`: enabled where `opts` asks
+    /// for them and nothing needs every operation to reach the pool.
+    pub fn new(opts: &PoolOptions, device: i32) -> Self {
+        // Off where every operation must reach the pool, and in the unsafe test mode (whose
+        // point is a pool that reuses at once, the way the cache never does).
+        let enabled = opts.thread_cache
+            && opts.debug == 0
+            && opts.tracer.is_none()
+            && opts.kind != PoolKind::None
+            && !opts.unsafe_ignore_streams
+            && device >= 0;
         AttachedCaches {
             enabled,
             pool_id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
