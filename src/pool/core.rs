@@ -139,7 +139,6 @@ impl Core {
     }
 
     /// A cached block of `rounded` bytes safe for `stream` (`key`), if the strategy has one.
-    #[inline]
     pub fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
         self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
     }
