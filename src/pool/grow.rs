@@ -3,7 +3,9 @@
 //! covers would otherwise make the pool grow, new segments, releasing some cached memory,
 //! then all of it) and the out-of-memory report. The escalation is one loop (`escalate`)
 //! for every growth path of the main cache: segment pools grow here, the arena through
-//! `arena.rs`.
+//! `arena.rs`. These are `Pool` methods because growth meets every layer: the core's cache
+//! and upstream, the limits' claims, the thread caches' kept blocks, and the graph-pool
+//! layer's word on whether the device may be waited for.
 
 use super::arena::ArenaGrowth;
 use super::{Pool, UNRECORDED_WAIT_MIN};
