@@ -127,7 +127,7 @@ impl Grower for ArenaGrowth {
     fn before_release(&self, pool: &mut Pool, _stage: Stage, _covered: bool) -> bool {
         // What the stages moved back joins the searchable books, and the cache is tried
         // before any granule goes back.
-        pool.strategy.flush_deferred();
+        pool.core.strategy.flush_deferred();
         true
     }
 
@@ -142,7 +142,7 @@ impl Grower for ArenaGrowth {
 
 impl Pool {
     fn arena(&mut self) -> &mut ArenaStrategy {
-        self.strategy.as_arena().expect("called for arena pools only")
+        self.core.strategy.as_arena().expect("called for arena pools only")
     }
 
     /// Back every unmapped granule of `window`: first with the other range's free granules
@@ -151,7 +151,7 @@ impl Pool {
     /// that succeeded.
     fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
         let mut targets = window.targets.as_slice();
-        if self.arena_lend && !targets.is_empty() {
+        if self.core.arena_lend && !targets.is_empty() {
             let homes = self.with_gate(key, stream, |s, gate| {
                 let a = s.as_arena_ref().expect("arena pool");
                 a.lendable(a.space_of_addr(window.start), targets.len(), key, gate)
@@ -169,11 +169,11 @@ impl Pool {
             let mut done = 0;
             let mut stuck = None;
             for r in adjacent_runs(&targets[..homes.len()], g) {
-                if let Err(f) = self.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
+                if let Err(f) = self.core.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
                     let mut quarantined = false;
                     for k in 0..f.made {
                         let at = targets[r.start] + k * g;
-                        if self.upstream.vmm_unalias(at, g).is_err() {
+                        if self.core.upstream.vmm_unalias(at, g).is_err() {
                             self.arena().quarantine(at, key);
                             quarantined = true;
                         }
@@ -197,9 +197,9 @@ impl Pool {
                 // event would not wait for them. (In a capture no record may be made: the
                 // stream is left uncovered instead.)
                 if self.capturing(stream, true) {
-                    self.streams.on_free_capturing(&mut *self.upstream, key, stream);
+                    self.core.streams.on_free_capturing(&mut *self.core.upstream, key, stream);
                 } else {
-                    let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+                    let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
                 }
             }
             if let Some(error) = stuck {
@@ -243,8 +243,8 @@ impl Pool {
                         self.arena().mapped(addr, len, key);
                     }
                     self.add_reserved(len);
-                    self.c.upstream_allocs += 1;
-                    self.c.upstream_alloc_bytes += len as u64;
+                    self.rec.c.upstream_allocs += 1;
+                    self.rec.c.upstream_alloc_bytes += len as u64;
                     self.trace(stream, Action::UpstreamAlloc, addr, len);
                 }
                 Err(AllocError::OutOfMemory) => return Err(GrowFail::OutOfMemory { by_limit: false }),
@@ -260,14 +260,14 @@ impl Pool {
     fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
-        if let Err(AliasFail { made, error }) = self.upstream.vmm_alias(&homes, base) {
+        if let Err(AliasFail { made, error }) = self.core.upstream.vmm_alias(&homes, base) {
             // Undo the aliases made (whole allocations), one mapping at a time. One the
             // driver will not remove is booked as a broken stitch over what was aliased, so
             // its address space is not reused while mapped and the removal is retried later.
             let made_homes = homes[..made].to_vec();
             let maps = self.arena().mappings_of(&made_homes);
             for (i, n) in maps {
-                if self.upstream.vmm_unalias(base + i * g, n * g).is_err() {
+                if self.core.upstream.vmm_unalias(base + i * g, n * g).is_err() {
                     let id = self.arena().add_stitch(base, made_homes);
                     self.arena().stitch_broken(id, i);
                     break;
@@ -288,7 +288,7 @@ impl Pool {
     fn drop_stitch(&mut self, id: u32) -> Result<()> {
         if let Some(s) = self.arena().stitch_last_stream(id) {
             let allowed = self.device_sync_allowed();
-            self.streams.synchronize(&mut *self.upstream, s, allowed)?;
+            self.core.streams.synchronize(&mut *self.core.upstream, s, allowed)?;
         }
         let g = self.arena().granule();
         let (base, _, done) = self.arena().stitch_range(id);
@@ -296,7 +296,7 @@ impl Pool {
             if off / g < done {
                 continue;
             }
-            if let Err(e) = self.upstream.vmm_unalias(base + off, len) {
+            if let Err(e) = self.core.upstream.vmm_unalias(base + off, len) {
                 self.arena().stitch_broken(id, off / g);
                 return Err(e);
             }
@@ -324,7 +324,7 @@ impl Pool {
         // never handed out, so no queued work uses them).
         let g = self.arena().granule();
         for at in self.arena().stuck() {
-            if self.upstream.vmm_unalias(at, g).is_ok() {
+            if self.core.upstream.vmm_unalias(at, g).is_ok() {
                 self.arena().unstick(at);
             }
         }
@@ -359,14 +359,14 @@ impl Pool {
                     // home back too (idle: its users' streams were waited for above, and a
                     // home under a loan has no other alias). A home whose unmap fails stays
                     // free in its range for a later pass.
-                    if self.upstream.vmm_unalias(at, g).is_err() {
+                    if self.core.upstream.vmm_unalias(at, g).is_err() {
                         break;
                     }
                     let home = self.arena().end_loan(at, StreamKey::LEGACY);
                     loans_ended = true;
                     if let Some(n) = self.unmap_allocation(home, g) {
                         got += n;
-                        self.c.upstream_frees += 1;
+                        self.rec.c.upstream_frees += 1;
                         self.trace(0, Action::UpstreamFree, home, g);
                     }
                     continue;
@@ -376,7 +376,7 @@ impl Pool {
                 released_here = true;
             }
             if released_here {
-                self.c.upstream_frees += 1;
+                self.rec.c.upstream_frees += 1;
                 self.trace(0, Action::UpstreamFree, addr, len);
             }
         }
@@ -390,7 +390,7 @@ impl Pool {
     /// unmapped it but would not release its memory (leaked: counted and reported, never
     /// handed out again).
     fn unmap_allocation(&mut self, at: usize, g: usize) -> Option<usize> {
-        let leaked = match self.upstream.vmm_unmap(at, g) {
+        let leaked = match self.core.upstream.vmm_unmap(at, g) {
             Ok(()) => None,
             Err(f) if f.unmapped >= g => Some(f.error),
             Err(_) => return None,
@@ -398,13 +398,13 @@ impl Pool {
         self.arena().unmapped(at, g);
         self.sub_reserved(g);
         let Some(error) = leaked else { return Some(g) };
-        self.arena_leaked += g;
+        self.core.arena_leaked += g;
         static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
             crate::error::warn(&format!(
                 "gpupool: warning: device {}: the driver unmapped a granule of the arena but would not release its memory ({error}); \
                  it is lost until the process ends (the status report counts such memory as leaked; this is said once)",
-                self.device
+                self.core.device
             ));
         }
         Some(0)
@@ -420,7 +420,7 @@ impl Pool {
             }
             if !synced.contains(&s) {
                 let allowed = self.device_sync_allowed();
-                if self.streams.synchronize(&mut *self.upstream, s, allowed).is_err() {
+                if self.core.streams.synchronize(&mut *self.core.upstream, s, allowed).is_err() {
                     failed.push(s);
                     return false;
                 }
@@ -432,17 +432,17 @@ impl Pool {
 
     /// Pool teardown: give the address space back when nothing in it is live any more.
     pub(super) fn arena_teardown(&mut self) {
-        let Some(a) = self.strategy.as_arena_ref() else { return };
+        let Some(a) = self.core.strategy.as_arena_ref() else { return };
         if a.mapped_bytes() != 0 {
             return; // live blocks keep their memory and addresses until the process ends
         }
         for id in a.free_stitches() {
             let _ = self.drop_stitch(id);
         }
-        let a = self.strategy.as_arena_ref().expect("arena pool");
+        let a = self.core.strategy.as_arena_ref().expect("arena pool");
         for (base, len) in a.reservations() {
-            if self.upstream.vmm_unreserve(base, len).is_ok() {
-                crate::owners::remove(base, self.device, self.shard);
+            if self.core.upstream.vmm_unreserve(base, len).is_ok() {
+                crate::owners::remove(base, self.core.device, self.core.shard);
             }
         }
     }

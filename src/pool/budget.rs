@@ -1,6 +1,7 @@
 //! A device's memory budget: the bytes its pools have reserved from the driver, the peak
 //! of that figure, and the limit on it. Every shard of a device's pool (`crate::registry`)
-//! holds the same `Budget`, so the limit caps the device, not each shard.
+//! holds the same `Budget` in its limit layer (`limits.rs`), so the limit caps the device,
+//! not each shard.
 //!
 //! Why atomics and not a lock: the budget changes only when memory comes from or goes back
 //! to the upstream (a driver call anyway), never on a cached allocation, so its cache line

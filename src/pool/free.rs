@@ -2,7 +2,7 @@
 //! stream) and the steps behind it; deferred frees (`record_stream`) and fences; the
 //! live-pointer checks that turn a bad pointer into a clear error.
 
-use super::{Live, Pending, Pool, NO_OWNER, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
+use super::{Live, Pending, Pool, NO_OWNER};
 use crate::block::Block;
 use crate::error::{BadPointer, Error, Result};
 use crate::stream::{StreamHandle, StreamKey};
@@ -54,8 +54,8 @@ impl Pool {
     /// `FreeOn::AsAllocated`.
     fn free_as_allocated(&mut self, ptr: usize, current: Option<StreamHandle>) -> Result<()> {
         self.running()?;
-        let Some((handle, key)) = self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
-            self.c.invalid_frees += 1;
+        let Some((handle, key)) = self.core.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
+            self.rec.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
         // The key booked at allocation. Its handle's stream may have been destroyed since
@@ -80,7 +80,7 @@ impl Pool {
     fn free_on_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
         self.running()?;
         // Resolve the stream first, so a failure there changes nothing.
-        let key = self.streams.key(&mut *self.upstream, stream)?;
+        let key = self.core.key(stream)?;
         self.free_keyed(ptr, stream, key, false)
     }
 
@@ -105,21 +105,21 @@ impl Pool {
         }
         let mut block = Block { stream: key, ..live.block };
         let Some(stream) = stream else {
-            self.streams.on_free_unrecorded(&mut *self.upstream, key, block.size);
+            self.core.streams.on_free_unrecorded(&mut *self.core.upstream, key, block.size);
             return self.finish_free(ptr, live, block, check_capture, None);
         };
         let capturing = self.capturing(stream, check_capture);
         if capturing {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
-            self.streams.on_free_capturing(&mut *self.upstream, key, stream);
+            self.core.streams.on_free_capturing(&mut *self.core.upstream, key, stream);
         } else if {
-            let ranges = &mut self.scratch_ranges;
+            let ranges = &mut self.core.scratch_ranges;
             ranges.clear();
             if key != StreamKey::LEGACY {
-                self.strategy.home_ranges(&block, ranges);
+                self.core.strategy.home_ranges(&block, ranges);
             }
-            self.streams.on_free(&mut *self.upstream, key, stream, ranges).is_err()
+            self.core.streams.on_free(&mut *self.core.upstream, key, stream, ranges).is_err()
         } && self.wait_for_device().is_ok()
         {
             // No event covers this free (the driver refused the record or the event): after
@@ -135,25 +135,25 @@ impl Pool {
     fn finish_free(&mut self, ptr: usize, live: Live, block: Block, check_capture: bool, alive: Option<StreamHandle>) -> Result<()> {
         // (The extra streams' handles were named by `record_stream` and must still be alive,
         // as with PyTorch's own allocator, which records on them at the free too.)
-        if !self.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
+        if !self.core.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
             // An extra stream is capturing: an event recorded there would belong to the graph
             // and could never be waited for. Hold the free until no route is active.
-            self.c.deferred_frees += 1;
+            self.rec.c.deferred_frees += 1;
             self.defer_past_capture(block, live.extra_streams);
             self.verify();
             return Ok(());
         }
         let mut events = Vec::new();
-        if !self.streams.ignores_streams() {
+        if !self.core.streams.ignores_streams() {
             for &h in &live.extra_streams {
-                match self.streams.record_on(&mut *self.upstream, h) {
+                match self.core.streams.record_on(&mut *self.core.upstream, h) {
                     Ok(ev) => events.push(ev),
                     // No event can say when that stream's work is done: wait for the
                     // device now rather than hand the block out early.
                     Err(_) => {
                         if let Err(e) = self.wait_for_device() {
                             for ev in events {
-                                self.streams.recycle(ev);
+                                self.core.streams.recycle(ev);
                             }
                             self.restore_live(ptr, live);
                             return Err(e);
@@ -165,8 +165,8 @@ impl Pool {
         let result = if events.is_empty() {
             self.put_block(block, alive)
         } else {
-            self.c.deferred_frees += 1;
-            self.pending.push(Pending { block, events });
+            self.rec.c.deferred_frees += 1;
+            self.core.pending.push(Pending { block, events });
             Ok(())
         };
         self.verify();
@@ -175,7 +175,7 @@ impl Pool {
 
     /// `alive`: a handle of the stream that freed `block`, valid now (None: none is known).
     pub(super) fn put_block(&mut self, block: Block, alive: Option<StreamHandle>) -> Result<()> {
-        match self.strategy.put(block) {
+        match self.core.strategy.put(block) {
             // Not cached (passthrough): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
@@ -184,7 +184,7 @@ impl Pool {
                 // its handle is known alive; otherwise (a stored handle may be dead by now)
                 // the stream is waited for and the release goes on the legacy stream.
                 let r = match alive {
-                    Some(h) if self.upstream.stream_ordered() && !self.streams.is_uncovered(seg.stream) => {
+                    Some(h) if self.core.upstream.stream_ordered() && !self.core.streams.is_uncovered(seg.stream) => {
                         let h = if seg.stream == StreamKey::LEGACY { crate::stream::STREAM_LEGACY } else { h };
                         self.give_to_upstream(seg, h)
                     }
@@ -193,7 +193,7 @@ impl Pool {
                 // A refused release keeps the segment (reserved, unusable) for a later retry:
                 // the free itself succeeded.
                 if r.is_err() {
-                    self.unreleased.push(seg);
+                    self.core.unreleased.push(seg);
                 }
                 Ok(())
             }
@@ -204,18 +204,18 @@ impl Pool {
     /// Move deferred frees whose events completed (all of them, waiting, if `wait`).
     pub(super) fn finish_pending(&mut self, wait: bool) {
         let mut i = 0;
-        while i < self.pending.len() {
-            let done = self.pending[i].events.iter().all(|&ev| {
+        while i < self.core.pending.len() {
+            let done = self.core.pending[i].events.iter().all(|&ev| {
                 if wait {
-                    self.upstream.event_synchronize(ev).is_ok()
+                    self.core.upstream.event_synchronize(ev).is_ok()
                 } else {
-                    self.upstream.event_query(ev).unwrap_or(false)
+                    self.core.upstream.event_query(ev).unwrap_or(false)
                 }
             });
             if done {
-                let p = self.pending.swap_remove(i);
+                let p = self.core.pending.swap_remove(i);
                 for ev in p.events {
-                    self.streams.recycle(ev);
+                    self.core.streams.recycle(ev);
                 }
                 let _ = self.put_block(p.block, None);
             } else {
@@ -225,58 +225,56 @@ impl Pool {
     }
 
     pub(super) fn classify_bad_pointer(&self, ptr: usize) -> Error {
-        let why = if self.strategy.is_free_block(ptr)
+        let why = if self.core.holds_freed(ptr)
             || self.graphs.is_free_block(ptr)
-            || self.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
-            || self.pending.iter().any(|p| p.block.addr == ptr)
-            || self.unfenced.iter().any(|b| b.addr == ptr)
+            || self.core.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
         {
             BadPointer::AlreadyFreed
-        } else if let Some(l) = self.live.values().find(|l| l.block.addr < ptr && ptr < l.block.end()) {
-            BadPointer::Interior { block_start: l.block.addr, block_size: l.block.size }
+        } else if let Some(b) = self.core.live_around(ptr) {
+            BadPointer::Interior { block_start: b.addr, block_size: b.size }
         } else {
             BadPointer::Unknown
         };
-        Error::InvalidPointer { ptr, device: self.device, why }
+        Error::InvalidPointer { ptr, device: self.core.device, why }
     }
 
     /// Remove `ptr` from the live map for a free on `stream` (counted and traced); an
     /// unknown pointer is counted as an invalid free and changes nothing else.
     pub(super) fn take_live(&mut self, ptr: usize, stream: StreamHandle) -> Result<Live> {
-        let Some(live) = self.live.remove(&ptr) else {
-            self.c.invalid_frees += 1;
+        let Some(live) = self.core.live.remove(&ptr) else {
+            self.rec.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
         if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
             // Its thread freed it already and keeps it for reuse: a double free.
-            self.live.insert(ptr, live);
-            self.c.invalid_frees += 1;
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+            self.core.live.insert(ptr, live);
+            self.rec.c.invalid_frees += 1;
+            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::AlreadyFreed });
         }
         self.trace(stream, Action::Free, ptr, live.requested);
-        self.c.used -= live.block.size;
-        self.c.requested -= live.requested;
-        self.c.frees += 1;
+        self.rec.c.used -= live.block.size;
+        self.rec.c.requested -= live.requested;
+        self.rec.c.frees += 1;
         Ok(live)
     }
 
     /// Undo `take_live` for a free that could not finish (nothing about the block changed).
     pub(super) fn restore_live(&mut self, ptr: usize, live: Live) {
-        self.c.used += live.block.size;
-        self.c.requested += live.requested;
-        self.c.frees -= 1;
-        self.live.insert(ptr, live);
+        self.rec.c.used += live.block.size;
+        self.rec.c.requested += live.requested;
+        self.rec.c.frees -= 1;
+        self.core.live.insert(ptr, live);
     }
 
     /// The free of `ptr` will also wait for work queued on `stream` until the free.
     pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
         self.running()?;
-        let Some(l) = self.live.get_mut(&ptr) else {
+        let Some(l) = self.core.live.get_mut(&ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
         // Its free must now reach the pool (which waits for `stream`): off the fast path.
         if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::AlreadyFreed });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::AlreadyFreed });
         }
         if !l.extra_streams.contains(&stream) {
             l.extra_streams.push(stream);
@@ -292,7 +290,7 @@ impl Pool {
     /// blocks. Pressure (limit, OOM, reclaim) fences at once.
     fn free_unordered(&mut self, ptr: usize) -> Result<()> {
         self.running()?;
-        if self.streams.ignores_streams() {
+        if self.core.streams.ignores_streams() {
             return self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY));
         }
         if ptr == 0 {
@@ -307,10 +305,8 @@ impl Pool {
             let key = live.block.stream;
             return self.free_live(ptr, live, None, key, false);
         }
-        let block = Block { stream: StreamKey::LEGACY, ..live.block };
-        self.unfenced_bytes += block.size;
-        self.unfenced.push(block);
-        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+        self.core.push_unfenced(Block { stream: StreamKey::LEGACY, ..live.block });
+        if self.core.unfenced_full() {
             self.fence_unfenced();
         }
         self.verify();
@@ -320,11 +316,10 @@ impl Pool {
     /// Fence the legacy stream and hand every unfenced block to the strategy. Where the
     /// fence fails they stay unfenced (never reused unsafely), for the next fence.
     pub(super) fn fence_unfenced(&mut self) {
-        if self.unfenced.is_empty() || !self.fence_legacy_now() {
+        if self.core.unfenced.is_empty() || !self.fence_legacy_now() {
             return;
         }
-        self.unfenced_bytes = 0;
-        for b in std::mem::take(&mut self.unfenced) {
+        for b in self.core.take_unfenced() {
             let _ = self.put_block(b, None);
         }
     }

@@ -1,7 +1,10 @@
-//! Private pools: memory set aside for a CUDA graph capture, a PyTorch graph pool or
-//! `MemPool`, or a capture announced from C or CuPy. This file keeps the private pools'
-//! books and memory (allocation, growth, frees, release); `graph_pools/routes.rs` decides
-//! which allocations go to them and what a capture in progress forbids.
+//! The graph-pool routing layer: private pools, memory set aside for a CUDA graph capture,
+//! a PyTorch graph pool or `MemPool`, or a capture announced from C or CuPy. Its state is
+//! `PrivatePools` (the pools, the routes to them, frees held past a capture, captures
+//! nobody announced). This file keeps the private pools' books and memory (allocation,
+//! growth, frees, release: `Pool` methods, since they reach the core's upstream and live
+//! map, the limits and the counters); `graph_pools/routes.rs` decides which allocations go
+//! to them and what a capture in progress forbids.
 //!
 //! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
 //! uses them at every replay, long after the capture freed them. Such memory must not go
@@ -90,9 +93,13 @@ impl PrivatePools {
     pub fn has_routes(&self) -> bool {
         !self.routes.is_empty()
     }
-    /// A capture nobody announced may be running (see `unannounced`).
-    pub fn unannounced_capture_may_run(&self) -> bool {
-        !self.unannounced.is_empty()
+    /// May the pool wait for the whole device now? Not while a capture on this device may
+    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
+    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
+    /// to have stopped since (`unannounced`).
+    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    pub fn device_sync_allowed(&self) -> bool {
+        self.routes.is_empty() && self.unannounced.is_empty()
     }
     /// What a call on `stream` (alive now) learned of its capture: `Some(id)` capturing.
     fn note_capture(&mut self, stream: StreamHandle, capture: Option<u64>) {
@@ -186,7 +193,7 @@ impl Pool {
     /// Allocate from the private pool `id` for `stream` (never from the main cache).
     pub(super) fn malloc_private(&mut self, size: usize, stream: StreamHandle, id: PoolId) -> Result<usize> {
         self.running()?;
-        let key = self.streams.key(&mut *self.upstream, stream)?;
+        let key = self.core.key(stream)?;
         // An implicit capture pool starts with one use: kept until released by id.
         let pool = self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(1));
         let Some(rounded) = pool.strategy.round(size) else { return Err(self.oom(size, size, false)) };
@@ -200,12 +207,12 @@ impl Pool {
         block.stream = key;
         let pool = self.graphs.pools.get_mut(&id).expect("present");
         pool.live += 1;
-        self.c.used += block.size;
-        self.c.requested += size;
-        self.c.peak_used = self.c.peak_used.max(self.c.used);
-        self.c.allocs += 1;
-        let rec = crate::debug::AllocRecord::capture(self.debug, stream);
-        self.live.insert(
+        self.rec.c.used += block.size;
+        self.rec.c.requested += size;
+        self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used);
+        self.rec.c.allocs += 1;
+        let rec = self.rec.alloc_record(stream);
+        self.core.live.insert(
             block.addr,
             Live { block, requested: size, extra_streams: Vec::new(), rec, owner: NO_OWNER, handle: stream, private: Some(id) },
         );
@@ -218,10 +225,10 @@ impl Pool {
     /// retries (the releases wait for events recorded outside any capture).
     fn grow_private(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, id: PoolId) -> Result<Block> {
         // An implicit capture pool grows with no route active: relax for this growth too.
-        self.upstream.set_capture_relaxed(true);
+        self.core.upstream.set_capture_relaxed(true);
         let r = self.grow_private_relaxed(size, rounded, key, stream, id);
         let routed = self.graphs.has_routes();
-        self.upstream.set_capture_relaxed(routed);
+        self.core.upstream.set_capture_relaxed(routed);
         r
     }
 
@@ -238,7 +245,7 @@ impl Pool {
             for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
                 // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
                 // graph being captured: allocate on the legacy stream, outside any capture.
-                let on = if self.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
+                let on = if self.core.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
                 let Some(got) = self.within_budget(want, |up| up.allocate(want, on)) else {
                     by_limit = want == rounded;
                     continue;
@@ -267,9 +274,9 @@ impl Pool {
         if let Some(seg) = pool.strategy.put(block) {
             // Split never returns segments from `put`; kept for the contract's sake.
             pool.reserved -= seg.size;
-            self.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
+            self.core.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
             self.sub_reserved(seg.size);
-            crate::owners::remove(seg.base, self.device, self.shard);
+            crate::owners::remove(seg.base, self.core.device, self.core.shard);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -300,13 +307,13 @@ impl Pool {
         for base in segments {
             let len = p.strategy.segment_len(base).expect("private pools are split pools, which know their segments");
             // Every queued use finished (synchronised above): release on the legacy stream.
-            match self.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
+            match self.core.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
                 Ok(()) => {
-                    crate::owners::remove(base, self.device, self.shard);
+                    crate::owners::remove(base, self.core.device, self.core.shard);
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.sub_reserved(len);
-                    self.c.upstream_frees += 1;
-                    self.c.reclaimed_bytes += len as u64;
+                    self.rec.c.upstream_frees += 1;
+                    self.rec.c.reclaimed_bytes += len as u64;
                     p.reserved -= len;
                     released += len;
                 }

@@ -3,10 +3,12 @@
 //! covers would otherwise make the pool grow, new segments, releasing some cached memory,
 //! then all of it) and the out-of-memory report. The escalation is one loop (`escalate`)
 //! for every growth path of the main cache: segment pools grow here, the arena through
-//! `arena.rs`.
+//! `arena.rs`. These are `Pool` methods because growth meets every layer: the core's cache
+//! and upstream, the limits' claims, the thread caches' kept blocks, and the graph-pool
+//! layer's word on whether the device may be waited for.
 
 use super::arena::ArenaGrowth;
-use super::{Pool, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES, UNRECORDED_WAIT_MIN};
+use super::{Pool, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
 use crate::strategy::Strategy;
@@ -83,14 +85,14 @@ impl Grower for SegmentGrowth {
             match got {
                 Ok(base) => {
                     pool.book_segment(base, seg_size, stream);
-                    if key != StreamKey::LEGACY && pool.upstream.stream_ordered() {
+                    if key != StreamKey::LEGACY && pool.core.upstream.stream_ordered() {
                         // Stream-ordered upstreams make the memory valid on `stream` only;
                         // cover it so another stream reusing the remainder waits. (Other
                         // upstreams' memory is idle when it arrives: nothing to cover.)
-                        let _ = pool.streams.record_now(&mut *pool.upstream, key, stream);
+                        let _ = pool.core.streams.record_now(&mut *pool.core.upstream, key, stream);
                     }
                     let seg = Segment { base, size: seg_size, stream: key };
-                    return Ok(Attempt::Served(pool.strategy.add_segment(seg, rounded)));
+                    return Ok(Attempt::Served(pool.core.strategy.add_segment(seg, rounded)));
                 }
                 Err(AllocError::OutOfMemory) => by_limit = false,
                 Err(AllocError::Other(e)) => return Err(e),
@@ -113,13 +115,10 @@ impl Grower for SegmentGrowth {
 }
 
 impl Pool {
-    /// May the pool wait for the whole device now? Not while a capture on this device may
-    /// run that the wait would invalidate: a route announced to this pool, or a stream seen
-    /// capturing a graph nobody announced (CuPy's `stream.begin_capture()`) and not seen
-    /// to have stopped since.
-    /// (The wait covers this device's context only; captures elsewhere are not asked about.)
+    /// May the pool wait for the whole device now? The graph-pool layer says
+    /// (`PrivatePools::device_sync_allowed`).
     pub(super) fn device_sync_allowed(&self) -> bool {
-        !self.graphs.has_routes() && !self.graphs.unannounced_capture_may_run()
+        self.graphs.device_sync_allowed()
     }
 
     /// Under memory pressure (the upstream or the limit refused new memory): blocks freed
@@ -128,7 +127,7 @@ impl Pool {
     /// wait. Never on a path that is not already failing to grow, so a steady state makes
     /// no such call. Returns whether it waited.
     pub(super) fn cover_by_device_sync(&mut self) -> bool {
-        self.streams.has_uncovered() && self.wait_for_device().is_ok()
+        self.core.streams.has_uncovered() && self.wait_for_device().is_ok()
     }
 
     /// Wait for the whole device, if a wait may be made now (`device_sync_allowed`); every
@@ -137,37 +136,29 @@ impl Pool {
         if !self.device_sync_allowed() {
             return Err(Error::Internal("no device-wide wait may be made while a capture may run".into()));
         }
-        self.upstream.synchronize_device()?;
-        self.streams.device_synchronized();
+        self.core.upstream.synchronize_device()?;
+        self.core.streams.device_synchronized();
         Ok(())
     }
 
-    /// Run `f` on the strategy with the reuse gate of a request on `stream` (`key`): free
-    /// memory last used on another stream serves it only where `StreamTracker::make_safe`
-    /// makes it safe for this one.
+    /// `Core::with_gate`, for the arena's growth (`arena.rs`).
     #[inline]
     pub(super) fn with_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut dyn Strategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
-        let (streams, up) = (&mut self.streams, &mut *self.upstream);
-        let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
-        f(&mut *self.strategy, &mut gate)
-    }
-
-    pub(super) fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
-        self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
+        self.core.with_gate(key, stream, f)
     }
 
     pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
-        if let Some(b) = self.take_cached(rounded, key, stream) {
+        if let Some(b) = self.core.take_cached(rounded, key, stream) {
             return Ok(b);
         }
-        if self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES {
+        if self.core.unfenced_full() {
             self.fence_unfenced();
-            if let Some(b) = self.take_cached(rounded, key, stream) {
+            if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
         }
-        if self.strategy.flush_deferred() {
-            if let Some(b) = self.take_cached(rounded, key, stream) {
+        if self.core.strategy.flush_deferred() {
+            if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
         }
@@ -178,8 +169,8 @@ impl Pool {
             for (p, hold) in self.caches.take_all_kept(true) {
                 self.release_kept(p, hold, Some(stream));
             }
-            self.strategy.flush_deferred();
-            if let Some(b) = self.take_cached(rounded, key, stream) {
+            self.core.strategy.flush_deferred();
+            if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
         }
@@ -189,8 +180,8 @@ impl Pool {
         // creating and destroying streams does not grow the pool to the whole device. (At
         // most one wait per that many bytes of such frees, and only where the pool would
         // grow: never in a steady state.)
-        if self.streams.unrecorded_bytes() >= (self.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
-            if let Some(b) = self.take_cached(rounded, key, stream) {
+        if self.core.streams.unrecorded_bytes() >= (self.rec.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
+            if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
         }
@@ -202,18 +193,18 @@ impl Pool {
     /// (`arena.rs`). `retake`: between stages, try the cache again (false when the cached
     /// candidate is known not to fit).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
-        if key != StreamKey::LEGACY && self.streams.is_uncovered(key) && !self.capturing(stream, true) {
+        if key != StreamKey::LEGACY && self.core.streams.is_uncovered(key) && !self.capturing(stream, true) {
             // This call names the stream, so it is alive now: cover its earlier frees (those
             // left pending or uncovered), and other streams may use them from here on. A
             // growth calls the driver anyway; a steady state never gets here. (Not while the
             // stream captures a graph: an event recorded there belongs to the graph.)
-            let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+            let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
         }
         let req = Request { size, rounded, key, stream };
-        if self.strategy.as_arena_ref().is_some() {
+        if self.core.is_arena() {
             return self.escalate(&req, retake, &ArenaGrowth);
         }
-        let preferred = match self.strategy.segment_size(rounded) {
+        let preferred = match self.core.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
         };
@@ -241,12 +232,12 @@ impl Pool {
                     false
                 };
                 if how.before_release(self, stage, covered) && retake {
-                    if let Some(b) = self.take_cached(rounded, key, stream) {
+                    if let Some(b) = self.core.take_cached(rounded, key, stream) {
                         return Ok(b);
                     }
                 }
                 if how.release(self, req, stage)? && retake {
-                    if let Some(b) = self.take_cached(rounded, key, stream) {
+                    if let Some(b) = self.core.take_cached(rounded, key, stream) {
                         return Ok(b);
                     }
                 }
@@ -263,11 +254,11 @@ impl Pool {
     /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
     /// the address index, the trace and the counters.
     pub(super) fn book_segment(&mut self, base: usize, size: usize, stream: StreamHandle) {
-        crate::owners::add(base, size, self.device, self.shard);
+        crate::owners::add(base, size, self.core.device, self.core.shard);
         self.trace(stream, Action::UpstreamAlloc, base, size);
         self.add_reserved(size);
-        self.c.upstream_allocs += 1;
-        self.c.upstream_alloc_bytes += size as u64;
+        self.rec.c.upstream_allocs += 1;
+        self.rec.c.upstream_alloc_bytes += size as u64;
     }
 
     /// Ask the upstream for `bytes` of new memory with `get`, within the device's budget:
@@ -278,44 +269,36 @@ impl Pool {
         bytes: usize,
         get: impl FnOnce(&mut dyn crate::upstream::Upstream) -> std::result::Result<T, E>,
     ) -> Option<std::result::Result<T, E>> {
-        if !self.budget.claim(bytes) {
-            return None;
-        }
-        let got = get(&mut *self.upstream);
-        if got.is_err() {
-            self.budget.unclaim(bytes);
-        }
-        Some(got)
+        self.limits.within(bytes, &mut *self.core.upstream, get)
     }
 
     /// `bytes` claimed from the device's budget (`within_budget`) arrived from the upstream.
     pub(super) fn add_reserved(&mut self, bytes: usize) {
-        self.c.reserved += bytes;
-        self.c.peak_reserved = self.c.peak_reserved.max(self.c.reserved);
-        self.budget.confirm();
+        self.rec.c.add_reserved(bytes);
+        self.limits.confirm();
     }
 
     /// `bytes` went back to the upstream.
     pub(super) fn sub_reserved(&mut self, bytes: usize) {
-        self.c.reserved -= bytes;
-        self.budget.released(bytes);
+        self.rec.c.reserved -= bytes;
+        self.limits.released(bytes);
     }
 
     pub(super) fn oom(&mut self, requested: usize, rounded: usize, by_limit: bool) -> Error {
-        self.c.ooms += 1;
+        self.rec.c.ooms += 1;
         self.trace(0, Action::Oom, 0, requested);
         Error::OutOfMemory(Box::new(OomReport {
-            device: self.device,
+            device: self.core.device,
             requested,
             rounded,
-            reserved: self.c.reserved,
-            in_use: self.c.used,
-            cached: self.strategy.cached_bytes().saturating_sub(self.holes.bytes()),
-            largest_free_block: self.strategy.largest_free_block(),
-            limit: self.budget.limit(),
-            device_free_total: self.upstream.mem_info().ok(),
+            reserved: self.rec.c.reserved,
+            in_use: self.rec.c.used,
+            cached: self.core.cached_committed(),
+            largest_free_block: self.core.strategy.largest_free_block(),
+            limit: self.limits.limit(),
+            device_free_total: self.core.upstream.mem_info().ok(),
             by_limit,
-            strategy: self.strategy.name(),
+            strategy: self.core.strategy.name(),
         }))
     }
 }

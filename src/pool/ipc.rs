@@ -26,8 +26,8 @@ impl Pool {
     /// aside while it lives.
     pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
         self.running()?;
-        let refuse = |why: String| Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(why) };
-        let Some(l) = self.live.get(&ptr) else {
+        let refuse = |why: String| Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(why) };
+        let Some(l) = self.core.live.get(&ptr) else {
             let why = match self.classify_bad_pointer(ptr) {
                 Error::InvalidPointer { why: BadPointer::Interior { block_start, .. }, .. } => {
                     format!("IPC export: it points inside the block at {block_start:#x}; pass the address malloc returned")
@@ -46,11 +46,11 @@ impl Pool {
         // never reaching the pool, which must end the export then: it becomes the pool's.
         let owner = l.owner;
         if owner != NO_OWNER && self.caches.claim(owner, ptr).is_some() {
-            if let Some(l) = self.live.get_mut(&ptr) {
+            if let Some(l) = self.core.live.get_mut(&ptr) {
                 l.owner = NO_OWNER;
             }
         }
-        let Some(l) = self.live.get(&ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
+        let Some(l) = self.core.live.get(&ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
         if l.private.is_some() {
             // Graph pools' blocks are segments of their own (`graph_pools.rs`), not granules.
             return Err(refuse(
@@ -58,14 +58,14 @@ impl Pool {
             ));
         }
         let size = l.requested.max(1);
-        let Some(g) = self.strategy.as_arena_ref().map(|a| a.granule()) else {
+        let Some(g) = self.core.strategy.as_arena_ref().map(|a| a.granule()) else {
             // A segment pool's block lies in a `cuMemAlloc` segment: CUDA's own IPC handle
             // of the segment and the block's offset in it.
-            let (segment, device) = (l.block.segment, self.device);
-            let handle = self.upstream.legacy_ipc_export(segment).map_err(|e| {
+            let (segment, device) = (l.block.segment, self.core.device);
+            let handle = self.core.upstream.legacy_ipc_export(segment).map_err(|e| {
                 Error::InvalidArgument(format!(
                     "IPC export of {ptr:#x}: device {device}'s pool is `{}`, whose blocks go through CUDA's IPC handles: {e}",
-                    self.strategy.name()
+                    self.core.strategy.name()
                 ))
             })?;
             let pid = std::process::id();
@@ -81,12 +81,12 @@ impl Pool {
         raise_fd_limit();
         let (addr, block_size) = (l.block.addr, l.block.size);
         // Whole allocations: the importer maps a chunk only whole.
-        let (first, end) = self.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
+        let (first, end) = self.core.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
         // Each granule's file identity goes along, so an importer can tell the exported file
         // from whatever its number names later (`shared.rs`, "Trust").
         let granules = (first..end)
             .step_by(g)
-            .map(|a| self.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
+            .map(|a| self.core.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
             .collect::<Result<Vec<_>>>()?;
         let record = ExportRecord::add(&granules.iter().map(|g| (g.fd, g.offset)).collect::<Vec<_>>())?;
         // The importer maps whole granules: nothing else may live in the block's (unless
@@ -102,15 +102,15 @@ impl Pool {
         }
         if let Err(why) = guarded {
             ExportRecord::end(record);
-            return Err(Error::InvalidPointer { ptr, device: self.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
         }
-        self.strategy.as_arena().expect("arena pool").note_export(addr, record);
+        self.core.strategy.as_arena().expect("arena pool").note_export(addr, record);
         let d = Descriptor {
-            kind: self.upstream.vmm_share_kind(),
+            kind: self.core.upstream.vmm_share_kind(),
             pid: std::process::id(),
             start_time: start_time_of(std::process::id()),
             record,
-            device: self.device,
+            device: self.core.device,
             granule: g as u64,
             offset: (ptr - first) as u64,
             size: size as u64,
@@ -123,13 +123,13 @@ impl Pool {
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
     /// (a pointer that is no live block gets `ipc_export`'s error).
     pub fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
-        let Some(l) = self.live.get(&ptr).filter(|l| l.private.is_none()) else {
+        let Some(l) = self.core.live.get(&ptr).filter(|l| l.private.is_none()) else {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };
         let size = l.requested.max(1);
-        Ok(match self.strategy.as_arena_ref().map(|a| a.granule()) {
+        Ok(match self.core.strategy.as_arena_ref().map(|a| a.granule()) {
             Some(g) => {
-                let (first, end) = self.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
+                let (first, end) = self.core.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
                 let granules = (end - first) / g;
                 crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules
             }
@@ -138,7 +138,7 @@ impl Pool {
     }
 
     fn arena_guard_export(&mut self, addr: usize, size: usize) -> std::result::Result<(), String> {
-        self.strategy.as_arena().expect("arena pool").guard_export(addr, size)
+        self.core.strategy.as_arena().expect("arena pool").guard_export(addr, size)
     }
 
     /// Map the block another process exported as `d` (decoded by the caller, before
@@ -147,14 +147,14 @@ impl Pool {
     /// fetches them from the exporter (`pidfd_getfd`), one at a time.
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
         self.running()?;
-        let kind = self.upstream.vmm_share_kind();
+        let kind = self.core.upstream.vmm_share_kind();
         if d.kind != kind {
             let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
             return Err(Error::InvalidArgument(format!(
                 "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
                 name(d.kind),
-                self.device,
-                self.upstream.name(),
+                self.core.device,
+                self.core.upstream.name(),
                 if kind == 0 { "none" } else { name(kind) }
             )));
         }
@@ -169,27 +169,27 @@ impl Pool {
             }
             None => FdSource::fetch_from(d)?,
         };
-        self.upstream.vmm_import(d, &source)
+        self.core.upstream.vmm_import(d, &source)
     }
 
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
     /// returns where it starts here.
     pub fn ipc_import_legacy(&mut self, d: &LegacyDescriptor) -> Result<usize> {
         self.running()?;
-        self.upstream.legacy_ipc_open(&d.handle, d.offset as usize)
+        self.core.upstream.legacy_ipc_open(&d.handle, d.offset as usize)
     }
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        if self.upstream.vmm_unimport(ptr)? || self.upstream.legacy_ipc_close(ptr)? {
+        if self.core.upstream.vmm_unimport(ptr)? || self.core.upstream.legacy_ipc_close(ptr)? {
             return Ok(());
         }
         let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
-        Err(Error::InvalidPointer { ptr, device: self.device, why })
+        Err(Error::InvalidPointer { ptr, device: self.core.device, why })
     }
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
-        self.upstream.vmm_imports() + self.upstream.legacy_ipc_imports()
+        self.core.upstream.vmm_imports() + self.core.upstream.legacy_ipc_imports()
     }
 }

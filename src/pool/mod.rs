@@ -1,12 +1,22 @@
-//! One device's pool: the facade that ties a strategy, an upstream and the stream tracker
-//! together, and owns the live-pointer map, the limit, the counters and the OOM escalation.
-//! Allocation, limits and the pool's lifetime are here. Elsewhere: frees (one entry point,
+//! One device's pool (`Pool`): a core allocator with layers around it, the way RMM wraps a
+//! resource in adaptors. Each part is a type with one job, in its own file:
+//!
+//! ```text
+//! thread caches (attached_caches/)  ->  graph-pool routing (graph_pools.rs)
+//!     ->  limits (limits.rs: budget, decay)  ->  core (core.rs: strategy + upstream
+//!     + stream tracker + live map)  ->  upstream
+//! recording on the side (recorder.rs: counters, trace, leak records)
+//! ```
+//!
+//! `Pool` holds the core and the layers as fields and nothing else of its own but whether
+//! it stopped. Its operations are where the layers meet, so they are `Pool` methods, grouped
+//! by concern: allocation and the pool's lifetime here; frees (one entry point,
 //! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
-//! and the escalation in `grow.rs`, the arena's driver calls in `arena.rs`; giving memory
-//! back in `release.rs`; private pools for CUDA graphs in `graph_pools.rs`; the pool's side
-//! of the thread caches in `attached_caches/`; exports to other processes in `ipc.rs`;
-//! reports and snapshots in `reports.rs` and `snapshot.rs`; the budget a device's shards
-//! share in `budget.rs`; how a pool is built in `options.rs`.
+//! and the out-of-memory escalation in `grow.rs`, the arena's driver calls in `arena.rs`;
+//! giving memory back in `release.rs`; private pools in `graph_pools.rs`; the thread caches'
+//! blocks in `attached_caches/`; exports to other processes in `ipc.rs`; reports and
+//! snapshots in `reports.rs` and `snapshot.rs`. How a pool is built: `options.rs`; the
+//! budget a device's shards share: `budget.rs`.
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the
@@ -17,31 +27,30 @@
 //! A `Pool` is not thread-safe by itself; `crate::registry` puts each behind a lock (a
 //! device has one `Pool` per shard, see there; the shards share one `Budget`).
 
-use crate::block::{Block, Segment};
-use crate::config::{LimitSpec, PoolKind};
-use crate::debug::AllocRecord;
-use crate::decay::Decay;
-use crate::pages::Holes;
-use crate::trace::{Action, Tracer};
+use crate::trace::Action;
 use crate::error::{Error, Result};
-use crate::strategy::{self, Strategy};
-use crate::stream::{StreamHandle, StreamKey, StreamTracker};
-use crate::upstream::{EventHandle, Upstream};
-use rustc_hash::FxHashMap;
+use crate::stream::StreamHandle;
+use crate::upstream::Upstream;
 use attached_caches::AttachedCaches;
+use self::core::{Core, Live, Pending};
+use limits::Limits;
+use recorder::Recorder;
 pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
+mod attached_caches;
 mod budget;
+mod core;
 mod free;
+mod graph_pools;
 mod grow;
 mod ipc;
-mod graph_pools;
+mod limits;
 mod options;
+mod recorder;
 mod release;
 mod reports;
 mod snapshot;
-mod attached_caches;
 
 pub use arena::ArenaFigures;
 pub use budget::Budget;
@@ -55,164 +64,43 @@ pub use options::PoolOptions;
 pub const UNFENCED_MAX_BLOCKS: usize = 32;
 pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
 
-/// A block handed out and not yet freed.
-struct Live {
-    block: Block,
-    requested: usize,
-    /// Streams passed to `record_stream`: the free waits for their work too.
-    extra_streams: Vec<StreamHandle>,
-    /// Leak-tracking record (`GPUPOOL_DEBUG >= 1`).
-    rec: Option<Box<AllocRecord>>,
-    /// The thread cache that may hold this block (`NO_OWNER`: none).
-    owner: u32,
-    /// The stream handle it was allocated for: CuPy's frees name no stream and go there.
-    handle: StreamHandle,
-    /// The private pool it came from (`graph_pools.rs`), if any.
-    private: Option<PoolId>,
-}
-
 /// Bytes freed with no record (their stream may be gone) that justify a device-wide wait
 /// before the pool grows, at the least (`find_or_grow`).
 const UNRECORDED_WAIT_MIN: usize = 64 << 20;
 
-/// A free waiting for `record_stream` streams to pass their recorded events.
-struct Pending {
-    block: Block,
-    events: Vec<EventHandle>,
-}
-
-#[derive(Default)]
-struct Counters {
-    used: usize,
-    requested: usize,
-    reserved: usize,
-    peak_used: usize,
-    peak_reserved: usize,
-    allocs: u64,
-    frees: u64,
-    upstream_allocs: u64,
-    upstream_frees: u64,
-    ooms: u64,
-    reclaims: u64,
-    reclaimed_bytes: u64,
-    invalid_frees: u64,
-    deferred_frees: u64,
-    /// Page runs recommitted / decommitted (page-mapped upstreams), and their bytes.
-    commits: u64,
-    decommits: u64,
-    commit_bytes: u64,
-    upstream_alloc_bytes: u64,
-}
-
+/// One device's pool: the core allocator and the layers around it (module docs).
 pub struct Pool {
-    device: i32,
-    strategy: Box<dyn Strategy>,
-    upstream: Box<dyn Upstream>,
-    streams: StreamTracker,
-    live: FxHashMap<usize, Live>,
-    pending: Vec<Pending>,
-    /// Frees from callers without a stream (CuPy) waiting for the next legacy-stream fence.
-    unfenced: Vec<Block>,
-    unfenced_bytes: usize,
-    /// Scratch for the ranges a free leaves pending on its stream (`StreamTracker::on_free`):
-    /// kept so a free allocates nothing.
-    scratch_ranges: Vec<(usize, usize)>,
-    /// `PoolOptions::arena_lend`.
-    arena_lend: bool,
-    /// Bytes of arena granules the driver unmapped but would not release (`UnmapFail`):
-    /// booked unmapped, never handed out again, reported.
-    arena_leaked: usize,
-    c: Counters,
-    /// The device's reserved bytes and their limit, shared with the device's other shards.
-    budget: std::sync::Arc<Budget>,
-    /// `PoolOptions::shard`.
-    shard: u16,
-    check: bool,
-    debug: u8,
-    tracer: Option<&'static Tracer>,
-    decay: Option<Decay>,
-    /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
-    holes: Holes,
-    /// Threads' fast-path caches for this pool (`crate::thread_cache`).
-    caches: AttachedCaches,
-    /// Why the configured strategy is not the one running (arena without VMM), for the
-    /// status report.
-    notice: Option<String>,
-    /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s (`graph_pools.rs`).
+    /// Strategy, upstream, stream tracker and live map (`core.rs`).
+    core: Core,
+    /// The device's budget and this pool's decay: who may reserve how much (`limits.rs`).
+    limits: Limits,
+    /// Counters, trace and leak records (`recorder.rs`).
+    rec: Recorder,
+    /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s, and the routes
+    /// to them (`graph_pools.rs`).
     graphs: graph_pools::PrivatePools,
-    /// Segments the upstream refused to take back (a driver failure while releasing):
-    /// still reserved, never handed out, retried at the next release.
-    unreleased: Vec<Segment>,
+    /// Threads' fast-path caches for this pool (`attached_caches/`, `crate::thread_cache`).
+    caches: AttachedCaches,
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
     /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
     stopped: Option<String>,
 }
 
 impl Pool {
-    pub fn new(device: i32, upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Result<Pool> {
-        let mut upstream = upstream;
-        let limit = match opts.limit {
-            None => 0,
-            Some(LimitSpec::Bytes(b)) => b,
-            Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
-        };
-        let budget = opts.budget.clone().unwrap_or_default();
-        budget.init_limit(limit);
-        let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match arena::build(&mut *upstream, opts.arena_va, opts.arena_chunk) {
-                Ok(a) => (a, None),
-                Err(why) => (strategy::build(PoolKind::Split), Some(why)),
-            },
-            kind => (strategy::build(kind), None),
-        };
-        if let Some(a) = strategy.as_arena_ref() {
-            for (base, len) in a.reservations() {
-                crate::owners::add(base, len, device, opts.shard);
-            }
-        }
-        // The arena maps granules itself: the page decommit of segment pools stays off.
-        let upstream_page = if strategy.as_arena_ref().is_some() { 0 } else { upstream.page_size() };
+    pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Result<Pool> {
+        let limits = Limits::new(opts, &mut *upstream)?;
         Ok(Pool {
-            device,
-            strategy,
-            notice,
+            core: Core::new(device, upstream, opts),
+            limits,
+            rec: Recorder::new(opts),
             graphs: Default::default(),
+            caches: AttachedCaches::new(opts, device),
             stopped: None,
-            unreleased: Vec::new(),
-            upstream,
-            // `none` gives each free straight back, and that release waits for exactly that
-            // free's record: no batching there.
-            streams: StreamTracker::new(opts.unsafe_ignore_streams, if opts.kind == PoolKind::None { 1 } else { opts.event_batch }, opts.event_batch_bytes),
-            live: FxHashMap::default(),
-            pending: Vec::new(),
-            unfenced: Vec::new(),
-            unfenced_bytes: 0,
-            scratch_ranges: Vec::new(),
-            arena_lend: opts.arena_lend,
-            arena_leaked: 0,
-            c: Counters::default(),
-            budget,
-            shard: opts.shard,
-            check: opts.check_invariants,
-            debug: opts.debug,
-            tracer: opts.tracer,
-            decay: Decay::new(opts.decay_window),
-            holes: Holes::new(upstream_page),
-            caches: AttachedCaches::new(
-                // Off where every operation must reach the pool, and in the unsafe test mode
-                // (whose point is a pool that reuses at once, the way the cache never does).
-                opts.thread_cache
-                    && opts.debug == 0
-                    && opts.tracer.is_none()
-                    && opts.kind != PoolKind::None
-                    && !opts.unsafe_ignore_streams
-                    && device >= 0,
-            ),
         })
     }
 
     pub fn device(&self) -> i32 {
-        self.device
+        self.core.device
     }
 
     /// Stop this pool: an operation was interrupted by a panic (caught at the C boundary),
@@ -237,46 +125,46 @@ impl Pool {
             None => Ok(()),
             Some(why) => Err(Error::Stopped(format!(
                 "device {}'s pool stopped after an internal error and hands out no more memory ({why}); restart the process",
-                self.device
+                self.core.device
             ))),
         }
     }
 
     pub fn strategy_name(&self) -> &'static str {
-        self.strategy.name()
+        self.core.strategy.name()
     }
 
     pub fn upstream_name(&self) -> &'static str {
-        self.upstream.name()
+        self.core.upstream.name()
     }
 
     /// Bytes reserved from the upstream (cheap; `stats()` computes more).
     pub fn reserved_bytes(&self) -> usize {
-        self.c.reserved
+        self.rec.c.reserved
     }
 
     /// Bytes in live blocks.
     pub fn used_bytes(&self) -> usize {
-        self.c.used
+        self.rec.c.used
     }
 
     /// Page runs recommitted and decommitted so far (page-mapped upstreams).
     pub fn page_ops(&self) -> (u64, u64) {
-        (self.c.commits, self.c.decommits)
+        (self.rec.c.commits, self.rec.c.decommits)
     }
 
     /// Bytes obtained from the upstream so far: new segments, and pages recommitted.
     pub fn obtained_bytes(&self) -> (u64, u64) {
-        (self.c.upstream_alloc_bytes, self.c.commit_bytes)
+        (self.rec.c.upstream_alloc_bytes, self.rec.c.commit_bytes)
     }
 
     /// Live allocations (blocks kept in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
-        self.live.len() - self.caches.kept().len()
+        self.core.live.len() - self.caches.kept().len()
     }
 
     pub fn owns(&self, ptr: usize) -> bool {
-        self.live.contains_key(&ptr)
+        self.core.live.contains_key(&ptr)
     }
 
     /// Allocate `size` bytes for use on `stream`. Size 0 gives a null pointer (0).
@@ -290,15 +178,8 @@ impl Pool {
     /// safe to reuse, so the caller keeps them unfenced (and tries again later).
     #[must_use]
     pub fn fence_legacy_now(&mut self) -> bool {
-        // Mark the legacy stream as freed-on so the fence records, then record it.
-        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
-        if self.streams.fence_legacy(&mut *self.upstream).is_ok() {
-            return true;
-        }
-        // Without a fence the blocks cannot be proven safe: wait for the legacy stream
-        // instead (a record and a wait on it).
         let allowed = self.device_sync_allowed();
-        self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, allowed).is_ok()
+        self.core.fence_legacy(allowed)
     }
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
@@ -314,43 +195,43 @@ impl Pool {
                 return self.malloc_private(size, stream, id);
             }
         }
-        let key = self.streams.key(&mut *self.upstream, stream)?;
-        let rounded = match self.strategy.round(size) {
+        let key = self.core.key(stream)?;
+        let rounded = match self.core.strategy.round(size) {
             Some(r) => r,
             None => return Err(self.oom(size, size, false)),
         };
-        if !self.pending.is_empty() {
+        if !self.core.pending.is_empty() {
             self.finish_pending(false);
         }
         let mut block = self.find_or_grow(size, rounded, key, stream)?;
-        if !self.holes.is_empty() {
+        if !self.core.holes.is_empty() {
             if let Err(e) = self.commit_block(&block) {
                 // Back to the cache as it was taken (its pages stay decommitted). A block
                 // straddling pages may need more memory than a fresh segment: try one.
-                let _ = self.strategy.put(block);
+                let _ = self.core.strategy.put(block);
                 // Booked under this stream now: it may have been another stream's, which this
                 // one waited for; a record here makes later reuse elsewhere wait for both.
                 if !self.capturing(stream, false) {
-                    let _ = self.streams.record_now(&mut *self.upstream, key, stream);
+                    let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
                 }
                 block = self.grow(size, rounded, key, stream, false).map_err(|_| e)?;
             }
         }
         // Booked under the requesting stream: a free that names no stream (CuPy) goes there.
         block.stream = key;
-        self.c.used += block.size;
-        self.c.requested += size;
-        if self.c.used > self.c.peak_used {
+        self.rec.c.used += block.size;
+        self.rec.c.requested += size;
+        if self.rec.c.used > self.rec.c.peak_used {
             // `used` counts blocks kept in thread caches, which their users freed: the
             // peak must not (rarely reached: only when a new peak is possible).
             let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
-            self.c.peak_used = self.c.peak_used.max(self.c.used - kept);
+            self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used - kept);
         }
-        self.c.allocs += 1;
-        let rec = AllocRecord::capture(self.debug, stream);
-        self.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
+        self.rec.c.allocs += 1;
+        let rec = self.rec.alloc_record(stream);
+        self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
-        if let Some(cap) = self.decay.as_mut().and_then(|d| d.on_malloc(self.c.used)) {
+        if let Some(cap) = self.limits.on_malloc(self.rec.c.used) {
             self.shrink_to(cap);
         }
         self.verify();
@@ -359,9 +240,7 @@ impl Pool {
 
     #[inline]
     pub(super) fn trace(&self, stream: StreamHandle, action: Action, ptr: usize, size: usize) {
-        if let Some(t) = self.tracer {
-            t.record(self.device, stream, action, ptr, size);
-        }
+        self.rec.trace(self.core.device, stream, action, ptr, size);
     }
 
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
@@ -372,15 +251,15 @@ impl Pool {
         }
         // What went back, however it went (deferred frees finishing here release their
         // segments at once under the `none` strategy): the drop in reserved bytes.
-        let before = self.c.reserved;
+        let before = self.rec.c.reserved;
         self.flush_thread_caches(None);
         self.finish_pending(false);
         self.fence_unfenced();
-        self.c.reclaims += 1;
+        self.rec.c.reclaims += 1;
         let r = self.release_cached(None).map(|_| {
             let pages = self.decommit_free(usize::MAX);
-            self.c.reclaimed_bytes += pages as u64;
-            before - self.c.reserved
+            self.rec.c.reclaimed_bytes += pages as u64;
+            before - self.rec.c.reserved
         });
         self.trace(0, Action::Reclaim, 0, *r.as_ref().unwrap_or(&0));
         self.verify();
@@ -391,40 +270,40 @@ impl Pool {
     /// is released now (the registry asks every shard of a sharded device in turn).
     pub fn set_limit(&mut self, bytes: usize) -> Result<()> {
         self.running()?;
-        self.budget.set_limit(bytes);
+        self.limits.set_limit(bytes);
         self.release_over_limit()
     }
 
     /// Release this pool's cached memory while the device is over its limit.
     pub fn release_over_limit(&mut self) -> Result<()> {
         self.running()?;
-        let excess = self.budget.excess();
+        let excess = self.limits.excess();
         if excess != 0 {
             self.flush_thread_caches(None);
-            self.release_cached(Some(excess.min(self.c.reserved)))?;
+            self.release_cached(Some(excess.min(self.rec.c.reserved)))?;
         }
         self.verify();
         Ok(())
     }
 
     pub fn limit(&self) -> usize {
-        self.budget.limit()
+        self.limits.limit()
     }
 
     /// The device's budget (shared by its shards).
     pub fn budget(&self) -> &std::sync::Arc<Budget> {
-        &self.budget
+        self.limits.budget()
     }
 
     /// Which shard of its device this pool is.
     pub fn shard(&self) -> u16 {
-        self.shard
+        self.core.shard
     }
 
     /// Take back the out-of-memory this pool last counted: the registry freed other shards'
     /// cache and the retry succeeded, so the caller never saw it.
     pub fn retract_oom(&mut self) {
-        self.c.ooms = self.c.ooms.saturating_sub(1);
+        self.rec.c.ooms = self.rec.c.ooms.saturating_sub(1);
     }
 
     /// Bytes this pool could give back now (cached, or kept in thread caches for their
@@ -432,12 +311,12 @@ impl Pool {
     /// memory may gain.
     pub fn cached_bytes(&self) -> usize {
         let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
-        self.c.reserved.saturating_sub(self.c.used - kept)
+        self.rec.c.reserved.saturating_sub(self.rec.c.used - kept)
     }
 
     /// Device `(free, total)` from the upstream.
     pub fn mem_info(&mut self) -> Result<(usize, usize)> {
-        self.upstream.mem_info()
+        self.core.upstream.mem_info()
     }
 }
 
@@ -457,6 +336,6 @@ impl Drop for Pool {
         let _ = self.release_cached(None);
         self.release_private_pools();
         self.arena_teardown();
-        self.streams.destroy_all(&mut *self.upstream);
+        self.core.streams.destroy_all(&mut *self.core.upstream);
     }
 }

@@ -15,22 +15,22 @@ impl Pool {
     /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
     /// this request anyway.
     pub(super) fn decay_before_grow(&mut self, grow: usize) {
-        let Some(d) = &self.decay else { return };
-        let cap = d.cap(self.c.used + grow).saturating_sub(grow);
-        self.shrink_to(cap);
+        if let Some(cap) = self.limits.decay_cap(self.rec.c.used, grow) {
+            self.shrink_to(cap);
+        }
     }
 
     /// Bring reserved memory down towards `cap`: wholly free segments first, then the pages
     /// inside free blocks (page-mapped upstreams). Best effort: what cannot be released
     /// (a failed driver call) simply stays cached.
     pub(super) fn shrink_to(&mut self, cap: usize) {
-        if self.c.reserved <= cap || self.strategy.cached_bytes() == self.holes.bytes() {
+        if self.rec.c.reserved <= cap || self.core.strategy.cached_bytes() == self.core.holes.bytes() {
             return;
         }
-        let _ = self.release_in_order(Some(self.c.reserved - cap), ReleaseOrder::OldestFirst);
-        if self.c.reserved > cap {
-            let got = self.decommit_free(self.c.reserved - cap);
-            self.c.reclaimed_bytes += got as u64;
+        let _ = self.release_in_order(Some(self.rec.c.reserved - cap), ReleaseOrder::OldestFirst);
+        if self.rec.c.reserved > cap {
+            let got = self.decommit_free(self.rec.c.reserved - cap);
+            self.rec.c.reclaimed_bytes += got as u64;
         }
     }
 
@@ -38,24 +38,24 @@ impl Pool {
     /// back. Each block's stream is synchronised first: no queued kernel may touch a page
     /// that is unmapped. Returns the bytes decommitted.
     pub(super) fn decommit_free(&mut self, want: usize) -> usize {
-        if !self.holes.supported() {
+        if !self.core.holes.supported() {
             return 0;
         }
-        let blocks = self.strategy.decommit_candidates();
+        let blocks = self.core.strategy.decommit_candidates();
         let mut synced: Vec<StreamKey> = Vec::new();
         let mut got = 0;
         for b in blocks {
             if got >= want {
                 break;
             }
-            let Some((start, end)) = self.holes.interior(b.addr, b.size) else { continue };
-            let runs = self.holes.committed_runs(b.segment, start, end);
+            let Some((start, end)) = self.core.holes.interior(b.addr, b.size) else { continue };
+            let runs = self.core.holes.committed_runs(b.segment, start, end);
             if runs.is_empty() {
                 continue;
             }
             if !synced.contains(&b.stream) {
                 let allowed = self.device_sync_allowed();
-                if self.streams.synchronize(&mut *self.upstream, b.stream, allowed).is_err() {
+                if self.core.streams.synchronize(&mut *self.core.upstream, b.stream, allowed).is_err() {
                     continue;
                 }
                 synced.push(b.stream);
@@ -63,11 +63,11 @@ impl Pool {
             for (s, l) in runs {
                 // A failure says how many pages from `s` went back all the same: exactly
                 // those are booked decommitted, the rest stay backed.
-                let l = self.upstream.decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
+                let l = self.core.upstream.decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
                 if l > 0 {
-                    self.holes.mark_decommitted(b.segment, s, l);
+                    self.core.holes.mark_decommitted(b.segment, s, l);
                     self.sub_reserved(l);
-                    self.c.decommits += 1;
+                    self.rec.c.decommits += 1;
                     self.trace(0, Action::PageDecommit, s, l);
                     got += l;
                 }
@@ -79,7 +79,7 @@ impl Pool {
     /// Recommit the decommitted pages under a block about to be handed out. Out of memory
     /// releases the rest of the cache once and retries; a failure leaves the block free.
     pub(super) fn commit_block(&mut self, block: &Block) -> Result<()> {
-        for (s, l) in self.holes.missing_runs(block.segment, block.addr, block.size) {
+        for (s, l) in self.core.holes.missing_runs(block.segment, block.addr, block.size) {
             let mut retried = false;
             loop {
                 let (res, over_limit) = match self.within_budget(l, |up| up.commit(s, l)) {
@@ -88,10 +88,10 @@ impl Pool {
                 };
                 match res {
                     Ok(()) => {
-                        self.holes.mark_committed(block.segment, s, l);
+                        self.core.holes.mark_committed(block.segment, s, l);
                         self.add_reserved(l);
-                        self.c.commits += 1;
-                        self.c.commit_bytes += l as u64;
+                        self.rec.c.commits += 1;
+                        self.rec.c.commit_bytes += l as u64;
                         self.trace(0, Action::PageCommit, s, l);
                         break;
                     }
@@ -117,15 +117,15 @@ impl Pool {
         if self.running().is_err() {
             return 0;
         }
-        let before = self.c.reserved;
+        let before = self.rec.c.reserved;
         self.flush_thread_caches(None);
         self.finish_pending(true);
         self.fence_unfenced();
         let _ = self.release_cached(None);
         let pages = self.decommit_free(usize::MAX);
-        self.c.reclaimed_bytes += pages as u64;
+        self.rec.c.reclaimed_bytes += pages as u64;
         self.verify();
-        before - self.c.reserved
+        before - self.rec.c.reserved
     }
 
     /// Give wholly free cached segments back to the upstream. Returns the bytes released.
@@ -134,10 +134,10 @@ impl Pool {
     }
 
     fn release_in_order(&mut self, want: Option<usize>, order: ReleaseOrder) -> Result<usize> {
-        if self.strategy.as_arena_ref().is_some() {
+        if self.core.is_arena() {
             // Whole free granules rather than segments; a failed unmap keeps its granule.
             let released = self.arena_release(want, order);
-            self.c.reclaimed_bytes += released as u64;
+            self.rec.c.reclaimed_bytes += released as u64;
             return Ok(released);
         }
         // Segments refused earlier are retried first; one refused again stays for later.
@@ -145,17 +145,17 @@ impl Pool {
         // wait; while none may be made (a capture may run) its segments stay cached, where
         // that stream can still use them.
         let allowed = self.device_sync_allowed();
-        let (streams, mut segs) = (&self.streams, Vec::new());
+        let (streams, mut segs) = (&self.core.streams, Vec::new());
         let mut releasable = |s: StreamKey| allowed || !streams.is_uncovered(s);
-        for seg in std::mem::take(&mut self.unreleased) {
-            let waiting = seg.stream == StreamKey::MIXED && !allowed && self.streams.has_uncovered();
+        for seg in std::mem::take(&mut self.core.unreleased) {
+            let waiting = seg.stream == StreamKey::MIXED && !allowed && self.core.streams.has_uncovered();
             if waiting || !releasable(seg.stream) {
-                self.unreleased.push(seg);
+                self.core.unreleased.push(seg);
             } else {
                 segs.push(seg);
             }
         }
-        segs.extend(self.strategy.drain_free_segments(want, order, &mut releasable));
+        segs.extend(self.core.strategy.drain_free_segments(want, order, &mut releasable));
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {
@@ -163,11 +163,11 @@ impl Pool {
                 Ok(n) => released += n,
                 Err(e) => {
                     first_err.get_or_insert(e);
-                    self.unreleased.push(seg);
+                    self.core.unreleased.push(seg);
                 }
             }
         }
-        self.c.reclaimed_bytes += released as u64;
+        self.rec.c.reclaimed_bytes += released as u64;
         match first_err {
             Some(e) => Err(e),
             None => Ok(released),
@@ -176,7 +176,7 @@ impl Pool {
 
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn release_segment(&mut self, seg: Segment) -> Result<usize> {
-        if self.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
+        if self.core.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
             // cuMemFreeAsync on the legacy stream orders the release after its work.
             return self.give_to_upstream(seg, crate::stream::STREAM_LEGACY);
         }
@@ -187,9 +187,9 @@ impl Pool {
         // legacy stream.
         let allowed = self.device_sync_allowed();
         if seg.stream == StreamKey::MIXED {
-            self.streams.synchronize_all(&mut *self.upstream, allowed)?;
+            self.core.streams.synchronize_all(&mut *self.core.upstream, allowed)?;
         } else {
-            self.streams.synchronize(&mut *self.upstream, seg.stream, allowed)?;
+            self.core.streams.synchronize(&mut *self.core.upstream, seg.stream, allowed)?;
         }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg, crate::stream::STREAM_LEGACY)
@@ -200,15 +200,15 @@ impl Pool {
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment, h: StreamHandle) -> Result<usize> {
         // Unbooked first: once released, the address may be given to another device's pool.
-        crate::owners::remove(seg.base, self.device, self.shard);
-        if let Err(e) = self.upstream.deallocate(seg.base, seg.size, h) {
-            crate::owners::add(seg.base, seg.size, self.device, self.shard);
+        crate::owners::remove(seg.base, self.core.device, self.core.shard);
+        if let Err(e) = self.core.upstream.deallocate(seg.base, seg.size, h) {
+            crate::owners::add(seg.base, seg.size, self.core.device, self.core.shard);
             return Err(e);
         }
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
-        let committed = seg.size - self.holes.remove_segment(seg.base);
+        let committed = seg.size - self.core.holes.remove_segment(seg.base);
         self.sub_reserved(committed);
-        self.c.upstream_frees += 1;
+        self.rec.c.upstream_frees += 1;
         Ok(committed)
     }
 }

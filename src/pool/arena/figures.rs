@@ -9,7 +9,7 @@ impl Pool {
     /// The arena's figures for the reports (`None` for other pools); a device's reports add
     /// its shards' up.
     pub fn arena_figures(&self) -> Option<ArenaFigures> {
-        let a = self.strategy.as_arena_ref()?;
+        let a = self.core.strategy.as_arena_ref()?;
         let usage = a.space_usage();
         Some(ArenaFigures {
             granule: a.granule(),
@@ -19,8 +19,8 @@ impl Pool {
             counters: a.counters,
             small: usage[0],
             large: usage[1],
-            memory: self.upstream.vmm_memory_kind(),
-            leaked: self.arena_leaked,
+            memory: self.core.upstream.vmm_memory_kind(),
+            leaked: self.core.arena_leaked,
         })
     }
 }

@@ -6,7 +6,8 @@
 //! owner threads, which change them without the lock, so every read here is a snapshot and
 //! every change a compare-and-swap (see `crate::thread_cache` for the protocol).
 
-use super::{FreeOn, Pool};
+use super::{FreeOn, Pool, PoolOptions};
+use crate::config::PoolKind;
 use crate::stream::StreamHandle;
 mod cache;
 mod words;
@@ -71,7 +72,17 @@ pub struct AttachedCaches {
 }
 
 impl AttachedCaches {
-    pub fn new(enabled: bool) -> Self {
+    /// The caches of device `device`'s pool built with `opts`: enabled where `opts` asks
+    /// for them and nothing needs every operation to reach the pool.
+    pub fn new(opts: &PoolOptions, device: i32) -> Self {
+        // Off where every operation must reach the pool, and in the unsafe test mode (whose
+        // point is a pool that reuses at once, the way the cache never does).
+        let enabled = opts.thread_cache
+            && opts.debug == 0
+            && opts.tracer.is_none()
+            && opts.kind != PoolKind::None
+            && !opts.unsafe_ignore_streams
+            && device >= 0;
         AttachedCaches {
             enabled,
             pool_id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -239,23 +250,23 @@ impl Pool {
     /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
     /// the operation in progress (alive now), if any.
     pub fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
-        let counted = self.c.frees;
+        let counted = self.rec.c.frees;
         let _ = match hold {
             Hold::Unfenced => self.free(ptr, FreeOn::Unordered),
             // Kept only when freed on its allocation stream: free it there, recording only
             // if that stream is known alive (its user may have destroyed it since the free).
-            _ => match self.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
+            _ => match self.core.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
                 Some((h, key)) => self.free_later(ptr, h, key, false, current),
                 None => self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY)),
             },
         };
-        self.c.frees = counted;
+        self.rec.c.frees = counted;
     }
 
     /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
     pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
         let kept = self.caches.kept();
         let n = kept.len();
-        kept.iter().filter_map(|p| self.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
+        kept.iter().filter_map(|p| self.core.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
 }

@@ -70,19 +70,19 @@ impl Pool {
         self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
-        self.upstream.set_capture_relaxed(true);
+        self.core.upstream.set_capture_relaxed(true);
         Ok(())
     }
 
     /// Stop routing to `id` (the latest route to it). Allocations go to the main cache again.
     pub fn end_allocate_to_pool(&mut self, id: PoolId) -> Result<()> {
         let Some(i) = self.graphs.routes.iter().rposition(|r| r.id == id) else {
-            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.device)));
+            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.core.device)));
         };
         self.graphs.routes.remove(i);
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
         if self.graphs.routes.is_empty() {
-            self.upstream.set_capture_relaxed(false);
+            self.core.upstream.set_capture_relaxed(false);
             self.replay_capture_deferred();
             self.release_unused_private_pools();
         }
@@ -96,7 +96,7 @@ impl Pool {
             let mut events = Vec::new();
             let mut uncovered = false;
             for &h in &extra {
-                match self.streams.record_on(&mut *self.upstream, h) {
+                match self.core.streams.record_on(&mut *self.core.upstream, h) {
                     Ok(ev) => events.push(ev),
                     Err(_) => uncovered = true,
                 }
@@ -106,7 +106,7 @@ impl Pool {
                 // or, where none may be made now, hold the free for the next replay.
                 if self.wait_for_device().is_err() {
                     for ev in events {
-                        self.streams.recycle(ev);
+                        self.core.streams.recycle(ev);
                     }
                     self.graphs.capture_deferred.push((block, extra));
                     continue;
@@ -115,7 +115,7 @@ impl Pool {
             if events.is_empty() {
                 let _ = self.put_block(block, None);
             } else {
-                self.pending.push(Pending { block, events });
+                self.core.pending.push(Pending { block, events });
             }
         }
     }
@@ -135,14 +135,14 @@ impl Pool {
                 Filter::Capture(cid) => {
                     let cid = *cid;
                     if capture.is_none() {
-                        capture = Some(self.upstream.capture_id(stream)?);
+                        capture = Some(self.core.upstream.capture_id(stream)?);
                     }
                     capture == Some(Some(cid))
                 }
                 Filter::Stream(k) => {
                     let k = *k;
                     if key.is_none() {
-                        key = Some(self.streams.key(&mut *self.upstream, stream)?);
+                        key = Some(self.core.key(stream)?);
                     }
                     key == Some(k)
                 }
@@ -162,7 +162,7 @@ impl Pool {
         if !(check || self.graphs.has_routes()) || crate::stream::is_legacy(stream) {
             return false;
         }
-        let capture = self.upstream.capture_id(stream).ok().flatten();
+        let capture = self.core.upstream.capture_id(stream).ok().flatten();
         if !self.graphs.has_routes() {
             self.graphs.note_capture(stream, capture);
         }
@@ -171,12 +171,12 @@ impl Pool {
 
     /// The capture sequence `stream` takes part in, if it is capturing.
     pub fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
-        self.upstream.capture_id(stream)
+        self.core.upstream.capture_id(stream)
     }
 
     /// The pool's identity for `stream`.
     pub fn stream_key(&mut self, stream: StreamHandle) -> Result<StreamKey> {
-        self.streams.key(&mut *self.upstream, stream)
+        self.core.key(stream)
     }
 
     /// CuPy's allocation on its current stream: a route takes it first; else a stream that
@@ -190,7 +190,7 @@ impl Pool {
                     return self.malloc_private(size, stream, id);
                 }
             }
-            let capture = self.upstream.capture_id(stream)?;
+            let capture = self.core.upstream.capture_id(stream)?;
             if !self.graphs.has_routes() {
                 self.graphs.note_capture(stream, capture);
             }

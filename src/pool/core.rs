@@ -1,0 +1,196 @@
+//! The core allocator of one device's pool (`Core`): the strategy that keeps the cache's
+//! books, the upstream that gives and takes memory, the stream tracker that says when a
+//! freed block is safe for another stream, and the live map of blocks handed out. With them
+//! comes what cannot be separated from them: frees not yet reusable (deferred by
+//! `record_stream`, or waiting for a legacy-stream fence), the decommitted pages inside
+//! cached blocks, and segments the upstream refused to take back.
+//!
+//! The core knows nothing of limits, counters, traces, graph pools or thread caches: those
+//! are the layers `Pool` puts around it (`mod.rs`). Its methods are the steps that need the
+//! core alone; an operation that also asks a layer (a budget claim, a counter, a capture
+//! check) is a `Pool` method that calls them.
+
+use crate::block::{Block, Segment};
+use crate::config::PoolKind;
+use crate::debug::AllocRecord;
+use crate::error::Result;
+use crate::pages::Holes;
+use crate::strategy::{self, Strategy};
+use crate::stream::{StreamHandle, StreamKey, StreamTracker};
+use crate::upstream::{EventHandle, Upstream};
+use rustc_hash::FxHashMap;
+
+use super::{PoolId, PoolOptions, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
+
+/// A block handed out and not yet freed.
+pub(super) struct Live {
+    pub block: Block,
+    pub requested: usize,
+    /// Streams passed to `record_stream`: the free waits for their work too.
+    pub extra_streams: Vec<StreamHandle>,
+    /// Leak-tracking record (`GPUPOOL_DEBUG >= 1`).
+    pub rec: Option<Box<AllocRecord>>,
+    /// The thread cache that may hold this block (`NO_OWNER`: none).
+    pub owner: u32,
+    /// The stream handle it was allocated for: CuPy's frees name no stream and go there.
+    pub handle: StreamHandle,
+    /// The private pool it came from (`graph_pools.rs`), if any.
+    pub private: Option<PoolId>,
+}
+
+/// A free waiting for `record_stream` streams to pass their recorded events.
+pub(super) struct Pending {
+    pub block: Block,
+    pub events: Vec<EventHandle>,
+}
+
+/// The core allocator (module docs).
+pub(super) struct Core {
+    pub device: i32,
+    /// `PoolOptions::shard`: the address index (`crate::owners`) names it.
+    pub shard: u16,
+    pub strategy: Box<dyn Strategy>,
+    pub upstream: Box<dyn Upstream>,
+    pub streams: StreamTracker,
+    pub live: FxHashMap<usize, Live>,
+    pub pending: Vec<Pending>,
+    /// Frees from callers without a stream (CuPy) waiting for the next legacy-stream fence.
+    pub unfenced: Vec<Block>,
+    pub unfenced_bytes: usize,
+    /// Scratch for the ranges a free leaves pending on its stream (`StreamTracker::on_free`):
+    /// kept so a free allocates nothing.
+    pub scratch_ranges: Vec<(usize, usize)>,
+    /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
+    pub holes: Holes,
+    /// Segments the upstream refused to take back (a driver failure while releasing):
+    /// still reserved, never handed out, retried at the next release.
+    pub unreleased: Vec<Segment>,
+    /// `PoolOptions::arena_lend`.
+    pub arena_lend: bool,
+    /// Bytes of arena granules the driver unmapped but would not release (`UnmapFail`):
+    /// booked unmapped, never handed out again, reported.
+    pub arena_leaked: usize,
+    /// Why the configured strategy is not the one running (arena without VMM), for the
+    /// status report.
+    pub notice: Option<String>,
+}
+
+impl Core {
+    /// Build the strategy `opts` names over `upstream` (the arena reserves its address
+    /// space here; without VMM it falls back to `split` and says why in `notice`).
+    pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Core {
+        let (strategy, notice) = match opts.kind {
+            PoolKind::Arena => match super::arena::build(&mut *upstream, opts.arena_va, opts.arena_chunk) {
+                Ok(a) => (a, None),
+                Err(why) => (strategy::build(PoolKind::Split), Some(why)),
+            },
+            kind => (strategy::build(kind), None),
+        };
+        if let Some(a) = strategy.as_arena_ref() {
+            for (base, len) in a.reservations() {
+                crate::owners::add(base, len, device, opts.shard);
+            }
+        }
+        // The arena maps granules itself: the page decommit of segment pools stays off.
+        let upstream_page = if strategy.as_arena_ref().is_some() { 0 } else { upstream.page_size() };
+        // `none` gives each free straight back, and that release waits for exactly that
+        // free's record: no batching there.
+        let batch = if opts.kind == PoolKind::None { 1 } else { opts.event_batch };
+        Core {
+            device,
+            shard: opts.shard,
+            strategy,
+            upstream,
+            streams: StreamTracker::new(opts.unsafe_ignore_streams, batch, opts.event_batch_bytes),
+            live: FxHashMap::default(),
+            pending: Vec::new(),
+            unfenced: Vec::new(),
+            unfenced_bytes: 0,
+            scratch_ranges: Vec::new(),
+            holes: Holes::new(upstream_page),
+            unreleased: Vec::new(),
+            arena_lend: opts.arena_lend,
+            arena_leaked: 0,
+            notice,
+        }
+    }
+
+    /// Whether the strategy is the arena (which maps granules rather than reserving
+    /// segments).
+    #[inline]
+    pub fn is_arena(&self) -> bool {
+        self.strategy.as_arena_ref().is_some()
+    }
+
+    /// The tracker's identity for `stream`.
+    #[inline]
+    pub fn key(&mut self, stream: StreamHandle) -> Result<StreamKey> {
+        self.streams.key(&mut *self.upstream, stream)
+    }
+
+    /// Run `f` on the strategy with the reuse gate of a request on `stream` (`key`): free
+    /// memory last used on another stream serves it only where `StreamTracker::make_safe`
+    /// makes it safe for this one.
+    #[inline]
+    pub fn with_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut dyn Strategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
+        let (streams, up) = (&mut self.streams, &mut *self.upstream);
+        let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
+        f(&mut *self.strategy, &mut gate)
+    }
+
+    /// A cached block of `rounded` bytes safe for `stream` (`key`), if the strategy has one.
+    pub fn take_cached(&mut self, rounded: usize, key: StreamKey, stream: StreamHandle) -> Option<Block> {
+        self.with_gate(key, stream, |s, gate| s.take(rounded, key, gate))
+    }
+
+    /// Enqueue a fence on the legacy stream (`Pool::fence_legacy_now`); where none can be
+    /// recorded, wait for the legacy stream instead (`device_wait`: whether that wait may
+    /// wait for the whole device). False when neither worked.
+    pub fn fence_legacy(&mut self, device_wait: bool) -> bool {
+        // Mark the legacy stream as freed-on so the fence records, then record it.
+        let _ = self.streams.on_free(&mut *self.upstream, StreamKey::LEGACY, crate::stream::STREAM_LEGACY, &[]);
+        if self.streams.fence_legacy(&mut *self.upstream).is_ok() {
+            return true;
+        }
+        // Without a fence the blocks cannot be proven safe: wait for the legacy stream
+        // instead (a record and a wait on it).
+        self.streams.synchronize(&mut *self.upstream, StreamKey::LEGACY, device_wait).is_ok()
+    }
+
+    /// Whether the unfenced frees reached their batch bound (`UNFENCED_MAX_BLOCKS` /
+    /// `UNFENCED_MAX_BYTES`) and must be fenced now.
+    #[inline]
+    pub fn unfenced_full(&self) -> bool {
+        self.unfenced.len() >= UNFENCED_MAX_BLOCKS || self.unfenced_bytes >= UNFENCED_MAX_BYTES
+    }
+
+    /// Hold a stream-less free until the next legacy-stream fence.
+    #[inline]
+    pub fn push_unfenced(&mut self, block: Block) {
+        self.unfenced_bytes += block.size;
+        self.unfenced.push(block);
+    }
+
+    /// Take every unfenced free (a fence was just recorded).
+    pub fn take_unfenced(&mut self) -> Vec<Block> {
+        self.unfenced_bytes = 0;
+        std::mem::take(&mut self.unfenced)
+    }
+
+    /// Whether `ptr` is the start of a block freed into the core and not handed out again
+    /// (cached, deferred or unfenced).
+    pub fn holds_freed(&self, ptr: usize) -> bool {
+        self.strategy.is_free_block(ptr) || self.pending.iter().any(|p| p.block.addr == ptr) || self.unfenced.iter().any(|b| b.addr == ptr)
+    }
+
+    /// The live block `ptr` points inside of (not at its start), if any.
+    pub fn live_around(&self, ptr: usize) -> Option<&Block> {
+        self.live.values().map(|l| &l.block).find(|b| b.addr < ptr && ptr < b.end())
+    }
+
+    /// Bytes cached in the strategy and backed by memory (its decommitted pages left out).
+    #[inline]
+    pub fn cached_committed(&self) -> usize {
+        self.strategy.cached_bytes().saturating_sub(self.holes.bytes())
+    }
+}
