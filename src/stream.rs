@@ -10,7 +10,7 @@
 //! earlier free, so a single wait makes all of A's frees safe for B. Events are created once
 //! per stream and recycled, never per call.
 //!
-//! A record costs a driver call (~0.4 µs on an H100), more than the rest of a cached
+//! A record costs a driver call, more than the rest of a cached
 //! allocation, and a free that A itself reuses needs none (stream order protects it). So
 //! user streams record in batches: a free is *pending* (its range is remembered) until the
 //! stream's next record, made at one of its frees once `batch` frees or `batch_bytes`

@@ -32,7 +32,7 @@
 //! plain `MemoryError` while none is), anything else as `RuntimeError`, each with gpupool's
 //! message. What the caller then sees depends on whether CuPy checks for a Python error
 //! after the call:
-//! - Where it does not (the cupy-cuda13x 14.2.0 wheel, seen on an H100 on 2026-11-23), the
+//! - Where it does not (the cupy-cuda13x 14.2.0 wheel), the
 //!   NULL comes back with an exception set, and CPython reports `SystemError(... returned a
 //!   result with an exception set)` caused by ours. `gpupool.cupy.install(typed_oom=True)`
 //!   then calls this function from a Python-level allocator, through ctypes with the GIL
