@@ -236,7 +236,7 @@ pub const MAX_STREAM_SHARDS: usize = 32;
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
 /// Why 256 and not fewer: an event record is a driver call into the device's one context,
 /// and threads recording at once block each other inside the driver. On the H200 (session
-/// 16, `docs/benchmarks.md`) 16 threads on 16 streams switched context 2,400-3,200 times
+/// 16, `docs/results/2026-11-24-h200-s16/README.md`) 16 threads on 16 streams switched context 2,400-3,200 times
 /// (churn) and 9,900-14,800 times (serving) over 200,000 pairs each at 64 frees / 32 MiB,
 /// against 0-50 for 16 one-thread processes, and made 58-78% of the processes' throughput;
 /// with records 60-100x rarer they switched 23 and 513 times and made 91-93%. The starting
