@@ -235,11 +235,9 @@ pub const MAX_STREAM_SHARDS: usize = 32;
 
 /// `GPUPOOL_EVENT_BATCH`'s default: user-stream frees per event record (`crate::stream`).
 /// Why 256 and not fewer: an event record is a driver call into the device's one context,
-/// and threads recording at once block each other inside the driver. On the H200 (session
-/// 16, `docs/results/2026-11-24-h200-s16/README.md`) 16 threads on 16 streams switched context 2,400-3,200 times
-/// (churn) and 9,900-14,800 times (serving) over 200,000 pairs each at 64 frees / 32 MiB,
-/// against 0-50 for 16 one-thread processes, and made 58-78% of the processes' throughput;
-/// with records 60-100x rarer they switched 23 and 513 times and made 91-93%. The starting
+/// and threads recording at once block each other inside the driver: with frequent records,
+/// 16 threads on 16 streams switch context thousands of times and lose a large part of 16
+/// processes' throughput (`docs/results/2026-11-24-h200-s16/README.md`). The starting
 /// point: a stream nobody borrows from doubles its own batch (`crate::stream`).
 pub const EVENT_BATCH: usize = 256;
 

@@ -22,9 +22,8 @@ const EPOCHS: usize = 8;
 /// `cuMemFree`, which synchronises the whole device; a pool that releases on its own would
 /// insert device-wide stalls into GPU-bound programs whose live set wanders (dynamic shapes),
 /// which is why PyTorch's allocator never frees in steady state. Decay is for programs whose
-/// limit is memory. Windows measured on the shared churn benchmark's sequence
-/// (`gpupool-replay --decay N`): 8192 ends at 1.23x the live bytes with ~540 segment
-/// allocations, 32768 at 1.21x with ~310 (off: 1.53x, 83).
+/// limit is memory. `gpupool-replay --decay N` shows what a window trades on a trace:
+/// memory held against segment allocations (`docs/results/2026-11-22-s5/README.md`).
 pub const DEFAULT_WINDOW: usize = 0;
 
 /// Headroom above the recent peak, in 1/64ths (2/64 = 3.1 %): room for fragmentation and

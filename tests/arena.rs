@@ -561,3 +561,30 @@ fn chunks_off_maps_granule_by_granule() {
     assert_eq!(p.driver_calls().mem_create - before.mem_create, 64);
     p.free(a, 0).unwrap();
 }
+
+#[test]
+fn no_chunk_is_larger_than_the_largest_and_near_the_devices_memory_growth_maps_granules() {
+    // 600 MiB: chunks of 256 MiB at most (256 + 172 + 172), not a 344 MiB tail.
+    let mut p = pool(PoolKind::Arena, 4 << 30);
+    let before = p.driver_calls();
+    let a = p.malloc(600 * MIB, 0).unwrap();
+    assert_eq!(p.driver_calls().mem_create - before.mem_create, 3, "{}", p.driver_calls().text());
+    p.free(a, 0).unwrap();
+    // A 768 MiB device: 512 MiB is over half of it, so it maps granules. Two 2 MiB blocks
+    // then sit in what would have been two chunks, and a 700 MiB request still finds the
+    // 508 MiB free around them (a partly used chunk could give none of it).
+    let mut p = pool(PoolKind::Arena, 768 * MIB);
+    let big = p.malloc(512 * MIB, 0).unwrap();
+    p.free(big, 0).unwrap();
+    let a = p.malloc(2 * MIB, 0).unwrap();
+    let filler = p.malloc(254 * MIB, 0).unwrap();
+    let b = p.malloc(2 * MIB, 0).unwrap();
+    p.free(filler, 0).unwrap();
+    let x = p.malloc(700 * MIB, 0).unwrap_or_else(|e| panic!("{e}\n{}", p.memory_status()));
+    stamp(x, 700 * MIB, 5);
+    assert!(intact(x, 700 * MIB, 5));
+    for blk in [x, a, b] {
+        p.free(blk, 0).unwrap();
+    }
+    p.check_invariants().unwrap();
+}

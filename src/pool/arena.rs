@@ -60,6 +60,7 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, max_chunk: u
             Ok((base, stitch)) => {
                 let mut a = ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g);
                 a.set_max_chunk(max_chunk);
+                a.set_device_bytes(total);
                 return Ok(Box::new(a));
             }
             Err(e) if large <= total / 2 || va_bytes.is_some() => {
@@ -145,6 +146,23 @@ impl Pool {
         self.core.strategy.as_arena().expect("called for arena pools only")
     }
 
+    fn arena_ref(&self) -> &ArenaStrategy {
+        self.core.strategy.as_arena_ref().expect("called for arena pools only")
+    }
+
+    /// Whether a growth of `len` may be mapped in chunks: only while the device's reserved
+    /// memory stays within half of what it may hold (its memory, or the limit if lower).
+    /// Why: a chunk partly in use can be neither stitched nor released, so near the limit
+    /// the free memory in chunks could be stranded where granules would serve.
+    fn arena_has_room_for_chunks(&self, len: usize) -> bool {
+        let total = self.arena_ref().device_bytes();
+        let cap = match self.limits.limit() {
+            0 => total,
+            l => l.min(total),
+        };
+        self.limits.budget().reserved() + len <= cap / 2
+    }
+
     /// Back every unmapped granule of `window`: first with the other range's free granules
     /// (an alias each, no new memory: `ArenaStrategy::lendable`), then
     /// with new memory, one call per run of adjacent granules; the books follow each call
@@ -218,15 +236,17 @@ impl Pool {
         for r in adjacent_runs(t, g) {
             let (addr, len) = (t[r.start], r.len() * g);
             let chunk = self.arena().chunk_for(addr, len);
-            if chunk <= g {
+            if chunk <= g || !self.arena_has_room_for_chunks(len) {
                 pieces.push((addr, len, false));
                 continue;
             }
+            // Pieces of equal length, none over `chunk`: no chunk of a granule or two at the
+            // tail, and none over the largest.
+            let k = len.div_ceil(chunk);
+            let piece = (len / g).div_ceil(k) * g;
             let mut at = addr;
             while at < addr + len {
-                // A tail shorter than two chunks is one: no chunk of a granule or two.
-                let rest = addr + len - at;
-                let l = if rest < 2 * chunk { rest } else { chunk };
+                let l = piece.min(addr + len - at);
                 pieces.push((at, l, l > g));
                 at += l;
             }
@@ -348,13 +368,16 @@ impl Pool {
             }
             // One allocation per call: a failure midway leaves the books exact (the driver
             // unmaps whole allocations anyway).
-            let mut released_here = false;
+            // Runs of allocations released side by side are traced (and counted) as one
+            // upstream free each, exactly what went back.
+            let mut released_from: Option<usize> = None;
             let mut next = addr;
             while next < addr + len {
                 let at = next;
                 let (_, alloc) = self.arena().allocation_at(at);
                 next = at + alloc;
                 if self.arena().is_lent(at) {
+                    self.trace_released(released_from.take(), at);
                     // Its memory is the other range's granule: remove the alias and give the
                     // home back too (idle: its users' streams were waited for above, and a
                     // home under a loan has no other alias). A home whose unmap fails stays
@@ -371,16 +394,24 @@ impl Pool {
                     }
                     continue;
                 }
-                let Some(n) = self.unmap_allocation(at, alloc) else { break };
+                let Some(n) = self.unmap_allocation(at, alloc) else {
+                    next = at;
+                    break;
+                };
                 got += n;
-                released_here = true;
+                released_from.get_or_insert(at);
             }
-            if released_here {
-                self.rec.c.upstream_frees += 1;
-                self.trace(0, Action::UpstreamFree, addr, len);
-            }
+            self.trace_released(released_from, next);
         }
         (got, loans_ended)
+    }
+
+    /// `[from, to)` went back to the driver: one upstream free, traced.
+    fn trace_released(&mut self, from: Option<usize>, to: usize) {
+        if let Some(from) = from.filter(|&f| f < to) {
+            self.rec.c.upstream_frees += 1;
+            self.trace(0, Action::UpstreamFree, from, to - from);
+        }
     }
 
     /// Unmap the free allocation `[at, at + g)` (a granule or a chunk; no alias over it,

@@ -7,7 +7,7 @@
 //! smallest entry of the next non-empty bin (found with a bitmap scan). Bins hold a handful of
 //! blocks each, so a lookup touches a few cache lines where a B-tree of (size, address) keys
 //! walked and rebalanced nodes on every insert and remove (about a third of a churn step's
-//! time; the step went from ~590 to ~450 ns, `cargo bench --bench malloc_free -- churn`). The idea is TLSF's segregated fit; unlike TLSF
+//! time, `cargo bench --bench malloc_free -- churn`). The idea is TLSF's segregated fit; unlike TLSF
 //! the bin is searched for the true best fit, so fit quality is exactly that of the ordered set.
 
 const SUB_BITS: u32 = 3;

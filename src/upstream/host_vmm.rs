@@ -346,6 +346,10 @@ impl HostVmm {
             }
         }
         let whole: Vec<usize> = self.alias_chunks.range(addr..addr + len).map(|(&b, _)| b).collect();
+        if let Some(a) = (addr..addr + len).step_by(self.granule).find(|a| !self.aliases.contains_key(a)) {
+            return Err(Error::Internal(format!("host vmm: unalias of {a:#x}, which is no alias")));
+        }
+        // Booked after the check, so a refused call changes nothing.
         for b in whole {
             self.alias_chunks.remove(&b);
         }

@@ -117,7 +117,12 @@ impl Upstream for SimUpstream {
     }
     fn vmm_map_chunk(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         let before = self.calls;
-        self.vmm_map_new(addr, len)?;
+        if let Err(e) = self.vmm_map_new(addr, len) {
+            // One refused create, not one per granule.
+            self.calls = before;
+            self.calls.mem_create += 1;
+            return Err(e);
+        }
         if len > SIM_PAGE {
             self.chunks.insert(addr, len);
         }

@@ -10,9 +10,11 @@
 //! use the free granules of a chunk that is partly in use, so coarse chunks where blocks
 //! are small would cost memory.
 //!
-//! The policy: a run of at least `CHUNK_FROM` bytes is cut into chunks of half the run
-//! (granule multiples), at most `max` bytes (`PoolOptions::arena_chunk`); shorter runs,
-//! and every run when `max` is a granule or less, map granule by granule.
+//! The policy: a run of at least `CHUNK_FROM` bytes is cut into equal chunks (granule
+//! multiples) of at most half the run and at most `max` bytes (`PoolOptions::arena_chunk`;
+//! the pool cuts them, `Pool::map_granules`); shorter runs, and every run when `max` is a
+//! granule or less, map granule by granule. The pool also maps granules once the device's
+//! reserved memory would pass half of what it may hold, where stranded memory would cost.
 
 use super::space::FreeRun;
 use super::{ArenaStrategy, LARGE};
@@ -33,11 +35,13 @@ pub struct Chunks {
     /// partly in use can be neither stitched nor released, so growth near the device's
     /// limit maps granules.
     pub(super) enabled: bool,
+    /// The device's memory (for the pool's rule on when chunks are made).
+    device_bytes: usize,
 }
 
 impl Chunks {
     pub fn new(granule: usize) -> Chunks {
-        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, enabled: true }
+        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, enabled: true, device_bytes: usize::MAX }
     }
 
     /// The largest chunk (`0` or a granule: none).
@@ -160,6 +164,15 @@ impl ArenaStrategy {
     /// The largest chunk the large range maps (a granule or less: none).
     pub fn set_max_chunk(&mut self, max: usize) {
         self.chunks.set_max(max);
+    }
+
+    /// The device's memory, as the upstream reported it when the arena was built.
+    pub fn set_device_bytes(&mut self, bytes: usize) {
+        self.chunks.device_bytes = bytes;
+    }
+
+    pub fn device_bytes(&self) -> usize {
+        self.chunks.device_bytes
     }
 
     /// Whether new growth may be mapped in chunks (no while memory is short).

@@ -15,8 +15,8 @@ use crate::block::Block;
 use crate::upstream::stream_id::StreamKey;
 
 /// Whether granules under a cached stitch's aliases may be lent. No: lending one makes the
-/// stitch unusable until the loan ends, and in the serving replay that cost more (880 MiB
-/// peak) than it saved (874 MiB without).
+/// stitch unusable until the loan ends, and in the serving replay that cost more memory
+/// than it saved (`docs/results/2026-11-23-h100-s10/README.md`).
 const STITCHED_LENDABLE: bool = false;
 
 impl ArenaStrategy {

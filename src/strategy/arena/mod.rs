@@ -209,6 +209,12 @@ impl ArenaStrategy {
                 None => Vec::new(),
             };
             let new = n.saturating_sub(homes.len());
+            // Chunks can make the stitch longer than the request: evict for its true length.
+            if may_evict && !homes.is_empty() && fits(self, homes.len() + new).is_none() {
+                if let Some(id) = self.stitches.least_recently_used() {
+                    return Some(Growth::Evict { id });
+                }
+            }
             if let Some(base) = fits(self, n).and_then(|_| fits(self, homes.len() + new)) {
                 if new < window_new {
                     let fresh: Vec<usize> = match new {

@@ -243,11 +243,18 @@ impl CudaVmm {
         let mut failure = None;
         while done < len {
             let p = addr + done;
-            if let Some(&(_, l)) = self.handles.get(&p).filter(|&&(_, l)| l == piece) {
-                // Left mapped by the undo of an earlier failed map (below), which the pool
-                // booked as unmapped: its memory serves as new memory here.
-                done += l;
+            // Allocations left mapped by the undo of an earlier failed map (below), which
+            // the pool booked as unmapped. One laid out as this piece serves as new memory
+            // here; any other is unmapped and released first (nothing uses it).
+            let left: Vec<(usize, usize)> =
+                self.handles.range(..p + piece).rev().take_while(|(&b, &(_, l))| b + l > p).map(|(&b, &(_, l))| (b, l)).collect();
+            if left == [(p, piece)] {
+                done += piece;
                 continue;
+            }
+            if left.iter().any(|&(b, l)| self.unmap(b, l, calls).is_err()) {
+                failure = Some(("cuMemUnmap (an allocation a failed map left behind)", sys::CUresult::CUDA_ERROR_ALREADY_MAPPED));
+                break;
             }
             let h = match self.create(piece, calls) {
                 Ok(h) => h,
