@@ -222,7 +222,10 @@ impl Pool {
     }
 
     /// A new segment for a private pool. Out of memory releases the main cache once and
-    /// retries (the releases wait for events recorded outside any capture).
+    /// retries (the releases wait for events recorded outside any capture). Not through
+    /// `Pool::escalate`: its stages wait for the whole device and finish deferred frees,
+    /// which a capture in progress forbids, and serve from the main cache, which a private
+    /// pool's block must not come from.
     fn grow_private(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, id: PoolId) -> Result<Block> {
         // An implicit capture pool grows with no route active: relax for this growth too.
         self.core.upstream.set_capture_relaxed(true);
