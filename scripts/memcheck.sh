@@ -32,7 +32,8 @@ echo "  held by process-lifetime statics until exit. Not errors: a test fails on
 echo "== valgrind: Rust tests on the host upstream"
 bins=$(cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, sys
-want = {"ffi", "conformance", "streams", "graph_pools", "faults", "thread_cache", "destroyed_streams"}
+want = {"ffi", "conformance", "streams", "streams_arena", "graph_pools", "faults", "faults_targeted", "thread_cache",
+        "destroyed_streams"}
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -41,7 +42,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         print(m["target"]["name"] + "=" + m["executable"])
 ')
-[ "$(echo "$bins" | wc -w)" -eq 7 ] || { echo "error: expected 7 test binaries, found: $bins" >&2; exit 1; }
+[ "$(echo "$bins" | wc -w)" -eq 9 ] || { echo "error: expected 9 test binaries, found: $bins" >&2; exit 1; }
 for pair in $bins; do
   name=${pair%%=*}; bin=${pair#*=}
   # Fewer fault-injection operations under valgrind (it runs ~30x slower). Each arena shard

@@ -2,11 +2,16 @@
 //! space is PROT_NONE, so a block handed out over an unmapped granule crashes the test).
 //! What it must show: memory held stays near the live peak however the free space is
 //! scattered, a repeated step makes no driver call, pressure gives whole granules back,
-//! and a device without VMM falls back to `split` with a notice.
+//! each range grows into the other's free granules before mapping new memory, a loan whose
+//! alias cannot be removed is quarantined and retried, and a device without VMM falls back
+//! to `split` with a notice. Chunked growth is in `arena_chunks.rs`, the long randomized
+//! runs against a model in `arena_model.rs`.
 
 #[macro_use]
 mod common;
+mod arena_support;
 
+use arena_support::{pool, G};
 use common::*;
 use gpupool::config::PoolKind;
 use gpupool::error::{Error, Result};
@@ -14,8 +19,6 @@ use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::{AllocError, Upstream};
 use gpupool::{Pool, PoolOptions};
-
-const G: usize = 2 * MIB;
 
 /// One step of a fragmenting program: mixed sizes, free every other block, then ask for
 /// one block larger than any free hole, then free everything.
@@ -47,11 +50,6 @@ fn fragmenting_step(p: &mut Pool, step: usize) {
     for (a, _, _) in kept {
         p.free(a, 0).unwrap();
     }
-}
-
-fn pool(kind: PoolKind, capacity: usize) -> Pool {
-    let opts = PoolOptions { kind, check_invariants: true, thread_cache: false, ..Default::default() };
-    Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap()
 }
 
 #[test]
@@ -227,114 +225,6 @@ fn without_vmm_the_arena_falls_back_to_split_with_a_notice() {
     p.free(a, 0).unwrap();
 }
 
-/// A long randomized run against a model of the live blocks: several streams, limits,
-/// reclaims; the full invariant scan every 256 operations, every block's contents checked.
-#[test]
-fn long_randomized_run_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
-    randomized_run(ops, 0);
-}
-
-/// The same with cache decay, which releases granules on its own between operations.
-#[test]
-fn long_randomized_run_with_decay_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
-    randomized_run(ops / 2, 512);
-}
-
-#[test]
-fn long_randomized_run_with_chunks_matches_the_model() {
-    // Blocks up to 200 MiB: growths long enough to be mapped in chunks, stitched, lent
-    // around and released whole, under limits and reclaims.
-    randomized_run_of(20_000, 0, 1 << 30, 200 * MIB);
-}
-
-fn randomized_run(ops: usize, decay_window: usize) {
-    randomized_run_of(ops, decay_window, 256 * MIB, 40 * MIB)
-}
-
-fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: usize) {
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, decay_window, ..Default::default() };
-    let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
-    let mut live: Vec<(usize, usize, u64, StreamHandle)> = Vec::new();
-    let mut limit = 0usize;
-    for id in 0..ops as u64 {
-        let r = next();
-        let stream: StreamHandle = [0usize, 0, 0xA00, 0xB00][(r % 4) as usize];
-        match r % 100 {
-            0..=49 => {
-                let size = match (r >> 8) % 10 {
-                    0..=4 => 1 + (r >> 16) as usize % (64 * 1024),
-                    5..=7 => 1 + (r >> 16) as usize % (4 * MIB),
-                    _ => 1 + (r >> 16) as usize % largest,
-                };
-                match p.malloc(size, stream) {
-                    Ok(a) => {
-                        assert!(!live.iter().any(|l| l.0 == a), "op {id}: {a:#x} handed out twice");
-                        stamp(a, size, id);
-                        live.push((a, size, id, stream));
-                    }
-                    Err(Error::OutOfMemory(rep)) => {
-                        // Legitimate only when live memory plus the request in granules (one
-                        // more for a window's unaligned edges), plus what cannot move (the
-                        // partial granules at the edges of each gap between live blocks),
-                        // passes the cap.
-                        let cap = if limit == 0 { capacity } else { limit.min(capacity) };
-                        let need = rep.rounded.div_ceil(G) * G + G;
-                        // A chunk (a growth of 64 MiB or more maps chunks of half of it)
-                        // partly in use strands the rest of it as well.
-                        let chunk = if largest >= 64 * MIB { largest / 2 } else { 0 };
-                        let stranded = (live.len() + 1) * (2 * G + chunk);
-                        assert!(rep.in_use + need + stranded > cap, "spurious OOM at op {id}: {rep:?}");
-                    }
-                    Err(e) => panic!("unexpected error {e}"),
-                }
-            }
-            50..=93 if !live.is_empty() => {
-                let (a, s, i, st) = live.swap_remove((r >> 8) as usize % live.len());
-                assert!(intact(a, s, i), "block {a:#x} overwritten");
-                let free_on = if r % 7 == 0 { 0xC00 } else { st };
-                p.free(a, free_on).unwrap();
-            }
-            94..=96 => {
-                let before = p.stats().total_bytes;
-                let n = p.reclaim().unwrap();
-                assert_eq!(p.stats().total_bytes, before - n as u64);
-            }
-            97..=98 => {
-                limit = if r % 3 == 0 { 0 } else { (64 + (r >> 8) as usize % 160) * MIB * (capacity / (256 * MIB)) };
-                p.set_limit(limit).unwrap();
-            }
-            _ => {
-                if let Some(&(a, _, _, _)) = live.get((r >> 8) as usize % live.len().max(1)) {
-                    p.record_stream(a, 0xD00).unwrap();
-                }
-            }
-        }
-        if id % 256 == 0 || std::env::var_os("ARENA_DBG").is_some() {
-            p.check_invariants().unwrap_or_else(|e| panic!("after op {id}: {e}"));
-        }
-        let st = p.stats();
-        assert_eq!(st.n_live_blocks as usize, live.len());
-        assert_eq!(st.used_bytes + st.free_bytes, st.total_bytes);
-        assert!(st.total_bytes as usize <= capacity);
-    }
-    for (a, s, i, st) in live {
-        assert!(intact(a, s, i));
-        p.free(a, st).unwrap();
-    }
-    p.reclaim().unwrap();
-    assert_eq!(p.stats().total_bytes, 0);
-    p.check_invariants().unwrap();
-}
-
 #[test]
 fn each_range_grows_into_the_others_free_granules_before_mapping_new_memory() {
     let pool = |kind, capacity| {
@@ -465,126 +355,4 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
     p.check_invariants().unwrap();
     let again = p.malloc(512 * 1024, 0).unwrap();
     p.free(again, 0).unwrap();
-}
-
-#[test]
-fn a_long_growth_is_mapped_in_chunks_which_are_stitched_and_released_whole() {
-    let mut p = pool(PoolKind::Arena, 2 << 30);
-    // 256 MiB of new memory: two chunks of 128 MiB (half the run), one create + one map
-    // each and one access grant per chunk, not 128 of each.
-    let before = p.driver_calls();
-    let a1 = p.malloc(256 * MIB, 0).unwrap();
-    let d = p.driver_calls();
-    assert_eq!((d.mem_create - before.mem_create, d.mem_map - before.mem_map), (2, 2), "{}", d.text());
-    let b = p.malloc(2 * MIB, 0).unwrap(); // a granule between the two big blocks
-    let a2 = p.malloc(256 * MIB, 0).unwrap();
-    let c = p.malloc(2 * MIB, 0).unwrap();
-    p.free(a1, 0).unwrap();
-    p.free(a2, 0).unwrap();
-    // 400 MiB: no free run is that long, two of 256 MiB are free. The stitch shows the four
-    // chunks whole (one alias each, one grant), no new memory.
-    let mapped = p.stats().total_bytes;
-    let before = p.driver_calls();
-    let big = p.malloc(400 * MIB, 0).unwrap();
-    let d = p.driver_calls();
-    assert_eq!(p.stats().total_bytes, mapped, "no new memory");
-    assert_eq!(p.arena_counters().unwrap().stitches_made, 1);
-    assert_eq!((d.mem_map - before.mem_map, d.set_access - before.set_access), (4, 1), "one alias per chunk: {}", d.text());
-    stamp(big, 400 * MIB, 9);
-    stamp(b, 2 * MIB, 10);
-    assert!(intact(big, 400 * MIB, 9) && intact(b, 2 * MIB, 10));
-    p.check_invariants().unwrap();
-    for x in [big, b, c] {
-        p.free(x, 0).unwrap();
-    }
-    // Released whole: one unmap + release per chunk and per granule (and one unmap per
-    // alias mapping of the stitch over them).
-    let before = p.driver_calls();
-    p.reclaim().unwrap();
-    let d = p.driver_calls();
-    assert_eq!(p.stats().total_bytes, 0);
-    assert_eq!(d.mem_release - before.mem_release, 6, "4 chunks + 2 granules: {}", d.text());
-    assert_eq!(d.mem_unmap - before.mem_unmap, 6 + 4, "and the stitch's 4 alias mappings: {}", d.text());
-    p.check_invariants().unwrap();
-}
-
-#[test]
-fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_in_it() {
-    let mut p = pool(PoolKind::Arena, 2 << 30);
-    let a = p.malloc(256 * MIB, 0).unwrap(); // two chunks of 128 MiB
-    p.free(a, 0).unwrap();
-    let x = p.malloc(4 * MIB, 0).unwrap(); // carved at the first chunk's start
-    let y = p.malloc(4 * MIB, 0).unwrap();
-    assert!(x == a && y > x && y < a + 128 * MIB, "both carved from the first chunk");
-    let granules = 128 * MIB / G;
-    let len = p.ipc_export_len(x).unwrap();
-    assert_eq!(len, gpupool::upstream::shared::HEADER_BYTES + granules * gpupool::upstream::shared::GRANULE_BYTES, "the whole chunk is listed");
-    // The importer maps the chunk whole and would see `y` too: a strict export is refused,
-    // one that shares granules goes.
-    let e = p.ipc_export(x, false).unwrap_err().to_string();
-    assert!(e.contains("shares its"), "{e}");
-    assert!(p.ipc_export(x, true).is_ok());
-    // `y` starts past the chunk's first granule: its descriptor says so, and an importer
-    // maps the chunk and finds `y` at that offset.
-    stamp(y, 4 * MIB, 4);
-    let dy = gpupool::upstream::shared::Descriptor::decode(&p.ipc_export(y, true).unwrap()).unwrap();
-    assert_eq!((dy.offset as usize, dy.granules.len()), (y - a, granules));
-    let fds: Vec<i32> = dy.granules.iter().map(|s| s.fd).collect();
-    let at = p.ipc_import(&dy, Some(&fds)).unwrap();
-    assert!(intact(at, 4 * MIB, 4), "the import shows y's bytes");
-    p.ipc_close(at).unwrap();
-    p.free(y, 0).unwrap();
-    stamp(x, 4 * MIB, 3);
-    let desc = p.ipc_export(x, false).unwrap();
-    let d = gpupool::upstream::shared::Descriptor::decode(&desc).unwrap();
-    assert_eq!((d.granules.len(), d.offset), (granules, 0));
-    // The rest of the chunk is set aside while `x` lives: a new block goes elsewhere.
-    let z = p.malloc(4 * MIB, 0).unwrap();
-    assert!(z >= a + 128 * MIB, "not in the exported chunk");
-    // The importer maps the chunk and sees the block's bytes.
-    let fds: Vec<i32> = d.granules.iter().map(|s| s.fd).collect();
-    let at = p.ipc_import(&d, Some(&fds)).unwrap();
-    assert!(intact(at, 4 * MIB, 3), "the import shows the exported bytes");
-    p.ipc_close(at).unwrap();
-    for b in [x, z] {
-        p.free(b, 0).unwrap();
-    }
-    p.check_invariants().unwrap();
-}
-
-#[test]
-fn chunks_off_maps_granule_by_granule() {
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, thread_cache: false, arena_chunk: 0, ..Default::default() };
-    let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &opts).unwrap();
-    let before = p.driver_calls();
-    let a = p.malloc(128 * MIB, 0).unwrap();
-    assert_eq!(p.driver_calls().mem_create - before.mem_create, 64);
-    p.free(a, 0).unwrap();
-}
-
-#[test]
-fn no_chunk_is_larger_than_the_largest_and_near_the_devices_memory_growth_maps_granules() {
-    // 600 MiB: chunks of 256 MiB at most (256 + 172 + 172), not a 344 MiB tail.
-    let mut p = pool(PoolKind::Arena, 4 << 30);
-    let before = p.driver_calls();
-    let a = p.malloc(600 * MIB, 0).unwrap();
-    assert_eq!(p.driver_calls().mem_create - before.mem_create, 3, "{}", p.driver_calls().text());
-    p.free(a, 0).unwrap();
-    // A 768 MiB device: 512 MiB is over half of it, so it maps granules. Two 2 MiB blocks
-    // then sit in what would have been two chunks, and a 700 MiB request still finds the
-    // 508 MiB free around them (a partly used chunk could give none of it).
-    let mut p = pool(PoolKind::Arena, 768 * MIB);
-    let big = p.malloc(512 * MIB, 0).unwrap();
-    p.free(big, 0).unwrap();
-    let a = p.malloc(2 * MIB, 0).unwrap();
-    let filler = p.malloc(254 * MIB, 0).unwrap();
-    let b = p.malloc(2 * MIB, 0).unwrap();
-    p.free(filler, 0).unwrap();
-    let x = p.malloc(700 * MIB, 0).unwrap_or_else(|e| panic!("{e}\n{}", p.memory_status()));
-    stamp(x, 700 * MIB, 5);
-    assert!(intact(x, 700 * MIB, 5));
-    for blk in [x, a, b] {
-        p.free(blk, 0).unwrap();
-    }
-    p.check_invariants().unwrap();
 }

@@ -1,150 +1,23 @@
 //! The stream rule on CPU, against an upstream whose "device" is busy until the test says
-//! otherwise: a block freed on stream A reaches stream B only after B waited on A's event
-//! (or the event completed); `record_stream` defers the free. The GPU stress test proves
-//! the same on real hardware.
+//! otherwise (`streams_support/`): a block freed on stream A reaches stream B only after B
+//! waited on A's event (or the event completed); `record_stream` defers the free; frees with
+//! no stream are reused only after a fence on the legacy stream. Then the batched event
+//! records of user-stream frees: one record per batch, batches that grow while no other
+//! stream asks, and a pending free reaching another stream only after its stream's next
+//! record. The arena's stitches and loans across streams are in `streams_arena.rs`; the GPU
+//! stress test proves the same on real hardware.
 
 #[macro_use]
 mod common;
+mod streams_support;
 
 use common::MIB;
 use gpupool::config::PoolKind;
-use gpupool::error::Result;
-use gpupool::stream::{StreamHandle, STREAM_LEGACY};
 use gpupool::pool::FreeOn;
-use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
+use gpupool::stream::STREAM_LEGACY;
 use gpupool::{Pool, PoolOptions};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-
-#[derive(Default)]
-struct Device {
-    /// True once all queued work has finished.
-    idle: AtomicBool,
-    log: Mutex<Vec<String>>,
-    /// Event queries so far.
-    queries: std::sync::atomic::AtomicUsize,
-    /// While set, every event record fails (a driver that refuses them).
-    refuse_records: AtomicBool,
-}
-
-struct BusyUpstream {
-    host: HostUpstream,
-    dev: Arc<Device>,
-    next_event: usize,
-}
-
-impl Upstream for BusyUpstream {
-    fn name(&self) -> &'static str {
-        "busy-host"
-    }
-    host_memory!();
-    fn event_create(&mut self) -> Result<EventHandle> {
-        self.next_event += 1;
-        Ok(self.next_event)
-    }
-    fn event_record(&mut self, ev: EventHandle, s: StreamHandle) -> Result<()> {
-        if self.dev.refuse_records.load(Ordering::SeqCst) {
-            self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x} refused"));
-            return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });
-        }
-        self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x}"));
-        Ok(())
-    }
-    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
-        self.dev.queries.fetch_add(1, Ordering::SeqCst);
-        Ok(self.dev.idle.load(Ordering::SeqCst))
-    }
-    fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
-        self.dev.log.lock().unwrap().push(format!("sync ev{ev}"));
-        self.dev.idle.store(true, Ordering::SeqCst);
-        Ok(())
-    }
-    // The arena's virtual memory API, from the host upstream; moves are logged.
-    host_address_space!();
-    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        self.host.vmm_map_new(addr, len)
-    }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
-        self.dev.log.lock().unwrap().push(format!("unmap {addr:#x}"));
-        self.host.vmm_unmap(addr, len)
-    }
-    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
-        for home in homes {
-            self.dev.log.lock().unwrap().push(format!("alias {home:#x}"));
-        }
-        self.host.vmm_alias(homes, to)
-    }
-    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        self.host.vmm_unalias(addr, len)
-    }
-    fn stream_wait_event(&mut self, s: StreamHandle, ev: EventHandle) -> Result<()> {
-        self.dev.log.lock().unwrap().push(format!("wait {s:#x} on ev{ev}"));
-        Ok(())
-    }
-    fn synchronize_device(&mut self) -> Result<()> {
-        self.dev.log.lock().unwrap().push("device sync".into());
-        self.dev.idle.store(true, Ordering::SeqCst);
-        Ok(())
-    }
-}
-
-const A: usize = 0xA00;
-const B: usize = 0xB00;
-
-/// A pool whose user-stream frees record their event at once (`event_batch` 1): the rule
-/// at its plainest. `batched` has the default batching.
-fn pool(kind: PoolKind, ignore: bool) -> (Pool, Arc<Device>) {
-    pool_with(kind, ignore, 1)
-}
-
-fn batched(kind: PoolKind) -> (Pool, Arc<Device>) {
-    pool_with(kind, false, PoolOptions::default().event_batch)
-}
-
-fn pool_with(kind: PoolKind, ignore: bool, event_batch: usize) -> (Pool, Arc<Device>) {
-    let dev = Arc::new(Device::default());
-    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    // (`arena_lend` on: its stream rule is tested here; it changes nothing for other pools.)
-    let opts = PoolOptions { kind, check_invariants: true, unsafe_ignore_streams: ignore, event_batch, arena_lend: true, ..Default::default() };
-    (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
-}
-
-fn log(dev: &Device) -> Vec<String> {
-    std::mem::take(&mut *dev.log.lock().unwrap())
-}
-
-fn for_caching(f: impl Fn(PoolKind)) {
-    f(PoolKind::Split);
-    f(PoolKind::Binned);
-    f(PoolKind::Arena);
-}
-
-#[test]
-fn arena_stitches_another_streams_free_granules_only_after_waiting_for_it() {
-    let (mut p, dev) = pool(PoolKind::Arena, false);
-    assert_eq!(p.strategy_name(), "arena");
-    // Four 4 MiB blocks on A; free the 1st and 3rd: 8 MiB free, no 8 MiB in a row.
-    let blocks: Vec<usize> = (0..4).map(|_| p.malloc(4 * MIB, A).unwrap()).collect();
-    p.free(blocks[0], A).unwrap();
-    p.free(blocks[2], A).unwrap();
-    log(&dev);
-    let reserved = p.stats().total_bytes;
-    let big = p.malloc(8 * MIB, B).unwrap();
-    assert_eq!(p.stats().total_bytes, reserved, "the free granules were stitched: nothing new mapped");
-    let l = log(&dev);
-    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).expect("B waited for A's frees");
-    let alias = l.iter().position(|x| x.starts_with("alias")).expect("granules aliased");
-    assert!(wait < alias, "handed to B before B waited for A: {l:?}");
-    p.free(big, B).unwrap();
-    // The stitch is cached: A gets it again after waiting for B, with no new alias.
-    log(&dev);
-    let again = p.malloc(8 * MIB, A).unwrap();
-    assert_eq!(again, big);
-    let l = log(&dev);
-    assert!(l.iter().any(|x| x.starts_with(&format!("wait {A:#x}"))), "{l:?}");
-    assert!(!l.iter().any(|x| x.starts_with("alias")), "{l:?}");
-}
+use std::sync::atomic::Ordering;
+use streams_support::*;
 
 #[test]
 fn same_stream_reuse_needs_no_wait() {
@@ -360,7 +233,6 @@ fn many_short_lived_streams_do_not_accumulate_free_indexes() {
     assert!(p.check_invariants().is_ok());
 }
 
-
 #[test]
 fn a_steady_state_on_user_streams_makes_no_driver_call() {
     // Through the C API, whose per-thread fast path serves each stream for itself: once a
@@ -525,36 +397,6 @@ fn none_records_every_free_before_giving_it_back() {
 }
 
 #[test]
-fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waiting_for_it() {
-    let (mut p, dev) = pool(PoolKind::Arena, false);
-    // A frees a large block's granule; B's small blocks then need a granule of the small
-    // range, which shows A's free one instead of new memory: B must wait for A first.
-    let x = p.malloc(2 * MIB, A).unwrap();
-    p.free(x, A).unwrap();
-    log(&dev);
-    let reserved = p.stats().total_bytes;
-    let s = p.malloc(MIB, B).unwrap();
-    assert_eq!(p.stats().total_bytes, reserved, "no new memory");
-    let l = log(&dev);
-    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("B waited for A: {l:?}"));
-    let alias = l.iter().position(|x| x.starts_with("alias")).unwrap_or_else(|| panic!("aliased: {l:?}"));
-    assert!(wait < alias, "lent to B before B waited for A: {l:?}");
-    p.free(s, B).unwrap();
-    p.check_invariants().unwrap();
-
-    // With batched records a pending free is not lent to another stream at all.
-    let (mut p, dev) = batched(PoolKind::Arena);
-    let x = p.malloc(2 * MIB, A).unwrap();
-    p.free(x, A).unwrap();
-    let reserved = p.stats().total_bytes;
-    let s = p.malloc(MIB, B).unwrap();
-    assert!(p.stats().total_bytes > reserved, "A's pending granule was lent to B");
-    assert!(!log(&dev).iter().any(|x| x.starts_with("alias")));
-    p.free(s, B).unwrap();
-    p.check_invariants().unwrap();
-}
-
-#[test]
 fn another_stream_gets_an_older_covered_block_when_the_best_fit_is_pending() {
     // A's best-fitting free block for B is pending (freed after A's last record), but an
     // older one is covered: B takes the covered one after waiting on A, rather than growing.
@@ -576,65 +418,6 @@ fn another_stream_gets_an_older_covered_block_when_the_best_fit_is_pending() {
     assert!(log(&dev).iter().any(|l| *l == format!("wait {B:#x} on {ev}")));
     for (ptr, s) in [(b, B), (z, A), (w, A), (big, A)] {
         p.free(ptr, s).unwrap();
-    }
-    p.check_invariants().unwrap();
-}
-
-const C: usize = 0xC00;
-
-#[test]
-fn the_rest_of_a_lent_granule_goes_to_a_third_stream_only_after_waiting() {
-    // B's small block takes half of a granule lent from A's free large one (B waited on A);
-    // the other half is booked free on B. C taking it must wait on an event B recorded after
-    // that wait, or it could use memory A's kernels still touch.
-    let (mut p, dev) = pool(PoolKind::Arena, false);
-    let x = p.malloc(2 * MIB, A).unwrap();
-    p.free(x, A).unwrap();
-    let s = p.malloc(MIB, B).unwrap();
-    assert_eq!(p.arena_counters().unwrap().granules_lent, 1);
-    let l = log(&dev);
-    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("{l:?}"));
-    let rec = l.iter().rposition(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).unwrap_or_else(|| panic!("B recorded after the loan: {l:?}"));
-    assert!(wait < rec, "{l:?}");
-    let reserved = p.stats().total_bytes;
-    let t = p.malloc(MIB, C).unwrap();
-    assert_eq!(p.stats().total_bytes, reserved, "C took the rest of the lent granule");
-    let l = log(&dev);
-    assert!(l.iter().any(|x| x.starts_with(&format!("wait {C:#x}"))), "C did not wait: {l:?}");
-    p.free(s, B).unwrap();
-    p.free(t, C).unwrap();
-    p.check_invariants().unwrap();
-}
-
-#[test]
-fn a_loan_ended_under_pressure_gives_its_home_back_only_after_its_users_work() {
-    // A window of the large range lends a small-range granule A freed (A busy), then needs
-    // new memory the limit refuses: the escalation releases cached memory, ending the loan.
-    // The home goes back to the driver only after A's work on it was waited for.
-    let dev = Arc::new(Device::default());
-    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, event_batch: 1, arena_lend: true, ..Default::default() };
-    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
-    let smalls: Vec<usize> = (0..4).map(|_| p.malloc(512 * 1024, A).unwrap()).collect();
-    for s in smalls {
-        p.free(s, A).unwrap();
-    }
-    p.set_limit(2 * MIB).unwrap();
-    let before = log(&dev);
-    let a_ev = before.iter().rev().find(|x| x.ends_with(&format!("on {A:#x}"))).unwrap().split(' ').nth(1).unwrap().to_string();
-    let _ = p.malloc(4 * MIB, B);
-    let l = log(&dev);
-    if let Some(u) = l.iter().position(|x| x.starts_with("unmap")) {
-        // Waited for A directly, for the device, or for an event B recorded after B was
-        // made to wait on A.
-        let direct = l[..u].iter().any(|x| *x == format!("sync {a_ev}") || x == "device sync");
-        let via_b = l[..u].iter().position(|x| *x == format!("wait {B:#x} on {a_ev}")).is_some_and(|w| {
-            l[w..u].iter().filter(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).any(|r| {
-                let ev = r.split(' ').nth(1).unwrap();
-                l[w..u].iter().any(|x| *x == format!("sync {ev}"))
-            })
-        });
-        assert!(direct || via_b, "A's former granule went back before A's work was waited for: {l:?}");
     }
     p.check_invariants().unwrap();
 }

@@ -1,0 +1,129 @@
+//! The stream rule for the arena's granules, against the busy device of `streams_support/`:
+//! free granules of one stream stitched into a block for another, lent to the other range,
+//! the rest of a lent granule passed on to a third stream, and a loan ended under pressure,
+//! each only after the receiving stream waited for the work of the streams that used the
+//! memory before (`streams.rs` has the rule for every pool).
+
+#[macro_use]
+mod common;
+mod streams_support;
+
+use common::MIB;
+use gpupool::config::PoolKind;
+use gpupool::upstream::host::HostUpstream;
+use gpupool::{Pool, PoolOptions};
+use std::sync::Arc;
+use streams_support::*;
+
+#[test]
+fn arena_stitches_another_streams_free_granules_only_after_waiting_for_it() {
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    assert_eq!(p.strategy_name(), "arena");
+    // Four 4 MiB blocks on A; free the 1st and 3rd: 8 MiB free, no 8 MiB in a row.
+    let blocks: Vec<usize> = (0..4).map(|_| p.malloc(4 * MIB, A).unwrap()).collect();
+    p.free(blocks[0], A).unwrap();
+    p.free(blocks[2], A).unwrap();
+    log(&dev);
+    let reserved = p.stats().total_bytes;
+    let big = p.malloc(8 * MIB, B).unwrap();
+    assert_eq!(p.stats().total_bytes, reserved, "the free granules were stitched: nothing new mapped");
+    let l = log(&dev);
+    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).expect("B waited for A's frees");
+    let alias = l.iter().position(|x| x.starts_with("alias")).expect("granules aliased");
+    assert!(wait < alias, "handed to B before B waited for A: {l:?}");
+    p.free(big, B).unwrap();
+    // The stitch is cached: A gets it again after waiting for B, with no new alias.
+    log(&dev);
+    let again = p.malloc(8 * MIB, A).unwrap();
+    assert_eq!(again, big);
+    let l = log(&dev);
+    assert!(l.iter().any(|x| x.starts_with(&format!("wait {A:#x}"))), "{l:?}");
+    assert!(!l.iter().any(|x| x.starts_with("alias")), "{l:?}");
+}
+
+#[test]
+fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waiting_for_it() {
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    // A frees a large block's granule; B's small blocks then need a granule of the small
+    // range, which shows A's free one instead of new memory: B must wait for A first.
+    let x = p.malloc(2 * MIB, A).unwrap();
+    p.free(x, A).unwrap();
+    log(&dev);
+    let reserved = p.stats().total_bytes;
+    let s = p.malloc(MIB, B).unwrap();
+    assert_eq!(p.stats().total_bytes, reserved, "no new memory");
+    let l = log(&dev);
+    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("B waited for A: {l:?}"));
+    let alias = l.iter().position(|x| x.starts_with("alias")).unwrap_or_else(|| panic!("aliased: {l:?}"));
+    assert!(wait < alias, "lent to B before B waited for A: {l:?}");
+    p.free(s, B).unwrap();
+    p.check_invariants().unwrap();
+
+    // With batched records a pending free is not lent to another stream at all.
+    let (mut p, dev) = batched(PoolKind::Arena);
+    let x = p.malloc(2 * MIB, A).unwrap();
+    p.free(x, A).unwrap();
+    let reserved = p.stats().total_bytes;
+    let s = p.malloc(MIB, B).unwrap();
+    assert!(p.stats().total_bytes > reserved, "A's pending granule was lent to B");
+    assert!(!log(&dev).iter().any(|x| x.starts_with("alias")));
+    p.free(s, B).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn the_rest_of_a_lent_granule_goes_to_a_third_stream_only_after_waiting() {
+    // B's small block takes half of a granule lent from A's free large one (B waited on A);
+    // the other half is booked free on B. C taking it must wait on an event B recorded after
+    // that wait, or it could use memory A's kernels still touch.
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    let x = p.malloc(2 * MIB, A).unwrap();
+    p.free(x, A).unwrap();
+    let s = p.malloc(MIB, B).unwrap();
+    assert_eq!(p.arena_counters().unwrap().granules_lent, 1);
+    let l = log(&dev);
+    let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("{l:?}"));
+    let rec = l.iter().rposition(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).unwrap_or_else(|| panic!("B recorded after the loan: {l:?}"));
+    assert!(wait < rec, "{l:?}");
+    let reserved = p.stats().total_bytes;
+    let t = p.malloc(MIB, C).unwrap();
+    assert_eq!(p.stats().total_bytes, reserved, "C took the rest of the lent granule");
+    let l = log(&dev);
+    assert!(l.iter().any(|x| x.starts_with(&format!("wait {C:#x}"))), "C did not wait: {l:?}");
+    p.free(s, B).unwrap();
+    p.free(t, C).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_loan_ended_under_pressure_gives_its_home_back_only_after_its_users_work() {
+    // A window of the large range lends a small-range granule A freed (A busy), then needs
+    // new memory the limit refuses: the escalation releases cached memory, ending the loan.
+    // The home goes back to the driver only after A's work on it was waited for.
+    let dev = Arc::new(Device::default());
+    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, event_batch: 1, arena_lend: true, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let smalls: Vec<usize> = (0..4).map(|_| p.malloc(512 * 1024, A).unwrap()).collect();
+    for s in smalls {
+        p.free(s, A).unwrap();
+    }
+    p.set_limit(2 * MIB).unwrap();
+    let before = log(&dev);
+    let a_ev = before.iter().rev().find(|x| x.ends_with(&format!("on {A:#x}"))).unwrap().split(' ').nth(1).unwrap().to_string();
+    let _ = p.malloc(4 * MIB, B);
+    let l = log(&dev);
+    if let Some(u) = l.iter().position(|x| x.starts_with("unmap")) {
+        // Waited for A directly, for the device, or for an event B recorded after B was
+        // made to wait on A.
+        let direct = l[..u].iter().any(|x| *x == format!("sync {a_ev}") || x == "device sync");
+        let via_b = l[..u].iter().position(|x| *x == format!("wait {B:#x} on {a_ev}")).is_some_and(|w| {
+            l[w..u].iter().filter(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).any(|r| {
+                let ev = r.split(' ').nth(1).unwrap();
+                l[w..u].iter().any(|x| *x == format!("sync {ev}"))
+            })
+        });
+        assert!(direct || via_b, "A's former granule went back before A's work was waited for: {l:?}");
+    }
+    p.check_invariants().unwrap();
+}
