@@ -3,7 +3,9 @@
 # GPU machine. Expects dist/libgpupool.so (the library built elsewhere: the GPU machine has no
 # Rust toolchain; `cargo build --release && mkdir -p dist && cp target/release/libgpupool.so dist/`) and, for the
 # RMM column, RMM wheels in .whl/. SKIP_BENCH=1: tests only; ONLY_BENCH=1: the benchmarks
-# only (the two together pass the device's 10-minute limit per command).
+# only (the two together pass the device's 10-minute limit per command). PYTEST_ARGS: what
+# pytest runs instead of tests/python (e.g. two halves in two calls on a 2-GPU machine, where
+# the two-GPU tests bring the whole set close to the limit).
 # WORKLOADS=training,serving,churn: run the workload benchmark (scripts/bench_workloads.py:
 # memory and step time of native, expandable segments, RMM, gpupool split and arena) for
 # those workloads instead of the framework churn benchmark.
@@ -22,7 +24,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 if [ -z "${ONLY_BENCH:-}" ]; then
 echo "== python tests (pytest)"
-python3 -m pytest -v -rs tests/python 2>&1 | tee "$OUT/pytest.log"
+python3 -m pytest -v -rs ${PYTEST_ARGS:-tests/python} 2>&1 | tee "$OUT/pytest.log"
 echo "== record a trace of a real PyTorch training loop (test data for gpupool-replay)"
 PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" GPUPOOL_TRACE=/tmp/torch_mlp_trace.csv python3 scripts/record_torch_trace.py
 wc -l /tmp/torch_mlp_trace.csv
