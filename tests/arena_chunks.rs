@@ -110,7 +110,7 @@ fn chunks_off_maps_granule_by_granule() {
 
 #[test]
 fn no_chunk_is_larger_than_the_largest_and_near_the_devices_memory_growth_maps_granules() {
-    // 600 MiB: chunks of 256 MiB at most (256 + 172 + 172), not a 344 MiB tail.
+    // 600 MiB: three equal chunks (200 MiB each), none over the largest (256 MiB).
     let mut p = pool(PoolKind::Arena, 4 << 30);
     let before = p.driver_calls();
     let a = p.malloc(600 * MIB, 0).unwrap();

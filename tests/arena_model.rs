@@ -76,7 +76,7 @@ fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: 
                         // passes the cap.
                         let cap = if limit == 0 { capacity } else { limit.min(capacity) };
                         let need = rep.rounded.div_ceil(G) * G + G;
-                        // A chunk (a growth of 64 MiB or more maps chunks of half of it)
+                        // A chunk (a growth of 64 MiB or more maps chunks of at most half of it)
                         // partly in use strands the rest of it as well.
                         let chunk = if largest >= 64 * MIB { largest / 2 } else { 0 };
                         let stranded = (live.len() + 1) * (2 * G + chunk);
