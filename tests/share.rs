@@ -169,3 +169,38 @@ fn blocks_of_one_granule_share_its_mapping_until_the_last_goes() {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }
 }
+
+#[test]
+fn a_block_inside_a_mapped_span_shares_it_only_while_its_allocations_are_held_here() {
+    let d = 60;
+    common::host_device_256mib(d, c"arena");
+    const MIB: usize = 1 << 20;
+    // 64 MiB of new memory: two chunks of 32 MiB. Once free, x takes the first and half the
+    // second, y the rest of the second.
+    let big = malloc(64 * MIB, d);
+    assert_eq!(unsafe { gpupool_free(big, d, null_mut()) }, Status::Ok);
+    let (x, y) = (malloc(48 * MIB, d), malloc(8 * MIB, d));
+    assert_eq!((x, y as usize - x as usize), (big, 48 * MIB), "the layout this test relies on");
+    unsafe { std::ptr::copy_nonoverlapping(b"YYYY".as_ptr(), y.cast::<u8>(), 4) };
+    let (dx, dy) = (export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(y, GPUPOOL_IPC_SHARE_GRANULES).unwrap());
+    let tx = open(&dx, d);
+    assert_eq!(imports(d), 1);
+    // y's chunk is part of x's span, held by x's tensor: no second import.
+    let ty = open(&dy, d);
+    assert_eq!(imports(d), 1, "y lies inside x's span");
+    let (px, py) = unsafe { ((*tx).data as usize, (*ty).data as usize) };
+    assert_eq!(py - px, 48 * MIB, "laid out as in the exporter");
+    assert_eq!(unsafe { std::slice::from_raw_parts(py as *const u8, 4) }, b"YYYY");
+    // x's tensor goes: the span stays for y, but no tensor here lies in the first chunk any
+    // more (the exporter could have released it), so x opened again is an import of its own.
+    unsafe { ((*tx).deleter.unwrap())(tx) };
+    assert_eq!(imports(d), 1, "still mapped for y");
+    let again = open(&dx, d);
+    assert_eq!(imports(d), 2, "a chunk no held tensor lies in is not mapped through the old span");
+    unsafe { ((*again).deleter.unwrap())(again) };
+    unsafe { ((*ty).deleter.unwrap())(ty) };
+    assert_eq!(imports(d), 0, "closed with the last");
+    for p in [x, y] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}

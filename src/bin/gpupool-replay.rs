@@ -89,8 +89,8 @@ fn main() -> ExitCode {
     let decay = if decay_window == 0 { "off".to_string() } else { format!("{decay_window} allocations") };
     let upstream = if paged { "vmm (pages inside segments can go back)" } else { "device (whole segments only)" };
     println!("cache decay window: {decay}; simulated upstream: {upstream}");
-    println!("| strategy | peak reserved | peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | bytes obtained: segments + pages | driver calls: all / second half | ns per op |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| strategy | peak reserved | peak in use | peak reserved / peak in use | reserved/in use at peak | reserved/requested at end | OOMs | upstream allocs / frees | page runs committed / decommitted | bytes obtained: segments + pages | driver calls: all / second half | ns per op |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     // Progress on a terminal only (stderr), so a redirected table stays clean.
     let tty = std::io::stderr().is_terminal();
     let mut results: Vec<Report> = Vec::new();
@@ -107,10 +107,11 @@ fn main() -> ExitCode {
         match replay_with_progress(&ops, &opts, device_size, paged, &mut progress) {
             Ok(r) => {
                 println!(
-                "| {} | {} | {} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {} + {} | {} / {} | {:.0} |",
+                "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {} + {} | {} / {} | {:.0} |",
                 r.strategy,
                 human_bytes(r.peak_reserved),
                 human_bytes(r.peak_used),
+                r.peak_reserved as f64 / r.peak_used.max(1) as f64,
                 r.reserved_over_used_at_peak,
                 r.end_reserved as f64 / r.end_requested.max(1) as f64,
                 r.ooms,

@@ -110,53 +110,83 @@ struct Imported {
     ptr: usize,
     device: i32,
     hold: Option<((u64, u64), u32)>,
-    /// The granule mapping it shares with other blocks of that granule (`open_shared`).
-    shared: Option<GranuleKey>,
+    /// The span it is mapped through, shared with other blocks in it (`open_shared`).
+    shared: Option<SpanUse>,
 }
 
-/// An exporter's granule: its pid, start time, device and the granule's address there.
-type GranuleKey = (u32, u64, i32, u64, usize);
+/// An exporter's mapped span: its pid, start time, device, the address of its first
+/// granule there, its granule count, and a number of its own (a span can be mapped again
+/// while the first mapping lives, see `covering`).
+type SpanKey = (u32, u64, i32, u64, usize, u64);
 
-/// A granule of another process mapped here once for every block of it this process holds:
-/// where it starts here, the address its import returned (what closes it), and how many
-/// tensors over it live.
-struct SharedGranule {
+/// A span of another process's allocations mapped here once for every block in it this
+/// process holds: where it starts here, the address its import returned (what closes it),
+/// how many tensors over it live, and per granule how many of them lie in its allocation.
+struct SharedSpan {
     base: usize,
     opened: usize,
     refs: usize,
+    held: Vec<u32>,
 }
 
-/// Granule mappings shared by the blocks held in them. Why: small tensors pack many to a
-/// granule, and each import of one maps the whole granule (a reservation, an import, a map
-/// and an access grant); the second block of a granule mapped here costs none of it. Safe
-/// because a granule with a block held here stays the same memory in the exporter: the
-/// hold keeps that block, hence its granule, alive there.
-static SHARED: std::sync::Mutex<Option<std::collections::HashMap<GranuleKey, SharedGranule>>> = std::sync::Mutex::new(None);
+/// Spans of another process's allocations shared by the blocks held in them. Why: small
+/// tensors pack many to a granule and a chunk holds many blocks, and each import maps its
+/// allocations whole (a reservation, an import and a map each, an access grant); a block
+/// whose allocations lie inside a span already mapped here costs none of it, and the
+/// receiver's address space stays near what it maps. Safe because every allocation of a
+/// span lies under the block that made it, which this process holds: the hold keeps that
+/// block, hence each of its allocations, alive and at the same address in the exporter.
+/// So a block is mapped through a span only where a tensor held here lies in each of the
+/// allocations it needs (`held`): an allocation no held block lies in may have been
+/// released and its address given to new memory there.
+static SHARED: std::sync::Mutex<Option<std::collections::BTreeMap<SpanKey, SharedSpan>>> = std::sync::Mutex::new(None);
 
-/// Open `d` on `device`: a block of the arena through the shared mapping of the same
-/// granules (the same first granule and count: a granule, or a chunk listed whole) where
-/// there is one (returning its key), anything else as an import of its own. The
-/// allocations listed are exactly those the block lies in, so the hold on any block mapped
-/// through them keeps them all alive in the exporter.
-fn open_shared(d: &super::ipc::AnyDescriptor, device: c_int, fds: &[c_int]) -> crate::error::Result<(usize, Option<GranuleKey>)> {
+/// The mapped span of `map` from the same exporter and device that holds `[origin,
+/// origin + count granules)` with a held tensor in each of those granules' allocations, if
+/// any, and where in it those granules start.
+fn covering(map: &std::collections::BTreeMap<SpanKey, SharedSpan>, key: SpanKey, granule: u64) -> Option<(SpanKey, usize)> {
+    let (pid, start, device, origin, count, _) = key;
+    let end = origin + count as u64 * granule;
+    map.range((pid, start, device, 0, 0, 0)..=(pid, start, device, origin, usize::MAX, u64::MAX)).rev().find_map(|(k, span)| {
+        let (o, n) = (k.3, k.4);
+        let first = ((origin - o.min(origin)) / granule) as usize;
+        (o <= origin && o + n as u64 * granule >= end && span.held[first..first + count].iter().all(|&h| h > 0)).then_some((*k, first))
+    })
+}
+
+/// Open `d` on `device`: a block of the arena through a span already mapped here that holds
+/// all of its allocations (a granule, or chunks listed whole) where there is one (returning
+/// that span's key), anything else as an import of its own. The allocations listed are
+/// exactly those the block lies in, so the hold on any block mapped through them keeps them
+/// all alive in the exporter.
+fn open_shared(d: &super::ipc::AnyDescriptor, device: c_int, fds: &[c_int]) -> crate::error::Result<(usize, Option<SpanUse>)> {
     let super::ipc::AnyDescriptor::Arena(a) = d else { return Ok((d.open(device, Some(fds))?, None)) };
-    let key = (a.pid, a.start_time, device, a.origin, a.granules.len());
+    static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let key = (a.pid, a.start_time, device, a.origin, a.granules.len(), SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     let map = shared.get_or_insert_with(Default::default);
-    if let Some(g) = map.get_mut(&key) {
+    let count = a.granules.len();
+    if let Some((k, first)) = covering(map, key, a.granule) {
+        let g = map.get_mut(&k).expect("a covering span is in the map");
         g.refs += 1;
-        return Ok((g.base + a.offset as usize, Some(key)));
+        g.held[first..first + count].iter_mut().for_each(|h| *h += 1);
+        return Ok((g.base + (a.origin - k.3) as usize + a.offset as usize, Some((k, first, count))));
     }
     let ptr = d.open(device, Some(fds))?;
-    map.insert(key, SharedGranule { base: ptr - a.offset as usize, opened: ptr, refs: 1 });
-    Ok((ptr, Some(key)))
+    map.insert(key, SharedSpan { base: ptr - a.offset as usize, opened: ptr, refs: 1, held: vec![1; count] });
+    Ok((ptr, Some((key, 0, count))))
 }
 
-/// One tensor over shared granule `key` is gone: the address to close, with the last.
-fn unshare(key: GranuleKey) -> Option<usize> {
+/// A tensor's part of a span: the span's key, the first of its granules the tensor lies in
+/// and how many.
+type SpanUse = (SpanKey, usize, usize);
+
+/// One tensor over a shared span is gone: the address to close, with the last.
+fn unshare((key, first, count): SpanUse) -> Option<usize> {
     let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     let map = shared.as_mut()?;
     let g = map.get_mut(&key)?;
+    g.held[first..first + count].iter_mut().for_each(|h| *h -= 1);
     g.refs -= 1;
     if g.refs > 0 {
         return None;
