@@ -179,9 +179,23 @@ def route_multiprocessing():
 
 
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
-# importer caches by), its device, the descriptor, the hold's slot, and the descriptors
-# (the holds file's first, then one per granule).
-Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid")
+# importer caches by), its device, the descriptor, the hold's slot, the descriptors (the
+# holds file's first, then one per allocation under the block), the sender's pid, and per
+# granule of the descriptor which of those allocations' descriptors it is (`order`: the
+# granules of a chunk share one, and a chunk is up to 128 granules).
+Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid order")
+
+
+def _unique(fds):
+    """`fds` without repeats, and for each of `fds` its index in that list."""
+    uniq, order, at = [], [], {}
+    for f in fds:
+        j = at.get(f)
+        if j is None:
+            j = at[f] = len(uniq)
+            uniq.append(f)
+        order.append(j)
+    return uniq, order
 
 
 def _export_bytes(ptr):
@@ -202,7 +216,8 @@ def export(ptr, size, device, keep):
     hfd, slot = ctypes.c_int(), ctypes.c_uint32()
     _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
     try:
-        fds = Fds([hfd.value] + ipc_descriptor_fds(desc))
+        uniq, order = _unique(ipc_descriptor_fds(desc))
+        fds = Fds([hfd.value] + uniq)
     except BaseException:
         L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
         _held(slot.value)
@@ -214,7 +229,7 @@ def export(ptr, size, device, keep):
         collect()
         with _lock:
             _next_collect = max(64, 2 * len(_sent))
-    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid())
+    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid(), order)
 
 
 _fd_limit_raised = False
@@ -222,7 +237,8 @@ _fd_limit_raised = False
 
 def _raise_fd_limit():
     """Raise this process's soft limit on open files to its hard limit, once: a block
-    arrives with one descriptor per granule (the library does the same for exporters)."""
+    arrives with one descriptor per allocation under it (the library does the same for
+    exporters)."""
     global _fd_limit_raised
     if _fd_limit_raised:
         return
@@ -290,7 +306,8 @@ class Received:
         """Map the block on `device`; returns a `DLManagedTensor*` (an int) whose deleter
         closes the mapping and releases the hold. The descriptors are closed either way."""
         try:
-            gran = self.fds[1:]
+            uniq = self.fds[1:]
+            gran = [uniq[j] for j in self.sent.order]
             arr = (ctypes.c_int * len(gran))(*gran)
             out = ctypes.c_void_p()
             _check(lib().gpupool_ipc_open_dlpack(self.sent.desc, len(self.sent.desc), device, arr, len(gran),

@@ -55,13 +55,17 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
         import share_child
         gpupool.configure(0, pool="arena", upstream="host")
         L = gpupool.lib()
-        # Small blocks share a granule (the route exports them anyway); a large one spans two.
-        sizes = [256, 4096, (3 << 20) + 777, 9 << 20]
+        # Small blocks share a granule (the route exports them anyway); a large one spans
+        # two; a 64 MiB one lists 33 granules, whose descriptors travel once each (on the
+        # host every granule is an offset of one file: one descriptor; a GPU's chunk, one).
+        sizes = [256, 4096, (3 << 20) + 777, 9 << 20, 64 << 20]
+        cycle = bytes(range(251)) * ((64 << 20) // 251 + 2)
+        pat = lambda i, n: cycle[i * 7 % 251:i * 7 % 251 + n]  # byte j is (i * 7 + j) % 251
         ptrs = []
         for i, n in enumerate(sizes):
             p = ctypes.c_void_p()
             assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
-            ctypes.memmove(p, bytes((i * 7 + j) % 251 for j in range(n)), n)
+            ctypes.memmove(p, pat(i, n), n)
             ptrs.append(p.value)
 
         class Keep:
@@ -70,6 +74,8 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
         alive = [weakref.ref(k) for k in keeps]
         sents = [gpupool.share.export(p, n, 0, k) for p, n, k in zip(ptrs, sizes, keeps)]
         del keeps
+        chunked = sents[-1]
+        assert len(chunked.order) == 33 and chunked.fds.n == 1 + len(set(chunked.order)) == 2, (chunked.order, chunked.fds.n)
         ctx = multiprocessing.get_context("spawn")
         inq, outq = ctx.Queue(), ctx.Queue()
         child = ctx.Process(target=share_child.consume, args=(inq, outq), daemon=True)
@@ -77,14 +83,14 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
         inq.put(sents)
         got = outq.get(timeout=60)
         for i, ((where, data), n) in enumerate(zip(got, sizes)):
-            assert data == bytes((i * 7 + j) % 251 for j in range(n)), f"block {i}: the consumer read other bytes"
+            assert data == pat(i, n), f"block {i}: the consumer read other bytes"
             assert ctypes.string_at(ptrs[i], 4) == b"kid!", f"block {i}: the consumer's write is not here"
-            assert ctypes.string_at(ptrs[i] + 4, 4) == bytes((i * 7 + j) % 251 for j in range(4, 8))
-        assert gpupool.share.collect() == 4 and all(a() is not None for a in alive), "kept while the consumer holds"
+            assert ctypes.string_at(ptrs[i] + 4, 4) == pat(i, 8)[4:]
+        assert gpupool.share.collect() == 5 and all(a() is not None for a in alive), "kept while the consumer holds"
         # Sent again (another view of the same block): not mapped twice, released at once.
         inq.put([gpupool.share.export(ptrs[1], sizes[1], 0, Keep())])
         assert outq.get(timeout=60) == [("again", b"kid!")]
-        assert gpupool.share.collect() == 4, "the second send was let go at once"
+        assert gpupool.share.collect() == 5, "the second send was let go at once"
         inq.put("release")
         assert outq.get(timeout=60) == "released"
         assert gpupool.share.collect() == 0, "every hold released"
