@@ -3,8 +3,8 @@
  * one interface, the three workloads, the clock reference): the allocator kinds, the
  * workloads and a thread's job. A header of its own only because the benchmark is split in
  * two files to keep each under 500 lines (issue #36). */
-#ifndef GPUPOOL_THREADS_BENCH_H
-#define GPUPOOL_THREADS_BENCH_H
+#ifndef THREADS_BENCH_H
+#define THREADS_BENCH_H
 #include <pthread.h>
 
 /* gpupool's split and arena pools, cudaMallocAsync, then RMM's resources from RMM_BASE on
