@@ -110,6 +110,8 @@ impl ThreadCache {
     }
 
     /// `stream`: the normalised stream handle (`thread_cache::fast_stream`).
+    // Inlined into the thread cache's malloc: this is the whole of a cached allocation.
+    #[inline]
     pub(crate) fn reuse(&self, kind: Kind, size: usize, stream: usize) -> Option<usize> {
         if self.stopped.load(Ordering::Relaxed) {
             return None; // the locked path reports why

@@ -105,6 +105,8 @@ impl<const N: usize> Words<N> {
     }
 
     /// Owner: a REUSABLE block of exactly `size` requested bytes on `stream`, now HANDED again.
+    // Inlined into the thread cache's malloc: this is the whole of a cached allocation.
+    #[inline]
     pub(crate) fn reuse(&self, size: usize, stream: usize) -> Option<usize> {
         // SAFETY: owner thread only (see the `Sync` impl of `ThreadCache`).
         let (sizes, streams, reusable) = unsafe { (&*self.sizes.get(), &*self.streams.get(), &mut *self.reusable.get()) };
