@@ -170,36 +170,90 @@ fn blocks_of_one_granule_share_its_mapping_until_the_last_goes() {
     }
 }
 
-#[test]
-fn a_block_inside_a_mapped_span_shares_it_only_while_its_allocations_are_held_here() {
-    let d = 60;
+fn open_held(desc: &[u8], d: i32, f: &[i32]) -> Result<(*mut DlTensorHead, u32), String> {
+    let (mut holds_fd, mut slot) = (-1, 0);
+    assert_eq!(unsafe { gpupool_share_hold(&mut holds_fd, &mut slot) }, Status::Ok, "{}", last());
+    let mut t: *mut c_void = null_mut();
+    match unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, f.as_ptr(), f.len(), holds_fd, slot, &mut t) } {
+        Status::Ok => Ok((t.cast(), slot)),
+        _ => {
+            let e = last();
+            assert_eq!(gpupool_share_release(holds_fd, slot), Status::Ok);
+            Err(e)
+        }
+    }
+}
+
+fn drop_tensor(t: *mut DlTensorHead) {
+    unsafe { ((*t).deleter.unwrap())(t) };
+}
+
+/// 64 MiB of new memory (two chunks of 32 MiB), freed; then x takes the first chunk and half
+/// the second, y the rest of the second.
+fn chunk_layout(d: i32) -> (*mut c_void, *mut c_void) {
     common::host_device_256mib(d, c"arena");
     const MIB: usize = 1 << 20;
-    // 64 MiB of new memory: two chunks of 32 MiB. Once free, x takes the first and half the
-    // second, y the rest of the second.
     let big = malloc(64 * MIB, d);
     assert_eq!(unsafe { gpupool_free(big, d, null_mut()) }, Status::Ok);
     let (x, y) = (malloc(48 * MIB, d), malloc(8 * MIB, d));
-    assert_eq!((x, y as usize - x as usize), (big, 48 * MIB), "the layout this test relies on");
+    assert_eq!((x, y as usize - x as usize), (big, 48 * MIB), "the layout these tests rely on");
+    (x, y)
+}
+
+#[test]
+fn a_held_block_inside_a_mapped_span_shares_it_and_the_span_keeps_its_holds() {
+    let d = 60;
+    let (x, y) = chunk_layout(d);
     unsafe { std::ptr::copy_nonoverlapping(b"YYYY".as_ptr(), y.cast::<u8>(), 4) };
     let (dx, dy) = (export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(y, GPUPOOL_IPC_SHARE_GRANULES).unwrap());
-    let tx = open(&dx, d);
+    let (tx, hx) = open_held(&dx, d, &fds(&dx)).unwrap();
     assert_eq!(imports(d), 1);
-    // y's chunk is part of x's span, held by x's tensor: no second import.
-    let ty = open(&dy, d);
+    // y's chunk is part of x's span: no second import.
+    let (ty, hy) = open_held(&dy, d, &fds(&dy)).unwrap();
     assert_eq!(imports(d), 1, "y lies inside x's span");
     let (px, py) = unsafe { ((*tx).data as usize, (*ty).data as usize) };
-    assert_eq!(py - px, 48 * MIB, "laid out as in the exporter");
+    assert_eq!(py - px, 48 * (1 << 20), "laid out as in the exporter");
     assert_eq!(unsafe { std::slice::from_raw_parts(py as *const u8, 4) }, b"YYYY");
-    // x's tensor goes: the span stays for y, but no tensor here lies in the first chunk any
-    // more (the exporter could have released it), so x opened again is an import of its own.
-    unsafe { ((*tx).deleter.unwrap())(tx) };
+    // Through the span, the descriptors are checked as an import checks them.
+    for (what, f) in [("none", vec![]), ("a stranger's", vec![0; fds(&dy).len()])] {
+        let e = open_held(&dy, d, &f).map(|(t, _)| drop_tensor(t)).unwrap_err();
+        assert!(e.contains("descriptors passed") || e.contains("not the file the exporter shared"), "{what}: {e}");
+    }
+    // x's tensor goes while y keeps the span: x's hold stays (the exporter keeps x, whose
+    // first chunk the span still shows) until the span's last tensor goes.
+    drop_tensor(tx);
+    assert!(held(hx), "x's hold is kept while its span is mapped");
     assert_eq!(imports(d), 1, "still mapped for y");
-    let again = open(&dx, d);
-    assert_eq!(imports(d), 2, "a chunk no held tensor lies in is not mapped through the old span");
-    unsafe { ((*again).deleter.unwrap())(again) };
-    unsafe { ((*ty).deleter.unwrap())(ty) };
+    // No tensor here lies in the first chunk now: x opened again is an import of its own.
+    let (again, ha) = open_held(&dx, d, &fds(&dx)).unwrap();
+    assert_eq!(imports(d), 2, "a chunk no held tensor lies in is not shown through the old span");
+    drop_tensor(again);
+    assert!(!held(ha));
+    drop_tensor(ty);
+    assert!(!held(hx) && !held(hy), "the span's holds go with it");
     assert_eq!(imports(d), 0, "closed with the last");
+    for p in [x, y] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}
+
+#[test]
+fn without_holds_a_block_shares_only_a_span_of_exactly_its_own_allocations() {
+    let d = 59;
+    let (x, y) = chunk_layout(d);
+    let (dx, dy) = (export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(y, GPUPOOL_IPC_SHARE_GRANULES).unwrap());
+    // Nothing keeps x in the exporter once its tensor goes, so y must not keep x's first
+    // chunk mapped here: y is an import of its own.
+    let tx = open(&dx, d);
+    let ty = open(&dy, d);
+    assert_eq!(imports(d), 2);
+    let ty2 = open(&dy, d);
+    assert_eq!(imports(d), 2, "y again: the same allocations, the same span");
+    drop_tensor(tx);
+    assert_eq!(imports(d), 1, "x's span closed with x's tensor");
+    drop_tensor(ty);
+    drop_tensor(ty2);
+    assert_eq!(imports(d), 0);
     for p in [x, y] {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }

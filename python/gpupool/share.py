@@ -183,7 +183,8 @@ def route_multiprocessing():
 # holds file's first, then one per allocation under the block), the sender's pid, and per
 # granule of the descriptor which of those allocations' descriptors it is (`order`: the
 # granules of a chunk share one, and a chunk is up to 128 granules).
-Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid order")
+# (A send without `order`, from a sender before it, has one descriptor per granule.)
+Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid order", defaults=(None,))
 
 
 def _unique(fds):
@@ -307,7 +308,8 @@ class Received:
         closes the mapping and releases the hold. The descriptors are closed either way."""
         try:
             uniq = self.fds[1:]
-            gran = [uniq[j] for j in self.sent.order]
+            order = self.sent.order
+            gran = uniq if order is None else [uniq[j] for j in order]
             arr = (ctypes.c_int * len(gran))(*gran)
             out = ctypes.c_void_p()
             _check(lib().gpupool_ipc_open_dlpack(self.sent.desc, len(self.sent.desc), device, arr, len(gran),

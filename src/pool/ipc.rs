@@ -146,6 +146,27 @@ impl Pool {
     /// the exporter's descriptors, one per granule in the descriptor's order; `None`
     /// fetches them from the exporter (`pidfd_getfd`), one at a time.
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
+        let source = self.import_source(d, fds)?;
+        self.core.upstream.vmm_import(d, &source)
+    }
+
+    /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, one
+    /// descriptor per granule, each the file the exporter shared), mapping nothing: for a
+    /// block shown through an import already made (`gpupool_ipc_open_dlpack`).
+    pub fn ipc_check(&self, d: &Descriptor, fds: &[i32]) -> Result<()> {
+        let source = self.import_source(d, Some(fds))?;
+        let mut last = None;
+        for (i, g) in d.granules.iter().enumerate() {
+            // A chunk's granules share one descriptor: one check each.
+            if last != Some((fds[i], g.fd, g.file)) {
+                source.get(i, g)?;
+                last = Some((fds[i], g.fd, g.file));
+            }
+        }
+        Ok(())
+    }
+
+    fn import_source<'a>(&self, d: &Descriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
         self.running()?;
         let kind = self.core.upstream.vmm_share_kind();
         if d.kind != kind {
@@ -169,7 +190,7 @@ impl Pool {
             }
             None => FdSource::fetch_from(d)?,
         };
-        self.core.upstream.vmm_import(d, &source)
+        Ok(source)
     }
 
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
