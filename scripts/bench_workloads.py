@@ -61,7 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# The model, the workloads and the measurement live beside this file (split for issue #36).
+# The model and workloads (workloads.py) and the measurement (workloads_measure.py) live
+# beside this file, one concern each.
 # Its directory is on sys.path when it runs as a script; also under -P / -I.
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:

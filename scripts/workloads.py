@@ -3,9 +3,9 @@
 config, measured steps) and returns a fingerprint string of its outputs.
 
 Separate from bench_workloads.py (command line, configuration, run and all modes) and from
-workloads_measure.py (allocator probe, step recorder) only to keep each file under 500
-lines (issue #36); imported by bench_workloads.py, whose directory is on sys.path. Does not
-import torch (it is handed in), so --help works without it.
+workloads_measure.py (allocator probe, step recorder): what is measured, apart from how.
+Imported by bench_workloads.py, whose directory is on sys.path. Does not import torch (it
+is handed in), so --help works without it.
 """
 import collections
 import math

@@ -2,9 +2,9 @@
 counters (Probe), and timing steps and sampling device memory (Recorder).
 
 Separate from bench_workloads.py (command line, configuration, run and all modes) and from
-workloads.py (the model and the workloads) only to keep each file under 500 lines (issue
-#36); imported by bench_workloads.py, whose directory is on sys.path. Does not import torch
-(it is handed in), so --help works without it.
+workloads.py (the model and the workloads): how it is measured, apart from what. Imported
+by bench_workloads.py, whose directory is on sys.path. Does not import torch (it is handed
+in), so --help works without it.
 """
 import contextlib
 import os

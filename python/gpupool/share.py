@@ -182,7 +182,7 @@ def route_multiprocessing():
 # importer caches by), its device, the descriptor, the hold's slot, the descriptors (the
 # holds file's first, then one per allocation under the block), the sender's pid, and per
 # granule of the descriptor which of those allocations' descriptors it is (`order`: the
-# granules of a chunk share one, and a chunk is up to 128 granules).
+# granules of a chunk share one).
 # (A send without `order`, from a sender before it, has one descriptor per granule.)
 Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid order", defaults=(None,))
 

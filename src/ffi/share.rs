@@ -149,8 +149,8 @@ struct SharedSpan {
 /// span closes (else the exporter could free that block and release or reuse memory the
 /// span still shows here). What a span keeps this way lies in its allocations, so it is
 /// bounded by what the span maps. Without holds (the raw C route) nothing keeps the exporter's
-/// blocks: there a block shares only a span of exactly its own allocations (as before
-/// spans), whose mapping goes with the last tensor over them. And a block is mapped through
+/// blocks: there a block shares only a span of exactly its own allocations, whose mapping
+/// goes with the last tensor over them. And a block is mapped through
 /// a span only where a tensor held here lies in each of the allocations it needs (`held`).
 static SHARED: std::sync::Mutex<Option<std::collections::BTreeMap<SpanKey, SharedSpan>>> = std::sync::Mutex::new(None);
 

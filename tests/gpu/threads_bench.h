@@ -1,8 +1,7 @@
 /* Shared by tests/gpu/threads_bench.c (its usage doc, the rows, the table, main) and
  * tests/gpu/threads_bench_workloads.c (what one thread of a row does: the allocators behind
  * one interface, the three workloads, the clock reference): the allocator kinds, the
- * workloads and a thread's job. A header of its own only because the benchmark is split in
- * two files to keep each under 500 lines (issue #36). */
+ * workloads and a thread's job. */
 #ifndef THREADS_BENCH_H
 #define THREADS_BENCH_H
 #include <pthread.h>

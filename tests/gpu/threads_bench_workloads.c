@@ -2,8 +2,8 @@
  * interface (gpupool, cudaMallocAsync, RMM's resources when built with them), the three
  * workloads (1 MiB pairs, churn, serving) with their warm-up, and the clock reference loop
  * every thread runs between warm-up and timed work. The benchmark's usage doc, its rows,
- * the table and main stay in threads_bench.c; this file is separate only to keep each
- * under 500 lines (issue #36). */
+ * the table and main stay in threads_bench.c: what a thread does, apart from how a row is
+ * run and reported. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <sched.h>
