@@ -104,7 +104,10 @@ impl Grower for ArenaGrowth {
                     continue;
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
-                Some(Growth::Stitch { base, homes, fresh, take }) => pool.make_stitch(base, homes, &fresh, take, key, stream),
+                Some(Growth::Stitch { base, homes, fresh, take }) => {
+                    pool.cover_frees_before_growth(key, stream);
+                    pool.make_stitch(base, homes, &fresh, take, key, stream)
+                }
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
                         None
@@ -113,7 +116,12 @@ impl Grower for ArenaGrowth {
                     };
                     match spilled {
                         Some(b) => Ok(b),
-                        None => pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key)),
+                        None => {
+                            if !window.targets.is_empty() {
+                                pool.cover_frees_before_growth(key, stream);
+                            }
+                            pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key))
+                        }
                     }
                 }
             };

@@ -193,22 +193,29 @@ impl Pool {
     /// (`arena.rs`). `retake`: between stages, try the cache again (false when the cached
     /// candidate is known not to fit).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
-        if key != StreamKey::LEGACY && self.core.streams.is_uncovered(key) && !self.capturing(stream, true) {
-            // This call names the stream, so it is alive now: cover its earlier frees (those
-            // left pending or uncovered), and other streams may use them from here on. A
-            // growth calls the driver anyway; a steady state never gets here. (Not while the
-            // stream captures a graph: an event recorded there belongs to the graph.)
-            let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
-        }
         let req = Request { size, rounded, key, stream };
         if self.core.is_arena() {
+            // The arena covers them only where its growth calls the driver: most of its
+            // growths in a steady state are served from mapped memory with no call.
             return self.escalate(&req, retake, &ArenaGrowth);
         }
+        self.cover_frees_before_growth(key, stream);
         let preferred = match self.core.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
         };
         self.escalate(&req, retake, &SegmentGrowth { preferred })
+    }
+
+    /// Before a growth that calls the driver: this call names the stream, so it is alive
+    /// now; cover its earlier frees (those left pending or uncovered) so that other streams
+    /// may use them from here on, at the cost of one event record beside the growth's own
+    /// calls. (Not while the stream captures a graph: an event recorded there belongs to
+    /// the graph.)
+    pub(super) fn cover_frees_before_growth(&mut self, key: StreamKey, stream: StreamHandle) {
+        if key != StreamKey::LEGACY && self.core.streams.is_uncovered(key) && !self.capturing(stream, true) {
+            let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
+        }
     }
 
     /// The out-of-memory escalation of every growth path of the main cache: serve as is;
