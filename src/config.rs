@@ -237,7 +237,7 @@ pub const MAX_STREAM_SHARDS: usize = 32;
 /// Why 256 and not fewer: an event record is a driver call into the device's one context,
 /// and threads recording at once block each other inside the driver: with frequent records,
 /// 16 threads on 16 streams switch context thousands of times and lose a large part of 16
-/// processes' throughput (`docs/results/2026-11-24-h200-s16/README.md`). The starting
+/// processes' throughput (docs/benchmarks.md links the measurements). The starting
 /// point: a stream nobody borrows from doubles its own batch (`crate::stream`).
 pub const EVENT_BATCH: usize = 256;
 

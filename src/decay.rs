@@ -2,8 +2,7 @@
 //!
 //! A caching pool that keeps everything it ever reserved holds the all-time peak forever:
 //! after a spike, or in a workload whose live set wanders (random churn), device memory
-//! stays at the peak while far less is live (PyTorch's and CuPy's pools end the shared
-//! churn benchmark at 1.53x and 1.62x the live bytes). Here the pool remembers the highest
+//! stays at the peak while far less is live (PyTorch's and CuPy's pools do the same). Here the pool remembers the highest
 //! in-use figure of the last `window` allocations (a ring of per-epoch maxima: one compare
 //! per allocation, a short scan per epoch) and, once per epoch, releases wholly free
 //! segments until reserved memory is at most that recent peak plus a headroom.
@@ -23,7 +22,7 @@ const EPOCHS: usize = 8;
 /// insert device-wide stalls into GPU-bound programs whose live set wanders (dynamic shapes),
 /// which is why PyTorch's allocator never frees in steady state. Decay is for programs whose
 /// limit is memory. `gpupool-replay --decay N` shows what a window trades on a trace:
-/// memory held against segment allocations (`docs/results/2026-11-22-s5/README.md`).
+/// memory held against segment allocations.
 pub const DEFAULT_WINDOW: usize = 0;
 
 /// Headroom above the recent peak, in 1/64ths (2/64 = 3.1 %): room for fragmentation and

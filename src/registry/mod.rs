@@ -33,9 +33,8 @@
 //!
 //! Locks: a thread holds at most one shard lock, except `fork`, `configure` and `install`,
 //! which take them all in index order. Lock choice: `std::sync::Mutex` (futex: a short
-//! spin, then the thread parks). Measured with `cargo bench --bench malloc_free` (see
-//! docs/results/2026-11-22-s5/README.md): uncontended it costs about what `spin::Mutex<Yield>` does, and
-//! unlike a spin lock it is safe to hold across the driver calls the grow/reclaim paths
+//! spin, then the thread parks). Uncontended it costs about what `spin::Mutex<Yield>` does
+//! (`cargo bench --bench malloc_free` compares them), and unlike a spin lock it is safe to hold across the driver calls the grow/reclaim paths
 //! make (a spinning waiter burns a core for as long as a driver call takes, and spin locks
 //! collapse when threads outnumber cores).
 

@@ -21,7 +21,7 @@
 //! creating its stream) can so find two live streams on one shard and another shard unused.
 //! Two streams sharing a shard cost far more than a lock: each is refused the other's blocks
 //! still pending on the other stream, the shard grows with driver calls, and blocks move
-//! across streams with event queries (docs/results/2026-11-24-h200-s17/README.md has the figures). Those threads
+//! across streams with event queries. Those threads
 //! seldom meet on the lock (their thread caches take none), so a lock found taken is too
 //! rare a sign; and a lock contended by threads of *one* stream is no sign at all (moving
 //! that stream helps nobody). The sign used is the shard's *last allocating stream*: every

@@ -16,7 +16,7 @@ use crate::upstream::stream_id::StreamKey;
 
 /// Whether granules under a cached stitch's aliases may be lent. No: lending one makes the
 /// stitch unusable until the loan ends, and in the serving replay that cost more memory
-/// than it saved (`docs/results/2026-11-23-h100-s10/README.md`).
+/// than it saved (docs/arena.md, "What was tried").
 const STITCHED_LENDABLE: bool = false;
 
 impl ArenaStrategy {
