@@ -6,10 +6,12 @@ usage:
         (progress goes to stderr).
     python3 scripts/bench_workloads.py all [--workloads training,serving,churn]
                                            [--allocators native,expandable,rmm,split,arena]
-                                           [--out FILE.jsonl]
+                                           [--rounds N] [--out FILE.jsonl]
         one fresh process per (workload, allocator) (an allocator must be chosen before
         PyTorch touches the GPU); prints a markdown table per workload, then whether all
-        allocators produced identical outputs.
+        allocators produced identical outputs. --rounds N runs every workload N times, the
+        allocators in turn within each round; speed columns are then the median of the
+        rounds (the range in "rounds"), memory columns the first round's (they repeat).
 
 Workloads: training (transformer, random sequence length per step, AdamW), tokens (the
 same model with token-budget batching: a new sequence length and batch size every step,
@@ -47,6 +49,8 @@ Columns:
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
+  rounds        with --rounds: the number of rounds and the range of step ms (serving:
+                of tokens/s) over them
 """
 import argparse
 import collections
@@ -170,6 +174,7 @@ def run(workload, allocator):
         "step_ms_median": statistics.median(ms) if ms else None,
         "step_ms_mean": statistics.fmean(ms) if ms else None,
         "step_ms_min": min(ms) if ms else None, "step_ms_max": max(ms) if ms else None,
+        "step_ms_by_step": [round(x, 3) for x in ms],
         "tokens_measured": rec.tokens if workload == "serving" else None,
         "tokens_per_s": rec.tokens / sum(rec.measured) if workload == "serving" and rec.measured else None,
         "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_res, "peak_reserved_source": res_src,
@@ -234,11 +239,32 @@ def calling(r):
     return "-" if n is None else f"{n}/{r['steps_measured']}"
 
 
+def merge_rounds(workload, runs):
+    """One row from a (workload, allocator)'s rounds: the first round's figures, with the
+    median over the rounds for the speed columns and their range in "rounds"."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return None
+    if len(runs) == 1:
+        return runs[0]
+    key = "tokens_per_s" if workload == "serving" else "step_ms_median"
+    vals = sorted(r[key] for r in runs if r.get(key) is not None)
+    m = dict(runs[0])
+    m["step_ms_median"] = statistics.median(r["step_ms_median"] for r in runs if r.get("step_ms_median") is not None)
+    if workload == "serving":
+        m["tokens_per_s"] = statistics.median(vals) if vals else None
+    m["rounds"] = f"{len(runs)} ({fmt(vals[0], '.2f' if key == 'step_ms_median' else '.0f')}-"
+    m["rounds"] += f"{fmt(vals[-1], '.2f' if key == 'step_ms_median' else '.0f')})" if vals else "-)"
+    return m
+
+
 def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
     head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc",
             "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
+    with_rounds = any("rounds" in r for r in results.values() if r)
+    head += ["rounds"] if with_rounds else []
     rows = []
     for a in allocators:
         r = results.get(a)
@@ -251,7 +277,8 @@ def table(workload, allocators, results):
                      fmt(r["reserved_over_allocated"], ".3f"), fmt(r["peak_device_used_bytes"], ".3f", GIB),
                      fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
                      fmt(r.get("calls_per_step_second_half"), ".2f"), calling(r)]
-                    + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else []))
+                    + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else [])
+                    + ([r.get("rounds", "1")] if with_rounds else []))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731
     print(f"\n### {workload}\n")
@@ -265,12 +292,14 @@ def outputs_line(workload, allocators, results):
     groups = collections.defaultdict(list)
     for a, r in results.items():
         groups[r["fingerprint_sha256"]].append(a)
-    failed = [a for a in allocators if a not in results]
+    ran = {k.split("#")[0] for k in results}  # "arena#2": the arena's second round
+    failed = [a for a in allocators if a not in ran]
     note = f" ({', '.join(failed)} failed, not compared)" if failed else ""
+    runs = f" ({len(results)} runs)" if len(results) > len(ran) else ""
     if not groups:
         return f"{workload}: no results to compare"
     if len(groups) == 1:
-        return f"{workload}: outputs identical across {len(results)} allocator(s){note}: {next(iter(groups))}"
+        return f"{workload}: outputs identical across {len(ran)} allocator(s){runs}{note}: {next(iter(groups))}"
     return f"{workload}: outputs DIFFER{note}: " + "; ".join(f"{','.join(v)} = {k}" for k, v in groups.items())
 
 
@@ -281,23 +310,33 @@ def main_all(args):
     if bad:
         sys.exit(f"unknown workload or allocator: {', '.join(bad)} (workloads: {', '.join(WORKLOADS)}; "
                  f"allocators: {', '.join(ALLOCATORS)})")
-    collected = {}
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
+    collected = collections.defaultdict(list)  # (workload, allocator) -> one result (or None) a round
     for w in workloads:
-        for a in allocators:
-            log(f"== {w} / {a}")
-            r, tail = run_one(w, a)
-            if r is None:
-                log(f"{w}/{a}: FAILED; last stderr lines:\n    " + "\n    ".join(tail))
-            collected[(w, a)] = r
-            if args.out:  # after every run, so a later crash keeps what was measured
-                with open(args.out, "w") as f:
-                    for (w2, a2), r2 in collected.items():
-                        f.write(json.dumps(r2 if r2 else {"workload": w2, "allocator": a2, "failed": True}) + "\n")
+        for n in range(args.rounds):
+            for a in allocators:
+                log(f"== {w} / {a}" + (f" (round {n + 1} of {args.rounds})" if args.rounds > 1 else ""))
+                r, tail = run_one(w, a)
+                if r is None:
+                    log(f"{w}/{a}: FAILED; last stderr lines:\n    " + "\n    ".join(tail))
+                else:
+                    r["round"] = n + 1
+                collected[(w, a)].append(r)
+                if args.out:  # after every run, so a later crash keeps what was measured
+                    with open(args.out, "w") as f:
+                        for (w2, a2), rs in collected.items():
+                            for r2 in rs:
+                                f.write(json.dumps(r2 if r2 else {"workload": w2, "allocator": a2, "failed": True}) + "\n")
+    merged = {(w, a): merge_rounds(w, collected[(w, a)]) for w in workloads for a in allocators}
     for w in workloads:
-        table(w, allocators, {a: collected[(w, a)] for a in allocators if collected[(w, a)]})
+        table(w, allocators, {a: merged[(w, a)] for a in allocators if merged[(w, a)]})
     print()
     for w in workloads:
-        print(outputs_line(w, allocators, {a: collected[(w, a)] for a in allocators if collected[(w, a)]}))
+        # Every round's outputs are compared, not only the first's.
+        every = {f"{a}#{i + 1}" if args.rounds > 1 else a: r
+                 for a in allocators for i, r in enumerate(collected[(w, a)]) if r}
+        print(outputs_line(w, allocators, every))
 
 
 def main():
@@ -309,6 +348,7 @@ def main():
     a = sub.add_parser("all", help="every (workload, allocator) in its own process, then the tables")
     a.add_argument("--workloads", default=",".join(WORKLOADS))
     a.add_argument("--allocators", default=",".join(ALLOCATORS))
+    a.add_argument("--rounds", type=int, default=1)
     a.add_argument("--out")
     args = ap.parse_args()
     if args.mode == "run":

@@ -8,14 +8,29 @@ block count stays), that letting go frees it (`torch.cuda.ipc_collect()`), and t
 processes end with no live block and nothing imported. Prints one JSON line last:
 tensors/s through the queue (consumer start-up excluded) and the checks.
 
-    python3 scripts/share_check.py --allocator arena --tensors 1000
+    python3 scripts/share_check.py --allocator arena --tensors 1000 [--profile DIR]
+
+--profile DIR: the producer's pickling (where it exports) and the consumer's receiving and
+checking are profiled (cProfile) over the measured exchange; the functions by cumulative
+time go to DIR/{producer,consumer}-ALLOCATOR.txt.
 """
 import argparse
+import cProfile
+import io
 import json
 import math
 import os
+import pstats
 import random
 import time
+
+
+def write_profile(prof, path):
+    """The top of `prof` by cumulative time, to `path`."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
 
 DTYPES = ["float32", "bfloat16", "uint8", "int64"]
 
@@ -47,7 +62,7 @@ def setup(allocator):
         gpupool.torch.install()
 
 
-def consumer(allocator, inq, outq):
+def consumer(allocator, inq, outq, profile=None):
     setup(allocator)
     import torch
     torch.cuda.init()
@@ -55,10 +70,18 @@ def consumer(allocator, inq, outq):
     outq.put("ready")
     held = []
     receive = check = 0.0
+    prof = cProfile.Profile() if profile else None
     while True:
         t0 = time.perf_counter()
+        if prof:
+            prof.enable()
         msg = inq.get()
         t1 = time.perf_counter()
+        if prof and isinstance(msg, str):
+            prof.disable()
+            if msg in ("report", "release"):  # the measured exchange is over
+                write_profile(prof, os.path.join(profile, f"consumer-{allocator}.txt"))
+                prof = None
         if msg == "release":
             held.clear()
             torch.cuda.synchronize()
@@ -85,6 +108,8 @@ def consumer(allocator, inq, outq):
         torch.cuda.synchronize()
         receive += t1 - t0
         check += time.perf_counter() - t1
+        if prof:
+            prof.disable()
         outq.put(("checked", [m[0] for m in msg], bad, receive, check))
         del msg, t, want  # only `held` keeps what was received
 
@@ -105,13 +130,14 @@ def main():
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--profile", metavar="DIR")
     a = ap.parse_args()
     setup(a.allocator)
     import torch
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     inq, outq = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=consumer, args=(a.allocator, inq, outq), daemon=True)
+    child = ctx.Process(target=consumer, args=(a.allocator, inq, outq, a.profile), daemon=True)
     child.start()
     assert outq.get(timeout=300) == "ready"
     dev = torch.device("cuda", 0)
@@ -120,6 +146,28 @@ def main():
     torch.cuda.synchronize()
     result = {"allocator": a.allocator, "tensors": a.tensors, "bytes": sum(t.numel() * t.element_size() for t in tensors)}
     bad = []
+    prof = cProfile.Profile() if a.profile else None
+    if prof:
+        # The queue pickles (and so exports) on its feeder thread: profile every pickling.
+        from multiprocessing.reduction import ForkingPickler
+        pickle_now = ForkingPickler.dumps
+
+        depth = [0]
+
+        def dumps(cls, obj, protocol=None):
+            # Reentrant: gpupool's route wraps the pickler again at its first send, and a
+            # profiler enabled twice is an error.
+            depth[0] += 1
+            if depth[0] == 1:
+                prof.enable()
+            try:
+                return pickle_now(obj, protocol)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    prof.disable()
+        dumps._gpupool = getattr(pickle_now, "_gpupool", False)  # routed already: no second route
+        ForkingPickler.dumps = classmethod(dumps)
     t0 = time.perf_counter()
     for s in range(0, a.tensors, a.batch):
         batch = []
@@ -136,6 +184,8 @@ def main():
         done += len(set(ids))
         bad += b
     elapsed = time.perf_counter() - t0
+    if prof:
+        write_profile(prof, os.path.join(a.profile, f"producer-{a.allocator}.txt"))
     result["tensors_per_s"] = round(a.tensors / elapsed, 1)
     # Where the consumer's time went: in `get` (waiting, unpickling: the imports) and in
     # checking and changing the tensors.
