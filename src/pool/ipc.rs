@@ -14,7 +14,7 @@ use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
 use crate::upstream::export_record::ExportRecord;
-use crate::upstream::shared::{raise_fd_limit, start_time_of, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
+use crate::upstream::shared::{raise_fd_limit, own_start_time, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -69,7 +69,7 @@ impl Pool {
                 ))
             })?;
             let pid = std::process::id();
-            let d = LegacyDescriptor { pid, device, start_time: start_time_of(pid), handle, offset: (ptr - segment) as u64, size: size as u64 };
+            let d = LegacyDescriptor { pid, device, start_time: own_start_time(), handle, offset: (ptr - segment) as u64, size: size as u64 };
             return Ok(d.encode());
         };
         // The granules' shareable handles and the record come before the guard that keeps
@@ -84,9 +84,19 @@ impl Pool {
         let (first, end) = self.core.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
         // Each granule's file identity goes along, so an importer can tell the exported file
         // from whatever its number names later (`shared.rs`, "Trust").
+        // (The granules of one allocation share its descriptor: one fstat for them.)
+        let mut last: Option<(i32, FileId)> = None;
         let granules = (first..end)
             .step_by(g)
-            .map(|a| self.core.upstream.vmm_export(a).and_then(|s| Ok(SharedGranule { file: FileId::of(s.fd)?, ..s })))
+            .map(|a| {
+                let s = self.core.upstream.vmm_export(a)?;
+                let file = match last {
+                    Some((fd, file)) if fd == s.fd => file,
+                    _ => FileId::of(s.fd)?,
+                };
+                last = Some((s.fd, file));
+                Ok(SharedGranule { file, ..s })
+            })
             .collect::<Result<Vec<_>>>()?;
         let record = ExportRecord::add(&granules.iter().map(|g| (g.fd, g.offset)).collect::<Vec<_>>())?;
         // The importer maps whole granules: nothing else may live in the block's (unless
@@ -108,7 +118,7 @@ impl Pool {
         let d = Descriptor {
             kind: self.core.upstream.vmm_share_kind(),
             pid: std::process::id(),
-            start_time: start_time_of(std::process::id()),
+            start_time: own_start_time(),
             record,
             device: self.core.device,
             granule: g as u64,

@@ -81,6 +81,18 @@ pub fn start_time_of(pid: u32) -> u64 {
     stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(19)).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// This process's start time (`start_time_of` its pid), read from `/proc` once per process:
+/// every export carries it, and a forked child (another pid) reads its own.
+pub fn own_start_time() -> u64 {
+    static CACHED: std::sync::Mutex<(u32, u64)> = std::sync::Mutex::new((0, 0));
+    let pid = std::process::id();
+    let mut c = CACHED.lock().unwrap_or_else(|e| e.into_inner());
+    if c.0 != pid || c.1 == 0 {
+        *c = (pid, start_time_of(pid));
+    }
+    c.1
+}
+
 /// Which memory a descriptor describes (an importer maps only its own kind).
 pub const KIND_CUDA: u32 = 1;
 pub const KIND_HOST: u32 = 2;
