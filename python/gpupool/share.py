@@ -48,22 +48,16 @@ class Fds:
     """File descriptors that travel inside a pickle to the one process that calls
     `detach()` (once), handed over by multiprocessing's resource sharer. Made while
     multiprocessing pickles a message (its queues, pipes, `ForkingPickler.dumps`), every
-    send in the message goes in one handover (`_Bundle`); otherwise each on its own."""
+    send in the message goes in one handover (`_Bundle`), each descriptor once; otherwise
+    each on its own."""
 
     def __init__(self, fds):
-        dups = [os.dup(f) for f in fds]
-        bundle = getattr(_scope, "bundle", None)
-        if bundle is None:
-            bundle = _Bundle()
-            self.start = bundle.add(dups)
-            self.ident = bundle.ident
-        else:
-            self.start = bundle.add(dups)
-            self.ident = bundle.ident
-        self.n = len(dups)
+        bundle = getattr(_scope, "bundle", None) or _Bundle()
+        self.at = tuple(bundle.add(fds))
+        self.ident = bundle.ident
 
     def __reduce__(self):
-        return (_fds_from, (self.ident, self.start, self.n))
+        return (_fds_from, (self.ident, self.at))
 
     def detach(self):
         """This process's copies of the descriptors (the caller closes them)."""
@@ -73,12 +67,13 @@ class Fds:
             got = _Received(_fetch(self.ident))
             with _lock:
                 got = _received.setdefault(self.ident, got)
-        return got.take(self.ident, self.start, self.n)
+        return got.take(self.ident, self.at)
 
 
-def _fds_from(ident, start, n):
+def _fds_from(ident, at, n=None):
     f = Fds.__new__(Fds)
-    f.ident, f.start, f.n = ident, start, n
+    # (A send from a sender before handovers held each descriptor once: a start and a count.)
+    f.ident, f.at = ident, tuple(range(at, at + n)) if n is not None else at
     return f
 
 
@@ -88,23 +83,37 @@ _scope = threading.local()  # .bundle: the handover of the message being pickled
 class _Bundle:
     """The descriptors of one message's sends: registered with the resource sharer when the
     first is added (the importer connects only once the message has arrived, so later ones
-    go along), handed over in one connection, closed here after."""
+    go along), handed over in one connection, closed here after. Each descriptor goes once
+    however many sends name it (the holds file goes with every send; blocks in one chunk
+    name the same one)."""
 
     def __init__(self):
-        self.fds = []
+        self.fds = []    # this process's copies, one per descriptor
+        self.at = {}     # the library's descriptor number -> its copy's index in `fds`
+        self.sends = 0
         self.ident = None
 
-    def add(self, dups):
+    def add(self, fds):
+        """Where each of `fds` (the library's descriptors) is in this handover. A number seen
+        earlier in the same handover still names the same file: the library closes a
+        descriptor only when its memory goes (or, the holds file, never), and the block of
+        every send in the handover stays allocated, held, until its importer lets go."""
         if self.ident is None:
             from multiprocessing import resource_sharer
             self.ident = resource_sharer._resource_sharer.register(self._send, self._close)
-        start = len(self.fds)
-        self.fds += dups
-        return start
+        out = []
+        for f in fds:
+            j = self.at.get(f)
+            if j is None:
+                self.fds.append(os.dup(f))
+                j = self.at[f] = len(self.fds) - 1
+            out.append(j)
+        self.sends += 1
+        return out
 
     def _send(self, conn, _pid):
         from multiprocessing import reduction
-        conn.send(len(self.fds))
+        conn.send((len(self.fds), self.sends))
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
             for i in range(0, len(self.fds), _FDS_PER_MESSAGE):
                 reduction.sendfds(s, self.fds[i:i + _FDS_PER_MESSAGE])
@@ -113,6 +122,7 @@ class _Bundle:
         for f in self.fds:
             os.close(f)
         self.fds = []
+        self.at = {}
 
     def drop(self):
         """The message was never sent: close the descriptors and withdraw the handover."""
@@ -123,30 +133,42 @@ class _Bundle:
 
 
 def _fetch(ident):
+    """A handover's descriptors, and how many sends share them (None: a sender before
+    handovers held each descriptor once, one send's each)."""
     from multiprocessing import reduction, resource_sharer
     out = []
     with resource_sharer._resource_sharer.get_connection(ident) as conn:
         n = conn.recv()
+        n, sends = n if isinstance(n, tuple) else (n, None)
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
             while len(out) < n:
                 out += reduction.recvfds(s, min(_FDS_PER_MESSAGE, n - len(out)))
-    return out
+    return out, sends
 
 
 class _Received:
-    """A handover's descriptors here, until every send in it took its own."""
+    """A handover's descriptors here, until every send in it took its own copies (closed
+    then: the sends' copies are theirs)."""
 
-    def __init__(self, fds):
-        self.fds = fds
-        self.left = len(fds)
+    def __init__(self, got):
+        self.fds, self.sends = got
+        self.left = len(self.fds) if self.sends is None else self.sends
 
-    def take(self, ident, start, n):
-        mine = self.fds[start:start + n]
-        with _lock:
-            self.left -= n
-            if self.left <= 0:
-                _received.pop(ident, None)
-        return mine
+    def take(self, ident, at):
+        try:
+            if self.sends is None:  # each descriptor is one send's: handed over as it is
+                return [self.fds[i] for i in at]
+            return [os.dup(self.fds[i]) for i in at]
+        finally:
+            with _lock:
+                self.left -= len(at) if self.sends is None else 1
+                done = self.left <= 0
+                if done:
+                    _received.pop(ident, None)
+            if done and self.sends is not None:
+                for f in self.fds:
+                    os.close(f)
+                self.fds = []
 
 
 _received = {}  # handover -> its descriptors here, while some send in it has not taken its own

@@ -75,7 +75,7 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
         sents = [gpupool.share.export(p, n, 0, k) for p, n, k in zip(ptrs, sizes, keeps)]
         del keeps
         chunked = sents[-1]
-        assert len(chunked.order) == 33 and chunked.fds.n == 1 + len(set(chunked.order)) == 2, (chunked.order, chunked.fds.n)
+        assert len(chunked.order) == 33 and len(chunked.fds.at) == 1 + len(set(chunked.order)) == 2, (chunked.order, chunked.fds.at)
         ctx = multiprocessing.get_context("spawn")
         inq, outq = ctx.Queue(), ctx.Queue()
         child = ctx.Process(target=share_child.consume, args=(inq, outq), daemon=True)
@@ -166,9 +166,12 @@ def opened(sent):
     return data
 
 def consume(inq, outq):
+    import os
     gpupool.configure(0, pool="arena", upstream="host")
+    before = len(os.listdir("/proc/self/fd"))
     outq.put(inq.get())
     outq.put(len(gpupool.share._received))
+    outq.put(len(os.listdir("/proc/self/fd")) - before)
 """
 
 
@@ -194,13 +197,24 @@ def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_pa
         child = ctx.Process(target=lazy_child.consume, args=(inq, outq), daemon=True)
         child.start()
         registered = len(resource_sharer._resource_sharer._cache)
-        handovers = []
+        handovers, bundles = [], []
         register = resource_sharer._resource_sharer.register
         resource_sharer._resource_sharer.register = lambda *a: handovers.append(1) or register(*a)
+        add = gpupool.share._Bundle.add
+
+        def spy(b, fds):
+            at = add(b, fds)
+            bundles.append((id(b), len(b.fds), b.sends))
+            return at
+        gpupool.share._Bundle.add = spy
         inq.put([lazy_child.Lazy(p, (i + 1) << 20) for i, p in enumerate(ptrs)])
         assert outq.get(timeout=60) == [b"blk" + bytes([48 + i]) for i in range(5)]
         assert outq.get(timeout=60) == 0, "every descriptor received was taken"
+        assert outq.get(timeout=60) == 0, "the child closed every descriptor it received"
         assert len(handovers) == 1, f"{len(handovers)} handovers for one message"
+        # Each descriptor once: the holds file and (on the host) the one file under every
+        # granule, for five sends.
+        assert len({b[0] for b in bundles}) == 1 and bundles[-1][1:] == (2, 5), bundles
         # One handover for the five sends, taken by the child (nothing left registered).
         assert len(resource_sharer._resource_sharer._cache) == registered, resource_sharer._resource_sharer._cache
         assert gpupool.share.collect() == 0, "the child let go of all five"
