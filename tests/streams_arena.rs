@@ -127,3 +127,29 @@ fn a_loan_ended_under_pressure_gives_its_home_back_only_after_its_users_work() {
     }
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn a_decay_trim_before_an_arena_growth_waits_for_the_requesters_own_frees_with_its_event() {
+    // Batched records (the default): A's frees wait for its next record. A growth whose
+    // decay trim gives them back covers them first with A's event, so the trim waits on
+    // that event, not on the whole device.
+    let dev = Arc::new(streams_support::Device::default());
+    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, decay_window: 8, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let a = p.malloc(8 * MIB, A).unwrap();
+    p.free(a, A).unwrap();
+    for _ in 0..64 {
+        // Decay's recent peak falls to these small blocks' size.
+        let s = p.malloc(4096, A).unwrap();
+        p.free(s, A).unwrap();
+    }
+    log(&dev);
+    let big = p.malloc(16 * MIB, A).unwrap();
+    let l = log(&dev);
+    let unmap = l.iter().position(|x| x.starts_with("unmap")).expect("the trim gave memory back");
+    let record = l.iter().position(|x| x.starts_with("record") && x.ends_with(&format!("on {A:#x}"))).expect("A's frees recorded");
+    assert!(record < unmap, "{l:?}");
+    assert!(!l.iter().any(|x| x == "device sync"), "a device-wide wait for A's own frees: {l:?}");
+    p.free(big, A).unwrap();
+}

@@ -82,7 +82,7 @@ impl Grower for ArenaGrowth {
         if stage == Stage::AsIs {
             // Decay trims before planning: a release after it could unmap what the plan
             // counts on.
-            pool.decay_before_grow(rounded);
+            pool.decay_before_grow(rounded, key, stream);
         }
         // Once memory had to be released for this request, new memory is mapped granule by
         // granule: a chunk partly in use could be neither stitched nor released later.
@@ -96,8 +96,14 @@ impl Grower for ArenaGrowth {
             let served = match plan {
                 None => return Ok(Attempt::Nothing),
                 Some(Growth::Evict { id }) => {
-                    // A stitch whose alias removal failed is left broken (never chosen
-                    // again); one whose stream could not be waited for stays cached.
+                    // Removing the aliases waits for the stream that last freed the stitch;
+                    // when that is this one, its frees are covered first (an event, not a
+                    // device-wide wait). A stitch whose alias removal failed is left broken
+                    // (never chosen again); one whose stream could not be waited for stays
+                    // cached.
+                    if pool.arena_ref().stitch_last_stream(id) == Some(key) {
+                        pool.cover_frees_before_growth(key, stream);
+                    }
                     if pool.drop_stitch(id).is_err() {
                         may_evict = false;
                     }

@@ -76,7 +76,7 @@ impl Grower for SegmentGrowth {
         let mut by_limit = false;
         for &seg_size in &sizes[..n] {
             if stage == Stage::AsIs {
-                pool.decay_before_grow(seg_size);
+                pool.decay_before_grow(seg_size, key, stream);
             }
             let Some(got) = pool.within_budget(seg_size, |up| up.allocate(seg_size, stream)) else {
                 by_limit = seg_size == rounded;

@@ -13,9 +13,14 @@ use crate::upstream::AllocError;
 impl Pool {
     /// About to reserve `grow` more bytes because no cached block fits: first give back
     /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
-    /// this request anyway.
-    pub(super) fn decay_before_grow(&mut self, grow: usize) {
+    /// this request anyway. `key`/`stream`: the requester's stream.
+    pub(super) fn decay_before_grow(&mut self, grow: usize, key: StreamKey, stream: StreamHandle) {
         if let Some(cap) = self.limits.decay_cap(self.rec.c.used, grow) {
+            if self.rec.c.reserved > cap {
+                // A trim waits for the streams whose free memory it gives back: this one's
+                // frees, left for its next batched record, would cost a device-wide wait.
+                self.cover_frees_before_growth(key, stream);
+            }
             self.shrink_to(cap);
         }
     }
