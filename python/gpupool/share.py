@@ -51,9 +51,9 @@ class Fds:
     send in the message goes in one handover (`_Bundle`), each descriptor once; otherwise
     each on its own."""
 
-    def __init__(self, fds):
+    def __init__(self, fds, hold=None):
         bundle = getattr(_scope, "bundle", None) or _Bundle()
-        self.at = tuple(bundle.add(fds))
+        self.at = tuple(bundle.add(fds, hold))
         self.ident = bundle.ident
 
     def __reduce__(self):
@@ -63,21 +63,24 @@ class Fds:
         """This process's copies of the descriptors (the caller closes them)."""
         with _lock:
             got = _received.get(self.ident)
-        if got is None:
-            got = _Received(_fetch(self.ident))
-            with _lock:
-                got = _received.setdefault(self.ident, got)
-        return got.take(self.ident, self.at)
+            if got is None:
+                got = _received[self.ident] = _Received(self.ident)
+        return got.take(self.at)
 
 
 def _fds_from(ident, at, n=None):
+    # A process that receives sends routes its own messages too (from the next one on:
+    # this one is being unpickled already).
+    route_multiprocessing()
     f = Fds.__new__(Fds)
     # (A send from a sender before handovers held each descriptor once: a start and a count.)
     f.ident, f.at = ident, tuple(range(at, at + n)) if n is not None else at
     return f
 
 
-_scope = threading.local()  # .bundle: the handover of the message being pickled on this thread
+# .bundle: the handover of the message being pickled on this thread; .fetched: the
+# handovers fetched while unpickling a message on this thread.
+_scope = threading.local()
 
 
 class _Bundle:
@@ -91,9 +94,10 @@ class _Bundle:
         self.fds = []    # this process's copies, one per descriptor
         self.at = {}     # the library's descriptor number -> its copy's index in `fds`
         self.sends = 0
+        self.holds = []  # (holds descriptor, slot) of each send, released if never sent
         self.ident = None
 
-    def add(self, fds):
+    def add(self, fds, hold=None):
         """Where each of `fds` (the library's descriptors) is in this handover. A number seen
         earlier in the same handover still names the same file: the library closes a
         descriptor only when its memory goes (or, the holds file, never), and the block of
@@ -109,6 +113,8 @@ class _Bundle:
                 j = self.at[f] = len(self.fds) - 1
             out.append(j)
         self.sends += 1
+        if hold is not None:
+            self.holds.append(hold)
         return out
 
     def _send(self, conn, _pid):
@@ -125,11 +131,17 @@ class _Bundle:
         self.at = {}
 
     def drop(self):
-        """The message was never sent: close the descriptors and withdraw the handover."""
+        """The message was never sent: close the descriptors, withdraw the handover, and
+        release the sends' holds (no importer will), so their blocks can be freed."""
         if self.ident is not None:
             from multiprocessing import resource_sharer
             resource_sharer._resource_sharer._cache.pop(self.ident[1], None)
         self._close()
+        for fd, slot in self.holds:
+            lib().gpupool_share_release(fd, slot)
+            with _lock:
+                _sent.pop(slot, None)
+        self.holds = []
 
 
 def _fetch(ident):
@@ -147,28 +159,69 @@ def _fetch(ident):
 
 
 class _Received:
-    """A handover's descriptors here, until every send in it took its own copies (closed
-    then: the sends' copies are theirs)."""
+    """A handover's descriptors here: fetched once, by the first of its sends to be taken
+    (whichever thread), kept until every send in it took its own copies, closed then (the
+    sends' copies are theirs)."""
 
-    def __init__(self, got):
-        self.fds, self.sends = got
-        self.left = len(self.fds) if self.sends is None else self.sends
+    def __init__(self, ident):
+        self.ident = ident
+        self.lock = threading.Lock()
+        self.fds = None
+        self.sends = None
+        self.left = 0
+        self.given = set()  # (a sender before handovers held each descriptor once) indices handed out
+        self.closed = False
 
-    def take(self, ident, at):
-        try:
+    def take(self, at):
+        with self.lock:
+            if self.closed:
+                raise GpupoolError(2, "gpupool: a shared block's descriptors were taken already, or its message "
+                                      "failed to unpickle: a send opens once")
+            if self.fds is None:
+                try:
+                    self.fds, self.sends = _fetch(self.ident)
+                except BaseException:
+                    self._close()  # the sender serves a handover once: its other sends fail too
+                    raise
+                self.left = len(self.fds) if self.sends is None else self.sends
+                fetched = getattr(_scope, "fetched", None)
+                if fetched is not None:
+                    fetched.append(self)
             if self.sends is None:  # each descriptor is one send's: handed over as it is
-                return [self.fds[i] for i in at]
-            return [os.dup(self.fds[i]) for i in at]
-        finally:
-            with _lock:
-                self.left -= len(at) if self.sends is None else 1
-                done = self.left <= 0
-                if done:
-                    _received.pop(ident, None)
-            if done and self.sends is not None:
-                for f in self.fds:
-                    os.close(f)
-                self.fds = []
+                mine = [self.fds[i] for i in at]
+                self.given.update(at)
+            else:
+                mine = []
+                try:
+                    for i in at:
+                        mine.append(os.dup(self.fds[i]))
+                except BaseException:
+                    for f in mine:
+                        os.close(f)
+                    raise
+            self.left -= len(at) if self.sends is None else 1
+            if self.left <= 0:
+                self._close()
+            return mine
+
+    def abandon(self):
+        """The message these sends came in failed to unpickle: the sends not taken yet
+        never will be."""
+        with self.lock:
+            if not self.closed:
+                self._close()
+
+    def _close(self):
+        """(Under `self.lock`.) Close what is left here (not what was handed out) and
+        forget the handover."""
+        for i, f in enumerate(self.fds or []):
+            if i not in self.given:
+                os.close(f)
+        self.fds = []
+        self.closed = True
+        with _lock:
+            if _received.get(self.ident) is self:
+                del _received[self.ident]
 
 
 _received = {}  # handover -> its descriptors here, while some send in it has not taken its own
@@ -191,13 +244,33 @@ def _dumps_in_one_handover(orig):
     return classmethod(dumps)
 
 
+def _loads_closing_on_failure(orig):
+    """`ForkingPickler.loads` that, when unpickling a message fails partway, closes the
+    handovers its sends opened: the sends after the failure are never taken."""
+    def loads(*args, **kwargs):
+        outer = getattr(_scope, "fetched", None)
+        fetched = _scope.fetched = []
+        try:
+            return orig(*args, **kwargs)
+        except BaseException:
+            for r in fetched:
+                r.abandon()
+            raise
+        finally:
+            _scope.fetched = outer
+    loads._gpupool = True
+    return staticmethod(loads)
+
+
 def route_multiprocessing():
-    """Make multiprocessing's pickler put every send of one message in one handover
-    (`torch.multiprocessing` and `gpupool.cupy.share` call this). Idempotent."""
+    """Make multiprocessing's pickler put every send of one message in one handover, and
+    its unpickler close a handover whose message failed to unpickle (`torch.multiprocessing`
+    and `gpupool.cupy.share` call this). Idempotent."""
     from multiprocessing.reduction import ForkingPickler
     if getattr(ForkingPickler.dumps, "_gpupool", False):
         return
     ForkingPickler.dumps = _dumps_in_one_handover(ForkingPickler.dumps.__func__)
+    ForkingPickler.loads = _loads_closing_on_failure(ForkingPickler.loads)
 
 
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
@@ -240,7 +313,7 @@ def export(ptr, size, device, keep):
     _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
     try:
         uniq, order = _unique(ipc_descriptor_fds(desc))
-        fds = Fds([hfd.value] + uniq)
+        fds = Fds([hfd.value] + uniq, hold=(hfd.value, slot.value))
     except BaseException:
         L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
         _held(slot.value)

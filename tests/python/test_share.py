@@ -202,8 +202,8 @@ def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_pa
         resource_sharer._resource_sharer.register = lambda *a: handovers.append(1) or register(*a)
         add = gpupool.share._Bundle.add
 
-        def spy(b, fds):
-            at = add(b, fds)
+        def spy(b, fds, hold=None):
+            at = add(b, fds, hold)
             bundles.append((id(b), len(b.fds), b.sends))
             return at
         gpupool.share._Bundle.add = spy
@@ -221,6 +221,85 @@ def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_pa
         child.join(60)
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    assert "ok" in out
+
+
+BOOM_CHILD = LAZY_CHILD + """
+def boom():
+    raise ValueError("boom")
+
+class Boom:
+    def __reduce__(self):
+        return (boom, ())
+
+def consume_failing(inq, outq):
+    import os
+    gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()  # as gpupool.torch.install() does in every process
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        inq.get()
+        outq.put("unpickled")
+    except ValueError as e:
+        outq.put(str(e))
+    outq.put((len(gpupool.share._received), len(os.listdir("/proc/self/fd")) - before))
+"""
+
+
+def test_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(library, tmp_path):
+    # Three things in one message: a send taken, an object whose rebuild raises, a send
+    # never taken. The handover's descriptors are closed all the same.
+    (tmp_path / "boom_child.py").write_text(textwrap.dedent(BOOM_CHILD))
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import boom_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        L = gpupool.lib()
+        ptrs = []
+        for i in range(2):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None) == 0
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=boom_child.consume_failing, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.Boom(), boom_child.Lazy(ptrs[1], 1 << 20)])
+        assert outq.get(timeout=60) == "boom"
+        assert outq.get(timeout=60) == (0, 0), "the child kept the handover or its descriptors"
+        child.join(60)
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    assert "ok" in out
+
+
+def test_a_message_that_fails_to_pickle_releases_its_sends_holds_on_host(library, tmp_path):
+    (tmp_path / "lazy_child.py").write_text(textwrap.dedent(LAZY_CHILD))
+    out = ok(run_py("""
+        import ctypes, os, sys, gpupool
+        from multiprocessing.reduction import ForkingPickler
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import lazy_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        L = gpupool.lib()
+        p = ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None) == 0
+
+        class Unpicklable:
+            def __reduce__(self):
+                raise TypeError("not picklable")
+        try:
+            ForkingPickler.dumps([lazy_child.Lazy(p.value, 1 << 20), Unpicklable()])
+            raise SystemExit("pickled")
+        except TypeError:
+            pass
+        assert gpupool.share.outstanding() == 0 and gpupool.share.collect() == 0, "the unsent send still holds"
+        assert L.gpupool_free(p, 0, None) == 0
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=120))
     assert "ok" in out
 
 
