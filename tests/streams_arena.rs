@@ -153,3 +153,22 @@ fn a_decay_trim_before_an_arena_growth_waits_for_the_requesters_own_frees_with_i
     assert!(!l.iter().any(|x| x == "device sync"), "a device-wide wait for A's own frees: {l:?}");
     p.free(big, A).unwrap();
 }
+
+#[test]
+fn the_decay_trim_of_an_allocation_waits_for_the_allocating_streams_own_frees_with_its_event() {
+    // Decay also trims once an epoch inside an allocation, not only before a growth.
+    let dev = Arc::new(streams_support::Device::default());
+    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, decay_window: 8, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let a = p.malloc(8 * MIB, A).unwrap();
+    p.free(a, A).unwrap();
+    log(&dev);
+    for _ in 0..64 {
+        let s = p.malloc(4096, A).unwrap();
+        p.free(s, A).unwrap();
+    }
+    let l = log(&dev);
+    assert!(l.iter().any(|x| x.starts_with("unmap")), "the trim gave memory back: {l:?}");
+    assert!(!l.iter().any(|x| x == "device sync"), "a device-wide wait for A's own frees: {l:?}");
+}

@@ -171,17 +171,22 @@ class _Received:
         self.left = 0
         self.given = set()  # (a sender before handovers held each descriptor once) indices handed out
         self.closed = False
+        self.error = None   # why the fetch failed, for every send of the handover
 
     def take(self, at):
         with self.lock:
+            if self.error is not None:
+                raise self.error
             if self.closed:
                 raise GpupoolError(2, "gpupool: a shared block's descriptors were taken already, or its message "
                                       "failed to unpickle: a send opens once")
             if self.fds is None:
                 try:
                     self.fds, self.sends = _fetch(self.ident)
-                except BaseException:
-                    self._close()  # the sender serves a handover once: its other sends fail too
+                except BaseException as e:
+                    # The sender serves a handover once: its other sends fail the same way.
+                    self.error = e
+                    self._close()
                     raise
                 self.left = len(self.fds) if self.sends is None else self.sends
                 fetched = getattr(_scope, "fetched", None)
@@ -230,8 +235,9 @@ _received = {}  # handover -> its descriptors here, while some send in it has no
 def _dumps_in_one_handover(orig):
     """`ForkingPickler.dumps` with every send of the message in one handover."""
     def dumps(cls, obj, protocol=None):
-        if getattr(_scope, "bundle", None) is not None:
-            return orig(cls, obj, protocol)
+        # A message pickled while another is (a reducer's own `dumps`) is a message of its
+        # own: its handover must not be withdrawn if the outer one fails.
+        outer = getattr(_scope, "bundle", None)
         bundle = _scope.bundle = _Bundle()
         try:
             return orig(cls, obj, protocol)
@@ -239,7 +245,7 @@ def _dumps_in_one_handover(orig):
             bundle.drop()
             raise
         finally:
-            _scope.bundle = None
+            _scope.bundle = outer
     dumps._gpupool = True
     return classmethod(dumps)
 
@@ -251,14 +257,19 @@ def _loads_closing_on_failure(orig):
         outer = getattr(_scope, "fetched", None)
         fetched = _scope.fetched = []
         try:
-            return orig(*args, **kwargs)
+            got = orig(*args, **kwargs)
         except BaseException:
             for r in fetched:
                 r.abandon()
             raise
         finally:
             _scope.fetched = outer
+        if outer is not None:
+            outer.extend(fetched)  # a message inside a message: the outer one may still fail
+        return got
     loads._gpupool = True
+    # Picklable by reference, as the function it stands in for.
+    loads.__module__, loads.__qualname__ = "multiprocessing.reduction", "ForkingPickler.loads"
     return staticmethod(loads)
 
 

@@ -102,7 +102,7 @@ impl Grower for ArenaGrowth {
                     // (never chosen again); one whose stream could not be waited for stays
                     // cached.
                     if pool.arena_ref().stitch_last_stream(id) == Some(key) {
-                        pool.cover_frees_before_growth(key, stream);
+                        pool.cover_own_frees(key, stream);
                     }
                     if pool.drop_stitch(id).is_err() {
                         may_evict = false;
@@ -111,7 +111,7 @@ impl Grower for ArenaGrowth {
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
                 Some(Growth::Stitch { base, homes, fresh, take }) => {
-                    pool.cover_frees_before_growth(key, stream);
+                    pool.cover_own_frees(key, stream);
                     pool.make_stitch(base, homes, &fresh, take, key, stream)
                 }
                 Some(Growth::Window { space, window }) => {
@@ -124,7 +124,7 @@ impl Grower for ArenaGrowth {
                         Some(b) => Ok(b),
                         None => {
                             if !window.targets.is_empty() {
-                                pool.cover_frees_before_growth(key, stream);
+                                pool.cover_own_frees(key, stream);
                             }
                             pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key))
                         }

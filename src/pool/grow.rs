@@ -199,7 +199,7 @@ impl Pool {
             // growths in a steady state are served from mapped memory with no call.
             return self.escalate(&req, retake, &ArenaGrowth);
         }
-        self.cover_frees_before_growth(key, stream);
+        self.cover_own_frees(key, stream);
         let preferred = match self.core.strategy.segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
@@ -207,12 +207,13 @@ impl Pool {
         self.escalate(&req, retake, &SegmentGrowth { preferred })
     }
 
-    /// Before a growth that calls the driver: this call names the stream, so it is alive
-    /// now; cover its earlier frees (those left pending or uncovered) so that other streams
-    /// may use them from here on, at the cost of one event record beside the growth's own
-    /// calls. (Not while the stream captures a graph: an event recorded there belongs to
-    /// the graph.)
-    pub(super) fn cover_frees_before_growth(&mut self, key: StreamKey, stream: StreamHandle) {
+    /// Before a growth that calls the driver, or a release that must wait for the streams
+    /// whose memory it gives back: this call names the stream, so it is alive now; cover
+    /// its earlier frees (those left pending or uncovered) with its event, so that other
+    /// streams may use them, and a release waits for that event, not for the whole device.
+    /// One event record, beside the driver calls the growth or release makes anyway. (Not
+    /// while the stream captures a graph: an event recorded there belongs to the graph.)
+    pub(super) fn cover_own_frees(&mut self, key: StreamKey, stream: StreamHandle) {
         if key != StreamKey::LEGACY && self.core.streams.is_uncovered(key) && !self.capturing(stream, true) {
             let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
         }
@@ -229,6 +230,9 @@ impl Pool {
         for stage in [Stage::AsIs, Stage::ReleaseSome, Stage::ReleaseAll] {
             if stage != Stage::AsIs {
                 self.flush_thread_caches(Some(stream));
+                // What the requester's thread cache held is now its stream's pending
+                // frees: its event covers them, not the device-wide wait below.
+                self.cover_own_frees(key, stream);
                 self.fence_unfenced();
                 // Blocks no event covers may serve once the device is idle: before any
                 // memory goes back.

@@ -232,6 +232,11 @@ impl Pool {
         self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
         if let Some(cap) = self.limits.on_malloc(self.rec.c.used) {
+            if self.rec.c.reserved > cap {
+                // The trim waits for the streams whose memory it gives back: this one's
+                // frees are covered by its event rather than a device-wide wait.
+                self.cover_own_frees(key, stream);
+            }
             self.shrink_to(cap);
         }
         self.verify();

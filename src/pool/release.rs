@@ -19,7 +19,7 @@ impl Pool {
             if self.rec.c.reserved > cap {
                 // A trim waits for the streams whose free memory it gives back: this one's
                 // frees, left for its next batched record, would cost a device-wide wait.
-                self.cover_frees_before_growth(key, stream);
+                self.cover_own_frees(key, stream);
             }
             self.shrink_to(cap);
         }
