@@ -232,6 +232,30 @@ class Boom:
     def __reduce__(self):
         return (boom, ())
 
+def _same(x):
+    return x
+
+class LazyRaw:
+    # Exported while pickled, received as a send nobody opens.
+    def __init__(self, ptr, size):
+        self.ptr, self.size = ptr, size
+
+    def __reduce__(self):
+        return (_same, (gpupool.share.export(self.ptr, self.size, 0, self),))
+
+def unpickle_inner(b):
+    from multiprocessing.reduction import ForkingPickler
+    return ForkingPickler.loads(b)
+
+class Inner:
+    # A message pickled inside the message (its own handover).
+    def __init__(self, items):
+        self.items = items
+
+    def __reduce__(self):
+        from multiprocessing.reduction import ForkingPickler
+        return (unpickle_inner, (bytes(ForkingPickler.dumps(self.items)),))
+
 def consume_failing(inq, outq):
     import os
     gpupool.configure(0, pool="arena", upstream="host")
@@ -269,6 +293,36 @@ def test_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(libr
         inq.put([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.Boom(), boom_child.Lazy(ptrs[1], 1 << 20)])
         assert outq.get(timeout=60) == "boom"
         assert outq.get(timeout=60) == (0, 0), "the child kept the handover or its descriptors"
+        child.join(60)
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    assert "ok" in out
+
+
+def test_a_message_inside_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(library, tmp_path):
+    # The inner message unpickles (one send opened, one not), then the outer one fails:
+    # the inner handover, with a send never taken, is closed with the outer message.
+    (tmp_path / "boom_child.py").write_text(textwrap.dedent(BOOM_CHILD))
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import boom_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        L = gpupool.lib()
+        ptrs = []
+        for i in range(2):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None) == 0
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=boom_child.consume_failing, args=(inq, outq), daemon=True)
+        child.start()
+        inner = boom_child.Inner([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.LazyRaw(ptrs[1], 1 << 20)])
+        inq.put([inner, boom_child.Boom()])
+        assert outq.get(timeout=60) == "boom"
+        assert outq.get(timeout=60) == (0, 0), "the child kept the inner handover or its descriptors"
         child.join(60)
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
