@@ -128,15 +128,20 @@ fn a_loan_ended_under_pressure_gives_its_home_back_only_after_its_users_work() {
     p.check_invariants().unwrap();
 }
 
+/// An arena over the busy device with batched records (the default) and decay on.
+fn decaying_arena() -> (Pool, Arc<streams_support::Device>) {
+    let dev = Arc::new(streams_support::Device::default());
+    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, decay_window: 8, ..Default::default() };
+    (Pool::new(0, Box::new(up), &opts).unwrap(), dev)
+}
+
 #[test]
 fn a_decay_trim_before_an_arena_growth_waits_for_the_requesters_own_frees_with_its_event() {
     // Batched records (the default): A's frees wait for its next record. A growth whose
     // decay trim gives them back covers them first with A's event, so the trim waits on
     // that event, not on the whole device.
-    let dev = Arc::new(streams_support::Device::default());
-    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, decay_window: 8, ..Default::default() };
-    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let (mut p, dev) = decaying_arena();
     let a = p.malloc(8 * MIB, A).unwrap();
     p.free(a, A).unwrap();
     for _ in 0..64 {
@@ -157,10 +162,7 @@ fn a_decay_trim_before_an_arena_growth_waits_for_the_requesters_own_frees_with_i
 #[test]
 fn the_decay_trim_of_an_allocation_waits_for_the_allocating_streams_own_frees_with_its_event() {
     // Decay also trims once an epoch inside an allocation, not only before a growth.
-    let dev = Arc::new(streams_support::Device::default());
-    let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, decay_window: 8, ..Default::default() };
-    let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
+    let (mut p, dev) = decaying_arena();
     let a = p.malloc(8 * MIB, A).unwrap();
     p.free(a, A).unwrap();
     log(&dev);

@@ -270,11 +270,12 @@ def consume_failing(inq, outq):
 """
 
 
-def test_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(library, tmp_path):
-    # Three things in one message: a send taken, an object whose rebuild raises, a send
-    # never taken. The handover's descriptors are closed all the same.
+def _boom(tmp_path, message, why):
+    """Send `message` (an expression over `boom_child` and `ptrs`, two 1 MiB blocks) to a
+    consumer whose unpickling of it fails with "boom"; the consumer must end with no
+    handover kept and no descriptor open."""
     (tmp_path / "boom_child.py").write_text(textwrap.dedent(BOOM_CHILD))
-    out = ok(run_py("""
+    out = ok(run_py(f"""
         import ctypes, multiprocessing, os, sys, gpupool
         sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
         import boom_child
@@ -290,43 +291,28 @@ def test_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(libr
         inq, outq = ctx.Queue(), ctx.Queue()
         child = ctx.Process(target=boom_child.consume_failing, args=(inq, outq), daemon=True)
         child.start()
-        inq.put([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.Boom(), boom_child.Lazy(ptrs[1], 1 << 20)])
+        inq.put({message})
         assert outq.get(timeout=60) == "boom"
-        assert outq.get(timeout=60) == (0, 0), "the child kept the handover or its descriptors"
+        assert outq.get(timeout=60) == (0, 0), {why!r}
         child.join(60)
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
     assert "ok" in out
+
+
+def test_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(library, tmp_path):
+    # Three things in one message: a send taken, an object whose rebuild raises, a send
+    # never taken. The handover's descriptors are closed all the same.
+    _boom(tmp_path, "[boom_child.Lazy(ptrs[0], 1 << 20), boom_child.Boom(), boom_child.Lazy(ptrs[1], 1 << 20)]",
+          "the child kept the handover or its descriptors")
 
 
 def test_a_message_inside_a_message_that_fails_to_unpickle_leaves_no_descriptor_open_on_host(library, tmp_path):
     # The inner message unpickles (one send opened, one not), then the outer one fails:
     # the inner handover, with a send never taken, is closed with the outer message.
-    (tmp_path / "boom_child.py").write_text(textwrap.dedent(BOOM_CHILD))
-    out = ok(run_py("""
-        import ctypes, multiprocessing, os, sys, gpupool
-        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
-        import boom_child
-        gpupool.configure(0, pool="arena", upstream="host")
-        gpupool.share.route_multiprocessing()
-        L = gpupool.lib()
-        ptrs = []
-        for i in range(2):
-            p = ctypes.c_void_p()
-            assert L.gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None) == 0
-            ptrs.append(p.value)
-        ctx = multiprocessing.get_context("spawn")
-        inq, outq = ctx.Queue(), ctx.Queue()
-        child = ctx.Process(target=boom_child.consume_failing, args=(inq, outq), daemon=True)
-        child.start()
-        inner = boom_child.Inner([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.LazyRaw(ptrs[1], 1 << 20)])
-        inq.put([inner, boom_child.Boom()])
-        assert outq.get(timeout=60) == "boom"
-        assert outq.get(timeout=60) == (0, 0), "the child kept the inner handover or its descriptors"
-        child.join(60)
-        print("ok")
-    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
-    assert "ok" in out
+    _boom(tmp_path, "[boom_child.Inner([boom_child.Lazy(ptrs[0], 1 << 20), boom_child.LazyRaw(ptrs[1], 1 << 20)]), "
+                    "boom_child.Boom()]",
+          "the child kept the inner handover or its descriptors")
 
 
 def test_a_message_that_fails_to_pickle_releases_its_sends_holds_on_host(library, tmp_path):
