@@ -278,6 +278,52 @@ enum gpupool_status gpupool_release_pool(int device, uint64_t pool_id);
 // without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
 enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 
+// Start a handover of this process for one taker: its ticket (opaque bytes to send inside
+// the message) into `ticket` (`cap` bytes), its length into `*out_len`; `ticket == NULL`
+// with `cap == 0` only asks the length (and starts nothing). The first call starts the
+// library's descriptor thread (an abstract Unix socket that answers only this user).
+//
+// # Safety
+// `ticket` NULL or `cap` writable bytes; `out_len` NULL or writable.
+enum gpupool_status gpupool_handover_new(void *ticket, size_t cap, size_t *out_len);
+
+// Add copies of `fds` (`n`; they stay the caller's) to this process's handover `ticket`
+// and `sends` to the number of sends that name it.
+//
+// # Safety
+// `ticket` must point to `len` readable bytes; `fds` NULL (with `n == 0`) or `n` readable ints.
+enum gpupool_status gpupool_handover_add(const void *ticket,
+                                         size_t len,
+                                         const int *fds,
+                                         size_t n,
+                                         uint32_t sends);
+
+// Withdraw this process's handover `ticket` (its message was never sent): its copies of
+// the descriptors close. Not an error if it was taken or withdrawn already.
+//
+// # Safety
+// `ticket` must point to `len` readable bytes.
+enum gpupool_status gpupool_handover_withdraw(const void *ticket, size_t len);
+
+// Take handover `ticket` from the process that offered it: `*out_fds` receives an array
+// of `*out_n` descriptors, now this process's (close them; free the array with
+// `gpupool_handover_free`), in the order they were added; `*out_sends` how many sends
+// name them. A handover is taken once.
+//
+// # Safety
+// `ticket` must point to `len` readable bytes; the outputs NULL or writable.
+enum gpupool_status gpupool_handover_take(const void *ticket,
+                                          size_t len,
+                                          int **out_fds,
+                                          size_t *out_n,
+                                          uint32_t *out_sends);
+
+// Free an array `gpupool_handover_take` returned (not the descriptors in it). NULL is a no-op.
+//
+// # Safety
+// `fds` NULL or an array from `gpupool_handover_take`, freed once.
+void gpupool_handover_free(int *fds);
+
 // The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it), for
 // another process to open with `gpupool_ipc_open`: an arena block's granules, or a segment
 // pool's (`split`, ...) segment handle (`cuIpcGetMemHandle`) and offset. The descriptor is

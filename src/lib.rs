@@ -24,6 +24,8 @@
 //! - `owners`: which device's pool got an address range (lookups without pool locks).
 //! - `process`: the fork-child flag and at-exit hooks (a leaf every layer may use).
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
+//! - `handover`: file descriptors handed to the process that unpickles a message (the
+//!   transport of the frameworks' process-sharing routes).
 //! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
 //! - `ffi`: every `extern "C"` function.
 
@@ -36,6 +38,7 @@ pub mod pages;
 pub mod fork;
 pub mod holds;
 pub mod ffi;
+pub mod handover;
 pub mod owners;
 pub mod pool;
 pub mod process;

@@ -7,11 +7,14 @@ blocks share their granule with others, as PyTorch's own IPC shares whole segmen
 *hold* (a slot in this process's holds file that the importer clears when it lets go, so
 the block is not freed and reused while another process uses it), and the file
 descriptors behind both. The descriptors travel the way `torch.multiprocessing` sends
-CPU tensors' file descriptors: through multiprocessing's resource sharer, a thread of the
-sending process that hands them over a Unix socket (`SCM_RIGHTS`) to the process that
-unpickles the send, authenticated with the multiprocessing authkey (so between a process
-and the processes it started through multiprocessing, any start method). No ptrace right
-is needed, unlike fetching them by pid.
+CPU tensors' file descriptors, over a Unix socket (`SCM_RIGHTS`) from a thread of the
+sending process to the process that unpickles the send, but the thread is the library's
+(`gpupool_handover_*`, `src/handover.rs`): it needs no interpreter lock, and a receiver
+keeps one connection per sender, so a handover costs a request and a reply instead of a
+new authenticated connection answered by a Python thread. The socket answers only the
+same user, and a handover only whoever has its random key, which travels inside the
+message. (Where the library's thread cannot start, multiprocessing's resource sharer
+carries the handover.) No ptrace right is needed, unlike fetching them by pid.
 
 The importer (`Received.open_dlpack`) maps the block and gets a DLPack tensor whose
 deleter (in the library, no Python) closes the mapping and clears the hold when the
@@ -45,11 +48,10 @@ _FDS_PER_MESSAGE = 250  # the kernel passes at most 253 descriptors per SCM_RIGH
 
 
 class Fds:
-    """File descriptors that travel inside a pickle to the one process that calls
-    `detach()` (once), handed over by multiprocessing's resource sharer. Made while
-    multiprocessing pickles a message (its queues, pipes, `ForkingPickler.dumps`), every
-    send in the message goes in one handover (`_Bundle`), each descriptor once; otherwise
-    each on its own."""
+    """File descriptors that travel inside a pickle to the one process that unpickles it.
+    Made while multiprocessing pickles a message (its queues, pipes,
+    `ForkingPickler.dumps`), every send in the message goes in one handover (`_Bundle`),
+    each descriptor once; otherwise each on its own."""
 
     def __init__(self, fds, hold=None):
         bundle = getattr(_scope, "bundle", None) or _Bundle()
@@ -60,12 +62,16 @@ class Fds:
         return (_fds_from, (self.ident, self.at))
 
     def detach(self):
-        """This process's copies of the descriptors (the caller closes them)."""
+        """This send's descriptors here and who lends them: `(fds, lender)`. With a lender,
+        the descriptors are the handover's, shared with the other sends of the message:
+        use them, then call `lender.done()` (once; do not close them). Without, they are
+        the caller's to close."""
         with _lock:
             got = _received.get(self.ident)
             if got is None:
                 got = _received[self.ident] = _Received(self.ident)
-        return got.take(self.at)
+        fds, lent = got.take(self.at)
+        return fds, (got if lent else None)
 
 
 def _fds_from(ident, at, n=None):
@@ -83,19 +89,34 @@ def _fds_from(ident, at, n=None):
 _scope = threading.local()
 
 
+def _new_ticket():
+    """A new handover of the library's descriptor thread (`gpupool_handover_new`): its
+    ticket, or None where the thread could not start (multiprocessing's resource sharer
+    carries the handover then)."""
+    L, n = lib(), ctypes.c_size_t(0)
+    if L.gpupool_handover_new(None, 0, ctypes.byref(n)) != 0:
+        return None
+    buf = ctypes.create_string_buffer(n.value)
+    _check(L.gpupool_handover_new(buf, n.value, ctypes.byref(n)))
+    return buf.raw[:n.value]
+
+
 class _Bundle:
-    """The descriptors of one message's sends: registered with the resource sharer when the
-    first is added (the importer connects only once the message has arrived, so later ones
-    go along), handed over in one connection, closed here after. Each descriptor goes once
-    however many sends name it (the holds file goes with every send; blocks in one chunk
-    name the same one)."""
+    """The descriptors of one message's sends, in one handover taken by whoever unpickles
+    the message. The library's descriptor thread hands them over (`gpupool_handover_*`:
+    no interpreter lock on either side, one kept connection per sender and receiver);
+    where it cannot run, multiprocessing's resource sharer does (a connection per
+    handover, answered by a Python thread). Opened when the first send is added (the
+    importer asks only once the message has arrived, so later ones go along). Each
+    descriptor goes once however many sends name it (the holds file goes with every send;
+    blocks in one chunk name the same one)."""
 
     def __init__(self):
-        self.fds = []    # this process's copies, one per descriptor
-        self.at = {}     # the library's descriptor number -> its copy's index in `fds`
+        self.at = {}     # the library's descriptor number -> its index in the handover
         self.sends = 0
         self.holds = []  # (holds descriptor, slot) of each send, released if never sent
-        self.ident = None
+        self.ident = None  # the ticket (bytes), or the resource sharer's (address, key)
+        self.fds = []    # (resource sharer) this process's copies, one per descriptor
 
     def add(self, fds, hold=None):
         """Where each of `fds` (the library's descriptors) is in this handover. A number seen
@@ -103,19 +124,33 @@ class _Bundle:
         descriptor only when its memory goes (or, the holds file, never), and the block of
         every send in the handover stays allocated, held, until its importer lets go."""
         if self.ident is None:
-            from multiprocessing import resource_sharer
-            self.ident = resource_sharer._resource_sharer.register(self._send, self._close)
-        out = []
+            self.ident = _new_ticket()
+            if self.ident is None:
+                from multiprocessing import resource_sharer
+                self.ident = resource_sharer._resource_sharer.register(self._send, self._close)
+        new, seen = [], {}
         for f in fds:
-            j = self.at.get(f)
-            if j is None:
-                self.fds.append(os.dup(f))
-                j = self.at[f] = len(self.fds) - 1
-            out.append(j)
+            if f not in self.at and f not in seen:
+                seen[f] = len(self.at) + len(new)
+                new.append(f)
+        if isinstance(self.ident, bytes):
+            arr = (ctypes.c_int * len(new))(*new)
+            _check(lib().gpupool_handover_add(self.ident, len(self.ident), arr, len(new), 1))  # copies them
+        else:
+            copies = []
+            try:
+                for f in new:
+                    copies.append(os.dup(f))
+            except BaseException:
+                for c in copies:
+                    os.close(c)
+                raise
+            self.fds += copies
+        self.at.update(seen)
         self.sends += 1
         if hold is not None:
             self.holds.append(hold)
-        return out
+        return [self.at[f] for f in fds]
 
     def _send(self, conn, _pid):
         from multiprocessing import reduction
@@ -128,12 +163,13 @@ class _Bundle:
         for f in self.fds:
             os.close(f)
         self.fds = []
-        self.at = {}
 
     def drop(self):
-        """The message was never sent: close the descriptors, withdraw the handover, and
+        """The message was never sent: withdraw the handover (its descriptors close) and
         release the sends' holds (no importer will), so their blocks can be freed."""
-        if self.ident is not None:
+        if isinstance(self.ident, bytes):
+            lib().gpupool_handover_withdraw(self.ident, len(self.ident))
+        elif self.ident is not None:
             from multiprocessing import resource_sharer
             resource_sharer._resource_sharer._cache.pop(self.ident[1], None)
         self._close()
@@ -147,6 +183,14 @@ class _Bundle:
 def _fetch(ident):
     """A handover's descriptors, and how many sends share them (None: a sender before
     handovers held each descriptor once, one send's each)."""
+    if isinstance(ident, bytes):
+        L = lib()
+        arr, n, sends = ctypes.POINTER(ctypes.c_int)(), ctypes.c_size_t(0), ctypes.c_uint32(0)
+        _check(L.gpupool_handover_take(ident, len(ident), ctypes.byref(arr), ctypes.byref(n), ctypes.byref(sends)))
+        try:
+            return arr[:n.value], sends.value
+        finally:
+            L.gpupool_handover_free(arr)
     from multiprocessing import reduction, resource_sharer
     out = []
     with resource_sharer._resource_sharer.get_connection(ident) as conn:
@@ -160,8 +204,8 @@ def _fetch(ident):
 
 class _Received:
     """A handover's descriptors here: fetched once, by the first of its sends to be taken
-    (whichever thread), kept until every send in it took its own copies, closed then (the
-    sends' copies are theirs)."""
+    (whichever thread), lent to each send (no copies) until every send is done with them,
+    closed then."""
 
     def __init__(self, ident):
         self.ident = ident
@@ -174,6 +218,7 @@ class _Received:
         self.error = None   # why the fetch failed, for every send of the handover
 
     def take(self, at):
+        """The descriptors at `at` and whether they are lent (see `Fds.detach`)."""
         with self.lock:
             if self.error is not None:
                 raise self.error
@@ -192,22 +237,22 @@ class _Received:
                 fetched = getattr(_scope, "fetched", None)
                 if fetched is not None:
                     fetched.append(self)
-            if self.sends is None:  # each descriptor is one send's: handed over as it is
-                mine = [self.fds[i] for i in at]
-                self.given.update(at)
-            else:
-                mine = []
-                try:
-                    for i in at:
-                        mine.append(os.dup(self.fds[i]))
-                except BaseException:
-                    for f in mine:
-                        os.close(f)
-                    raise
-            self.left -= len(at) if self.sends is None else 1
+            mine = [self.fds[i] for i in at]
+            if self.sends is not None:
+                return mine, True
+            # Each descriptor is one send's: handed over as it is.
+            self.given.update(at)
+            self.left -= len(at)
             if self.left <= 0:
                 self._close()
-            return mine
+            return mine, False
+
+    def done(self):
+        """A send that was lent descriptors is done with them."""
+        with self.lock:
+            self.left -= 1
+            if self.left <= 0 and not self.closed:
+                self._close()
 
     def abandon(self):
         """The message these sends came in failed to unpickle: the sends not taken yet
@@ -389,9 +434,16 @@ class Received:
 
     def __init__(self, sent):
         self.sent = sent
+        self.lender = None
         _raise_fd_limit()
         try:
-            self.fds = sent.fds.detach()
+            self.fds, self.lender = sent.fds.detach()
+        except GpupoolError as e:
+            if "is gone" not in str(e):
+                raise
+            raise GpupoolError(e.status, f"gpupool: the process that shared this block (pid {sent.pid}) is gone or no "
+                                         f"longer hands out its file descriptors ({e}); a block can be received only "
+                                         "while its sender lives, once") from e
         except (OSError, EOFError) as e:
             if getattr(e, "errno", None) == errno.EMFILE:
                 raise GpupoolError(2, f"gpupool: receiving a shared block from process {sent.pid} needs more open files "
@@ -425,9 +477,13 @@ class Received:
             self.close()
 
     def close(self):
-        for f in self.fds:
-            os.close(f)
-        self.fds = []
+        fds, self.fds = self.fds, []
+        if self.lender is not None:
+            lender, self.lender = self.lender, None
+            lender.done()
+        else:
+            for f in fds:
+                os.close(f)
 
 
 _PyCapsule_New = ctypes.pythonapi.PyCapsule_New

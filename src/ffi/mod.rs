@@ -9,12 +9,14 @@
 //! - `graph.rs`: private pools for CUDA graph captures from C.
 //! - `ipc.rs`: sharing arena memory with other processes.
 //! - `share.rs`: holds and DLPack imports for the frameworks' process-sharing routes.
+//! - `handover.rs`: handing file descriptors to the process that unpickles a message.
 //! - `report.rs`: errors of `void` entry points (stderr, once for invalid frees).
 
 pub mod boundary;
 pub mod core;
 pub mod cupy;
 pub mod graph;
+pub mod handover;
 pub mod ipc;
 pub mod pinned;
 pub mod report;

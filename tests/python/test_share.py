@@ -165,13 +165,24 @@ def opened(sent):
     gpupool.share.delete_dlpack(m)
     return data
 
-def consume(inq, outq):
+def open_fds():
+    # Files and sockets open here; the receiver keeps one connection per sender.
     import os
+    kinds = []
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            kinds.append(os.readlink(f"/proc/self/fd/{f}").startswith("socket:"))
+        except OSError:
+            pass  # listdir's own descriptor, closed already
+    return len(kinds) - sum(kinds), sum(kinds)
+
+def consume(inq, outq):
     gpupool.configure(0, pool="arena", upstream="host")
-    before = len(os.listdir("/proc/self/fd"))
+    files, sockets = open_fds()
     outq.put(inq.get())
     outq.put(len(gpupool.share._received))
-    outq.put(len(os.listdir("/proc/self/fd")) - before)
+    now = open_fds()
+    outq.put((now[0] - files, now[1] - sockets))
 """
 
 
@@ -197,26 +208,31 @@ def test_the_sends_of_one_message_travel_in_one_handover_on_host(library, tmp_pa
         child = ctx.Process(target=lazy_child.consume, args=(inq, outq), daemon=True)
         child.start()
         registered = len(resource_sharer._resource_sharer._cache)
-        handovers, bundles = [], []
-        register = resource_sharer._resource_sharer.register
-        resource_sharer._resource_sharer.register = lambda *a: handovers.append(1) or register(*a)
+        tickets, bundles = [], []
+        new_ticket = gpupool.share._new_ticket
+        gpupool.share._new_ticket = lambda: tickets.append(new_ticket()) or tickets[-1]
         add = gpupool.share._Bundle.add
 
         def spy(b, fds, hold=None):
             at = add(b, fds, hold)
-            bundles.append((id(b), len(b.fds), b.sends))
+            bundles.append((id(b), len(b.at), b.sends))
             return at
         gpupool.share._Bundle.add = spy
         inq.put([lazy_child.Lazy(p, (i + 1) << 20) for i, p in enumerate(ptrs)])
         assert outq.get(timeout=60) == [b"blk" + bytes([48 + i]) for i in range(5)]
         assert outq.get(timeout=60) == 0, "every descriptor received was taken"
-        assert outq.get(timeout=60) == 0, "the child closed every descriptor it received"
-        assert len(handovers) == 1, f"{len(handovers)} handovers for one message"
+        assert outq.get(timeout=60) == (0, 1), "the child closed every descriptor it received (and kept one connection)"
+        assert len(tickets) == 1 and isinstance(tickets[0], bytes), f"{tickets}: one handover for one message, the library's"
         # Each descriptor once: the holds file and (on the host) the one file under every
         # granule, for five sends.
         assert len({b[0] for b in bundles}) == 1 and bundles[-1][1:] == (2, 5), bundles
-        # One handover for the five sends, taken by the child (nothing left registered).
-        assert len(resource_sharer._resource_sharer._cache) == registered, resource_sharer._resource_sharer._cache
+        # One handover for the five sends, taken by the child: not there any more.
+        try:
+            gpupool.share._fetch(tickets[0])
+            raise AssertionError("taken twice")
+        except gpupool.GpupoolError as e:
+            assert "taken once" in str(e), e
+        assert len(resource_sharer._resource_sharer._cache) == registered, "the resource sharer was not used"
         assert gpupool.share.collect() == 0, "the child let go of all five"
         child.join(60)
         print("ok")
@@ -260,13 +276,15 @@ def consume_failing(inq, outq):
     import os
     gpupool.configure(0, pool="arena", upstream="host")
     gpupool.share.route_multiprocessing()  # as gpupool.torch.install() does in every process
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_fds()
     try:
         inq.get()
         outq.put("unpickled")
     except ValueError as e:
         outq.put(str(e))
-    outq.put((len(gpupool.share._received), len(os.listdir("/proc/self/fd")) - before))
+    now = open_fds()
+    # No file left open; at most the one kept connection to the sender.
+    outq.put((len(gpupool.share._received), now[0] - before[0] + max(0, now[1] - before[1] - 1)))
 """
 
 

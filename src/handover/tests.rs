@@ -1,0 +1,116 @@
+//! The handover within one process (its own server answers its own takes): what arrives,
+//! in which order, once; withdrawal; bad tickets. Across processes: `tests/python/test_share.py`
+//! and the fd-limit test in `tests/handover_fd_limit.rs`.
+
+use super::*;
+use std::os::fd::AsRawFd;
+
+/// A file whose identity (device, inode) tells copies of its descriptor apart from others.
+fn memfd(tag: &str) -> OwnedFd {
+    let name = std::ffi::CString::new(tag).unwrap();
+    // SAFETY: a new descriptor this function owns.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+fn identity(fd: RawFd) -> (u64, u64) {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+    (st.st_dev, st.st_ino)
+}
+
+#[test]
+fn a_handover_arrives_whole_in_order_once() {
+    // More than one message's worth, so the taker reads several SCM_RIGHTS messages.
+    let files: Vec<OwnedFd> = (0..PER_MESSAGE * 2 + 7).map(|i| memfd(&format!("h{i}"))).collect();
+    let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+    let ticket = offer().unwrap();
+    add(&ticket, &raw[..100], 2).unwrap();
+    add(&ticket, &raw[100..], 3).unwrap();
+    let (got, sends) = take(&ticket).unwrap();
+    assert_eq!(sends, 5);
+    assert_eq!(got.len(), files.len());
+    for (mine, theirs) in got.iter().zip(&files) {
+        assert_ne!(mine.as_raw_fd(), theirs.as_raw_fd(), "a new descriptor, not the sender's number");
+        assert_eq!(identity(mine.as_raw_fd()), identity(theirs.as_raw_fd()));
+    }
+    // Taken once: the same ticket again is refused, and the kept connection still serves
+    // the next handover.
+    let again = take(&ticket).unwrap_err().to_string();
+    assert!(again.contains("taken once"), "{again}");
+    let next = offer().unwrap();
+    add(&next, &raw[..1], 1).unwrap();
+    let (one, sends) = take(&next).unwrap();
+    assert_eq!((one.len(), sends), (1, 1));
+    assert_eq!(identity(one[0].as_raw_fd()), identity(raw[0]));
+}
+
+#[test]
+fn the_sender_keeps_its_own_descriptors() {
+    let f = memfd("kept");
+    let ticket = offer().unwrap();
+    add(&ticket, &[f.as_raw_fd()], 1).unwrap();
+    let (got, _) = take(&ticket).unwrap();
+    drop(got);
+    // The caller's descriptor is still open (the handover held copies).
+    assert!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFD) } >= 0);
+}
+
+#[test]
+fn a_withdrawn_handover_cannot_be_taken() {
+    let f = memfd("w");
+    let ticket = offer().unwrap();
+    add(&ticket, &[f.as_raw_fd()], 1).unwrap();
+    assert!(withdraw(&ticket).unwrap());
+    assert!(!withdraw(&ticket).unwrap(), "twice is not an error, and says it was gone");
+    let e = take(&ticket).unwrap_err().to_string();
+    assert!(e.contains("no such handover"), "{e}");
+    // Adding to it now is refused too.
+    assert!(add(&ticket, &[f.as_raw_fd()], 1).is_err());
+}
+
+#[test]
+fn an_empty_handover_arrives_empty() {
+    let ticket = offer().unwrap();
+    let (got, sends) = take(&ticket).unwrap();
+    assert!(got.is_empty());
+    assert_eq!(sends, 0);
+}
+
+#[test]
+fn bad_tickets_and_descriptors_are_refused() {
+    assert!(matches!(take(&[1, 2, 3]), Err(Error::InvalidArgument(_))));
+    // A well-formed ticket naming a socket nobody listens on.
+    let mut t = vec![0u8; KEY_BYTES];
+    t.extend_from_slice(b"gpupool-handover-nobody-listens-here");
+    let e = take(&t).unwrap_err().to_string();
+    assert!(e.contains("is gone"), "{e}");
+    // A descriptor that is not open: refused, and the handover is unchanged.
+    let ticket = offer().unwrap();
+    let e = add(&ticket, &[-1], 1).unwrap_err().to_string();
+    assert!(e.contains("cannot be copied"), "{e}");
+    let (got, sends) = take(&ticket).unwrap();
+    assert_eq!((got.len(), sends), (0, 0));
+}
+
+#[test]
+fn concurrent_takers_each_get_their_own() {
+    let files: Vec<OwnedFd> = (0..8).map(|i| memfd(&format!("c{i}"))).collect();
+    let tickets: Vec<(Vec<u8>, (u64, u64))> = files
+        .iter()
+        .map(|f| {
+            let t = offer().unwrap();
+            add(&t, &[f.as_raw_fd()], 1).unwrap();
+            (t, identity(f.as_raw_fd()))
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for (t, want) in &tickets {
+            s.spawn(move || {
+                let (got, _) = take(t).unwrap();
+                assert_eq!(identity(got[0].as_raw_fd()), *want);
+            });
+        }
+    });
+}
