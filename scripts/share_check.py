@@ -12,7 +12,8 @@ tensors/s through the queue (consumer start-up excluded) and the checks.
 
 --profile DIR: the producer's pickling (where it exports) and the consumer's receiving and
 checking are profiled (cProfile) over the measured exchange; the functions by cumulative
-time go to DIR/{producer,consumer}-ALLOCATOR.txt.
+time go to DIR/{producer,consumer}-ALLOCATOR.txt, and each handover's fetch in the consumer
+(ms, in order) to DIR/consumer-fetch-ms-ALLOCATOR.txt.
 """
 import argparse
 import cProfile
@@ -71,6 +72,19 @@ def consumer(allocator, inq, outq, profile=None):
     held = []
     receive = check = 0.0
     prof = cProfile.Profile() if profile else None
+    fetch_ms = []
+    if profile and allocator != "native":
+        # Each handover's fetch on its own: the first connects, the rest reuse it.
+        import gpupool.share
+        fetch = gpupool.share._fetch
+
+        def timed_fetch(ident):
+            t = time.perf_counter()
+            try:
+                return fetch(ident)
+            finally:
+                fetch_ms.append(round((time.perf_counter() - t) * 1e3, 3))
+        gpupool.share._fetch = timed_fetch
     while True:
         t0 = time.perf_counter()
         if prof:
@@ -82,6 +96,9 @@ def consumer(allocator, inq, outq, profile=None):
             if msg in ("report", "release"):  # the measured exchange is over
                 write_profile(prof, os.path.join(profile, f"consumer-{allocator}.txt"))
                 prof = None
+                if fetch_ms:
+                    with open(os.path.join(profile, f"consumer-fetch-ms-{allocator}.txt"), "w") as f:
+                        f.write(" ".join(map(str, fetch_ms)) + "\n")
         if msg == "release":
             held.clear()
             torch.cuda.synchronize()
@@ -119,8 +136,10 @@ def _live(allocator):
         return None
     import gpupool
     s = gpupool.stats_json(0)
+    calls = s.get("driver_calls") or {}
     return {"live_blocks": s["n_live_blocks"], "imports": s.get("ipc_imports"),
-            "import_address_space": s.get("ipc_import_address_space")}
+            "import_address_space": s.get("ipc_import_address_space"),
+            "driver_calls": {k: v for k, v in calls.items() if v}}
 
 
 def main():

@@ -15,7 +15,7 @@
 //! copies) under a random 16-byte key, for exactly one taker. Its *ticket* (the key and
 //! the sender's socket name) travels inside the message; whoever unpickles the message
 //! `take`s the handover with it, once. The socket is in the abstract namespace (nothing on
-//! disk to clean up) and refuses peers of another user (`SO_PEERCRED`; root may connect),
+//! disk to clean up), served by one thread of the library, and refuses peers of another user (`SO_PEERCRED`; root may connect),
 //! so what guards a handover is its key, which only the message's reader has, as the
 //! multiprocessing authkey guards the resource sharer. A handover nobody takes stays until
 //! it is withdrawn or the sender exits, as in the resource sharer.
@@ -27,6 +27,7 @@
 //! descriptors attached.
 
 use crate::error::{Error, Result};
+use rustix::event::{PollFd, PollFlags};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
     SendFlags,
@@ -108,16 +109,10 @@ fn server() -> Result<&'static [u8]> {
         let name = format!("gpupool-handover-{}-{}", std::process::id(), hex(&tag)).into_bytes();
         let addr = SocketAddr::from_abstract_name(&name).map_err(|e| e.to_string())?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| format!("cannot listen: {e}"))?;
+        listener.set_nonblocking(true).map_err(|e| format!("cannot listen: {e}"))?;
         std::thread::Builder::new()
             .name("gpupool-handover".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    let Ok(conn) = conn else { continue };
-                    // One thread per taker: a taker's requests are answered in its order, and
-                    // one that stops reading holds up no one else.
-                    let _ = std::thread::Builder::new().name("gpupool-handover-conn".into()).spawn(move || serve(conn));
-                }
-            })
+            .spawn(move || serve(listener))
             .map_err(|e| format!("cannot start its thread: {e}"))?;
         Ok(name)
     });
@@ -139,26 +134,57 @@ fn peer_allowed(conn: &UnixStream) -> bool {
     }
 }
 
-/// Answer one taker's requests until it hangs up.
-fn serve(mut conn: UnixStream) {
-    if !peer_allowed(&conn) {
-        return;
-    }
+/// The descriptor thread: accept takers and answer their requests, all on this one thread
+/// (a request is a lookup and a few `sendmsg`; a thread started per taker cost milliseconds
+/// in a process the size of a CUDA program's, paid by the taker's first handover).
+fn serve(listener: UnixListener) {
+    let mut takers: Vec<UnixStream> = Vec::new();
     loop {
-        let mut key = [0u8; KEY_BYTES];
-        if conn.read_exact(&mut key).is_err() {
-            return;
-        }
-        let found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(&key)));
-        let sent = match &found {
-            None => write_header(&mut conn, UNKNOWN, 0, 0),
-            Some(h) => write_header(&mut conn, FOUND, h.fds.len() as u32, h.sends).and_then(|()| send_fds(&conn, &h.fds)),
+        let ready: Vec<(bool, bool)> = {
+            let mut fds = Vec::with_capacity(takers.len() + 1);
+            fds.push(PollFd::new(&listener, PollFlags::IN));
+            fds.extend(takers.iter().map(|t| PollFd::new(t, PollFlags::IN)));
+            match rustix::event::poll(&mut fds, None) {
+                Ok(_) => {}
+                Err(e) if e == rustix::io::Errno::INTR => continue,
+                Err(_) => return,
+            }
+            fds.iter().map(|f| (f.revents().contains(PollFlags::IN), f.revents().intersects(PollFlags::HUP | PollFlags::ERR))).collect()
         };
-        // The sender's copies close here, whether or not they arrived: a handover goes once.
-        drop(found);
-        if sent.is_err() {
-            return;
+        // Answer before accepting, and drop takers that hung up or misbehaved.
+        let mut keep = Vec::with_capacity(takers.len());
+        for (mut t, &(readable, gone)) in takers.drain(..).zip(&ready[1..]) {
+            let ok = if readable { answer(&mut t).is_ok() } else { !gone };
+            if ok {
+                keep.push(t);
+            }
         }
+        takers = keep;
+        if ready[0].0 {
+            while let Ok((t, _)) = listener.accept() {
+                // A taker that sends half a key or stops reading holds this thread up
+                // for a second at most, then is dropped.
+                if peer_allowed(&t)
+                    && t.set_nonblocking(false).is_ok()
+                    && t.set_read_timeout(Some(Duration::from_secs(1))).is_ok()
+                    && t.set_write_timeout(Some(Duration::from_secs(1))).is_ok()
+                {
+                    takers.push(t);
+                }
+            }
+        }
+    }
+}
+
+/// Answer one request of `conn`: read a key, send its handover (or say there is none).
+fn answer(conn: &mut UnixStream) -> std::io::Result<()> {
+    let mut key = [0u8; KEY_BYTES];
+    conn.read_exact(&mut key)?;
+    let found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(&key)));
+    // The sender's copies close after, whether or not they arrived: a handover goes once.
+    match &found {
+        None => write_header(conn, UNKNOWN, 0, 0),
+        Some(h) => write_header(conn, FOUND, h.fds.len() as u32, h.sends).and_then(|()| send_fds(conn, &h.fds)),
     }
 }
 

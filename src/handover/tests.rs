@@ -114,3 +114,21 @@ fn concurrent_takers_each_get_their_own() {
         }
     });
 }
+
+#[test]
+fn a_taker_that_stalls_midway_does_not_stop_the_others() {
+    let f = memfd("stall");
+    let ticket = offer().unwrap();
+    add(&ticket, &[f.as_raw_fd()], 1).unwrap();
+    // Half a key, then nothing: the server gives up on this one after its timeout.
+    let addr = SocketAddr::from_abstract_name(&ticket[KEY_BYTES..]).unwrap();
+    let mut stalled = UnixStream::connect_addr(&addr).unwrap();
+    stalled.write_all(&ticket[..3]).unwrap();
+    let silent = UnixStream::connect_addr(&addr).unwrap(); // connected, never writes
+    std::thread::sleep(Duration::from_millis(50));
+    let t = std::time::Instant::now();
+    let (got, _) = take(&ticket).unwrap();
+    assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop((stalled, silent));
+}
