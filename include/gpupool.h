@@ -278,6 +278,13 @@ enum gpupool_status gpupool_release_pool(int device, uint64_t pool_id);
 // without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
 enum gpupool_status gpupool_release_capture(int device, uint64_t capture_id);
 
+// Ready this process for handovers; call it early (at start-up), so that none of the
+// following lands in a handover's time: the open-file limit raised to its hard limit, the
+// kernel's table of open files grown once (in a process of several threads each growth
+// waits milliseconds), and, with `serve` nonzero, the descriptor thread started (a process
+// that sends). The handover calls do it themselves otherwise.
+enum gpupool_status gpupool_handover_prepare(int serve);
+
 // Start a handover of this process for one taker: its ticket (opaque bytes to send inside
 // the message) into `ticket` (`cap` bytes), its length into `*out_len`; `ticket == NULL`
 // with `cap == 0` only asks the length (and starts nothing). The first call starts the

@@ -58,6 +58,10 @@ struct Handover {
     sends: u32,
 }
 
+/// Descriptors the table of this process's open files is grown to hold at once (a few
+/// handovers' worth of a large tensor's granules).
+const FD_TABLE: u64 = 16384;
+
 /// This process's handovers not taken yet, by key.
 static WAITING: Mutex<Option<HashMap<[u8; KEY_BYTES], Handover>>> = Mutex::new(None);
 /// This process's socket name (abstract), once its thread listens; or why it could not.
@@ -212,6 +216,46 @@ fn send_fds(conn: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Ready this process for handovers, early (at start-up), so that none of this lands in a
+/// handover's time: the open-file limit raised to its hard limit (a block arrives with a
+/// descriptor per allocation under it), and the table of open files grown once to
+/// `FD_TABLE` entries. Why the second: the kernel grows the table by doubling, and in a
+/// process with more than one thread each growth waits for an RCU grace period
+/// (milliseconds, paid by whichever handover crosses a power of two); growing it once at
+/// start-up pays that once. `serve`: also start the descriptor thread (a process that
+/// sends).
+pub fn prepare(serve: bool) -> Result<()> {
+    crate::upstream::shared::raise_fd_limit();
+    static TABLE: std::sync::Once = std::sync::Once::new();
+    TABLE.call_once(grow_fd_table);
+    if serve {
+        server()?;
+    }
+    Ok(())
+}
+
+fn grow_fd_table() {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a writable struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return;
+    }
+    let top = l.rlim_cur.min(FD_TABLE).saturating_sub(1);
+    if top < 64 {
+        return;
+    }
+    // A copy at the top number makes the kernel size the table for it; closing the copy
+    // leaves the table as large (it never shrinks).
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: F_DUPFD_CLOEXEC of an open descriptor; the copy is closed at once.
+        let copy = unsafe { libc::fcntl(null.as_raw_fd(), libc::F_DUPFD_CLOEXEC, top as libc::c_int) };
+        if copy >= 0 {
+            unsafe { libc::close(copy) };
+        }
+    }
+}
+
 /// The length of this process's tickets (starting its server).
 pub fn ticket_len() -> Result<usize> {
     Ok(KEY_BYTES + server()?.len())
@@ -219,6 +263,7 @@ pub fn ticket_len() -> Result<usize> {
 
 /// A new handover of this process, empty: its ticket (the key, then the socket name).
 pub fn offer() -> Result<Vec<u8>> {
+    prepare(false)?;
     let name = server()?;
     let key = random::<KEY_BYTES>()?;
     let mut waiting = WAITING.lock().map_err(|_| Error::Internal("handover: the table's lock is poisoned".into()))?;
@@ -273,6 +318,7 @@ pub fn withdraw(ticket: &[u8]) -> Result<bool> {
 /// process's, in the order they were added) and how many sends name them.
 pub fn take(ticket: &[u8]) -> Result<(Vec<OwnedFd>, u32)> {
     let key = key_of(ticket)?;
+    prepare(false)?;
     let name = ticket[KEY_BYTES..].to_vec();
     let conn = connection(&name)?;
     let mut stream = conn.lock().map_err(|_| Error::Internal("handover: a connection's lock is poisoned".into()))?;

@@ -110,6 +110,7 @@ def lib():
             ("gpupool_share_held", c_int, [ctypes.c_uint32, ctypes.POINTER(c_int)]),
             ("gpupool_share_held_count", c_size, []),
             ("gpupool_share_release", c_int, [c_int, ctypes.c_uint32]),
+            ("gpupool_handover_prepare", c_int, [c_int]),
             ("gpupool_handover_new", c_int, [vp, c_size, ctypes.POINTER(c_size)]),
             ("gpupool_handover_add", c_int, [cp, c_size, ctypes.POINTER(c_int), c_size, ctypes.c_uint32]),
             ("gpupool_handover_withdraw", c_int, [cp, c_size]),

@@ -325,6 +325,9 @@ def route_multiprocessing():
     from multiprocessing.reduction import ForkingPickler
     if getattr(ForkingPickler.dumps, "_gpupool", False):
         return
+    # Now, not inside the first handovers: the file limit, the kernel's file table, the
+    # descriptor thread (gpupool_handover_prepare says why).
+    lib().gpupool_handover_prepare(1)
     ForkingPickler.dumps = _dumps_in_one_handover(ForkingPickler.dumps.__func__)
     ForkingPickler.loads = _loads_closing_on_failure(ForkingPickler.loads)
 

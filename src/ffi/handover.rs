@@ -16,6 +16,16 @@ unsafe fn ticket_arg<'a>(ticket: *const c_void, len: usize) -> Result<&'a [u8], 
     Ok(std::slice::from_raw_parts(ticket as *const u8, len))
 }
 
+/// Ready this process for handovers; call it early (at start-up), so that none of the
+/// following lands in a handover's time: the open-file limit raised to its hard limit, the
+/// kernel's table of open files grown once (in a process of several threads each growth
+/// waits milliseconds), and, with `serve` nonzero, the descriptor thread started (a process
+/// that sends). The handover calls do it themselves otherwise.
+#[no_mangle]
+pub extern "C" fn gpupool_handover_prepare(serve: c_int) -> Status {
+    call(|| handover::prepare(serve != 0))
+}
+
 /// Start a handover of this process for one taker: its ticket (opaque bytes to send inside
 /// the message) into `ticket` (`cap` bytes), its length into `*out_len`; `ticket == NULL`
 /// with `cap == 0` only asks the length (and starts nothing). The first call starts the

@@ -132,3 +132,19 @@ fn a_taker_that_stalls_midway_does_not_stop_the_others() {
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     drop((stalled, silent));
 }
+
+fn fd_table_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("FDSize:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn prepare_grows_the_file_table_once_up_front() {
+    prepare(false).unwrap();
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+    assert_eq!(l.rlim_cur, l.rlim_max, "the soft limit raised to the hard one");
+    let want = l.rlim_cur.min(FD_TABLE);
+    assert!(fd_table_size() >= want, "FDSize {} < {want}", fd_table_size());
+}

@@ -178,6 +178,7 @@ def open_fds():
 
 def consume(inq, outq):
     gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()  # as gpupool.torch.install() does: its own thread starts here
     files, sockets = open_fds()
     outq.put(inq.get())
     outq.put(len(gpupool.share._received))
