@@ -287,8 +287,9 @@ enum gpupool_status gpupool_handover_prepare(int serve);
 
 // Start a handover of this process for one taker: its ticket (opaque bytes to send inside
 // the message) into `ticket` (`cap` bytes), its length into `*out_len`; `ticket == NULL`
-// with `cap == 0` only asks the length (and starts nothing). The first call starts the
-// library's descriptor thread (an abstract Unix socket that answers only this user).
+// with `cap == 0` only asks the length (no handover is made). The first call of either
+// kind starts the library's descriptor thread (an abstract Unix socket that answers only
+// this user); where it cannot run, this fails and the caller sends descriptors its own way.
 //
 // # Safety
 // `ticket` NULL or `cap` writable bytes; `out_len` NULL or writable.

@@ -2,8 +2,13 @@
 //! in which order, once; withdrawal; bad tickets. Across processes: `tests/python/test_share.py`
 //! and the fd-limit test in `tests/handover_fd_limit.rs`.
 
+use super::wire::PER_MESSAGE;
 use super::*;
+use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::time::Duration;
 
 /// A file whose identity (device, inode) tells copies of its descriptor apart from others.
 fn memfd(tag: &str) -> OwnedFd {
@@ -147,4 +152,77 @@ fn prepare_grows_the_file_table_once_up_front() {
     assert_eq!(l.rlim_cur, l.rlim_max, "the soft limit raised to the hard one");
     let want = l.rlim_cur.min(FD_TABLE);
     assert!(fd_table_size() >= want, "FDSize {} < {want}", fd_table_size());
+}
+
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+#[test]
+fn takes_interrupted_by_signals_complete_and_do_not_cross() {
+    // A handler without SA_RESTART, as CPython installs its own: every blocking call of a
+    // signalled thread returns EINTR.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = ignore_signal as *const () as usize;
+        libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
+    }
+    let files: Vec<OwnedFd> = (0..1000).map(|i| memfd(&format!("i{i}"))).collect();
+    let raw: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
+    for _ in 0..30 {
+        let big = offer().unwrap();
+        add(&big, &raw, 1).unwrap();
+        let small = offer().unwrap();
+        add(&small, &raw[999..], 1).unwrap();
+        let target = std::sync::atomic::AtomicUsize::new(0);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let a = s.spawn(|| {
+                target.store(unsafe { libc::pthread_self() } as usize, std::sync::atomic::Ordering::SeqCst);
+                take(&big)
+            });
+            while target.load(std::sync::atomic::Ordering::SeqCst) == 0 {}
+            let b = s.spawn(|| take(&small));
+            let k = s.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    unsafe { libc::pthread_kill(target.load(std::sync::atomic::Ordering::SeqCst) as libc::pthread_t, libc::SIGUSR2) };
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            });
+            let got_a = a.join();
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            k.join().unwrap();
+            let (got_a, _) = got_a.unwrap().unwrap();
+            let (got_b, _) = b.join().unwrap().unwrap();
+            assert_eq!(got_a.len(), 1000);
+            assert_eq!(identity(got_a[999].as_raw_fd()), identity(raw[999]));
+            assert_eq!(got_b.len(), 1);
+            assert_eq!(identity(got_b[0].as_raw_fd()), identity(raw[999]));
+        });
+    }
+}
+
+#[test]
+fn a_taker_that_trickles_its_request_is_cut_off_by_the_deadline() {
+    let f = memfd("trickle");
+    let ticket = offer().unwrap();
+    add(&ticket, &[f.as_raw_fd()], 1).unwrap();
+    let addr = SocketAddr::from_abstract_name(&ticket[KEY_BYTES..]).unwrap();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // One byte of a key every 300 ms: each read returns in time, the request never does.
+            let mut slow = UnixStream::connect_addr(&addr).unwrap();
+            for b in 0..KEY_BYTES as u8 {
+                if done.load(std::sync::atomic::Ordering::SeqCst) || slow.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        let (got, _) = take(&ticket).unwrap();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
+        assert!(t.elapsed() < Duration::from_secs(3), "waited {:?} behind a trickling taker", t.elapsed());
+    });
 }

@@ -4,6 +4,7 @@
 producer keeps each block until the consumer lets go, a block sent again is not mapped
 twice, and a producer that exits first says so. `test_torch.py` runs the same through
 `torch.multiprocessing` on a GPU."""
+import os
 import textwrap
 
 from conftest import ok, run_py
@@ -385,3 +386,44 @@ def test_a_block_from_a_process_that_is_gone_is_refused_saying_so_on_host(librar
         print("ok")
     """))
     assert "ok" in out
+
+
+def test_a_fork_child_keeps_nothing_of_a_sender_that_is_gone_on_host(library, tmp_path):
+    # A sender forks a child that outlives it. Were the child to keep its copy of the
+    # sender's socket (or its takers' connections), a take would wait for an answer nobody
+    # gives instead of being told the sender is gone.
+    ticket, child = tmp_path / "ticket", tmp_path / "child"
+    ok(run_py(f"""
+        import ctypes, os, time, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        t = gpupool.share._new_ticket()
+        assert isinstance(t, bytes), t
+        fd = os.open("/dev/null", os.O_RDONLY)
+        assert gpupool.lib().gpupool_handover_add(t, len(t), (ctypes.c_int * 1)(fd), 1, 1) == 0
+        open({str(ticket)!r}, "wb").write(t)
+        pid = os.fork()
+        if pid == 0:
+            null = os.open("/dev/null", os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            time.sleep(30)
+            os._exit(0)
+        open({str(child)!r}, "w").write(str(pid))
+    """))  # the sender exits here; its child lives on
+    pid = int(child.read_text())
+    try:
+        out = ok(run_py(f"""
+            import time, gpupool
+            gpupool.configure(0, pool="arena", upstream="host")
+            t0 = time.monotonic()
+            try:
+                gpupool.share._fetch(open({str(ticket)!r}, "rb").read())
+                raise SystemExit("a handover of a sender that is gone")
+            except gpupool.GpupoolError as e:
+                assert "is gone" in str(e), e
+            print("ok", round(time.monotonic() - t0, 1))
+        """, timeout=60))
+        assert out.startswith("ok"), out
+        assert float(out.split()[1]) < 10, out
+    finally:
+        os.kill(pid, 9)
