@@ -427,3 +427,42 @@ def test_a_fork_child_keeps_nothing_of_a_sender_that_is_gone_on_host(library, tm
         assert float(out.split()[1]) < 10, out
     finally:
         os.kill(pid, 9)
+
+
+def test_the_resource_sharer_carries_a_handover_where_the_library_cannot_on_host(library, tmp_path):
+    # Where the library's descriptor thread cannot start (`_new_ticket` gives None), the
+    # message's descriptors go through multiprocessing's resource sharer, still once each.
+    (tmp_path / "lazy_child.py").write_text(textwrap.dedent(LAZY_CHILD))
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        from multiprocessing import resource_sharer
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import lazy_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        gpupool.share._new_ticket = lambda: None
+        L = gpupool.lib()
+        ptrs = []
+        for i in range(3):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), (i + 1) << 20, 0, None) == 0
+            ctypes.memmove(p, b"old" + bytes([48 + i]), 4)
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=lazy_child.consume, args=(inq, outq), daemon=True)
+        child.start()
+        registered = []
+        register = resource_sharer._resource_sharer.register
+        resource_sharer._resource_sharer.register = lambda *a: registered.append(register(*a)) or registered[-1]
+        inq.put([lazy_child.Lazy(p, (i + 1) << 20) for i, p in enumerate(ptrs)])
+        assert outq.get(timeout=60) == [b"old" + bytes([48 + i]) for i in range(3)]
+        assert outq.get(timeout=60) == 0, "every descriptor received was taken"
+        assert outq.get(timeout=60)[0] == 0, "the child closed every descriptor it received"
+        assert len(registered) == 1 and isinstance(registered[0], tuple), registered
+        assert registered[0][1] not in resource_sharer._resource_sharer._cache, "taken by the child"
+        assert gpupool.share.collect() == 0, "the child let go of all three"
+        child.join(60)
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    assert "ok" in out
