@@ -195,7 +195,7 @@ thread_local! {
 enum Held {
     Waiting(MutexGuard<'static, Option<HashMap<[u8; KEY_BYTES], Handover>>>),
     Connections(MutexGuard<'static, Option<taker::Connections>>),
-    ServerFds(MutexGuard<'static, Vec<RawFd>>),
+    ServerFds(MutexGuard<'static, Vec<(RawFd, server::FileKey)>>),
 }
 
 /// Register the `fork()` handlers, once per process: the forking thread takes the
@@ -211,16 +211,12 @@ fn on_fork_once() {
 
 extern "C" fn fork_prepare() {
     let _ = std::panic::catch_unwind(|| {
-        let mut held = Vec::new();
-        if let Ok(g) = WAITING.lock() {
-            held.push(Held::Waiting(g));
-        }
-        if let Ok(g) = taker::CONNECTIONS.lock() {
-            held.push(Held::Connections(g));
-        }
-        if let Ok(g) = server::SERVER_FDS.lock() {
-            held.push(Held::ServerFds(g));
-        }
+        // A poisoned lock is taken anyway: the child must still be cleaned.
+        let held = vec![
+            Held::Waiting(WAITING.lock().unwrap_or_else(|p| p.into_inner())),
+            Held::Connections(taker::CONNECTIONS.lock().unwrap_or_else(|p| p.into_inner())),
+            Held::ServerFds(server::SERVER_FDS.lock().unwrap_or_else(|p| p.into_inner())),
+        ];
         let _ = HELD.try_with(|h| *h.borrow_mut() = held);
     });
 }
@@ -241,9 +237,12 @@ extern "C" fn fork_child() {
                 Held::Waiting(mut g) => *g = None,
                 Held::Connections(mut g) => *g = None,
                 Held::ServerFds(mut g) => {
-                    for fd in g.drain(..) {
-                        // SAFETY: the child's copy of a descriptor only the (absent) server thread used.
-                        unsafe { libc::close(fd) };
+                    for (fd, key) in g.drain(..) {
+                        // Only if the number still names the server's file (never one reused).
+                        if server::file_key(fd) == Some(key) {
+                            // SAFETY: the child's copy of a descriptor only the (absent) server thread used.
+                            unsafe { libc::close(fd) };
+                        }
                     }
                 }
             }

@@ -37,10 +37,22 @@ static SERVER: OnceLock<std::result::Result<Vec<u8>, String>> = OnceLock::new();
 static SERVER_PID: OnceLock<u32> = OnceLock::new();
 /// Whether the thread still serves.
 static SERVING: AtomicBool = AtomicBool::new(false);
-/// The descriptors the thread holds (listener, takers): a `fork()` child closes its copies
-/// (`super::fork_child`), or it would keep the name bound and takers' connections open
-/// after the sender is gone.
-pub(super) static SERVER_FDS: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
+/// The descriptors the thread holds (listener, takers), each with its file's identity: a
+/// `fork()` child closes its copies (`super::fork_child`), or it would keep the name bound
+/// and takers' connections open after the sender is gone. The list is rewritten before a
+/// dropped taker closes, and the child closes a number only if it still names the same
+/// file, so a number reused for something else is never closed.
+pub(super) static SERVER_FDS: Mutex<Vec<(RawFd, FileKey)>> = Mutex::new(Vec::new());
+
+/// A file's identity: (device, inode).
+pub(super) type FileKey = (u64, u64);
+
+/// `fd`'s file identity (`fstat`: safe in a `fork()` child too).
+pub(super) fn file_key(fd: RawFd) -> Option<FileKey> {
+    // SAFETY: a writable struct; a closed number fails with EBADF.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
+}
 
 /// The listening socket's name, starting its thread the first time.
 pub(super) fn name() -> Result<&'static [u8]> {
@@ -59,15 +71,14 @@ pub(super) fn name() -> Result<&'static [u8]> {
         let addr = SocketAddr::from_abstract_name(&name).map_err(|e| e.to_string())?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| format!("cannot listen: {e}"))?;
         listener.set_nonblocking(true).map_err(|e| format!("cannot listen: {e}"))?;
-        if let Ok(mut fds) = SERVER_FDS.lock() {
-            fds.push(listener.as_raw_fd());
-        }
         SERVING.store(true, Ordering::SeqCst);
         let spawned = std::thread::Builder::new().name("gpupool-handover".into()).spawn(move || {
             block_signals();
+            set_fds(&listener, &[]);
             // A panic ends the thread, not the process; either way it stops serving here.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(listener)));
             SERVING.store(false, Ordering::SeqCst);
+            SERVER_FDS.lock().unwrap_or_else(|p| p.into_inner()).clear();
         });
         if let Err(e) = spawned {
             SERVING.store(false, Ordering::SeqCst);
@@ -104,11 +115,10 @@ pub(super) fn same_user(conn: &UnixStream) -> bool {
 }
 
 fn set_fds(listener: &UnixListener, takers: &[UnixStream]) {
-    if let Ok(mut fds) = SERVER_FDS.lock() {
-        fds.clear();
-        fds.push(listener.as_raw_fd());
-        fds.extend(takers.iter().map(|t| t.as_raw_fd()));
-    }
+    let mut fds = SERVER_FDS.lock().unwrap_or_else(|p| p.into_inner());
+    fds.clear();
+    let all = std::iter::once(listener.as_raw_fd()).chain(takers.iter().map(|t| t.as_raw_fd()));
+    fds.extend(all.filter_map(|fd| Some((fd, file_key(fd)?))));
 }
 
 fn serve(listener: UnixListener) {
@@ -131,19 +141,27 @@ fn serve(listener: UnixListener) {
             fds.iter().map(|f| (f.revents().contains(PollFlags::IN), f.revents().intersects(PollFlags::HUP | PollFlags::ERR))).collect()
         };
         let (listener_ready, taker_ready) = if listening { (ready[0].0, &ready[1..]) } else { (false, &ready[..]) };
-        // Answer, and drop takers that hung up or misbehaved.
-        let before = takers.len();
+        // Answer, and drop takers that hung up or misbehaved: off the list first, closed
+        // after (see `SERVER_FDS`).
         let mut keep = Vec::with_capacity(takers.len());
+        let mut gone_takers = Vec::new();
         for (mut t, &(readable, gone)) in takers.drain(..).zip(taker_ready) {
             let ok = if readable { answer(&mut t).is_ok() } else { !gone };
             if ok {
                 keep.push(t);
+            } else {
+                gone_takers.push(t);
             }
         }
         takers = keep;
-        let mut changed = takers.len() != before;
+        if !gone_takers.is_empty() {
+            set_fds(&listener, &takers);
+            drop(gone_takers);
+        }
         if !listening {
-            listener_rests_until = None; // rested: listen again
+            if listener_rests_until.is_some_and(|t| Instant::now() >= t) {
+                listener_rests_until = None; // rested: listen again
+            }
         } else if listener_ready {
             loop {
                 match listener.accept() {
@@ -154,7 +172,7 @@ fn serve(listener: UnixListener) {
                             && t.set_write_timeout(Some(REQUEST_DEADLINE)).is_ok()
                         {
                             takers.push(t);
-                            changed = true;
+                            set_fds(&listener, &takers);
                         }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -167,9 +185,6 @@ fn serve(listener: UnixListener) {
                     }
                 }
             }
-        }
-        if changed {
-            set_fds(&listener, &takers);
         }
     }
 }

@@ -136,8 +136,10 @@ fn forget(name: &[u8], conn: &Kept) {
 fn exchange(stream: &mut UnixStream, key: &[u8; KEY_BYTES]) -> std::result::Result<(Vec<OwnedFd>, u32), Exchange> {
     stream.write_all(key).map_err(Exchange::Broken)?;
     let (status, count, sends) = wire::read_header(stream).map_err(Exchange::Broken)?;
-    if status != wire::FOUND {
-        return Err(Exchange::Unknown);
+    match status {
+        wire::FOUND => {}
+        wire::UNKNOWN => return Err(Exchange::Unknown),
+        other => return Err(Exchange::Broken(std::io::Error::other(format!("an answer of status {other}")))),
     }
     if count > MAX_COUNT {
         return Err(Exchange::Broken(std::io::Error::other(format!("an answer of {count} descriptors"))));

@@ -226,3 +226,41 @@ fn a_taker_that_trickles_its_request_is_cut_off_by_the_deadline() {
         assert!(t.elapsed() < Duration::from_secs(3), "waited {:?} behind a trickling taker", t.elapsed());
     });
 }
+
+#[test]
+fn a_fork_child_closes_the_servers_files_and_no_number_reused_since() {
+    let _ = offer().unwrap(); // the server runs and the fork handlers are in
+    let t0 = std::time::Instant::now();
+    while server::SERVER_FDS.lock().unwrap().is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the server thread never listed its listener");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let listener = server::SERVER_FDS.lock().unwrap()[0].0;
+    // A number the list still names though its file changed (a taker closed, the number
+    // handed out again): the list says one file, the number holds another.
+    let reused = memfd("reused");
+    let other = memfd("other");
+    server::SERVER_FDS.lock().unwrap().push((reused.as_raw_fd(), server::file_key(other.as_raw_fd()).unwrap()));
+    // SAFETY: the child only asks two descriptors' flags and exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let open = |fd: RawFd| unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0;
+        let code = if !open(reused.as_raw_fd()) { 1 } else if open(listener) { 2 } else { 0 };
+        unsafe { libc::_exit(code) };
+    }
+    server::SERVER_FDS.lock().unwrap().retain(|(fd, _)| *fd != reused.as_raw_fd());
+    let mut status = 0;
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status));
+    match libc::WEXITSTATUS(status) {
+        0 => {}
+        1 => panic!("the child closed a number the server no longer held"),
+        2 => panic!("the child kept the server's listener open"),
+        c => panic!("child exit {c}"),
+    }
+    // The parent's listener is untouched: a take still works.
+    let f = memfd("after");
+    let t = offer().unwrap();
+    add(&t, &[f.as_raw_fd()], 1).unwrap();
+    assert_eq!(take(&t).unwrap().0.len(), 1);
+}
