@@ -7,7 +7,7 @@
 //! multiprocessing has a thread that hands descriptors over (its resource sharer), but
 //! every handover there is a new connection with an authentication handshake, answered by
 //! a Python thread that needs the sender's interpreter lock while the sender is busy
-//! pickling the next message: about 2.5 ms a handover, measured on the consumer. Here a
+//! pickling the next message (milliseconds a handover; docs/ipc.md points to the figures). Here a
 //! thread of the library answers, and a receiver keeps its connection to each sender for
 //! the next handover.
 //!
@@ -195,7 +195,7 @@ thread_local! {
 enum Held {
     Waiting(MutexGuard<'static, Option<HashMap<[u8; KEY_BYTES], Handover>>>),
     Connections(MutexGuard<'static, Option<taker::Connections>>),
-    ServerFds(MutexGuard<'static, Vec<(RawFd, server::FileKey)>>),
+    ServerFds(MutexGuard<'static, Vec<(RawFd, crate::upstream::shared::FileId)>>),
 }
 
 /// Register the `fork()` handlers, once per process: the forking thread takes the
@@ -239,7 +239,7 @@ extern "C" fn fork_child() {
                 Held::ServerFds(mut g) => {
                     for (fd, key) in g.drain(..) {
                         // Only if the number still names the server's file (never one reused).
-                        if server::file_key(fd) == Some(key) {
+                        if crate::upstream::shared::FileId::of(fd).ok() == Some(key) {
                             // SAFETY: the child's copy of a descriptor only the (absent) server thread used.
                             unsafe { libc::close(fd) };
                         }

@@ -15,6 +15,7 @@
 
 use super::{wire, KEY_BYTES, WAITING};
 use crate::error::{Error, Result};
+use crate::upstream::shared::FileId;
 use rustix::event::{PollFd, PollFlags};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -42,17 +43,7 @@ static SERVING: AtomicBool = AtomicBool::new(false);
 /// and takers' connections open after the sender is gone. The list is rewritten before a
 /// dropped taker closes, and the child closes a number only if it still names the same
 /// file, so a number reused for something else is never closed.
-pub(super) static SERVER_FDS: Mutex<Vec<(RawFd, FileKey)>> = Mutex::new(Vec::new());
-
-/// A file's identity: (device, inode).
-pub(super) type FileKey = (u64, u64);
-
-/// `fd`'s file identity (`fstat`: safe in a `fork()` child too).
-pub(super) fn file_key(fd: RawFd) -> Option<FileKey> {
-    // SAFETY: a writable struct; a closed number fails with EBADF.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
-}
+pub(super) static SERVER_FDS: Mutex<Vec<(RawFd, FileId)>> = Mutex::new(Vec::new());
 
 /// The listening socket's name, starting its thread the first time.
 pub(super) fn name() -> Result<&'static [u8]> {
@@ -118,7 +109,7 @@ fn set_fds(listener: &UnixListener, takers: &[UnixStream]) {
     let mut fds = SERVER_FDS.lock().unwrap_or_else(|p| p.into_inner());
     fds.clear();
     let all = std::iter::once(listener.as_raw_fd()).chain(takers.iter().map(|t| t.as_raw_fd()));
-    fds.extend(all.filter_map(|fd| Some((fd, file_key(fd)?))));
+    fds.extend(all.filter_map(|fd| Some((fd, FileId::of(fd).ok()?))));
 }
 
 fn serve(listener: UnixListener) {

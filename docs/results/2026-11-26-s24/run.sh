@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Session 24, run E: the library that grows the file table up front (gpupool_handover_prepare), in
-# calls of the device tool (10 minutes each). Parts, any number in one call:
+# Session 24: every GPU run's parts (runs A to H), in calls of the device tool (10 minutes
+# each); the library is dist/libgpupool.so as built for each run (the commits are in the
+# README). Run from anywhere: `docs/results/2026-11-26-s24/run.sh PART...`. Parts, any number in one call:
 #   pytest1 / pytest2  the Python tests in two halves (test_torch.py; the rest)
 #   ctest              every C test, example and GPU test but the 16x16 split stress
-#   share              scripts/share_check.py --tensors 1000: native, split, arena, three rounds; then arena profiled
+#   share1             scripts/share_check.py --tensors 1000: native, split, arena once, the arena profiled (run A)
+#   share              the same, three rounds; then the arena profiled, with each handover's fetch time
+#                      (runs B and C printed no fetch times: the consumer recorded none before 7aaa445)
 #   diag               share_check.py on the arena with the import-timing library (dist/libgpupool-diag.so)
 #   pyshare            the sharing tests (test_share.py; test_torch.py's and test_cupy.py's sharing tests)
 #   tbrows             threads_bench, own streams, 1 MiB pairs and churn at 1/4/16 threads,
@@ -11,7 +14,7 @@
 #   tball              threads_bench, every allocator (RMM's, cudaMallocAsync), own streams, one round
 #   bench W            the workload benchmark, workloads W (comma list), five allocators, --rounds R
 set -uo pipefail
-cd "$(dirname "$0")/../../../.."
+cd "$(dirname "$0")/../../.."
 export GPUPOOL_LIBRARY=$PWD/dist/libgpupool.so PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD/python:/tmp/site
@@ -31,6 +34,11 @@ while [ $# -gt 0 ]; do
     ctest)
       build
       ctest --test-dir build-gpu --output-on-failure --timeout 300 -E 16x16_split 2>&1 | tee $OUT/ctest.log | tail -6 ;;
+    share1)
+      for a in native split arena; do
+        P=""; [ $a = arena ] && P="--profile $OUT"
+        timeout 150 python3 scripts/share_check.py --allocator $a --tensors 1000 $P 2>&1 | tail -1 | cut -c1-900
+      done | tee $OUT/share.log ;;
     share)
       for round in 1 2 3; do
         for a in native split arena; do
