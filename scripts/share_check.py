@@ -6,7 +6,8 @@ checks the change. Under gpupool it also checks that a block the consumer still 
 not reused by the producer (its storage kept alive: new tensors land elsewhere, the live
 block count stays), that letting go frees it (`torch.cuda.ipc_collect()`), and that both
 processes end with no live block and nothing imported. Prints one JSON line last:
-tensors/s through the queue (consumer start-up excluded) and the checks.
+tensors/s through the queue (consumer start-up excluded), the consumer's time unpickling
+(`consumer_loads_s`: rebuilding the tensors, which opens or imports their memory) and the checks.
 
     python3 scripts/share_check.py --allocator arena --tensors 1000 [--profile DIR]
 
@@ -66,11 +67,12 @@ def setup(allocator):
 def consumer(allocator, inq, outq, profile=None):
     setup(allocator)
     import torch
+    from multiprocessing.reduction import ForkingPickler
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     outq.put("ready")
     held = []
-    receive = check = 0.0
+    receive = check = loads = 0.0
     prof = cProfile.Profile() if profile else None
     fetch_ms = []
     if profile and allocator != "native":
@@ -89,7 +91,13 @@ def consumer(allocator, inq, outq, profile=None):
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        msg = inq.get()
+        # `inq.get()` in two parts, as multiprocessing's Queue.get does it, to time the
+        # unpickling (rebuilding the tensors: the imports) apart from waiting for the bytes.
+        with inq._rlock:
+            res = inq._recv_bytes()
+        inq._sem.release()
+        tl = time.perf_counter()
+        msg = ForkingPickler.loads(res)
         t1 = time.perf_counter()
         if prof and isinstance(msg, str):
             prof.disable()
@@ -124,10 +132,11 @@ def consumer(allocator, inq, outq, profile=None):
                 t.add_(1)
         torch.cuda.synchronize()
         receive += t1 - t0
+        loads += t1 - tl
         check += time.perf_counter() - t1
         if prof:
             prof.disable()
-        outq.put(("checked", [m[0] for m in msg], bad, receive, check))
+        outq.put(("checked", [m[0] for m in msg], bad, receive, check, loads))
         del msg, t, want  # only `held` keeps what was received
 
 
@@ -198,7 +207,7 @@ def main():
     del batch  # only `tensors` keeps the producer's own
     done = 0
     while done < a.tensors:
-        kind, ids, b, receive, check = outq.get(timeout=600)
+        kind, ids, b, receive, check, loads = outq.get(timeout=600)
         assert kind == "checked"
         done += len(set(ids))
         bad += b
@@ -209,6 +218,8 @@ def main():
     # Where the consumer's time went: in `get` (waiting, unpickling: the imports) and in
     # checking and changing the tensors.
     result["consumer_get_s"], result["consumer_check_s"] = round(receive, 3), round(check, 3)
+    # Of `get`, the unpickling alone (rebuilding the tensors: opening the IPC handles or imports).
+    result["consumer_loads_s"] = round(loads, 4)
     result["elapsed_s"] = round(elapsed, 3)
     result["consumer_bad"] = len(bad)
     changed = sum(1 for i, t in enumerate(tensors) if not torch.equal(t, pattern(i, spec[i][1], t.dtype, dev) + 1))

@@ -85,8 +85,15 @@ def _fds_from(ident, at, n=None):
 
 
 # .bundle: the handover of the message being pickled on this thread; .fetched: the
-# handovers fetched while unpickling a message on this thread.
+# handovers fetched while unpickling a message on this thread; .memo: `message_memo()`.
 _scope = threading.local()
+
+
+def message_memo():
+    """A dict that lives while multiprocessing pickles or unpickles one message on this
+    thread (None outside one): what the sends of one message can share, as one event
+    recorded for all of them by the sender and waited for once by the receiver."""
+    return getattr(_scope, "memo", None)
 
 
 def _new_ticket():
@@ -282,15 +289,16 @@ def _dumps_in_one_handover(orig):
     def dumps(cls, obj, protocol=None):
         # A message pickled while another is (a reducer's own `dumps`) is a message of its
         # own: its handover must not be withdrawn if the outer one fails.
-        outer = getattr(_scope, "bundle", None)
+        outer, outer_memo = getattr(_scope, "bundle", None), getattr(_scope, "memo", None)
         bundle = _scope.bundle = _Bundle()
+        _scope.memo = {}
         try:
             return orig(cls, obj, protocol)
         except BaseException:
             bundle.drop()
             raise
         finally:
-            _scope.bundle = outer
+            _scope.bundle, _scope.memo = outer, outer_memo
     dumps._gpupool = True
     return classmethod(dumps)
 
@@ -299,8 +307,9 @@ def _loads_closing_on_failure(orig):
     """`ForkingPickler.loads` that, when unpickling a message fails partway, closes the
     handovers its sends opened: the sends after the failure are never taken."""
     def loads(*args, **kwargs):
-        outer = getattr(_scope, "fetched", None)
+        outer, outer_memo = getattr(_scope, "fetched", None), getattr(_scope, "memo", None)
         fetched = _scope.fetched = []
+        _scope.memo = {}
         try:
             got = orig(*args, **kwargs)
         except BaseException:
@@ -308,7 +317,7 @@ def _loads_closing_on_failure(orig):
                 r.abandon()
             raise
         finally:
-            _scope.fetched = outer
+            _scope.fetched, _scope.memo = outer, outer_memo
         if outer is not None:
             outer.extend(fetched)  # a message inside a message: the outer one may still fail
         return got

@@ -174,10 +174,39 @@ def _send_storage(storage):
     nbytes = storage.nbytes()
     if nbytes == 0:
         return (None, 0, device, None)
-    event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-    event.record(torch.cuda.current_stream(device))
+    event, handle = _send_event(device)
     sent = share.export(storage.data_ptr(), nbytes, device, (storage, event))
-    return (sent, nbytes, device, event.ipc_handle())
+    return (sent, nbytes, device, handle)
+
+
+def _send_event(device):
+    """An interprocess event recorded now on `device`'s current stream, and its handle: the
+    consumer's stream waits for it before using what was sent. One per device for all the
+    sends of a message (`share.message_memo`): they are pickled together on one thread,
+    whose current stream is the same for all of them, so the first one's event already
+    follows the work queued before the message; each send keeps it alive."""
+    import torch
+    memo = share.message_memo()
+    got = memo.get(("event", device)) if memo is not None else None
+    if got is None:
+        event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+        event.record(torch.cuda.current_stream(device))
+        got = (event, event.ipc_handle())
+        if memo is not None:
+            memo[("event", device)] = got
+    return got
+
+
+def _wait_event(device, handle):
+    """Order `device`'s current stream after the sender's event `handle`, once per event in
+    a message (the sends of one message share it, `_send_event`)."""
+    import torch
+    memo = share.message_memo()
+    if memo is not None:
+        if ("waited", device, handle) in memo:
+            return
+        memo[("waited", device, handle)] = True
+    torch.cuda.Event.from_ipc_handle(device, handle).wait(torch.cuda.current_stream(device))
 
 
 def _storage_here(info):
@@ -204,7 +233,7 @@ def _storage_here(info):
         if len(_opened) > 1024 and len(_opened) & 1023 == 0:
             for k in [k for k, r in _opened.items() if r.expired()]:
                 del _opened[k]
-    torch.cuda.Event.from_ipc_handle(device, event).wait(torch.cuda.current_stream(device))
+    _wait_event(device, event)
     return storage
 
 

@@ -266,3 +266,60 @@ def test_cuda_tensors_go_through_torch_multiprocessing(torch_gpu, pool):
     assert r["consumer_after_release"]["imports"] == 0, r
     assert r["consumer_end"]["live_blocks"] == 0 and r["consumer_exit"] == 0, r
     assert "exiting while other processes still hold" not in p.stderr, p.stderr
+
+
+ORDERED_SENDS = """
+import sys
+import torch
+import torch.multiprocessing as mp
+
+
+def consume(q, out, wait):
+    import gpupool.torch
+    gpupool.torch.install()
+    if not wait:  # `nowait`: shows that without the waits this script fails
+        gpupool.torch._wait_event = lambda device, handle: None
+    torch.zeros(1, device="cuda")
+    out.put("ready")
+    for _ in range(2):
+        got = q.get()
+        # Read at once, on this process's stream: only the sender's event orders the read
+        # after the sender's writes, which wait behind a long kernel.
+        out.put([t.float().mean().item() for t in got])
+        del got
+
+
+if __name__ == "__main__":
+    import os
+    os.environ["GPUPOOL_POOL"] = sys.argv[1]
+    import gpupool.torch
+    gpupool.torch.install()
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=consume, args=(q, out, sys.argv[2:] != ["nowait"]), daemon=True)
+    child.start()
+    assert out.get(timeout=120) == "ready"
+    for message in range(2):  # each message is ordered after its own writes
+        ts = [torch.zeros(n, device="cuda") for n in (1 << 8, 1 << 18, 3 << 20, 1 << 12)]
+        ts.append(ts[1][5:])  # a view, sent beside its base
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the writes
+        for i, t in enumerate(ts[:4]):
+            t.fill_(10 * message + i + 1)
+        q.put(ts)
+        got = out.get(timeout=120)
+        want = [10 * message + i + 1 for i in range(4)] + [10 * message + 2]
+        assert got == want, (message, got, want)
+    torch.cuda.synchronize()
+    print("ordered")
+"""
+
+
+@pytest.mark.parametrize("pool", ["split", "arena"])
+def test_a_message_of_cuda_tensors_is_read_after_the_senders_queued_writes(torch_gpu, pool, tmp_path):
+    # Every tensor of a message, on any pool: the consumer's stream waits for the sender's
+    # event before the first read (the sends of one message share one event).
+    from conftest import run_script
+    script = tmp_path / "ordered_sends.py"
+    script.write_text(ORDERED_SENDS)
+    assert "ordered" in ok(run_script(script, [pool], timeout=300))
