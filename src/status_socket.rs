@@ -45,6 +45,9 @@ pub fn start(report: fn() -> String) {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { continue };
                 let report = std::panic::catch_unwind(report).unwrap_or_else(|_| "gpupool: the report failed\n".into());
+                // A reader that stops reading holds the thread a second at most. (One that
+                // hung up gets EPIPE: std writes Unix sockets with MSG_NOSIGNAL.)
+                let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
                 let _ = conn.write_all(report.as_bytes());
             }
         });

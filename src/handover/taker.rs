@@ -5,7 +5,8 @@
 //! let go, so a thread waiting on it connects anew instead of reading the rest of another's
 //! answer. The sender is checked to be this user (or root) when connecting: an abstract name
 //! can be bound by anyone once its owner is gone. Connections to senders that hung up are
-//! dropped when a new one is made.
+//! dropped when a new one is made, and a request that cannot be written on a kept
+//! connection (the sender closed its side: it reached nothing) goes once more on a new one.
 
 use super::{wire, KEY_BYTES};
 use crate::error::Error;
@@ -41,6 +42,10 @@ pub(super) enum Exchange {
     FdLimit(u32),
     /// The connection failed midway, or could not be made.
     Broken(std::io::Error),
+    /// The request could not be written: the sender's side of a kept connection is closed
+    /// (it dropped the connection, or ended). Nothing was asked of it: worth one retry on a
+    /// new connection.
+    NotSent(std::io::Error),
 }
 
 impl Exchange {
@@ -55,7 +60,7 @@ impl Exchange {
                 "handover: receiving {n} descriptors from {who} needs more open files than this process may have; \
                  raise the limit (ulimit -n)"
             )),
-            Exchange::Broken(e) => Error::InvalidArgument(format!(
+            Exchange::Broken(e) | Exchange::NotSent(e) => Error::InvalidArgument(format!(
                 "handover: the process that shared this block is gone or stopped answering ({who}: {e}); a block can \
                  be received only while its sender lives"
             )),
@@ -102,6 +107,7 @@ fn alive(c: &Kept) -> bool {
 
 /// Take the handover `key` from the sender at `name`.
 pub(super) fn take_from(name: &[u8], key: &[u8; KEY_BYTES]) -> std::result::Result<(Vec<OwnedFd>, u32), Exchange> {
+    let mut retried = false;
     loop {
         let conn = kept(name)?;
         let mut guard = conn.lock().map_err(|_| Exchange::Broken(std::io::Error::other("a lock is poisoned")))?;
@@ -112,14 +118,18 @@ pub(super) fn take_from(name: &[u8], key: &[u8; KEY_BYTES]) -> std::result::Resu
             continue;
         };
         let got = exchange(stream, key);
-        if let Err(Exchange::Broken(_)) = &got {
+        if let Err(Exchange::Broken(_) | Exchange::NotSent(_)) = &got {
             // Closed before the lock goes, so no waiting thread reads the rest of this answer.
             let _ = stream.shutdown(std::net::Shutdown::Both);
             *guard = None;
             drop(guard);
             forget(name, &conn);
         }
-        return got;
+        match got {
+            Err(Exchange::NotSent(_)) if !retried => retried = true, // on a new connection
+            Err(Exchange::NotSent(e)) => return Err(Exchange::Broken(e)),
+            got => return got,
+        }
     }
 }
 
@@ -134,7 +144,7 @@ fn forget(name: &[u8], conn: &Kept) {
 }
 
 fn exchange(stream: &mut UnixStream, key: &[u8; KEY_BYTES]) -> std::result::Result<(Vec<OwnedFd>, u32), Exchange> {
-    stream.write_all(key).map_err(Exchange::Broken)?;
+    stream.write_all(key).map_err(Exchange::NotSent)?;
     let (status, count, sends) = wire::read_header(stream).map_err(Exchange::Broken)?;
     match status {
         wire::FOUND => {}
