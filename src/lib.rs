@@ -23,6 +23,7 @@
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `owners`: which device's pool got an address range (lookups without pool locks).
 //! - `process`: the fork-child flag and at-exit hooks (a leaf every layer may use).
+//! - `socket`: socket writes that raise no SIGPIPE (a leaf).
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
 //! - `handover`: file descriptors handed to the process that unpickles a message (the
 //!   transport of the frameworks' process-sharing routes).
@@ -44,6 +45,7 @@ pub mod pool;
 pub mod process;
 pub mod registry;
 pub mod replay;
+pub mod socket;
 pub mod stats;
 pub mod status_socket;
 pub mod strategy;

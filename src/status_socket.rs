@@ -7,7 +7,6 @@
 //! never take; the thread takes them like any caller, only when asked. It is off unless
 //! asked for, and only the same user can connect (the socket is created mode 0600).
 
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
@@ -43,12 +42,12 @@ pub fn start(report: fn() -> String) {
         unsafe { libc::atexit(remove_at_exit) };
         let spawned = std::thread::Builder::new().name("gpupool-status".into()).spawn(move || {
             for conn in listener.incoming() {
-                let Ok(mut conn) = conn else { continue };
+                let Ok(conn) = conn else { continue };
                 let report = std::panic::catch_unwind(report).unwrap_or_else(|_| "gpupool: the report failed\n".into());
-                // A reader that stops reading holds the thread a second at most. (One that
-                // hung up gets EPIPE: std writes Unix sockets with MSG_NOSIGNAL.)
+                // A reader that hung up costs no SIGPIPE; one that stops reading holds the
+                // thread a second at most.
                 let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
-                let _ = conn.write_all(report.as_bytes());
+                let _ = crate::socket::send_all(&conn, report.as_bytes());
             }
         });
         if let Err(e) = spawned {

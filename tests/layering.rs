@@ -14,6 +14,7 @@ const RANKS: &[(&str, u32)] = &[
     ("pages", 0),
     ("owners", 0),
     ("process", 0),
+    ("socket", 0),
     ("config", 1),
     ("stats", 1),
     ("debug", 1),

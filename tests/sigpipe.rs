@@ -2,8 +2,8 @@
 //! sender closed sends its request again on a new connection (it failed the take before).
 //! And a host program whose SIGPIPE is the default (C programs' usually is; Rust's and
 //! Python's runtimes ignore it) is not killed by such writes, the status report's to readers
-//! that went at once included (std writes Unix sockets with `MSG_NOSIGNAL`; this checks the
-//! library keeps to such writes). A binary of its own: a signal's disposition is the whole
+//! that went at once included (`crate::socket`: std writes Unix sockets with `MSG_NOSIGNAL`
+//! only from Rust 1.90 on). A binary of its own: a signal's disposition is the whole
 //! process's.
 
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
@@ -45,6 +45,7 @@ fn a_closed_kept_connection_is_retried_and_no_hang_up_kills_a_process_whose_sigp
     // again on a new connection, which this sender answers too.
     let name = format!("gpupool-sigpipe-test-{}", std::process::id()).into_bytes();
     let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+    let (closed, closed_rx) = std::sync::mpsc::channel();
     let sender = std::thread::spawn(move || {
         let mut served = 0;
         for conn in listener.incoming().take(2) {
@@ -53,14 +54,16 @@ fn a_closed_kept_connection_is_retried_and_no_hang_up_kills_a_process_whose_sigp
             conn.read_exact(&mut key).unwrap();
             conn.write_all(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]).unwrap(); // UNKNOWN
             served += 1;
-        } // each connection closes after its answer
+            drop(conn);
+            let _ = closed.send(());
+        }
         served
     });
     let mut ticket = vec![7u8; KEY_BYTES];
     ticket.extend_from_slice(&name);
     let first = take(&ticket).unwrap_err().to_string();
     assert!(first.contains("no such handover"), "{first}");
-    std::thread::sleep(Duration::from_millis(200)); // the sender's side is closed by now
+    closed_rx.recv_timeout(Duration::from_secs(10)).expect("the sender closed its side");
     let second = take(&ticket).unwrap_err().to_string();
     assert!(second.contains("no such handover"), "retried on a new connection: {second}");
     assert_eq!(sender.join().unwrap(), 2);

@@ -181,31 +181,44 @@ def _send_storage(storage):
 
 def _send_event(device):
     """An interprocess event recorded now on `device`'s current stream, and its handle: the
-    consumer's stream waits for it before using what was sent. One per device for all the
-    sends of a message (`share.message_memo`): they are pickled together on one thread,
-    whose current stream is the same for all of them, so the first one's event already
-    follows the work queued before the message; each send keeps it alive."""
+    consumer's stream waits for it before using what was sent. The sends of one message on
+    one stream (`share.message_memo`) share one event, recorded again at each send, so
+    creating it and its handle is paid once per message: the receiver waits only once the
+    whole message has arrived, hence for the event's last record, which follows all the work
+    queued before any of the message's sends (a reducer's own kernels between two sends
+    included), as PyTorch's event per send does. Each send keeps it alive."""
     import torch
+    stream = torch.cuda.current_stream(device)
     memo = share.message_memo()
-    got = memo.get(("event", device)) if memo is not None else None
+    key = ("event", device, stream.cuda_stream)
+    got = memo.get(key) if memo is not None else None
     if got is None:
         event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-        event.record(torch.cuda.current_stream(device))
+        event.record(stream)
         got = (event, event.ipc_handle())
         if memo is not None:
-            memo[("event", device)] = got
+            memo[key] = got
+    else:
+        got[0].record(stream)
     return got
 
 
+def _current_raw_stream(device):
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def _wait_event(device, handle):
-    """Order `device`'s current stream after the sender's event `handle`, once per event in
-    a message (the sends of one message share it, `_send_event`)."""
+    """Order `device`'s current stream after the sender's event `handle`, once per event and
+    stream in a message (the sends of one message share their event, `_send_event`)."""
     import torch
     memo = share.message_memo()
     if memo is not None:
-        if ("waited", device, handle) in memo:
+        key = ("waited", device, handle, _current_raw_stream(device))
+        if key in memo:
             return
-        memo[("waited", device, handle)] = True
+        memo[key] = True
     torch.cuda.Event.from_ipc_handle(device, handle).wait(torch.cuda.current_stream(device))
 
 
@@ -221,18 +234,22 @@ def _storage_here(info):
     ref = _opened.get(key)
     storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
     if storage is not None:
-        received.let_go()
-    else:
-        managed = received.open_dlpack(device)
         try:
-            storage = torch.from_dlpack(share.capsule(managed)).untyped_storage()
-        except BaseException:
-            share.delete_dlpack(managed)
-            raise
-        _opened[key] = StorageWeakRef(storage)
-        if len(_opened) > 1024 and len(_opened) & 1023 == 0:
-            for k in [k for k, r in _opened.items() if r.expired()]:
-                del _opened[k]
+            # The wait first: letting go lets the sender drop the send, and with it the event.
+            _wait_event(device, event)
+        finally:
+            received.let_go()
+        return storage
+    managed = received.open_dlpack(device)
+    try:
+        storage = torch.from_dlpack(share.capsule(managed)).untyped_storage()
+    except BaseException:
+        share.delete_dlpack(managed)
+        raise
+    _opened[key] = StorageWeakRef(storage)
+    if len(_opened) > 1024 and len(_opened) & 1023 == 0:
+        for k in [k for k, r in _opened.items() if r.expired()]:
+            del _opened[k]
     _wait_event(device, event)
     return storage
 

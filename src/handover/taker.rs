@@ -12,7 +12,6 @@ use super::{wire, KEY_BYTES};
 use crate::error::Error;
 use rustix::event::{PollFd, PollFlags};
 use std::collections::HashMap;
-use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
@@ -144,7 +143,7 @@ fn forget(name: &[u8], conn: &Kept) {
 }
 
 fn exchange(stream: &mut UnixStream, key: &[u8; KEY_BYTES]) -> std::result::Result<(Vec<OwnedFd>, u32), Exchange> {
-    stream.write_all(key).map_err(Exchange::NotSent)?;
+    crate::socket::send_all(stream, key).map_err(Exchange::NotSent)?;
     let (status, count, sends) = wire::read_header(stream).map_err(Exchange::Broken)?;
     match status {
         wire::FOUND => {}

@@ -9,7 +9,7 @@ use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
     SendFlags,
 };
-use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -20,12 +20,12 @@ pub const PER_MESSAGE: usize = 250;
 pub const FOUND: u32 = 0;
 pub const UNKNOWN: u32 = 1;
 
-pub fn write_header(conn: &mut UnixStream, status: u32, count: u32, sends: u32) -> std::io::Result<()> {
+pub fn write_header(conn: &UnixStream, status: u32, count: u32, sends: u32) -> std::io::Result<()> {
     let mut b = [0u8; 12];
     b[..4].copy_from_slice(&status.to_le_bytes());
     b[4..8].copy_from_slice(&count.to_le_bytes());
     b[8..].copy_from_slice(&sends.to_le_bytes());
-    conn.write_all(&b) // retries EINTR itself
+    crate::socket::send_all(conn, &b)
 }
 
 /// `(status, count, sends)`.

@@ -274,6 +274,22 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _same(t):
+    return t
+
+
+class Later:
+    # Pickled after the message's first tensor: its reduction queues a long kernel, then
+    # the tensor it sends (`base + 1`), so only an event recorded at its own send covers it.
+
+    def __init__(self, base):
+        self.base = base
+
+    def __reduce__(self):
+        torch.cuda._sleep(1 << 30)
+        return (_same, (self.base + 1,))
+
+
 def consume(q, out, wait):
     import gpupool.torch
     gpupool.torch.install()
@@ -285,7 +301,7 @@ def consume(q, out, wait):
         got = q.get()
         # Read at once, on this process's stream: only the sender's event orders the read
         # after the sender's writes, which wait behind a long kernel.
-        out.put([t.float().mean().item() for t in got])
+        out.put([(t.min().item(), t.max().item()) for t in got])
         del got
 
 
@@ -306,10 +322,10 @@ if __name__ == "__main__":
         torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the writes
         for i, t in enumerate(ts[:4]):
             t.fill_(10 * message + i + 1)
-        q.put(ts)
+        q.put(ts + [Later(ts[1])])  # the last one's work is queued while the message is pickled
         got = out.get(timeout=120)
-        want = [10 * message + i + 1 for i in range(4)] + [10 * message + 2]
-        assert got == want, (message, got, want)
+        want = [10 * message + i + 1 for i in range(4)] + [10 * message + 2, 10 * message + 3]
+        assert got == [(v, v) for v in want], (message, got, want)
     torch.cuda.synchronize()
     print("ordered")
 """
@@ -318,7 +334,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("pool", ["split", "arena"])
 def test_a_message_of_cuda_tensors_is_read_after_the_senders_queued_writes(torch_gpu, pool, tmp_path):
     # Every tensor of a message, on any pool: the consumer's stream waits for the sender's
-    # event before the first read (the sends of one message share one event).
+    # event before the first read, and for work a reducer queued while the message was
+    # pickled (the sends of one message share one event, recorded at each send).
     from conftest import run_script
     script = tmp_path / "ordered_sends.py"
     script.write_text(ORDERED_SENDS)
