@@ -297,7 +297,7 @@ def consume(q, out, wait):
         gpupool.torch._wait_event = lambda device, handle: None
     torch.zeros(1, device="cuda")
     out.put("ready")
-    for _ in range(2):
+    for _ in range(3):
         got = q.get()
         # Read at once, on this process's stream: only the sender's event orders the read
         # after the sender's writes, which wait behind a long kernel.
@@ -315,7 +315,9 @@ if __name__ == "__main__":
     child = ctx.Process(target=consume, args=(q, out, sys.argv[2:] != ["nowait"]), daemon=True)
     child.start()
     assert out.get(timeout=120) == "ready"
-    for message in range(2):  # each message is ordered after its own writes
+    # Each message is ordered after its own writes. (The first may pass without any wait:
+    # the receiver's first mapping can outlast the kernel; the later ones cannot.)
+    for message in range(3):
         ts = [torch.zeros(n, device="cuda") for n in (1 << 8, 1 << 18, 3 << 20, 1 << 12)]
         ts.append(ts[1][5:])  # a view, sent beside its base
         torch.cuda.synchronize()
