@@ -258,3 +258,81 @@ fn without_holds_a_block_shares_only_a_span_of_exactly_its_own_allocations() {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }
 }
+
+fn import_address_space(d: i32) -> usize {
+    let j = common::device_json(d);
+    let at = j.find("\"ipc_import_address_space\":").expect("the address space in the report") + 27;
+    j[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+/// 8 MiB of new memory (four granules), freed; then x takes 3 MiB at its start and y the
+/// next 3 MiB: y starts in x's second granule and runs into a third.
+fn straddling_layout(d: i32) -> (*mut c_void, *mut c_void) {
+    common::host_device_256mib(d, c"arena");
+    const MIB: usize = 1 << 20;
+    let room = malloc(8 * MIB, d);
+    assert_eq!(unsafe { gpupool_free(room, d, null_mut()) }, Status::Ok);
+    let (x, y) = (malloc(3 * MIB, d), malloc(3 * MIB, d));
+    assert_eq!((x, y as usize - x as usize), (room, 3 * MIB), "the layout these tests rely on");
+    (x, y)
+}
+
+#[test]
+fn a_held_block_that_runs_past_a_spans_end_extends_it_in_place() {
+    const MIB: usize = 1 << 20;
+    let d = 58;
+    let (x, y) = straddling_layout(d);
+    unsafe { std::ptr::copy_nonoverlapping(b"YYYY".as_ptr(), y.cast::<u8>(), 4) };
+    let (dx, dy) = (export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(y, GPUPOOL_IPC_SHARE_GRANULES).unwrap());
+    let (tx, hx) = open_held(&dx, d, &fds(&dx)).unwrap();
+    assert_eq!((imports(d), import_address_space(d)), (1, 4 * MIB));
+    // Descriptors that are not the exporter's are refused before anything is mapped.
+    let e = open_held(&dy, d, &vec![0; fds(&dy).len()]).map(|(t, _)| drop_tensor(t)).unwrap_err();
+    assert!(e.contains("not the file the exporter shared"), "{e}");
+    assert_eq!((imports(d), import_address_space(d)), (1, 4 * MIB), "nothing mapped");
+    // y's first granule is x's second: only its last is imported, right after x's span.
+    let (ty, hy) = open_held(&dy, d, &fds(&dy)).unwrap();
+    assert_eq!((imports(d), import_address_space(d)), (2, 6 * MIB), "one granule more, not y's two again");
+    let (px, py) = unsafe { ((*tx).data as usize, (*ty).data as usize) };
+    assert_eq!(py - px, 3 * MIB, "laid out as in the exporter");
+    assert_eq!(unsafe { std::slice::from_raw_parts(py as *const u8, 4) }, b"YYYY");
+    unsafe { std::ptr::copy_nonoverlapping(b"last".as_ptr(), (py + 3 * MIB - 4) as *mut u8, 4) };
+    assert_eq!(unsafe { std::slice::from_raw_parts((y as usize + 3 * MIB - 4) as *const u8, 4) }, b"last", "one memory, in the extension too");
+    // A third open of y goes through the grown span.
+    let (ty2, hy2) = open_held(&dy, d, &fds(&dy)).unwrap();
+    assert_eq!(imports(d), 2);
+    // x goes first: its hold stays while the span maps its granules; the span closes whole
+    // with its last tensor, the extension with it.
+    drop_tensor(tx);
+    assert!(held(hx) && imports(d) == 2);
+    drop_tensor(ty2);
+    drop_tensor(ty);
+    assert!(!held(hx) && !held(hy) && !held(hy2), "the span's holds go with it");
+    assert_eq!((imports(d), import_address_space(d)), (0, 0), "closed whole");
+
+    // Where the address space past the span is taken, y is an import of its own.
+    let (tx, _) = open_held(&dx, d, &fds(&dx)).unwrap();
+    let end = unsafe { (*tx).data as usize } + 4 * MIB;
+    // SAFETY: a page of our own at the span's end, only where nothing is mapped.
+    let page = unsafe {
+        libc::mmap(end as *mut c_void, 4096, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE, -1, 0)
+    };
+    assert_eq!(page as usize, end, "the address past the span was free");
+    let (ty, _) = open_held(&dy, d, &fds(&dy)).unwrap();
+    assert_eq!((imports(d), import_address_space(d)), (2, 8 * MIB), "a span of y's own");
+    assert_eq!(unsafe { std::slice::from_raw_parts((*ty).data as *const u8, 4) }, b"YYYY");
+    drop_tensor(tx);
+    drop_tensor(ty);
+    assert_eq!(imports(d), 0);
+    unsafe { libc::munmap(page, 4096) };
+
+    // Without a hold nothing keeps x in the exporter: y does not extend x's span.
+    let tx = open(&dx, d);
+    let ty = open(&dy, d);
+    assert_eq!((imports(d), import_address_space(d)), (2, 8 * MIB));
+    drop_tensor(tx);
+    drop_tensor(ty);
+    for p in [x, y] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}
