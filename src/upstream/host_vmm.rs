@@ -88,18 +88,12 @@ impl HostVmm {
     }
 
     pub fn reserve(&mut self, len: usize) -> Result<usize> {
-        self.reserve_hinted(len, 0)
-    }
-
-    /// `reserve`, at `hint` where that is free (0: anywhere).
-    pub fn reserve_hinted(&mut self, len: usize, hint: usize) -> Result<usize> {
         let g = self.granule;
         // Over-reserve by a granule, then trim, so the range is granule aligned.
-        // SAFETY: an anonymous, inaccessible mapping at an address of the kernel's choice (the
-        // hint where it is free; never over a mapping).
+        // SAFETY: an anonymous, inaccessible mapping at an address of the kernel's choice.
         let p = unsafe {
             libc::mmap(
-                hint as *mut libc::c_void,
+                std::ptr::null_mut(),
                 len + g,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
@@ -421,7 +415,7 @@ impl HostVmm {
         }
         let n = d.granules.len();
         let base = match at {
-            None => self.reserve_hinted(n * g, crate::upstream::shared::import_hint(&self.imports, |&(k, _)| k * g))?,
+            None => self.reserve(n * g)?,
             Some(at) => self.reserve_at(n * g, at)?,
         };
         let undo = |v: &mut HostVmm| {

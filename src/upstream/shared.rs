@@ -363,17 +363,5 @@ fn fetch_error(pid: u32, what: &str) -> Error {
     ))
 }
 
-/// Address space left free past the highest import when a new one is placed: a block that
-/// starts in an import and runs past its end extends it there (`gpupool_ipc_open_dlpack`),
-/// which a range placed right after it would prevent. Nothing is reserved in it, and
-/// 128 TiB of user address space holds tens of thousands of such gaps.
-pub const IMPORT_GAP: usize = 4 << 30;
-
-/// Where a new import's range is asked for: `IMPORT_GAP` past the highest live import
-/// (`imports`: base -> entry, `len` its length), or anywhere (0) when there is none.
-pub fn import_hint<T>(imports: &std::collections::BTreeMap<usize, T>, len: impl Fn(&T) -> usize) -> usize {
-    imports.last_key_value().map_or(0, |(&base, e)| base + len(e) + IMPORT_GAP)
-}
-
 #[cfg(test)]
 mod tests;

@@ -180,14 +180,6 @@ impl CudaVmm {
         Ok(base as usize)
     }
 
-    /// Reserve `len` bytes, at `hint` where that is free (0: anywhere).
-    pub fn reserve_hinted(&mut self, len: usize, hint: usize, calls: &mut DriverCalls) -> Result<usize> {
-        let mut base: sys::CUdeviceptr = 0;
-        calls.address_reserve += 1;
-        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, len, self.granule, hint as sys::CUdeviceptr, 0) })?;
-        Ok(base as usize)
-    }
-
     /// Reserve `[at, at + len)` exactly: the driver takes the address as a hint, so a range
     /// placed elsewhere is given back and refused.
     pub fn reserve_at(&mut self, len: usize, at: usize, calls: &mut DriverCalls) -> Result<usize> {

@@ -25,7 +25,7 @@ impl CudaVmm {
         let pieces = allocations_of(d)?;
         let len = d.granules.len() * granule;
         let base = match at {
-            None => self.reserve_hinted(len, crate::upstream::shared::import_hint(&self.imports, |(l, _, _)| *l), calls)?,
+            None => self.reserve(len, calls)?,
             Some(at) => self.reserve_at(len, at, calls)?,
         };
         let mut mapped: Vec<usize> = Vec::new();
