@@ -160,14 +160,6 @@ impl Pool {
         self.core.upstream.vmm_import(d, &source)
     }
 
-    /// `ipc_import` into a range that starts at `at` exactly: right after a range imported
-    /// before, which the caller extends (`gpupool_ipc_open_dlpack`'s shared spans). Where
-    /// `at` is taken, an error and nothing mapped.
-    pub fn ipc_import_at(&mut self, d: &Descriptor, fds: &[i32], at: usize) -> Result<usize> {
-        let source = self.import_source(d, Some(fds))?;
-        self.core.upstream.vmm_import_at(d, &source, at)
-    }
-
     /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, one
     /// descriptor per granule, each the file the exporter shared), mapping nothing: for a
     /// block shown through an import already made (`gpupool_ipc_open_dlpack`).

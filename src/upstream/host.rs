@@ -151,15 +151,6 @@ impl HostUpstream {
             (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
         Ok(())
     }
-
-    /// `vmm_import` / `vmm_import_at`, counting the calls a driver would make.
-    fn import_maybe_at(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource, at: Option<usize>) -> Result<usize> {
-        let ptr = self.vmm.import(d, fds, at)?;
-        let n = d.granules.len() as u64;
-        (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map, self.calls.set_access) =
-            (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n, self.calls.set_access + 1);
-        Ok(ptr)
-    }
 }
 
 impl Upstream for HostUpstream {
@@ -324,13 +315,12 @@ impl Upstream for HostUpstream {
     }
 
     fn vmm_import(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource) -> Result<usize> {
-        self.import_maybe_at(d, fds, None)
+        let ptr = self.vmm.import(d, fds)?;
+        let n = d.granules.len() as u64;
+        (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map, self.calls.set_access) =
+            (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        Ok(ptr)
     }
-
-    fn vmm_import_at(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource, at: usize) -> Result<usize> {
-        self.import_maybe_at(d, fds, Some(at))
-    }
-
 
     fn vmm_unimport(&mut self, ptr: usize) -> Result<bool> {
         let Some(n) = self.vmm.unimport(ptr) else { return Ok(false) };

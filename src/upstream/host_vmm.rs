@@ -120,36 +120,6 @@ impl HostVmm {
         Ok(base)
     }
 
-    /// Reserve `[at, at + len)` exactly (`at` granule aligned), or fail where any of it is
-    /// mapped already.
-    pub fn reserve_at(&mut self, len: usize, at: usize) -> Result<usize> {
-        if at % self.granule != 0 {
-            return Err(Error::InvalidArgument(format!("host vmm: {at:#x} is not granule aligned")));
-        }
-        // SAFETY: an anonymous, inaccessible mapping at `at` that replaces nothing (the kernel
-        // refuses, or before 4.17 places it elsewhere, where something is mapped there).
-        let p = unsafe {
-            libc::mmap(
-                at as *mut libc::c_void,
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::InvalidArgument(format!("address range {at:#x}+{len:#x} is taken: {}", std::io::Error::last_os_error())));
-        }
-        if p as usize != at {
-            // SAFETY: the fresh mapping just made, elsewhere.
-            unsafe { libc::munmap(p, len) };
-            return Err(Error::InvalidArgument(format!("address range {at:#x}+{len:#x} is taken")));
-        }
-        self.reservations.insert(at, len);
-        Ok(at)
-    }
-
     pub fn unreserve(&mut self, base: usize, len: usize) -> Result<()> {
         if self.reservations.get(&base) != Some(&len) {
             return Err(Error::Internal(format!("host vmm: {base:#x}+{len} is not a reservation")));
@@ -405,19 +375,14 @@ impl HostVmm {
     }
 
     /// Map the granules of `d` (offsets in the files behind the descriptors `fds` yields)
-    /// side by side in a new reservation; returns the block's address there. `at`: the
-    /// reservation must start there (where it is taken, nothing is mapped and the error
-    /// says so). All or nothing.
-    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, at: Option<usize>) -> Result<usize> {
+    /// side by side in a new reservation; returns the block's address there. All or nothing.
+    pub fn import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
         let g = self.granule;
         if d.granule != g as u64 {
             return Err(Error::InvalidArgument(format!("IPC import: the exporter's granule is {} bytes, this upstream's {g}", d.granule)));
         }
         let n = d.granules.len();
-        let base = match at {
-            None => self.reserve(n * g)?,
-            Some(at) => self.reserve_at(n * g, at)?,
-        };
+        let base = self.reserve(n * g)?;
         let undo = |v: &mut HostVmm| {
             v.reservations.remove(&base);
             // SAFETY: the reservation made above, with what was mapped in it.

@@ -203,12 +203,6 @@ pub trait Upstream: Send {
     fn vmm_import(&mut self, _d: &shared::Descriptor, _fds: &shared::FdSource) -> Result<usize> {
         Err(Error::InvalidArgument("this upstream cannot map memory of other processes".into()))
     }
-    /// `vmm_import` into a range that starts at `at` exactly (right after one imported
-    /// before, which it extends); an error, with nothing mapped, where `at` is taken or the
-    /// upstream cannot place a range.
-    fn vmm_import_at(&mut self, _d: &shared::Descriptor, _fds: &shared::FdSource, _at: usize) -> Result<usize> {
-        Err(Error::InvalidArgument("this upstream cannot map memory of other processes at a given address".into()))
-    }
     /// Unmap the range `vmm_import` returned `ptr` for (exactly that address; the
     /// exporter's memory is untouched). `Ok(false)`: `ptr` is no such address.
     fn vmm_unimport(&mut self, _ptr: usize) -> Result<bool> {

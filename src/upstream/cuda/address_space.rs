@@ -180,19 +180,6 @@ impl CudaVmm {
         Ok(base as usize)
     }
 
-    /// Reserve `[at, at + len)` exactly: the driver takes the address as a hint, so a range
-    /// placed elsewhere is given back and refused.
-    pub fn reserve_at(&mut self, len: usize, at: usize, calls: &mut DriverCalls) -> Result<usize> {
-        let mut base: sys::CUdeviceptr = 0;
-        calls.address_reserve += 1;
-        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, len, self.granule, at as sys::CUdeviceptr, 0) })?;
-        if base as usize != at {
-            self.unreserve(base as usize, len, calls)?;
-            return Err(Error::InvalidArgument(format!("address range {at:#x}+{len:#x} is taken")));
-        }
-        Ok(at)
-    }
-
     pub fn unreserve(&mut self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
         calls.address_free += 1;
         check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(base as sys::CUdeviceptr, len) })

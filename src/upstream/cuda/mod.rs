@@ -101,19 +101,6 @@ impl<K: MemKind> CudaUpstream<K> {
             None => Err(crate::error::Error::Internal("arena: this device has no virtual memory API".into())),
         }
     }
-
-    /// `vmm_import` / `vmm_import_at`: another process's allocations mapped here, in a new
-    /// range or in one that starts at `at`.
-    fn import_maybe_at(&mut self, d: &crate::upstream::shared::Descriptor, fds: &crate::upstream::shared::FdSource, at: Option<usize>) -> Result<usize> {
-        if self.vmm_granule() == 0 {
-            return Err(crate::error::Error::InvalidArgument(
-                "IPC import: this device has no virtual memory management".into(),
-            ));
-        }
-        let _g = self.enter()?;
-        let (vmm, calls) = self.vmm_parts()?;
-        vmm.import(d, fds, at, calls)
-    }
 }
 
 fn stream_ptr(h: StreamHandle) -> sys::CUstream {
@@ -241,11 +228,14 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn vmm_import(&mut self, d: &crate::upstream::shared::Descriptor, fds: &crate::upstream::shared::FdSource) -> Result<usize> {
-        self.import_maybe_at(d, fds, None)
-    }
-
-    fn vmm_import_at(&mut self, d: &crate::upstream::shared::Descriptor, fds: &crate::upstream::shared::FdSource, at: usize) -> Result<usize> {
-        self.import_maybe_at(d, fds, Some(at))
+        if self.vmm_granule() == 0 {
+            return Err(crate::error::Error::InvalidArgument(
+                "IPC import: this device has no virtual memory management".into(),
+            ));
+        }
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.import(d, fds, calls)
     }
 
     fn vmm_unimport(&mut self, ptr: usize) -> Result<bool> {

@@ -11,10 +11,8 @@ use cudarc::driver::sys;
 impl CudaVmm {
     /// Map the allocations of `d` (behind the descriptors `fds` yields; each listed whole,
     /// granule by granule from offset 0) side by side in a new range, readable and writable
-    /// by the device and its peers; returns the block's address there. `at`: the range must
-    /// start there (right after a range mapped before, which it extends); where that
-    /// address is taken, nothing is mapped and the error says so. All or nothing.
-    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, at: Option<usize>, calls: &mut DriverCalls) -> Result<usize> {
+    /// by the device and its peers; returns the block's address there. All or nothing.
+    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
         let granule = self.granule;
         if d.granule != granule as u64 {
             return Err(Error::InvalidArgument(format!(
@@ -24,10 +22,7 @@ impl CudaVmm {
         }
         let pieces = allocations_of(d)?;
         let len = d.granules.len() * granule;
-        let base = match at {
-            None => self.reserve(len, calls)?,
-            Some(at) => self.reserve_at(len, at, calls)?,
-        };
+        let base = self.reserve(len, calls)?;
         let mut mapped: Vec<usize> = Vec::new();
         let result = (|| {
             let mut at = 0;
