@@ -18,6 +18,7 @@
 #   sharec4            share_check.py three rounds of native, arena, arena with dist/libgpupool-chunk4.so
 #   ordered            test_torch.py's ordered-sends script with the consumer's waits removed (`nowait`), on
 #                      split and arena: it must fail (shows the test can)
+#   split              units/loads_split.py: the receiver's rebuild timed in parts (arena, three runs)
 #   bench W            the workload benchmark, workloads W (comma list), five allocators, --rounds R
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -48,7 +49,7 @@ while [ $# -gt 0 ]; do
     share)
       for round in 1 2 3; do
         for a in native split arena; do
-          timeout 150 python3 scripts/share_check.py --allocator $a --tensors 1000 2>&1 | tail -1 | cut -c1-300
+          timeout 150 python3 scripts/share_check.py --allocator $a --tensors 1000 2>&1 | tail -1 | cut -c1-900
         done
       done | tee $OUT/share.log
       timeout 150 python3 scripts/share_check.py --allocator arena --tensors 1000 --profile $OUT 2>&1 | tail -1 | cut -c1-300; cat $OUT/consumer-fetch-ms-arena.txt ;;
@@ -87,7 +88,7 @@ while [ $# -gt 0 ]; do
           if [ $a = chunk4 ]; then
             GPUPOOL_LIBRARY=$PWD/dist/libgpupool-chunk4.so timeout 150 python3 scripts/share_check.py --allocator arena --tensors 1000 2>&1 | tail -1 | sed 's/"arena"/"arena-chunk4"/' | cut -c1-300
           else
-            timeout 150 python3 scripts/share_check.py --allocator $a --tensors 1000 2>&1 | tail -1 | cut -c1-300
+            timeout 150 python3 scripts/share_check.py --allocator $a --tensors 1000 2>&1 | tail -1 | cut -c1-900
           fi
         done
       done | tee $OUT/sharec4.log ;;
@@ -102,6 +103,10 @@ while [ $# -gt 0 ]; do
         PYTHONPATH=/tmp/first:$PYTHONPATH timeout 120 python3 /tmp/ordered.py $pool 2>&1 | tail -2
         echo "-- $pool, as shipped:"; timeout 120 python3 /tmp/ordered.py $pool 2>&1 | tail -2
       done | tee $OUT/ordered.log ;;
+    split)
+      for round in 1 2 3; do
+        timeout 150 python3 docs/results/2026-11-26-s25/units/loads_split.py --allocator arena --tensors 1000 2>&1 | grep -E "loads split|tensors_per_s" | cut -c1-600
+      done | tee $OUT/split.log ;;
     bench)
       W=$1; R=$2; shift 2
       python3 scripts/bench_workloads.py all --workloads $W --allocators native,expandable,rmm,split,arena --rounds $R \
