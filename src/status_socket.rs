@@ -45,7 +45,7 @@ pub fn start(report: fn() -> String) {
                 let Ok(conn) = conn else { continue };
                 let report = std::panic::catch_unwind(report).unwrap_or_else(|_| "gpupool: the report failed\n".into());
                 // A reader that hung up costs no SIGPIPE; one that stops reading holds the
-                // thread a second at most.
+                // thread about a second for each write that cannot proceed.
                 let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
                 let _ = crate::socket::send_all(&conn, report.as_bytes());
             }

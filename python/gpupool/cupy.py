@@ -264,19 +264,24 @@ def _open_shared(sent, meta):
     key = (sent.producer, sent.ptr, sent.device)
     received = _share.Received(sent)
     imp = _imports.get(key)
-    if imp is not None:
-        received.let_go()
-    else:
+    if imp is None:
         imp = _Import(received.open_dlpack(sent.device))
         _imports[key] = imp
-    with cupy.cuda.Device(sent.device):
-        mem = cupy.cuda.UnownedMemory(imp.ptr, sent.size, imp, sent.device)
-        ev = cupy.cuda.runtime.ipcOpenEventHandle(handle)
-        try:
-            cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, ev)
-        finally:
-            cupy.cuda.runtime.eventDestroy(ev)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
+        received = None
+    try:
+        with cupy.cuda.Device(sent.device):
+            mem = cupy.cuda.UnownedMemory(imp.ptr, sent.size, imp, sent.device)
+            ev = cupy.cuda.runtime.ipcOpenEventHandle(handle)
+            try:
+                cupy.cuda.runtime.streamWaitEvent(cupy.cuda.get_current_stream().ptr, ev)
+            finally:
+                cupy.cuda.runtime.eventDestroy(ev)
+            return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
+    finally:
+        # A send of a block already open here is let go only after the wait: letting go
+        # lets the sender drop the send, and with it the event.
+        if received is not None:
+            received.let_go()
 
 
 def _name_share_in_ipc_errors():

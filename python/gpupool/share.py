@@ -331,22 +331,14 @@ def route_multiprocessing():
     """Make multiprocessing's pickler put every send of one message in one handover, and
     its unpickler close a handover whose message failed to unpickle (`torch.multiprocessing`
     and `gpupool.cupy.share` call this). Idempotent."""
-    global _routed
-    if _routed:  # (called for every send received: once routed, nothing to look up)
-        return
     from multiprocessing.reduction import ForkingPickler
     if getattr(ForkingPickler.dumps, "_gpupool", False):
-        _routed = True
         return
     # Now, not inside the first handovers: the file limit, the kernel's file table, the
     # descriptor thread (gpupool_handover_prepare says why).
     lib().gpupool_handover_prepare(1)
     ForkingPickler.dumps = _dumps_in_one_handover(ForkingPickler.dumps.__func__)
     ForkingPickler.loads = _loads_closing_on_failure(ForkingPickler.loads)
-    _routed = True
-
-
-_routed = False  # route_multiprocessing() ran in this process
 
 
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an

@@ -218,8 +218,9 @@ def _wait_event(device, handle):
         key = ("waited", device, handle, _current_raw_stream(device))
         if key in memo:
             return
-        memo[key] = True
     torch.cuda.Event.from_ipc_handle(device, handle).wait(torch.cuda.current_stream(device))
+    if memo is not None:
+        memo[key] = True
 
 
 def _storage_here(info):
