@@ -82,3 +82,33 @@ fn modules_import_only_lower_layers() {
     }
     assert!(bad.is_empty(), "layering violations:\n{}", bad.join("\n"));
 }
+
+/// Socket writes go through `socket::send_all` (`MSG_NOSIGNAL`): std's `Write` for
+/// `UnixStream` adds that flag only from Rust 1.90 on and the crate builds with 1.80, where
+/// a write to a peer that hung up raises SIGPIPE, which ends a C host whose SIGPIPE is the
+/// default. A library file that uses Unix sockets and writes with `write`/`write_all`
+/// fails this test (the handover's unit tests, which play misbehaving peers, excepted).
+#[test]
+fn socket_writes_raise_no_sigpipe() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all = Vec::new();
+    files(&src, &mut all);
+    let mut bad = Vec::new();
+    for f in all {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if rel == "socket.rs" || rel.ends_with("/tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        if !text.contains("UnixStream") && !text.contains("UnixListener") {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap();
+            if code.contains(".write_all(") || code.contains(".write(") {
+                bad.push(format!("{rel}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "socket writes that may raise SIGPIPE (use crate::socket::send_all):\n{}", bad.join("\n"));
+}
