@@ -94,9 +94,10 @@ while [ $# -gt 0 ]; do
       done | tee $OUT/sharec4.log ;;
     ordered)
       python3 -c "import sys; sys.path.insert(0, 'tests/python'); import test_torch; open('/tmp/ordered.py', 'w').write(test_torch.ORDERED_SENDS)"
-      # bb1c4cf's route (one record per message, at its first send: units/torch_first_record_only.py)
+      # bb1c4cf's route (one record per message, at its first send): units/torch_first_record_only.patch
+      # on today's torch.py (runs E and J ran bb1c4cf's file, which the patch gives back)
       rm -rf /tmp/first && mkdir -p /tmp/first && cp -r python/gpupool /tmp/first/ \
-        && cp docs/results/2026-11-26-s25/units/torch_first_record_only.py /tmp/first/gpupool/torch.py
+        && patch -s /tmp/first/gpupool/torch.py < docs/results/2026-11-26-s25/units/torch_first_record_only.patch
       for pool in split arena; do
         echo "-- $pool, waits removed (must fail):"; timeout 120 python3 /tmp/ordered.py $pool nowait 2>&1 | tail -2
         echo "-- $pool, one record per message, at its first send (must fail):"
