@@ -9,12 +9,21 @@ processes end with no live block and nothing imported. Prints one JSON line last
 tensors/s through the queue (consumer start-up excluded), the consumer's time unpickling
 (`consumer_loads_s`: rebuilding the tensors, which opens or imports their memory) and the checks.
 
-    python3 scripts/share_check.py --allocator arena --tensors 1000 [--profile DIR]
+    python3 scripts/share_check.py --allocator arena --tensors 1000 [--profile DIR] [--check-parts] [--warm-consumer]
 
 --profile DIR: the producer's pickling (where it exports) and the consumer's receiving and
 checking are profiled (cProfile) over the measured exchange; the functions by cumulative
 time go to DIR/{producer,consumer}-ALLOCATOR.txt, and each handover's fetch in the consumer
 (ms, in order) to DIR/consumer-fetch-ms-ALLOCATOR.txt.
+
+--check-parts: the consumer synchronises around each part of its check and reports them
+apart: making the expected pattern (`consumer_pattern_s`: its own allocations and kernels),
+comparing (`consumer_equal_s`: kernels reading the received memory) and the in-place adds
+(`consumer_add_s`). Slower overall; for attributing `consumer_check_s`.
+--check-after-all: the consumer unpickles every message before it checks any (the producer
+has sent everything by then), so no check runs beside the producer's sending.
+--warm-consumer: before the exchange the consumer makes (and drops) every expected pattern
+once, so its own allocator has grown to what the checks need before the clock starts.
 """
 import argparse
 import cProfile
@@ -64,15 +73,24 @@ def setup(allocator):
         gpupool.torch.install()
 
 
-def consumer(allocator, inq, outq, profile=None):
+def consumer(allocator, inq, outq, profile=None, parts=False, warm=None, after=1):
     setup(allocator)
     import torch
     from multiprocessing.reduction import ForkingPickler
     torch.cuda.init()
     torch.zeros(1, device="cuda")
+    if warm is not None:
+        n, seed, max_bytes = warm
+        for i, (dt, elems, _view) in enumerate(items(n, seed, max_bytes)):
+            pattern(i, elems, dt, "cuda")
+        torch.cuda.synchronize()
     outq.put("ready")
     held = []
     receive = check = loads = 0.0
+    part = {"pattern": 0.0, "equal": 0.0, "add": 0.0}
+    # --check-parts: the pattern's and the comparison's time by the tensor's size, ms
+    # (under 64 KiB, to 1 MiB, to 16 MiB, above).
+    by_size = {"pattern_ms": [0.0] * 4, "equal_ms": [0.0] * 4}
     prof = cProfile.Profile() if profile else None
     fetch_ms = []
     if profile and allocator != "native":
@@ -87,6 +105,39 @@ def consumer(allocator, inq, outq, profile=None):
             finally:
                 fetch_ms.append(round((time.perf_counter() - t) * 1e3, 3))
         gpupool.share._fetch = timed_fetch
+    def check_message(msg):
+        """Check each tensor of `msg` against its pattern, then add 1 to the bases; the
+        tensors' indices that were wrong."""
+        bad = []
+        for i, t, elems, view in msg:
+            if parts:
+                torch.cuda.synchronize()
+                ta = time.perf_counter()
+            want = pattern(i, elems, t.dtype, t.device)
+            if parts:
+                torch.cuda.synchronize()
+                tb = time.perf_counter()
+                part["pattern"] += tb - ta
+            if not torch.equal(t, want if view is None else want[view:]):
+                bad.append(i)
+            if parts:
+                tc = time.perf_counter()
+                part["equal"] += tc - tb
+                nb = t.numel() * t.element_size()
+                k = 0 if nb < 1 << 16 else 1 if nb < 1 << 20 else 2 if nb < 16 << 20 else 3
+                by_size["pattern_ms"][k] += (tb - ta) * 1e3
+                by_size["equal_ms"][k] += (tc - tb) * 1e3
+            held.append(t)
+        ta = time.perf_counter()
+        # Bases change only once every tensor (views of them included) was checked.
+        for i, t, elems, view in msg:
+            if view is None:
+                t.add_(1)
+        torch.cuda.synchronize()
+        part["add"] += time.perf_counter() - ta
+        return bad
+
+    pending = []  # messages received, not checked yet
     while True:
         t0 = time.perf_counter()
         if prof:
@@ -120,24 +171,23 @@ def consumer(allocator, inq, outq, profile=None):
         if msg == "stop":
             outq.put(("stopped", _live(allocator)))
             return
-        bad = []
-        for i, t, elems, view in msg:
-            want = pattern(i, elems, t.dtype, t.device)
-            if not torch.equal(t, want if view is None else want[view:]):
-                bad.append(i)
-            held.append(t)
-        # Bases change only once every tensor (views of them included) was checked.
-        for i, t, elems, view in msg:
-            if view is None:
-                t.add_(1)
-        torch.cuda.synchronize()
         receive += t1 - t0
         loads += t1 - tl
-        check += time.perf_counter() - t1
-        if prof:
-            prof.disable()
-        outq.put(("checked", [m[0] for m in msg], bad, receive, check, loads))
-        del msg, t, want  # only `held` keeps what was received
+        pending.append(msg)
+        del msg
+        if len(pending) < after:
+            if prof:
+                prof.disable()
+            continue  # --check-after-all: checks start once every message is here
+        for msg in pending:
+            t1 = time.perf_counter()
+            bad = check_message(msg)
+            check += time.perf_counter() - t1
+            if prof:
+                prof.disable()
+            outq.put(("checked", [m[0] for m in msg], bad, receive, check, loads, dict(part, **by_size) if parts else None))
+        pending.clear()
+        del msg  # only `held` keeps what was received
 
 
 def _live(allocator):
@@ -159,13 +209,18 @@ def main():
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--profile", metavar="DIR")
+    ap.add_argument("--check-parts", action="store_true")
+    ap.add_argument("--warm-consumer", action="store_true")
+    ap.add_argument("--check-after-all", action="store_true")
     a = ap.parse_args()
     setup(a.allocator)
     import torch
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     inq, outq = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=consumer, args=(a.allocator, inq, outq, a.profile), daemon=True)
+    warm = (a.tensors, a.seed, a.max_mib << 20) if a.warm_consumer else None
+    child = ctx.Process(target=consumer, args=(a.allocator, inq, outq, a.profile, a.check_parts, warm,
+                                                       -(-a.tensors // a.batch) if a.check_after_all else 1), daemon=True)
     child.start()
     assert outq.get(timeout=300) == "ready"
     dev = torch.device("cuda", 0)
@@ -207,7 +262,7 @@ def main():
     del batch  # only `tensors` keeps the producer's own
     done = 0
     while done < a.tensors:
-        kind, ids, b, receive, check, loads = outq.get(timeout=600)
+        kind, ids, b, receive, check, loads, part = outq.get(timeout=600)
         assert kind == "checked"
         done += len(set(ids))
         bad += b
@@ -220,6 +275,12 @@ def main():
     result["consumer_get_s"], result["consumer_check_s"] = round(receive, 3), round(check, 3)
     # Of `get`, the unpickling alone (rebuilding the tensors: opening the IPC handles or imports).
     result["consumer_loads_s"] = round(loads, 4)
+    if part is not None:
+        for k, v in part.items():
+            if isinstance(v, list):
+                result[f"consumer_{k}"] = [round(x, 1) for x in v]
+            else:
+                result[f"consumer_{k}_s"] = round(v, 4)
     result["elapsed_s"] = round(elapsed, 3)
     result["consumer_bad"] = len(bad)
     changed = sum(1 for i, t in enumerate(tensors) if not torch.equal(t, pattern(i, spec[i][1], t.dtype, dev) + 1))

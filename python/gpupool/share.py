@@ -96,6 +96,20 @@ def message_memo():
     return getattr(_scope, "memo", None)
 
 
+_AT_END = object()  # message_memo() key: what at_message_end() was given
+
+
+def at_message_end(fn):
+    """Call `fn()` once the message being pickled on this thread is complete, before its
+    bytes can leave (multiprocessing sends what `dumps` returns). False where no message is
+    being pickled: the caller does the work itself."""
+    memo = message_memo()
+    if memo is None or "unpickling" in memo:
+        return False
+    memo.setdefault(_AT_END, []).append(fn)
+    return True
+
+
 def _new_ticket():
     """A new handover of the library's descriptor thread (`gpupool_handover_new`): its
     ticket, or None where the thread could not start (multiprocessing's resource sharer
@@ -291,9 +305,12 @@ def _dumps_in_one_handover(orig):
         # own: its handover must not be withdrawn if the outer one fails.
         outer, outer_memo = getattr(_scope, "bundle", None), getattr(_scope, "memo", None)
         bundle = _scope.bundle = _Bundle()
-        _scope.memo = {}
+        memo = _scope.memo = {}
         try:
-            return orig(cls, obj, protocol)
+            got = orig(cls, obj, protocol)
+            for fn in memo.get(_AT_END, ()):
+                fn()
+            return got
         except BaseException:
             bundle.drop()
             raise
@@ -309,7 +326,7 @@ def _loads_closing_on_failure(orig):
     def loads(*args, **kwargs):
         outer, outer_memo = getattr(_scope, "fetched", None), getattr(_scope, "memo", None)
         fetched = _scope.fetched = []
-        _scope.memo = {}
+        _scope.memo = {"unpickling": True}
         try:
             got = orig(*args, **kwargs)
         except BaseException:

@@ -180,13 +180,17 @@ def _send_storage(storage):
 
 
 def _send_event(device):
-    """An interprocess event recorded now on `device`'s current stream, and its handle: the
-    consumer's stream waits for it before using what was sent. The sends of one message on
-    one stream (`share.message_memo`) share one event, recorded again at each send, so
-    creating it and its handle is paid once per message: the receiver waits only once the
-    whole message has arrived, hence for the event's last record, which follows all the work
+    """An interprocess event on `device`'s current stream, and its handle: the consumer's
+    stream waits for it before using what was sent. The sends of one message on one stream
+    (`share.message_memo`) share one event, recorded at the first of them (which creates it
+    on the stream's device) and again once the whole message is pickled
+    (`share.at_message_end`), before its bytes leave: that record follows all the work
     queued before any of the message's sends (a reducer's own kernels between two sends
-    included), as PyTorch's event per send does. Each send keeps it alive."""
+    included), as PyTorch's event per send does, and the receiver waits only once the whole
+    message has arrived. A record per send would cost the receiver more than the waits it
+    saves: each is work of another process on the GPU, which the GPU switches to between
+    the receiver's own kernels. A send outside a message records its own event. Each send
+    keeps its event alive."""
     import torch
     stream = torch.cuda.current_stream(device)
     memo = share.message_memo()
@@ -198,8 +202,7 @@ def _send_event(device):
         got = (event, event.ipc_handle())
         if memo is not None:
             memo[key] = got
-    else:
-        got[0].record(stream)
+            share.at_message_end(lambda: event.record(stream))
     return got
 
 
