@@ -46,6 +46,9 @@ Columns:
                 allocs + frees; rmm: cudaMalloc/cudaFree under the pool)
   driver/step   gpupool only: driver calls per measured step (stats_json driver_calls.total)
   2nd half/step the same, mean over the second half of the measured steps (the steady state)
+  2nd half off peak  the same over the second half's steps that did not reach a new peak of
+                bytes handed out (issue #33 excepts those: growth to hold more), and in
+                brackets how many did
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
@@ -187,6 +190,8 @@ def run(workload, allocator):
         "calls_by_step": rec.per_step,
         "calls_per_step_second_half": (statistics.fmean(rec.per_step[len(rec.per_step) // 2:])
                                        if rec.per_step else None),
+        "new_peak_by_step": rec.new_peak,
+        **off_peak(rec.per_step, rec.new_peak),
         "driver_calls": None, "gpupool_arena": None,
         "fingerprint": fingerprint,
         "fingerprint_sha256": hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
@@ -258,11 +263,29 @@ def merge_rounds(workload, runs):
     return m
 
 
+def off_peak(per_step, new_peak):
+    """The second half's steps that reached a new peak of bytes handed out, and the mean
+    calls of the others (issue #33's steady state excepts growth to a new peak)."""
+    half = len(per_step) // 2
+    calls, peaks = per_step[half:], new_peak[half:]
+    if not calls or len(peaks) != len(calls) or any(p is None for p in peaks):
+        return {"second_half_new_peak_steps": None, "calls_per_step_second_half_off_peak": None}
+    rest = [c for c, p in zip(calls, peaks) if not p]
+    return {"second_half_new_peak_steps": sum(peaks),
+            "second_half_new_peak_calls": sum(c for c, p in zip(calls, peaks) if p),
+            "calls_per_step_second_half_off_peak": statistics.fmean(rest) if rest else 0.0}
+
+
+def off_peak_cell(r):
+    v = r.get("calls_per_step_second_half_off_peak")
+    return "-" if v is None else f"{v:.2f} ({r['second_half_new_peak_steps']})"
+
+
 def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
     head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc",
-            "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
+            "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "2nd half off peak (new-peak steps)", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
     with_rounds = any("rounds" in r for r in results.values() if r)
     head += ["rounds"] if with_rounds else []
     rows = []
@@ -276,7 +299,7 @@ def table(workload, allocators, results):
                      fmt(r["peak_allocated_bytes"], ".3f", GIB), fmt(r["peak_reserved_bytes"], ".3f", GIB),
                      fmt(r["reserved_over_allocated"], ".3f"), fmt(r["peak_device_used_bytes"], ".3f", GIB),
                      fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
-                     fmt(r.get("calls_per_step_second_half"), ".2f"), calling(r)]
+                     fmt(r.get("calls_per_step_second_half"), ".2f"), off_peak_cell(r), calling(r)]
                     + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else [])
                     + ([r.get("rounds", "1")] if with_rounds else []))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]

@@ -85,6 +85,14 @@ class Probe:
             return None, None
         return m["num_device_alloc"] + m.get("num_device_free", 0), None
 
+    def peak_allocated(self):
+        """The peak of bytes handed out so far (None where the allocator does not say)."""
+        if self.gp is not None:
+            return self.gp.stats(0)["peak_used_bytes"]
+        if self.name == "rmm":
+            return None if self.rmm_top is None else _get(self.rmm_top.allocation_counts, "peak_bytes")
+        return self.torch.cuda.max_memory_allocated()
+
     def peaks(self, peak_device_used):
         """(peak allocated, peak reserved, where the reserved figure comes from)."""
         if self.gp is not None:
@@ -122,6 +130,10 @@ class Recorder:
         self.calling_steps = [0, 0]
         # Driver calls (gpupool) or device allocations + frees (the others) of each measured step.
         self.per_step = []
+        # Per measured step: whether the bytes handed out reached a new peak during it (issue
+        # #33 excepts such steps from the steady state's driver calls: growth to hold more is
+        # no waste); None where the allocator does not report its peak.
+        self.new_peak = []
 
     def sample(self):
         free, total = self.torch.cuda.mem_get_info()
@@ -135,6 +147,7 @@ class Recorder:
     def step(self):
         self.torch.cuda.synchronize()
         before = self.probe.counters() if self.measuring else None
+        peak_before = self.probe.peak_allocated() if self.measuring else None
         t0 = time.perf_counter()
         yield
         self.torch.cuda.synchronize()
@@ -147,6 +160,8 @@ class Recorder:
             k = 1 if before[1] is not None else 0
             if before[k] is not None and after[k] is not None:
                 self.per_step.append(after[k] - before[k])
+                peak_after = self.probe.peak_allocated()
+                self.new_peak.append(None if peak_before is None or peak_after is None else peak_after > peak_before)
         self.sample()
 
     def progress(self, i, total=None, extra="", every=None):
