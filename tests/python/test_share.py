@@ -466,3 +466,60 @@ def test_the_resource_sharer_carries_a_handover_where_the_library_cannot_on_host
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
     assert "ok" in out
+
+
+def test_work_deferred_to_a_message_end_runs_once_after_every_reduction_and_before_the_bytes_leave(library):
+    # gpupool.torch records a message's event here, so that the record follows every kernel
+    # the message's reducers queued: it must run after the last reduction, before dumps
+    # returns, once per message (an inner message its own), never for a failed message nor
+    # outside one.
+    out = ok(run_py("""
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import gpupool.share as S
+        S.route_multiprocessing()
+        log = []
+
+        def _same(x):
+            return x
+
+        class Part:
+            def __init__(self, name, fail=False, inner=False):
+                self.name, self.fail, self.inner = name, fail, inner
+
+            def __reduce__(self):
+                log.append(("reduce", self.name))
+                assert S.at_message_end(lambda: log.append(("end", self.name)))
+                if self.inner:  # a reducer pickling a message of its own
+                    ForkingPickler.dumps(Part(self.name + "/inner"))
+                if self.fail:
+                    raise ValueError("no")
+                return (_same, (self.name,))
+
+        assert not S.at_message_end(lambda: log.append("outside")), "no message is being pickled"
+        data = ForkingPickler.dumps([Part("a"), Part("b", inner=True), Part("c")])
+        assert log == [("reduce", "a"), ("reduce", "b"), ("reduce", "b/inner"), ("end", "b/inner"),
+                       ("reduce", "c"), ("end", "a"), ("end", "b"), ("end", "c")], log
+        log.clear()
+
+        class Loaded:
+            def __reduce__(self):
+                return (_check_loading, ())
+        import builtins
+        def _check_loading():
+            builtins.deferred = S.at_message_end(lambda: log.append("while loading"))
+            return "loaded"
+        import __main__
+        __main__._check_loading = _check_loading
+        assert ForkingPickler.loads(ForkingPickler.dumps(Loaded())) == "loaded"
+        assert builtins.deferred is False and log == [], "nothing is deferred while a message is unpickled"
+        try:
+            ForkingPickler.dumps([Part("x"), Part("y", fail=True)])
+            raise AssertionError("pickled")
+        except ValueError:
+            pass
+        assert log == [("reduce", "x"), ("reduce", "y")], log
+        assert pickle.loads(data) == ["a", "b", "c"]
+        print("ok")
+    """))
+    assert "ok" in out
