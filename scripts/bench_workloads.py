@@ -48,7 +48,7 @@ Columns:
   2nd half/step the same, mean over the second half of the measured steps (the steady state)
   2nd half off peak  the same over the second half's steps that did not reach a new peak of
                 bytes handed out (issue #33 excepts those: growth to hold more), and in
-                brackets how many did
+                parentheses how many did ("-": no peak reported, or every step reached one)
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
@@ -269,11 +269,12 @@ def off_peak(per_step, new_peak):
     half = len(per_step) // 2
     calls, peaks = per_step[half:], new_peak[half:]
     if not calls or len(peaks) != len(calls) or any(p is None for p in peaks):
-        return {"second_half_new_peak_steps": None, "calls_per_step_second_half_off_peak": None}
+        return {"second_half_new_peak_steps": None, "second_half_new_peak_calls": None,
+                "calls_per_step_second_half_off_peak": None}
     rest = [c for c, p in zip(calls, peaks) if not p]
     return {"second_half_new_peak_steps": sum(peaks),
             "second_half_new_peak_calls": sum(c for c, p in zip(calls, peaks) if p),
-            "calls_per_step_second_half_off_peak": statistics.fmean(rest) if rest else 0.0}
+            "calls_per_step_second_half_off_peak": statistics.fmean(rest) if rest else None}
 
 
 def off_peak_cell(r):

@@ -183,9 +183,9 @@ def consumer(allocator, inq, outq, profile=None, parts=False, warm=None, after=1
             t1 = time.perf_counter()
             bad = check_message(msg)
             check += time.perf_counter() - t1
-            if prof:
-                prof.disable()
             outq.put(("checked", [m[0] for m in msg], bad, receive, check, loads, dict(part, **by_size) if parts else None))
+        if prof:
+            prof.disable()
         pending.clear()
         del msg  # only `held` keeps what was received
 

@@ -100,9 +100,10 @@ _AT_END = object()  # message_memo() key: what at_message_end() was given
 
 
 def at_message_end(fn):
-    """Call `fn()` once the message being pickled on this thread is complete, before its
-    bytes can leave (multiprocessing sends what `dumps` returns). False where no message is
-    being pickled: the caller does the work itself."""
+    """Call `fn()` once the message being pickled on this thread is complete, before
+    `ForkingPickler.dumps` returns its bytes (what multiprocessing sends). False where no
+    message is being pickled (or one is being unpickled): the caller does the work itself.
+    (Bytes a reducer writes itself, with a pickler of its own, are not covered.)"""
     memo = message_memo()
     if memo is None or "unpickling" in memo:
         return False

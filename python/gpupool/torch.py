@@ -184,13 +184,13 @@ def _send_event(device):
     stream waits for it before using what was sent. The sends of one message on one stream
     (`share.message_memo`) share one event, recorded at the first of them (which creates it
     on the stream's device) and again once the whole message is pickled
-    (`share.at_message_end`), before its bytes leave: that record follows all the work
+    (`share.at_message_end`), before `dumps` returns its bytes: that record follows all the work
     queued before any of the message's sends (a reducer's own kernels between two sends
     included), as PyTorch's event per send does, and the receiver waits only once the whole
     message has arrived. A record per send would cost the receiver more than the waits it
     saves: each is work of another process on the GPU, which the GPU switches to between
-    the receiver's own kernels. A send outside a message records its own event. Each send
-    keeps its event alive."""
+    the receiver's own kernels. A send outside a message (or made while one is unpickled)
+    records its own event. Each send keeps its event alive."""
     import torch
     stream = torch.cuda.current_stream(device)
     memo = share.message_memo()
@@ -200,9 +200,10 @@ def _send_event(device):
         event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
         event.record(stream)
         got = (event, event.ipc_handle())
-        if memo is not None:
+        # Shared only where the message's end records it again (not while a message is
+        # unpickled: a send made there records its own).
+        if memo is not None and share.at_message_end(lambda: event.record(stream)):
             memo[key] = got
-            share.at_message_end(lambda: event.record(stream))
     return got
 
 

@@ -357,6 +357,20 @@ def test_a_message_that_fails_to_pickle_releases_its_sends_holds_on_host(library
         except TypeError:
             pass
         assert gpupool.share.outstanding() == 0 and gpupool.share.collect() == 0, "the unsent send still holds"
+
+        # The same where what the message's end runs fails (its event's record, say).
+        class FailsAtTheEnd:
+            def __reduce__(self):
+                def fail():
+                    raise RuntimeError("the record failed")
+                assert gpupool.share.at_message_end(fail)
+                return (int, (0,))
+        try:
+            ForkingPickler.dumps([lazy_child.Lazy(p.value, 1 << 20), FailsAtTheEnd()])
+            raise SystemExit("pickled")
+        except RuntimeError:
+            pass
+        assert gpupool.share.outstanding() == 0 and gpupool.share.collect() == 0, "the unsent send still holds"
         assert L.gpupool_free(p, 0, None) == 0
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=120))
@@ -522,4 +536,103 @@ def test_work_deferred_to_a_message_end_runs_once_after_every_reduction_and_befo
         assert pickle.loads(data) == ["a", "b", "c"]
         print("ok")
     """))
+    assert "ok" in out
+
+
+STAND_IN_TORCH = """
+# Just enough of torch for gpupool.torch's send events: a log of records and kernels.
+log = []
+
+
+class Event:
+    made = 0
+
+    def __init__(self, **kwargs):
+        Event.made += 1
+        self.id = Event.made
+
+    def record(self, stream):
+        log.append(("record", self.id, stream.cuda_stream))
+
+    def ipc_handle(self):
+        return b"event%d" % self.id
+
+
+class _Stream:
+    def __init__(self, raw):
+        self.cuda_stream = raw
+
+
+class cuda:
+    Event = Event
+    stream = 7
+
+    @staticmethod
+    def current_stream(device):
+        return _Stream(cuda.stream)
+"""
+
+
+def test_a_messages_event_is_recorded_at_its_first_send_and_once_its_last_reduction_is_done(library, tmp_path):
+    # gpupool.torch's event logic with a stand-in torch (the GPU test of the same, with
+    # real kernels, is test_torch.py's ordered-sends test): one event per message and
+    # stream, recorded at its first send and after the message's last reduction (so after
+    # a kernel a reducer queues between two sends); a send outside a message, or made
+    # while a message is unpickled, records an event of its own.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(STAND_IN_TORCH)
+    out = ok(run_py("""
+        import os, sys
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import torch
+        assert torch.__file__.startswith(os.environ["PYTHONPATH_EXTRA"]), torch.__file__
+        from multiprocessing.reduction import ForkingPickler
+        import gpupool.share as S, gpupool.torch as GT
+        S.route_multiprocessing()
+        log = torch.log
+
+        class Send:
+            def __reduce__(self):
+                event, handle = GT._send_event(0)
+                log.append(("send", handle))
+                return (int, (1,))
+
+        class Kernel:
+            def __reduce__(self):
+                log.append("kernel")
+                return (int, (2,))
+
+        class OnStream:
+            def __init__(self, raw):
+                self.raw = raw
+
+            def __reduce__(self):
+                torch.cuda.stream = self.raw
+                return (int, (3,))
+
+        ForkingPickler.dumps([Send(), Kernel(), Send(), Kernel(), OnStream(9), Send(), OnStream(7)])
+        assert log == [("record", 1, 7), ("send", b"event1"), "kernel", ("send", b"event1"), "kernel",
+                       ("record", 2, 9), ("send", b"event2"), ("record", 1, 7), ("record", 2, 9)], log
+        log.clear()
+        GT._send_event(0), GT._send_event(0)
+        assert log == [("record", 3, 7), ("record", 4, 7)], log
+        log.clear()
+
+        def rebuild():
+            GT._send_event(0)
+            log.append("kernel")
+            GT._send_event(0)
+            return 0
+        import __main__
+        __main__.rebuild = rebuild
+
+        class Later:
+            def __reduce__(self):
+                return (rebuild, ())
+        data = ForkingPickler.dumps(Later())
+        log.clear()
+        ForkingPickler.loads(data)
+        assert log == [("record", 5, 7), "kernel", ("record", 6, 7)], log
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}))
     assert "ok" in out
