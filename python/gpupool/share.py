@@ -29,6 +29,7 @@ import ctypes
 import errno
 import os
 import socket
+import struct
 import sys
 import threading
 import uuid
@@ -543,6 +544,62 @@ def dlpack_data(managed):
 def delete_dlpack(managed):
     """Run an imported tensor's deleter (one no framework took over)."""
     _DLManaged.from_address(managed).deleter(managed)
+
+
+def open_cuda_ipc_handle(handle, offset, size, device):
+    """Map `size` bytes at `offset` in the allocation behind `handle` (64 bytes of
+    `cudaIpcGetMemHandle`, another process's) on `device`; returns a `DLManagedTensor*`
+    (as `Received.open_dlpack`) whose deleter closes the mapping. Each allocation is mapped
+    once in this process however many blocks of it are open (the library counts them)."""
+    if len(handle) != 64:
+        raise GpupoolError(6, f"gpupool: a CUDA IPC handle is 64 bytes, not {len(handle)}")
+    # The library's segment descriptor (src/upstream/legacy_descriptor.rs): magic, pid, device,
+    # start time, handle, offset, size. The pid and start time only name the sender in
+    # reports; nothing checks them for this kind.
+    desc = b"GPPLEG01" + struct.pack("<IiQ", 0, device, 0) + bytes(handle) + struct.pack("<QQ", offset, size)
+    out = ctypes.c_void_p()
+    _check(lib().gpupool_ipc_open_dlpack(desc, len(desc), device, None, 0, -1, 0, ctypes.byref(out)))
+    return out.value
+
+
+# DLPack tensors made by `then_release`, by the address handed out: (the wrapper, the
+# imported tensor it stands for, what to run after its deleter). Kept here until the
+# framework deletes the wrapper.
+_released_after = {}
+_released_lock = threading.Lock()
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _delete_then_release(addr):
+    # The framework's deleter call, from whichever thread dropped the last tensor (ctypes
+    # takes the interpreter lock): nothing may escape into it.
+    with _released_lock:
+        got = _released_after.pop(addr, None)
+    if got is None:
+        return
+    _wrapper, inner, release = got
+    try:
+        delete_dlpack(inner)  # closes the import: waits for this process's queued work
+    finally:
+        try:
+            release()
+        except Exception as e:  # noqa: BLE001 - reported, never raised into the framework
+            sys.stderr.write(f"gpupool: warning: releasing a received block failed: {type(e).__name__}: {e}\n")
+
+
+def then_release(managed, release):
+    """A `DLManagedTensor*` standing for `managed` (an import) whose deleter closes the
+    import, then calls `release()`: what a sender's own protocol needs once this process is
+    done with the block (PyTorch's reference count of a CUDA IPC send, say)."""
+    inner = _DLManaged.from_address(managed)
+    wrapper = _DLManaged()
+    ctypes.pointer(wrapper)[0] = inner  # the same tensor: data, device, shape, dtype
+    wrapper.manager_ctx = None
+    wrapper.deleter = ctypes.cast(_delete_then_release, type(wrapper.deleter))
+    addr = ctypes.addressof(wrapper)
+    with _released_lock:
+        _released_after[addr] = (wrapper, managed, release)
+    return addr
 
 
 @atexit.register

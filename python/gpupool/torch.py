@@ -157,6 +157,7 @@ def share_cuda_tensors():
         ForkingPickler.register(t, lambda x, _orig=R.reduce_tensor: _reduce_tensor(x, _orig))
     ForkingPickler.register(torch.UntypedStorage, lambda s: _reduce_storage(s, R.reduce_storage))
     ForkingPickler.register(torch.storage.TypedStorage, lambda s: _reduce_typed_storage(s, R.reduce_typed_storage))
+    _receive_native_cuda_tensors(R)
     collect = torch.cuda.ipc_collect
 
     def ipc_collect():
@@ -251,12 +252,18 @@ def _storage_here(info):
     except BaseException:
         share.delete_dlpack(managed)
         raise
+    _remember(key, storage)
+    _wait_event(device, event)
+    return storage
+
+
+def _remember(key, storage):
+    """Keep a weak reference to a mapping made here, for later sends of the same block."""
+    from torch.multiprocessing.reductions import StorageWeakRef
     _opened[key] = StorageWeakRef(storage)
     if len(_opened) > 1024 and len(_opened) & 1023 == 0:
         for k in [k for k, r in _opened.items() if r.expired()]:
             del _opened[k]
-    _wait_event(device, event)
-    return storage
 
 
 def _mine(storage):
@@ -275,8 +282,11 @@ def _reduce_tensor(t, orig):
 
 
 def _rebuild_tensor(cls, info, dtype, offset, size, stride, requires_grad):
+    return _tensor_over(cls, _storage_here(info), dtype, offset, size, stride, requires_grad)
+
+
+def _tensor_over(cls, storage, dtype, offset, size, stride, requires_grad):
     import torch
-    storage = _storage_here(info)
     t = torch.empty((0,), dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
     if cls is torch.nn.parameter.Parameter:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
@@ -303,6 +313,88 @@ def _reduce_typed_storage(s, orig):
 def _rebuild_typed_storage(info, dtype):
     import torch
     return torch.storage.TypedStorage(wrap_storage=_storage_here(info), dtype=dtype, _internal=True)
+
+
+# CUDA tensors from a process that does not use gpupool come through PyTorch's own route:
+# its pickle names `torch.multiprocessing.reductions.rebuild_cuda_tensor`, which opens the
+# sender's CUDA IPC handle through the current allocator, and `CUDAPluggableAllocator`
+# refuses that for every plug-in ("does not yet support getIpcDevPtr"). So installing
+# gpupool would stop a process from receiving tensors it received before. After
+# `install()` that function opens the handle through gpupool instead (CUDA's own IPC, once
+# per sender allocation, as the split pool's sends), with PyTorch's protocol: the wait on
+# the sender's event, one reference count of the sender's per storage received, given back
+# once the storage is gone here and this process's queued work is done.
+
+_SHAREABLE_CUDA_MALLOC = ord("c")  # PyTorch's handle kinds: 'c' cudaMalloc memory, 'e' expandable segments
+_CUDA_IPC_HANDLE_BYTES = 64
+
+
+def _cuda_ipc_handle(storage_handle):
+    """The 64-byte CUDA IPC handle in PyTorch's shareable handle (a version byte and a kind
+    byte before it; a bare handle from older versions)."""
+    h = bytes(storage_handle)
+    if len(h) == _CUDA_IPC_HANDLE_BYTES:
+        return h
+    if len(h) == 2 + _CUDA_IPC_HANDLE_BYTES and h[1] == _SHAREABLE_CUDA_MALLOC:
+        return h[2:]
+    kind = chr(h[1]) if len(h) > 1 else "?"
+    raise RuntimeError(
+        f"gpupool: this CUDA tensor comes from a process whose PyTorch allocator shared it as kind {kind!r} "
+        f"({len(h)}-byte handle); gpupool receives PyTorch's cudaMalloc handles (kind 'c'). A sender using "
+        "expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) must turn them off, or use gpupool "
+        "itself (gpupool.torch.install()), whose sends every gpupool process receives")
+
+
+def _receive_native_cuda_tensors(R):
+    orig = R.rebuild_cuda_tensor
+    if getattr(orig, "_gpupool", False):
+        return
+
+    def rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
+                            storage_device, storage_handle, storage_size_bytes, storage_offset_bytes, requires_grad,
+                            ref_counter_handle, ref_counter_offset, event_handle, event_sync_required):
+        if storage_handle is None or storage_size_bytes == 0:  # no memory: nothing to open
+            return orig(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, storage_device,
+                        storage_handle, storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
+                        ref_counter_offset, event_handle, event_sync_required)
+        storage = _native_storage_here(storage_cls, storage_device, storage_handle, storage_size_bytes,
+                                       storage_offset_bytes, ref_counter_handle, ref_counter_offset, event_handle,
+                                       event_sync_required)
+        return _tensor_over(tensor_cls, storage, dtype, tensor_offset, tuple(tensor_size), tuple(tensor_stride),
+                            requires_grad)
+    rebuild_cuda_tensor._gpupool = True
+    # Pickled by reference under PyTorch's name, as the function it stands in for.
+    rebuild_cuda_tensor.__module__, rebuild_cuda_tensor.__qualname__ = orig.__module__, orig.__qualname__
+    R.rebuild_cuda_tensor = rebuild_cuda_tensor
+
+
+def _native_storage_here(storage_cls, device, storage_handle, size, offset, ref_counter_handle, ref_counter_offset,
+                         event_handle, event_sync_required):
+    """The UntypedStorage over a block PyTorch's own route sent (mapped once per storage)."""
+    import torch
+    key = ("native", bytes(storage_handle), offset, device)
+    ref = _opened.get(key)
+    storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    if event_sync_required:
+        # Also where the storage is open here already (PyTorch's own route skips it there):
+        # the sender may have written to it since.
+        torch.cuda.Event.from_ipc_handle(device, event_handle).wait(torch.cuda.current_stream(device))
+    if storage is not None:
+        # Counted once per storage here: this send's count goes back at once, as PyTorch does.
+        storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
+        return storage
+    managed = share.open_cuda_ipc_handle(_cuda_ipc_handle(storage_handle), offset, size, device)
+
+    def give_back():
+        storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
+    wrapped = share.then_release(managed, give_back)
+    try:
+        storage = torch.from_dlpack(share.capsule(wrapped)).untyped_storage()
+    except BaseException:
+        share.delete_dlpack(wrapped)
+        raise
+    _remember(key, storage)
+    return storage
 
 
 def mempool(typed_oom=None):

@@ -636,3 +636,80 @@ def test_a_messages_event_is_recorded_at_its_first_send_and_once_its_last_reduct
         print("ok")
     """, env={"PYTHONPATH_EXTRA": str(tmp_path)}))
     assert "ok" in out
+
+
+RELEASE_CHILD = """
+import gpupool
+
+def consume(inq, outq):
+    gpupool.configure(0, pool="arena", upstream="host")
+    s = inq.get()
+    r = gpupool.share.Received(s)
+    managed = r.open_dlpack(0)
+    given = []
+
+    def give_back():
+        # The import is closed by now: what a sender's protocol needs.
+        given.append(gpupool.stats_json(0).get("ipc_imports"))
+    wrapped = gpupool.share.then_release(managed, give_back)
+    same = gpupool.share.dlpack_data(wrapped) == gpupool.share.dlpack_data(managed)
+    before = gpupool.stats_json(0).get("ipc_imports")
+    gpupool.share.delete_dlpack(wrapped)  # what the framework does when its last tensor goes
+    outq.put((same, before, given, gpupool.stats_json(0).get("ipc_imports"), len(gpupool.share._released_after)))
+
+    # A release that fails is reported, and the import is closed all the same.
+    s = inq.get()
+    managed = gpupool.share.Received(s).open_dlpack(0)
+
+    def fails():
+        raise OSError("the sender's count is gone")
+    gpupool.share.delete_dlpack(gpupool.share.then_release(managed, fails))
+    outq.put(gpupool.stats_json(0).get("ipc_imports"))
+"""
+
+
+def test_what_a_received_block_gives_back_runs_after_its_import_closes_on_host(library, tmp_path):
+    # gpupool.torch gives PyTorch's reference count of a send back this way (tensors from
+    # a process without gpupool): once, after the mapping is closed (which waits for this
+    # process's queued work), a failure reported without reaching the framework.
+    (tmp_path / "release_child.py").write_text(textwrap.dedent(RELEASE_CHILD))
+    p = run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import release_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        ptr = ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(ptr), 4 << 20, 0, None) == 0
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=release_child.consume, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put(gpupool.share.export(ptr.value, 4 << 20, 0, ptr))
+        same, before, given, after, left = outq.get(timeout=60)
+        assert same, "the wrapper shows the import's memory"
+        assert (before, given, after, left) == (1, [0], 0, 0), (before, given, after, left)
+        inq.put(gpupool.share.export(ptr.value, 4 << 20, 0, ptr))
+        assert outq.get(timeout=60) == 0, "closed though the release failed"
+        child.join(60)
+        assert child.exitcode == 0
+        print("ok")
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=120)
+    assert "ok" in ok(p)
+    assert "releasing a received block failed: OSError: the sender's count is gone" in p.stderr, p.stderr
+
+
+def test_a_cuda_ipc_handle_is_refused_saying_why_where_it_cannot_be_opened_on_host(library):
+    out = ok(run_py("""
+        import gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        for handle, says in ((b"x" * 63, "64 bytes, not 63"), (b"x" * 64, "cannot map CUDA IPC handles")):
+            try:
+                gpupool.share.open_cuda_ipc_handle(handle, 0, 4096, 0)
+                raise AssertionError("opened")
+            except gpupool.GpupoolError as e:
+                assert says in str(e), e
+        assert gpupool.stats_json(0).get("ipc_imports") == 0
+        print("ok")
+    """))
+    assert "ok" in out

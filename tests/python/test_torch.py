@@ -337,8 +337,101 @@ if __name__ == "__main__":
 def test_a_message_of_cuda_tensors_is_read_after_the_senders_queued_writes(torch_gpu, pool, tmp_path):
     # Every tensor of a message, on any pool: the consumer's stream waits for the sender's
     # event before the first read, and for work a reducer queued while the message was
-    # pickled (the sends of one message share one event, recorded at each send).
+    # pickled (the sends of one message share one event, recorded at the first of them and
+    # again once the message is pickled).
     from conftest import run_script
     script = tmp_path / "ordered_sends.py"
     script.write_text(ORDERED_SENDS)
     assert "ordered" in ok(run_script(script, [pool], timeout=300))
+
+
+FROM_NATIVE = """
+import gc
+import sys
+import time
+import torch
+import torch.multiprocessing as mp
+
+
+def consume(q, out, pool, routed):
+    import os
+    os.environ["GPUPOOL_POOL"] = pool
+    import gpupool
+    import gpupool.torch
+    from torch.multiprocessing import reductions
+    pytorchs = reductions.rebuild_cuda_tensor
+    gpupool.torch.install()
+    if not routed:  # `unrouted`: PyTorch's own receiving function, which shows this script can fail
+        reductions.rebuild_cuda_tensor = pytorchs
+    torch.zeros(1, device="cuda")
+    out.put("ready")
+    base, view, other, param, again = q.get()
+    checks = {
+        "base": (base[0].item(), base[-1].item()),  # the sender's +1 was queued behind a long kernel
+        "view_shares": view.data_ptr() == base.data_ptr() + 100 * 4 and torch.equal(view, base[100:200]),
+        "again_shares": again.data_ptr() == base.data_ptr(),
+        "other": (other.min().item(), other.max().item()),
+        "param": (type(param).__name__, param.requires_grad, param.sum().item()),
+        "imports": gpupool.stats_json(0).get("ipc_imports"),
+    }
+    base.mul_(2)
+    other.fill_(9)
+    torch.cuda.synchronize()
+    out.put(checks)
+    assert q.get() == "release"
+    del base, view, other, param, again
+    gc.collect()
+    out.put(gpupool.stats_json(0).get("ipc_imports"))
+
+
+if __name__ == "__main__":
+    # The sender does not use gpupool: PyTorch's own CUDA IPC route.
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=consume, args=(q, out, sys.argv[1], sys.argv[2:] != ["unrouted"]), daemon=True)
+    child.start()
+    assert out.get(timeout=120) == "ready"
+    base = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    other = torch.full((3 << 20,), 7, device="cuda", dtype=torch.uint8)
+    param = torch.nn.Parameter(torch.ones(10, device="cuda"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the write
+    base.add_(1)
+    q.put([base, base[100:200], other, param, base])
+    got = out.get(timeout=120)
+    assert got["base"] == (1.0, float(1 << 20)), got
+    assert got["view_shares"] and got["again_shares"], got
+    assert got["other"] == (7, 7) and got["param"] == ("Parameter", True, 10.0), got
+    assert got["imports"] >= 1, got
+    torch.cuda.synchronize()
+    assert base[0].item() == 2.0 and base[-1].item() == float(2 << 20), "the consumer's write is here"
+    assert other.min().item() == 9 and other.max().item() == 9
+    held = torch.cuda.memory_allocated()
+    del base, other, param
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() == held, "kept while the consumer holds it"
+    q.put("release")
+    assert out.get(timeout=120) == 0, "the consumer closed every mapping"
+    for _ in range(100):
+        torch.cuda.ipc_collect()
+        if torch.cuda.memory_allocated() < held - (7 << 20):
+            break
+        time.sleep(0.05)
+    assert torch.cuda.memory_allocated() < held - (7 << 20), (torch.cuda.memory_allocated(), held)
+    child.join(60)
+    assert child.exitcode == 0, child.exitcode
+    print("received")
+"""
+
+
+@pytest.mark.parametrize("pool", ["split", "arena"])
+def test_cuda_tensors_from_a_process_without_gpupool_are_received(torch_gpu, pool, tmp_path):
+    # PyTorch's own route from a sender on its own allocator: after install() the receiver
+    # opens the sender's CUDA IPC handles through gpupool (CUDAPluggableAllocator refuses
+    # them for every plug-in), waits for the sender's event, shares one mapping between
+    # views and repeated sends, writes land in the sender's memory, and the sender frees
+    # the memory only once the receiver let go (PyTorch's reference count, given back).
+    from conftest import run_script
+    script = tmp_path / "from_native.py"
+    script.write_text(FROM_NATIVE)
+    assert "received" in ok(run_script(script, [pool], timeout=300))

@@ -12,6 +12,8 @@
 #   shareold           share_check.py rounds of native, split, arena, and arena with the Python package of
 #                      dist/oldpy (the commit before: one record per send), SHARE_ROUNDS rounds (default 5)
 #   vmmthreads         units/vmm_threads.c: a receiver's imports and access grants split over 1-8 threads
+#   native             test_torch.py's script for tensors from a process without gpupool, with PyTorch's own
+#                      receiving function (`unrouted`: must fail), then as shipped, on split and arena
 #   ops                units/torch_ops.py: one small PyTorch operation's CPU cost under each allocator
 #   ptimes             units/pattern_times.py: the consumer's check in one process, by tensor size
 #   touch              units/first_touch.py: torch.equal over received tensors, three passes, then clones
@@ -72,6 +74,12 @@ print('$F', {k: v for k, v in r.items() if k.startswith(('allocator', 'tensors_p
     vmmthreads)
       gcc -O2 docs/results/2026-11-26-s26/units/vmm_threads.c -I/usr/local/cuda/include -L/usr/local/cuda/lib64/stubs -lcuda -lpthread \
         -o /tmp/vmm_threads && /tmp/vmm_threads 2>&1 | tee $OUT/vmm_threads.log ;;
+    native)
+      python3 -c "import sys; sys.path.insert(0, 'tests/python'); import test_torch; open('/tmp/from_native.py', 'w').write(test_torch.FROM_NATIVE)"
+      for pool in split arena; do
+        echo "-- $pool, PyTorch's receiving function (must fail):"; timeout 120 python3 /tmp/from_native.py $pool unrouted 2>&1 | grep -E "Error|received" | tail -2
+        echo "-- $pool, as shipped:"; timeout 120 python3 /tmp/from_native.py $pool 2>&1 | tail -1
+      done | tee $OUT/native.log ;;
     ops)
       for round in 1 2; do
         for a in native split split-plain arena; do
@@ -89,7 +97,7 @@ print('$F', {k: v for k, v in r.items() if k.startswith(('allocator', 'tensors_p
         done
       done | tee $OUT/touch.log ;;
     pyshare)
-      python3 -m pytest -v -rs tests/python/test_share.py tests/python/test_torch.py tests/python/test_cupy.py -k "share or multiprocessing or ipc or queued_writes" 2>&1 \
+      python3 -m pytest -v -rs tests/python/test_share.py tests/python/test_torch.py tests/python/test_cupy.py -k "share or multiprocessing or ipc or queued_writes or without_gpupool" 2>&1 \
         | tee $OUT/pyshare.log | grep -E "FAILED|ERROR|passed|failed" | tail -20 ;;
     tbrows)
       build

@@ -75,6 +75,11 @@ impl LegacyImports {
         Ok(true)
     }
 
+    /// Whether `ptr` is an address `open` returned and not closed since.
+    pub fn is_open(&self, ptr: usize) -> bool {
+        self.by_ptr.contains_key(&ptr)
+    }
+
     /// Opens outstanding.
     pub fn count(&self) -> usize {
         self.by_ptr.values().map(|(_, n)| *n as usize).sum()

@@ -266,10 +266,17 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     }
 
     fn legacy_ipc_close(&mut self, ptr: usize) -> Result<bool> {
-        if self.legacy.count() == 0 {
+        if !self.legacy.is_open(ptr) {
             return Ok(false);
         }
         let _g = self.enter()?;
+        // Kernels this process queued on the block may still read or write it, and once
+        // this returns the sender may free and reuse it (its hold, or PyTorch's reference
+        // count, goes back next), whether or not the allocation stays mapped for other opens.
+        // The block's streams are not known here: the device's work is waited for, as an
+        // arena import's close does.
+        self.calls.event_sync += 1;
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         self.legacy.close(ptr, &mut self.calls)
     }
 
