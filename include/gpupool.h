@@ -465,6 +465,21 @@ enum gpupool_status gpupool_ipc_open_dlpack(const void *desc,
                                             uint32_t slot,
                                             void **out_tensor);
 
+// Make `tensor` (a `DLManagedTensor*` from `gpupool_ipc_open_dlpack`, not yet deleted)
+// give a sender's count back once its deleter has closed the import (which waits for the
+// work this process queued on the device): the 64-bit count at `byte_offset` in the POSIX
+// shared-memory object `name` (`name_len` bytes, as `shm_open` takes it) goes down by one.
+// Where the object is gone (its sender ended) nothing happens. PyTorch's own CUDA IPC route
+// counts its sends so (`CudaIPCSentData`): its sender frees a block once the count is 0.
+// Replaces any count given before.
+//
+// # Safety
+// `tensor` must be such a tensor; `name`: `name_len` readable bytes.
+enum gpupool_status gpupool_dlpack_give_back_count(void *tensor,
+                                                   const char *name,
+                                                   size_t name_len,
+                                                   uint64_t byte_offset);
+
 // `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
 // `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of
 // memory, `std::runtime_error` otherwise) that PyTorch turns into a Python `RuntimeError`

@@ -169,9 +169,84 @@ pub fn release(id: (u64, u64), slot: u32) -> Result<()> {
     Ok(())
 }
 
+/// Take one off the 64-bit count at `byte_offset` in the POSIX shared-memory object `name`
+/// (as `shm_open` takes it): how PyTorch's own CUDA IPC route learns that a receiver let go
+/// of a send (its `CudaIPCSentData` counts sends in such a file; the receiver gives each
+/// back). `Ok(false)` where the object is gone (its sender ended, and with it the count).
+/// Mapped for the moment of the change only: a count is given back once per storage, and
+/// a file kept mapped would keep a sender's object alive past it.
+pub fn give_back_count(name: &[u8], byte_offset: u64) -> Result<bool> {
+    let bad = |why: String| Error::InvalidArgument(format!("shared count {}: {why}", String::from_utf8_lossy(name)));
+    if byte_offset % 8 != 0 {
+        return Err(bad(format!("offset {byte_offset} is not a multiple of 8")));
+    }
+    let c_name = std::ffi::CString::new(name).map_err(|_| bad("the name holds a NUL byte".into()))?;
+    // SAFETY: a valid C string; the descriptor is closed below on every path.
+    let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ENOENT) { Ok(false) } else { Err(bad(format!("shm_open failed: {e}"))) };
+    }
+    let result = (|| {
+        // SAFETY: fstat into a zeroed struct of the type it fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(bad(format!("fstat failed: {}", std::io::Error::last_os_error())));
+        }
+        if byte_offset.checked_add(8).map_or(true, |end| end > st.st_size as u64) {
+            return Err(bad(format!("offset {byte_offset} is past its {} bytes", st.st_size)));
+        }
+        // SAFETY: sysconf cannot fail for the page size.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+        let start = byte_offset / page * page;
+        let len = (byte_offset - start + 8) as usize;
+        // SAFETY: a shared mapping of `len` bytes of the object from a page boundary inside it.
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, start as libc::off_t) };
+        if base == libc::MAP_FAILED {
+            return Err(bad(format!("mmap failed: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: 8 aligned bytes inside the mapping (the offset is a multiple of 8, the
+        // mapping page-aligned); other processes change the count only through the same word.
+        let count = unsafe { &*(base.cast::<u8>().add((byte_offset - start) as usize) as *const std::sync::atomic::AtomicI64) };
+        count.fetch_sub(1, Ordering::AcqRel);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(base, len) };
+        Ok(true)
+    })();
+    // SAFETY: the descriptor opened above.
+    unsafe { libc::close(fd) };
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_in_a_shared_object_is_given_back_once_and_a_gone_object_is_no_error() {
+        let name = format!("/gpupool-count-test-{}", std::process::id());
+        let c_name = std::ffi::CString::new(name.clone()).unwrap();
+        let fd = unsafe { libc::shm_open(c_name.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) };
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(unsafe { libc::ftruncate(fd, 8192) }, 0);
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), 8192, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        assert_ne!(base, libc::MAP_FAILED);
+        let words = base as *mut i64;
+        unsafe { *words.add(8 + 3) = 2 }; // PyTorch's layout: 64 bytes, then the counts
+        unsafe { *words.add(600) = 5 }; // on the second page
+        assert!(give_back_count(name.as_bytes(), 64 + 3 * 8).unwrap());
+        assert_eq!(unsafe { *words.add(8 + 3) }, 1);
+        assert!(give_back_count(name.as_bytes(), 600 * 8).unwrap());
+        assert_eq!(unsafe { *words.add(600) }, 4);
+        assert_eq!(unsafe { *words.add(8 + 2) }, 0, "its neighbours are untouched");
+        assert!(give_back_count(name.as_bytes(), 8190).is_err(), "past the object");
+        assert!(give_back_count(name.as_bytes(), 12).is_err(), "not a word");
+        unsafe { libc::munmap(base, 8192) };
+        unsafe { libc::close(fd) };
+        unsafe { libc::shm_unlink(c_name.as_ptr()) };
+        assert!(!give_back_count(name.as_bytes(), 64).unwrap(), "gone: nothing to give back");
+        assert!(give_back_count(b"/a\0b", 64).is_err());
+    }
 
     #[test]
     fn a_slot_is_held_until_its_importer_releases_it_then_reused() {

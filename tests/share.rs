@@ -6,7 +6,7 @@
 
 use gpupool::ffi::core::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_descriptor_fds, gpupool_ipc_export, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
-use gpupool::ffi::share::{gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_held_count, gpupool_share_hold, gpupool_share_release};
+use gpupool::ffi::share::{gpupool_dlpack_give_back_count, gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_held_count, gpupool_share_hold, gpupool_share_release};
 use gpupool::Status;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -115,6 +115,18 @@ fn a_small_block_is_shared_held_and_let_go_through_its_dlpack_deleter() {
     let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, null_mut(), 0, -1, 0, &mut t) };
     assert_eq!(st, Status::InvalidArgument, "an arena block needs its granules' descriptors");
     assert!(last().contains("0 descriptors passed for a block of 1 granules"), "{}", last());
+    // A sender's count to give back: refused without a tensor, a name, or a word offset.
+    let name = b"/gpupool-no-such-count";
+    assert_eq!(unsafe { gpupool_dlpack_give_back_count(null_mut(), name.as_ptr().cast(), name.len(), 64) }, Status::NullArgument);
+    let t = open(&desc, d).cast::<c_void>();
+    assert_eq!(unsafe { gpupool_dlpack_give_back_count(t, std::ptr::null(), 0, 64) }, Status::NullArgument);
+    assert_eq!(unsafe { gpupool_dlpack_give_back_count(t, name.as_ptr().cast(), name.len(), 63) }, Status::InvalidArgument);
+    assert_eq!(unsafe { gpupool_dlpack_give_back_count(t, b"/a\0b".as_ptr().cast(), 4, 64) }, Status::InvalidArgument);
+    // A count whose object is gone (its sender ended) is nothing to give back: no warning, closed.
+    assert_eq!(unsafe { gpupool_dlpack_give_back_count(t, name.as_ptr().cast(), name.len(), 64) }, Status::Ok);
+    let before = imports(d);
+    unsafe { ((*t.cast::<DlTensorHead>()).deleter.expect("a deleter"))(t.cast()) };
+    assert_eq!(imports(d), before - 1);
     for p in [a, b] {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }

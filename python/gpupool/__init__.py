@@ -106,6 +106,7 @@ def lib():
             ("gpupool_ipc_export_flags", c_int, [vp, ctypes.c_uint32, vp, c_size, ctypes.POINTER(c_size)]),
             ("gpupool_ipc_open_dlpack", c_int, [cp, c_size, c_int, ctypes.POINTER(c_int), c_size, c_int,
                                                 ctypes.c_uint32, ctypes.POINTER(vp)]),
+            ("gpupool_dlpack_give_back_count", c_int, [vp, cp, c_size, ctypes.c_uint64]),
             ("gpupool_share_hold", c_int, [ctypes.POINTER(c_int), ctypes.POINTER(ctypes.c_uint32)]),
             ("gpupool_share_held", c_int, [ctypes.c_uint32, ctypes.POINTER(c_int)]),
             ("gpupool_share_held_count", c_size, []),

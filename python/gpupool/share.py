@@ -562,44 +562,13 @@ def open_cuda_ipc_handle(handle, offset, size, device):
     return out.value
 
 
-# DLPack tensors made by `then_release`, by the address handed out: (the wrapper, the
-# imported tensor it stands for, what to run after its deleter). Kept here until the
-# framework deletes the wrapper.
-_released_after = {}
-_released_lock = threading.Lock()
-
-
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _delete_then_release(addr):
-    # The framework's deleter call, from whichever thread dropped the last tensor (ctypes
-    # takes the interpreter lock): nothing may escape into it.
-    with _released_lock:
-        got = _released_after.pop(addr, None)
-    if got is None:
-        return
-    _wrapper, inner, release = got
-    try:
-        delete_dlpack(inner)  # closes the import: waits for this process's queued work
-    finally:
-        try:
-            release()
-        except Exception as e:  # noqa: BLE001 - reported, never raised into the framework
-            sys.stderr.write(f"gpupool: warning: releasing a received block failed: {type(e).__name__}: {e}\n")
-
-
-def then_release(managed, release):
-    """A `DLManagedTensor*` standing for `managed` (an import) whose deleter closes the
-    import, then calls `release()`: what a sender's own protocol needs once this process is
-    done with the block (PyTorch's reference count of a CUDA IPC send, say)."""
-    inner = _DLManaged.from_address(managed)
-    wrapper = _DLManaged()
-    ctypes.pointer(wrapper)[0] = inner  # the same tensor: data, device, shape, dtype
-    wrapper.manager_ctx = None
-    wrapper.deleter = ctypes.cast(_delete_then_release, type(wrapper.deleter))
-    addr = ctypes.addressof(wrapper)
-    with _released_lock:
-        _released_after[addr] = (wrapper, managed, release)
-    return addr
+def give_back_count(managed, name, byte_offset):
+    """Make `managed` (an import not yet handed to a framework) give a sender's count back
+    once its deleter has closed it: the 64-bit count at `byte_offset` in the shared-memory
+    object `name` (bytes, as `shm_open` takes it) goes down by one, in the library (no
+    Python runs in the deleter). PyTorch's own CUDA IPC route counts its sends so."""
+    name = bytes(name)
+    _check(lib().gpupool_dlpack_give_back_count(managed, name, len(name), byte_offset))
 
 
 @atexit.register

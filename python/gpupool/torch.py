@@ -368,31 +368,48 @@ def _receive_native_cuda_tensors(R):
     R.rebuild_cuda_tensor = rebuild_cuda_tensor
 
 
+# PyTorch's count of a CUDA IPC send lives in a shared-memory file of its
+# RefcountedMapAllocator: 64 bytes of its own, then one int64 per send slot.
+_COUNTS_AT = 64
+
+
 def _native_storage_here(storage_cls, device, storage_handle, size, offset, ref_counter_handle, ref_counter_offset,
                          event_handle, event_sync_required):
     """The UntypedStorage over a block PyTorch's own route sent (mapped once per storage)."""
     import torch
+
+    def give_back_now():
+        storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
     key = ("native", bytes(storage_handle), offset, device)
     ref = _opened.get(key)
     storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-    if event_sync_required:
-        # Also where the storage is open here already (PyTorch's own route skips it there):
-        # the sender may have written to it since.
-        torch.cuda.Event.from_ipc_handle(device, event_handle).wait(torch.cuda.current_stream(device))
+    try:
+        handle = None if storage is not None else _cuda_ipc_handle(storage_handle)
+        if event_sync_required:
+            # Also where the storage is open here already (PyTorch's own route skips it
+            # there): the sender may have written to it since.
+            torch.cuda.Event.from_ipc_handle(device, event_handle).wait(torch.cuda.current_stream(device))
+        if storage is None:
+            managed = share.open_cuda_ipc_handle(handle, offset, size, device)
+    except BaseException:
+        give_back_now()  # nothing here holds the block: the sender may free it
+        raise
     if storage is not None:
         # Counted once per storage here: this send's count goes back at once, as PyTorch does.
-        storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
+        give_back_now()
         return storage
-    managed = share.open_cuda_ipc_handle(_cuda_ipc_handle(storage_handle), offset, size, device)
-
-    def give_back():
-        storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
-    wrapped = share.then_release(managed, give_back)
     try:
-        storage = torch.from_dlpack(share.capsule(wrapped)).untyped_storage()
+        share.give_back_count(managed, ref_counter_handle, _COUNTS_AT + 8 * ref_counter_offset)
     except BaseException:
-        share.delete_dlpack(wrapped)
+        share.delete_dlpack(managed)
+        give_back_now()
         raise
+    try:
+        t = torch.from_dlpack(share.capsule(managed))
+    except BaseException:
+        share.delete_dlpack(managed)  # closes the import and gives the count back
+        raise
+    storage = t.untyped_storage()
     _remember(key, storage)
     return storage
 

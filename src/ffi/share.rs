@@ -10,7 +10,7 @@ use super::ipc::read_descriptor;
 use crate::error::Error;
 use crate::holds;
 use crate::registry;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 
 /// Take a hold for one send of a block to another process: `*out_fd` receives this
 /// process's holds file descriptor (send a copy of it with the block's; it stays open
@@ -112,6 +112,9 @@ struct Imported {
     hold: Option<Hold>,
     /// The span it is mapped through, shared with other blocks in it (`open_shared`).
     shared: Option<SpanUse>,
+    /// A sender's count to give back once closed (`gpupool_dlpack_give_back_count`): a
+    /// shared-memory object's name and the byte offset of the count in it.
+    count: Option<(Vec<u8>, u64)>,
 }
 
 /// An exporter's mapped span: its pid, start time, device, the address of its first
@@ -275,6 +278,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
             device,
             hold,
             shared,
+            count: None,
         }));
         (*t).managed.dl_tensor.shape = &mut (*t).shape;
         *out_tensor = t.cast();
@@ -308,4 +312,49 @@ unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
     for (id, slot) in holds {
         let _ = call(|| holds::release(id, slot));
     }
+    if let Some((name, offset)) = &t.count {
+        if call(|| holds::give_back_count(name, *offset).map(|_| ())) != crate::error::Status::Ok {
+            crate::error::warn(&format!(
+                "gpupool: warning: giving back the sender's count of the import at {:#x} failed: {}",
+                t.ptr,
+                super::boundary::last_error()
+            ));
+        }
+    }
+}
+
+/// Make `tensor` (a `DLManagedTensor*` from `gpupool_ipc_open_dlpack`, not yet deleted)
+/// give a sender's count back once its deleter has closed the import (which waits for the
+/// work this process queued on the device): the 64-bit count at `byte_offset` in the POSIX
+/// shared-memory object `name` (`name_len` bytes, as `shm_open` takes it) goes down by one.
+/// Where the object is gone (its sender ended) nothing happens. PyTorch's own CUDA IPC route
+/// counts its sends so (`CudaIPCSentData`): its sender frees a block once the count is 0.
+/// Replaces any count given before.
+///
+/// # Safety
+/// `tensor` must be such a tensor; `name`: `name_len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_dlpack_give_back_count(
+    tensor: *mut c_void,
+    name: *const c_char,
+    name_len: usize,
+    byte_offset: u64,
+) -> crate::error::Status {
+    call(|| {
+        if tensor.is_null() {
+            return Err(Error::NullArgument("tensor"));
+        }
+        if name.is_null() {
+            return Err(Error::NullArgument("name"));
+        }
+        let name = std::slice::from_raw_parts(name.cast::<u8>(), name_len);
+        if name.is_empty() || name.contains(&0) || byte_offset % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a shared count needs a name without NUL bytes and an offset that is a multiple of 8 (got {} bytes, offset {byte_offset})",
+                name.len()
+            )));
+        }
+        (*tensor.cast::<Imported>()).count = Some((name.to_vec(), byte_offset));
+        Ok(())
+    })
 }

@@ -638,65 +638,64 @@ def test_a_messages_event_is_recorded_at_its_first_send_and_once_its_last_reduct
     assert "ok" in out
 
 
-RELEASE_CHILD = """
+COUNT_CHILD = """
 import gpupool
 
 def consume(inq, outq):
     gpupool.configure(0, pool="arena", upstream="host")
-    s = inq.get()
-    r = gpupool.share.Received(s)
-    managed = r.open_dlpack(0)
-    given = []
-
-    def give_back():
-        # The import is closed by now: what a sender's protocol needs.
-        given.append(gpupool.stats_json(0).get("ipc_imports"))
-    wrapped = gpupool.share.then_release(managed, give_back)
-    same = gpupool.share.dlpack_data(wrapped) == gpupool.share.dlpack_data(managed)
-    before = gpupool.stats_json(0).get("ipc_imports")
-    gpupool.share.delete_dlpack(wrapped)  # what the framework does when its last tensor goes
-    outq.put((same, before, given, gpupool.stats_json(0).get("ipc_imports"), len(gpupool.share._released_after)))
-
-    # A release that fails is reported, and the import is closed all the same.
-    s = inq.get()
+    s, name, offset = inq.get()
     managed = gpupool.share.Received(s).open_dlpack(0)
-
-    def fails():
-        raise OSError("the sender's count is gone")
-    gpupool.share.delete_dlpack(gpupool.share.then_release(managed, fails))
+    refused = []
+    for bad in ((b"", offset), (name + b"\\0", offset), (name, offset + 4)):
+        try:
+            gpupool.share.give_back_count(managed, *bad)
+        except gpupool.GpupoolError as e:
+            refused.append(str(e))
+    gpupool.share.give_back_count(managed, name, offset)
+    before = gpupool.stats_json(0).get("ipc_imports")
+    outq.put(("mapped", before, refused))
+    assert inq.get() == "let go"
+    gpupool.share.delete_dlpack(managed)  # what the framework does when its last tensor goes
     outq.put(gpupool.stats_json(0).get("ipc_imports"))
 """
 
 
-def test_what_a_received_block_gives_back_runs_after_its_import_closes_on_host(library, tmp_path):
-    # gpupool.torch gives PyTorch's reference count of a send back this way (tensors from
-    # a process without gpupool): once, after the mapping is closed (which waits for this
-    # process's queued work), a failure reported without reaching the framework.
-    (tmp_path / "release_child.py").write_text(textwrap.dedent(RELEASE_CHILD))
-    p = run_py("""
-        import ctypes, multiprocessing, os, sys, gpupool
+def test_a_senders_count_goes_back_once_the_import_is_closed_on_host(library, tmp_path):
+    # gpupool.torch gives PyTorch's count of a send back this way (tensors from a process
+    # without gpupool): in the library's deleter, after the close, by one, in the
+    # shared-memory object and slot named; bad names and offsets are refused.
+    (tmp_path / "count_child.py").write_text(textwrap.dedent(COUNT_CHILD))
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, struct, sys, gpupool
+        from multiprocessing import shared_memory
         sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
-        import release_child
+        import count_child
         gpupool.configure(0, pool="arena", upstream="host")
         L = gpupool.lib()
         ptr = ctypes.c_void_p()
         assert L.gpupool_malloc(ctypes.byref(ptr), 4 << 20, 0, None) == 0
-        ctx = multiprocessing.get_context("spawn")
-        inq, outq = ctx.Queue(), ctx.Queue()
-        child = ctx.Process(target=release_child.consume, args=(inq, outq), daemon=True)
-        child.start()
-        inq.put(gpupool.share.export(ptr.value, 4 << 20, 0, ptr))
-        same, before, given, after, left = outq.get(timeout=60)
-        assert same, "the wrapper shows the import's memory"
-        assert (before, given, after, left) == (1, [0], 0, 0), (before, given, after, left)
-        inq.put(gpupool.share.export(ptr.value, 4 << 20, 0, ptr))
-        assert outq.get(timeout=60) == 0, "closed though the release failed"
-        child.join(60)
-        assert child.exitcode == 0
+        counts = shared_memory.SharedMemory(create=True, size=64 + 8 * 16)
+        try:
+            struct.pack_into("<qqq", counts.buf, 64 + 8 * 2, 7, 2, 7)  # slots 2, 3, 4
+            ctx = multiprocessing.get_context("spawn")
+            inq, outq = ctx.Queue(), ctx.Queue()
+            child = ctx.Process(target=count_child.consume, args=(inq, outq), daemon=True)
+            child.start()
+            inq.put((gpupool.share.export(ptr.value, 4 << 20, 0, ptr), ("/" + counts.name).encode(), 64 + 8 * 3))
+            kind, before, refused = outq.get(timeout=60)
+            assert before == 1 and len(refused) == 3 and all("shared count" in r for r in refused), (before, refused)
+            assert struct.unpack_from("<qqq", counts.buf, 64 + 8 * 2) == (7, 2, 7), "not before the import closes"
+            inq.put("let go")
+            assert outq.get(timeout=60) == 0, "closed"
+            assert struct.unpack_from("<qqq", counts.buf, 64 + 8 * 2) == (7, 1, 7), "given back once, in its slot"
+            child.join(60)
+            assert child.exitcode == 0
+        finally:
+            counts.close()
+            counts.unlink()
         print("ok")
-    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=120)
-    assert "ok" in ok(p)
-    assert "releasing a received block failed: OSError: the sender's count is gone" in p.stderr, p.stderr
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=120))
+    assert "ok" in out
 
 
 def test_a_cuda_ipc_handle_is_refused_saying_why_where_it_cannot_be_opened_on_host(library):

@@ -378,6 +378,10 @@ def consume(q, out, pool, routed):
     other.fill_(9)
     torch.cuda.synchronize()
     out.put(checks)
+    # Sent again after a write queued behind a long kernel: open here already, read at once.
+    (later,) = q.get()
+    out.put((later.data_ptr() == base.data_ptr(), later[0].item(), gpupool.stats_json(0).get("ipc_imports")))
+    del later
     assert q.get() == "release"
     del base, view, other, param, again
     gc.collect()
@@ -402,10 +406,15 @@ if __name__ == "__main__":
     assert got["base"] == (1.0, float(1 << 20)), got
     assert got["view_shares"] and got["again_shares"], got
     assert got["other"] == (7, 7) and got["param"] == ("Parameter", True, 10.0), got
-    assert got["imports"] >= 1, got
+    assert got["imports"] == 3, got  # one per storage: the views and the second send share base's
     torch.cuda.synchronize()
     assert base[0].item() == 2.0 and base[-1].item() == float(2 << 20), "the consumer's write is here"
     assert other.min().item() == 9 and other.max().item() == 9
+    torch.cuda._sleep(1 << 30)
+    base.add_(1)
+    q.put([base])
+    assert out.get(timeout=120) == (True, 3.0, 3), "the second send waits for the sender's event too"
+    torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     del base, other, param
     torch.cuda.ipc_collect()
