@@ -276,8 +276,12 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         // The block's streams are not known here: the device's work is waited for, as an
         // arena import's close does.
         self.calls.event_sync += 1;
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
-        self.legacy.close(ptr, &mut self.calls)
+        let waited = check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+        // Closed whether or not the wait succeeded (a sticky error, a capture in progress):
+        // a failed wait must not leave the mapping booked open for good. Its error is the
+        // caller's to report.
+        let closed = self.legacy.close(ptr, &mut self.calls);
+        waited.and(closed)
     }
 
     fn legacy_ipc_imports(&self) -> usize {
