@@ -444,3 +444,79 @@ def test_cuda_tensors_from_a_process_without_gpupool_are_received(torch_gpu, poo
     script = tmp_path / "from_native.py"
     script.write_text(FROM_NATIVE)
     assert "received" in ok(run_script(script, [pool], timeout=300))
+
+
+TO_PLAIN = """
+import gc
+import sys
+import torch
+import torch.multiprocessing as mp
+
+
+def consume(q, out):
+    # No gpupool.torch.install() here: PyTorch's own allocator; the sends name gpupool's
+    # rebuild function, which maps them through the library.
+    torch.zeros(1, device="cuda")
+    out.put("ready")
+    base, view, small = q.get()
+    checks = (base[0].item(), base[-1].item(), view.data_ptr() == base.data_ptr() + 4 * 100, small.sum().item())
+    base.mul_(2)
+    torch.cuda.synchronize()
+    out.put(checks)
+    assert q.get() == "release"
+    del base, view, small
+    gc.collect()
+    import gpupool
+    out.put(gpupool.stats_json(0).get("ipc_imports"))
+
+
+if __name__ == "__main__":
+    import os
+    os.environ["GPUPOOL_POOL"] = sys.argv[1]
+    import gpupool
+    import gpupool.torch
+    gpupool.torch.install()
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=consume, args=(q, out), daemon=True)
+    child.start()
+    assert out.get(timeout=120) == "ready"
+    base = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    small = torch.ones(16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)
+    base.add_(1)
+    q.put([base, base[100:], small])
+    got = out.get(timeout=120)
+    assert got == (1.0, float(1 << 20), True, 16.0), got
+    torch.cuda.synchronize()
+    assert base[0].item() == 2.0, "the receiver's write is here"
+    live = gpupool.stats_json(0)["n_live_blocks"]
+    del base, small
+    gc.collect()
+    torch.cuda.ipc_collect()
+    assert gpupool.stats_json(0)["n_live_blocks"] == live, "kept while the receiver holds them"
+    q.put("release")
+    assert out.get(timeout=120) == 0, "the receiver closed every mapping"
+    import time
+    for _ in range(100):
+        torch.cuda.ipc_collect()
+        if gpupool.stats_json(0)["n_live_blocks"] <= live - 2:
+            break
+        time.sleep(0.05)
+    assert gpupool.stats_json(0)["n_live_blocks"] <= live - 2, (gpupool.stats_json(0)["n_live_blocks"], live)
+    child.join(60)
+    assert child.exitcode == 0, child.exitcode
+    print("received")
+"""
+
+
+@pytest.mark.parametrize("pool", ["split", "arena"])
+def test_cuda_tensors_reach_a_process_that_did_not_install_gpupool(torch_gpu, pool, tmp_path):
+    # The other way: a receiver on PyTorch's own allocator (gpupool importable, not
+    # installed) maps gpupool's sends through the library, reads the sender's writes after
+    # its event, writes back, and the sender frees the blocks only once it let go.
+    from conftest import run_script
+    script = tmp_path / "to_plain.py"
+    script.write_text(TO_PLAIN)
+    assert "received" in ok(run_script(script, [pool], timeout=300))
