@@ -280,7 +280,8 @@ def _same(t):
 
 class Later:
     # Pickled after the message's first tensor: its reduction queues a long kernel, then
-    # the tensor it sends (`base + 1`), so only an event recorded at its own send covers it.
+    # the tensor it sends (`base + 1`), so only the event's record at the message's end
+    # (or one at its own send) covers it.
 
     def __init__(self, base):
         self.base = base
