@@ -137,7 +137,7 @@ def install(compile_graphs=True, typed_oom=None):
 # `torch.cuda.ipc_collect()`), so its memory is not reused while a consumer uses it.
 # CPU tensors keep PyTorch's reductions.
 
-_opened = {}  # (producer, its block address, device) -> StorageWeakRef of the mapping here
+_opened = {}  # (producer, its block address, device), or ("native", handle, offset, device) -> StorageWeakRef here
 
 
 def share_cuda_tensors():
@@ -231,14 +231,12 @@ def _wait_event(device, handle):
 def _storage_here(info):
     """The UntypedStorage over a sent block in this process (mapped once per block)."""
     import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
     sent, nbytes, device, event = info
     if sent is None:
         return torch.UntypedStorage(0, device=torch.device("cuda", device))
     key = (sent.producer, sent.ptr, device)
     received = share.Received(sent)
-    ref = _opened.get(key)
-    storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    storage = _cached(key)
     if storage is not None:
         try:
             # The wait first: letting go lets the sender drop the send, and with it the event.
@@ -255,6 +253,13 @@ def _storage_here(info):
     _remember(key, storage)
     _wait_event(device, event)
     return storage
+
+
+def _cached(key):
+    """The storage mapped here earlier under `key` (`_remember`), if it is still alive."""
+    import torch
+    ref = _opened.get(key)
+    return None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
 
 
 def _remember(key, storage):
@@ -381,8 +386,7 @@ def _native_storage_here(storage_cls, device, storage_handle, size, offset, ref_
     def give_back_now():
         storage_cls._release_ipc_counter(ref_counter_handle, ref_counter_offset, device=device)
     key = ("native", bytes(storage_handle), offset, device)
-    ref = _opened.get(key)
-    storage = None if ref is None or ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    storage = _cached(key)
     try:
         handle = None if storage is not None else _cuda_ipc_handle(storage_handle)
         if event_sync_required:
