@@ -462,3 +462,37 @@ fn the_magazine_holds_cupy_frees_only_while_their_sizes_repeat() {
     let s = stats(d);
     assert_eq!((s.used_bytes, s.n_allocs, s.n_frees), (0, 2205, 2205));
 }
+
+#[test]
+fn an_allocation_of_nothing_takes_no_pools_lock_but_still_checks_the_device() {
+    let d = 33;
+    host(d);
+    // Another thread holds the pool (as an import made ahead does for its driver calls);
+    // empty tensors made meanwhile must not wait for it.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        gpupool::registry::with_pool(d, |_| {
+            held_tx.send(()).unwrap();
+            // Held until the main thread's empty allocations are done (or a minute passed).
+            let _ = done_rx.recv_timeout(std::time::Duration::from_secs(60));
+            Ok(())
+        })
+        .unwrap();
+    });
+    held_rx.recv().unwrap();
+    let (waiter_tx, waiter_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut p: *mut c_void = 1 as *mut c_void;
+        let a = unsafe { gpupool_malloc(&mut p, 0, d, null_mut()) };
+        let mut q: *mut c_void = 1 as *mut c_void;
+        let b = unsafe { gpupool_malloc(&mut q, 0, d, 0x5000 as *mut c_void) };
+        waiter_tx.send((a, p as usize, b, q as usize)).unwrap();
+    });
+    let got = waiter_rx.recv_timeout(std::time::Duration::from_secs(30));
+    done_tx.send(()).unwrap();
+    holder.join().unwrap();
+    assert_eq!(got, Ok((Status::Ok, 0, Status::Ok, 0)), "0 bytes: NULL, without waiting for the pool's lock");
+    let mut p: *mut c_void = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, 0, 4096, null_mut()) }, Status::InvalidDevice, "a bad device is still refused");
+}

@@ -289,6 +289,9 @@ fn fast_path_stream(stream: usize) -> bool {
 /// Allocate `size` bytes on `device` for `stream`: a block this thread kept for that
 /// stream, else the pool.
 pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
+    if size == 0 {
+        return empty(device, stream);
+    }
     // The per-thread default stream, and every stream while a private pool routes
     // allocations (the pool decides where they go), take the locked path.
     if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
@@ -301,10 +304,21 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
 /// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
 /// else the pool.
 pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
+    if size == 0 {
+        return empty(device, STREAM_LEGACY);
+    }
     if crate::pool::routes_active() || crate::process::in_child() {
         return registry::allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
+}
+
+/// An allocation of nothing: NULL, for a valid device, with no pool's lock taken (a
+/// framework makes empty tensors, each an allocation of 0 bytes, while another thread may
+/// hold the pool for long driver work: an import made ahead, `ffi::share_ahead`).
+fn empty(device: i32, stream: usize) -> Result<usize> {
+    route(device, stream)?;
+    Ok(0)
 }
 
 /// Fast free: keep `ptr` if this thread allocated it for `stream` and still holds it (the
