@@ -480,6 +480,44 @@ enum gpupool_status gpupool_dlpack_give_back_count(void *tensor,
                                                    size_t name_len,
                                                    uint64_t byte_offset);
 
+// Start opening `n` sends on a thread of the library. Send `i` is the descriptor of
+// `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
+// with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
+// are the holds file's descriptor (-1: no hold) and then one descriptor per granule, as
+// `gpupool_ipc_open_dlpack` takes them. Every descriptor is copied before this returns:
+// the caller's stay the caller's. `*out_batch` receives the batch: take each send's
+// import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
+// (exactly once).
+//
+// # Safety
+// `desc_lens`, `devices`, `slots` and `n_fds` hold `n` readable entries, `descs` their
+// sum of `desc_lens` bytes and `fds` that of `n_fds` ints; `out_batch` writable.
+enum gpupool_status gpupool_share_open_ahead(size_t n,
+                                             const void *descs,
+                                             const size_t *desc_lens,
+                                             const int *devices,
+                                             const uint32_t *slots,
+                                             const int *fds,
+                                             const size_t *n_fds,
+                                             void **out_batch);
+
+// Send `i`'s import from `batch` (waiting for it if the thread has not reached it):
+// `*out_tensor` receives the `DLManagedTensor*` `gpupool_ipc_open_dlpack` would have made
+// (now the caller's), or NULL where the send was not opened ahead (the batch ended before
+// it, or it was taken already): open it as usual then. An import that failed returns its
+// error, as `gpupool_ipc_open_dlpack` would have.
+//
+// # Safety
+// `batch` from `gpupool_share_open_ahead`, not yet ended; `out_tensor` writable.
+enum gpupool_status gpupool_share_take_ahead(void *batch, size_t i, void **out_tensor);
+
+// End `batch`: the thread opens nothing more and is waited for; what no rebuild took is
+// closed, its hold released (as its tensor's deleter would), and the batch freed.
+//
+// # Safety
+// `batch` from `gpupool_share_open_ahead`, not ended before (NULL: nothing happens).
+enum gpupool_status gpupool_share_end_ahead(void *batch);
+
 // `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
 // `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of
 // memory, `std::runtime_error` otherwise) that PyTorch turns into a Python `RuntimeError`

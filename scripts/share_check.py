@@ -196,9 +196,11 @@ def _live(allocator):
     import gpupool
     s = gpupool.stats_json(0)
     calls = s.get("driver_calls") or {}
+    ahead = getattr(gpupool.share, "ahead_counts", {})
     return {"live_blocks": s["n_live_blocks"], "imports": s.get("ipc_imports"),
             "import_address_space": s.get("ipc_import_address_space"),
-            "driver_calls": {k: v for k, v in calls.items() if v}}
+            "driver_calls": {k: v for k, v in calls.items() if v},
+            "opened_ahead": {k: round(v, 4) for k, v in ahead.items()}}
 
 
 def main():

@@ -293,12 +293,13 @@ pub const VARIABLES: [&str; 17] = [
 ];
 
 /// Variables of the project that the library does not read: the Python package's (first
-/// two, which users set too), then those of its tests, scripts and CMake build. Never
+/// three, which users set too), then those of its tests, scripts and CMake build. Never
 /// warned about (`tests/env_names.rs` checks every `GPUPOOL_` name of the repository is
 /// here, in `VARIABLES`, or no environment variable at all).
-pub const OTHER_VARIABLES: [&str; 13] = [
+pub const OTHER_VARIABLES: [&str; 14] = [
     "GPUPOOL_LIBRARY",
     "GPUPOOL_TORCH_TYPED_OOM",
+    "GPUPOOL_SHARE_AHEAD",
     "GPUPOOL_TEST_INSTALLED",
     "GPUPOOL_MODEL_OPS",
     "GPUPOOL_ARENA_MODEL_OPS",
@@ -331,14 +332,14 @@ pub fn unknown_variables(names: impl IntoIterator<Item = String>) -> Vec<(String
 
 /// The setting closest to `name`: the one sharing most words (`GPUPOOL_LIMIT` ->
 /// `GPUPOOL_MEMORY_LIMIT`), then the fewest edits (`GPUPOOL_POLL` -> `GPUPOOL_POOL`).
-/// Settings users set only: the library's and the Python package's two.
+/// Settings users set only: the library's and the Python package's three.
 fn closest(name: &str) -> &'static str {
     let words = |s: &str| -> Vec<String> { s.trim_start_matches("GPUPOOL_").split('_').map(str::to_ascii_uppercase).collect() };
     let mine = words(name);
     let upper = name.to_ascii_uppercase();
     VARIABLES
         .iter()
-        .chain(&OTHER_VARIABLES[..2])
+        .chain(&OTHER_VARIABLES[..3])
         .copied()
         .min_by_key(|v| {
             let shared = words(v).iter().filter(|w| mine.contains(w)).count();

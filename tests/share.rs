@@ -7,6 +7,7 @@
 use gpupool::ffi::core::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_descriptor_fds, gpupool_ipc_export, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
 use gpupool::ffi::share::{gpupool_dlpack_give_back_count, gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_held_count, gpupool_share_hold, gpupool_share_release};
+use gpupool::ffi::share_ahead::{gpupool_share_end_ahead, gpupool_share_open_ahead, gpupool_share_take_ahead};
 use gpupool::Status;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -267,6 +268,117 @@ fn without_holds_a_block_shares_only_a_span_of_exactly_its_own_allocations() {
     drop_tensor(ty2);
     assert_eq!(imports(d), 0);
     for p in [x, y] {
+        assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
+    }
+}
+
+/// Open `descs` (each with a hold of this process and its descriptors) ahead: the batch
+/// and each send's holds file and slot.
+fn open_ahead(descs: &[Vec<u8>], f: &[Vec<i32>], d: i32) -> (*mut c_void, Vec<i32>, Vec<u32>) {
+    let n = descs.len();
+    let (mut holds, mut slots) = (vec![-1; n], vec![0u32; n]);
+    for i in 0..n {
+        assert_eq!(unsafe { gpupool_share_hold(&mut holds[i], &mut slots[i]) }, Status::Ok, "{}", last());
+    }
+    let bytes: Vec<u8> = descs.concat();
+    let lens: Vec<usize> = descs.iter().map(|x| x.len()).collect();
+    let flat: Vec<i32> = (0..n).flat_map(|i| std::iter::once(holds[i]).chain(f[i].iter().copied())).collect();
+    let counts: Vec<usize> = f.iter().map(|x| 1 + x.len()).collect();
+    let mut batch = null_mut();
+    let st = unsafe {
+        gpupool_share_open_ahead(n, bytes.as_ptr().cast(), lens.as_ptr(), vec![d; n].as_ptr(), slots.as_ptr(), flat.as_ptr(), counts.as_ptr(), &mut batch)
+    };
+    assert_eq!(st, Status::Ok, "{}", last());
+    assert!(!batch.is_null());
+    (batch, holds, slots)
+}
+
+fn take(batch: *mut c_void, i: usize) -> Result<*mut DlTensorHead, (Status, String)> {
+    let mut t = null_mut();
+    match unsafe { gpupool_share_take_ahead(batch, i, &mut t) } {
+        Status::Ok => Ok(t.cast()),
+        st => {
+            assert!(t.is_null());
+            Err((st, last()))
+        }
+    }
+}
+
+#[test]
+fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_closed_and_let_go() {
+    let d = 58;
+    common::host_device_256mib(d, c"arena");
+    let (a, b, big) = (malloc(4096, d), malloc(8192, d), malloc(5 << 20, d));
+    for (p, tag) in [(a, b"AAAA"), (b, b"BBBB"), (big, b"GGGG")] {
+        unsafe { std::ptr::copy_nonoverlapping(tag.as_ptr(), p.cast::<u8>(), 4) };
+    }
+    let g = GPUPOOL_IPC_SHARE_GRANULES;
+    let mut bad = export(a, g).unwrap();
+    bad[0] ^= 0xff;
+    let descs = [export(a, g).unwrap(), export(b, g).unwrap(), bad, export(big, g).unwrap()];
+    let f = [fds(&descs[0]), fds(&descs[1]), fds(&descs[0]), fds(&descs[3])];
+    let (batch, holds, slots) = open_ahead(&descs, &f, d);
+    let ta = take(batch, 0).unwrap();
+    assert_eq!(unsafe { std::slice::from_raw_parts((*ta).data as *const u8, 4) }, b"AAAA");
+    assert!(take(batch, 0).unwrap().is_null(), "taken once: a second take gets nothing to open");
+    let tb = take(batch, 1).unwrap();
+    let (pa, pb) = unsafe { ((*ta).data as usize, (*tb).data as usize) };
+    assert_eq!(pb - pa, b as usize - a as usize, "b maps through a's span, as an open of its own would");
+    let (st, why) = take(batch, 2).unwrap_err();
+    assert_ne!(st, Status::Ok, "the refused send says so when taken");
+    assert!(!why.is_empty());
+    assert_eq!(take(batch, 9).unwrap_err().0, Status::InvalidArgument, "no such send");
+    assert_eq!(imports(d), 2, "the granule of a and b, and big, all opened by the batch's thread");
+    // Nobody takes big: the end closes it and releases its hold.
+    assert!(held(slots[3]));
+    assert_eq!(unsafe { gpupool_share_end_ahead(batch) }, Status::Ok, "{}", last());
+    assert_eq!(imports(d), 1);
+    assert!(!held(slots[3]), "released with its unclaimed import");
+    assert!(held(slots[0]) && held(slots[1]), "the taken ones are their tensors'");
+    drop_tensor(ta);
+    drop_tensor(tb);
+    assert_eq!(imports(d), 0);
+    assert!(!held(slots[0]) && !held(slots[1]));
+    // The refused send's hold stays the caller's (its open never took it).
+    assert!(held(slots[2]));
+    assert_eq!(gpupool_share_release(holds[2], slots[2]), Status::Ok);
+
+    // Bad input: nothing to write to, arrays missing, no batch.
+    let mut out = null_mut();
+    let null = std::ptr::null::<c_void>();
+    assert_eq!(
+        unsafe { gpupool_share_open_ahead(1, null, std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), &mut out) },
+        Status::NullArgument
+    );
+    assert!(out.is_null());
+    assert_eq!(
+        unsafe { gpupool_share_open_ahead(0, null, std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), null_mut()) },
+        Status::NullArgument
+    );
+    // A send without even its holds file's entry, or descriptors missing behind the counts.
+    let (one, dev, slot) = (descs[0].len(), d, 0u32);
+    assert_eq!(
+        unsafe { gpupool_share_open_ahead(1, descs[0].as_ptr().cast(), &one, &dev, &slot, std::ptr::null(), &0, &mut out) },
+        Status::InvalidArgument
+    );
+    assert_eq!(
+        unsafe { gpupool_share_open_ahead(1, descs[0].as_ptr().cast(), &one, &dev, &slot, std::ptr::null(), &2, &mut out) },
+        Status::NullArgument
+    );
+    assert!(out.is_null());
+    let mut t = null_mut();
+    assert_eq!(unsafe { gpupool_share_take_ahead(null_mut(), 0, &mut t) }, Status::NullArgument);
+    assert_eq!(unsafe { gpupool_share_end_ahead(null_mut()) }, Status::Ok, "ending no batch does nothing");
+    // An empty batch ends at once.
+    let mut empty = null_mut();
+    assert_eq!(
+        unsafe { gpupool_share_open_ahead(0, null, std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null(), &mut empty) },
+        Status::Ok,
+        "{}",
+        last()
+    );
+    assert_eq!(unsafe { gpupool_share_end_ahead(empty) }, Status::Ok);
+    for p in [a, b, big] {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }
 }

@@ -32,6 +32,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import uuid
 from collections import namedtuple
 
@@ -138,6 +139,7 @@ class _Bundle:
         self.at = {}     # the library's descriptor number -> its index in the handover
         self.sends = 0
         self.holds = []  # (holds descriptor, slot) of each send, released if never sent
+        self.sent = []   # the message's sends as pickled (`Sent`), listed ahead of its bytes (`_Ahead`)
         self.ident = None  # the ticket (bytes), or the resource sharer's (address, key)
         self.fds = []    # (resource sharer) this process's copies, one per descriptor
 
@@ -240,26 +242,38 @@ class _Received:
         self.closed = False
         self.error = None   # why the fetch failed, for every send of the handover
 
+    def _fetched(self):
+        """(Under `self.lock`.) Fetch the handover if no send did yet."""
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise GpupoolError(2, "gpupool: a shared block's descriptors were taken already, or its message "
+                                  "failed to unpickle: a send opens once")
+        if self.fds is None:
+            try:
+                self.fds, self.sends = _fetch(self.ident)
+            except BaseException as e:
+                # The sender serves a handover once: its other sends fail the same way.
+                self.error = e
+                self._close()
+                raise
+            self.left = len(self.fds) if self.sends is None else self.sends
+            fetched = getattr(_scope, "fetched", None)
+            if fetched is not None:
+                fetched.append(self)
+
+    def peek(self, at):
+        """The descriptors at `at` (None: all), fetched if no send did yet, without taking
+        them (each send still takes its own): for opening sends ahead (`_Ahead`), which
+        copies them at once."""
+        with self.lock:
+            self._fetched()
+            return list(self.fds) if at is None else [self.fds[i] for i in at]
+
     def take(self, at):
         """The descriptors at `at` and whether they are lent (see `Fds.detach`)."""
         with self.lock:
-            if self.error is not None:
-                raise self.error
-            if self.closed:
-                raise GpupoolError(2, "gpupool: a shared block's descriptors were taken already, or its message "
-                                      "failed to unpickle: a send opens once")
-            if self.fds is None:
-                try:
-                    self.fds, self.sends = _fetch(self.ident)
-                except BaseException as e:
-                    # The sender serves a handover once: its other sends fail the same way.
-                    self.error = e
-                    self._close()
-                    raise
-                self.left = len(self.fds) if self.sends is None else self.sends
-                fetched = getattr(_scope, "fetched", None)
-                if fetched is not None:
-                    fetched.append(self)
+            self._fetched()
             mine = [self.fds[i] for i in at]
             if self.sends is not None:
                 return mine, True
@@ -312,6 +326,10 @@ def _dumps_in_one_handover(orig):
             got = orig(cls, obj, protocol)
             for fn in memo.get(_AT_END, ()):
                 fn()
+            if len(bundle.sent) >= _AHEAD_FROM and ahead_enabled():
+                # The sends listed ahead of the message, for the receiver to open while it
+                # unpickles the rest (`_Ahead`).
+                got = orig(cls, _ListedAhead(bundle.ident, bundle.sent, got), protocol)
             return got
         except BaseException:
             bundle.drop()
@@ -353,6 +371,7 @@ def route_multiprocessing():
     from multiprocessing.reduction import ForkingPickler
     if getattr(ForkingPickler.dumps, "_gpupool", False):
         return
+    ahead_enabled()  # a malformed GPUPOOL_SHARE_AHEAD is said here, before anything is sent
     # Now, not inside the first handovers: the file limit, the kernel's file table, the
     # descriptor thread (gpupool_handover_prepare says why).
     lib().gpupool_handover_prepare(1)
@@ -366,7 +385,16 @@ def route_multiprocessing():
 # granule of the descriptor which of those allocations' descriptors it is (`order`: the
 # granules of a chunk share one).
 # (A send without `order`, from a sender before it, has one descriptor per granule.)
-Sent = namedtuple("Sent", "producer ptr size device desc slot fds pid order", defaults=(None,))
+class Sent(namedtuple("Sent", "producer ptr size device desc slot fds pid order", defaults=(None,))):
+    __slots__ = ()
+
+    def __reduce__(self):
+        # Pickled into a message whose handover carries its descriptors: listed ahead of
+        # the message's bytes too (`_ListedAhead`).
+        bundle = getattr(_scope, "bundle", None)
+        if bundle is not None and isinstance(self.fds, Fds) and self.fds.ident == bundle.ident:
+            bundle.sent.append(self)
+        return (Sent, tuple(self))
 
 
 def _unique(fds):
@@ -401,6 +429,7 @@ def export(ptr, size, device, keep):
     try:
         uniq, order = _unique(ipc_descriptor_fds(desc))
         fds = Fds([hfd.value] + uniq, hold=(hfd.value, slot.value))
+        sent = Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid(), order)
     except BaseException:
         L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
         _held(slot.value)
@@ -412,7 +441,7 @@ def export(ptr, size, device, keep):
         collect()
         with _lock:
             _next_collect = max(64, 2 * len(_sent))
-    return Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid(), order)
+    return sent
 
 
 _fd_limit_raised = False
@@ -488,7 +517,11 @@ class Received:
         """This process already has the block open (an earlier send): release this send's
         hold at once and close the descriptors."""
         try:
-            _check(lib().gpupool_share_release(self.fds[0], self.sent.slot))
+            managed = _Ahead.take_current(self.sent)
+            if managed is not None:
+                delete_dlpack(managed)  # an import made ahead after all: its deleter releases the hold
+            else:
+                _check(lib().gpupool_share_release(self.fds[0], self.sent.slot))
         finally:
             self.close()
 
@@ -496,6 +529,9 @@ class Received:
         """Map the block on `device`; returns a `DLManagedTensor*` (an int) whose deleter
         closes the mapping and releases the hold. The descriptors are closed either way."""
         try:
+            managed = _Ahead.take_current(self.sent)
+            if managed is not None:
+                return managed
             uniq = self.fds[1:]
             order = self.sent.order
             gran = uniq if order is None else [uniq[j] for j in order]
@@ -515,6 +551,144 @@ class Received:
         else:
             for f in fds:
                 os.close(f)
+
+
+_AHEAD_FROM = 2  # sends in a message from which they are listed ahead of it (one has nothing to overlap)
+_ahead_enabled = None
+# Set by a framework route that keeps what it opened (`gpupool.torch`): whether the block
+# with this key (producer, address there, device) may be open here already, so a send of it
+# is not opened ahead (its rebuild lets it go, or opens it).
+opened_here = None
+ahead_counts = {"batches": 0, "opened": 0, "taken": 0, "start_s": 0.0, "take_s": 0.0, "end_s": 0.0}  # what opening ahead did in this process
+
+
+def ahead_enabled():
+    """Whether messages list their sends ahead of their bytes and receivers open them while
+    unpickling the rest (`GPUPOOL_SHARE_AHEAD`: 1, the default, or 0)."""
+    global _ahead_enabled
+    if _ahead_enabled is None:
+        v = os.environ.get("GPUPOOL_SHARE_AHEAD", "1").strip()
+        if v not in ("0", "1"):
+            raise GpupoolError(2, f"gpupool: GPUPOOL_SHARE_AHEAD={v!r}: expected 1 (open a message's sends ahead, "
+                                  "the default) or 0")
+        _ahead_enabled = v == "1"
+    return _ahead_enabled
+
+
+class _ListedAhead:
+    """A message (its pickled bytes) with its sends listed before them: the receiver starts
+    opening the sends on a thread of the library (`_Ahead`), then unpickles the message,
+    whose rebuilds take those imports instead of making them. Each send is listed as plain
+    values, which unpickle fast: (producer, address, device, slot, where its descriptors are
+    in the handover `ident`, its granules' order, its descriptor)."""
+
+    def __init__(self, ident, sents, payload):
+        self.ident, self.payload = ident, payload
+        self.sends = tuple((s.producer, s.ptr, s.device, s.slot, s.fds.at, s.order, s.desc) for s in sents)
+
+    def __reduce__(self):
+        return (_load_ahead, (self.ident, self.sends, bytes(self.payload)))
+
+
+def _load_ahead(ident, sends, payload):
+    from multiprocessing.reduction import ForkingPickler
+    batch = _Ahead.start(ident, sends)
+    outer = getattr(_scope, "ahead", None)
+    _scope.ahead = batch
+    try:
+        return ForkingPickler.loads(payload)
+    finally:
+        _scope.ahead = outer
+        if batch is not None:
+            batch.end()
+
+
+class _Ahead:
+    """A message's sends being opened on a thread of the library (`gpupool_share_open_ahead`)
+    while this thread unpickles the message: each send's import is the one
+    `Received.open_dlpack` would make, in the message's order; a rebuild takes it
+    (`take_current`), and what none took is closed at the end, its hold released."""
+
+    def __init__(self, handle, index):
+        self.handle, self.index = handle, index
+
+    @staticmethod
+    def start(ident, sends):
+        t0 = time.perf_counter()
+        try:
+            return _Ahead._start(ident, sends)
+        finally:
+            ahead_counts["start_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _start(ident, sends):
+        """The batch opening `sends` (`_ListedAhead`; those not open here already, each
+        block once), or None where there is nothing to overlap or it cannot start (the
+        rebuilds open their sends themselves then, and say what is wrong)."""
+        try:
+            if not ahead_enabled() or len(sends) < _AHEAD_FROM:
+                return None
+            _raise_fd_limit()
+            with _lock:
+                got = _received.get(ident)
+                if got is None:
+                    got = _received[ident] = _Received(ident)
+            here = got.peek(None)
+        except Exception:
+            return None
+        seen, index = set(), {}
+        descs, lens, devices, slots, fds, counts = [], [], [], [], [], []
+        is_open = opened_here or (lambda key: False)
+        for producer, ptr, device, slot, at, order, desc in sends:
+            key = (producer, ptr, device)
+            if key in seen or is_open(key):
+                continue
+            seen.add(key)
+            before = len(fds)
+            fds.append(here[at[0]])
+            fds += [here[i] for i in at[1:]] if order is None else [here[at[1 + j]] for j in order]
+            counts.append(len(fds) - before)
+            index[(producer, slot)] = len(slots)
+            descs.append(desc)
+            lens.append(len(desc))
+            devices.append(device)
+            slots.append(slot)
+        n = len(slots)
+        if n < _AHEAD_FROM:
+            return None
+        handle = ctypes.c_void_p()
+        if lib().gpupool_share_open_ahead(n, b"".join(descs), (ctypes.c_size_t * n)(*lens), (ctypes.c_int * n)(*devices),
+                                          (ctypes.c_uint32 * n)(*slots), (ctypes.c_int * len(fds))(*fds),
+                                          (ctypes.c_size_t * n)(*counts), ctypes.byref(handle)) != 0:
+            return None
+        ahead_counts["batches"] += 1
+        ahead_counts["opened"] += n
+        return _Ahead(handle.value, index)
+
+    @staticmethod
+    def take_current(sent):
+        """`sent`'s import made ahead in the message being unpickled on this thread (a
+        `DLManagedTensor*`, now the caller's), or None: open it as usual."""
+        batch = getattr(_scope, "ahead", None)
+        if batch is None or batch.handle is None:
+            return None
+        i = batch.index.pop((sent.producer, sent.slot), None)
+        if i is None:
+            return None
+        out = ctypes.c_void_p()
+        t0 = time.perf_counter()
+        _check(lib().gpupool_share_take_ahead(batch.handle, i, ctypes.byref(out)))
+        ahead_counts["take_s"] += time.perf_counter() - t0
+        if out.value is not None:
+            ahead_counts["taken"] += 1
+        return out.value
+
+    def end(self):
+        handle, self.handle = self.handle, None
+        t0 = time.perf_counter()
+        if handle is not None:
+            lib().gpupool_share_end_ahead(handle)
+        ahead_counts["end_s"] += time.perf_counter() - t0
 
 
 _PyCapsule_New = ctypes.pythonapi.PyCapsule_New

@@ -140,6 +140,12 @@ def install(compile_graphs=True, typed_oom=None):
 _opened = {}  # (producer, its block address, device), or ("native", handle, offset, device) -> StorageWeakRef here
 
 
+# Whether the block sent under a key may be open here already: its send is let go, so it
+# is not opened ahead (`share._Ahead`; one whose storage has gone since is opened by its
+# rebuild instead).
+share.opened_here = _opened.__contains__
+
+
 def share_cuda_tensors():
     """Route `torch.multiprocessing`'s pickling of CUDA tensors and storages through gpupool
     (`install()` calls this). Idempotent."""

@@ -9,6 +9,7 @@
 //! - `graph.rs`: private pools for CUDA graph captures from C.
 //! - `ipc.rs`: sharing arena memory with other processes.
 //! - `share.rs`: holds and DLPack imports for the frameworks' process-sharing routes.
+//! - `share_ahead.rs`: a message's imports made on a thread of the library while it is unpickled.
 //! - `handover.rs`: handing file descriptors to the process that unpickles a message.
 //! - `report.rs`: errors of `void` entry points (stderr, once for invalid frees).
 
@@ -21,4 +22,5 @@ pub mod ipc;
 pub mod pinned;
 pub mod report;
 pub mod share;
+pub mod share_ahead;
 pub mod torch;

@@ -91,7 +91,7 @@ struct DlTensor {
 }
 
 #[repr(C)]
-struct DlManagedTensor {
+pub(super) struct DlManagedTensor {
     dl_tensor: DlTensor,
     manager_ctx: *mut c_void,
     deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
@@ -252,43 +252,57 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
             return Err(Error::NullArgument("fds"));
         }
         let d = read_descriptor(desc, desc_len)?;
-        // The holds file first: an import that cannot release its hold later must not be made.
-        let hold = if holds_fd >= 0 { Some((holds::map_theirs(holds_fd)?, slot)) } else { None };
         let given: &[c_int] = if n_fds == 0 { &[] } else { std::slice::from_raw_parts(fds, n_fds) };
-        let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
-        let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
-        // Last: nothing after it may fail, or the import (or its share of a span) would stay.
-        let (ptr, shared) = open_shared(&d, device, given, hold.is_some())?;
-        let t = Box::into_raw(Box::new(Imported {
-            managed: DlManagedTensor {
-                dl_tensor: DlTensor {
-                    data: ptr as *mut c_void,
-                    device: DlDevice { device_type: if on_host { DL_CPU } else { DL_CUDA }, device_id: if on_host { 0 } else { device } },
-                    ndim: 1,
-                    dtype: DlDataType { code: DL_UINT, bits: 8, lanes: 1 },
-                    shape: std::ptr::null_mut(),
-                    strides: std::ptr::null_mut(),
-                    byte_offset: 0,
-                },
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_imported),
-            },
-            shape: size,
-            ptr,
-            device,
-            hold,
-            shared,
-            count: None,
-        }));
-        (*t).managed.dl_tensor.shape = &mut (*t).shape;
-        *out_tensor = t.cast();
+        *out_tensor = open_imported(&d, device, given, holds_fd, slot)?.cast();
         Ok(())
     })
 }
 
+/// `gpupool_ipc_open_dlpack`'s work once its arguments are read: the import of `d` on
+/// `device` through the descriptors `given` (which stay the caller's), as a DLPack tensor
+/// whose deleter closes it and releases hold `slot` of `holds_fd` (-1: no hold).
+pub(super) fn open_imported(
+    d: &super::ipc::AnyDescriptor,
+    device: c_int,
+    given: &[c_int],
+    holds_fd: c_int,
+    slot: u32,
+) -> crate::error::Result<*mut DlManagedTensor> {
+    // The holds file first: an import that cannot release its hold later must not be made.
+    let hold = if holds_fd >= 0 { Some((holds::map_theirs(holds_fd)?, slot)) } else { None };
+    let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
+    let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
+    // Last: nothing after it may fail, or the import (or its share of a span) would stay.
+    let (ptr, shared) = open_shared(d, device, given, hold.is_some())?;
+    let t = Box::into_raw(Box::new(Imported {
+        managed: DlManagedTensor {
+            dl_tensor: DlTensor {
+                data: ptr as *mut c_void,
+                device: DlDevice { device_type: if on_host { DL_CPU } else { DL_CUDA }, device_id: if on_host { 0 } else { device } },
+                ndim: 1,
+                dtype: DlDataType { code: DL_UINT, bits: 8, lanes: 1 },
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_imported),
+        },
+        shape: size,
+        ptr,
+        device,
+        hold,
+        shared,
+        count: None,
+    }));
+    // SAFETY: just made; the shape lives in the same box.
+    unsafe { (*t).managed.dl_tensor.shape = &mut (*t).shape };
+    Ok(t.cast())
+}
+
 /// The deleter of `gpupool_ipc_open_dlpack`'s tensors: close the import, release the hold,
 /// free the tensor. Errors cannot be returned from here: they are warned about.
-unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
+pub(super) unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
     if t.is_null() {
         return;
     }

@@ -335,6 +335,99 @@ def test_a_message_inside_a_message_that_fails_to_unpickle_leaves_no_descriptor_
           "the child kept the inner handover or its descriptors")
 
 
+AHEAD_CHILD = BOOM_CHILD + """
+def consume_ahead(inq, outq):
+    gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()
+    before = open_fds()
+    try:
+        outq.put(inq.get())
+    except ValueError as e:
+        outq.put(str(e))
+    now = open_fds()
+    counts = {k: gpupool.share.ahead_counts[k] for k in ("batches", "opened", "taken")}
+    outq.put((counts, gpupool.stats_json(0).get("ipc_imports"), len(gpupool.share._received),
+              now[0] - before[0] + max(0, now[1] - before[1] - 1)))
+"""
+
+
+def _ahead(tmp_path, message, env=None):
+    """Send `message` (an expression over `ahead_child` and `ptrs`, six blocks whose first
+    four bytes say which) to a consumer; returns what it unpickled (or the error's text),
+    then its opening-ahead counts and imports, handovers and descriptors left open, and
+    the sends the producer still finds held."""
+    (tmp_path / "ahead_child.py").write_text(textwrap.dedent(AHEAD_CHILD))
+    out = ok(run_py(f"""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import ahead_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        L = gpupool.lib()
+        ptrs = []
+        # Small blocks in one granule, one of several granules, one that starts in the
+        # granule another ends in.
+        for i, n in enumerate([256, 4096, 3 << 20, 1 << 20, 5 << 20, 512]):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
+            ctypes.memmove(p, b"blk" + bytes([48 + i]), 4)
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=ahead_child.consume_ahead, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put({message})
+        got, after = outq.get(timeout=60), outq.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0, child.exitcode
+        print(repr((got, after, gpupool.share.collect())))
+    """, env={"PYTHONPATH_EXTRA": str(tmp_path), **(env or {})}, timeout=180))
+    return eval(out.strip().splitlines()[-1])
+
+
+def test_a_messages_sends_are_opened_ahead_while_it_is_unpickled_on_host(library, tmp_path):
+    # Six blocks and the first again (a second view of it): each read as sent, each block
+    # opened once ahead (the repeat is opened by its rebuild), every import taken by its
+    # rebuild, closed, its hold released; nothing left open.
+    got, (counts, imports, handovers, fds), held = _ahead(
+        tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs] + [ahead_child.Lazy(ptrs[0], 4)]")
+    assert got == [b"blk" + bytes([48 + i]) for i in range(6)] + [b"blk0"], got
+    assert counts == {"batches": 1, "opened": 6, "taken": 6}, counts
+    assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
+def test_sends_are_not_opened_ahead_where_turned_off_on_host(library, tmp_path):
+    got, (counts, imports, handovers, fds), held = _ahead(
+        tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs]", env={"GPUPOOL_SHARE_AHEAD": "0"})
+    assert got == [b"blk" + bytes([48 + i]) for i in range(6)], got
+    assert counts == {"batches": 0, "opened": 0, "taken": 0}, counts
+    assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
+def test_a_malformed_share_ahead_setting_is_refused_saying_so(library):
+    out = ok(run_py("""
+        import gpupool
+        try:
+            gpupool.share.route_multiprocessing()
+            raise SystemExit("routed")
+        except gpupool.GpupoolError as e:
+            assert "GPUPOOL_SHARE_AHEAD='maybe'" in str(e), e
+        print("ok")
+    """, env={"GPUPOOL_SHARE_AHEAD": "maybe"}))
+    assert "ok" in out
+
+
+def test_sends_opened_ahead_of_a_message_that_fails_to_unpickle_are_closed_and_let_go_on_host(library, tmp_path):
+    # Two sends taken, then a rebuild that raises, then four sends opened ahead that no
+    # rebuild takes: they are closed, and their holds released, with the message.
+    got, (counts, imports, handovers, fds), held = _ahead(
+        tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs[:2]] + [ahead_child.Boom()] + "
+                  "[ahead_child.Lazy(p, 4) for p in ptrs[2:]]")
+    assert got == "boom", got
+    assert counts["batches"] == 1 and counts["opened"] == 6 and counts["taken"] == 2, counts
+    assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
 def test_a_message_that_fails_to_pickle_releases_its_sends_holds_on_host(library, tmp_path):
     (tmp_path / "lazy_child.py").write_text(textwrap.dedent(LAZY_CHILD))
     out = ok(run_py("""

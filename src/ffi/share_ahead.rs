@@ -1,0 +1,256 @@
+//! Opening a message's sends ahead, on a thread of the library, while the interpreter
+//! unpickles the message (`gpupool.share`'s receiving route).
+//!
+//! Why: an import is driver work (an arena block's: a reservation, an import and a map per
+//! allocation, an access grant; a segment's: `cuIpcOpenMemHandle`) of tens of
+//! microseconds per allocation, and the unpickling around it is Python work of about as
+//! much per tensor. Made one after the other on the unpickling thread they add up; the
+//! driver runs the imports beside the interpreter's work without slowing it
+//! (`docs/ipc.md` points to the measurement), so the sender lists the message's sends
+//! ahead of its bytes and the receiver opens them here while it unpickles, each rebuild
+//! taking its send's import (`gpupool_share_take_ahead`) instead of making it.
+//!
+//! Each import is exactly the one `gpupool_ipc_open_dlpack` would make, in the message's
+//! order, so what maps through which span is unchanged. The descriptors are this
+//! module's own copies (`dup`), closed once the thread is done, so the caller may close
+//! its own at any time. `gpupool_share_end_ahead` waits for the thread and closes what no
+//! rebuild took, releasing those sends' holds as their tensors' deleters would have.
+
+use super::boundary::call;
+use super::ipc::read_descriptor;
+use super::share::{delete_imported, open_imported};
+use crate::error::Error;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// One send to open: its descriptor's bytes, its device, its descriptors (this module's
+/// copies) and its hold.
+struct Send {
+    desc: Vec<u8>,
+    device: c_int,
+    fds: Vec<c_int>,
+    holds_fd: c_int,
+    slot: u32,
+}
+
+/// Where a send stands: not reached yet, opened (a `DlManagedTensor*`) or refused, or
+/// handed to a rebuild.
+enum Opened {
+    Waiting,
+    Ready(crate::error::Result<usize>),
+    Taken,
+}
+
+struct State {
+    opened: Vec<Opened>,
+    /// Set by `end`: the thread opens nothing more.
+    stop: bool,
+    /// The thread has left its loop.
+    finished: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// What `gpupool_share_open_ahead` hands out.
+struct Batch {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Copies of `fds` (each number once), close-on-exec, and the numbers of each in `fds`'
+/// place.
+fn copies(numbers: impl Iterator<Item = c_int>) -> crate::error::Result<HashMap<c_int, OwnedFd>> {
+    let mut out = HashMap::new();
+    for n in numbers {
+        if out.contains_key(&n) {
+            continue;
+        }
+        // SAFETY: F_DUPFD_CLOEXEC on a number the caller says is open; a failure is an error.
+        let c = unsafe { libc::fcntl(n, libc::F_DUPFD_CLOEXEC, 0) };
+        if c < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "opening sends ahead: descriptor {n} cannot be copied: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: `c` was just made and is owned here alone.
+        out.insert(n, unsafe { OwnedFd::from_raw_fd(c) });
+    }
+    Ok(out)
+}
+
+fn run(shared: &Shared, sends: Vec<Send>, _copies: HashMap<c_int, OwnedFd>) {
+    for (i, s) in sends.into_iter().enumerate() {
+        if shared.lock().stop {
+            break;
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the bytes are this module's own.
+            let d = unsafe { read_descriptor(s.desc.as_ptr().cast(), s.desc.len()) }?;
+            open_imported(&d, s.device, &s.fds, s.holds_fd, s.slot).map(|t| t as usize)
+        }))
+        .unwrap_or_else(|_| Err(Error::Internal("opening a send ahead panicked".into())));
+        let mut st = shared.lock();
+        st.opened[i] = Opened::Ready(r);
+        drop(st);
+        shared.changed.notify_all();
+    }
+    shared.lock().finished = true;
+    shared.changed.notify_all();
+    // The copies of the descriptors close here: every import made is mapped.
+}
+
+/// Start opening `n` sends on a thread of the library. Send `i` is the descriptor of
+/// `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
+/// with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
+/// are the holds file's descriptor (-1: no hold) and then one descriptor per granule, as
+/// `gpupool_ipc_open_dlpack` takes them. Every descriptor is copied before this returns:
+/// the caller's stay the caller's. `*out_batch` receives the batch: take each send's
+/// import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
+/// (exactly once).
+///
+/// # Safety
+/// `desc_lens`, `devices`, `slots` and `n_fds` hold `n` readable entries, `descs` their
+/// sum of `desc_lens` bytes and `fds` that of `n_fds` ints; `out_batch` writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gpupool_share_open_ahead(
+    n: usize,
+    descs: *const c_void,
+    desc_lens: *const usize,
+    devices: *const c_int,
+    slots: *const u32,
+    fds: *const c_int,
+    n_fds: *const usize,
+    out_batch: *mut *mut c_void,
+) -> crate::error::Status {
+    call(|| {
+        if out_batch.is_null() {
+            return Err(Error::NullArgument("out_batch"));
+        }
+        *out_batch = std::ptr::null_mut();
+        if n > 0 && [desc_lens.is_null(), devices.is_null(), slots.is_null(), n_fds.is_null()].contains(&true) {
+            return Err(Error::NullArgument("desc_lens, devices, slots or n_fds"));
+        }
+        let (lens, counts) = if n == 0 { (&[][..], &[][..]) } else { (std::slice::from_raw_parts(desc_lens, n), std::slice::from_raw_parts(n_fds, n)) };
+        let mut total_bytes = 0usize;
+        for &l in lens {
+            if l > crate::upstream::shared::MAX_DESCRIPTOR_BYTES {
+                return Err(Error::InvalidArgument(format!("IPC descriptor: {l} bytes is longer than any descriptor")));
+            }
+            total_bytes += l;
+        }
+        let total_fds = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or_else(|| Error::InvalidArgument("opening sends ahead: descriptor counts out of range".into()))?;
+        if counts.contains(&0) {
+            return Err(Error::InvalidArgument("opening sends ahead: each send needs at least its holds file's entry".into()));
+        }
+        if (total_bytes > 0 && descs.is_null()) || (total_fds > 0 && fds.is_null()) {
+            return Err(Error::NullArgument(if descs.is_null() { "descs" } else { "fds" }));
+        }
+        let bytes = if total_bytes == 0 { &[][..] } else { std::slice::from_raw_parts(descs.cast::<u8>(), total_bytes) };
+        let all_fds = if total_fds == 0 { &[][..] } else { std::slice::from_raw_parts(fds, total_fds) };
+        let copied = copies(all_fds.iter().copied().filter(|&f| f >= 0))?;
+        let (mut at_byte, mut at_fd) = (0, 0);
+        let mut sends = Vec::with_capacity(n);
+        for i in 0..n {
+            let mine = &all_fds[at_fd..at_fd + counts[i]];
+            let mapped = |f: c_int| if f >= 0 { copied[&f].as_raw_fd() } else { f };
+            sends.push(Send {
+                desc: bytes[at_byte..at_byte + lens[i]].to_vec(),
+                device: *devices.add(i),
+                fds: mine[1..].iter().map(|&f| mapped(f)).collect(),
+                holds_fd: mapped(mine[0]),
+                slot: *slots.add(i),
+            });
+            at_byte += lens[i];
+            at_fd += counts[i];
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State { opened: (0..n).map(|_| Opened::Waiting).collect(), stop: false, finished: false }),
+            changed: Condvar::new(),
+        });
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("gpupool-ahead".into())
+            .spawn(move || run(&theirs, sends, copied))
+            .map_err(|e| Error::Internal(format!("opening sends ahead: cannot start a thread: {e}")))?;
+        *out_batch = Box::into_raw(Box::new(Batch { shared, thread: Some(thread) })).cast();
+        Ok(())
+    })
+}
+
+/// Send `i`'s import from `batch` (waiting for it if the thread has not reached it):
+/// `*out_tensor` receives the `DLManagedTensor*` `gpupool_ipc_open_dlpack` would have made
+/// (now the caller's), or NULL where the send was not opened ahead (the batch ended before
+/// it, or it was taken already): open it as usual then. An import that failed returns its
+/// error, as `gpupool_ipc_open_dlpack` would have.
+///
+/// # Safety
+/// `batch` from `gpupool_share_open_ahead`, not yet ended; `out_tensor` writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_share_take_ahead(batch: *mut c_void, i: usize, out_tensor: *mut *mut c_void) -> crate::error::Status {
+    call(|| {
+        if batch.is_null() || out_tensor.is_null() {
+            return Err(Error::NullArgument(if batch.is_null() { "batch" } else { "out_tensor" }));
+        }
+        *out_tensor = std::ptr::null_mut();
+        let shared = &(*batch.cast::<Batch>()).shared;
+        let mut st = shared.lock();
+        if i >= st.opened.len() {
+            return Err(Error::InvalidArgument(format!("opening sends ahead: no send {i} in a batch of {}", st.opened.len())));
+        }
+        while matches!(st.opened[i], Opened::Waiting) && !st.finished {
+            st = shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        match std::mem::replace(&mut st.opened[i], Opened::Taken) {
+            Opened::Ready(Ok(t)) => *out_tensor = t as *mut c_void,
+            Opened::Ready(Err(e)) => return Err(e),
+            Opened::Waiting | Opened::Taken => {}
+        }
+        Ok(())
+    })
+}
+
+/// End `batch`: the thread opens nothing more and is waited for; what no rebuild took is
+/// closed, its hold released (as its tensor's deleter would), and the batch freed.
+///
+/// # Safety
+/// `batch` from `gpupool_share_open_ahead`, not ended before (NULL: nothing happens).
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void) -> crate::error::Status {
+    call(|| {
+        if batch.is_null() {
+            return Ok(());
+        }
+        let mut b = Box::from_raw(batch.cast::<Batch>());
+        b.shared.lock().stop = true;
+        if let Some(t) = b.thread.take() {
+            let _ = t.join();
+        }
+        let left: Vec<usize> = b
+            .shared
+            .lock()
+            .opened
+            .iter_mut()
+            .filter_map(|o| match std::mem::replace(o, Opened::Taken) {
+                Opened::Ready(Ok(t)) => Some(t),
+                _ => None,
+            })
+            .collect();
+        for t in left {
+            delete_imported(t as *mut _);
+        }
+        Ok(())
+    })
+}
