@@ -511,12 +511,15 @@ enum gpupool_status gpupool_share_open_ahead(size_t n,
 // `batch` from `gpupool_share_open_ahead`, not yet ended; `out_tensor` writable.
 enum gpupool_status gpupool_share_take_ahead(void *batch, size_t i, void **out_tensor);
 
-// End `batch`: the thread opens nothing more and is waited for; what no rebuild took is
-// closed, its hold released (as its tensor's deleter would), and the batch freed.
+// End `batch`: the thread opens nothing more and is waited for, what no rebuild took is
+// closed, and the batch is freed. `failed` 0: the message unpickled, and a send no
+// rebuild took keeps its hold (whoever kept it may still open it). Otherwise the message
+// failed and nobody will open its sends: every send not taken is let go (its hold
+// released), whether or not the thread had opened it.
 //
 // # Safety
 // `batch` from `gpupool_share_open_ahead`, not ended before (NULL: nothing happens).
-enum gpupool_status gpupool_share_end_ahead(void *batch);
+enum gpupool_status gpupool_share_end_ahead(void *batch, int failed);
 
 // `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
 // `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of

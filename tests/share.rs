@@ -197,6 +197,13 @@ fn open_held(desc: &[u8], d: i32, f: &[i32]) -> Result<(*mut DlTensorHead, u32),
     }
 }
 
+fn open_held_with(desc: &[u8], d: i32, f: &[i32], holds_fd: i32, slot: u32) -> *mut DlTensorHead {
+    let mut t: *mut c_void = null_mut();
+    let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, f.as_ptr(), f.len(), holds_fd, slot, &mut t) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    t.cast()
+}
+
 fn drop_tensor(t: *mut DlTensorHead) {
     unsafe { ((*t).deleter.unwrap())(t) };
 }
@@ -305,7 +312,7 @@ fn take(batch: *mut c_void, i: usize) -> Result<*mut DlTensorHead, (Status, Stri
 }
 
 #[test]
-fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_closed_and_let_go() {
+fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_closed() {
     let d = 58;
     common::host_device_256mib(d, c"arena");
     let (a, b, big) = (malloc(4096, d), malloc(8192, d), malloc(5 << 20, d));
@@ -328,12 +335,15 @@ fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_
     assert_ne!(st, Status::Ok, "the refused send says so when taken");
     assert!(!why.is_empty());
     assert_eq!(take(batch, 9).unwrap_err().0, Status::InvalidArgument, "no such send");
-    assert_eq!(imports(d), 2, "the granule of a and b, and big, all opened by the batch's thread");
-    // Nobody takes big: the end closes it and releases its hold.
-    assert!(held(slots[3]));
-    assert_eq!(unsafe { gpupool_share_end_ahead(batch) }, Status::Ok, "{}", last());
-    assert_eq!(imports(d), 1);
-    assert!(!held(slots[3]), "released with its unclaimed import");
+    // The message unpickled and nobody took big: whether or not the thread opened it, it
+    // is not open after the end, and its send keeps its hold (it may still be opened).
+    assert_eq!(unsafe { gpupool_share_end_ahead(batch, 0) }, Status::Ok, "{}", last());
+    assert_eq!(imports(d), 1, "only the span of a and b stays");
+    assert!(held(slots[3]), "an unpickled message's send not taken stays held");
+    let late = open_held_with(&descs[3], d, &f[3], holds[3], slots[3]);
+    assert_eq!(unsafe { std::slice::from_raw_parts((*late).data as *const u8, 4) }, b"GGGG", "opened later");
+    drop_tensor(late);
+    assert!(!held(slots[3]));
     assert!(held(slots[0]) && held(slots[1]), "the taken ones are their tensors'");
     drop_tensor(ta);
     drop_tensor(tb);
@@ -342,6 +352,21 @@ fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_
     // The refused send's hold stays the caller's (its open never took it).
     assert!(held(slots[2]));
     assert_eq!(gpupool_share_release(holds[2], slots[2]), Status::Ok);
+
+    // A message that failed: every send not taken is let go, opened by the thread or not.
+    let again = [export(big, g).unwrap(), export(a, g).unwrap(), export(b, g).unwrap()];
+    let f2 = [fds(&again[0]), fds(&again[1]), fds(&again[2])];
+    let (batch, _, slots) = open_ahead(&again, &f2, d);
+    let tb = take(batch, 2).unwrap();
+    assert_eq!(unsafe { gpupool_share_end_ahead(batch, 1) }, Status::Ok, "{}", last());
+    assert!(!held(slots[0]), "let go with the failed message");
+    // a was mapped through the span b's tensor keeps (or not at all, if the thread stopped
+    // before it): its hold goes with that span at the latest, as for any tensor gone from
+    // a span that stays.
+    assert!(held(slots[2]), "the one taken is its tensor's");
+    drop_tensor(tb);
+    assert_eq!(imports(d), 0);
+    assert!(!held(slots[1]) && !held(slots[2]));
 
     // Bad input: nothing to write to, arrays missing, no batch.
     let mut out = null_mut();
@@ -368,7 +393,7 @@ fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_
     assert!(out.is_null());
     let mut t = null_mut();
     assert_eq!(unsafe { gpupool_share_take_ahead(null_mut(), 0, &mut t) }, Status::NullArgument);
-    assert_eq!(unsafe { gpupool_share_end_ahead(null_mut()) }, Status::Ok, "ending no batch does nothing");
+    assert_eq!(unsafe { gpupool_share_end_ahead(null_mut(), 0) }, Status::Ok, "ending no batch does nothing");
     // An empty batch ends at once.
     let mut empty = null_mut();
     assert_eq!(
@@ -377,7 +402,7 @@ fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_
         "{}",
         last()
     );
-    assert_eq!(unsafe { gpupool_share_end_ahead(empty) }, Status::Ok);
+    assert_eq!(unsafe { gpupool_share_end_ahead(empty, 1) }, Status::Ok);
     for p in [a, b, big] {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }

@@ -483,16 +483,20 @@ fn an_allocation_of_nothing_takes_no_pools_lock_but_still_checks_the_device() {
     held_rx.recv().unwrap();
     let (waiter_tx, waiter_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        // The default stream: shard 0, the one held.
         let mut p: *mut c_void = 1 as *mut c_void;
         let a = unsafe { gpupool_malloc(&mut p, 0, d, null_mut()) };
-        let mut q: *mut c_void = 1 as *mut c_void;
-        let b = unsafe { gpupool_malloc(&mut q, 0, d, 0x5000 as *mut c_void) };
-        waiter_tx.send((a, p as usize, b, q as usize)).unwrap();
+        waiter_tx.send((a, p as usize)).unwrap();
     });
     let got = waiter_rx.recv_timeout(std::time::Duration::from_secs(30));
     done_tx.send(()).unwrap();
     holder.join().unwrap();
-    assert_eq!(got, Ok((Status::Ok, 0, Status::Ok, 0)), "0 bytes: NULL, without waiting for the pool's lock");
+    assert_eq!(got, Ok((Status::Ok, 0)), "0 bytes: NULL, without waiting for the pool's lock");
+    // Where the pool is not made yet, nothing is answered as the pool would: a bad device,
+    // and a device with no driver here (no pool configured on this id), are refused.
     let mut p: *mut c_void = null_mut();
     assert_eq!(unsafe { gpupool_malloc(&mut p, 0, 4096, null_mut()) }, Status::InvalidDevice, "a bad device is still refused");
+    let (zero, one) = unsafe { (gpupool_malloc(&mut p, 0, 47, null_mut()), gpupool_malloc(&mut p, 1, 47, null_mut())) };
+    assert_ne!(zero, Status::Ok, "device 47 has no pool and no driver here: {}", last());
+    assert_eq!(zero, one, "nothing is refused as something is");
 }

@@ -256,6 +256,8 @@ class _Import:
 
 
 _imports = weakref.WeakValueDictionary()  # (producer, its address, device) -> _Import
+# A block open here already is let go when sent again, not opened ahead (`share._Ahead`).
+_share.opened_here_checks.append(_imports.__contains__)
 
 
 def _open_shared(sent, meta):

@@ -517,7 +517,10 @@ class Received:
         """This process already has the block open (an earlier send): release this send's
         hold at once and close the descriptors."""
         try:
-            managed = _Ahead.take_current(self.sent)
+            try:
+                managed = _Ahead.take_current(self.sent)
+            except GpupoolError:
+                managed = None  # the import made ahead failed, its hold is still this send's
             if managed is not None:
                 delete_dlpack(managed)  # an import made ahead after all: its deleter releases the hold
             else:
@@ -555,11 +558,14 @@ class Received:
 
 _AHEAD_FROM = 2  # sends in a message from which they are listed ahead of it (one has nothing to overlap)
 _ahead_enabled = None
-# Set by a framework route that keeps what it opened (`gpupool.torch`): whether the block
-# with this key (producer, address there, device) may be open here already, so a send of it
-# is not opened ahead (its rebuild lets it go, or opens it).
-opened_here = None
-ahead_counts = {"batches": 0, "opened": 0, "taken": 0, "start_s": 0.0, "take_s": 0.0, "end_s": 0.0}  # what opening ahead did in this process
+# What a framework route that keeps what it opened (`gpupool.torch`, `gpupool.cupy`) adds:
+# whether the block with this key (producer, address there, device) may be open here
+# already, so a send of it is not opened ahead (its rebuild lets it go, or opens it).
+opened_here_checks = []
+# What opening ahead did in this process: batches started, sends listed to their threads,
+# imports taken by rebuilds, and seconds spent starting batches, taking (waiting for)
+# imports and ending batches.
+ahead_counts = {"batches": 0, "listed": 0, "taken": 0, "start_s": 0.0, "take_s": 0.0, "end_s": 0.0}
 
 
 def ahead_enabled():
@@ -595,12 +601,15 @@ def _load_ahead(ident, sends, payload):
     batch = _Ahead.start(ident, sends)
     outer = getattr(_scope, "ahead", None)
     _scope.ahead = batch
+    failed = True
     try:
-        return ForkingPickler.loads(payload)
+        got = ForkingPickler.loads(payload)
+        failed = False
+        return got
     finally:
         _scope.ahead = outer
         if batch is not None:
-            batch.end()
+            batch.end(failed)
 
 
 class _Ahead:
@@ -638,21 +647,24 @@ class _Ahead:
             return None
         seen, index = set(), {}
         descs, lens, devices, slots, fds, counts = [], [], [], [], [], []
-        is_open = opened_here or (lambda key: False)
-        for producer, ptr, device, slot, at, order, desc in sends:
-            key = (producer, ptr, device)
-            if key in seen or is_open(key):
-                continue
-            seen.add(key)
-            before = len(fds)
-            fds.append(here[at[0]])
-            fds += [here[i] for i in at[1:]] if order is None else [here[at[1 + j]] for j in order]
-            counts.append(len(fds) - before)
-            index[(producer, slot)] = len(slots)
-            descs.append(desc)
-            lens.append(len(desc))
-            devices.append(device)
-            slots.append(slot)
+        checks = tuple(opened_here_checks)
+        try:
+            for producer, ptr, device, slot, at, order, desc in sends:
+                key = (producer, ptr, device)
+                if key in seen or any(c(key) for c in checks):
+                    continue
+                seen.add(key)
+                before = len(fds)
+                fds.append(here[at[0]])
+                fds += [here[i] for i in at[1:]] if order is None else [here[at[1 + j]] for j in order]
+                counts.append(len(fds) - before)
+                index[(producer, slot)] = len(slots)
+                descs.append(desc)
+                lens.append(len(desc))
+                devices.append(device)
+                slots.append(slot)
+        except Exception:
+            return None  # a list this receiver cannot read: the rebuilds open their sends
         n = len(slots)
         if n < _AHEAD_FROM:
             return None
@@ -662,7 +674,7 @@ class _Ahead:
                                           (ctypes.c_size_t * n)(*counts), ctypes.byref(handle)) != 0:
             return None
         ahead_counts["batches"] += 1
-        ahead_counts["opened"] += n
+        ahead_counts["listed"] += n
         return _Ahead(handle.value, index)
 
     @staticmethod
@@ -683,11 +695,13 @@ class _Ahead:
             ahead_counts["taken"] += 1
         return out.value
 
-    def end(self):
+    def end(self, failed):
+        """Stop the thread and close what no rebuild took; where the message `failed`, let
+        go of every send not taken (nobody will open them)."""
         handle, self.handle = self.handle, None
         t0 = time.perf_counter()
         if handle is not None:
-            lib().gpupool_share_end_ahead(handle)
+            lib().gpupool_share_end_ahead(handle, 1 if failed else 0)
         ahead_counts["end_s"] += time.perf_counter() - t0
 
 

@@ -143,7 +143,7 @@ _opened = {}  # (producer, its block address, device), or ("native", handle, off
 # Whether the block sent under a key may be open here already: its send is let go, so it
 # is not opened ahead (`share._Ahead`; one whose storage has gone since is opened by its
 # rebuild instead).
-share.opened_here = _opened.__contains__
+share.opened_here_checks.append(_opened.__contains__)
 
 
 def share_cuda_tensors():

@@ -306,6 +306,11 @@ pub(super) unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
     if t.is_null() {
         return;
     }
+    // A fork child has no CUDA and may have been forked while another thread held the
+    // spans' lock (an import made ahead holds it): it closes nothing, and waits for nothing.
+    if crate::process::in_child() {
+        return;
+    }
     let t = Box::from_raw(t.cast::<Imported>());
     let (close, holds) = match t.shared {
         Some(key) => unshare(key, t.hold),
@@ -335,6 +340,17 @@ pub(super) unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
             ));
         }
     }
+}
+
+/// Close an import made ahead that no rebuild took, leaving its send's hold held (the
+/// send may still be opened later, as it would have been): the deleter's work without
+/// this tensor's own hold (holds the span kept for tensors gone before are released).
+pub(super) unsafe fn close_keeping_hold(t: *mut DlManagedTensor) {
+    if t.is_null() {
+        return;
+    }
+    (*t.cast::<Imported>()).hold = None;
+    delete_imported(t);
 }
 
 /// Make `tensor` (a `DLManagedTensor*` from `gpupool_ipc_open_dlpack`, not yet deleted)

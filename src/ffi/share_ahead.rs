@@ -12,13 +12,15 @@
 //!
 //! Each import is exactly the one `gpupool_ipc_open_dlpack` would make, in the message's
 //! order, so what maps through which span is unchanged. The descriptors are this
-//! module's own copies (`dup`), closed once the thread is done, so the caller may close
-//! its own at any time. `gpupool_share_end_ahead` waits for the thread and closes what no
-//! rebuild took, releasing those sends' holds as their tensors' deleters would have.
+//! module's own copies (`dup`), closed when the batch ends, so the caller may close its
+//! own at any time. `gpupool_share_end_ahead` stops and waits for the thread and closes
+//! what no rebuild took. After a message that unpickled, a send no rebuild took keeps its
+//! hold (whoever kept its `Sent` may still open it, as without this module); after one
+//! that failed, nobody will, so every send not taken is let go.
 
 use super::boundary::call;
 use super::ipc::read_descriptor;
-use super::share::{delete_imported, open_imported};
+use super::share::{close_keeping_hold, delete_imported, open_imported};
 use crate::error::Error;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -60,6 +62,11 @@ struct Shared {
 struct Batch {
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Each send's hold (the copy of its holds file's descriptor, its slot), for letting go
+    /// of the sends of a message that failed.
+    holds: Vec<(c_int, u32)>,
+    /// The copies of the caller's descriptors, closed when the batch ends (after the thread).
+    _copies: HashMap<c_int, OwnedFd>,
 }
 
 impl Shared {
@@ -90,7 +97,17 @@ fn copies(numbers: impl Iterator<Item = c_int>) -> crate::error::Result<HashMap<
     Ok(out)
 }
 
-fn run(shared: &Shared, sends: Vec<Send>, _copies: HashMap<c_int, OwnedFd>) {
+fn run(shared: &Shared, sends: Vec<Send>) {
+    /// Marks the thread finished however it leaves (a rebuild waiting for a send must not
+    /// wait for ever).
+    struct Finished<'a>(&'a Shared);
+    impl Drop for Finished<'_> {
+        fn drop(&mut self) {
+            self.0.lock().finished = true;
+            self.0.changed.notify_all();
+        }
+    }
+    let _finished = Finished(shared);
     for (i, s) in sends.into_iter().enumerate() {
         if shared.lock().stop {
             break;
@@ -101,14 +118,9 @@ fn run(shared: &Shared, sends: Vec<Send>, _copies: HashMap<c_int, OwnedFd>) {
             open_imported(&d, s.device, &s.fds, s.holds_fd, s.slot).map(|t| t as usize)
         }))
         .unwrap_or_else(|_| Err(Error::Internal("opening a send ahead panicked".into())));
-        let mut st = shared.lock();
-        st.opened[i] = Opened::Ready(r);
-        drop(st);
+        shared.lock().opened[i] = Opened::Ready(r);
         shared.changed.notify_all();
     }
-    shared.lock().finished = true;
-    shared.changed.notify_all();
-    // The copies of the descriptors close here: every import made is mapped.
 }
 
 /// Start opening `n` sends on a thread of the library. Send `i` is the descriptor of
@@ -149,14 +161,18 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
             if l > crate::upstream::shared::MAX_DESCRIPTOR_BYTES {
                 return Err(Error::InvalidArgument(format!("IPC descriptor: {l} bytes is longer than any descriptor")));
             }
-            total_bytes += l;
+            // Each at most MAX_DESCRIPTOR_BYTES; a count that still overflows is refused.
+            total_bytes = total_bytes.checked_add(l).ok_or_else(|| Error::InvalidArgument("opening sends ahead: descriptor lengths out of range".into()))?;
         }
         let total_fds = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or_else(|| Error::InvalidArgument("opening sends ahead: descriptor counts out of range".into()))?;
         if counts.contains(&0) {
             return Err(Error::InvalidArgument("opening sends ahead: each send needs at least its holds file's entry".into()));
         }
-        if (total_bytes > 0 && descs.is_null()) || (total_fds > 0 && fds.is_null()) {
-            return Err(Error::NullArgument(if descs.is_null() { "descs" } else { "fds" }));
+        if total_bytes > 0 && descs.is_null() {
+            return Err(Error::NullArgument("descs"));
+        }
+        if total_fds > 0 && fds.is_null() {
+            return Err(Error::NullArgument("fds"));
         }
         let bytes = if total_bytes == 0 { &[][..] } else { std::slice::from_raw_parts(descs.cast::<u8>(), total_bytes) };
         let all_fds = if total_fds == 0 { &[][..] } else { std::slice::from_raw_parts(fds, total_fds) };
@@ -180,12 +196,13 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
             state: Mutex::new(State { opened: (0..n).map(|_| Opened::Waiting).collect(), stop: false, finished: false }),
             changed: Condvar::new(),
         });
+        let holds = sends.iter().map(|s| (s.holds_fd, s.slot)).collect();
         let theirs = shared.clone();
         let thread = std::thread::Builder::new()
             .name("gpupool-ahead".into())
-            .spawn(move || run(&theirs, sends, copied))
+            .spawn(move || run(&theirs, sends))
             .map_err(|e| Error::Internal(format!("opening sends ahead: cannot start a thread: {e}")))?;
-        *out_batch = Box::into_raw(Box::new(Batch { shared, thread: Some(thread) })).cast();
+        *out_batch = Box::into_raw(Box::new(Batch { shared, thread: Some(thread), holds, _copies: copied })).cast();
         Ok(())
     })
 }
@@ -222,13 +239,16 @@ pub unsafe extern "C" fn gpupool_share_take_ahead(batch: *mut c_void, i: usize, 
     })
 }
 
-/// End `batch`: the thread opens nothing more and is waited for; what no rebuild took is
-/// closed, its hold released (as its tensor's deleter would), and the batch freed.
+/// End `batch`: the thread opens nothing more and is waited for, what no rebuild took is
+/// closed, and the batch is freed. `failed` 0: the message unpickled, and a send no
+/// rebuild took keeps its hold (whoever kept it may still open it). Otherwise the message
+/// failed and nobody will open its sends: every send not taken is let go (its hold
+/// released), whether or not the thread had opened it.
 ///
 /// # Safety
 /// `batch` from `gpupool_share_open_ahead`, not ended before (NULL: nothing happens).
 #[no_mangle]
-pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void) -> crate::error::Status {
+pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void, failed: c_int) -> crate::error::Status {
     call(|| {
         if batch.is_null() {
             return Ok(());
@@ -238,18 +258,20 @@ pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void) -> crate::e
         if let Some(t) = b.thread.take() {
             let _ = t.join();
         }
-        let left: Vec<usize> = b
-            .shared
-            .lock()
-            .opened
-            .iter_mut()
-            .filter_map(|o| match std::mem::replace(o, Opened::Taken) {
-                Opened::Ready(Ok(t)) => Some(t),
-                _ => None,
-            })
-            .collect();
-        for t in left {
-            delete_imported(t as *mut _);
+        let left: Vec<(usize, Opened)> =
+            b.shared.lock().opened.iter_mut().map(|o| std::mem::replace(o, Opened::Taken)).enumerate().collect();
+        for (i, o) in left {
+            match o {
+                Opened::Ready(Ok(t)) if failed != 0 => delete_imported(t as *mut _),
+                Opened::Ready(Ok(t)) => close_keeping_hold(t as *mut _),
+                Opened::Waiting | Opened::Ready(Err(_)) if failed != 0 => {
+                    let (fd, slot) = b.holds[i];
+                    if fd >= 0 {
+                        let _ = crate::holds::map_theirs(fd).and_then(|id| crate::holds::release(id, slot));
+                    }
+                }
+                _ => {}
+            }
         }
         Ok(())
     })

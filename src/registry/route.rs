@@ -46,6 +46,11 @@ pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
     Ok(s.streams.shard_of(stream, n))
 }
 
+/// Whether `device`'s pool is made (read without a lock).
+pub fn pool_made(device: i32) -> bool {
+    device >= 0 && (device as usize) < MAX_DEVICES && SLOTS[device as usize].stream_shards.load(Ordering::Acquire) != NOT_MADE
+}
+
 /// The shard that serves `stream` if that stream ever allocated on `device` (no pool made,
 /// nothing placed): where a free on `stream` looks first.
 pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {

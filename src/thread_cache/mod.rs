@@ -313,10 +313,17 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
 }
 
-/// An allocation of nothing: NULL, for a valid device, with no pool's lock taken (a
-/// framework makes empty tensors, each an allocation of 0 bytes, while another thread may
-/// hold the pool for long driver work: an import made ahead, `ffi::share_ahead`).
+/// An allocation of nothing: NULL, with no pool's lock taken once the device's pool is
+/// made (a framework makes empty tensors, each an allocation of 0 bytes, while another
+/// thread may hold the pool for long driver work: an import made ahead,
+/// `ffi::share_ahead`). A pool that stopped after an internal error answers so too: it
+/// hands out no memory. A fork child, and a device whose pool is not made yet, go the
+/// pool's way, which says what is wrong (no driver, a bad device, the fork).
 fn empty(device: i32, stream: usize) -> Result<usize> {
+    if crate::process::in_child() || !registry::pool_made(device) {
+        let shard = registry::shard_for(device, stream)?;
+        return registry::allocate(device, shard, stream, |pool| pool.malloc(0, stream));
+    }
     route(device, stream)?;
     Ok(0)
 }

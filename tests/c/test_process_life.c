@@ -88,13 +88,15 @@ int main(void) {
     if (pid == 0) {
       close(fds[0]);
       alarm(20); /* a hang is killed by SIGALRM: the parent reads no answer */
-      void *p = NULL;
+      void *p = NULL, *none = NULL;
       gpupool_status a = gpupool_malloc(&p, 4096, DEV, NULL);
+      gpupool_status z = gpupool_malloc(&none, 0, DEV, NULL); /* nothing: refused all the same */
       gpupool_status f = gpupool_free(keep, DEV, NULL);
       char msg[512];
       gpupool_last_error(msg, sizeof msg);
-      int good = a == GPUPOOL_STATUS_STOPPED && f == GPUPOOL_STATUS_STOPPED && p == NULL && strstr(msg, "fork") != NULL;
-      if (!good) fprintf(stderr, "child: malloc %d free %d: %s\n", (int)a, (int)f, msg);
+      int good = a == GPUPOOL_STATUS_STOPPED && z == GPUPOOL_STATUS_STOPPED && f == GPUPOOL_STATUS_STOPPED && p == NULL &&
+                 strstr(msg, "fork") != NULL;
+      if (!good) fprintf(stderr, "child: malloc %d malloc(0) %d free %d: %s\n", (int)a, (int)z, (int)f, msg);
       char answer = good ? 'Y' : 'N';
       if (write(fds[1], &answer, 1) != 1) _exit(3);
       _exit(0);

@@ -336,6 +336,44 @@ def test_a_message_inside_a_message_that_fails_to_unpickle_leaves_no_descriptor_
 
 
 AHEAD_CHILD = BOOM_CHILD + """
+def consume_later(inq, outq):
+    # Sends received unopened (`LazyRaw`), opened only after the message, as a route that
+    # keeps its sends may: they must still be held, and read as sent.
+    gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()
+    sents = inq.get()
+    outq.put("received")
+    assert inq.get() == "open"
+    got = []
+    for s in sents:
+        m = gpupool.share.Received(s).open_dlpack(0)
+        got.append(ctypes.string_at(gpupool.share.dlpack_data(m), 4))
+        gpupool.share.delete_dlpack(m)
+    outq.put(got)
+
+def consume_known(inq, outq):
+    # The first message's block stays open here; a later send of it is let go by its
+    # rebuild, and the route says it is open (as the torch and CuPy routes do), so it is
+    # not opened ahead.
+    gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()
+    mine = {}
+    gpupool.share.opened_here_checks.append(mine.__contains__)
+    first = inq.get()[0]
+    mine[(first.producer, first.ptr, first.device)] = gpupool.share.Received(first).open_dlpack(0)
+    outq.put("kept")
+    for s in inq.get():
+        r = gpupool.share.Received(s)
+        if (s.producer, s.ptr, s.device) in mine:
+            r.let_go()
+        else:
+            gpupool.share.delete_dlpack(r.open_dlpack(0))
+    outq.put(gpupool.share.ahead_counts["listed"])
+    assert inq.get() == "stop"
+    for m in mine.values():
+        gpupool.share.delete_dlpack(m)
+    outq.put("stopped")
+
 def consume_ahead(inq, outq):
     gpupool.configure(0, pool="arena", upstream="host")
     gpupool.share.route_multiprocessing()
@@ -345,7 +383,7 @@ def consume_ahead(inq, outq):
     except ValueError as e:
         outq.put(str(e))
     now = open_fds()
-    counts = {k: gpupool.share.ahead_counts[k] for k in ("batches", "opened", "taken")}
+    counts = {k: gpupool.share.ahead_counts[k] for k in ("batches", "listed", "taken")}
     outq.put((counts, gpupool.stats_json(0).get("ipc_imports"), len(gpupool.share._received),
               now[0] - before[0] + max(0, now[1] - before[1] - 1)))
 """
@@ -392,15 +430,71 @@ def test_a_messages_sends_are_opened_ahead_while_it_is_unpickled_on_host(library
     got, (counts, imports, handovers, fds), held = _ahead(
         tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs] + [ahead_child.Lazy(ptrs[0], 4)]")
     assert got == [b"blk" + bytes([48 + i]) for i in range(6)] + [b"blk0"], got
-    assert counts == {"batches": 1, "opened": 6, "taken": 6}, counts
+    assert counts == {"batches": 1, "listed": 6, "taken": 6}, counts
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
+def _ahead_script(tmp_path, body):
+    (tmp_path / "ahead_child.py").write_text(textwrap.dedent(AHEAD_CHILD))
+    head = textwrap.dedent("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import ahead_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        gpupool.share.route_multiprocessing()
+        L = gpupool.lib()
+        ptrs = []
+        for i in range(3):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), (i + 1) << 20, 0, None) == 0
+            ctypes.memmove(p, b"blk" + bytes([48 + i]), 4)
+            ptrs.append(p.value)
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+    """)
+    out = ok(run_py(head + textwrap.dedent(body) + 'print("ok")\n', env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    assert "ok" in out
+
+
+def test_sends_a_message_carries_unopened_stay_held_for_a_later_open_on_host(library, tmp_path):
+    # Listed ahead but not opened while the message unpickled: the end of the message
+    # closes what the thread opened and keeps the sends held; opened later, they read as
+    # sent, and only then are let go.
+    _ahead_script(tmp_path, """
+        child = ctx.Process(target=ahead_child.consume_later, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put([ahead_child.LazyRaw(p, 4) for p in ptrs])
+        assert outq.get(timeout=60) == "received"
+        assert gpupool.share.collect() == 3, "held while the consumer keeps the sends"
+        inq.put("open")
+        assert outq.get(timeout=60) == [b"blk0", b"blk1", b"blk2"]
+        child.join(60)
+        assert child.exitcode == 0
+        assert gpupool.share.collect() == 0, "let go once opened and closed"
+    """)
+
+
+def test_a_block_open_here_already_is_not_opened_ahead_and_its_send_is_let_go_on_host(library, tmp_path):
+    _ahead_script(tmp_path, """
+        child = ctx.Process(target=ahead_child.consume_known, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put([ahead_child.LazyRaw(ptrs[0], 4)])
+        assert outq.get(timeout=60) == "kept"
+        inq.put([ahead_child.LazyRaw(ptrs[0], 4), ahead_child.LazyRaw(ptrs[1], 4), ahead_child.LazyRaw(ptrs[2], 4)])
+        assert outq.get(timeout=60) == 2, "the block open here was not listed to the thread"
+        assert gpupool.share.collect() == 1, "only the first send is held: the second was let go at once"
+        inq.put("stop")
+        assert outq.get(timeout=60) == "stopped"
+        child.join(60)
+        assert gpupool.share.collect() == 0
+    """)
 
 
 def test_sends_are_not_opened_ahead_where_turned_off_on_host(library, tmp_path):
     got, (counts, imports, handovers, fds), held = _ahead(
         tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs]", env={"GPUPOOL_SHARE_AHEAD": "0"})
     assert got == [b"blk" + bytes([48 + i]) for i in range(6)], got
-    assert counts == {"batches": 0, "opened": 0, "taken": 0}, counts
+    assert counts == {"batches": 0, "listed": 0, "taken": 0}, counts
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
 
 
@@ -418,13 +512,14 @@ def test_a_malformed_share_ahead_setting_is_refused_saying_so(library):
 
 
 def test_sends_opened_ahead_of_a_message_that_fails_to_unpickle_are_closed_and_let_go_on_host(library, tmp_path):
-    # Two sends taken, then a rebuild that raises, then four sends opened ahead that no
-    # rebuild takes: they are closed, and their holds released, with the message.
+    # Two sends taken, then a rebuild that raises, then four sends listed that no rebuild
+    # takes: whether or not the thread opened them, they are closed and let go with the
+    # message (nobody will open them).
     got, (counts, imports, handovers, fds), held = _ahead(
         tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs[:2]] + [ahead_child.Boom()] + "
                   "[ahead_child.Lazy(p, 4) for p in ptrs[2:]]")
     assert got == "boom", got
-    assert counts["batches"] == 1 and counts["opened"] == 6 and counts["taken"] == 2, counts
+    assert counts["batches"] == 1 and counts["listed"] == 6 and counts["taken"] == 2, counts
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
 
 
