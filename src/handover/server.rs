@@ -6,8 +6,10 @@
 //! process the size of a CUDA program's, paid by the taker's first handover; a request is a
 //! lookup and a few `sendmsg`. What keeps one misbehaving peer of the same user (others are
 //! refused) from holding it: a request must arrive whole within `REQUEST_DEADLINE`, and
-//! an answer's writes time out likewise; at most `MAX_TAKERS` connections are kept; a
-//! failing `accept` (the open-file limit) pauses the listener instead of spinning. Signals
+//! an answer's writes time out likewise; at most `MAX_TAKERS` connections are kept (a new
+//! taker beyond them closes the one idle longest, whose taker connects anew when it next
+//! asks: no taker is turned away); a failing `accept` (the open-file limit) pauses the
+//! listener instead of spinning. Signals
 //! are blocked in the thread (a handler without `SA_RESTART`, as CPython installs them,
 //! would interrupt its calls). If the thread ends anyway, `name()` says so and no new
 //! handover is offered through it (the Python route falls back to multiprocessing's
@@ -112,8 +114,18 @@ fn set_fds(listener: &UnixListener, takers: &[UnixStream]) {
     fds.extend(all.filter_map(|fd| Some((fd, FileId::of(fd).ok()?))));
 }
 
+/// The kept connection idle longest (`takers` and `used` side by side): what a new taker
+/// beyond `MAX_TAKERS` replaces. The thread serves one request at a time, so no kept
+/// connection is midway through an answer here; a request its taker wrote but this thread
+/// has not read goes unanswered, and the taker sends it again on a new connection.
+fn idle_longest(used: &[Instant]) -> usize {
+    used.iter().enumerate().min_by_key(|(_, t)| **t).map_or(0, |(i, _)| i)
+}
+
 fn serve(listener: UnixListener) {
     let mut takers: Vec<UnixStream> = Vec::new();
+    // When each kept connection last brought a request (or was accepted).
+    let mut used: Vec<Instant> = Vec::new();
     let mut listener_rests_until: Option<Instant> = None;
     loop {
         let listening = listener_rests_until.map_or(true, |t| Instant::now() >= t);
@@ -135,16 +147,20 @@ fn serve(listener: UnixListener) {
         // Answer, and drop takers that hung up or misbehaved: off the list first, closed
         // after (see `SERVER_FDS`).
         let mut keep = Vec::with_capacity(takers.len());
+        let mut keep_used = Vec::with_capacity(takers.len());
         let mut gone_takers = Vec::new();
-        for (mut t, &(readable, gone)) in takers.drain(..).zip(taker_ready) {
+        let now = Instant::now();
+        for ((mut t, last), &(readable, gone)) in takers.drain(..).zip(used.drain(..)).zip(taker_ready) {
             let ok = if readable { answer(&mut t).is_ok() } else { !gone };
             if ok {
                 keep.push(t);
+                keep_used.push(if readable { now } else { last });
             } else {
                 gone_takers.push(t);
             }
         }
         takers = keep;
+        used = keep_used;
         if !gone_takers.is_empty() {
             set_fds(&listener, &takers);
             drop(gone_takers);
@@ -157,13 +173,16 @@ fn serve(listener: UnixListener) {
             loop {
                 match listener.accept() {
                     Ok((t, _)) => {
-                        if takers.len() < MAX_TAKERS
-                            && same_user(&t)
-                            && t.set_nonblocking(false).is_ok()
-                            && t.set_write_timeout(Some(REQUEST_DEADLINE)).is_ok()
-                        {
+                        if same_user(&t) && t.set_nonblocking(false).is_ok() && t.set_write_timeout(Some(REQUEST_DEADLINE)).is_ok() {
+                            let evicted = (takers.len() >= MAX_TAKERS).then(|| {
+                                let i = idle_longest(&used);
+                                used.swap_remove(i);
+                                takers.swap_remove(i)
+                            });
                             takers.push(t);
+                            used.push(Instant::now());
                             set_fds(&listener, &takers);
+                            drop(evicted); // closed once off the list (see `SERVER_FDS`)
                         }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,

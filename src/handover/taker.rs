@@ -6,7 +6,9 @@
 //! answer. The sender is checked to be this user (or root) when connecting: an abstract name
 //! can be bound by anyone once its owner is gone. Connections to senders that hung up are
 //! dropped when a new one is made, and a request that cannot be written on a kept
-//! connection (the sender closed its side: it reached nothing) goes once more on a new one.
+//! connection, or that the sender closed without answering at all (it closes the
+//! connection idle longest when it has too many: it reached nothing), goes once more on a
+//! new one.
 
 use super::{wire, KEY_BYTES};
 use crate::error::Error;
@@ -144,7 +146,16 @@ fn forget(name: &[u8], conn: &Kept) {
 
 fn exchange(stream: &mut UnixStream, key: &[u8; KEY_BYTES]) -> std::result::Result<(Vec<OwnedFd>, u32), Exchange> {
     crate::socket::send_all(stream, key).map_err(Exchange::NotSent)?;
-    let (status, count, sends) = wire::read_header(stream).map_err(Exchange::Broken)?;
+    let (status, count, sends) = wire::read_header(stream).map_err(|e| {
+        // Closed with no byte of an answer: the sender dropped this connection (it keeps
+        // at most so many, closing the one idle longest) without reading the request, which
+        // it answers whole once read. Nothing was taken: worth the one retry.
+        if e.kind() == std::io::ErrorKind::UnexpectedEof && wire::nothing_read(&e) {
+            Exchange::NotSent(e)
+        } else {
+            Exchange::Broken(e)
+        }
+    })?;
     match status {
         wire::FOUND => {}
         wire::UNKNOWN => return Err(Exchange::Unknown),

@@ -28,12 +28,34 @@ pub fn write_header(conn: &UnixStream, status: u32, count: u32, sends: u32) -> s
     crate::socket::send_all(conn, &b)
 }
 
-/// `(status, count, sends)`.
+/// What `read_header` says of a connection closed before any byte of the answer.
+const NOTHING_READ: &str = "the connection closed before any answer";
+
+/// `(status, count, sends)`. A connection closed (or reset) before the first byte is an
+/// `UnexpectedEof` that `nothing_read` recognises; one closed midway, a plain one.
 pub fn read_header(conn: &mut UnixStream) -> std::io::Result<(u32, u32, u32)> {
     let mut b = [0u8; 12];
-    conn.read_exact(&mut b)?; // retries EINTR itself
+    let mut got = 0;
+    while got < b.len() {
+        match conn.read(&mut b[got..]) {
+            Ok(0) if got == 0 => return Err(std::io::Error::new(ErrorKind::UnexpectedEof, NOTHING_READ)),
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            // The sender closed with the request unread in its queue: the kernel says reset.
+            Err(e) if e.kind() == ErrorKind::ConnectionReset && got == 0 => {
+                return Err(std::io::Error::new(ErrorKind::UnexpectedEof, NOTHING_READ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
     let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
     Ok((word(0), word(4), word(8)))
+}
+
+/// Whether `e` (from `read_header`) is a connection closed before any byte of the answer.
+pub fn nothing_read(e: &std::io::Error) -> bool {
+    e.kind() == ErrorKind::UnexpectedEof && e.get_ref().is_some_and(|m| m.to_string() == NOTHING_READ)
 }
 
 /// Fill `buf` from `conn` by `deadline` (a peer that trickles bytes does not extend it).
