@@ -532,7 +532,13 @@ class Received:
         """Map the block on `device`; returns a `DLManagedTensor*` (an int) whose deleter
         closes the mapping and releases the hold. The descriptors are closed either way."""
         try:
-            managed = _Ahead.take_current(self.sent)
+            try:
+                managed = _Ahead.take_current(self.sent)
+            except GpupoolError:
+                # The import made ahead failed, as this open would have: its hold is still
+                # this send's, and nobody else will release it.
+                lib().gpupool_share_release(self.fds[0], self.sent.slot)
+                raise
             if managed is not None:
                 return managed
             uniq = self.fds[1:]
@@ -598,11 +604,10 @@ class _ListedAhead:
 
 def _load_ahead(ident, sends, payload):
     from multiprocessing.reduction import ForkingPickler
-    batch = _Ahead.start(ident, sends)
     outer = getattr(_scope, "ahead", None)
-    _scope.ahead = batch
-    failed = True
+    batch, failed = None, True
     try:
+        batch = _scope.ahead = _Ahead.start(ident, sends)
         got = ForkingPickler.loads(payload)
         failed = False
         return got
@@ -618,8 +623,10 @@ class _Ahead:
     `Received.open_dlpack` would make, in the message's order; a rebuild takes it
     (`take_current`), and what none took is closed at the end, its hold released."""
 
-    def __init__(self, handle, index):
-        self.handle, self.index = handle, index
+    def __init__(self, handle, index, others):
+        # The library's batch (None: nothing opened ahead), the index in it of each send it
+        # opens, and the holds descriptor of each listed send it does not, by (producer, slot).
+        self.handle, self.index, self.others = handle, index, others
 
     @staticmethod
     def start(ident, sends):
@@ -631,9 +638,10 @@ class _Ahead:
 
     @staticmethod
     def _start(ident, sends):
-        """The batch opening `sends` (`_ListedAhead`; those not open here already, each
-        block once), or None where there is nothing to overlap or it cannot start (the
-        rebuilds open their sends themselves then, and say what is wrong)."""
+        """The batch for `sends` (`_ListedAhead`): those not open here already, each block
+        once, opened on the library's thread, the rest kept to be let go should the message
+        fail; or None where it cannot start (the rebuilds open their sends themselves then,
+        and say what is wrong)."""
         try:
             if not ahead_enabled() or len(sends) < _AHEAD_FROM:
                 return None
@@ -645,13 +653,15 @@ class _Ahead:
             here = got.peek(None)
         except Exception:
             return None
-        seen, index = set(), {}
+        seen, index, others = set(), {}, {}
         descs, lens, devices, slots, fds, counts = [], [], [], [], [], []
         checks = tuple(opened_here_checks)
         try:
             for producer, ptr, device, slot, at, order, desc in sends:
                 key = (producer, ptr, device)
                 if key in seen or any(c(key) for c in checks):
+                    # Let go by its rebuild (or opened there); let go here if the message fails first.
+                    others[(producer, slot)] = here[at[0]]
                     continue
                 seen.add(key)
                 before = len(fds)
@@ -663,29 +673,37 @@ class _Ahead:
                 lens.append(len(desc))
                 devices.append(device)
                 slots.append(slot)
+            n = len(slots)
+            args = (n, b"".join(descs), (ctypes.c_size_t * n)(*lens), (ctypes.c_int * n)(*devices),
+                    (ctypes.c_uint32 * n)(*slots), (ctypes.c_int * len(fds))(*fds), (ctypes.c_size_t * n)(*counts))
         except Exception:
             return None  # a list this receiver cannot read: the rebuilds open their sends
-        n = len(slots)
-        if n < _AHEAD_FROM:
-            return None
+        batch = _Ahead(None, {}, others)
         handle = ctypes.c_void_p()
-        if lib().gpupool_share_open_ahead(n, b"".join(descs), (ctypes.c_size_t * n)(*lens), (ctypes.c_int * n)(*devices),
-                                          (ctypes.c_uint32 * n)(*slots), (ctypes.c_int * len(fds))(*fds),
-                                          (ctypes.c_size_t * n)(*counts), ctypes.byref(handle)) != 0:
-            return None
+        if n < _AHEAD_FROM or lib().gpupool_share_open_ahead(*args, ctypes.byref(handle)) != 0:
+            # Nothing to overlap, or no thread: the rebuilds open them, and the end lets go
+            # of what none took. (Each send's entries start with its holds descriptor.)
+            starts = [0]
+            for c in counts:
+                starts.append(starts[-1] + c)
+            batch.others.update({k: fds[starts[i]] for k, i in index.items()})
+            return batch
+        batch.handle, batch.index = handle.value, index
         ahead_counts["batches"] += 1
         ahead_counts["listed"] += n
-        return _Ahead(handle.value, index)
+        return batch
 
     @staticmethod
     def take_current(sent):
         """`sent`'s import made ahead in the message being unpickled on this thread (a
-        `DLManagedTensor*`, now the caller's), or None: open it as usual."""
+        `DLManagedTensor*`, now the caller's), or None: open it (or let it go) as usual."""
         batch = getattr(_scope, "ahead", None)
-        if batch is None or batch.handle is None:
+        if batch is None:
             return None
-        i = batch.index.pop((sent.producer, sent.slot), None)
-        if i is None:
+        key = (sent.producer, sent.slot)
+        batch.others.pop(key, None)  # its rebuild deals with it
+        i = batch.index.pop(key, None)
+        if i is None or batch.handle is None:
             return None
         out = ctypes.c_void_p()
         t0 = time.perf_counter()
@@ -697,11 +715,15 @@ class _Ahead:
 
     def end(self, failed):
         """Stop the thread and close what no rebuild took; where the message `failed`, let
-        go of every send not taken (nobody will open them)."""
+        go of every listed send no rebuild took (nobody will open them)."""
         handle, self.handle = self.handle, None
         t0 = time.perf_counter()
         if handle is not None:
             lib().gpupool_share_end_ahead(handle, 1 if failed else 0)
+        others, self.others = self.others, {}
+        if failed:
+            for (_, slot), holds_fd in others.items():
+                lib().gpupool_share_release(holds_fd, slot)
         ahead_counts["end_s"] += time.perf_counter() - t0
 
 

@@ -150,7 +150,9 @@ struct SharedSpan {
 /// allocations, alive and at the same address in the exporter for as long as the span is
 /// mapped here: a tensor that goes while others keep its span keeps its hold until the
 /// span closes (else the exporter could free that block and release or reuse memory the
-/// span still shows here). What a span keeps this way lies in its allocations, so it is
+/// span still shows here). (An import made ahead that no rebuild took closes without its
+/// hold, which stays with its send: no tensor here used it, and `covering` maps nothing
+/// new through an allocation no held tensor lies in.) What a span keeps this way lies in its allocations, so it is
 /// bounded by what the span maps. Without holds (the raw C route) nothing keeps the exporter's
 /// blocks: there a block shares only a span of exactly its own allocations, whose mapping
 /// goes with the last tensor over them. And a block is mapped through

@@ -513,11 +513,12 @@ def test_a_malformed_share_ahead_setting_is_refused_saying_so(library):
 
 def test_sends_opened_ahead_of_a_message_that_fails_to_unpickle_are_closed_and_let_go_on_host(library, tmp_path):
     # Two sends taken, then a rebuild that raises, then four sends listed that no rebuild
-    # takes: whether or not the thread opened them, they are closed and let go with the
-    # message (nobody will open them).
+    # takes and a second send of the first block (listed, not opened ahead): whether or not
+    # the thread opened them, they are closed and let go with the message (nobody will
+    # open them).
     got, (counts, imports, handovers, fds), held = _ahead(
         tmp_path, "[ahead_child.Lazy(p, 4) for p in ptrs[:2]] + [ahead_child.Boom()] + "
-                  "[ahead_child.Lazy(p, 4) for p in ptrs[2:]]")
+                  "[ahead_child.Lazy(p, 4) for p in ptrs[2:]] + [ahead_child.Lazy(ptrs[0], 4)]")
     assert got == "boom", got
     assert counts["batches"] == 1 and counts["listed"] == 6 and counts["taken"] == 2, counts
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
