@@ -75,8 +75,7 @@ impl Shared {
     }
 }
 
-/// Copies of `fds` (each number once), close-on-exec, and the numbers of each in `fds`'
-/// place.
+/// A close-on-exec copy of each of `numbers` (each number once), by the caller's number.
 fn copies(numbers: impl Iterator<Item = c_int>) -> crate::error::Result<HashMap<c_int, OwnedFd>> {
     let mut out = HashMap::new();
     for n in numbers {
