@@ -389,13 +389,11 @@ def consume_ahead(inq, outq):
 """
 
 
-def _ahead(tmp_path, message, env=None):
-    """Send `message` (an expression over `ahead_child` and `ptrs`, six blocks whose first
-    four bytes say which) to a consumer; returns what it unpickled (or the error's text),
-    then its opening-ahead counts and imports, handovers and descriptors left open, and
-    the sends the producer still finds held."""
+def _ahead_producer(tmp_path, sizes):
+    """A producer's script so far: `ahead_child` importable, blocks of `sizes` at `ptrs`
+    whose first four bytes say which, and a spawn context's queues `inq` and `outq`."""
     (tmp_path / "ahead_child.py").write_text(textwrap.dedent(AHEAD_CHILD))
-    out = ok(run_py(f"""
+    return textwrap.dedent(f"""
         import ctypes, multiprocessing, os, sys, gpupool
         sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
         import ahead_child
@@ -403,15 +401,25 @@ def _ahead(tmp_path, message, env=None):
         gpupool.share.route_multiprocessing()
         L = gpupool.lib()
         ptrs = []
-        # Small blocks in one granule, one of several granules, one that starts in the
-        # granule another ends in.
-        for i, n in enumerate([256, 4096, 3 << 20, 1 << 20, 5 << 20, 512]):
+        for i, n in enumerate({sizes!r}):
             p = ctypes.c_void_p()
             assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
             ctypes.memmove(p, b"blk" + bytes([48 + i]), 4)
             ptrs.append(p.value)
         ctx = multiprocessing.get_context("spawn")
         inq, outq = ctx.Queue(), ctx.Queue()
+    """)
+
+
+def _ahead(tmp_path, message, env=None):
+    """Send `message` (an expression over `ahead_child` and `ptrs`, six blocks) to a
+    consumer; returns what it unpickled (or the error's text), then its opening-ahead
+    counts and imports, handovers and descriptors left open, and the sends the producer
+    still finds held."""
+    # Small blocks in one granule, one of several granules, one that starts in the
+    # granule another ends in.
+    head = _ahead_producer(tmp_path, [256, 4096, 3 << 20, 1 << 20, 5 << 20, 512])
+    out = ok(run_py(head + textwrap.dedent(f"""
         child = ctx.Process(target=ahead_child.consume_ahead, args=(inq, outq), daemon=True)
         child.start()
         inq.put({message})
@@ -419,7 +427,7 @@ def _ahead(tmp_path, message, env=None):
         child.join(60)
         assert child.exitcode == 0, child.exitcode
         print(repr((got, after, gpupool.share.collect())))
-    """, env={"PYTHONPATH_EXTRA": str(tmp_path), **(env or {})}, timeout=180))
+    """), env={"PYTHONPATH_EXTRA": str(tmp_path), **(env or {})}, timeout=180))
     return eval(out.strip().splitlines()[-1])
 
 
@@ -435,23 +443,7 @@ def test_a_messages_sends_are_opened_ahead_while_it_is_unpickled_on_host(library
 
 
 def _ahead_script(tmp_path, body):
-    (tmp_path / "ahead_child.py").write_text(textwrap.dedent(AHEAD_CHILD))
-    head = textwrap.dedent("""
-        import ctypes, multiprocessing, os, sys, gpupool
-        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
-        import ahead_child
-        gpupool.configure(0, pool="arena", upstream="host")
-        gpupool.share.route_multiprocessing()
-        L = gpupool.lib()
-        ptrs = []
-        for i in range(3):
-            p = ctypes.c_void_p()
-            assert L.gpupool_malloc(ctypes.byref(p), (i + 1) << 20, 0, None) == 0
-            ctypes.memmove(p, b"blk" + bytes([48 + i]), 4)
-            ptrs.append(p.value)
-        ctx = multiprocessing.get_context("spawn")
-        inq, outq = ctx.Queue(), ctx.Queue()
-    """)
+    head = _ahead_producer(tmp_path, [1 << 20, 2 << 20, 3 << 20])
     out = ok(run_py(head + textwrap.dedent(body) + 'print("ok")\n', env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
     assert "ok" in out
 
