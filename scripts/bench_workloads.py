@@ -23,7 +23,8 @@ through rmm_torch_allocator), split / arena (gpupool with GPUPOOL_POOL=split / a
 GPUPOOL_LIBRARY names the library).
 
 Environment: BENCH_STEPS overrides the number of measured steps (serving: measured decoding
-iterations, the run stops there); BENCH_QUICK=1 makes every workload tiny (smoke run);
+iterations, the run stops there); BENCH_QUICK=1 makes every workload tiny (smoke run); BENCH_SEED=N
+draws other shapes, sizes and arrivals (0, the default: the recorded ones);
 BENCH_RMM_INITIAL_POOL sets RMM's initial pool size (default: RMM's own, half the free
 device memory, which then counts as reserved).
 

@@ -9,6 +9,7 @@ is handed in), so --help works without it.
 """
 import collections
 import math
+import os
 import random
 
 
@@ -82,11 +83,17 @@ def build_model(torch, vocab, d, layers, heads):
 
 # --------------------------------------------------------------------------- workloads
 
+# BENCH_SEED shifts every workload's random draws (shapes, sizes, arrivals, data): 0, the
+# default, gives the sequences the recorded results were measured on; others give new
+# sequences of the same kind, to test a policy on more than one draw (docs/arena.md).
+SEED = int(os.environ.get("BENCH_SEED", "0"))
+
+
 def training(torch, rec, c, steps):
     F = torch.nn.functional
     model = build_model(torch, c["vocab"], c["d"], c["layers"], c["heads"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-    rng, gen = random.Random(42), torch.Generator().manual_seed(42)
+    rng, gen = random.Random(42 + SEED), torch.Generator().manual_seed(42 + SEED)
     losses, total = [], c["warmup"] + steps
     for i in range(total):
         if i == c["warmup"]:
@@ -113,7 +120,7 @@ def tokens(torch, rec, c, steps):
     F = torch.nn.functional
     model = build_model(torch, c["vocab"], c["d"], c["layers"], c["heads"])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-    rng, gen = random.Random(4242), torch.Generator().manual_seed(4242)
+    rng, gen = random.Random(4242 + SEED), torch.Generator().manual_seed(4242 + SEED)
     losses, total = [], c["warmup"] + steps
     for i in range(total):
         if i == c["warmup"]:
@@ -137,7 +144,7 @@ def tokens(torch, rec, c, steps):
 
 def serving(torch, rec, c, steps):
     model = build_model(torch, c["vocab"], c["d"], c["layers"], c["heads"]).eval()
-    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    rng, gen = random.Random(7 + SEED), torch.Generator().manual_seed(7 + SEED)
     arrivals, t = collections.deque(), 0.0
     for _ in range(c["requests"]):  # arrival time (in iterations), prompt length, tokens to generate
         t += rng.expovariate(1.0 / c["mean_gap"])
@@ -185,7 +192,7 @@ def serving(torch, rec, c, steps):
 
 
 def churn(torch, rec, c, steps):
-    rng, lo, hi = random.Random(1234), math.log(c["lo"]), math.log(c["hi"])
+    rng, lo, hi = random.Random(1234 + SEED), math.log(c["lo"]), math.log(c["hi"])
     allocated = 0
 
     def alloc():
