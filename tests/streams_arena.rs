@@ -50,7 +50,7 @@ fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waitin
     p.free(x, A).unwrap();
     log(&dev);
     let reserved = p.stats().total_bytes;
-    let s = p.malloc(MIB, B).unwrap();
+    let s = p.malloc(MIB / 2, B).unwrap();
     assert_eq!(p.stats().total_bytes, reserved, "no new memory");
     let l = log(&dev);
     let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("B waited for A: {l:?}"));
@@ -64,7 +64,7 @@ fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waitin
     let x = p.malloc(2 * MIB, A).unwrap();
     p.free(x, A).unwrap();
     let reserved = p.stats().total_bytes;
-    let s = p.malloc(MIB, B).unwrap();
+    let s = p.malloc(MIB / 2, B).unwrap();
     assert!(p.stats().total_bytes > reserved, "A's pending granule was lent to B");
     assert!(!log(&dev).iter().any(|x| x.starts_with("alias")));
     p.free(s, B).unwrap();
@@ -73,20 +73,20 @@ fn arena_lends_another_streams_free_granule_to_the_other_range_only_after_waitin
 
 #[test]
 fn the_rest_of_a_lent_granule_goes_to_a_third_stream_only_after_waiting() {
-    // B's small block takes half of a granule lent from A's free large one (B waited on A);
-    // the other half is booked free on B. C taking it must wait on an event B recorded after
+    // B's small block takes a quarter of a granule lent from A's free large one (B waited on
+    // A); the rest is booked free on B. C taking it must wait on an event B recorded after
     // that wait, or it could use memory A's kernels still touch.
     let (mut p, dev) = pool(PoolKind::Arena, false);
     let x = p.malloc(2 * MIB, A).unwrap();
     p.free(x, A).unwrap();
-    let s = p.malloc(MIB, B).unwrap();
+    let s = p.malloc(MIB / 2, B).unwrap();
     assert_eq!(p.arena_counters().unwrap().granules_lent, 1);
     let l = log(&dev);
     let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("{l:?}"));
     let rec = l.iter().rposition(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).unwrap_or_else(|| panic!("B recorded after the loan: {l:?}"));
     assert!(wait < rec, "{l:?}");
     let reserved = p.stats().total_bytes;
-    let t = p.malloc(MIB, C).unwrap();
+    let t = p.malloc(MIB / 2, C).unwrap();
     assert_eq!(p.stats().total_bytes, reserved, "C took the rest of the lent granule");
     let l = log(&dev);
     assert!(l.iter().any(|x| x.starts_with(&format!("wait {C:#x}"))), "C did not wait: {l:?}");
@@ -104,7 +104,7 @@ fn a_loan_ended_under_pressure_gives_its_home_back_only_after_its_users_work() {
     let up = BusyUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
     let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, event_batch: 1, arena_lend: true, ..Default::default() };
     let mut p = Pool::new(0, Box::new(up), &opts).unwrap();
-    let smalls: Vec<usize> = (0..4).map(|_| p.malloc(512 * 1024, A).unwrap()).collect();
+    let smalls: Vec<usize> = (0..4).map(|_| p.malloc(MIB / 2, A).unwrap()).collect();
     for s in smalls {
         p.free(s, A).unwrap();
     }

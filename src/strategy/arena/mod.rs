@@ -1,7 +1,7 @@
 //! `arena`: a pool that does not fragment, built on the virtual memory management API.
 //!
 //! Each device reserves large address ranges up front (`space.rs`): one for small requests
-//! (<= 1 MiB, so their long-lived crumbs never pin the granules large tensors need), one
+//! (<= 512 KiB, so their long-lived crumbs never pin the granules large tensors need), one
 //! for the rest, and one for stitches. Physical memory is mapped into them granule by
 //! granule (2 MiB on current GPUs) only where blocks need it; a long growth of the large
 //! range is mapped as a few chunks of many granules (`chunks.rs`), which are then stitched,
@@ -38,8 +38,12 @@ use space::{FreeRun, Space, ROUND};
 use export::Exports;
 use stitch::Stitches;
 
-/// Requests up to this size live in the small space.
-pub const SMALL_LIMIT: usize = 1 << 20;
+/// Requests up to this size live in the small space: a quarter of a 2 MiB granule. Why not
+/// PyTorch's 1 MiB: blocks of a quarter to half a granule are no crumbs (a server's KV
+/// caches at a few hundred tokens), and in the small range they share granules with the
+/// crumbs, which pin the granules they leave as they grow; in the large range they pack
+/// beside the larger caches they grow into (`tests/replay.rs`, the serving loop).
+pub const SMALL_LIMIT: usize = 512 << 10;
 const SMALL: usize = 0;
 const LARGE: usize = 1;
 

@@ -167,22 +167,24 @@ fn a_window_over_two_streams_memory_leaves_the_rest_with_its_stream() {
 #[test]
 fn a_crumb_takes_only_scraps_beside_live_large_blocks() {
     let mut a = arena();
-    // Granules g0 g1 g2; three 3/4-granule blocks: x in g0, y across g0/g1, z across
-    // g1/g2, and a scrap of 3/4 granule after z in g2.
+    // Granules g0 g1 g2: x (3/4 granule) in g0, y (3/4) across g0/g1, z (9/8) across g1/g2,
+    // and a scrap of 3/8 granule after z in g2.
     let q = 3 * G / 4;
+    let crumb = G / 4;
+    assert!(crumb <= super::SMALL_LIMIT && q > super::SMALL_LIMIT);
     let (x, _) = grow(&mut a, q, L);
     let (y, _) = grow(&mut a, q, L);
-    let (z, _) = grow(&mut a, q, L);
+    let (z, _) = grow(&mut a, 9 * G / 8, L);
     assert_eq!(a.mapped_bytes(), 3 * G);
     // x and y freed on two streams: g0 is wholly free, in two nodes each smaller than a
     // granule. It is no scrap (a loan, a release or a stitch can use it whole).
     a.put(Block { stream: StreamKey(1), ..x });
     a.put(Block { stream: StreamKey(2), ..y });
-    let c = a.take_spilled(G / 2, L, &mut |_, _, _| true).expect("the scrap after z");
+    let c = a.take_spilled(crumb, L, &mut |_, _, _| true).expect("the scrap after z");
     assert_eq!(c.addr, z.addr + z.size, "the crumb went beside live z");
-    // A quarter granule is left after it: a second crumb of half a granule fits only in
-    // x's or y's node, whose first bytes lie in g0, which no live block holds.
-    assert!(a.take_spilled(G / 2, L, &mut |_, _, _| true).is_none(), "a crumb would pin the free granule g0");
+    // An eighth of a granule is left after it: a second crumb fits only in x's or y's
+    // node, whose first bytes lie in g0, which no live block holds.
+    assert!(a.take_spilled(crumb, L, &mut |_, _, _| true).is_none(), "a crumb would pin the free granule g0");
     assert!(a.take_spilled(2 * G, L, &mut |_, _, _| true).is_none(), "large requests never spill");
     a.check_invariants().unwrap();
 }
