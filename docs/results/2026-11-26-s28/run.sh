@@ -10,6 +10,7 @@
 #   tbrows             threads_bench, own streams, 1 MiB pairs and churn at 1/4/16 threads,
 #                      split and arena alternating, five rounds (100,000 pairs a thread)
 #   bench W R          the workload benchmark, workloads W (comma list), five allocators (or BENCH_ALLOCATORS), --rounds R
+#                      (BENCH_SEED=N: another draw of shapes and arrivals, its files named -seedN)
 #   traces W S         GPUPOOL_TRACE recordings of workloads W (comma list) under the arena, BENCH_SEED each of S
 #                      (comma list), xz-compressed into $OUT/traces/W-seedS.csv.xz, for gpupool-replay
 set -uo pipefail
@@ -71,7 +72,7 @@ print('$F', {k: v for k, v in r.items() if k.startswith(('allocator', 'tensors_p
     bench)
       W=$1; R=$2; shift 2
       python3 scripts/bench_workloads.py all --workloads $W --allocators ${BENCH_ALLOCATORS:-native,expandable,rmm,split,arena} --rounds $R \
-        --out $OUT/bench-${W//,/-}.jsonl 2>&1 | tee $OUT/bench-${W//,/-}.log | grep -v "step [0-9]*/\|/[0-9]*: step" | tail -30 ;;
+        --out $OUT/bench-${W//,/-}${BENCH_SEED:+-seed$BENCH_SEED}.jsonl 2>&1 | tee $OUT/bench-${W//,/-}${BENCH_SEED:+-seed$BENCH_SEED}.log | grep -v "step [0-9]*/\|/[0-9]*: step" | tail -30 ;;
 
     traces)
       W=$1; S=$2; shift 2
