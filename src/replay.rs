@@ -7,6 +7,7 @@ use crate::error::Error;
 use crate::pool::{Pool, PoolOptions};
 use crate::trace::{Action, HEADER};
 use crate::upstream::sim::SimUpstream;
+use crate::upstream::DriverCalls;
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
@@ -82,6 +83,9 @@ pub struct Report {
     /// program has settled, a pool that reuses what it holds makes none there).
     pub driver_calls: u64,
     pub driver_calls_second_half: u64,
+    /// The second half's calls by kind (`mem_map 79, set_access 8`; `none`): a stitch maps
+    /// one alias per allocation, a growth creates too, so the kinds say which it was.
+    pub second_half_by_kind: String,
 }
 
 /// Operations between two progress reports.
@@ -122,7 +126,10 @@ pub fn replay_with_progress(
             progress(i, ops.len());
         }
         if i == ops.len() / 2 {
-            calls_at_half = Some(pools.values().map(|p| p.driver_calls().total()).sum::<u64>());
+            calls_at_half = Some(pools.values().fold(DriverCalls::default(), |mut c, p| {
+                c.add(&p.driver_calls());
+                c
+            }));
         }
         let pool = match pools.entry(op.device) {
             std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
@@ -172,7 +179,9 @@ pub fn replay_with_progress(
     r.reserved_over_used_at_peak = if used_at_peak == 0 { 0.0 } else { r.peak_reserved as f64 / used_at_peak as f64 };
     let n = r.allocs + r.frees;
     r.ns_per_op = if n == 0 { 0.0 } else { busy.as_nanos() as f64 / n as f64 };
+    let mut calls_at_end = DriverCalls::default();
     for p in pools.values_mut() {
+        calls_at_end.add(&p.driver_calls());
         let (sb, cb) = p.obtained_bytes();
         r.segment_bytes += sb;
         r.commit_bytes += cb;
@@ -186,6 +195,9 @@ pub fn replay_with_progress(
         r.end_requested += st.requested_bytes as usize;
         r.driver_calls += p.driver_calls().total();
     }
-    r.driver_calls_second_half = r.driver_calls - calls_at_half.unwrap_or(0);
+    let at_half = calls_at_half.unwrap_or_default();
+    r.driver_calls_second_half = r.driver_calls - at_half.total();
+    let kinds: Vec<String> = calls_at_end.fields().iter().zip(at_half.fields()).filter(|(e, h)| e.1 > h.1).map(|(e, h)| format!("{} {}", e.0, e.1 - h.1)).collect();
+    r.second_half_by_kind = if kinds.is_empty() { "none".into() } else { kinds.join(", ") };
     Ok(r)
 }

@@ -368,3 +368,60 @@ fn a_server_whose_caches_grow_a_token_at_a_time_holds_little_above_its_peak_on_t
         assert!(split.peak_reserved as f64 > 1.1 * arena.peak_reserved as f64, "seed {seed}: split {} against arena {}", split.peak_reserved, arena.peak_reserved);
     }
 }
+
+/// The `churn` workload of scripts/bench_workloads.py as allocation events: 256 slots of
+/// log-uniform sizes from 512 B to 32 MiB, then `steps` x 1,000 replacements of a random
+/// slot (free, then allocate). `seed` draws the slots and sizes.
+fn churn_loop(seed: u64, steps: usize) -> Vec<gpupool::replay::Op> {
+    use gpupool::replay::Op;
+    use gpupool::trace::Action;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0x2545_F491_4F6C_DD1D);
+    let mut draw = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let (lo, hi) = ((512f64).ln(), ((32 << 20) as f64).ln());
+    let mut ops = Vec::new();
+    let mut next = 0x1000usize;
+    let mut alloc = |ops: &mut Vec<Op>, draw: &mut dyn FnMut() -> u64| {
+        let u = (draw() >> 11) as f64 / (1u64 << 53) as f64;
+        let size = (lo + u * (hi - lo)).exp() as usize;
+        next += 0x1000;
+        ops.push(Op { device: 0, stream: 0, action: Action::Alloc, ptr: next, size });
+        (next, size)
+    };
+    let free = |ops: &mut Vec<Op>, b: (usize, usize)| ops.push(Op { device: 0, stream: 0, action: Action::Free, ptr: b.0, size: b.1 });
+    let mut slots: Vec<_> = (0..256).map(|_| alloc(&mut ops, &mut draw)).collect();
+    for _ in 0..steps * 1000 {
+        let i = (draw() % 256) as usize;
+        free(&mut ops, slots[i]);
+        slots[i] = alloc(&mut ops, &mut draw);
+    }
+    for b in slots {
+        free(&mut ops, b);
+    }
+    ops
+}
+
+#[test]
+fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
+    // Memory holds on every draw; driver calls do not settle (issue #33's churn target is
+    // unmet): the largest requests often find no free run long enough and are stitched
+    // anew, one call per granule. The calls are printed, not asserted.
+    for seed in 0..4 {
+        let ops = churn_loop(seed, 35);
+        let arena = replay(&ops, PoolKind::Arena, 80 << 30).unwrap();
+        let split = replay(&ops, PoolKind::Split, 80 << 30).unwrap();
+        let ratio = arena.peak_reserved as f64 / arena.peak_used as f64;
+        eprintln!("seed {seed}: arena {ratio:.3} of the peak in use, {} driver calls in the second half; split {:.3}", arena.driver_calls_second_half, split.peak_reserved as f64 / split.peak_used as f64);
+        assert_eq!((arena.ooms, arena.unmatched_frees), (0, 0));
+        assert!(ratio <= 1.07, "seed {seed}: the arena holds {ratio:.3} of its peak in use");
+        // The kinds add up to the count: stitches map (one alias per granule) and grant access.
+        let by_kind: u64 = arena.second_half_by_kind.split(", ").filter_map(|k| k.rsplit(' ').next()?.parse::<u64>().ok()).sum();
+        assert_eq!(by_kind, arena.driver_calls_second_half, "{}", arena.second_half_by_kind);
+        assert_eq!(arena.second_half_by_kind == "none", arena.driver_calls_second_half == 0, "{}", arena.second_half_by_kind);
+        assert!(split.peak_reserved as f64 > 1.15 * arena.peak_reserved as f64, "seed {seed}: split {} against arena {}", split.peak_reserved, arena.peak_reserved);
+    }
+}

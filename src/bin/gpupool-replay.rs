@@ -146,6 +146,10 @@ fn main() -> ExitCode {
         "no driver call in the trace's second half: {}",
         if settled.is_empty() { "none".to_string() } else { settled.join(", ") }
     );
+    let kinds: Vec<String> = results.iter().filter(|r| r.driver_calls_second_half > 0).map(|r| format!("{}: {}", r.strategy, r.second_half_by_kind)).collect();
+    if !kinds.is_empty() {
+        println!("the second half's driver calls by kind: {}", kinds.join("; "));
+    }
     ExitCode::SUCCESS
 }
 
