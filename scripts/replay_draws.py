@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Replay every recorded draw of the workload benchmark through one pool, on the CPU: the
+figures a policy change must be judged on, in seconds.
+
+    cargo build --release
+    python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay]
+
+One draw of a workload whose shapes never repeat is chance layout: the arena's churn made 87
+driver calls in the second half of the benchmark's draw and 0 to 879 on others (session 28).
+So this replays, per workload, every draw there is:
+  - tokens, training, serving: the GPUPOOL_TRACE recordings of scripts/bench_workloads.py
+    on the H200 (draw 0: docs/results/2026-11-25-s19/a/; BENCH_SEED 1-3:
+    docs/results/2026-11-26-s28/a/), decompressed into a temporary folder;
+  - churn: generated here, exactly as scripts/workloads.py draws it (BENCH_SEED 0-8; draw 0
+    is the recorded one but for the one 4-byte allocation PyTorch makes first).
+It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
+half and their kinds (gpupool-replay's figures), then each workload's worst ratio and mean
+calls.
+"""
+import argparse
+import lzma
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDED = [
+    ("tokens", 0, "docs/results/2026-11-25-s19/a/tokens.csv.xz"),
+    ("tokens", 1, "docs/results/2026-11-26-s28/a/tokens-seed1.csv.xz"),
+    ("training", 0, "docs/results/2026-11-25-s19/a/training.csv.xz"),
+    ("training", 1, "docs/results/2026-11-26-s28/a/training-seed1.csv.xz"),
+    ("serving", 0, "docs/results/2026-11-25-s19/a/serving.csv.xz"),
+] + [("serving", s, f"docs/results/2026-11-26-s28/a/serving-seed{s}.csv.xz") for s in (1, 2, 3)]
+CHURN_DRAWS = range(9)
+
+
+def churn_trace(seed, path, slots=256, ops=1000, steps=35, lo=512, hi=32 << 20):
+    """scripts/workloads.py's churn (its config in bench_workloads.py), as trace rows."""
+    rng, llo, lhi = random.Random(1234 + seed), math.log(lo), math.log(hi)
+    rows, t, ptr = ["time_ns,thread,device,stream,action,ptr,size"], 0, 0
+
+    def alloc():
+        nonlocal t, ptr
+        n = int(math.exp(rng.uniform(llo, lhi)))
+        t, ptr = t + 1, ptr + 0x1000
+        rows.append(f"{t},1,0,0x0,alloc,{ptr:#x},{n}")
+        return ptr, n
+
+    def free(b):
+        nonlocal t
+        t += 1
+        rows.append(f"{t},1,0,0x0,free,{b[0]:#x},{b[1]}")
+
+    live = [alloc() for _ in range(slots)]
+    for _ in range(steps * ops):
+        i = rng.randrange(slots)
+        free(live[i])
+        live[i] = alloc()
+    for b in live:
+        free(b)
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
+
+
+def replay(tool, pool, path):
+    out = subprocess.run([tool, path, "--pool", pool], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{tool} {path}: {out.stderr.strip()}")
+    row = next(l for l in out.stdout.splitlines() if l.startswith(f"| {pool} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ratio = float(cells[3])
+    second = int(cells[10].split("/")[1])
+    kinds = re.search(rf"{pool}: ([^;]*)", out.stdout.split("driver calls by kind:")[-1]) if second else None
+    return ratio, second, kinds.group(1).strip() if kinds else "none"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pool", default="arena")
+    ap.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "gpupool-replay"))
+    a = ap.parse_args()
+    if not os.access(a.replay, os.X_OK):
+        sys.exit(f"no replay tool at {a.replay}: build it first (cargo build --release)")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, draw, rel in RECORDED:
+            path = os.path.join(tmp, f"{name}-{draw}.csv")
+            with lzma.open(os.path.join(ROOT, rel), "rb") as src, open(path, "wb") as dst:
+                dst.write(src.read())
+            results.append((name, draw, *replay(a.replay, a.pool, path)))
+            os.remove(path)
+        for draw in CHURN_DRAWS:
+            path = os.path.join(tmp, f"churn-{draw}.csv")
+            churn_trace(draw, path)
+            results.append(("churn", draw, *replay(a.replay, a.pool, path)))
+    print(f"| workload | draw | peak reserved / peak in use | driver calls, second half | their kinds ({a.pool}) |")
+    print("|---|---|---|---|---|")
+    for name, draw, ratio, calls, kinds in results:
+        print(f"| {name} | {draw} | {ratio:.3f} | {calls} | {kinds} |")
+    print()
+    for name in dict.fromkeys(r[0] for r in results):
+        mine = [r for r in results if r[0] == name]
+        print(f"{name}: worst {max(r[2] for r in mine):.3f}, calls {sum(r[3] for r in mine) / len(mine):.0f} a draw "
+              f"(most {max(r[3] for r in mine)}) over {len(mine)} draws")
+
+
+if __name__ == "__main__":
+    main()
