@@ -4,6 +4,7 @@
 use gpupool::config::PoolKind;
 use gpupool::pool::{Pool, PoolOptions};
 use gpupool::replay::parse;
+use gpupool::strategy::arena::SMALL_LIMIT;
 use gpupool::trace::Action;
 use gpupool::upstream::sim::SimUpstream;
 use std::collections::HashMap;
@@ -22,12 +23,12 @@ fn main() {
             Action::Alloc => {
                 let p = pool.malloc(op.size, op.stream).expect("malloc");
                 live.insert(op.ptr, (p, op.size));
-                if op.size <= 1 << 20 { small_live += op.size } else { large_live += op.size }
+                if op.size <= SMALL_LIMIT { small_live += op.size } else { large_live += op.size }
             }
             Action::Free => {
                 if let Some((p, n)) = live.remove(&op.ptr) {
                     pool.free(p, op.stream).expect("free");
-                    if n <= 1 << 20 { small_live -= n } else { large_live -= n }
+                    if n <= SMALL_LIMIT { small_live -= n } else { large_live -= n }
                 }
             }
             _ => {}

@@ -5,14 +5,16 @@ figures a policy change must be judged on, in seconds.
     cargo build --release
     python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay]
 
-One draw of a workload whose shapes never repeat is chance layout: the arena's churn made 87
-driver calls in the second half of the benchmark's draw and 0 to 879 on others (session 28).
+One draw of a workload whose shapes never repeat is chance layout: with session 27's arena,
+churn made 87 driver calls in the second half of the benchmark's draw and 0 to 766 on eight
+others (session 28).
 So this replays, per workload, every draw there is:
   - tokens, training, serving: the GPUPOOL_TRACE recordings of scripts/bench_workloads.py
     on the H200 (draw 0: docs/results/2026-11-25-s19/a/; BENCH_SEED 1-3:
     docs/results/2026-11-26-s28/a/), decompressed into a temporary folder;
-  - churn: generated here, exactly as scripts/workloads.py draws it (BENCH_SEED 0-8; draw 0
-    is the recorded one but for the one 4-byte allocation PyTorch makes first).
+  - churn: generated here as scripts/workloads.py draws it, after the 4-byte allocation of
+    bench_workloads.py's first kernel (BENCH_SEED 0-8; draw 0 replays as the GPU's
+    recording of it does).
 It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
 half and their kinds (gpupool-replay's figures), then each workload's worst ratio and mean
 calls.
@@ -55,12 +57,17 @@ def churn_trace(seed, path, slots=256, ops=1000, steps=35, lo=512, hi=32 << 20):
         t += 1
         rows.append(f"{t},1,0,0x0,free,{b[0]:#x},{b[1]}")
 
+    # bench_workloads.py's first kernel (`torch.ones(1).add_(1)`) allocates 4 bytes and
+    # frees them before the workload: one allocation that moves where everything lands.
+    rows.append("1,1,0,0x0,alloc,0x1,4")
+    rows.append("2,1,0,0x0,free,0x1,4")
+    t = 2
     live = [alloc() for _ in range(slots)]
     for _ in range(steps * ops):
         i = rng.randrange(slots)
         free(live[i])
         live[i] = alloc()
-    for b in live:
+    for b in reversed(live):  # the list dies last item first
         free(b)
     with open(path, "w") as f:
         f.write("\n".join(rows) + "\n")
@@ -80,7 +87,7 @@ def replay(tool, pool, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pool", default="arena")
+    ap.add_argument("--pool", default="arena", choices=("arena", "split", "binned", "none"))
     ap.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "gpupool-replay"))
     a = ap.parse_args()
     if not os.access(a.replay, os.X_OK):

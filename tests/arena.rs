@@ -109,20 +109,22 @@ fn a_stitch_maps_each_granule_once_and_grants_access_once() {
 
 #[test]
 fn a_small_request_takes_the_large_ranges_scraps_before_new_memory() {
-    // A 3 MiB block maps 2 granules and leaves 1 MiB free in the second: a scrap no large
-    // request or loan can use. A 512 KiB request takes it instead of mapping a granule of
-    // the small range.
+    // A 3.25 MiB block maps 2 granules and leaves 768 KiB free in the second: a scrap no
+    // large request or loan can use. A 512 KiB request takes it instead of mapping a
+    // granule of the small range.
     let mut p = pool(PoolKind::Arena, 1 << 30);
-    let big = p.malloc(3 * MIB, 0).unwrap();
-    stamp(big, 3 * MIB, 1);
+    let big_size = 3 * MIB + MIB / 4;
+    let big = p.malloc(big_size, 0).unwrap();
+    stamp(big, big_size, 1);
     let small = p.malloc(512 * 1024, 0).unwrap();
     stamp(small, 512 * 1024, 2);
     assert_eq!(p.stats().total_bytes as usize, 2 * G, "no new granule: {}", p.memory_status());
-    assert!(small >= big + 3 * MIB && small < big + 2 * G, "served from the scrap after the big block");
-    assert!(intact(big, 3 * MIB, 1) && intact(small, 512 * 1024, 2));
-    // A second one does not fit the rest of the scrap (512 KiB left, 768 KiB asked): the
+    assert!(small >= big + big_size && small < big + 2 * G, "served from the scrap after the big block");
+    assert!(intact(big, big_size, 1) && intact(small, 512 * 1024, 2));
+    // A second one does not fit the rest of the scrap (256 KiB left, 384 KiB asked): the
     // small range maps its own granule.
-    let third = p.malloc(768 * 1024, 0).unwrap();
+    let third = p.malloc(384 * 1024, 0).unwrap();
+    assert!(!(big..big + 2 * G).contains(&third), "the third crumb went to the small range");
     assert_eq!(p.stats().total_bytes as usize, 3 * G);
     for b in [small, big, third] {
         p.free(b, 0).unwrap();

@@ -41,16 +41,17 @@ fn reclaim(device: i32) {
     assert_eq!(unsafe { gpupool_reclaim(device, &mut released) }, Status::Ok, "{}", last());
 }
 
-/// Bytes of 1 MiB blocks (the small range's largest) one stream gets before running out.
+/// Bytes of 512 KiB blocks (the small range's largest) one stream gets before running out.
 fn small_blocks_held(d: i32, s: *mut c_void) -> usize {
     host(d, c"arena");
+    let size = gpupool::strategy::arena::SMALL_LIMIT;
     let mut live = Vec::new();
-    while let Some(p) = malloc(MIB, d, s) {
+    while let Some(p) = malloc(size, d, s) {
         live.push(p);
     }
     let n = live.len();
     live.into_iter().for_each(|p| free(p, d, s));
-    n * MIB
+    n * size
 }
 
 #[test]

@@ -361,7 +361,7 @@ fn a_server_whose_caches_grow_a_token_at_a_time_holds_little_above_its_peak_on_t
         let ratio = arena.peak_reserved as f64 / arena.peak_used as f64;
         eprintln!("seed {seed}: arena {ratio:.3} of the peak in use, {} driver calls in the second half; split {:.3}", arena.driver_calls_second_half, split.peak_reserved as f64 / split.peak_used as f64);
         assert_eq!((arena.ooms, arena.unmatched_frees, arena.allocs, arena.frees), (0, 0, arena.allocs, arena.allocs));
-        // Caches of a quarter to half a granule live in the large range (`SMALL_LIMIT`):
+        // Caches above a quarter granule live in the large range (`SMALL_LIMIT`):
         // in the small one they shared granules with the crumbs, which pinned the granules
         // the caches left (1.19 here for seed 0).
         assert!(ratio <= 1.12, "seed {seed}: the arena holds {ratio:.3} of its peak in use");
@@ -407,9 +407,10 @@ fn churn_loop(seed: u64, steps: usize) -> Vec<gpupool::replay::Op> {
 
 #[test]
 fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
-    // Memory holds on every draw; driver calls do not settle (issue #33's churn target is
-    // unmet): the largest requests often find no free run long enough and are stitched
-    // anew, one call per granule. The calls are printed, not asserted.
+    // Memory holds on these draws (scripts/replay_draws.py's nine reach 1.071); driver calls
+    // do not settle (issue #33's churn target is unmet): the largest requests often find
+    // no free run long enough and are stitched anew, one call per granule. Their number is
+    // printed, not asserted.
     for seed in 0..4 {
         let ops = churn_loop(seed, 35);
         let arena = replay(&ops, PoolKind::Arena, 80 << 30).unwrap();
@@ -418,10 +419,11 @@ fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
         eprintln!("seed {seed}: arena {ratio:.3} of the peak in use, {} driver calls in the second half; split {:.3}", arena.driver_calls_second_half, split.peak_reserved as f64 / split.peak_used as f64);
         assert_eq!((arena.ooms, arena.unmatched_frees), (0, 0));
         assert!(ratio <= 1.07, "seed {seed}: the arena holds {ratio:.3} of its peak in use");
-        // The kinds add up to the count: stitches map (one alias per granule) and grant access.
-        let by_kind: u64 = arena.second_half_by_kind.split(", ").filter_map(|k| k.rsplit(' ').next()?.parse::<u64>().ok()).sum();
-        assert_eq!(by_kind, arena.driver_calls_second_half, "{}", arena.second_half_by_kind);
-        assert_eq!(arena.second_half_by_kind == "none", arena.driver_calls_second_half == 0, "{}", arena.second_half_by_kind);
+        // What the calls were: maps (stitches, growth) and never a release: nothing limits
+        // the device, so the arena gives no memory back.
+        let kinds = &arena.second_half_by_kind;
+        assert_eq!(kinds.contains("mem_map"), arena.driver_calls_second_half > 0, "{kinds}");
+        assert!(!kinds.contains("mem_unmap") && !kinds.contains("mem_release"), "{kinds}");
         assert!(split.peak_reserved as f64 > 1.15 * arena.peak_reserved as f64, "seed {seed}: split {} against arena {}", split.peak_reserved, arena.peak_reserved);
     }
 }

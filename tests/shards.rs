@@ -176,7 +176,7 @@ fn reports_add_the_shards_up() {
 fn the_arena_shards_by_stream_and_reports_every_shard() {
     let d = 46;
     host(d, c"arena");
-    let a = malloc(MIB, d, stream(40));
+    let a = malloc(MIB / 2, d, stream(40));
     let b = malloc(3 * MIB, d, stream(41));
     let j = json(d);
     assert_eq!(shard_count(d), 3, "shard 0 and one per stream: {j}");

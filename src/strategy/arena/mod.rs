@@ -39,10 +39,10 @@ use export::Exports;
 use stitch::Stitches;
 
 /// Requests up to this size live in the small space: a quarter of a 2 MiB granule. Why not
-/// PyTorch's 1 MiB: blocks of a quarter to half a granule are no crumbs (a server's KV
-/// caches at a few hundred tokens), and in the small range they share granules with the
-/// crumbs, which pin the granules they leave as they grow; in the large range they pack
-/// beside the larger caches they grow into (`tests/replay.rs`, the serving loop).
+/// PyTorch's 1 MiB: blocks above a quarter granule and up to half are no crumbs (a
+/// server's KV caches at a few hundred tokens), and in the small range they share granules
+/// with the crumbs, which pin the granules they leave as they grow; in the large range
+/// they pack beside the larger caches they grow into (`tests/replay.rs`, the serving loop).
 pub const SMALL_LIMIT: usize = 512 << 10;
 const SMALL: usize = 0;
 const LARGE: usize = 1;
