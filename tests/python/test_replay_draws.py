@@ -1,0 +1,43 @@
+"""scripts/replay_draws.py: every recorded draw of the workload benchmark replayed on the CPU.
+Its generated churn draws must be the benchmark's own: draw 0 replays exactly as the GPU's
+recording of that draw does (docs/results/2026-11-25-s19/a/churn.csv.xz)."""
+import lzma
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+REPLAY = ROOT / "target" / "release" / "gpupool-replay"
+SCRIPT = ROOT / "scripts" / "replay_draws.py"
+
+pytestmark = pytest.mark.skipif(not REPLAY.is_file(), reason="needs target/release/gpupool-replay (cargo build --release)")
+
+
+def test_every_draw_replays_and_churn_draw_0_is_the_recorded_one(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--replay", str(REPLAY)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\| (tokens|training|serving|churn) \| (\d+) \| ([\d.]+) \| (\d+) \| ([^|]*) \|$", out.stdout, re.M)
+    counts = {w: sum(1 for r in rows if r[0] == w) for w in ("tokens", "training", "serving", "churn")}
+    assert counts == {"tokens": 2, "training": 2, "serving": 4, "churn": 9}, out.stdout
+    for w, draw, ratio, calls, kinds in rows:
+        assert 1.0 <= float(ratio) < 1.5, (w, draw, ratio)
+        assert (kinds.strip() == "none") == (calls == "0"), (w, draw, calls, kinds)
+    for w in counts:
+        assert re.search(rf"^{w}: worst [\d.]+, calls \d+ a draw \(most \d+\) over {counts[w]} draws$", out.stdout, re.M), out.stdout
+
+    # The recording of churn's draw 0, replayed directly, gives the generated draw's figures.
+    recorded = tmp_path / "churn.csv"
+    with lzma.open(ROOT / "docs" / "results" / "2026-11-25-s19" / "a" / "churn.csv.xz") as src:
+        recorded.write_bytes(src.read())
+    direct = subprocess.run([str(REPLAY), str(recorded), "--pool", "arena"], capture_output=True, text=True, timeout=120)
+    assert direct.returncode == 0, direct.stderr
+    cells = [c.strip() for c in next(l for l in direct.stdout.splitlines() if l.startswith("| arena |")).strip("|").split("|")]
+    churn0 = next(r for r in rows if r[0] == "churn" and r[1] == "0")
+    assert (churn0[2], churn0[3]) == (cells[3], cells[10].split("/")[1].strip()), (churn0, cells)
+
+
+def test_a_pool_the_replay_tool_does_not_take_alone_is_refused():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--pool", "all"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr
