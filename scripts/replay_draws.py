@@ -5,10 +5,8 @@ figures a policy change must be judged on, in seconds.
     cargo build --release
     python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay]
 
-One draw of a workload whose shapes never repeat is chance layout: with session 27's arena,
-churn made 87 driver calls in the second half of the benchmark's draw and 0 to 766 on eight
-others (session 28).
-So this replays, per workload, every draw there is:
+One draw of a workload whose shapes never repeat is chance layout (docs/arena.md, "One draw
+is chance"), so this replays, per workload, every draw there is:
   - tokens, training, serving: the GPUPOOL_TRACE recordings of scripts/bench_workloads.py
     on the H200 (draw 0: docs/results/2026-11-25-s19/a/; BENCH_SEED 1-3:
     docs/results/2026-11-26-s28/a/), decompressed into a temporary folder;

@@ -83,7 +83,7 @@ pub struct Report {
     /// program has settled, a pool that reuses what it holds makes none there).
     pub driver_calls: u64,
     pub driver_calls_second_half: u64,
-    /// The second half's calls by kind (`mem_map 79, set_access 8`; `none`): a stitch maps
+    /// The second half's calls by kind (`mem_map N, set_access N`, or `none`): a stitch maps
     /// one alias per allocation, a growth creates too, so the kinds say which it was.
     pub second_half_by_kind: String,
 }
