@@ -15,7 +15,10 @@ is chance"), so this replays, per workload, every draw there is:
     recording of it does).
 It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
 half and their kinds (gpupool-replay's figures), then each workload's worst ratio and mean
-calls.
+calls. Churn's trace has a fixed number of events a step, so its draws also get issue
+#33's own figure, as the GPU benchmark counts it: driver calls a step over the second half
+of the measured steps, steps that reach a new peak of bytes in use excepted
+(`gpupool-replay --steps`); the recorded traces carry no step marks.
 """
 import argparse
 import lzma
@@ -38,7 +41,16 @@ RECORDED = [
 CHURN_DRAWS = range(9)
 
 
-def churn_trace(seed, path, slots=256, ops=1000, steps=35, lo=512, hi=32 << 20):
+CHURN = dict(slots=256, ops=1000, warmup=5, steps=30)  # bench_workloads.py's churn
+
+
+def churn_steps():
+    """gpupool-replay's --steps for churn_trace: the two events of the first kernel and the
+    slots' first allocations, then a free and an alloc per op."""
+    return f"{2 + CHURN['slots']},{2 * CHURN['ops']},{CHURN['warmup']}"
+
+
+def churn_trace(seed, path, slots=CHURN["slots"], ops=CHURN["ops"], steps=CHURN["warmup"] + CHURN["steps"], lo=512, hi=32 << 20):
     """scripts/workloads.py's churn (its config in bench_workloads.py), as trace rows."""
     rng, llo, lhi = random.Random(1234 + seed), math.log(lo), math.log(hi)
     rows, t, ptr = ["time_ns,thread,device,stream,action,ptr,size"], 0, 0
@@ -71,16 +83,20 @@ def churn_trace(seed, path, slots=256, ops=1000, steps=35, lo=512, hi=32 << 20):
         f.write("\n".join(rows) + "\n")
 
 
-def replay(tool, pool, path):
-    out = subprocess.run([tool, path, "--pool", pool], capture_output=True, text=True)
+def replay(tool, pool, path, steps=None):
+    out = subprocess.run([tool, path, "--pool", pool] + (["--steps", steps] if steps else []), capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{tool} {path}: {out.stderr.strip()}")
     row = next(l for l in out.stdout.splitlines() if l.startswith(f"| {pool} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     ratio = float(cells[3])
     second = int(cells[10].split("/")[1])
-    kinds = re.search(rf"{pool}: ([^;]*)", out.stdout.split("driver calls by kind:")[-1]) if second else None
-    return ratio, second, kinds.group(1).strip() if kinds else "none"
+    kinds = re.search(rf"{pool}: ([^;\n]*)", out.stdout.split("driver calls by kind:")[-1]) if second else None
+    per_step = "-"
+    if steps:
+        m = re.search(rf"^{pool} steps: \d+ measured; second half [\d.]+ driver calls a step, ([\d.]+) off peak \((\d+) new-peak", out.stdout, re.M)
+        per_step = f"{float(m.group(1)):.2f} ({m.group(2)})"
+    return ratio, second, kinds.group(1).strip() if kinds else "none", per_step
 
 
 def main():
@@ -101,16 +117,20 @@ def main():
         for draw in CHURN_DRAWS:
             path = os.path.join(tmp, f"churn-{draw}.csv")
             churn_trace(draw, path)
-            results.append(("churn", draw, *replay(a.replay, a.pool, path)))
-    print(f"| workload | draw | peak reserved / peak in use | driver calls, second half | their kinds ({a.pool}) |")
-    print("|---|---|---|---|---|")
-    for name, draw, ratio, calls, kinds in results:
-        print(f"| {name} | {draw} | {ratio:.3f} | {calls} | {kinds} |")
+            results.append(("churn", draw, *replay(a.replay, a.pool, path, churn_steps())))
+    print(f"| workload | draw | peak reserved / peak in use | driver calls, second half | a step off peak (new-peak steps) | their kinds ({a.pool}) |")
+    print("|---|---|---|---|---|---|")
+    for name, draw, ratio, calls, kinds, per_step in results:
+        print(f"| {name} | {draw} | {ratio:.3f} | {calls} | {per_step} | {kinds} |")
     print()
     for name in dict.fromkeys(r[0] for r in results):
         mine = [r for r in results if r[0] == name]
-        print(f"{name}: worst {max(r[2] for r in mine):.3f}, calls {sum(r[3] for r in mine) / len(mine):.0f} a draw "
-              f"(most {max(r[3] for r in mine)}) over {len(mine)} draws")
+        line = (f"{name}: worst {max(r[2] for r in mine):.3f}, calls {sum(r[3] for r in mine) / len(mine):.0f} a draw "
+                f"(most {max(r[3] for r in mine)}) over {len(mine)} draws")
+        steps = [float(r[5].split()[0]) for r in mine if r[5] != "-"]
+        if steps:
+            line += f"; a step off peak: mean {sum(steps) / len(steps):.2f}, most {max(steps):.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

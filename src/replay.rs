@@ -86,6 +86,48 @@ pub struct Report {
     /// The second half's calls by kind (`mem_map N, set_access N`, or `none`): a stitch maps
     /// one alias per allocation, a growth creates too, so the kinds say which it was.
     pub second_half_by_kind: String,
+    /// With `Steps`: each measured step's driver calls and whether the bytes in use reached
+    /// a new peak during it (issue #33's steady state excepts such steps).
+    pub steps: Vec<StepCalls>,
+}
+
+/// Where a trace's steps lie, for a trace of a fixed number of events a step (the churn
+/// workload's): after `first` events, one step every `every` events, the first `warmup`
+/// of them not measured (as `scripts/bench_workloads.py` counts them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Steps {
+    pub first: usize,
+    pub every: usize,
+    pub warmup: usize,
+}
+
+impl Steps {
+    /// `FIRST,EVERY,WARMUP`, e.g. `258,2000,5`.
+    pub fn parse(s: &str) -> Option<Steps> {
+        let v: Vec<usize> = s.split(',').map(|x| x.trim().parse().ok()).collect::<Option<_>>()?;
+        match v[..] {
+            [first, every, warmup] if every > 0 => Some(Steps { first, every, warmup }),
+            _ => None,
+        }
+    }
+}
+
+/// One measured step of a replay with `Steps`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepCalls {
+    pub calls: u64,
+    pub new_peak: bool,
+}
+
+/// The second half of `steps` (as the benchmark splits them): mean calls a step, mean over
+/// the steps that reached no new peak, the new-peak steps and the calls they made.
+pub fn second_half_off_peak(steps: &[StepCalls]) -> (f64, f64, usize, u64) {
+    let half = &steps[steps.len() / 2..];
+    let mean = |v: &[u64]| if v.is_empty() { 0.0 } else { v.iter().sum::<u64>() as f64 / v.len() as f64 };
+    let all: Vec<u64> = half.iter().map(|s| s.calls).collect();
+    let off: Vec<u64> = half.iter().filter(|s| !s.new_peak).map(|s| s.calls).collect();
+    let peaks = half.iter().filter(|s| s.new_peak);
+    (mean(&all), mean(&off), peaks.clone().count(), peaks.map(|s| s.calls).sum())
 }
 
 /// Operations between two progress reports.
@@ -100,16 +142,18 @@ pub fn replay(ops: &[Op], kind: PoolKind, device_size: usize) -> Result<Report, 
 /// Replay `ops` through pools built with `opts`; `paged`: simulate the `vmm` upstream
 /// (pages inside segments can be given back) instead of `device`.
 pub fn replay_with(ops: &[Op], opts: &PoolOptions, device_size: usize, paged: bool) -> Result<Report, Error> {
-    replay_with_progress(ops, opts, device_size, paged, &mut |_, _| {})
+    replay_with_progress(ops, opts, device_size, paged, None, &mut |_, _| {})
 }
 
 /// `replay_with`, calling `progress(done, total)` every `PROGRESS_EVERY` operations and at
-/// the end (the replay tool draws a progress line from it on a terminal).
+/// the end (the replay tool draws a progress line from it on a terminal); with `steps`,
+/// the report lists each measured step's calls (`Report::steps`).
 pub fn replay_with_progress(
     ops: &[Op],
     opts: &PoolOptions,
     device_size: usize,
     paged: bool,
+    steps: Option<Steps>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Report, Error> {
     let kind = opts.kind;
@@ -121,9 +165,24 @@ pub fn replay_with_progress(
     let mut reserved_total = 0usize;
     let mut used_at_peak = 0usize;
     let mut calls_at_half = None;
+    let total_calls = |pools: &BTreeMap<i32, Pool>| pools.values().map(|p| p.driver_calls().total()).sum::<u64>();
+    // The step under way: its index, the calls before it, whether it reached a new peak.
+    let mut step: Option<(usize, u64, bool)> = None;
     for (i, op) in ops.iter().enumerate() {
         if i % PROGRESS_EVERY == 0 {
             progress(i, ops.len());
+        }
+        if let Some(st) = steps.filter(|st| i >= st.first && (i - st.first) % st.every == 0) {
+            let now = total_calls(&pools);
+            if let Some((k, before, new_peak)) = step.take() {
+                if k >= st.warmup {
+                    r.steps.push(StepCalls { calls: now - before, new_peak });
+                }
+            }
+            // A trailing partial step (the teardown's frees) is not a step.
+            if i + st.every <= ops.len() {
+                step = Some(((i - st.first) / st.every, now, false));
+            }
         }
         if i == ops.len() / 2 {
             calls_at_half = Some(pools.values().fold(DriverCalls::default(), |mut c, p| {
@@ -172,7 +231,17 @@ pub fn replay_with_progress(
             r.peak_reserved = reserved_total;
             used_at_peak = used_total;
         }
-        r.peak_used = r.peak_used.max(used_total);
+        if used_total > r.peak_used {
+            r.peak_used = used_total;
+            if let Some(s) = step.as_mut() {
+                s.2 = true;
+            }
+        }
+    }
+    if let (Some((k, before, new_peak)), Some(st)) = (step, steps) {
+        if k >= st.warmup {
+            r.steps.push(StepCalls { calls: total_calls(&pools) - before, new_peak });
+        }
     }
     progress(ops.len(), ops.len());
     r.strategy = kind.name();

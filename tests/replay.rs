@@ -3,7 +3,7 @@
 //! report and status report tell the truth.
 
 use gpupool::config::PoolKind;
-use gpupool::replay::{parse, replay, replay_with, Report};
+use gpupool::replay::{parse, replay, replay_with, replay_with_progress, second_half_off_peak, Report, StepCalls, Steps};
 use gpupool::trace::Tracer;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::{Pool, PoolOptions};
@@ -426,4 +426,43 @@ fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
         assert!(!kinds.contains("mem_unmap") && !kinds.contains("mem_release"), "{kinds}");
         assert!(split.peak_reserved as f64 > 1.15 * arena.peak_reserved as f64, "seed {seed}: split {} against arena {}", split.peak_reserved, arena.peak_reserved);
     }
+}
+
+/// Steps counted as the GPU benchmark counts them: a step that reaches a new peak of bytes
+/// in use is flagged, warm-up steps are not listed, the trailing teardown is no step, and
+/// the second half's off-peak mean leaves the flagged steps out.
+#[test]
+fn steps_count_driver_calls_and_new_peaks_as_the_benchmark_does() {
+    let mut ev = Events::new();
+    let keep = ev.alloc(8 * MIB); // the prelude: one event
+    // Step 0 (warm-up): 4 MiB allocated and freed. Step 1: the same (no call, no new peak,
+    // 8 + 4 was reached in step 0). Step 2: 16 MiB (new memory, a new peak). Step 3: 16 MiB
+    // again (no call). Every step is two events.
+    for size in [4 * MIB, 4 * MIB, 16 * MIB, 16 * MIB] {
+        let b = ev.alloc(size);
+        ev.free(b);
+    }
+    ev.free(keep); // the teardown: one event, not a step
+    let opts = PoolOptions { kind: PoolKind::Arena, ..Default::default() };
+    let steps = Steps::parse("1,2,1").unwrap();
+    let r = replay_with_progress(&ev.ops, &opts, 4 << 30, true, Some(steps), &mut |_, _| {}).unwrap();
+    let flags: Vec<bool> = r.steps.iter().map(|s| s.new_peak).collect();
+    assert_eq!(flags, [false, true, false], "{:?}", r.steps);
+    assert_eq!(r.steps[0].calls, 0, "step 1 reuses step 0's memory: {:?}", r.steps);
+    assert!(r.steps[1].calls > 0, "step 2 maps new memory: {:?}", r.steps);
+    assert_eq!(r.steps[2].calls, 0, "{:?}", r.steps);
+    // Second half: steps 2 and 3; step 2 is at a new peak.
+    assert_eq!(second_half_off_peak(&r.steps), (r.steps[1].calls as f64 / 2.0, 0.0, 1, r.steps[1].calls));
+    let synthetic = [StepCalls { calls: 3, new_peak: false }, StepCalls { calls: 5, new_peak: false }, StepCalls { calls: 7, new_peak: true }, StepCalls { calls: 1, new_peak: false }];
+    assert_eq!(second_half_off_peak(&synthetic), (4.0, 1.0, 1, 7));
+    for bad in ["", "1,2", "1,0,1", "a,2,1", "1,2,3,4"] {
+        assert_eq!(Steps::parse(bad), None, "{bad:?}");
+    }
+    // The tool says why it refuses a malformed value.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpupool-replay"))
+        .args([concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch_mlp_trace.csv"), "--steps", "1,0,1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--steps \"1,0,1\": expected FIRST,EVERY,WARMUP"), "{}", String::from_utf8_lossy(&out.stderr));
 }

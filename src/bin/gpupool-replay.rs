@@ -1,14 +1,14 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
 use gpupool::pool::PoolOptions;
-use gpupool::replay::{parse, replay_with_progress, Report};
+use gpupool::replay::{parse, replay_with_progress, second_half_off_peak, Report, Steps};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -19,6 +19,7 @@ fn main() -> ExitCode {
     let mut arena_lend = true;
     let mut arena_chunk = gpupool::strategy::arena::CHUNK_MAX;
     let mut paged = false;
+    let mut steps = None;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -67,6 +68,14 @@ fn main() -> ExitCode {
                     None => return fail("--arena-chunk needs a size such as 256MiB (0: granule by granule)"),
                 }
             }
+            "--steps" => {
+                i += 1;
+                match args.get(i).map(|s| (s, Steps::parse(s))) {
+                    Some((_, Some(st))) => steps = Some(st),
+                    Some((s, None)) => return fail(&format!("--steps {s:?}: expected FIRST,EVERY,WARMUP event counts, EVERY above 0")),
+                    None => return fail("--steps needs FIRST,EVERY,WARMUP"),
+                }
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -104,7 +113,7 @@ fn main() -> ExitCode {
                 }
             }
         };
-        match replay_with_progress(&ops, &opts, device_size, paged, &mut progress) {
+        match replay_with_progress(&ops, &opts, device_size, paged, steps, &mut progress) {
             Ok(r) => {
                 println!(
                 "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} / {} | {} / {} | {} + {} | {} / {} | {:.0} |",
@@ -149,6 +158,18 @@ fn main() -> ExitCode {
     let kinds: Vec<String> = results.iter().filter(|r| r.driver_calls_second_half > 0).map(|r| format!("{}: {}", r.strategy, r.second_half_by_kind)).collect();
     if !kinds.is_empty() {
         println!("the second half's driver calls by kind: {}", kinds.join("; "));
+    }
+    if steps.is_some() {
+        for r in &results {
+            let (all, off, peaks, peak_calls) = second_half_off_peak(&r.steps);
+            let each: Vec<String> = r.steps.iter().map(|s| format!("{}{}", s.calls, if s.new_peak { "*" } else { "" })).collect();
+            println!(
+                "{} steps: {} measured; second half {all:.2} driver calls a step, {off:.2} off peak ({peaks} new-peak steps made {peak_calls}); each step (* new peak): {}",
+                r.strategy,
+                r.steps.len(),
+                each.join(" ")
+            );
+        }
     }
     ExitCode::SUCCESS
 }
