@@ -3,7 +3,7 @@
 figures a policy change must be judged on, in seconds.
 
     cargo build --release
-    python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay]
+    python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay] [--churn-draws 9]
 
 One draw of a workload whose shapes never repeat is chance layout (docs/arena.md, "One draw
 is chance"), so this replays, per workload, every draw there is:
@@ -11,8 +11,8 @@ is chance"), so this replays, per workload, every draw there is:
     on the H200 (draw 0: docs/results/2026-11-25-s19/a/; BENCH_SEED 1-3:
     docs/results/2026-11-26-s28/a/), decompressed into a temporary folder;
   - churn: generated here as scripts/workloads.py draws it, after the 4-byte allocation of
-    bench_workloads.py's first kernel (BENCH_SEED 0-8; draw 0 replays as the GPU's
-    recording of it does).
+    bench_workloads.py's first kernel (BENCH_SEED 0-8, or 0..N-1 with --churn-draws N;
+    draw 0 replays as the GPU's recording of it does).
 It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
 half and their kinds (gpupool-replay's figures), then each workload's worst ratio and mean
 calls. Churn's trace has a fixed number of events a step, so its draws also get issue
@@ -38,7 +38,7 @@ RECORDED = [
     ("training", 1, "docs/results/2026-11-26-s28/a/training-seed1.csv.xz"),
     ("serving", 0, "docs/results/2026-11-25-s19/a/serving.csv.xz"),
 ] + [("serving", s, f"docs/results/2026-11-26-s28/a/serving-seed{s}.csv.xz") for s in (1, 2, 3)]
-CHURN_DRAWS = range(9)
+CHURN_DRAWS = 9  # the default; --churn-draws N for more (a policy's churn figure is judged on 39)
 
 
 CHURN = dict(slots=256, ops=1000, warmup=5, steps=30)  # bench_workloads.py's churn
@@ -103,7 +103,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pool", default="arena", choices=("arena", "split", "binned", "none"))
     ap.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "gpupool-replay"))
+    ap.add_argument("--churn-draws", type=int, default=CHURN_DRAWS, help="churn draws to generate (BENCH_SEED 0..N-1)")
     a = ap.parse_args()
+    if a.churn_draws < 0:
+        ap.error("--churn-draws must be 0 or more")
     if not os.access(a.replay, os.X_OK):
         sys.exit(f"no replay tool at {a.replay}: build it first (cargo build --release)")
     results = []
@@ -114,7 +117,7 @@ def main():
                 dst.write(src.read())
             results.append((name, draw, *replay(a.replay, a.pool, path)))
             os.remove(path)
-        for draw in CHURN_DRAWS:
+        for draw in range(a.churn_draws):
             path = os.path.join(tmp, f"churn-{draw}.csv")
             churn_trace(draw, path)
             results.append(("churn", draw, *replay(a.replay, a.pool, path, churn_steps())))
