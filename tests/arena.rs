@@ -85,6 +85,48 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
 }
 
 #[test]
+fn a_request_no_stitch_could_hold_keeps_the_cached_stitches() {
+    // A request larger than the whole stitch range can never be stitched: planning it must
+    // not evict cached stitches one by one (each eviction waits for its stream and removes
+    // its aliases, and the next step has to stitch again), and it fails cleanly.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let blocks: Vec<usize> = (0..4).map(|_| p.malloc(2 * G, 0).unwrap()).collect();
+    p.free(blocks[0], 0).unwrap();
+    p.free(blocks[2], 0).unwrap();
+    let big = p.malloc(4 * G, 0).unwrap();
+    p.free(big, 0).unwrap();
+    let made = p.arena_counters().unwrap();
+    assert_eq!((made.stitches_made, made.stitches_dropped), (1, 0));
+    assert!(p.malloc(1 << 46, 0).is_err(), "64 TiB cannot be served");
+    // Nor 1.5 GiB on this 1 GiB device (its large range, twice the device, could hold it).
+    assert!(matches!(p.malloc(3 << 29, 0), Err(Error::OutOfMemory(_))));
+    let c = p.arena_counters().unwrap();
+    assert_eq!((c.stitches_dropped, c.granules_unmapped), (0, 0), "an impossible request evicted the cached stitch: {c:?}");
+    // Nor one larger than any block the arena's address ranges could hold (here the
+    // device has 1 GiB and `GPUPOOL_ARENA_VA` is 64 MiB: no release could help it).
+    let mut small_va = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &PoolOptions { kind: PoolKind::Arena, arena_va: Some(64 * MIB), ..Default::default() }).unwrap();
+    let held: Vec<usize> = (0..4).map(|_| small_va.malloc(2 * G, 0).unwrap()).collect();
+    small_va.free(held[0], 0).unwrap();
+    small_va.free(held[2], 0).unwrap();
+    let s = small_va.malloc(4 * G, 0).unwrap();
+    small_va.free(s, 0).unwrap();
+    assert!(matches!(small_va.malloc(100 * MIB, 0), Err(Error::OutOfMemory(_))));
+    let c = small_va.arena_counters().unwrap();
+    assert_eq!((c.stitches_dropped, c.granules_unmapped), (0, 0), "{c:?}");
+    for b in [held[1], held[3]] {
+        small_va.free(b, 0).unwrap();
+    }
+    // The stitch still serves its size with no driver call.
+    let before = p.driver_calls();
+    let again = p.malloc(4 * G, 0).unwrap();
+    assert_eq!(p.driver_calls(), before, "the cached stitch served again: {}", p.driver_calls().text());
+    assert_eq!(p.arena_counters().unwrap().stitch_reuses, 1);
+    for b in [again, blocks[1], blocks[3]] {
+        p.free(b, 0).unwrap();
+    }
+}
+
+#[test]
 fn a_stitch_maps_each_granule_once_and_grants_access_once() {
     // Four 2-granule blocks, every other one freed: 4 free granules in two runs. A request
     // for 4 granules is stitched from them: 4 aliases and one access grant over the stitch
@@ -341,6 +383,8 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
     let e = p.malloc(512 * 1024, 0).unwrap_err();
     assert!(e.to_string().contains("access grant refused"), "{e}");
     p.check_invariants().unwrap();
+    // From here the alias's removal keeps failing until the last reclaim below.
+    unalias.store(1_000, std::sync::atomic::Ordering::SeqCst);
     // The next request plans around it (before the fix it tried to map new memory over the
     // stale alias and failed with the driver's error every time).
     let small: Vec<usize> = (0..8).map(|_| p.malloc(512 * 1024, 0).unwrap()).collect();
@@ -351,7 +395,17 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
         assert!(intact(a, 512 * 1024, i as u64));
         p.free(a, 0).unwrap();
     }
+    // While the stale alias stays (its removal fails again at this reclaim), the granule it
+    // shows is not given back: on the GPU the driver would keep that memory for the alias,
+    // and the books would count a granule less than the device holds.
+    // (The loans' aliases cannot be removed either, so they stay too: each counts once.)
+    p.reclaim().unwrap();
+    let c = p.arena_counters().unwrap();
+    let lent_now = (c.granules_lent - c.loans_ended) as usize;
+    assert_eq!(p.stats().total_bytes as usize, (lent_now + 1) * 2 * MIB, "the stale alias's granule is kept and counted once: {}", p.memory_status());
+    p.check_invariants().unwrap();
     // Reclaim removes the stale alias and gives everything back.
+    unalias.store(0, std::sync::atomic::Ordering::SeqCst);
     p.reclaim().unwrap();
     assert_eq!(p.stats().total_bytes, 0, "{}", p.memory_status());
     p.check_invariants().unwrap();

@@ -206,7 +206,7 @@ impl Pool {
                     for k in 0..f.made {
                         let at = targets[r.start] + k * g;
                         if self.core.upstream.vmm_unalias(at, g).is_err() {
-                            self.arena().quarantine(at, key);
+                            self.arena().quarantine(at, homes[r.start + k], key);
                             quarantined = true;
                         }
                     }

@@ -258,8 +258,30 @@ impl Pool {
                 Attempt::Refused { by_limit: l } => by_limit = l,
                 Attempt::Nothing => {}
             }
+            // A request larger than the limit or the whole device fails whatever is given
+            // back: the cache (and the arena's stitches over it) stays.
+            if stage == Stage::AsIs {
+                if let Some(l) = self.never_fits(rounded) {
+                    return Err(self.oom(size, rounded, l));
+                }
+            }
         }
         Err(self.oom(size, rounded, by_limit))
+    }
+
+    /// `Some(by_limit)` where `rounded` bytes exceed the limit or, in the arena, the device's
+    /// memory or the address range any block must fit in. (Not the device's memory for the
+    /// other pools: a managed upstream may hand out more than the device holds.)
+    fn never_fits(&self, rounded: usize) -> Option<bool> {
+        let limit = self.limits.limit();
+        if limit > 0 && rounded > limit {
+            return Some(true);
+        }
+        let arena = self.core.strategy.as_arena_ref()?;
+        // The device's memory as the arena read it at start (one granule where the driver
+        // would not say: no bound then).
+        let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
+        (rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)).then_some(false)
     }
 
     /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):

@@ -87,13 +87,16 @@ impl ArenaStrategy {
         n.addr
     }
 
-    /// The pool could not remove the alias left at the unmapped granule `at` (a failed loan):
-    /// keep everything off it until `unstick`.
-    pub fn quarantine(&mut self, at: usize, stream: StreamKey) {
-        let si = self.space_of(at);
-        self.spaces[si].mark_mapped(at, self.granule, stream);
-        let b = self.spaces[si].carve_range(at, self.granule, stream);
-        self.stuck.insert(at, b.handle);
+    /// The pool could not remove the alias of the other range's free granule `home` left at
+    /// the unmapped granule `at` (a failed loan): keep everything off both until `unstick`.
+    /// The home's memory stays with the driver while the alias lives, so it is booked as
+    /// allocated (as a loan's home) rather than left free to be handed out or given back.
+    pub fn quarantine(&mut self, at: usize, home: usize, stream: StreamKey) {
+        let (g, si) = (self.granule, self.space_of(at));
+        self.spaces[si].mark_mapped(at, g, stream);
+        let slot = self.spaces[si].carve_range(at, g, stream).handle;
+        let home = self.spaces[1 - si].carve_range(home, g, stream).handle;
+        self.stuck.insert(at, Stuck { slot, home, stream });
     }
 
     /// Granules in quarantine, for the pool to retry removing their aliases.
@@ -101,13 +104,28 @@ impl ArenaStrategy {
         self.stuck.keys().copied().collect()
     }
 
-    /// The alias at quarantined granule `at` is gone: it is unmapped address space again.
+    /// The alias at quarantined granule `at` is gone: it is unmapped address space again, and
+    /// its home free memory of the stream that borrowed it (which had waited for the home's
+    /// earlier streams before the alias was made).
     pub fn unstick(&mut self, at: usize) {
-        let slot = self.stuck.remove(&at).expect("a quarantined granule");
+        let st = self.stuck.remove(&at).expect("a quarantined granule");
         let si = self.space_of(at);
-        let n = *self.spaces[si].node(slot);
+        let n = *self.spaces[si].node(st.slot);
         let base = self.spaces[si].base;
-        self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: StreamKey::LEGACY, handle: slot });
+        self.spaces[si].put(Block { addr: n.addr, size: n.size, segment: base, stream: st.stream, handle: st.slot });
         self.spaces[si].mark_unmapped(at, self.granule);
+        let home_space = &mut self.spaces[1 - si];
+        let h = *home_space.node(st.home);
+        let base = home_space.base;
+        home_space.put(Block { addr: h.addr, size: h.size, segment: base, stream: st.stream, handle: st.home });
     }
+}
+
+/// A quarantined alias (`ArenaStrategy::quarantine`): its node, its home's node in the other
+/// range, and the stream that made it.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Stuck {
+    pub slot: super::space::Slot,
+    pub home: super::space::Slot,
+    pub stream: StreamKey,
 }

@@ -93,8 +93,9 @@ pub struct ArenaStrategy {
     /// Granules where an alias the driver would not remove stays mapped (a loan whose access
     /// grant failed, and whose undo failed too): booked as allocated, so nothing is placed
     /// there, until the pool removes the alias (`stuck`, `unstick`). They hold no memory of
-    /// their own: the home is still free in its range.
-    stuck: std::collections::BTreeMap<usize, space::Slot>,
+    /// their own; the home they show is booked as allocated in its range too (as a loan's
+    /// is), so it is neither handed out nor given back while the alias holds its memory.
+    stuck: std::collections::BTreeMap<usize, loans::Stuck>,
     /// Exported blocks: their guards and export records (`export.rs`).
     exports: Exports,
     /// Allocations of several granules in the large range (`chunks.rs`).
@@ -120,6 +121,12 @@ impl ArenaStrategy {
 
     pub fn granule(&self) -> usize {
         self.granule
+    }
+
+    /// The largest block the arena could ever hand out: one that fills the large range or
+    /// the stitch range.
+    pub fn largest_possible_block(&self) -> usize {
+        self.spaces[LARGE].len.max(self.stitches.len)
     }
 
     /// The reserved ranges `(base, len)`: small, large, stitch.
@@ -201,7 +208,9 @@ impl ArenaStrategy {
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
         if n.saturating_sub(free) < window_new {
             let full = self.stitches.count() >= stitch::MAX_STITCHES;
-            if may_evict && (full || self.stitches.find_va(whole).is_none()) {
+            // Evict only where the stitch could then fit (a request larger than the range
+            // would otherwise empty the cache one eviction at a time, and still fail).
+            if may_evict && self.stitches.could_hold(whole) && (full || self.stitches.find_va(whole).is_none()) {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
@@ -214,7 +223,7 @@ impl ArenaStrategy {
             };
             let new = n.saturating_sub(homes.len());
             // Chunks can make the stitch longer than the request: evict for its true length.
-            if may_evict && !homes.is_empty() && fits(self, homes.len() + new).is_none() {
+            if may_evict && !homes.is_empty() && self.stitches.could_hold((homes.len() + new) * g) && fits(self, homes.len() + new).is_none() {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
@@ -424,7 +433,8 @@ impl Strategy for ArenaStrategy {
     }
 
     fn cached_bytes(&self) -> usize {
-        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes
+        // A quarantined alias's home is held for nothing, as cached memory is.
+        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes + self.stuck.len() * self.granule
     }
 
     fn free_block_count(&self) -> usize {
@@ -457,6 +467,13 @@ impl Strategy for ArenaStrategy {
             let n = self.spaces[1 - si].node(slot);
             if !self.spaces[si].is_mapped(at) || n.state != space::State::Allocated || n.size != g || n.addr % g != 0 {
                 return Err(format!("loan at {at:#x}: granule mapped {}, home {:?}", self.spaces[si].is_mapped(at), n));
+            }
+        }
+        for (&at, st) in &self.stuck {
+            let si = self.space_of(at);
+            let (n, home) = (self.spaces[si].node(st.slot), self.spaces[1 - si].node(st.home));
+            if n.state != space::State::Allocated || n.addr != at || home.state != space::State::Allocated || home.size != g || home.addr % g != 0 {
+                return Err(format!("quarantined alias at {at:#x}: {n:?}, home {home:?}"));
             }
         }
         if self.loans.keys().filter(|&&a| self.space_of(a) == SMALL).count() != self.small_loans {

@@ -85,6 +85,14 @@ impl Stitches {
         self.free_va.iter().find(|(_, &l)| l >= len).map(|(&a, _)| a)
     }
 
+    /// Whether `len` bytes could ever fit once every evictable stitch is gone: the range less
+    /// what stitches in use or broken hold (evicting cannot free those). Eviction for a
+    /// request past this would empty the cache and still fail.
+    pub fn could_hold(&self, len: usize) -> bool {
+        let pinned: usize = self.iter().filter(|(_, s)| s.in_use || s.broken).map(|(_, s)| s.len).sum();
+        len <= self.len - pinned
+    }
+
     /// Book a new stitch at `base` (from `find_va`) showing `homes`; returns its id.
     pub fn add(&mut self, base: usize, homes: Vec<usize>, granule: usize) -> u32 {
         let len = homes.len() * granule;

@@ -223,3 +223,17 @@ fn release_lists_whole_free_granules_only() {
     assert_eq!(a.mapped_bytes(), 2 * G);
     assert_eq!(a.cached_bytes(), G / 2);
 }
+
+#[test]
+fn stitches_in_use_or_broken_bound_what_eviction_could_make_room_for() {
+    let g = 2 << 20;
+    let mut st = stitch::Stitches::new(0x1000_0000, 16 * g);
+    let a = st.add(st.find_va(4 * g).unwrap(), (0..4).map(|i| 0x9000_0000 + i * g).collect(), g);
+    let b = st.add(st.find_va(6 * g).unwrap(), (4..10).map(|i| 0x9000_0000 + i * g).collect(), g);
+    assert!(st.could_hold(16 * g), "free stitches can all be evicted");
+    assert!(!st.could_hold(16 * g + 1), "past the range");
+    st.get_mut(a).in_use = true;
+    assert!(st.could_hold(12 * g) && !st.could_hold(12 * g + 1), "a stitch in use keeps its 4 granules");
+    st.get_mut(b).broken = true;
+    assert!(st.could_hold(6 * g) && !st.could_hold(6 * g + 1), "a broken one is never evicted either");
+}
