@@ -29,19 +29,14 @@ pub struct Window {
 
 /// The windows of `space` that can hold `len` bytes for `stream`, cheapest first.
 pub fn windows(space: &Space, len: usize, stream: StreamKey) -> Vec<Window> {
-    let nodes: Vec<_> = space.walk().map(|(_, n)| *n).collect();
     let mut out = Vec::new();
-    let mut i = 0;
-    while i < nodes.len() {
-        if nodes[i].state == State::Allocated {
-            i += 1;
-            continue;
+    // One walk; only the nodes of the gap under way are copied (most nodes are allocated,
+    // and this runs for every request no free block serves).
+    let mut gap: Vec<super::space::Node> = Vec::new();
+    let close = |gap: &mut Vec<super::space::Node>, out: &mut Vec<Window>| {
+        if gap.is_empty() {
+            return;
         }
-        let mut j = i;
-        while j < nodes.len() && nodes[j].state != State::Allocated {
-            j += 1;
-        }
-        let gap = &nodes[i..j];
         let (gs, ge) = (gap[0].addr, gap[gap.len() - 1].end());
         if ge - gs >= len {
             let mut starts: Vec<usize> = gap.iter().flat_map(|n| [n.addr, n.end().saturating_sub(len)]).collect();
@@ -53,8 +48,16 @@ pub fn windows(space: &Space, len: usize, stream: StreamKey) -> Vec<Window> {
                 out.push(window_at(space, gap, w, len, stream, ge - gs));
             }
         }
-        i = j;
+        gap.clear();
+    };
+    for (_, n) in space.walk() {
+        if n.state == State::Allocated {
+            close(&mut gap, &mut out);
+        } else {
+            gap.push(*n);
+        }
     }
+    close(&mut gap, &mut out);
     out.sort_by(|a, b| {
         (a.targets.len(), a.foreign.len(), a.gap, a.start).cmp(&(b.targets.len(), b.foreign.len(), b.gap, b.start))
     });
