@@ -30,8 +30,8 @@ pub struct Window {
 /// The windows of `space` that can hold `len` bytes for `stream`, cheapest first.
 pub fn windows(space: &Space, len: usize, stream: StreamKey) -> Vec<Window> {
     let mut out = Vec::new();
-    // One walk; only the nodes of the gap under way are copied (most nodes are allocated,
-    // and this runs for every request no free block serves).
+    // The idle nodes in address order (`Space::idle_nodes`); a gap ends where the next
+    // idle node does not start at the last one's end (an allocated node lies between).
     let mut gap: Vec<super::space::Node> = Vec::new();
     let close = |gap: &mut Vec<super::space::Node>, out: &mut Vec<Window>| {
         if gap.is_empty() {
@@ -50,12 +50,11 @@ pub fn windows(space: &Space, len: usize, stream: StreamKey) -> Vec<Window> {
         }
         gap.clear();
     };
-    for (_, n) in space.walk() {
-        if n.state == State::Allocated {
+    for n in space.idle_nodes() {
+        if gap.last().is_some_and(|l| l.end() != n.addr) {
             close(&mut gap, &mut out);
-        } else {
-            gap.push(*n);
         }
+        gap.push(n);
     }
     close(&mut gap, &mut out);
     out.sort_by(|a, b| {
