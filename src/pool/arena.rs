@@ -87,6 +87,9 @@ impl Grower for ArenaGrowth {
         // Once memory had to be released for this request, new memory is mapped granule by
         // granule: a chunk partly in use could be neither stitched nor released later.
         pool.arena().set_chunking(stage == Stage::AsIs);
+        if let Some(b) = pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled_unplanned(rounded, key, gate)) {
+            return Ok(Attempt::Served(b));
+        }
         // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
         // stream's work cannot be waited for now) is not planned again in this growth: the
         // same stitch would be chosen forever.

@@ -460,6 +460,11 @@ impl Space {
         idle
     }
 
+    /// How many streams have free memory here.
+    pub fn free_streams(&self) -> usize {
+        self.index.values().filter(|b| !b.is_empty()).count()
+    }
+
     pub fn free_count(&self) -> usize {
         self.free_count
     }

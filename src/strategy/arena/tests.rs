@@ -237,3 +237,26 @@ fn stitches_in_use_or_broken_bound_what_eviction_could_make_room_for() {
     st.get_mut(b).broken = true;
     assert!(st.could_hold(6 * g) && !st.could_hold(6 * g + 1), "a broken one is never evicted either");
 }
+
+#[test]
+fn a_crumb_takes_a_scrap_before_planning_only_where_planning_could_not_do_better() {
+    // z (9/8 granule) leaves a scrap of 7/8 granule in g1, which a live block also holds.
+    let mut a = arena();
+    let (z, _) = grow(&mut a, 9 * G / 8, L);
+    let crumb = G / 8;
+    assert!(a.take_spilled_unplanned(2 * G, L, &mut |_, _, _| true).is_none(), "large requests never spill");
+    // The small range has no free memory: the crumb goes beside z with no plan.
+    let c = a.take_spilled_unplanned(crumb, L, &mut |_, _, _| true).expect("the scrap beside z");
+    assert_eq!(c.addr, z.addr + z.size);
+    a.put(c);
+    // Small-range free memory of two streams in neighbouring nodes may make a window with no
+    // new memory that `take` cannot see as one block: planning goes first then.
+    let (s1, _) = grow(&mut a, 64 << 10, L);
+    let keep = grow(&mut a, 64 << 10, L).0;
+    let c = a.take_spilled_unplanned(crumb, L, &mut |_, _, _| true).expect("one stream's free memory (the small granule's rest): the scrap first");
+    a.put(c);
+    a.put(Block { stream: StreamKey(1), ..s1 });
+    assert!(a.take_spilled_unplanned(crumb, L, &mut |_, _, _| true).is_none(), "two streams' free memory: plan first");
+    let _ = keep;
+    a.check_invariants().unwrap();
+}
