@@ -108,6 +108,9 @@ pub struct OomReport {
     pub by_limit: bool,
     /// Name of the active strategy, for the hint.
     pub strategy: &'static str,
+    /// True when no release anywhere could help (the request is over the limit, or over
+    /// what the arena could ever hold): the device's other shards keep their caches.
+    pub hopeless: bool,
 }
 
 /// The error type of the whole crate.

@@ -412,3 +412,22 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
     let again = p.malloc(512 * 1024, 0).unwrap();
     p.free(again, 0).unwrap();
 }
+
+#[test]
+fn a_request_over_a_lowered_limit_is_still_served_from_memory_reserved_before() {
+    // The limit refuses new memory, not memory already held: freed on another stream, the
+    // 8 MiB reserved before the limit fell to 4 MiB serve a 6 MiB request once the waits
+    // of the escalation made them reusable. A request no release could help fails only
+    // after those waits.
+    for kind in [PoolKind::Arena, PoolKind::Split] {
+        let opts = PoolOptions { kind, check_invariants: true, thread_cache: false, ..Default::default() };
+        let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &opts).unwrap();
+        let (x, y) = (0x1000, 0x2000);
+        let a = p.malloc(8 * MIB, x).unwrap();
+        p.set_limit(4 * MIB).unwrap();
+        p.free(a, x).unwrap();
+        let b = p.malloc(6 * MIB, y).unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        p.free(b, y).unwrap();
+        assert!(matches!(p.malloc(16 * MIB, y), Err(Error::OutOfMemory(_))), "{kind:?}");
+    }
+}

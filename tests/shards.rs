@@ -336,3 +336,22 @@ fn two_working_streams_dealt_one_shard_end_on_two() {
     let s = stats(d);
     assert_eq!((s.n_live_blocks, s.used_bytes, s.n_invalid_frees), (0, 0, 0), "{}", status(d));
 }
+
+#[test]
+fn a_request_no_release_could_help_leaves_the_other_shards_caches() {
+    let d = 49;
+    host(d, c"arena");
+    // 100 MiB cached in stream A's shard.
+    let a = malloc(100 * MIB, d, stream(30));
+    assert_eq!(free(a, d, stream(30)), Status::Ok);
+    let cached = stats(d).total_bytes;
+    assert!(cached >= 100 * MIB as u64);
+    // 300 MiB on this 256 MiB device: out of memory at once, A's cache untouched.
+    let mut p = null_mut();
+    assert_eq!(unsafe { gpupool_malloc(&mut p, 300 * MIB, d, stream(31)) }, Status::OutOfMemory);
+    assert_eq!(stats(d).total_bytes, cached, "a hopeless request emptied another shard's cache: {}", status(d));
+    assert_eq!(stats(d).n_ooms, 1);
+    // A request the cache can serve still gets it from A's shard.
+    let b = malloc(200 * MIB, d, stream(31));
+    assert_eq!(free(b, d, stream(31)), Status::Ok);
+}

@@ -174,3 +174,55 @@ fn the_decay_trim_of_an_allocation_waits_for_the_allocating_streams_own_frees_wi
     assert!(l.iter().any(|x| x.starts_with("unmap")), "the trim gave memory back: {l:?}");
     assert!(!l.iter().any(|x| x == "device sync"), "a device-wide wait for A's own frees: {l:?}");
 }
+
+/// A loan whose alias could be neither granted nor removed (quarantined) books its home for
+/// the borrowing stream, which had waited for the home's stream first. When the alias goes
+/// and the home is free again, a third stream that takes it must wait for that work too:
+/// the borrower records its event after the wait, as a loan does.
+#[test]
+fn a_quarantined_loans_home_reaches_a_third_stream_only_after_the_work_before_it() {
+    const D: usize = 0xD00;
+    let (mut p, dev) = pool(PoolKind::Arena, false);
+    let a = p.malloc(2 * MIB, A).unwrap();
+    let _keep = p.malloc(2 * MIB, A).unwrap();
+    let b = p.malloc(4 * MIB, B).unwrap();
+    p.free(a, A).unwrap();
+    p.free(b, B).unwrap();
+    // C's small request borrows a free large granule; the grant fails and so does the undo.
+    dev.fail_next_alias.store(true, std::sync::atomic::Ordering::SeqCst);
+    dev.unalias_failures.store(1, std::sync::atomic::Ordering::SeqCst);
+    assert!(p.malloc(512 * 1024, C).is_err());
+    // A pass of releases removes the stale alias (the home is free again) and gives B's
+    // run back; the quarantined home stays mapped.
+    p.set_limit(6 * MIB).unwrap();
+    p.set_limit(0).unwrap();
+    p.check_invariants().unwrap();
+    // The release's waits made the device idle; work is queued again (A's may be among it,
+    // as far as the pool can tell from C's side).
+    dev.idle.store(false, std::sync::atomic::Ordering::SeqCst);
+    log(&dev);
+    let got = p.malloc(2 * MIB, D).unwrap();
+    let l = log(&dev);
+    if got == a {
+        assert!(l.iter().any(|e| e.starts_with(&format!("wait {D:#x}"))), "D took the home of the quarantined loan with no wait: {l:?}");
+    }
+    p.check_invariants().unwrap();
+}
+
+/// The requester's own small-range free memory is all `take` needs to look at before a
+/// scrap is taken unplanned; free memory of another stream is planned around first, where
+/// a window of it that needs no new memory may be reusable where its best fit is not.
+#[test]
+fn a_crumb_uses_another_streams_reusable_small_memory_before_a_scrap() {
+    // Batched event records: A's free below has no event yet, so it is not reusable by B.
+    let (mut p, dev) = batched(PoolKind::Arena);
+    let a = p.malloc(64 * 1024, A).unwrap();
+    let _live = p.malloc(64 * 1024, A).unwrap();
+    let big = p.malloc(2 * MIB + 256 * 1024, 0).unwrap();
+    p.free(a, A).unwrap(); // pending on A, with no event: A's best fit is not reusable by B
+    log(&dev);
+    let got = p.malloc(64 * 1024, B).unwrap();
+    let small_granule = a & !(2 * MIB - 1);
+    assert!(got >= small_granule && got < small_granule + 2 * MIB, "the crumb went to the large range's scrap at {got:#x} (big at {big:#x})");
+    p.check_invariants().unwrap();
+}

@@ -222,7 +222,9 @@ impl Pool {
                 }
                 done = r.end;
             }
-            let lent = done > 0;
+            // A quarantined alias's home is booked for this stream too (`quarantine`), and
+            // is free memory of it once the alias goes: the same record covers it.
+            let lent = done > 0 || stuck.is_some();
             targets = &targets[done..];
             if lent {
                 // The lent granules are booked as free memory of this stream, though the

@@ -247,6 +247,19 @@ impl Pool {
                         return Ok(b);
                     }
                 }
+                // A request larger than the limit or the whole device fails whatever is
+                // given back: the cache (and the arena's stitches over it) stays. (Checked
+                // only now: memory reserved before the limit was lowered may still serve it
+                // once the waits above made it reusable.)
+                if stage == Stage::ReleaseSome {
+                    if let Some(l) = self.never_fits(rounded) {
+                        let mut e = self.oom(size, rounded, l);
+                        if let Error::OutOfMemory(r) = &mut e {
+                            r.hopeless = true;
+                        }
+                        return Err(e);
+                    }
+                }
                 if how.release(self, req, stage)? && retake {
                     if let Some(b) = self.core.take_cached(rounded, key, stream) {
                         return Ok(b);
@@ -257,13 +270,6 @@ impl Pool {
                 Attempt::Served(b) => return Ok(b),
                 Attempt::Refused { by_limit: l } => by_limit = l,
                 Attempt::Nothing => {}
-            }
-            // A request larger than the limit or the whole device fails whatever is given
-            // back: the cache (and the arena's stitches over it) stays.
-            if stage == Stage::AsIs {
-                if let Some(l) = self.never_fits(rounded) {
-                    return Err(self.oom(size, rounded, l));
-                }
             }
         }
         Err(self.oom(size, rounded, by_limit))
@@ -332,6 +338,7 @@ impl Pool {
             device_free_total: self.core.upstream.mem_info().ok(),
             by_limit,
             strategy: self.core.strategy.name(),
+            hopeless: false,
         }))
     }
 }

@@ -71,7 +71,7 @@ pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
 /// the failure is counted once either way (`counted_twice`).
 pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
     let r = with_stream_shard(device, shard, stream, &mut f);
-    if !matches!(r, Err(Error::OutOfMemory(_))) || release_other_shards(device, shard) == 0 {
+    if !worth_other_shards(&r) || release_other_shards(device, shard) == 0 {
         return r;
     }
     with_shard(device, shard, |p| {
@@ -81,6 +81,12 @@ pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut f: impl FnMut(&
         }
         again
     })
+}
+
+/// Whether a shard's result is an out-of-memory that the other shards' cached memory could
+/// help (not one no release could: `OomReport::hopeless`).
+pub fn worth_other_shards<R>(r: &Result<R>) -> bool {
+    matches!(r, Err(Error::OutOfMemory(o)) if !o.hopeless)
 }
 
 /// After a retry (`allocate`): whether the first attempt's out-of-memory is to be taken

@@ -55,7 +55,7 @@
 // claim and empty them under its lock); this module owns the thread-local side.
 pub use crate::pool::{Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::Pool;
 use crate::registry::{self, MAX_DEVICES};
 use crate::stream::STREAM_LEGACY;
@@ -248,7 +248,7 @@ fn locked(
     mine: Option<&ThreadCache>,
 ) -> Result<(Result<usize>, Option<Arc<ThreadCache>>)> {
     let (r, fresh) = registry::with_stream_shard(device, shard, stream, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)))?;
-    if !matches!(r, Err(Error::OutOfMemory(_))) || registry::release_other_shards(device, shard) == 0 {
+    if !registry::worth_other_shards(&r) || registry::release_other_shards(device, shard) == 0 {
         return Ok((r, fresh));
     }
     let mine = fresh.as_deref().or(mine);

@@ -21,6 +21,10 @@ pub struct Device {
     pub queries: std::sync::atomic::AtomicUsize,
     /// While set, every event record fails (a driver that refuses them).
     pub refuse_records: AtomicBool,
+    /// The next alias run fails after its mappings are made (a refused access grant).
+    pub fail_next_alias: AtomicBool,
+    /// This many alias removals fail next.
+    pub unalias_failures: std::sync::atomic::AtomicUsize,
 }
 
 pub struct BusyUpstream {
@@ -68,9 +72,19 @@ impl Upstream for BusyUpstream {
         for home in homes {
             self.dev.log.lock().unwrap().push(format!("alias {home:#x}"));
         }
-        self.host.vmm_alias(homes, to)
+        self.host.vmm_alias(homes, to)?;
+        if self.dev.fail_next_alias.swap(false, Ordering::SeqCst) {
+            let error = gpupool::error::Error::Internal("injected: access grant refused".into());
+            return Err(AliasFail { made: homes.len(), error });
+        }
+        Ok(())
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        let left = &self.dev.unalias_failures;
+        if left.load(Ordering::SeqCst) > 0 {
+            left.fetch_sub(1, Ordering::SeqCst);
+            return Err(gpupool::error::Error::Internal("injected: unmap refused".into()));
+        }
         self.host.vmm_unalias(addr, len)
     }
     fn stream_wait_event(&mut self, s: StreamHandle, ev: EventHandle) -> Result<()> {

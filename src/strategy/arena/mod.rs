@@ -260,14 +260,16 @@ impl ArenaStrategy {
         self.spaces[LARGE].take_scrap(rounded, stream, reusable)
     }
 
-    /// `take_spilled` before any planning, where planning could offer nothing better: the
-    /// small range's free memory is one stream's, so its free nodes are merged and a window
-    /// without new memory would be one free node, which `take` found too small. Why: small
-    /// requests the small range cannot serve from a free block are common (a churn of
-    /// mixed sizes takes this path about once in fifty operations), and planning lists every
-    /// window of the range first, only for the scrap to serve.
+    /// `take_spilled` before any planning, where planning could offer nothing better: all of
+    /// the small range's free memory is the requester's own, so its free nodes are merged,
+    /// none needs another stream's permission, and a window without new memory would be one
+    /// free node, which `take` found too small. (Another stream's free memory may hold a
+    /// window that is reusable where that stream's best fit, all `take` asks about, is not.)
+    /// Why: small requests the small range cannot serve from a free block are common (a
+    /// churn of mixed sizes takes this path about once in fifty operations), and planning
+    /// lists every window of the range first, only for the scrap to serve.
     pub fn take_spilled_unplanned(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
-        if Self::class(rounded) != SMALL || self.spaces[SMALL].free_streams() > 1 {
+        if Self::class(rounded) != SMALL || !self.spaces[SMALL].free_only_on(stream) {
             return None;
         }
         self.take_spilled(rounded, stream, reusable)

@@ -460,9 +460,9 @@ impl Space {
         idle
     }
 
-    /// How many streams have free memory here.
-    pub fn free_streams(&self) -> usize {
-        self.index.values().filter(|b| !b.is_empty()).count()
+    /// Whether every free block here is `stream`'s (or there is none).
+    pub fn free_only_on(&self, stream: StreamKey) -> bool {
+        self.index.iter().all(|(&k, b)| k == stream || b.is_empty())
     }
 
     pub fn free_count(&self) -> usize {
