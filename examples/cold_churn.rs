@@ -7,30 +7,25 @@ use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc, gpupoo
 use std::ptr::null_mut;
 use std::time::Instant;
 
+#[path = "../benches/common/churn_sequence.rs"]
+mod churn_sequence;
+
 fn main() {
     let pool = std::env::args().nth(1).unwrap_or("arena".into());
     let thrash_kib: usize = std::env::args().nth(2).and_then(|s| s.parse().ok()).unwrap_or(4096);
     let cpool = std::ffi::CString::new(pool.clone()).unwrap();
     unsafe { gpupool_configure(0, cpool.as_ptr(), c"host".as_ptr()) };
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let (lo, hi) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
-    let size = move |u: u64| ((lo + (u >> 11) as f64 / (1u64 << 53) as f64 * (hi - lo)).exp()) as usize;
+    // The criterion benchmark's churn sequence: its first 256 sizes fill the slots.
+    let all = churn_sequence::churn_sequence(256 + 65_536);
     let mut slots = [null_mut(); 256];
-    for s in slots.iter_mut() {
-        unsafe { gpupool_malloc(s, size(next()), 0, null_mut()) };
+    for (s, &(_, size)) in slots.iter_mut().zip(&all[..256]) {
+        unsafe { gpupool_malloc(s, size, 0, null_mut()) };
     }
     let mut junk = vec![1u8; thrash_kib << 10];
     let (mut busy, mut sum) = (std::time::Duration::ZERO, 0u64);
     // One sequence of 65,536 replacements, run twice; the second pass is timed (the first
     // made the stitches it needs, as a repeating program's warm-up does).
-    let seq: Vec<(usize, usize)> = (0..65_536).map(|_| ((next() % 256) as usize, size(next()))).collect();
+    let seq = &all[256..];
     let calls = || {
         let mut buf = vec![0u8; 1 << 16];
         let n = unsafe { gpupool_stats_json(0, buf.as_mut_ptr().cast(), buf.len()) };
@@ -38,7 +33,7 @@ fn main() {
         let i = t.find("\"total\":").expect("driver call total");
         t[i + 8..].chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse::<u64>().unwrap()
     };
-    for &(slot, sz) in &seq {
+    for &(slot, sz) in seq {
         unsafe {
             gpupool_free(slots[slot], 0, null_mut());
             gpupool_malloc(&mut slots[slot], sz, 0, null_mut());
