@@ -265,9 +265,9 @@ impl ArenaStrategy {
     /// none needs another stream's permission, and a window without new memory would be one
     /// free node, which `take` found too small. (Another stream's free memory may hold a
     /// window that is reusable where that stream's best fit, all `take` asks about, is not.)
-    /// Why: small requests the small range cannot serve from a free block are common (a
-    /// churn of mixed sizes takes this path about once in fifty operations), and planning
-    /// lists every window of the range first, only for the scrap to serve.
+    /// Why: small requests the small range cannot serve from a free block are common in a
+    /// churn of mixed sizes, and planning lists every window of the range first, only for
+    /// the scrap to serve.
     pub fn take_spilled_unplanned(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         if Self::class(rounded) != SMALL || !self.spaces[SMALL].free_only_on(stream) {
             return None;
