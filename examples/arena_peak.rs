@@ -1,8 +1,8 @@
 //! Where an arena's memory lies at each new peak of what it maps, for a `GPUPOOL_TRACE`
 //! replayed on the simulated device: live bytes and free mapped bytes of its small and large
 //! ranges, and, just before the growth, what its free memory could have offered: whole free
-//! granules (what a stitch or a loan can move) and free bytes in pieces of granules (usable
-//! only in place). `cargo run --release --example arena_peak -- trace.csv [--no-arena-lend]`
+//! granules (what a stitch can move, and a loan where lending is on) and free bytes in
+//! pieces of granules (usable only in place). `cargo run --release --example arena_peak -- trace.csv [--no-arena-lend]`
 use gpupool::config::PoolKind;
 use gpupool::pool::{Pool, PoolOptions};
 use gpupool::replay::parse;
@@ -28,7 +28,7 @@ fn main() {
                 let before = pool.stats().total_bytes as usize;
                 let free = free_granules(&pool, GRANULE);
                 let p = pool.malloc(op.size, op.stream).expect("malloc");
-                let grew = pool.stats().total_bytes as usize - before;
+                let grew = (pool.stats().total_bytes as usize).saturating_sub(before);
                 if grew > 0 && before + grew > peak_mapped {
                     let (whole, pieces, piece_bytes, largest) = free;
                     println!(
