@@ -23,11 +23,6 @@ mod invariants;
 /// Smallest piece a block is cut to (and the rounding of every request).
 pub const ROUND: usize = 512;
 
-/// The largest block, in granules, carved from whichever end of its free node keeps more
-/// whole granules free (`Space::carve_keeping_granules`); larger ones are carved from the
-/// low end.
-pub const END_CHOICE_GRANULES: usize = 8;
-
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum State {
     Allocated,
@@ -249,50 +244,11 @@ impl Space {
         self.block_of(s)
     }
 
-    /// Hand out `rounded` bytes of free node `s` from whichever end breaks fewer of its
-    /// whole free granules (the low end where both break as many). A whole free granule is
-    /// what a stitch, a loan or a release can use; the rest of a granule a block partly
-    /// covers is usable only in place, and such pieces, about one a live block, are most of
-    /// what the arena holds above its peak in use when sizes vary (`docs/arena.md`). The
-    /// ends differ where the node's ends lie at different offsets in their granules: 1 MiB
-    /// carved from the high end of a node that starts on a granule boundary and ends in the
-    /// middle of a granule breaks no whole granule, from its low end one.
-    ///
-    /// Only blocks of up to `END_CHOICE_GRANULES` granules choose: for them a granule is a
-    /// large part of what they hold. Larger blocks (a training step's activations) keep
-    /// carving from the low end: replayed, letting them choose too cost token-budget
-    /// training loops more of their peak than it saved random sizes (`docs/arena.md`).
-    fn carve_keeping_granules(&mut self, s: Slot, rounded: usize, stream: StreamKey) -> Block {
-        let n = self.slab.nodes[s as usize];
-        let high = n.end() - rounded;
-        if rounded > END_CHOICE_GRANULES * self.granule
-            || self.granules_broken(&n, high, rounded) >= self.granules_broken(&n, n.addr, rounded)
-        {
-            return self.carve(s, rounded, stream);
-        }
-        self.index_remove(s);
-        let back = self.split_at(s, high);
-        self.index_insert(s);
-        let b = &mut self.slab.nodes[back as usize];
-        b.state = State::Allocated;
-        b.stream = stream;
-        self.used_bytes += rounded;
-        self.block_of(back)
-    }
-
-    /// How many granules lying wholly inside node `n` the bytes `[at, at + len)` touch.
-    fn granules_broken(&self, n: &Node, at: usize, len: usize) -> usize {
-        let g = self.granule;
-        let (whole_start, whole_end) = (n.addr.next_multiple_of(g), n.end() & !(g - 1));
-        let (lo, hi) = ((at & !(g - 1)).max(whole_start), (at + len).next_multiple_of(g).min(whole_end));
-        hi.saturating_sub(lo) / g
-    }
-
     /// Best fit among mapped free memory: the requesting stream first, then other
     /// streams' (best fit first) where `reusable` allows. No driver call.
     pub fn take(&mut self, rounded: usize, stream: StreamKey, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Block> {
         if let Some((_, _, s)) = self.index.get(&stream).and_then(|b| b.best_fit(rounded)) {
-            return Some(self.carve_keeping_granules(s, rounded, stream));
+            return Some(self.carve(s, rounded, stream));
         }
         let mut cands: Vec<(usize, usize, Slot, StreamKey)> = self
             .index
@@ -303,7 +259,7 @@ impl Space {
         cands.sort_unstable();
         for (size, addr, s, from) in cands {
             if reusable(from, addr, size) {
-                return Some(self.carve_keeping_granules(s, rounded, stream));
+                return Some(self.carve(s, rounded, stream));
             }
         }
         None

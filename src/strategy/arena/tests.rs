@@ -260,31 +260,3 @@ fn a_crumb_takes_a_scrap_before_planning_only_where_planning_could_not_do_better
     let _ = keep;
     a.check_invariants().unwrap();
 }
-
-#[test]
-fn a_block_is_carved_from_the_end_of_its_fit_that_keeps_whole_granules_free() {
-    let mut a = arena();
-    let (x, _) = grow(&mut a, 7 * G / 2, L); // 3.5 granules: 4 mapped
-    let (y, _) = grow(&mut a, G / 2, L); // the mapped tail's half granule (a large request)
-    assert_eq!(y.addr, x.addr + x.size);
-    a.put(x);
-    // Free: [x, x + 3.5 granules), three whole granules and a half. Half a granule carved
-    // from the low end would break the first whole granule; from the high end, none.
-    let (z, n) = grow(&mut a, G / 2, L);
-    assert_eq!((z.addr, n), (x.addr + 3 * G, 0), "carved from the free block's high end, in its part granule");
-    let runs = a.spaces[LARGE].free_granule_runs();
-    assert_eq!(runs.iter().map(|r| r.len).sum::<usize>(), 3 * G, "three whole granules stay free");
-    // 2.5 granules from the same free block: from its low end they would break three whole
-    // granules (the third in part), from its high end two.
-    a.put(z);
-    let (w, _) = grow(&mut a, 5 * G / 2, L);
-    assert_eq!(w.addr, x.addr + G);
-    let runs = a.spaces[LARGE].free_granule_runs();
-    assert_eq!((runs.len(), runs[0].addr, runs[0].len), (1, x.addr, G), "the first granule stays whole and free");
-    // Where both ends break as many, the low end: a free block starting on a granule boundary.
-    a.put(w);
-    a.put(y);
-    let (v, _) = grow(&mut a, 2 * G, L);
-    assert_eq!(v.addr, x.addr);
-    a.check_invariants().unwrap();
-}
