@@ -78,8 +78,9 @@ static const char *wl_name(int wl);
 
 /* THREADS_BENCH_CALLS=1: which driver calls a gpupool row made, by kind, and how many blocks
  * moved across streams (to tell event records from growth from cross-stream traffic). */
-static const char *const CALL_KINDS[] = {"malloc", "free", "mem_create", "mem_map", "event_record", "event_query",
-                                         "stream_wait", "stream_id", "n_cross_stream_reuses"};
+static const char *const CALL_KINDS[] = {"malloc", "free", "mem_create", "mem_map", "mem_unmap", "set_access",
+                                         "event_record", "event_query", "event_sync", "stream_wait", "stream_id",
+                                         "n_cross_stream_reuses"};
 #define N_CALL_KINDS (sizeof CALL_KINDS / sizeof CALL_KINDS[0])
 static void gpupool_calls_by_kind(long long out[N_CALL_KINDS]) {
   static char buf[1 << 16];
