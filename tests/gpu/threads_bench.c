@@ -93,6 +93,16 @@ static void gpupool_calls_by_kind(long long out[N_CALL_KINDS]) {
   }
 }
 
+/* One number of gpupool's JSON report on device 0 (its first occurrence), or -1. */
+static long long gpupool_stat(const char *name) {
+  static char buf[1 << 16];
+  char key[64];
+  size_t n = gpupool_stats_json(0, buf, sizeof buf);
+  snprintf(key, sizeof key, "\"%s\":", name);
+  const char *at = n > 0 && n < sizeof buf ? strstr(buf, key) : NULL;
+  return at ? atoll(at + strlen(key)) : -1;
+}
+
 static int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
@@ -164,7 +174,8 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
     gpupool_calls_by_kind(kinds1);
     fprintf(stderr, "calls: %s %s %s %d:", wl_name(wl), own ? "own stream" : "legacy", kind_name(k), threads);
     for (size_t i = 0; i < N_CALL_KINDS; i++) fprintf(stderr, " %s %lld", CALL_KINDS[i], kinds1[i] - kinds0[i]);
-    fprintf(stderr, "\n");
+    /* The process's peaks so far (one row a process: THREADS_BENCH_THREADS and _WORKLOAD). */
+    fprintf(stderr, " peak_total_bytes %lld peak_used_bytes %lld\n", gpupool_stat("peak_total_bytes"), gpupool_stat("peak_used_bytes"));
   }
   for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
   double first = jobs[0].t_start, last = jobs[0].t_end;

@@ -17,6 +17,8 @@
 #   tbab               threads_bench on own streams, the arena only, every workload (1 MiB pairs, churn,
 #                      serving) at 1/4/16 threads, this library and the one before alternating, TB_ROUNDS
 #                      rounds (default 3; 100,000 pairs a thread)
+#   tbrealloc          threads_bench's realloc (serving) row alone, one process a row (so the peaks printed
+#                      are the row's): split, the arena, the arena before; 1/4/16 threads; TB_ROUNDS (default 3)
 #   benchab W R        workloads W, R rounds of: native, arena (this library), arena-before (the library
 #                      before); one process each (bench_workloads.py run), JSON lines in $OUT/benchab-W.jsonl
 #   traces W S         GPUPOOL_TRACE recordings of workloads W (comma list) under the arena, BENCH_SEED each of S
@@ -97,6 +99,16 @@ print('$F', {k: v for k, v in r.items() if k.startswith(('allocator', 'tensors_p
           THREADS_BENCH_ONLY=gpupool-arena THREADS_BENCH_STREAMS=own ./$b/threads_bench 100000 2>&1 | grep "^| gpupool" | sed "s/^/$round $b /"
         done
       done | tee $OUT/tbab.log ;;
+    tbrealloc)
+      build; build_before
+      for round in $(seq 1 ${TB_ROUNDS:-3}); do
+        for kb in gpupool:build-gpu gpupool-arena:build-gpu gpupool-arena:build-before; do
+          for th in 1 4 16; do
+            THREADS_BENCH_CALLS=1 THREADS_BENCH_THREADS=$th THREADS_BENCH_ONLY=${kb%%:*} THREADS_BENCH_WORKLOAD=serving THREADS_BENCH_STREAMS=own \
+              ./${kb##*:}/threads_bench 100000 2>&1 | grep -E "^calls|^\| gpupool" | sed "s/^/$round ${kb##*:} /"
+          done
+        done
+      done | tee $OUT/tbrealloc.log ;;
     benchab)
       W=$1; R=$2; shift 2
       for round in $(seq 1 $R); do
