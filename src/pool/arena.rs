@@ -87,6 +87,10 @@ impl Grower for ArenaGrowth {
         // Once memory had to be released for this request, new memory is mapped granule by
         // granule: a chunk partly in use could be neither stitched nor released later.
         pool.arena().set_chunking(stage == Stage::AsIs);
+        // While other shards' growths contend for the driver, small requests get new memory
+        // rather than new stitches (`contention.rs`).
+        let budget = pool.budget().clone();
+        pool.arena().set_small_stitches(!budget.contention().contended());
         if let Some(b) = pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled_unplanned(rounded, key, gate)) {
             return Ok(Attempt::Served(b));
         }
@@ -99,6 +103,7 @@ impl Grower for ArenaGrowth {
             let served = match plan {
                 None => return Ok(Attempt::Nothing),
                 Some(Growth::Evict { id }) => {
+                    let _calls = budget.contention().begin();
                     // Removing the aliases waits for the stream that last freed the stitch;
                     // when that is this one, its frees are covered first (an event, not a
                     // device-wide wait). A stitch whose alias removal failed is left broken
@@ -114,6 +119,7 @@ impl Grower for ArenaGrowth {
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
                 Some(Growth::Stitch { base, homes, fresh, take }) => {
+                    let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
                     pool.make_stitch(base, homes, &fresh, take, key, stream)
                 }
@@ -126,6 +132,7 @@ impl Grower for ArenaGrowth {
                     match spilled {
                         Some(b) => Ok(b),
                         None => {
+                            let _calls = (!window.targets.is_empty()).then(|| budget.contention().begin());
                             if !window.targets.is_empty() {
                                 pool.cover_own_frees(key, stream);
                             }

@@ -1,7 +1,8 @@
 //! A device's memory budget: the bytes its pools have reserved from the driver, the peak
 //! of that figure, and the limit on it. Every shard of a device's pool (`crate::registry`)
 //! holds the same `Budget` in its limit layer (`limits.rs`), so the limit caps the device,
-//! not each shard.
+//! not each shard. It also carries what else the shards share of the device: whether their
+//! growths' driver calls contend (`contention.rs`).
 //!
 //! Why atomics and not a lock: the budget changes only when memory comes from or goes back
 //! to the upstream (a driver call anyway), never on a cached allocation, so its cache line
@@ -20,6 +21,7 @@ pub struct Budget {
     /// Whether the configured limit was set (by the first pool made for the device):
     /// a shard made later must not undo `gpupool_set_limit`.
     limit_initialised: AtomicBool,
+    contention: super::contention::DriverContention,
 }
 
 impl Budget {
@@ -37,6 +39,11 @@ impl Budget {
 
     pub fn limit(&self) -> usize {
         self.limit.load(Ordering::Acquire)
+    }
+
+    /// Whether the device's shards grow at the same time (`contention.rs`).
+    pub fn contention(&self) -> &super::contention::DriverContention {
+        &self.contention
     }
 
     /// Bytes reserved by every pool of the device.

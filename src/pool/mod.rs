@@ -40,6 +40,7 @@ pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_
 mod arena;
 mod attached_caches;
 mod budget;
+mod contention;
 mod core;
 mod free;
 mod graph_pools;

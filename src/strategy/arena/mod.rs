@@ -100,15 +100,29 @@ pub struct ArenaStrategy {
     exports: Exports,
     /// Allocations of several granules in the large range (`chunks.rs`).
     chunks: chunks::Chunks,
+    /// Whether requests of at most `CONTENDED_STITCH_FROM` granules may be stitched (off
+    /// while the device's shards contend for the driver: `pool/contention.rs`).
+    small_stitches: bool,
     pub counters: ArenaCounters,
 }
 
+/// While the device's shards contend for the driver, only requests of more than this many
+/// granules are stitched anew; smaller ones get new memory, which stops being needed once
+/// it suffices, where their stitches would go on costing serialised driver calls.
+pub const CONTENDED_STITCH_FROM: usize = 4;
+
 impl ArenaStrategy {
+    /// Whether small requests may be stitched anew (`CONTENDED_STITCH_FROM`).
+    pub fn set_small_stitches(&mut self, on: bool) {
+        self.small_stitches = on;
+    }
+
     /// Over the reserved ranges `small`, `large` and `stitch` (`(base, len)`, granule aligned).
     pub fn new(small: (usize, usize), large: (usize, usize), stitch: (usize, usize), granule: usize) -> ArenaStrategy {
         ArenaStrategy {
             spaces: [Space::new(small.0, small.1, granule), Space::new(large.0, large.1, granule)],
             stitches: Stitches::new(stitch.0, stitch.1),
+            small_stitches: true,
             granule,
             loans: Default::default(),
             small_loans: 0,
@@ -206,7 +220,7 @@ impl ArenaStrategy {
         let runs = self.chunks.whole_runs(runs);
         let free: usize = runs.iter().map(|r| r.len / g).sum();
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
-        if n.saturating_sub(free) < window_new {
+        if (self.small_stitches || whole > CONTENDED_STITCH_FROM * g) && n.saturating_sub(free) < window_new {
             let full = self.stitches.count() >= stitch::MAX_STITCHES;
             // Evict only where the stitch could then fit (a request larger than the range
             // would otherwise empty the cache one eviction at a time, and still fail).

@@ -260,3 +260,26 @@ fn a_crumb_takes_a_scrap_before_planning_only_where_planning_could_not_do_better
     let _ = keep;
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn while_shards_contend_small_requests_get_new_memory_instead_of_a_new_stitch() {
+    let mut a = arena();
+    // Eight 2-granule blocks, free every other one: 8 granules free, no 3 in a row.
+    let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
+    for b in blocks.iter().step_by(2) {
+        a.put(*b);
+    }
+    a.set_small_stitches(false);
+    let mapped = a.mapped_bytes();
+    // Three granules: new memory (a window past the live blocks), no stitch.
+    let (small, n) = grow(&mut a, 3 * G, L);
+    assert_eq!((n, a.counters.stitches_made), (3, 0));
+    assert_eq!(a.mapped_bytes(), mapped + 3 * G);
+    // More than CONTENDED_STITCH_FROM granules are still stitched from the free ones.
+    let (big, aliased) = grow(&mut a, (CONTENDED_STITCH_FROM + 1) * G, L);
+    assert_eq!((aliased, a.counters.stitches_made), (CONTENDED_STITCH_FROM + 1, 1));
+    assert_eq!(a.mapped_bytes(), mapped + 3 * G, "no new memory for the stitch");
+    a.put(small);
+    a.put(big);
+    a.check_invariants().unwrap();
+}
