@@ -431,3 +431,52 @@ fn a_request_over_a_lowered_limit_is_still_served_from_memory_reserved_before() 
         assert!(matches!(p.malloc(16 * MIB, y), Err(Error::OutOfMemory(_))), "{kind:?}");
     }
 }
+
+#[test]
+fn while_another_shard_grows_a_small_request_maps_new_memory_unless_the_limit_refuses_it() {
+    // Four 2-granule blocks, every other one freed: 4 free granules in two runs, as above.
+    let setup = |limit: usize| {
+        let mut p = pool(PoolKind::Arena, 1 << 30);
+        let blocks: Vec<usize> = (0..4).map(|_| p.malloc(2 * G, 0).unwrap()).collect();
+        p.free(blocks[0], 0).unwrap();
+        p.free(blocks[2], 0).unwrap();
+        p.set_limit(limit).unwrap();
+        (p, blocks)
+    };
+    // A 4-granule request while another shard's growth is under way (which marks the
+    // device contended as this one begins): its memory created anew, and whether stitched.
+    let contended_malloc = |p: &mut Pool| {
+        let budget = p.budget().clone();
+        let _other_shard = budget.contention().begin();
+        drop(budget.contention().begin()); // a growth that began while the other was under way
+        let before = p.driver_calls();
+        let big = p.malloc(4 * G, 0).unwrap();
+        (big, p.driver_calls().mem_create - before.mem_create, p.arena_counters().unwrap().stitches_made)
+    };
+    let (mut p, blocks) = setup(0);
+    let (big, created, stitched) = contended_malloc(&mut p);
+    assert_eq!((created, stitched), (4, 0), "new memory, no stitch");
+    assert_eq!(p.stats().total_bytes as usize, 12 * G);
+    for b in [big, blocks[1], blocks[3]] {
+        p.free(b, 0).unwrap();
+    }
+    // With the limit at what is held, new memory is refused: the stitch serves after all,
+    // with nothing released first.
+    let (mut q, blocks) = setup(8 * G);
+    let (big, created, stitched) = contended_malloc(&mut q);
+    assert_eq!((created, stitched), (0, 1), "stitched from the free granules");
+    assert_eq!(q.stats().total_bytes as usize, 8 * G);
+    stamp(big, 4 * G, 9);
+    assert!(intact(big, 4 * G, 9));
+    for b in [big, blocks[1], blocks[3]] {
+        q.free(b, 0).unwrap();
+    }
+    // Growths one after another, as a single thread's, never mark the device: stitched.
+    let (mut r, blocks) = setup(0);
+    drop(r.budget().contention().begin());
+    let big = r.malloc(4 * G, 0).unwrap();
+    assert_eq!(r.arena_counters().unwrap().stitches_made, 1);
+    for b in [big, blocks[1], blocks[3]] {
+        r.free(b, 0).unwrap();
+    }
+}

@@ -88,9 +88,11 @@ impl Grower for ArenaGrowth {
         // granule: a chunk partly in use could be neither stitched nor released later.
         pool.arena().set_chunking(stage == Stage::AsIs);
         // While other shards' growths contend for the driver, small requests get new memory
-        // rather than new stitches (`contention.rs`).
-        let budget = pool.budget().clone();
-        pool.arena().set_small_stitches(!budget.contention().contended());
+        // rather than new stitches (`contention.rs`); not once memory had to be released,
+        // nor where new memory is refused or no window is allowed (below): there a stitch
+        // serves with memory already held.
+        let contended = stage == Stage::AsIs && pool.budget().contention().contended();
+        pool.arena().set_small_stitches(!contended);
         if let Some(b) = pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled_unplanned(rounded, key, gate)) {
             return Ok(Attempt::Served(b));
         }
@@ -98,12 +100,17 @@ impl Grower for ArenaGrowth {
         // stream's work cannot be waited for now) is not planned again in this growth: the
         // same stitch would be chosen forever.
         let mut may_evict = true;
+        let mut small_stitches = !contended;
         loop {
             let plan = pool.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
             let served = match plan {
+                None if !small_stitches => {
+                    small_stitches = true;
+                    pool.arena().set_small_stitches(true);
+                    continue;
+                }
                 None => return Ok(Attempt::Nothing),
                 Some(Growth::Evict { id }) => {
-                    let _calls = budget.contention().begin();
                     // Removing the aliases waits for the stream that last freed the stitch;
                     // when that is this one, its frees are covered first (an event, not a
                     // device-wide wait). A stitch whose alias removal failed is left broken
@@ -119,6 +126,7 @@ impl Grower for ArenaGrowth {
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
                 Some(Growth::Stitch { base, homes, fresh, take }) => {
+                    let budget = pool.budget().clone();
                     let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
                     pool.make_stitch(base, homes, &fresh, take, key, stream)
@@ -132,6 +140,7 @@ impl Grower for ArenaGrowth {
                     match spilled {
                         Some(b) => Ok(b),
                         None => {
+                            let budget = pool.budget().clone();
                             let _calls = (!window.targets.is_empty()).then(|| budget.contention().begin());
                             if !window.targets.is_empty() {
                                 pool.cover_own_frees(key, stream);
@@ -143,6 +152,11 @@ impl Grower for ArenaGrowth {
             };
             return match served {
                 Ok(b) => Ok(Attempt::Served(b)),
+                Err(GrowFail::OutOfMemory { .. }) if !small_stitches => {
+                    small_stitches = true;
+                    pool.arena().set_small_stitches(true);
+                    continue;
+                }
                 Err(GrowFail::OutOfMemory { by_limit }) => Ok(Attempt::Refused { by_limit }),
                 Err(GrowFail::Other(e)) => Err(e),
             };

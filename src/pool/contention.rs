@@ -1,22 +1,26 @@
 //! Whether a device's shards make driver calls for growth at the same time.
 //!
 //! The driver runs virtual-memory calls (`cuMemMap`, `cuMemSetAccess`, `cuMemCreate`) one
-//! at a time for the whole process, and slower under contention than one after the other:
-//! a map that takes a microsecond or two alone waits half a millisecond on average when
-//! sixteen threads stitch at once, an access grant over four granules goes from about 0.1
-//! to 0.85 ms (`docs/arena.md`, "Buffers that grow by reallocation"). A stitch saves memory
-//! at the price of such calls, which is a good trade while one thread makes them and a bad
-//! one when several shards wait on each other. Every shard's growth that makes driver calls
-//! passes through `begin`; one that begins while another is under way marks the device
-//! contended for `WINDOW_NS`, during which the arena serves small requests with new memory
-//! instead of new stitches (`ArenaStrategy::set_small_stitches`), which stop once the
-//! memory suffices.
+//! at a time for the whole process, and each waits far longer when several threads make
+//! them at once than alone (`docs/arena.md`, "Buffers that grow by reallocation", has the
+//! measurements). A stitch saves memory at the price of such calls: a good trade while one
+//! thread makes them, a bad one when shards wait on each other. The arena's growths that
+//! map memory (a stitch, a window over unmapped granules) pass through `begin`; one that
+//! begins while another is under way marks the device contended for `WINDOW_NS`. Meanwhile
+//! the arena serves small requests with new memory instead of new stitches
+//! (`ArenaStrategy::set_small_stitches`): new memory is needed only until there is enough,
+//! where stitches go on as long as the pattern does. One thread's growths never overlap,
+//! so a single-threaded program never sees the device contended. The count is per device,
+//! while the driver serialises the whole process: growths on two devices do not count as
+//! overlapping.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-/// How long one overlap of two shards' growths keeps the device contended.
+/// How long one overlap of two shards' growths keeps the device contended: long enough to
+/// span a burst of growths, short enough that shards that stop growing together go back
+/// to stitching soon.
 pub const WINDOW_NS: u64 = 200_000_000;
 
 #[derive(Debug, Default)]
@@ -28,6 +32,7 @@ pub struct DriverContention {
 }
 
 /// A growth under way (`DriverContention::begin`); ends when dropped.
+#[must_use = "the growth ends when this is dropped"]
 pub struct InFlight<'a>(&'a DriverContention);
 
 impl Drop for InFlight<'_> {
@@ -44,6 +49,7 @@ fn now_ns() -> u64 {
 
 impl DriverContention {
     /// A growth that is about to make driver calls; hold the result while it does.
+    #[must_use = "the growth ends when the result is dropped"]
     pub fn begin(&self) -> InFlight<'_> {
         if self.in_flight.fetch_add(1, Ordering::AcqRel) > 0 {
             self.contended_at.store(now_ns(), Ordering::Release);
@@ -71,14 +77,17 @@ mod tests {
         let c = DriverContention::default();
         drop(c.begin());
         drop(c.begin());
-        assert!(!c.contended(), "growths one after another do not contend");
+        assert_eq!(c.contended_at.load(Ordering::Acquire), 0, "growths one after another do not contend");
         let first = c.begin();
-        assert!(!c.contended());
+        assert_eq!(c.contended_at.load(Ordering::Acquire), 0);
         let second = c.begin();
-        assert!(c.contended(), "a growth that began while another was under way");
+        let at = c.contended_at.load(Ordering::Acquire);
+        assert_ne!(at, 0, "a growth that began while another was under way marks the device");
+        assert!(c.contended_as_of(at) && c.contended_as_of(at + WINDOW_NS - 1));
         drop((first, second));
-        assert!(c.contended(), "the mark lasts its window");
-        assert_eq!(c.in_flight.load(Ordering::Acquire), 0);
+        assert_eq!(c.in_flight.load(Ordering::Acquire), 0, "both growths ended");
+        drop(c.begin());
+        assert_eq!(c.contended_at.load(Ordering::Acquire), at, "a growth alone leaves the mark as it was");
     }
 
     #[test]

@@ -100,15 +100,18 @@ pub struct ArenaStrategy {
     exports: Exports,
     /// Allocations of several granules in the large range (`chunks.rs`).
     chunks: chunks::Chunks,
-    /// Whether requests of at most `CONTENDED_STITCH_FROM` granules may be stitched (off
-    /// while the device's shards contend for the driver: `pool/contention.rs`).
+    /// Whether requests of at most `CONTENDED_STITCH_FROM` granules may be stitched anew
+    /// (off while the device's shards contend for the driver: `pool/contention.rs`; cached
+    /// stitches are reused either way).
     small_stitches: bool,
     pub counters: ArenaCounters,
 }
 
 /// While the device's shards contend for the driver, only requests of more than this many
-/// granules are stitched anew; smaller ones get new memory, which stops being needed once
-/// it suffices, where their stitches would go on costing serialised driver calls.
+/// granules are stitched anew; the others get a window (new memory, or the other range's
+/// lent granules), which is needed only until there is enough, where their stitches would
+/// go on costing serialised driver calls. Larger requests keep stitching: new memory for
+/// them would cost more than their stitches' calls save.
 pub const CONTENDED_STITCH_FROM: usize = 4;
 
 impl ArenaStrategy {

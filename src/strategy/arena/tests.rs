@@ -275,10 +275,14 @@ fn while_shards_contend_small_requests_get_new_memory_instead_of_a_new_stitch() 
     let (small, n) = grow(&mut a, 3 * G, L);
     assert_eq!((n, a.counters.stitches_made), (3, 0));
     assert_eq!(a.mapped_bytes(), mapped + 3 * G);
+    // CONTENDED_STITCH_FROM granules exactly: new memory too.
+    let (edge, n) = grow(&mut a, CONTENDED_STITCH_FROM * G, L);
+    assert_eq!((n, a.counters.stitches_made), (CONTENDED_STITCH_FROM, 0));
+    a.put(edge);
     // More than CONTENDED_STITCH_FROM granules are still stitched from the free ones.
     let (big, aliased) = grow(&mut a, (CONTENDED_STITCH_FROM + 1) * G, L);
     assert_eq!((aliased, a.counters.stitches_made), (CONTENDED_STITCH_FROM + 1, 1));
-    assert_eq!(a.mapped_bytes(), mapped + 3 * G, "no new memory for the stitch");
+    assert_eq!(a.mapped_bytes(), mapped + (3 + CONTENDED_STITCH_FROM) * G, "no new memory for the stitch");
     a.put(small);
     a.put(big);
     a.check_invariants().unwrap();
