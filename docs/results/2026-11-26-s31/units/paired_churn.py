@@ -1,10 +1,8 @@
+"""Churn's per-draw differences between two scripts/replay_draws.py outputs: the mean change of the
+peak ratio and of calls a step off peak, with standard errors. python3 paired_churn.py BEFORE AFTER"""
 import sys,re,statistics as st
-def load(p):
-    d={}
-    for l in open(p):
-        m=re.match(r"\| (\w+) \| (\d+) \| ([\d.]+) \| (\d+) \| ([^|]+)\|",l)
-        if m: d[(m[1],int(m[2]))]=(float(m[3]),int(m[4]),m[5].strip())
-    return d
+sys.path.insert(0, __import__('os').path.dirname(__file__))
+from compare_draws import load  # noqa: E402
 a=load(sys.argv[1]); b=load(sys.argv[2])
 ks=[k for k in a if k[0]=="churn"]
 d=[b[k][0]-a[k][0] for k in ks]
