@@ -16,7 +16,8 @@
 //! giving memory back in `release.rs`; private pools in `graph_pools.rs`; the thread caches'
 //! blocks in `attached_caches/`; exports to other processes in `ipc.rs`; reports and
 //! snapshots in `reports.rs` and `snapshot.rs`. How a pool is built: `options.rs`; the
-//! budget a device's shards share: `budget.rs`.
+//! budget a device's shards share: `budget.rs`, and whether their growths contend for the
+//! driver: `contention.rs`.
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the
