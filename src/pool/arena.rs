@@ -140,9 +140,10 @@ impl Grower for ArenaGrowth {
                     match spilled {
                         Some(b) => Ok(b),
                         None => {
-                            let budget = pool.budget().clone();
-                            let _calls = (!window.targets.is_empty()).then(|| budget.contention().begin());
-                            if !window.targets.is_empty() {
+                            // Only a window over unmapped granules makes driver calls.
+                            let budget = (!window.targets.is_empty()).then(|| pool.budget().clone());
+                            let _calls = budget.as_ref().map(|b| b.contention().begin());
+                            if budget.is_some() {
                                 pool.cover_own_frees(key, stream);
                             }
                             pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key))

@@ -64,14 +64,25 @@
   "ctx sw vol / invol |\n"                                                                                     \
   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 
-/* gpupool's driver calls so far on device 0 (all shards), from its JSON report; -1 if unknown. */
-static long long gpupool_driver_calls(void) {
+/* gpupool's JSON report on device 0, or NULL if it does not fit. */
+static const char *gpupool_report(void) {
   static char buf[1 << 16];
   size_t n = gpupool_stats_json(0, buf, sizeof buf);
-  if (n == 0 || n >= sizeof buf) return -1;
-  const char *d = strstr(buf, "\"driver_calls\"");
-  const char *t = d ? strstr(d, "\"total\":") : NULL;
-  return t ? atoll(t + 8) : -1;
+  return n > 0 && n < sizeof buf ? buf : NULL;
+}
+
+/* The number after "name": in `json` (its first occurrence), or -1. */
+static long long json_number(const char *json, const char *name) {
+  char key[64];
+  snprintf(key, sizeof key, "\"%s\":", name);
+  const char *at = json ? strstr(json, key) : NULL;
+  return at ? atoll(at + strlen(key)) : -1;
+}
+
+/* gpupool's driver calls so far on device 0 (all shards), from its JSON report; -1 if unknown. */
+static long long gpupool_driver_calls(void) {
+  const char *r = gpupool_report();
+  return json_number(r ? strstr(r, "\"driver_calls\"") : NULL, "total");
 }
 
 static const char *wl_name(int wl);
@@ -83,24 +94,8 @@ static const char *const CALL_KINDS[] = {"malloc", "free", "mem_create", "mem_ma
                                          "n_cross_stream_reuses"};
 #define N_CALL_KINDS (sizeof CALL_KINDS / sizeof CALL_KINDS[0])
 static void gpupool_calls_by_kind(long long out[N_CALL_KINDS]) {
-  static char buf[1 << 16];
-  size_t n = gpupool_stats_json(0, buf, sizeof buf);
-  for (size_t i = 0; i < N_CALL_KINDS; i++) {
-    char key[64];
-    snprintf(key, sizeof key, "\"%s\":", CALL_KINDS[i]);
-    const char *at = n > 0 && n < sizeof buf ? strstr(buf, key) : NULL;
-    out[i] = at ? atoll(at + strlen(key)) : -1;
-  }
-}
-
-/* One number of gpupool's JSON report on device 0 (its first occurrence), or -1. */
-static long long gpupool_stat(const char *name) {
-  static char buf[1 << 16];
-  char key[64];
-  size_t n = gpupool_stats_json(0, buf, sizeof buf);
-  snprintf(key, sizeof key, "\"%s\":", name);
-  const char *at = n > 0 && n < sizeof buf ? strstr(buf, key) : NULL;
-  return at ? atoll(at + strlen(key)) : -1;
+  const char *r = gpupool_report();
+  for (size_t i = 0; i < N_CALL_KINDS; i++) out[i] = json_number(r, CALL_KINDS[i]);
 }
 
 static int cmp(const void *a, const void *b) {
@@ -175,7 +170,8 @@ static double row(int k, enum workload wl, int own, int threads, long pairs, int
     fprintf(stderr, "calls: %s %s %s %d:", wl_name(wl), own ? "own stream" : "legacy", kind_name(k), threads);
     for (size_t i = 0; i < N_CALL_KINDS; i++) fprintf(stderr, " %s %lld", CALL_KINDS[i], kinds1[i] - kinds0[i]);
     /* The process's peaks so far (one row a process: THREADS_BENCH_THREADS and _WORKLOAD). */
-    fprintf(stderr, " peak_total_bytes %lld peak_used_bytes %lld\n", gpupool_stat("peak_total_bytes"), gpupool_stat("peak_used_bytes"));
+    fprintf(stderr, " peak_total_bytes %lld peak_used_bytes %lld\n", json_number(gpupool_report(), "peak_total_bytes"),
+            json_number(gpupool_report(), "peak_used_bytes"));
   }
   for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
   double first = jobs[0].t_start, last = jobs[0].t_end;

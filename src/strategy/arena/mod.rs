@@ -110,8 +110,8 @@ pub struct ArenaStrategy {
 /// While the device's shards contend for the driver, only requests of more than this many
 /// granules are stitched anew; the others get a window (new memory, or the other range's
 /// lent granules), which is needed only until there is enough, where their stitches would
-/// go on costing serialised driver calls. Larger requests keep stitching: new memory for
-/// them would cost more than their stitches' calls save.
+/// go on costing serialised driver calls. Larger requests keep stitching, where new memory
+/// would cost the most.
 pub const CONTENDED_STITCH_FROM: usize = 4;
 
 impl ArenaStrategy {
