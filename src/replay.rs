@@ -64,6 +64,10 @@ pub struct Report {
     pub unmatched_frees: u64,
     pub peak_reserved: usize,
     pub peak_used: usize,
+    /// The peak of bytes requested by the trace's live allocations, each rounded up to
+    /// 512 B as every pool rounds (what PyTorch's own allocator reports as allocated): the
+    /// figure a pool's peak reserved is judged against, whatever the pool counts as used.
+    pub peak_requested: usize,
     /// Reserved / used at the moment reserved peaked (1.0 = no overhead).
     pub reserved_over_used_at_peak: f64,
     pub ns_per_op: f64,
@@ -158,10 +162,11 @@ pub fn replay_with_progress(
 ) -> Result<Report, Error> {
     let kind = opts.kind;
     let mut pools: BTreeMap<i32, Pool> = BTreeMap::new();
-    let mut map: HashMap<(i32, usize), usize> = HashMap::new();
+    let mut map: HashMap<(i32, usize), (usize, usize)> = HashMap::new();
     let mut r = Report::default();
     let mut busy = std::time::Duration::ZERO;
     let mut used_total = 0usize;
+    let mut requested_total = 0usize;
     let mut reserved_total = 0usize;
     let mut used_at_peak = 0usize;
     let mut calls_at_half = None;
@@ -208,7 +213,10 @@ pub fn replay_with_progress(
                 Ok(p) => {
                     r.allocs += 1;
                     if p != 0 {
-                        map.insert((op.device, op.ptr), p);
+                        let rounded = op.size.div_ceil(512) * 512;
+                        map.insert((op.device, op.ptr), (p, rounded));
+                        requested_total += rounded;
+                        r.peak_requested = r.peak_requested.max(requested_total);
                     }
                 }
                 Err(Error::OutOfMemory(_)) => r.ooms += 1,
@@ -216,7 +224,8 @@ pub fn replay_with_progress(
             }
         } else {
             match map.remove(&(op.device, op.ptr)) {
-                Some(p) => {
+                Some((p, rounded)) => {
+                    requested_total -= rounded;
                     let t = Instant::now();
                     pool.free(p, op.stream)?;
                     busy += t.elapsed();

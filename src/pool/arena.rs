@@ -124,12 +124,12 @@ impl Grower for ArenaGrowth {
                     }
                     continue;
                 }
-                Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, key, true)),
+                Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, rounded, key, true)),
                 Some(Growth::Stitch { base, homes, fresh, take }) => {
                     let budget = pool.budget().clone();
                     let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
-                    pool.make_stitch(base, homes, &fresh, take, key, stream)
+                    pool.make_stitch(base, homes, &fresh, take, rounded, key, stream)
                 }
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
@@ -318,7 +318,7 @@ impl Pool {
     /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
     /// homes are free memory whose streams the plan made safe for `stream`; nothing is
     /// unmapped, so no queued work is disturbed.
-    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, bytes: usize, key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
         if let Err(AliasFail { made, error }) = self.core.upstream.vmm_alias(&homes, base) {
@@ -339,7 +339,7 @@ impl Pool {
         self.trace(stream, Action::Stitch, base, homes.len() * g);
         let take = take.min(homes.len());
         let id = self.arena().add_stitch(base, homes);
-        Ok(self.arena().carve_stitch(id, 0, take, key, false))
+        Ok(self.arena().carve_stitch(id, 0, take, bytes, key, false))
     }
 
     /// Remove stitch `id`'s aliases and forget it (it is not handed out). The stream its

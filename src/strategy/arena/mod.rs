@@ -104,6 +104,8 @@ pub struct ArenaStrategy {
     /// (off while the device's shards contend for the driver: `pool/contention.rs`; cached
     /// stitches are reused either way).
     small_stitches: bool,
+    /// What the last granules of the stitched blocks in use hold past their bytes.
+    stitch_tail_bytes: usize,
     pub counters: ArenaCounters,
 }
 
@@ -126,6 +128,7 @@ impl ArenaStrategy {
             spaces: [Space::new(small.0, small.1, granule), Space::new(large.0, large.1, granule)],
             stitches: Stitches::new(stitch.0, stitch.1),
             small_stitches: true,
+            stitch_tail_bytes: 0,
             granule,
             loans: Default::default(),
             small_loans: 0,
@@ -319,10 +322,13 @@ impl ArenaStrategy {
         self.stitches.add(base, homes, self.granule)
     }
 
-    /// Hand out granules `first..first + granules` of stitch `id` to `stream`: their homes
-    /// are booked as allocated.
-    pub fn carve_stitch(&mut self, id: u32, first: usize, granules: usize, stream: StreamKey, reused: bool) -> Block {
+    /// Hand out granules `first..first + granules` of stitch `id` to `stream` as a block of
+    /// `bytes` (the request): their homes are booked as allocated, the last granule whole.
+    /// What that granule holds past `bytes` serves nothing while the block lives; it counts
+    /// as cached, not as bytes in use, so the pool's figures say what the request costs.
+    pub fn carve_stitch(&mut self, id: u32, first: usize, granules: usize, bytes: usize, stream: StreamKey, reused: bool) -> Block {
         let g = self.granule;
+        let bytes = bytes.clamp((granules.max(1) - 1) * g + 1, granules * g);
         let homes = self.stitches.get(id).homes[first..first + granules].to_vec();
         let mut borrowed = Vec::new();
         for r in plan::adjacent_runs(&homes, g) {
@@ -330,15 +336,17 @@ impl ArenaStrategy {
             borrowed.push(b.handle);
         }
         self.stitches.touch(id);
+        self.stitch_tail_bytes += granules * g - bytes;
         let st = self.stitches.get_mut(id);
         st.borrowed = borrowed;
         st.in_use = true;
         st.first_in_use = first;
         st.granules_in_use = granules;
+        st.bytes_in_use = bytes;
         if reused {
             self.counters.stitch_reuses += 1;
         }
-        Block { addr: st.base + first * g, size: granules * g, segment: self.stitches.base, stream, handle: id }
+        Block { addr: st.base + first * g, size: bytes, segment: self.stitches.base, stream, handle: id }
     }
 
     /// `(base, len, granules already unaliased)` of stitch `id`, for the pool to remove its
@@ -444,7 +452,9 @@ impl Strategy for ArenaStrategy {
         }
         if self.stitches.contains(block.addr) {
             // The stitch stays mapped and cached; its home granules are free again.
+            let g = self.granule;
             let st = self.stitches.get_mut(block.handle);
+            self.stitch_tail_bytes -= st.granules_in_use * g - st.bytes_in_use;
             st.in_use = false;
             st.last_stream = Some(block.stream);
             for slot in std::mem::take(&mut st.borrowed) {
@@ -466,7 +476,7 @@ impl Strategy for ArenaStrategy {
 
     fn cached_bytes(&self) -> usize {
         // A quarantined alias's home is held for nothing, as cached memory is.
-        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes + self.stuck.len() * self.granule
+        self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes + self.stuck.len() * self.granule + self.stitch_tail_bytes
     }
 
     fn free_block_count(&self) -> usize {
@@ -511,6 +521,10 @@ impl Strategy for ArenaStrategy {
         if self.loans.keys().filter(|&&a| self.space_of(a) == SMALL).count() != self.small_loans {
             return Err("arena: small-range loan count is off".into());
         }
+        let tails: usize = self.stitches.iter().filter(|(_, s)| s.in_use).map(|(_, s)| s.granules_in_use * g - s.bytes_in_use).sum();
+        if tails != self.stitch_tail_bytes {
+            return Err(format!("arena: stitch tails {} bytes, booked {}", tails, self.stitch_tail_bytes));
+        }
         for (id, st) in self.stitches.iter() {
             if st.len != st.homes.len() * g {
                 return Err(format!("stitch {id}: {} bytes for {} granules", st.len, st.homes.len()));
@@ -519,6 +533,9 @@ impl Strategy for ArenaStrategy {
             let covered: usize = st.borrowed.iter().map(|&b| large.node(b).size).sum();
             if st.in_use && (covered != st.granules_in_use * g || st.first_in_use + st.granules_in_use > st.homes.len()) {
                 return Err(format!("stitch {id}: borrowed nodes cover {covered} of {} bytes", st.granules_in_use * g));
+            }
+            if st.in_use && (st.bytes_in_use > st.granules_in_use * g || st.bytes_in_use + g <= st.granules_in_use * g) {
+                return Err(format!("stitch {id}: a block of {} bytes over {} granules", st.bytes_in_use, st.granules_in_use));
             }
             if st.homes.iter().any(|&h| !large.is_mapped(h)) {
                 return Err(format!("stitch {id}: a home granule is not mapped"));

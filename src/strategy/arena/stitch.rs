@@ -33,6 +33,9 @@ pub struct Stitch {
     /// (a stitch serves any smaller request with any run of its granules that is free).
     pub first_in_use: usize,
     pub granules_in_use: usize,
+    /// While handed out: the bytes handed out, from the first of those granules; the rest
+    /// of the last one is free memory of its home.
+    pub bytes_in_use: usize,
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
     /// The stream its block was last freed on (work there may still use the aliases).
@@ -104,6 +107,7 @@ impl Stitches {
         let st = Stitch { base, len, homes, borrowed: Vec::new(), in_use: false,
             first_in_use: 0,
             granules_in_use: 0,
+            bytes_in_use: 0,
             last_used: self.clock,
             last_stream: None,
             broken: false,

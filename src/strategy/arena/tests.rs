@@ -24,14 +24,14 @@ fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usi
                 }
                 (a.carve_window(space, &window, stream), window.targets.len())
             }
-            Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, stream, true), 0),
+            Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, rounded, stream, true), 0),
             Growth::Stitch { base, homes, fresh, take } => {
                 for &f in &fresh {
                     a.mapped(f, G, stream);
                 }
                 let n = homes.len();
                 let id = a.add_stitch(base, homes);
-                (a.carve_stitch(id, 0, take, stream, false), n)
+                (a.carve_stitch(id, 0, take, rounded, stream, false), n)
             }
             Growth::Evict { id } => {
                 a.drop_stitch(id);
@@ -83,8 +83,8 @@ fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
     a.put(again);
     // A smaller request takes part of it, also with no driver call.
     let (part, n) = grow(&mut a, 4 * G + 512, L);
-    assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 5 * G, 0, 2));
-    assert_eq!(a.cached_bytes(), 3 * G, "only the prefix's granules are booked");
+    assert_eq!((part.addr, part.size, n, a.counters.stitch_reuses), (big.addr, 4 * G + 512, 0, 2));
+    assert_eq!(a.cached_bytes(), 4 * G - 512, "three granules free, and the last one's rest, which the block does not use");
     a.put(part);
     // A home granule handed out directly makes the stitch unavailable, not wrong.
     let (home, _) = grow(&mut a, 2 * G, L);
@@ -93,6 +93,36 @@ fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
     a.put(home);
     a.put(other);
     a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_stitched_block_is_its_bytes_and_the_rest_of_its_last_granule_counts_as_cached() {
+    let mut a = arena();
+    let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
+    for b in blocks.iter().step_by(2) {
+        a.put(*b);
+    }
+    let mapped = a.mapped_bytes();
+    // 5.5 granules: a stitch of six, the block its 5.5 granules.
+    let (big, aliased) = grow(&mut a, 5 * G + G / 2, L);
+    assert_eq!((aliased, a.mapped_bytes()), (6, mapped));
+    assert_eq!(big.size, 5 * G + G / 2, "the pool counts the bytes handed out, not the stitch's granules");
+    assert_eq!(a.cached_bytes(), 2 * G + G / 2, "two free granules, and the last granule's half the block does not use");
+    a.check_invariants().unwrap();
+    // The half is the block's: nothing else is placed there, and the block exports as before.
+    let last = a.stitches.get(big.handle).homes[5];
+    let mut others = Vec::new();
+    while let Some(b) = a.take(G / 4 + 512, L, &mut |_, _, _| true) {
+        assert!(b.end() <= last || b.addr >= last + G, "a block in the stitched block's last granule");
+        others.push(b);
+    }
+    a.guard_export(big.addr, big.size).unwrap();
+    for b in others {
+        a.put(b);
+    }
+    a.put(big);
+    a.check_invariants().unwrap();
+    assert_eq!(a.cached_bytes(), 8 * G, "the stitch's granules are free again, the tail with them");
 }
 
 #[test]
