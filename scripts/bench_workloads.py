@@ -37,7 +37,10 @@ Columns:
   peak rsrvd    peak bytes the allocator held from the driver (native/expandable:
                 max_memory_reserved; gpupool: peak_total_bytes; rmm: a statistics
                 adaptor under the pool, else peak dev used)
-  rsrvd/alloc   peak rsrvd / peak alloc (1.00 = no waste)
+  rsrvd/alloc   peak rsrvd / peak alloc (1.00 = no waste), as each allocator counts allocated
+  rsrvd/requested  peak rsrvd / the peak of bytes the program asked for: the same measure for
+                every allocator (PyTorch counts blocks it did not split whole as allocated;
+                gpupool counts requests rounded to 512 B; RMM's adaptor what was asked)
   peak dev used device memory in use by the process (total - free from cudaMemGetInfo),
                 sampled after every step and inside steps (training: after the forward
                 pass; churn: every 250 ops), minus the same figure right after CUDA
@@ -171,6 +174,7 @@ def run(workload, allocator):
     per_step = lambda a, b: (b - a) / n if n and a is not None and b is not None else None  # noqa: E731
     peak_used = rec.peak_used - rec.baseline
     peak_alloc, peak_res, res_src = probe.peaks(peak_used)
+    peak_req = probe.peak_requested()
     ms = [x * 1e3 for x in rec.measured]
     result = {
         "workload": workload, "allocator": allocator, "quick": QUICK,
@@ -183,6 +187,8 @@ def run(workload, allocator):
         "tokens_per_s": rec.tokens / sum(rec.measured) if workload == "serving" and rec.measured else None,
         "peak_allocated_bytes": peak_alloc, "peak_reserved_bytes": peak_res, "peak_reserved_source": res_src,
         "reserved_over_allocated": peak_res / peak_alloc if peak_alloc and peak_res is not None else None,
+        "peak_requested_bytes": peak_req,
+        "reserved_over_requested": peak_res / peak_req if peak_req and peak_res is not None else None,
         "peak_device_used_bytes": peak_used, "baseline_device_used_bytes": rec.baseline,
         "device_allocs_frees_per_step": per_step(rec.c0[0], c1[0]),
         "driver_calls_per_step": per_step(rec.c0[1], c1[1]),
@@ -286,7 +292,7 @@ def off_peak_cell(r):
 def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
-    head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc",
+    head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc", "rsrvd/requested",
             "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "2nd half off peak (new-peak steps)", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
     with_rounds = any("rounds" in r for r in results.values() if r)
     head += ["rounds"] if with_rounds else []
@@ -299,7 +305,8 @@ def table(workload, allocators, results):
         ms = r["step_ms_median"]
         rows.append([a, fmt(ms, ".2f"), f"{ms / base:.2f}x" if base and ms else "-",
                      fmt(r["peak_allocated_bytes"], ".3f", GIB), fmt(r["peak_reserved_bytes"], ".3f", GIB),
-                     fmt(r["reserved_over_allocated"], ".3f"), fmt(r["peak_device_used_bytes"], ".3f", GIB),
+                     fmt(r["reserved_over_allocated"], ".3f"), fmt(r.get("reserved_over_requested"), ".3f"),
+                     fmt(r["peak_device_used_bytes"], ".3f", GIB),
                      fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
                      fmt(r.get("calls_per_step_second_half"), ".2f"), off_peak_cell(r), calling(r)]
                     + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else [])

@@ -105,6 +105,17 @@ class Probe:
                     _get(self.rmm_up.allocation_counts, "peak_bytes"), "rmm adaptor under the pool")
         return self.torch.cuda.max_memory_allocated(), self.torch.cuda.max_memory_reserved(), "torch"
 
+    def peak_requested(self):
+        """The peak of bytes the program asked for, whatever each allocator rounds them up to
+        or hands out beyond them (PyTorch's own counts blocks it did not split whole):
+        gpupool's peak in use (requests rounded to 512 B), PyTorch's `requested_bytes`, the
+        statistics adaptor above RMM's pool. None where unknown."""
+        if self.gp is not None:
+            return self.gp.stats(0)["peak_used_bytes"]
+        if self.name == "rmm":
+            return None if self.rmm_top is None else _get(self.rmm_top.allocation_counts, "peak_bytes")
+        return self.torch.cuda.memory_stats().get("requested_bytes.all.peak")
+
     def extra(self):
         if self.gp is None:
             return {}

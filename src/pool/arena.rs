@@ -129,7 +129,7 @@ impl Grower for ArenaGrowth {
                     let budget = pool.budget().clone();
                     let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
-                    pool.make_stitch(base, homes, &fresh, take, rounded, key, stream)
+                    pool.make_stitch(base, homes, &fresh, take, req)
                 }
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
@@ -318,7 +318,8 @@ impl Pool {
     /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
     /// homes are free memory whose streams the plan made safe for `stream`; nothing is
     /// unmapped, so no queued work is disturbed.
-    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, bytes: usize, key: StreamKey, stream: StreamHandle) -> std::result::Result<Block, GrowFail> {
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, req: &Request) -> std::result::Result<Block, GrowFail> {
+        let Request { rounded: bytes, key, stream, .. } = *req;
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
         if let Err(AliasFail { made, error }) = self.core.upstream.vmm_alias(&homes, base) {
