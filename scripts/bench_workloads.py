@@ -56,6 +56,9 @@ Columns:
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
   tokens/s      serving only: tokens generated in measured iterations / their time
+  host launch us  serving only: the process's mean time to launch a small kernel, measured
+                once after warm-up (workloads_measure.host_speed; the first round's with
+                --rounds): serving runs at the host's speed, which varies by process
   rounds        with --rounds: the number of rounds and the range of step ms (serving:
                 of tokens/s) over them
 """
@@ -203,6 +206,7 @@ def run(workload, allocator):
         "fingerprint": fingerprint,
         "fingerprint_sha256": hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
         "wall_s": wall, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        **rec.host,
     }
     result.update(probe.extra())
     print(json.dumps(result), flush=True)
@@ -293,7 +297,7 @@ def table(workload, allocators, results):
     native = results.get("native")
     base = native["step_ms_median"] if native else None
     head = ["allocator", "step ms", "vs native", "peak alloc GiB", "peak rsrvd GiB", "rsrvd/alloc", "rsrvd/requested",
-            "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "2nd half off peak (new-peak steps)", "steps calling"] + (["tokens/s"] if workload == "serving" else [])
+            "peak dev used GiB", "allocs+frees/step", "driver/step", "2nd half/step", "2nd half off peak (new-peak steps)", "steps calling"] + (["tokens/s", "host launch us"] if workload == "serving" else [])
     with_rounds = any("rounds" in r for r in results.values() if r)
     head += ["rounds"] if with_rounds else []
     rows = []
@@ -309,7 +313,7 @@ def table(workload, allocators, results):
                      fmt(r["peak_device_used_bytes"], ".3f", GIB),
                      fmt(r["device_allocs_frees_per_step"], ".2f"), fmt(r["driver_calls_per_step"], ".2f"),
                      fmt(r.get("calls_per_step_second_half"), ".2f"), off_peak_cell(r), calling(r)]
-                    + ([fmt(r["tokens_per_s"], ".0f")] if workload == "serving" else [])
+                    + ([fmt(r["tokens_per_s"], ".0f"), fmt(r.get("host_launch_us"), ".2f")] if workload == "serving" else [])
                     + ([r.get("rounds", "1")] if with_rounds else []))
     widths = [max(len(str(x[i])) for x in [head] + rows) for i in range(len(head))]
     line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"  # noqa: E731

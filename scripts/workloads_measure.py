@@ -123,6 +123,30 @@ class Probe:
         return {"driver_calls": sj.get("driver_calls"), "gpupool_arena": sj.get("arena"), "gpupool_stats": sj}
 
 
+def host_speed(torch):
+    """How fast this process's host runs, measured once between warm-up and the measured
+    steps: a pure-Python loop (ms) and the mean time of 20,000 kernel launches (us).
+    Why: a workload that launches many small kernels (serving) runs at the host's speed,
+    which varies by process on one machine by more than the allocators differ
+    (docs/results/2026-11-28-s32/README.md); these say which processes ran on a slow host.
+    A failure is recorded, not raised: it must not cost the measurement."""
+    try:
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(1_000_000):
+            x += i
+        loop_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20_000):
+            torch.cuda._sleep(0)  # a kernel that allocates nothing: the allocators' sequence is untouched
+        torch.cuda.synchronize()
+        launch_us = (time.perf_counter() - t0) / 20_000 * 1e6
+    except Exception as e:  # noqa: BLE001
+        return {"host_probe_error": repr(e)}
+    return {"host_py_loop_ms": loop_ms, "host_launch_us": launch_us}
+
+
 class Recorder:
     """Step timing, device memory samples and the counters at the end of warm-up."""
 
@@ -145,12 +169,14 @@ class Recorder:
         # #33 excepts such steps from the steady state's driver calls: growth to hold more is
         # no waste); None where the allocator does not report its peak.
         self.new_peak = []
+        self.host = {}
 
     def sample(self):
         free, total = self.torch.cuda.mem_get_info()
         self.peak_used = max(self.peak_used, total - free)
 
     def mark_warm(self):
+        self.host = host_speed(self.torch)
         self.measuring = True
         self.c0 = self.probe.counters()
 
