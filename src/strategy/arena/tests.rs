@@ -61,14 +61,19 @@ fn carves_from_mapped_memory_and_coalesces_across_the_range() {
     assert_eq!(a.counters.granules_mapped, 3, "reuse mapped nothing");
 }
 
-#[test]
-fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
+/// Eight 2-granule blocks, every other one freed: 8 granules free, no 3 in a row.
+fn scattered_free_granules() -> ArenaStrategy {
     let mut a = arena();
-    // Eight 2-granule blocks, free every other one: 8 granules free, no 3 in a row.
     let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
     for b in blocks.iter().step_by(2) {
         a.put(*b);
     }
+    a
+}
+
+#[test]
+fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
+    let mut a = scattered_free_granules();
     let mapped = a.mapped_bytes();
     let (big, aliased) = grow(&mut a, 6 * G, L);
     assert_eq!(a.mapped_bytes(), mapped, "no new memory: free granules shown side by side");
@@ -97,11 +102,7 @@ fn scattered_free_granules_are_stitched_once_and_the_stitch_is_reused() {
 
 #[test]
 fn a_stitched_block_is_its_bytes_and_the_rest_of_its_last_granule_counts_as_cached() {
-    let mut a = arena();
-    let blocks: Vec<Block> = (0..8).map(|_| grow(&mut a, 2 * G, L).0).collect();
-    for b in blocks.iter().step_by(2) {
-        a.put(*b);
-    }
+    let mut a = scattered_free_granules();
     let mapped = a.mapped_bytes();
     // 5.5 granules: a stitch of six, the block its 5.5 granules.
     let (big, aliased) = grow(&mut a, 5 * G + G / 2, L);
