@@ -39,6 +39,7 @@ RECORDED = [
     ("serving", 0, "docs/results/2026-11-25-s19/a/serving.csv.xz"),
 ] + [("serving", s, f"docs/results/2026-11-26-s28/a/serving-seed{s}.csv.xz") for s in (1, 2, 3)]
 CHURN_DRAWS = 9  # the default; --churn-draws N for more (a policy's churn figure is judged on 39)
+EXTRA = []  # gpupool-replay's flags beyond --pool and --steps (main sets them)
 
 
 CHURN = dict(slots=256, ops=1000, warmup=5, steps=30)  # bench_workloads.py's churn
@@ -84,7 +85,7 @@ def churn_trace(seed, path, slots=CHURN["slots"], ops=CHURN["ops"], steps=CHURN[
 
 
 def replay(tool, pool, path, steps=None):
-    out = subprocess.run([tool, path, "--pool", pool] + (["--steps", steps] if steps else []), capture_output=True, text=True)
+    out = subprocess.run([tool, path, "--pool", pool] + (["--steps", steps] if steps else []) + EXTRA, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"{tool} {path}: {out.stderr.strip()}")
     row = next(l for l in out.stdout.splitlines() if l.startswith(f"| {pool} |"))
@@ -104,7 +105,9 @@ def main():
     ap.add_argument("--pool", default="arena", choices=("arena", "split", "binned", "none"))
     ap.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "gpupool-replay"))
     ap.add_argument("--churn-draws", type=int, default=CHURN_DRAWS, help="churn draws to generate (BENCH_SEED 0..N-1)")
+    ap.add_argument("--arena-piece-ends", action="store_true", help="gpupool-replay's --arena-piece-ends (GPUPOOL_ARENA_PIECE_ENDS=1)")
     a = ap.parse_args()
+    EXTRA.extend(["--arena-piece-ends"] if a.arena_piece_ends else [])
     if a.churn_draws < 0:
         ap.error("--churn-draws must be 0 or more")
     if not os.access(a.replay, os.X_OK):

@@ -189,6 +189,10 @@ pub struct Config {
     /// `GPUPOOL_ARENA_CHUNK` (default 256 MiB): the largest physical allocation the arena
     /// maps for a long growth (`strategy/arena/chunks.rs`); `0` maps granule by granule.
     pub arena_chunk: usize,
+    /// `GPUPOOL_ARENA_PIECE_ENDS` (default off): a new stitch may begin in the free end of
+    /// a granule partly in use and end in the free start of another (`strategy/arena/plan.rs`,
+    /// `piece_ends`): less new memory at new peaks, more stitches.
+    pub arena_piece_ends: bool,
     /// `GPUPOOL_STREAM_SHARDS` (default 16, at most `MAX_STREAM_SHARDS`): user streams are
     /// spread over this many shards of each device's pool, each with its own lock, so
     /// threads on different streams do not wait for each other (`crate::registry`); 0
@@ -218,6 +222,7 @@ impl Default for Config {
             event_batch: EVENT_BATCH,
             event_batch_bytes: EVENT_BATCH_BYTES,
             arena_lend: true,
+            arena_piece_ends: false,
             arena_chunk: ARENA_CHUNK,
             stream_shards: STREAM_SHARDS,
             arena_va: None,
@@ -272,7 +277,7 @@ pub fn get() -> Result<&'static Config> {
 }
 
 /// Every variable `Config::from_lookup` reads.
-pub const VARIABLES: [&str; 17] = [
+pub const VARIABLES: [&str; 18] = [
     "GPUPOOL_POOL",
     "GPUPOOL_UPSTREAM",
     "GPUPOOL_MEMORY_LIMIT",
@@ -287,6 +292,7 @@ pub const VARIABLES: [&str; 17] = [
     "GPUPOOL_STREAM_SHARDS",
     "GPUPOOL_ARENA_LEND",
     "GPUPOOL_ARENA_CHUNK",
+    "GPUPOOL_ARENA_PIECE_ENDS",
     "GPUPOOL_STATUS_SOCKET",
     "GPUPOOL_ARENA_VA",
     "GPUPOOL_DECAY",
@@ -467,6 +473,9 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_ARENA_LEND") {
             c.arena_lend = bool_flag("GPUPOOL_ARENA_LEND", &v)?;
+        }
+        if let Some(v) = get("GPUPOOL_ARENA_PIECE_ENDS") {
+            c.arena_piece_ends = bool_flag("GPUPOOL_ARENA_PIECE_ENDS", &v)?;
         }
         if let Some(v) = get("GPUPOOL_ARENA_CHUNK") {
             c.arena_chunk = parse_size(&v).ok_or(Error::InvalidConfig {

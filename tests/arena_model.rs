@@ -34,15 +34,24 @@ fn long_randomized_run_with_decay_matches_the_model() {
 fn long_randomized_run_with_chunks_matches_the_model() {
     // Blocks up to 200 MiB: growths long enough to be mapped in chunks, stitched, lent
     // around and released whole, under limits and reclaims.
-    randomized_run_of(20_000, 0, 1 << 30, 200 * MIB);
+    randomized_run_of(20_000, 0, 1 << 30, 200 * MIB, false);
+}
+
+/// With stitches that begin and end in pieces of granules other blocks hold the rest of
+/// (`GPUPOOL_ARENA_PIECE_ENDS`): every block's contents stay intact beside them.
+#[test]
+fn long_randomized_run_with_piece_ends_matches_the_model() {
+    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    randomized_run_of(ops, 0, 256 * MIB, 40 * MIB, true);
+    randomized_run_of(20_000, 0, 1 << 30, 200 * MIB, true);
 }
 
 fn randomized_run(ops: usize, decay_window: usize) {
-    randomized_run_of(ops, decay_window, 256 * MIB, 40 * MIB)
+    randomized_run_of(ops, decay_window, 256 * MIB, 40 * MIB, false)
 }
 
-fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: usize) {
-    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, decay_window, ..Default::default() };
+fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: usize, arena_piece_ends: bool) {
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: false, decay_window, arena_piece_ends, ..Default::default() };
     let mut p = Pool::new(0, Box::new(HostUpstream::new(capacity)), &opts).unwrap();
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {
@@ -121,4 +130,6 @@ fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: 
     p.reclaim().unwrap();
     assert_eq!(p.stats().total_bytes, 0);
     p.check_invariants().unwrap();
+    let pieces = p.arena_counters().unwrap().stitch_pieces;
+    assert_eq!(pieces > 0, arena_piece_ends, "{pieces} stitch ends in pieces of granules");
 }

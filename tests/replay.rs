@@ -474,6 +474,33 @@ fn churn_loop(seed: u64, steps: usize) -> Vec<gpupool::replay::Op> {
 }
 
 #[test]
+fn stitches_that_end_in_pieces_of_granules_hold_churn_closer_to_its_peak() {
+    // GPUPOOL_ARENA_PIECE_ENDS: a stitch may begin and end in the free ends of granules that
+    // live blocks hold the rest of, so a new peak maps less new memory; more stitches, more
+    // driver calls (printed).
+    let on = PoolOptions { kind: PoolKind::Arena, arena_piece_ends: true, ..Default::default() };
+    let (mut sum_on, mut sum_off) = (0.0, 0.0);
+    for seed in 0..4 {
+        let ops = churn_loop(seed, 35);
+        let off = replay(&ops, PoolKind::Arena, 80 << 30).unwrap();
+        let pieces = replay_with(&ops, &on, 80 << 30, false).unwrap();
+        let ratio = |r: &Report| r.peak_reserved as f64 / r.peak_requested as f64;
+        eprintln!(
+            "seed {seed}: {:.4} with piece ends ({} driver calls in the second half), {:.4} without ({})",
+            ratio(&pieces),
+            pieces.driver_calls_second_half,
+            ratio(&off),
+            off.driver_calls_second_half
+        );
+        assert_eq!((pieces.ooms, pieces.unmatched_frees, pieces.peak_used), (0, 0, pieces.peak_requested));
+        assert!(ratio(&pieces) <= 1.06, "seed {seed}: {:.4}", ratio(&pieces));
+        sum_on += ratio(&pieces);
+        sum_off += ratio(&off);
+    }
+    assert!(sum_on / 4.0 + 0.005 < sum_off / 4.0, "mean {:.4} with piece ends, {:.4} without", sum_on / 4.0, sum_off / 4.0);
+}
+
+#[test]
 fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
     // Memory holds on these draws (not on every one: docs/arena.md, "One draw is chance");
     // driver calls do not settle (issue #33's churn target is unmet): the largest requests often find

@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -8,7 +8,7 @@ use gpupool::replay::{parse, replay_with_progress, second_half_off_peak, Report,
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -17,6 +17,7 @@ fn main() -> ExitCode {
     let mut device_size = 80usize << 30;
     let mut decay_window = gpupool::decay::DEFAULT_WINDOW;
     let mut arena_lend = true;
+    let mut arena_piece_ends = false;
     let mut arena_chunk = gpupool::strategy::arena::CHUNK_MAX;
     let mut paged = false;
     let mut steps = None;
@@ -61,6 +62,7 @@ fn main() -> ExitCode {
                 }
             }
             "--no-arena-lend" => arena_lend = false,
+            "--arena-piece-ends" => arena_piece_ends = true,
             "--arena-chunk" => {
                 i += 1;
                 match args.get(i).and_then(|s| parse_size(s)) {
@@ -104,7 +106,7 @@ fn main() -> ExitCode {
     let tty = std::io::stderr().is_terminal();
     let mut results: Vec<Report> = Vec::new();
     for k in pools {
-        let opts = PoolOptions { kind: k, decay_window, arena_lend, arena_chunk, ..Default::default() };
+        let opts = PoolOptions { kind: k, decay_window, arena_lend, arena_chunk, arena_piece_ends, ..Default::default() };
         let mut progress = |done: usize, total: usize| {
             if tty {
                 let _ = write!(std::io::stderr(), "\r  replaying through {:<7} {:>5.1}% of {total} events", k.name(), 100.0 * done as f64 / total.max(1) as f64);

@@ -48,6 +48,9 @@ fn malformed_values_name_variable_value_and_accepted() {
     assert!(cfg(&[]).unwrap().arena_lend);
     assert!(!cfg(&[("GPUPOOL_ARENA_LEND", "0")]).unwrap().arena_lend);
     assert!(cfg(&[("GPUPOOL_ARENA_LEND", "maybe")]).is_err());
+    assert!(!cfg(&[]).unwrap().arena_piece_ends, "piece ends are off by default");
+    assert!(cfg(&[("GPUPOOL_ARENA_PIECE_ENDS", "1")]).unwrap().arena_piece_ends);
+    assert!(cfg(&[("GPUPOOL_ARENA_PIECE_ENDS", "sometimes")]).is_err());
     assert_eq!(cfg(&[]).unwrap().arena_chunk, 256 << 20);
     assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK", "0")]).unwrap().arena_chunk, 0);
     assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK", "64MiB")]).unwrap().arena_chunk, 64 << 20);

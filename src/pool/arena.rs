@@ -125,11 +125,11 @@ impl Grower for ArenaGrowth {
                     continue;
                 }
                 Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, rounded, key, true)),
-                Some(Growth::Stitch { base, homes, fresh, take }) => {
+                Some(Growth::Stitch { base, homes, fresh, take, head, tail }) => {
                     let budget = pool.budget().clone();
                     let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
-                    pool.make_stitch(base, homes, &fresh, take, req)
+                    pool.make_stitch(base, homes, &fresh, (take, head, tail), req)
                 }
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
@@ -317,8 +317,8 @@ impl Pool {
 
     /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
     /// homes are free memory whose streams the plan made safe for `stream`; nothing is
-    /// unmapped, so no queued work is disturbed.
-    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], take: usize, req: &Request) -> std::result::Result<Block, GrowFail> {
+    /// unmapped, so no queued work is disturbed. `(take, head, tail)`: as `Growth::Stitch`'s.
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], (take, head, tail): (usize, usize, bool), req: &Request) -> std::result::Result<Block, GrowFail> {
         let Request { rounded: bytes, key, stream, .. } = *req;
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream)?;
@@ -340,6 +340,9 @@ impl Pool {
         self.trace(stream, Action::Stitch, base, homes.len() * g);
         let take = take.min(homes.len());
         let id = self.arena().add_stitch(base, homes);
+        if head > 0 || tail {
+            return Ok(self.arena().carve_pieced_stitch(id, head, tail, bytes, key));
+        }
         Ok(self.arena().carve_stitch(id, 0, take, bytes, key, false))
     }
 

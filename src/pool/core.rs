@@ -81,7 +81,12 @@ impl Core {
     pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Core {
         let (strategy, notice) = match opts.kind {
             PoolKind::Arena => match super::arena::build(&mut *upstream, opts.arena_va, opts.arena_chunk) {
-                Ok(a) => (a, None),
+                Ok(mut a) => {
+                    if let Some(arena) = a.as_arena() {
+                        arena.set_piece_ends(opts.arena_piece_ends);
+                    }
+                    (a, None)
+                }
                 Err(why) => (strategy::build(PoolKind::Split), Some(why)),
             },
             kind => (strategy::build(kind), None),

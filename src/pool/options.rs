@@ -39,6 +39,8 @@ pub struct PoolOptions {
     /// `GPUPOOL_ARENA_CHUNK`: the largest physical allocation the arena maps for a long
     /// growth (`strategy/arena/chunks.rs`); a granule or less: granule by granule.
     pub arena_chunk: usize,
+    /// `GPUPOOL_ARENA_PIECE_ENDS`: new stitches may end in pieces of granules partly in use.
+    pub arena_piece_ends: bool,
     /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
     pub budget: Option<std::sync::Arc<Budget>>,
     /// Which shard of its device this pool is (0 for a device that is not sharded): the
@@ -62,6 +64,7 @@ impl Default for PoolOptions {
             event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
             arena_lend: true,
             arena_chunk: crate::strategy::arena::CHUNK_MAX,
+            arena_piece_ends: false,
             budget: None,
             shard: 0,
         }

@@ -61,6 +61,7 @@ impl ArenaFigures {
         c.stitch_reuses += d.stitch_reuses;
         c.stitches_dropped += d.stitches_dropped;
         c.granules_aliased += d.granules_aliased;
+        c.stitch_pieces += d.stitch_pieces;
         c.granules_lent += d.granules_lent;
         c.loans_ended += d.loans_ended;
         self.small = (self.small.0 + o.small.0, self.small.1 + o.small.1);
@@ -78,7 +79,7 @@ impl ArenaFigures {
             concat!(
                 "{{\"granule\":{},\"mapped_bytes\":{},\"reserved_address_space\":{},\"granules_mapped\":{},",
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
-                "\"stitches_dropped\":{},\"granules_aliased\":{},\"granules_lent\":{},\"loans_ended\":{},",
+                "\"stitches_dropped\":{},\"granules_aliased\":{},\"stitch_pieces\":{},\"granules_lent\":{},\"loans_ended\":{},",
                 "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{},",
                 "\"memory\":\"{}\",\"leaked_bytes\":{}}}"
             ),
@@ -92,6 +93,7 @@ impl ArenaFigures {
             c.stitch_reuses,
             c.stitches_dropped,
             c.granules_aliased,
+            c.stitch_pieces,
             c.granules_lent,
             c.loans_ended,
             self.small.0,

@@ -69,25 +69,26 @@ impl ArenaStrategy {
         Ok(())
     }
 
-    /// `guard_export` for a stitched block: its granules are its own, but a stitch aliases
-    /// chunks whole, so the importer also sees the stitch's granules around the block that
-    /// lie in the same chunks. Those are set aside while the block lives (refused where
-    /// another live block holds one).
+    /// `guard_export` for a stitched block: the importer maps the stitch's allocations whole,
+    /// so it also sees what their home granules hold besides the block: the granules around
+    /// the block that lie in the same chunks, and the other parts of granules the block takes
+    /// only pieces of. Their free memory is set aside while the block lives; where another
+    /// live block holds any of it, the export is refused.
     fn guard_stitched(&mut self, addr: usize, size: usize) -> Result<(), String> {
         let g = self.granule;
         let (first, end) = self.export_extent(addr, size);
         let Some((_, st)) = self.stitches.iter().find(|(_, s)| addr >= s.base && addr < s.base + s.len) else {
             return Ok(());
         };
-        let in_use = st.first_in_use..st.first_in_use + st.granules_in_use;
-        let homes: Vec<usize> = ((first - st.base) / g..(end - st.base) / g).filter(|j| !in_use.contains(j)).map(|j| st.homes[j]).collect();
+        let homes: Vec<usize> = ((first - st.base) / g..(end - st.base) / g).map(|j| st.homes[j]).collect();
+        let own = st.borrowed.clone();
         let large = super::LARGE;
-        let nodes: Vec<space::Node> = self.spaces[large]
+        let nodes: Vec<(space::Node, space::Slot)> = self.spaces[large]
             .walk()
-            .filter(|(_, n)| homes.iter().any(|&h| n.addr < h + g && n.end() > h))
-            .map(|(_, n)| *n)
+            .filter(|(s, n)| !own.contains(s) && homes.iter().any(|&h| n.addr < h + g && n.end() > h))
+            .map(|(s, n)| (*n, s))
             .collect();
-        if let Some(n) = nodes.iter().find(|n| n.state == space::State::Allocated) {
+        if let Some((n, _)) = nodes.iter().find(|(n, _)| n.state == space::State::Allocated) {
             return Err(format!(
                 "the stitched block shows allocations whose memory also holds the live block at {:#x}, which the importer \
                  could then read and write; copy what you share into a block of its own",
@@ -95,7 +96,7 @@ impl ArenaStrategy {
             ));
         }
         let mut guards = Vec::new();
-        for n in nodes.iter().filter(|n| n.state == space::State::Free) {
+        for (n, _) in nodes.iter().filter(|(n, _)| n.state == space::State::Free) {
             for &h in homes.iter().filter(|&&h| n.addr < h + g && n.end() > h) {
                 let (a, e) = (n.addr.max(h), n.end().min(h + g));
                 let b = self.spaces[large].carve_range(a, e - a, n.stream);

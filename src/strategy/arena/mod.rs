@@ -59,6 +59,8 @@ pub struct ArenaCounters {
     pub stitch_reuses: u64,
     pub stitches_dropped: u64,
     pub granules_aliased: u64,
+    /// Pieces of granules partly in use that new stitches began or ended in (`plan::piece_ends`).
+    pub stitch_pieces: u64,
     /// Granules of one range that show a free granule of the other instead of new memory
     /// (`lend`, both directions), and loans ended (`end_loan`).
     pub granules_lent: u64,
@@ -76,7 +78,9 @@ pub enum Growth {
     /// Map new memory under the unmapped granules `fresh` of the large space, then alias
     /// `homes` (free granules, `fresh` among them; chunks whole) side by side at `base` as
     /// a new stitch, and hand out its first `take` granules.
-    Stitch { base: usize, homes: Vec<usize>, fresh: Vec<usize>, take: usize },
+    /// `head` bytes (0: none) of the first home and, where `tail`, the start of the last are
+    /// pieces of granules partly in use (`plan::piece_ends`): the block takes only those parts.
+    Stitch { base: usize, homes: Vec<usize>, fresh: Vec<usize>, take: usize, head: usize, tail: bool },
     /// A stitch would serve, but the stitch cache is full: evict `id` and plan again.
     Evict { id: u32 },
 }
@@ -106,6 +110,9 @@ pub struct ArenaStrategy {
     small_stitches: bool,
     /// What the last granules of the stitched blocks in use hold past their bytes.
     stitch_tail_bytes: usize,
+    /// Whether new stitches may begin and end in pieces of granules partly in use
+    /// (`plan::piece_ends`; `GPUPOOL_ARENA_PIECE_ENDS`).
+    piece_ends: bool,
     pub counters: ArenaCounters,
 }
 
@@ -122,6 +129,11 @@ impl ArenaStrategy {
         self.small_stitches = on;
     }
 
+    /// Whether new stitches may end in pieces of granules partly in use (`plan::piece_ends`).
+    pub fn set_piece_ends(&mut self, on: bool) {
+        self.piece_ends = on;
+    }
+
     /// Over the reserved ranges `small`, `large` and `stitch` (`(base, len)`, granule aligned).
     pub fn new(small: (usize, usize), large: (usize, usize), stitch: (usize, usize), granule: usize) -> ArenaStrategy {
         ArenaStrategy {
@@ -129,6 +141,7 @@ impl ArenaStrategy {
             stitches: Stitches::new(stitch.0, stitch.1),
             small_stitches: true,
             stitch_tail_bytes: 0,
+            piece_ends: false,
             granule,
             loans: Default::default(),
             small_loans: 0,
@@ -226,29 +239,53 @@ impl ArenaStrategy {
         let runs = self.chunks.whole_runs(runs);
         let free: usize = runs.iter().map(|r| r.len / g).sum();
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
+        // With piece ends on, where the free granules do not suffice, the stitch may begin
+        // and end in pieces of granules partly in use, whichever of them needs the fewest
+        // new granules (fewer pieces on a tie: each is one more alias).
+        let (mut n, mut head, mut tail) = (n, plan::Piece::default(), plan::Piece::default());
+        if self.piece_ends && n > free {
+            // Not a whole free granule (a stitch takes those whole), a chunk's or a loan's.
+            let usable = |at: usize| plan::run_of(&runs, at).is_none() && self.chunks.of(at).is_none() && !self.loans.contains_key(&at);
+            let (h, t) = plan::piece_ends(&self.spaces[LARGE], stream, &usable, reusable);
+            let none = plan::Piece::default();
+            for (ph, pt) in [(h, none), (none, t), (h, t)] {
+                if ph.bytes + pt.bytes == 0 {
+                    continue;
+                }
+                let m = rounded.saturating_sub(ph.bytes + pt.bytes).div_ceil(g);
+                if pt.bytes > 0 && ph.bytes + m * g >= rounded {
+                    continue; // the tail piece would hold nothing
+                }
+                if m.saturating_sub(free) < n.saturating_sub(free) {
+                    (n, head, tail) = (m, ph, pt);
+                }
+            }
+        }
+        let pieces = usize::from(head.bytes > 0) + usize::from(tail.bytes > 0);
         if (self.small_stitches || whole > CONTENDED_STITCH_FROM * g) && n.saturating_sub(free) < window_new {
             let full = self.stitches.count() >= stitch::MAX_STITCHES;
             // Evict only where the stitch could then fit (a request larger than the range
             // would otherwise empty the cache one eviction at a time, and still fail).
-            if may_evict && self.stitches.could_hold(whole) && (full || self.stitches.find_va(whole).is_none()) {
+            let span = (n + pieces) * g;
+            if may_evict && self.stitches.could_hold(span) && (full || self.stitches.find_va(span).is_none()) {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
             }
             // Chunks go in whole, so a stitch may show more than `n` granules.
             let fits = |s: &Self, granules: usize| s.stitches.find_va(granules * g).filter(|_| !full);
-            let mut homes = match fits(self, n) {
+            let mut homes = match fits(self, n + pieces) {
                 Some(_) => self.chunks.extend(plan::stitch_homes(&runs, n, g, stream, reusable)),
                 None => Vec::new(),
             };
             let new = n.saturating_sub(homes.len());
             // Chunks can make the stitch longer than the request: evict for its true length.
-            if may_evict && !homes.is_empty() && self.stitches.could_hold((homes.len() + new) * g) && fits(self, homes.len() + new).is_none() {
+            if may_evict && !homes.is_empty() && self.stitches.could_hold((homes.len() + new + pieces) * g) && fits(self, homes.len() + new + pieces).is_none() {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
             }
-            if let Some(base) = fits(self, n).and_then(|_| fits(self, homes.len() + new)) {
+            if let Some(base) = fits(self, n + pieces).and_then(|_| fits(self, homes.len() + new + pieces)) {
                 if new < window_new {
                     let fresh: Vec<usize> = match new {
                         0 => Vec::new(),
@@ -259,7 +296,20 @@ impl ArenaStrategy {
                     };
                     homes.extend(&fresh);
                     homes.sort_unstable();
-                    return Some(Growth::Stitch { base, homes, fresh, take: n });
+                    if pieces == 0 {
+                        return Some(Growth::Stitch { base, homes, fresh, take: n, head: 0, tail: false });
+                    }
+                    // Chunks can show more whole granules than asked for; the block then ends
+                    // in them, and a tail piece would hold nothing.
+                    let ends_in_piece = tail.bytes > 0 && homes.len() == n;
+                    if head.bytes > 0 {
+                        homes.insert(0, head.granule);
+                    }
+                    if ends_in_piece {
+                        homes.push(tail.granule);
+                    }
+                    let take = homes.len();
+                    return Some(Growth::Stitch { base, homes, fresh, take, head: head.bytes, tail: ends_in_piece });
                 }
             }
         }
@@ -343,10 +393,49 @@ impl ArenaStrategy {
         st.first_in_use = first;
         st.granules_in_use = granules;
         st.bytes_in_use = bytes;
+        st.tail_in_use = granules * g - bytes;
+        st.pieced = false;
         if reused {
             self.counters.stitch_reuses += 1;
         }
         Block { addr: st.base + first * g, size: bytes, segment: self.stitches.base, stream, handle: id }
+    }
+
+    /// Hand out new stitch `id` whole as a block of `bytes` that begins `head` bytes before
+    /// the end of its first granule (0: at its start) and, where `tail`, ends in its last:
+    /// those two granules hold other blocks too, so only the parts the block takes are
+    /// booked (`plan::piece_ends`).
+    pub fn carve_pieced_stitch(&mut self, id: u32, head: usize, tail: bool, bytes: usize, stream: StreamKey) -> Block {
+        let g = self.granule;
+        let homes = self.stitches.get(id).homes.clone();
+        let (lo, hi) = (usize::from(head > 0), homes.len() - usize::from(tail));
+        let mut borrowed = Vec::new();
+        if head > 0 {
+            borrowed.push(self.spaces[LARGE].carve_range(homes[0] + g - head, head, stream).handle);
+        }
+        let whole = &homes[lo..hi];
+        for r in plan::adjacent_runs(whole, g) {
+            borrowed.push(self.spaces[LARGE].carve_range(whole[r.start], r.len() * g, stream).handle);
+        }
+        let in_whole = bytes - head;
+        let unused = if tail {
+            borrowed.push(self.spaces[LARGE].carve_range(homes[hi], in_whole - whole.len() * g, stream).handle);
+            0
+        } else {
+            whole.len() * g - in_whole
+        };
+        self.stitches.touch(id);
+        self.counters.stitch_pieces += u64::from(head > 0) + u64::from(tail);
+        self.stitch_tail_bytes += unused;
+        let st = self.stitches.get_mut(id);
+        st.borrowed = borrowed;
+        st.in_use = true;
+        st.first_in_use = 0;
+        st.granules_in_use = homes.len();
+        st.bytes_in_use = bytes;
+        st.tail_in_use = unused;
+        st.pieced = true;
+        Block { addr: st.base + if head > 0 { g - head } else { 0 }, size: bytes, segment: self.stitches.base, stream, handle: id }
     }
 
     /// `(base, len, granules already unaliased)` of stitch `id`, for the pool to remove its
@@ -452,9 +541,8 @@ impl Strategy for ArenaStrategy {
         }
         if self.stitches.contains(block.addr) {
             // The stitch stays mapped and cached; its home granules are free again.
-            let g = self.granule;
             let st = self.stitches.get_mut(block.handle);
-            self.stitch_tail_bytes -= st.granules_in_use * g - st.bytes_in_use;
+            self.stitch_tail_bytes -= st.tail_in_use;
             st.in_use = false;
             st.last_stream = Some(block.stream);
             for slot in std::mem::take(&mut st.borrowed) {
@@ -521,7 +609,7 @@ impl Strategy for ArenaStrategy {
         if self.loans.keys().filter(|&&a| self.space_of(a) == SMALL).count() != self.small_loans {
             return Err("arena: small-range loan count is off".into());
         }
-        let tails: usize = self.stitches.iter().filter(|(_, s)| s.in_use).map(|(_, s)| s.granules_in_use * g - s.bytes_in_use).sum();
+        let tails: usize = self.stitches.iter().filter(|(_, s)| s.in_use).map(|(_, s)| s.tail_in_use).sum();
         if tails != self.stitch_tail_bytes {
             return Err(format!("arena: stitch tails {} bytes, booked {}", tails, self.stitch_tail_bytes));
         }
@@ -531,10 +619,13 @@ impl Strategy for ArenaStrategy {
             }
             // Handed out: its homes are exactly its borrowed nodes; else its homes are mapped.
             let covered: usize = st.borrowed.iter().map(|&b| large.node(b).size).sum();
-            if st.in_use && (covered != st.granules_in_use * g || st.first_in_use + st.granules_in_use > st.homes.len()) {
-                return Err(format!("stitch {id}: borrowed nodes cover {covered} of {} bytes", st.granules_in_use * g));
+            // Whole granules booked whole, the rest of the last counted apart; a pieced one
+            // books exactly its bytes but where its last granule is whole.
+            let booked = if st.pieced { st.bytes_in_use + st.tail_in_use } else { st.granules_in_use * g };
+            if st.in_use && (covered != booked || st.first_in_use + st.granules_in_use > st.homes.len()) {
+                return Err(format!("stitch {id}: borrowed nodes cover {covered} of {booked} bytes"));
             }
-            if st.in_use && (st.bytes_in_use > st.granules_in_use * g || st.bytes_in_use + g <= st.granules_in_use * g) {
+            if st.in_use && (st.bytes_in_use > st.granules_in_use * g || st.tail_in_use >= g) {
                 return Err(format!("stitch {id}: a block of {} bytes over {} granules", st.bytes_in_use, st.granules_in_use));
             }
             if st.homes.iter().any(|&h| !large.is_mapped(h)) {

@@ -102,6 +102,46 @@ pub fn stitch_homes(runs: &[FreeRun], n: usize, granule: usize, stream: StreamKe
     homes
 }
 
+/// A piece of a granule for a stitch's end: free memory at one end of granule `granule`,
+/// whose other part holds something else, `bytes` long.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Piece {
+    pub granule: usize,
+    pub bytes: usize,
+}
+
+/// The largest free end of a granule (`head`: the free memory a granule ends with, which can
+/// begin a stitch) and the largest free start of another (`tail`: can end one) among the
+/// free blocks of `space`, skipping granules `usable` refuses (parts of chunks, loans) and
+/// free memory of streams `reusable` does not allow.
+/// Why: at a new peak the large range's free memory lies mostly in such pieces, between live
+/// blocks (docs/arena.md, "What churn holds above its peak"); a stitch made only of whole
+/// granules leaves them there and maps new memory instead.
+pub fn piece_ends(space: &Space, stream: StreamKey, usable: &dyn Fn(usize) -> bool, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> (Piece, Piece) {
+    let g = space.granule;
+    let (mut head, mut tail) = (Piece::default(), Piece::default());
+    for b in space.free_blocks() {
+        let (a, e) = (b.addr, b.end());
+        let (up, down) = (a.div_ceil(g) * g, e / g * g);
+        let head_here = (a % g != 0 && e >= up && up - a > head.bytes && usable(up - g)).then(|| Piece { granule: up - g, bytes: up - a });
+        let tail_here = (e % g != 0 && a <= down && e - down > tail.bytes && usable(down)).then(|| Piece { granule: down, bytes: e - down });
+        if (head_here.is_some() || tail_here.is_some()) && b.stream != stream && !reusable(b.stream, b.addr, b.size) {
+            continue;
+        }
+        if let Some(p) = head_here {
+            head = p;
+        }
+        if let Some(p) = tail_here {
+            tail = p;
+        }
+    }
+    if head.bytes > 0 && head.granule == tail.granule {
+        // One granule cannot end one stitch and begin it: keep the larger piece.
+        if head.bytes >= tail.bytes { tail = Piece::default() } else { head = Piece::default() }
+    }
+    (head, tail)
+}
+
 /// Index ranges of `addrs` (ascending granule addresses) whose granules lie side by side:
 /// one driver call (or one booking) per range instead of one per granule.
 pub fn adjacent_runs(addrs: &[usize], granule: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {

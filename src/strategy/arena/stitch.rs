@@ -36,6 +36,12 @@ pub struct Stitch {
     /// While handed out: the bytes handed out, from the first of those granules; the rest
     /// of the last one is free memory of its home.
     pub bytes_in_use: usize,
+    /// While handed out: what its last granule holds past the block, booked with it
+    /// (counted as cached); 0 where the block ends in a piece.
+    pub tail_in_use: usize,
+    /// While handed out: whether it begins or ends in pieces of granules partly in use
+    /// (`ArenaStrategy::carve_pieced_stitch`), booked in part.
+    pub pieced: bool,
     /// The cache's clock at its last use (least recently used goes first).
     pub last_used: u64,
     /// The stream its block was last freed on (work there may still use the aliases).
@@ -108,6 +114,8 @@ impl Stitches {
             first_in_use: 0,
             granules_in_use: 0,
             bytes_in_use: 0,
+            tail_in_use: 0,
+            pieced: false,
             last_used: self.clock,
             last_stream: None,
             broken: false,

@@ -25,13 +25,17 @@ fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usi
                 (a.carve_window(space, &window, stream), window.targets.len())
             }
             Growth::Reuse { id, first, granules } => (a.carve_stitch(id, first, granules, rounded, stream, true), 0),
-            Growth::Stitch { base, homes, fresh, take } => {
+            Growth::Stitch { base, homes, fresh, take, head, tail } => {
                 for &f in &fresh {
                     a.mapped(f, G, stream);
                 }
                 let n = homes.len();
                 let id = a.add_stitch(base, homes);
-                (a.carve_stitch(id, 0, take, rounded, stream, false), n)
+                if head > 0 || tail {
+                    (a.carve_pieced_stitch(id, head, tail, rounded, stream), n)
+                } else {
+                    (a.carve_stitch(id, 0, take, rounded, stream, false), n)
+                }
             }
             Growth::Evict { id } => {
                 a.drop_stitch(id);
@@ -124,6 +128,66 @@ fn a_stitched_block_is_its_bytes_and_the_rest_of_its_last_granule_counts_as_cach
     a.put(big);
     a.check_invariants().unwrap();
     assert_eq!(a.cached_bytes(), 8 * G, "the stitch's granules are free again, the tail with them");
+}
+
+#[test]
+fn with_piece_ends_a_stitch_begins_in_the_free_end_of_a_granule_partly_in_use() {
+    let mut a = arena();
+    a.set_piece_ends(true);
+    // Five blocks of 1.5 granules side by side; the second and fourth freed: granules 2 and
+    // 5 whole free, and the free ends of granules 1 and 4 (half a granule each) beside live blocks.
+    let blocks: Vec<Block> = (0..5).map(|_| grow(&mut a, G + G / 2, L).0).collect();
+    for w in blocks.windows(2) {
+        assert_eq!(w[0].end(), w[1].addr, "laid out side by side");
+    }
+    a.put(blocks[1]);
+    a.put(blocks[3]);
+    let mapped = a.mapped_bytes();
+    // Two and a half granules: two whole free granules and a free end of half a granule, no
+    // new memory (without pieces: one new granule).
+    let (big, aliased) = grow(&mut a, 2 * G + G / 2, L);
+    assert_eq!((a.mapped_bytes(), aliased, a.counters.stitch_pieces), (mapped, 3, 1));
+    let st = a.stitches.get(big.handle);
+    assert_eq!((big.size, big.addr), (2 * G + G / 2, st.base + G / 2), "the block begins where the piece does");
+    let first = st.homes[0];
+    assert!(first % G == 0 && (first - blocks[0].addr) % G == 0);
+    assert!(a.free_blocks().iter().all(|b| b.end() <= first + G / 2 || b.addr >= first + G), "the piece is the block's");
+    a.check_invariants().unwrap();
+    // The importer would map the whole first granule, half of which a live block holds.
+    assert!(a.guard_export(big.addr, big.size).unwrap_err().contains("stitched block shows"));
+    // Everything goes back when the block is freed.
+    a.put(big);
+    a.check_invariants().unwrap();
+    let live: usize = [0, 2, 4].iter().map(|&i| blocks[i].size).sum();
+    assert_eq!(a.cached_bytes(), a.mapped_bytes() - live);
+    // Off, the same request maps a new granule.
+    let mut b = arena();
+    let blocks: Vec<Block> = (0..5).map(|_| grow(&mut b, G + G / 2, L).0).collect();
+    b.put(blocks[1]);
+    b.put(blocks[3]);
+    let mapped = b.mapped_bytes();
+    grow(&mut b, 2 * G + G / 2, L);
+    assert_eq!((b.mapped_bytes(), b.counters.stitch_pieces), (mapped + G, 0));
+}
+
+#[test]
+fn a_stitch_that_begins_in_a_piece_exports_once_its_neighbour_is_gone() {
+    let mut a = arena();
+    a.set_piece_ends(true);
+    let blocks: Vec<Block> = (0..5).map(|_| grow(&mut a, G + G / 2, L).0).collect();
+    a.put(blocks[1]);
+    a.put(blocks[3]);
+    let (big, _) = grow(&mut a, 2 * G + G / 2, L);
+    assert_eq!(a.counters.stitch_pieces, 1);
+    let first = a.stitches.get(big.handle).homes[0];
+    // Free the live block beside the piece: the export sets its free memory aside.
+    let beside = *blocks.iter().find(|b| b.addr < first + G && b.end() > first && b.addr != first + G / 2).unwrap();
+    a.put(beside);
+    a.guard_export(big.addr, big.size).unwrap();
+    assert!(a.take(G / 4 + 512, L, &mut |_, _, _| true).is_none_or(|b| b.end() <= first || b.addr >= first + G), "nothing is placed in the exported block's granule");
+    a.check_invariants().unwrap();
+    a.put(big);
+    a.check_invariants().unwrap();
 }
 
 #[test]
