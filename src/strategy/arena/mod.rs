@@ -14,8 +14,9 @@
 //!   address space that needs no new memory (`plan.rs`); a cached stitch whose granules
 //!   are all free again (`stitch.rs`, no driver call); a new stitch of scattered free
 //!   granules mapped side by side (one alias per allocation: a granule or a whole chunk,
-//!   once); and only when the free
-//!   granules do not suffice, new memory mapped under a window.
+//!   once), which may begin and end in free ends of granules partly in use where piece
+//!   ends are on; and only when the free granules do not suffice, new memory mapped under
+//!   a window.
 //! - Memory goes back only under pressure (limit, OOM, reclaim, decay), as whole free
 //!   granules, in bulk; stitches over them are dropped first.
 //!

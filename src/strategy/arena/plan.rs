@@ -9,7 +9,8 @@
 //!
 //! Where a window would need new memory but enough whole free granules lie scattered
 //! elsewhere, a stitch (`stitch.rs`) shows them side by side instead: `stitch_homes` picks
-//! them, longest idle first.
+//! them, longest idle first, and (where piece ends are on) `piece_ends` the free ends of
+//! granules partly in use that the stitch may begin and end in.
 
 use super::space::{FreeRun, Space, State};
 use crate::upstream::stream_id::StreamKey;
