@@ -108,8 +108,10 @@ class Probe:
     def peak_requested(self):
         """The peak of bytes the program asked for, whatever each allocator rounds them up to
         or hands out beyond them (PyTorch's own counts blocks it did not split whole):
-        gpupool's peak in use (requests rounded to 512 B), PyTorch's `requested_bytes`, the
-        statistics adaptor above RMM's pool. None where unknown."""
+        PyTorch's `requested_bytes`, the statistics adaptor above RMM's pool, gpupool's peak
+        in use (the arena's: requests rounded to 512 B; `split`'s, like PyTorch's allocated,
+        counts blocks it did not split whole, so its figure is not the requested one). None
+        where unknown."""
         if self.gp is not None:
             return self.gp.stats(0)["peak_used_bytes"]
         if self.name == "rmm":

@@ -140,3 +140,28 @@ fn decay_costs_a_steady_loop_at_most_one_trim_per_epoch() {
     assert!(decommits <= epochs && commits <= decommits, "{commits} commits, {decommits} decommits in {epochs} epochs");
     eprintln!("steady loop: {commits} page commits, {decommits} decommits in {epochs} epochs");
 }
+
+#[test]
+fn what_a_stitched_block_holds_beyond_its_size_is_neither_in_use_nor_releasable() {
+    // A stitched block of 5.5 granules holds its sixth granule whole. The half it does not
+    // use is cached in the stats, but nothing can give it back while the block lives: the
+    // pool's releasable bytes (what decay and other shards' pressure act on) leave it out.
+    const G: usize = 2 * MIB;
+    let mut p = pool_of(PoolKind::Arena, 0);
+    let blocks: Vec<usize> = (0..8).map(|_| p.malloc(2 * G, 0).unwrap()).collect();
+    for &b in blocks.iter().step_by(2) {
+        p.free(b, 0).unwrap();
+    }
+    let big = p.malloc(5 * G + G / 2, 0).unwrap();
+    assert_eq!(p.arena_counters().unwrap().stitches_made, 1, "the block is stitched");
+    let st = p.stats();
+    assert_eq!(st.used_bytes as usize, 4 * 2 * G + 5 * G + G / 2);
+    assert_eq!(st.free_bytes as usize, 2 * G + G / 2, "two free granules and the stitched block's unused half");
+    assert_eq!(p.cached_bytes(), 2 * G, "only the free granules could go back");
+    p.reclaim().unwrap();
+    assert_eq!(p.stats().total_bytes as usize, 4 * 2 * G + 6 * G);
+    p.free(big, 0).unwrap();
+    for &b in blocks.iter().skip(1).step_by(2) {
+        p.free(b, 0).unwrap();
+    }
+}

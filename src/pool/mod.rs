@@ -233,7 +233,8 @@ impl Pool {
         let rec = self.rec.alloc_record(stream);
         self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
-        if let Some(cap) = self.limits.on_malloc(self.rec.c.used) {
+        // Decay's peak counts what live blocks hold beyond their size: it cannot go back.
+        if let Some(cap) = self.limits.on_malloc(self.rec.c.used + self.core.strategy.held_beyond_blocks()) {
             if self.rec.c.reserved > cap {
                 // The trim waits for the streams whose memory it gives back: this one's
                 // frees are covered by its event rather than a device-wide wait.
@@ -318,7 +319,7 @@ impl Pool {
     /// memory may gain.
     pub fn cached_bytes(&self) -> usize {
         let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
-        self.rec.c.reserved.saturating_sub(self.rec.c.used - kept)
+        self.rec.c.reserved.saturating_sub(self.rec.c.used - kept + self.core.strategy.held_beyond_blocks())
     }
 
     /// Device `(free, total)` from the upstream.

@@ -15,7 +15,7 @@ impl Pool {
     /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
     /// this request anyway. `key`/`stream`: the requester's stream.
     pub(super) fn decay_before_grow(&mut self, grow: usize, key: StreamKey, stream: StreamHandle) {
-        if let Some(cap) = self.limits.decay_cap(self.rec.c.used, grow) {
+        if let Some(cap) = self.limits.decay_cap(self.rec.c.used + self.core.strategy.held_beyond_blocks(), grow) {
             if self.rec.c.reserved > cap {
                 // A trim waits for the streams whose free memory it gives back: this one's
                 // frees, left for its next batched record, would cost a device-wide wait.
@@ -29,7 +29,8 @@ impl Pool {
     /// inside free blocks (page-mapped upstreams). Best effort: what cannot be released
     /// (a failed driver call) simply stays cached.
     pub(super) fn shrink_to(&mut self, cap: usize) {
-        if self.rec.c.reserved <= cap || self.core.strategy.cached_bytes() == self.core.holes.bytes() {
+        let strategy = &self.core.strategy;
+        if self.rec.c.reserved <= cap || strategy.cached_bytes() - strategy.held_beyond_blocks() == self.core.holes.bytes() {
             return;
         }
         let _ = self.release_in_order(Some(self.rec.c.reserved - cap), ReleaseOrder::OldestFirst);

@@ -84,6 +84,12 @@ pub trait Strategy: Send {
 
     /// Bytes held free (cached).
     fn cached_bytes(&self) -> usize;
+
+    /// The part of `cached_bytes` that live blocks hold beyond their size, which no release
+    /// can give back while they live (the arena: the rest of a stitched block's last granule).
+    fn held_beyond_blocks(&self) -> usize {
+        0
+    }
     fn free_block_count(&self) -> usize;
     fn largest_free_block(&self) -> usize;
     /// Every free block (reports, tests, invariant scans).

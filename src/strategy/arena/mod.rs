@@ -568,6 +568,10 @@ impl Strategy for ArenaStrategy {
         self.spaces.iter().map(|s| s.free_bytes).sum::<usize>() + self.exports.guard_bytes + self.stuck.len() * self.granule + self.stitch_tail_bytes
     }
 
+    fn held_beyond_blocks(&self) -> usize {
+        self.stitch_tail_bytes
+    }
+
     fn free_block_count(&self) -> usize {
         self.spaces.iter().map(|s| s.free_count()).sum()
     }
