@@ -91,10 +91,10 @@ impl Limits {
         self.decay.as_ref().map(|d| d.cap(used + grow).saturating_sub(grow))
     }
 
-    /// An allocation left `used` bytes in use: once per decay epoch, the reserved bytes worth
-    /// keeping.
+    /// An allocation left `used()` bytes in use (asked only where decay is on): once per
+    /// decay epoch, the reserved bytes worth keeping.
     #[inline]
-    pub fn on_malloc(&mut self, used: usize) -> Option<usize> {
-        self.decay.as_mut().and_then(|d| d.on_malloc(used))
+    pub fn on_malloc(&mut self, used: impl FnOnce() -> usize) -> Option<usize> {
+        self.decay.as_mut().and_then(|d| d.on_malloc(used()))
     }
 }

@@ -234,7 +234,9 @@ impl Pool {
         self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
         // Decay's peak counts what live blocks hold beyond their size: it cannot go back.
-        if let Some(cap) = self.limits.on_malloc(self.rec.c.used + self.core.strategy.held_beyond_blocks()) {
+        // Asked only where decay is on: no strategy call on the malloc path otherwise.
+        let (used, strategy) = (self.rec.c.used, &self.core.strategy);
+        if let Some(cap) = self.limits.on_malloc(|| used + strategy.held_beyond_blocks()) {
             if self.rec.c.reserved > cap {
                 // The trim waits for the streams whose memory it gives back: this one's
                 // frees are covered by its event rather than a device-wide wait.
