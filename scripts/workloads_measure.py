@@ -130,7 +130,8 @@ def host_speed(torch):
     steps: a pure-Python loop (ms) and the mean time of 20,000 kernel launches (us).
     Why: a workload that launches many small kernels (serving) runs at the host's speed,
     which varies by process on one machine by more than the allocators differ
-    (docs/results/2026-11-28-s32/README.md); these say which processes ran on a slow host.
+    (docs/benchmarks.md, "Serving runs at the host's speed"); these say which processes
+    ran on a slow host.
     A failure is recorded, not raised: it must not cost the measurement."""
     try:
         t0 = time.perf_counter()
