@@ -454,14 +454,14 @@ impl Config {
             c.event_batch = v.trim().parse().ok().filter(|&n: &usize| (1..=4096).contains(&n)).ok_or(Error::InvalidConfig {
                 var: "GPUPOOL_EVENT_BATCH",
                 value: v.clone(),
-                accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 64",
+                accepted: "a number of frees from 1 (record an event at every free on a user stream) to 4096; default 256",
             })?;
         }
         if let Some(v) = get("GPUPOOL_EVENT_BATCH_BYTES") {
             c.event_batch_bytes = positive_size(
                 "GPUPOOL_EVENT_BATCH_BYTES",
                 &v,
-                "a size greater than zero: bytes or a size with unit (256MiB); default 32MiB",
+                "a size greater than zero: bytes or a size with unit (256MiB); default 256MiB",
             )?;
         }
         if let Some(v) = get("GPUPOOL_STREAM_SHARDS") {
