@@ -34,8 +34,19 @@ fn a_taker_beyond_the_kept_connections_is_served_and_the_one_idle_longest_goes()
     assert_eq!(take(&first).unwrap().0.len(), 1);
     let addr = SocketAddr::from_abstract_name(&first[KEY_BYTES..]).unwrap();
     // 1,023 idle takers fill the kept connections; the next one closes the oldest idle
-    // one, this process's taker connection, and itself is kept.
-    let idle: Vec<UnixStream> = (0..1024).map(|_| UnixStream::connect_addr(&addr).expect("a connection")).collect();
+    // one, this process's taker connection, and itself is kept. Each asks for a handover
+    // that does not exist and reads the answer, so the thread has accepted it (a connection
+    // still queued on the listener is not yet kept) and it is idle from then on, in order.
+    let idle: Vec<UnixStream> = (0..1024)
+        .map(|i| {
+            let mut s = UnixStream::connect_addr(&addr).expect("a connection");
+            s.write_all(&[0xa5u8; KEY_BYTES]).unwrap();
+            let mut header = [0u8; 12];
+            s.read_exact(&mut header).unwrap_or_else(|e| panic!("idle taker {i}: no answer: {e}"));
+            assert_eq!(u32::from_le_bytes(header[..4].try_into().unwrap()), 1, "idle taker {i}: \"no such handover\"");
+            s
+        })
+        .collect();
     let second = offer().unwrap();
     add(&second, &[f.as_raw_fd()], 1).unwrap();
     // The taker finds its kept connection closed and connects anew: served, not refused.
