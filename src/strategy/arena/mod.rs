@@ -242,9 +242,13 @@ impl ArenaStrategy {
         let window_new = windows.first().map_or(usize::MAX, |w| w.targets.len());
         // With piece ends on, where the free granules do not suffice, the stitch may begin
         // and end in pieces of granules partly in use, whichever of them needs the fewest
-        // new granules (fewer pieces on a tie: each is one more alias).
+        // new granules (fewer pieces on a tie: each is one more alias). Not while the stitch
+        // cache is full: a stitch that only its pieces make worth making would evict a cached
+        // stitch, which may be free whole again where one that ends in pieces seldom is, so
+        // the window serves instead. A stitch worth making without pieces still evicts, and
+        // the plan after the eviction may use them.
         let (mut n, mut head, mut tail) = (n, plan::Piece::default(), plan::Piece::default());
-        if self.piece_ends && n > free {
+        if self.piece_ends && n > free && self.stitches.count() < stitch::MAX_STITCHES {
             // Not a whole free granule (a stitch takes those whole), a chunk's or a loan's.
             let usable = |at: usize| plan::run_of(&runs, at).is_none() && self.chunks.of(at).is_none() && !self.loans.contains_key(&at);
             let (h, t) = plan::piece_ends(&self.spaces[LARGE], stream, &usable, reusable);

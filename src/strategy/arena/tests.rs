@@ -382,3 +382,36 @@ fn while_shards_contend_small_requests_get_new_memory_instead_of_a_new_stitch() 
     a.put(big);
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn with_piece_ends_a_full_stitch_cache_takes_a_window_where_only_pieces_would_stitch() {
+    // Four blocks of 1.5 granules side by side, the second and fourth freed: granules 2 and
+    // 5 whole free, the free end of granule 1 beside a live block, and the range's end free.
+    let setup = || {
+        let mut a = ArenaStrategy::new((1 << 40, 64 * G), (2 << 40, 256 * G), (3 << 40, 1024 * G), G);
+        a.set_piece_ends(true);
+        let blocks: Vec<Block> = (0..4).map(|_| grow(&mut a, G + G / 2, L).0).collect();
+        a.put(blocks[1]);
+        a.put(blocks[3]);
+        (a, blocks)
+    };
+    // Two and a half granules: a stitch of the piece and the two whole granules needs no new
+    // memory; without the piece, a stitch and a window at the range's end each need one.
+    let (a, _) = setup();
+    match a.plan(2 * G + G / 2, L, true, &mut |_, _, _| true).unwrap() {
+        Growth::Stitch { head, fresh, .. } => assert_eq!((head, fresh.len()), (G / 2, 0), "a stitch that begins in the piece"),
+        other => panic!("expected a pieced stitch, got {other:?}"),
+    }
+    // With the stitch cache full, making that stitch would evict a cached one (which may be
+    // free whole again, where a pieced one seldom is): the window is taken instead.
+    let (mut a, blocks) = setup();
+    while a.stitches.count() < stitch::MAX_STITCHES {
+        let base = a.stitches.find_va(G).expect("stitch address space");
+        a.add_stitch(base, vec![blocks[0].addr]);
+    }
+    a.check_invariants().unwrap();
+    match a.plan(2 * G + G / 2, L, true, &mut |_, _, _| true).unwrap() {
+        Growth::Window { window, .. } => assert_eq!(window.targets.len(), 1, "one new granule at the range's end"),
+        other => panic!("expected a window, got {other:?}"),
+    }
+}
