@@ -127,6 +127,42 @@ fn a_request_no_stitch_could_hold_keeps_the_cached_stitches() {
 }
 
 #[test]
+fn with_piece_ends_a_full_stitch_cache_still_serves_from_pieces_where_new_memory_is_refused() {
+    // While the stitch cache is full, piece ends give way to a window (no eviction for a
+    // stitch that only pieces make worth making); where the limit refuses that window, the
+    // growth plans again with pieces, which need no new memory.
+    let opts = PoolOptions { kind: PoolKind::Arena, thread_cache: false, decay_window: 0, arena_chunk: 0, arena_piece_ends: true, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(8 << 30)), &opts).unwrap();
+    // 256 idle stitches (the cache's capacity) over granules that are in use again.
+    for i in 0..256 {
+        let s1 = p.malloc(G, 0).unwrap();
+        let _k1 = p.malloc(G, 0).unwrap();
+        let s2 = p.malloc(G, 0).unwrap();
+        let _k2 = p.malloc(G, 0).unwrap();
+        p.free(s1, 0).unwrap();
+        p.free(s2, 0).unwrap();
+        let big = p.malloc(2 * G, 0).unwrap();
+        p.free(big, 0).unwrap();
+        assert_eq!((p.malloc(G, 0).unwrap(), p.malloc(G, 0).unwrap()), (s1, s2));
+        assert_eq!(p.arena_counters().unwrap().stitches_made, i + 1);
+    }
+    // Free memory: the end of a granule, two whole granules, the start of another.
+    let head = p.malloc(5 * MIB / 4, 0).unwrap();
+    let _a = p.malloc(11 * MIB / 4, 0).unwrap();
+    let _b = p.malloc(3 * MIB, 0).unwrap();
+    let tail = p.malloc(5 * MIB, 0).unwrap();
+    p.free(head, 0).unwrap();
+    p.free(tail, 0).unwrap();
+    let held = p.stats().total_bytes as usize;
+    p.set_limit(held).unwrap();
+    let before = p.arena_counters().unwrap();
+    let got = p.malloc(25 * MIB / 4, 0).expect("served from pieces and whole free granules, with no new memory");
+    let after = p.arena_counters().unwrap();
+    assert_eq!((after.granules_mapped, after.stitches_dropped, after.stitch_pieces), (before.granules_mapped, before.stitches_dropped + 1, before.stitch_pieces + 2), "{after:?}");
+    p.free(got, 0).unwrap();
+}
+
+#[test]
 fn a_stitch_maps_each_granule_once_and_grants_access_once() {
     // Four 2-granule blocks, every other one freed: 4 free granules in two runs. A request
     // for 4 granules is stitched from them: 4 aliases and one access grant over the stitch

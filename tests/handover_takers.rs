@@ -40,6 +40,7 @@ fn a_taker_beyond_the_kept_connections_is_served_and_the_one_idle_longest_goes()
     let idle: Vec<UnixStream> = (0..1024)
         .map(|i| {
             let mut s = UnixStream::connect_addr(&addr).expect("a connection");
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
             s.write_all(&[0xa5u8; KEY_BYTES]).unwrap();
             let mut header = [0u8; 12];
             s.read_exact(&mut header).unwrap_or_else(|e| panic!("idle taker {i}: no answer: {e}"));

@@ -101,12 +101,21 @@ impl Grower for ArenaGrowth {
         // same stitch would be chosen forever.
         let mut may_evict = true;
         let mut small_stitches = !contended;
+        let mut pieces_when_full = false;
+        pool.arena().set_pieces_when_full(false);
         loop {
             let plan = pool.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
             let served = match plan {
                 None if !small_stitches => {
                     small_stitches = true;
                     pool.arena().set_small_stitches(true);
+                    continue;
+                }
+                // Piece ends were held back for a full stitch cache (`plan`); where nothing
+                // else serves, they may evict.
+                None if !pieces_when_full && pool.arena_ref().piece_ends() => {
+                    pieces_when_full = true;
+                    pool.arena().set_pieces_when_full(true);
                     continue;
                 }
                 None => return Ok(Attempt::Nothing),
@@ -156,6 +165,12 @@ impl Grower for ArenaGrowth {
                 Err(GrowFail::OutOfMemory { .. }) if !small_stitches => {
                     small_stitches = true;
                     pool.arena().set_small_stitches(true);
+                    continue;
+                }
+                // The window taken for a full stitch cache was refused: pieces need less.
+                Err(GrowFail::OutOfMemory { .. }) if !pieces_when_full && pool.arena_ref().piece_ends() => {
+                    pieces_when_full = true;
+                    pool.arena().set_pieces_when_full(true);
                     continue;
                 }
                 Err(GrowFail::OutOfMemory { by_limit }) => Ok(Attempt::Refused { by_limit }),

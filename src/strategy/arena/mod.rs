@@ -109,6 +109,9 @@ pub struct ArenaStrategy {
     /// (off while the device's shards contend for the driver: `pool/contention.rs`; cached
     /// stitches are reused either way).
     small_stitches: bool,
+    /// Whether piece ends may be tried while the stitch cache is full (`plan`): off at the
+    /// start of each growth, on once the window it took instead was refused.
+    pieces_when_full: bool,
     /// What the last granules of the stitched blocks in use hold past their bytes.
     stitch_tail_bytes: usize,
     /// Whether new stitches may begin and end in pieces of granules partly in use
@@ -135,12 +138,23 @@ impl ArenaStrategy {
         self.piece_ends = on;
     }
 
+    /// Whether piece ends are on (`set_piece_ends`).
+    pub fn piece_ends(&self) -> bool {
+        self.piece_ends
+    }
+
+    /// Whether piece ends may be tried while the stitch cache is full (`plan`).
+    pub fn set_pieces_when_full(&mut self, on: bool) {
+        self.pieces_when_full = on;
+    }
+
     /// Over the reserved ranges `small`, `large` and `stitch` (`(base, len)`, granule aligned).
     pub fn new(small: (usize, usize), large: (usize, usize), stitch: (usize, usize), granule: usize) -> ArenaStrategy {
         ArenaStrategy {
             spaces: [Space::new(small.0, small.1, granule), Space::new(large.0, large.1, granule)],
             stitches: Stitches::new(stitch.0, stitch.1),
             small_stitches: true,
+            pieces_when_full: false,
             stitch_tail_bytes: 0,
             piece_ends: false,
             granule,
@@ -246,9 +260,10 @@ impl ArenaStrategy {
         // cache is full: a stitch that only its pieces make worth making would evict a cached
         // stitch, which may be free whole again where one that ends in pieces seldom is, so
         // the window serves instead. A stitch worth making without pieces still evicts, and
-        // the plan after the eviction may use them.
+        // the plan after the eviction may use them; and where the window is refused (the
+        // limit, a full device) or there is none, the growth plans again with pieces.
         let (mut n, mut head, mut tail) = (n, plan::Piece::default(), plan::Piece::default());
-        if self.piece_ends && n > free && self.stitches.count() < stitch::MAX_STITCHES {
+        if self.piece_ends && n > free && (self.pieces_when_full || self.stitches.count() < stitch::MAX_STITCHES) {
             // Not a whole free granule (a stitch takes those whole), a chunk's or a loan's.
             let usable = |at: usize| plan::run_of(&runs, at).is_none() && self.chunks.of(at).is_none() && !self.loans.contains_key(&at);
             let (h, t) = plan::piece_ends(&self.spaces[LARGE], stream, &usable, reusable);
