@@ -104,3 +104,17 @@ fn defaults_and_values() {
     assert_eq!(c.upstream, UpstreamKind::Host);
     assert_eq!(c.limit, Some(LimitSpec::Percent(50.0)));
 }
+
+#[test]
+fn error_texts_name_the_defaults_the_code_uses() {
+    // An accepted-values text is a string literal; this keeps it from drifting from the
+    // constant it names.
+    let text = |var: &str| cfg(&[(var, "nonsense")]).unwrap_err().to_string();
+    assert!(text("GPUPOOL_EVENT_BATCH").contains(&format!("default {EVENT_BATCH}")), "{}", text("GPUPOOL_EVENT_BATCH"));
+    assert!(text("GPUPOOL_EVENT_BATCH_BYTES").contains(&format!("default {}MiB", EVENT_BATCH_BYTES >> 20)), "{}", text("GPUPOOL_EVENT_BATCH_BYTES"));
+    let shards = text("GPUPOOL_STREAM_SHARDS");
+    assert!(shards.contains(&format!("to {MAX_STREAM_SHARDS}; default {STREAM_SHARDS}")), "{shards}");
+    assert_eq!(Config::default().event_batch, EVENT_BATCH);
+    assert_eq!(Config::default().event_batch_bytes, EVENT_BATCH_BYTES);
+    assert_eq!(Config::default().stream_shards, STREAM_SHARDS);
+}
