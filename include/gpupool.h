@@ -94,6 +94,9 @@ typedef struct gpupool_stats {
   uint64_t n_cross_stream_reuses;
   // Frees deferred until streams passed to `record_stream` finish.
   uint64_t n_deferred_frees;
+  // Version 2: the peak of `requested_bytes` (PyTorch's `requested_bytes.all.peak`), the
+  // bytes callers asked for before rounding, beside `peak_used_bytes`, the blocks' sizes.
+  uint64_t peak_requested_bytes;
 } gpupool_stats;
 
 #ifdef __cplusplus

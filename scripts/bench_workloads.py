@@ -38,10 +38,10 @@ Columns:
                 max_memory_reserved; gpupool: peak_total_bytes; rmm: a statistics
                 adaptor under the pool, else peak dev used)
   rsrvd/alloc   peak rsrvd / peak alloc (1.00 = no waste), as each allocator counts allocated
-  rsrvd/requested  peak rsrvd / the peak of bytes the program asked for: the same measure for
-                allocator but gpupool's split (PyTorch counts blocks it did not split whole
-                as allocated; the arena counts requests rounded to 512 B; RMM's adaptor what
-                was asked; split's figure is its own bytes in use, as rsrvd/alloc)
+  rsrvd/requested  peak rsrvd / the peak of bytes the program asked for, the same measure for
+                every allocator (PyTorch's requested_bytes, RMM's adaptor, gpupool's
+                peak_requested_bytes; PyTorch counts blocks it did not split whole as
+                allocated, gpupool's split too, the arena rounds to 512 B: rsrvd/alloc)
   peak dev used device memory in use by the process (total - free from cudaMemGetInfo),
                 sampled after every step and inside steps (training: after the forward
                 pass; churn: every 250 ops), minus the same figure right after CUDA

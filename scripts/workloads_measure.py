@@ -108,12 +108,12 @@ class Probe:
     def peak_requested(self):
         """The peak of bytes the program asked for, whatever each allocator rounds them up to
         or hands out beyond them (PyTorch's own counts blocks it did not split whole):
-        PyTorch's `requested_bytes`, the statistics adaptor above RMM's pool, gpupool's peak
-        in use (the arena's: requests rounded to 512 B; `split`'s, like PyTorch's allocated,
-        counts blocks it did not split whole, so its figure is not the requested one). None
-        where unknown."""
+        PyTorch's `requested_bytes`, the statistics adaptor above RMM's pool, gpupool's
+        `peak_requested_bytes` (a library before it: its peak in use, which rounds requests
+        and, for `split`, counts blocks it did not split whole). None where unknown."""
         if self.gp is not None:
-            return self.gp.stats(0)["peak_used_bytes"]
+            s = self.gp.stats(0)
+            return s.get("peak_requested_bytes", s["peak_used_bytes"])
         if self.name == "rmm":
             return None if self.rmm_top is None else _get(self.rmm_top.allocation_counts, "peak_bytes")
         return self.torch.cuda.memory_stats().get("requested_bytes.all.peak")

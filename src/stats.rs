@@ -5,12 +5,25 @@ use crate::error::human_bytes;
 use std::fmt::Write;
 
 /// Layout version of `Stats`; bumped only when fields are appended.
-pub const STATS_VERSION: u32 = 1;
+pub const STATS_VERSION: u32 = 2;
 
 /// `sizeof(gpupool_stats)` of layout version 1: what `struct_size == 0` means. Frozen:
-/// when fields are appended, this stays the number it is today.
+/// when fields are appended, this stays the number it is.
 pub const STATS_V1_SIZE: usize = 184;
-const _: () = assert!(STATS_V1_SIZE == std::mem::size_of::<Stats>());
+
+/// `sizeof(gpupool_stats)` of layout version 2 (`peak_requested_bytes` appended).
+pub const STATS_V2_SIZE: usize = 192;
+const _: () = assert!(STATS_V2_SIZE == std::mem::size_of::<Stats>());
+
+/// The layout version a struct of `size` bytes holds whole: what `struct_size` callers
+/// get stamped with `version` (a version-1 caller reads version 1).
+pub fn stats_version_of(size: usize) -> u32 {
+    if size >= STATS_V2_SIZE {
+        2
+    } else {
+        1
+    }
+}
 
 /// Per-device pool statistics (`gpupool_stats` in C).
 ///
@@ -60,6 +73,9 @@ pub struct Stats {
     pub n_cross_stream_reuses: u64,
     /// Frees deferred until streams passed to `record_stream` finish.
     pub n_deferred_frees: u64,
+    /// Version 2: the peak of `requested_bytes` (PyTorch's `requested_bytes.all.peak`), the
+    /// bytes callers asked for before rounding, beside `peak_used_bytes`, the blocks' sizes.
+    pub peak_requested_bytes: u64,
 }
 
 impl Stats {
@@ -139,7 +155,8 @@ pub fn render_json(ctx: &ReportContext, s: &Stats) -> String {
             "\"requested_bytes\":{},\"peak_used_bytes\":{},\"peak_total_bytes\":{},\"n_allocs\":{},\"n_frees\":{},",
             "\"n_upstream_allocs\":{},\"n_upstream_frees\":{},\"n_ooms\":{},\"n_reclaims\":{},\"reclaimed_bytes\":{},",
             "\"n_invalid_frees\":{},\"limit_bytes\":{},\"largest_free_block\":{},\"fragmentation\":{:.6},",
-            "\"device_free_bytes\":{},\"device_total_bytes\":{},\"n_cross_stream_reuses\":{},\"n_deferred_frees\":{}}}"
+            "\"device_free_bytes\":{},\"device_total_bytes\":{},\"n_cross_stream_reuses\":{},\"n_deferred_frees\":{},",
+            "\"peak_requested_bytes\":{}}}"
         ),
         ctx.device,
         ctx.strategy,
@@ -166,6 +183,7 @@ pub fn render_json(ctx: &ReportContext, s: &Stats) -> String {
         s.device_free_bytes,
         s.device_total_bytes,
         s.n_cross_stream_reuses,
-        s.n_deferred_frees
+        s.n_deferred_frees,
+        s.peak_requested_bytes
     )
 }

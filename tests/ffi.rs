@@ -116,6 +116,37 @@ fn stats_struct_size_is_honoured() {
     raw.0[..4].copy_from_slice(&24u32.to_ne_bytes());
     assert_eq!(unsafe { gpupool_get_stats(5, raw.0.as_mut_ptr() as *mut Stats) }, Status::Ok);
     assert!(raw.0[24..].iter().all(|&b| b == 0xAA), "wrote past struct_size");
+    // The whole struct of this header: version 2, with the peak of bytes requested.
+    let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
+    assert_eq!(unsafe { gpupool_get_stats(5, &mut s) }, Status::Ok);
+    assert_eq!((s.struct_size as usize, s.version), (gpupool::stats::STATS_V2_SIZE, 2));
+}
+
+#[test]
+fn the_peak_of_bytes_requested_is_the_callers_sizes_not_the_blocks() {
+    for (device, pool) in [(9, c"split"), (10, c"arena")] {
+        host(device, pool);
+        let (st, a) = malloc(1000, device);
+        assert_eq!(st, Status::Ok);
+        let (st, b) = malloc(3000, device);
+        assert_eq!(st, Status::Ok);
+        unsafe {
+            assert_eq!(gpupool_free(a, device, null_mut()), Status::Ok);
+            assert_eq!(gpupool_free(b, device, null_mut()), Status::Ok);
+        }
+        // A smaller allocation after the frees (which a thread cache may keep) moves nothing.
+        let (st, c) = malloc(100, device);
+        assert_eq!(st, Status::Ok);
+        let mut s = Stats { struct_size: std::mem::size_of::<Stats>() as u32, ..Default::default() };
+        assert_eq!(unsafe { gpupool_get_stats(device, &mut s) }, Status::Ok);
+        assert_eq!((s.peak_requested_bytes, s.requested_bytes), (4000, 100), "{s:?}");
+        assert!(s.peak_used_bytes >= 4096, "blocks are rounded: {s:?}");
+        let mut json = vec![0u8; 4096];
+        unsafe { gpupool_stats_json(device, json.as_mut_ptr() as *mut c_char, json.len()) };
+        let json = CStr::from_bytes_until_nul(&json).unwrap().to_str().unwrap();
+        assert!(json.contains("\"peak_requested_bytes\":4000"), "{json}");
+        assert_eq!(unsafe { gpupool_free(c, device, null_mut()) }, Status::Ok);
+    }
 }
 
 #[test]

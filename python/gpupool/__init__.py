@@ -58,14 +58,14 @@ def library_path():
 
 
 class Stats(ctypes.Structure):
-    """gpupool_stats, layout version 1 (see include/gpupool.h)."""
+    """gpupool_stats, layout version 2 (see include/gpupool.h)."""
     _fields_ = [("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
         (name, ctypes.c_uint64) for name in (
             "used_bytes", "free_bytes", "total_bytes", "n_free_blocks", "n_live_blocks", "requested_bytes",
             "peak_used_bytes", "peak_total_bytes", "n_allocs", "n_frees", "n_upstream_allocs",
             "n_upstream_frees", "n_ooms", "n_reclaims", "reclaimed_bytes", "n_invalid_frees", "limit_bytes",
             "largest_free_block", "device_free_bytes", "device_total_bytes", "n_cross_stream_reuses",
-            "n_deferred_frees")]
+            "n_deferred_frees", "peak_requested_bytes")]
 
 
 def lib():
@@ -155,7 +155,10 @@ def stats(device=0):
     s = Stats()
     s.struct_size = ctypes.sizeof(Stats)
     _check(lib().gpupool_get_stats(device, ctypes.byref(s)))
-    return {name: getattr(s, name) for name, _ in Stats._fields_[2:]}
+    # An older library fills fewer fields (it stamps struct_size with what it wrote): only
+    # those are reported.
+    return {name: getattr(s, name) for name, _ in Stats._fields_[2:]
+            if getattr(Stats, name).offset + getattr(Stats, name).size <= s.struct_size}
 
 
 def memory_status(device=-1):

@@ -8,7 +8,7 @@ use super::boundary::{call, call_value, last_error, opt_str, write_str};
 use crate::config::{PoolKind, UpstreamKind};
 use crate::error::{BadPointer, Error, Status};
 use crate::registry;
-use crate::stats::{Stats, STATS_V1_SIZE};
+use crate::stats::{stats_version_of, Stats, STATS_V1_SIZE};
 use crate::thread_cache;
 use crate::upstream::cuda::driver;
 use std::ffi::{c_char, c_int, c_void};
@@ -24,6 +24,7 @@ pub(crate) unsafe fn write_stats(mut s: Stats, out: *mut Stats) {
     };
     let n = want.min(std::mem::size_of::<Stats>());
     s.struct_size = n as u32;
+    s.version = stats_version_of(n);
     std::ptr::copy_nonoverlapping(&s as *const Stats as *const u8, out as *mut u8, n);
 }
 

@@ -210,6 +210,7 @@ impl Pool {
         self.rec.c.used += block.size;
         self.rec.c.requested += size;
         self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used);
+        self.rec.c.peak_requested = self.rec.c.peak_requested.max(self.rec.c.requested);
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);
         self.core.live.insert(

@@ -223,11 +223,12 @@ impl Pool {
         block.stream = key;
         self.rec.c.used += block.size;
         self.rec.c.requested += size;
-        if self.rec.c.used > self.rec.c.peak_used {
-            // `used` counts blocks kept in thread caches, which their users freed: the
-            // peak must not (rarely reached: only when a new peak is possible).
-            let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
+        if self.rec.c.used > self.rec.c.peak_used || self.rec.c.requested > self.rec.c.peak_requested {
+            // `used` and `requested` count blocks kept in thread caches, which their users
+            // freed: the peaks must not (rarely reached: only when a new peak is possible).
+            let (_, kept, kept_requested) = if self.caches.enabled() { self.kept_bytes() } else { (0, 0, 0) };
             self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used - kept);
+            self.rec.c.peak_requested = self.rec.c.peak_requested.max(self.rec.c.requested - kept_requested);
         }
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);

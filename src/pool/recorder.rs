@@ -18,6 +18,8 @@ pub(super) struct Counters {
     pub requested: usize,
     pub reserved: usize,
     pub peak_used: usize,
+    /// The peak of `requested`: the bytes callers asked for, before rounding.
+    pub peak_requested: usize,
     pub peak_reserved: usize,
     pub allocs: u64,
     pub frees: u64,

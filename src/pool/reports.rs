@@ -54,6 +54,7 @@ impl Pool {
             requested_bytes: (self.rec.c.requested - kept_requested) as u64,
             peak_used_bytes: self.rec.c.peak_used as u64,
             peak_total_bytes: self.rec.c.peak_reserved as u64,
+            peak_requested_bytes: self.rec.c.peak_requested as u64,
             n_allocs: self.rec.c.allocs + fast_allocs,
             n_frees: self.rec.c.frees + fast_frees,
             n_upstream_allocs: self.rec.c.upstream_allocs,

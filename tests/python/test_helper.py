@@ -31,6 +31,24 @@ def test_stats_status_json_reclaim_limits_on_host(library):
     assert "ok" in out
 
 
+def test_the_peak_of_bytes_requested_is_reported_beside_the_blocks_peak_on_host(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        p, q = ctypes.c_void_p(), ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        assert L.gpupool_malloc(ctypes.byref(q), 1000, 0, None) == 0
+        assert L.gpupool_free(p, 0, None) == 0
+        s = gpupool.stats(0)
+        assert s["peak_requested_bytes"] == (3 << 20) + 1000 == gpupool.stats_json(0)["peak_requested_bytes"], s
+        assert s["peak_used_bytes"] == (3 << 20) + 1024 and s["requested_bytes"] == 1000, s
+        assert L.gpupool_free(q, 0, None) == 0
+        print("ok")
+    """))
+    assert "ok" in out
+
+
 def test_out_of_memory_is_what_batch_size_finders_retry_smaller_on_host(library):
     # A failed allocation raised from Python (gpupool's own error class, a RuntimeError with
     # the library's text): PyTorch's phrase comes first, gpupool's report after it, and the
