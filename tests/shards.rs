@@ -155,6 +155,7 @@ fn reports_add_the_shards_up() {
     let s = stats(d);
     assert_eq!(s.used_bytes, 4 * MIB as u64);
     assert!(s.peak_used_bytes >= 4 * MIB as u64);
+    assert_eq!(s.peak_requested_bytes, 4 * MIB as u64, "the shards' peaks of bytes requested, added up");
     assert_eq!(s.used_bytes + s.free_bytes, s.total_bytes);
     let text = status(d);
     assert!(text.contains("Stream shards: 3 in use"), "{text}");

@@ -59,6 +59,7 @@ fn total(parts: &[Part], device_wide: DeviceWide) -> Stats {
         t.n_live_blocks += s.n_live_blocks;
         t.requested_bytes += s.requested_bytes;
         t.peak_used_bytes += s.peak_used_bytes;
+        t.peak_requested_bytes += s.peak_requested_bytes;
         t.n_allocs += s.n_allocs;
         t.n_frees += s.n_frees;
         t.n_upstream_allocs += s.n_upstream_allocs;
