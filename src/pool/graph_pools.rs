@@ -209,8 +209,7 @@ impl Pool {
         pool.live += 1;
         self.rec.c.used += block.size;
         self.rec.c.requested += size;
-        self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used);
-        self.rec.c.peak_requested = self.rec.c.peak_requested.max(self.rec.c.requested);
+        self.bump_peaks();
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);
         self.core.live.insert(

@@ -145,6 +145,17 @@ impl Pool {
         self.rec.c.reserved
     }
 
+    /// Raise the peaks of bytes in use and requested to what is live now. `used` and
+    /// `requested` count blocks kept in thread caches, which their users freed: the peaks
+    /// must not (the scan of the caches runs only when a new peak is possible).
+    pub(super) fn bump_peaks(&mut self) {
+        if self.rec.c.used > self.rec.c.peak_used || self.rec.c.requested > self.rec.c.peak_requested {
+            let (_, kept, kept_requested) = if self.caches.enabled() { self.kept_bytes() } else { (0, 0, 0) };
+            self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used - kept);
+            self.rec.c.peak_requested = self.rec.c.peak_requested.max(self.rec.c.requested - kept_requested);
+        }
+    }
+
     /// Bytes in live blocks.
     pub fn used_bytes(&self) -> usize {
         self.rec.c.used
@@ -223,13 +234,7 @@ impl Pool {
         block.stream = key;
         self.rec.c.used += block.size;
         self.rec.c.requested += size;
-        if self.rec.c.used > self.rec.c.peak_used || self.rec.c.requested > self.rec.c.peak_requested {
-            // `used` and `requested` count blocks kept in thread caches, which their users
-            // freed: the peaks must not (rarely reached: only when a new peak is possible).
-            let (_, kept, kept_requested) = if self.caches.enabled() { self.kept_bytes() } else { (0, 0, 0) };
-            self.rec.c.peak_used = self.rec.c.peak_used.max(self.rec.c.used - kept);
-            self.rec.c.peak_requested = self.rec.c.peak_requested.max(self.rec.c.requested - kept_requested);
-        }
+        self.bump_peaks();
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);
         self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });

@@ -37,6 +37,9 @@ impl Pool {
     }
 
     pub fn stats(&mut self) -> Stats {
+        // A block a thread cache hands back is live again with no locked call: the peaks
+        // are at least what is live now.
+        self.bump_peaks();
         let (dev_free, dev_total) = self.core.upstream.mem_info().unwrap_or((0, 0));
         // Blocks kept in thread caches count as freed (their users freed them), and the
         // fast path's operations as operations.
