@@ -162,6 +162,10 @@ fn reports_add_the_shards_up() {
     assert!(text.contains("gpupool device 45 (split pool on host upstream)"), "{text}");
     let j = json(d);
     assert!(j.contains("\"used_bytes\":4194304") && j.contains("\"driver_calls\""), "{j}");
+    for (shard, bytes) in [(1, MIB), (2, 3 * MIB)] {
+        let entry = format!("\"peak_used_bytes\":{bytes},\"peak_requested_bytes\":{bytes},");
+        assert!(j.contains(&entry), "shard {shard}'s own peaks in the shards list: {j}");
+    }
     let n = unsafe { gpupool_snapshot_json(d, null_mut(), 0) };
     let mut buf = vec![0u8; n + 1];
     unsafe { gpupool_snapshot_json(d, buf.as_mut_ptr() as *mut c_char, buf.len()) };

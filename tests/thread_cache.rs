@@ -4,6 +4,7 @@
 //! Each test uses its own device id (tests run in parallel in one process).
 
 use gpupool::ffi::core::*;
+use gpupool::ffi::graph::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
 use gpupool::Status;
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
@@ -499,4 +500,58 @@ fn an_allocation_of_nothing_takes_no_pools_lock_but_still_checks_the_device() {
     let (zero, one) = unsafe { (gpupool_malloc(&mut p, 0, 47, null_mut()), gpupool_malloc(&mut p, 1, 47, null_mut())) };
     assert_ne!(zero, Status::Ok, "device 47 has no pool and no driver here: {}", last());
     assert_eq!(zero, one, "nothing is refused as something is");
+}
+
+#[test]
+fn peaks_are_at_least_what_is_live_after_a_block_comes_back_from_a_thread_cache() {
+    let d = 34;
+    host(d);
+    // Free memory that another thread's 3 MiB can take without growing (a size met once
+    // goes back to the pool).
+    let room = malloc(2 * MIB, d);
+    assert_eq!(free(room, d), Status::Ok);
+    warm(4 * MIB, d);
+    let a = malloc(4 * MIB, d);
+    assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(kept(d), 1);
+    // Another thread's locked allocation (this thread's own would hand its parked block back
+    // to the pool first): its peak counts it beside nothing live, as the parked block was
+    // freed by its user.
+    let b = std::thread::spawn(move || malloc(3 * MIB, d)).join().unwrap();
+    assert_eq!(kept(d), 1, "another thread's allocation that needs no growth leaves it parked");
+    let s = stats(d);
+    assert_eq!((s.peak_used_bytes, s.peak_requested_bytes), (4 * MIB as u64, 4 * MIB as u64), "{s:?}");
+    // The parked block comes back with no locked call: 7 MiB live, a peak no locked call saw.
+    let c = malloc(4 * MIB, d);
+    assert_eq!((c, kept(d)), (a, 0), "the fast path served it");
+    let s = stats(d);
+    assert_eq!(s.used_bytes, 7 * MIB as u64);
+    assert_eq!((s.peak_used_bytes, s.peak_requested_bytes), (7 * MIB as u64, 7 * MIB as u64), "a peak never reads below what is live: {s:?}");
+    assert_eq!(free(b, d), Status::Ok);
+    assert_eq!(free(c, d), Status::Ok);
+    check(d);
+}
+
+#[test]
+fn a_private_pools_allocation_does_not_count_parked_blocks_in_the_peaks() {
+    let d = 35;
+    host(d);
+    warm(4 * MIB, d);
+    let a = malloc(4 * MIB, d);
+    assert_eq!(free(a, d), Status::Ok);
+    assert_eq!(kept(d), 1, "4 MiB parked: freed by its user, still counted in the pool's used bytes");
+    // Allocations routed to a private pool (as a graph capture's are) take another path.
+    assert_eq!(unsafe { gpupool_begin_allocate_to_pool(d, 5, null_mut()) }, Status::Ok, "{}", last());
+    let b = malloc(MIB, d);
+    assert_eq!(gpupool_end_allocate_to_pool(d, 5), Status::Ok);
+    let s = stats(d);
+    assert_eq!(s.used_bytes, MIB as u64);
+    assert_eq!(
+        (s.peak_used_bytes, s.peak_requested_bytes),
+        (4 * MIB as u64, 4 * MIB as u64),
+        "the peak is the 4 MiB once live, not 5 MiB of which 4 sit parked: {s:?}"
+    );
+    assert_eq!(free(b, d), Status::Ok);
+    assert_eq!(gpupool_release_pool(d, 5), Status::Ok);
+    check(d);
 }

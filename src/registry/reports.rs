@@ -162,8 +162,8 @@ pub fn stats_json(device: i32) -> Result<String> {
         .iter()
         .map(|p| {
             format!(
-                "{{\"shard\":{},\"strategy\":\"{}\",\"used_bytes\":{},\"total_bytes\":{},\"peak_used_bytes\":{},\"n_allocs\":{}}}",
-                p.shard, p.strategy, p.stats.used_bytes, p.stats.total_bytes, p.stats.peak_used_bytes, p.stats.n_allocs
+                "{{\"shard\":{},\"strategy\":\"{}\",\"used_bytes\":{},\"total_bytes\":{},\"peak_used_bytes\":{},\"peak_requested_bytes\":{},\"n_allocs\":{}}}",
+                p.shard, p.strategy, p.stats.used_bytes, p.stats.total_bytes, p.stats.peak_used_bytes, p.stats.peak_requested_bytes, p.stats.n_allocs
             )
         })
         .collect();
