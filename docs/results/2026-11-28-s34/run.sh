@@ -14,6 +14,8 @@
 #                      split and arena alternating, five rounds (100,000 pairs a thread)
 #   bench W R          the workload benchmark, workloads W (comma list), five allocators (or BENCH_ALLOCATORS), --rounds R
 #                      (BENCH_SEED=N: another draw of shapes and arrivals, its files named -seedN)
+#   tbserve            threads_bench, own streams, the serving row (buffers grown by reallocation) at 1/4/16 threads,
+#                      split and arena alternating, TB_ROUNDS rounds (default 5; 100,000 pairs a thread)
 #   tbab               threads_bench on own streams, the arena only, every workload (1 MiB pairs, churn,
 #                      serving) at 1/4/16 threads, this library and the one before alternating, TB_ROUNDS
 #                      rounds (default 3; 100,000 pairs a thread)
@@ -106,6 +108,13 @@ print('$F', {k: v for k, v in r.items() if k.startswith(('allocator', 'tensors_p
           done
         done
       done | tee $OUT/tbrows.log ;;
+    tbserve)
+      build
+      for round in $(seq 1 ${TB_ROUNDS:-5}); do
+        for k in gpupool gpupool-arena; do
+          THREADS_BENCH_ONLY=$k THREADS_BENCH_WORKLOAD=serving THREADS_BENCH_STREAMS=own ./build-gpu/threads_bench 100000 2>&1 | grep "^| gpupool" | sed "s/^/$round /"
+        done
+      done | tee $OUT/tbserve.log ;;
     tbab)
       build; build_before
       for round in $(seq 1 ${TB_ROUNDS:-3}); do
