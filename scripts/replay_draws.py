@@ -106,8 +106,10 @@ def main():
     ap.add_argument("--replay", default=os.path.join(ROOT, "target", "release", "gpupool-replay"))
     ap.add_argument("--churn-draws", type=int, default=CHURN_DRAWS, help="churn draws to generate (BENCH_SEED 0..N-1)")
     ap.add_argument("--arena-piece-ends", action="store_true", help="gpupool-replay's --arena-piece-ends (GPUPOOL_ARENA_PIECE_ENDS=1)")
+    ap.add_argument("--arena-chunk-from", metavar="SIZE", help="gpupool-replay's --arena-chunk-from (GPUPOOL_ARENA_CHUNK_FROM)")
     a = ap.parse_args()
     EXTRA.extend(["--arena-piece-ends"] if a.arena_piece_ends else [])
+    EXTRA.extend(["--arena-chunk-from", a.arena_chunk_from] if a.arena_chunk_from else [])
     if a.churn_draws < 0:
         ap.error("--churn-draws must be 0 or more")
     if not os.access(a.replay, os.X_OK):

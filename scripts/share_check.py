@@ -24,6 +24,10 @@ comparing (`consumer_equal_s`: kernels reading the received memory) and the in-p
 has sent everything by then), so no check runs beside the producer's sending.
 --warm-consumer: before the exchange the consumer makes (and drops) every expected pattern
 once, so its own allocator has grown to what the checks need before the clock starts.
+--pickle-first: the producer pickles every message (the exports, the sends' events) before
+the clock starts and then puts the pickled bytes on the queue, so nothing the producer does
+for a send runs beside the consumer's checks; the consumer's unpickling is then the two
+`loads` (the bytes, then the message).
 """
 import argparse
 import cProfile
@@ -149,6 +153,8 @@ def consumer(allocator, inq, outq, profile=None, parts=False, warm=None, after=1
         inq._sem.release()
         tl = time.perf_counter()
         msg = ForkingPickler.loads(res)
+        if isinstance(msg, bytes):  # --pickle-first: the producer's message, pickled ahead
+            msg = ForkingPickler.loads(msg)
         t1 = time.perf_counter()
         if prof and isinstance(msg, str):
             prof.disable()
@@ -214,6 +220,7 @@ def main():
     ap.add_argument("--check-parts", action="store_true")
     ap.add_argument("--warm-consumer", action="store_true")
     ap.add_argument("--check-after-all", action="store_true")
+    ap.add_argument("--pickle-first", action="store_true")
     a = ap.parse_args()
     setup(a.allocator)
     import torch
@@ -253,15 +260,23 @@ def main():
                     prof.disable()
         dumps._gpupool = getattr(pickle_now, "_gpupool", False)  # routed already: no second route
         ForkingPickler.dumps = classmethod(dumps)
-    t0 = time.perf_counter()
+    batches = []
     for s in range(0, a.tensors, a.batch):
         batch = []
         for i in range(s, min(s + a.batch, a.tensors)):
             batch.append((i, tensors[i], spec[i][1], None))
             if spec[i][2] is not None:
                 batch.append((i, tensors[i][spec[i][2]:], spec[i][1], spec[i][2]))
+        batches.append(batch)
+    del batch
+    if a.pickle_first:
+        from multiprocessing.reduction import ForkingPickler
+        batches = [bytes(ForkingPickler.dumps(b)) for b in batches]
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for batch in batches:
         inq.put(batch)
-    del batch  # only `tensors` keeps the producer's own
+    del batch, batches  # only `tensors` keeps the producer's own
     done = 0
     while done < a.tensors:
         kind, ids, b, receive, check, loads, part = outq.get(timeout=600)

@@ -189,6 +189,11 @@ pub struct Config {
     /// `GPUPOOL_ARENA_CHUNK` (default 256 MiB): the largest physical allocation the arena
     /// maps for a long growth (`strategy/arena/chunks.rs`); `0` maps granule by granule.
     pub arena_chunk: usize,
+    /// `GPUPOOL_ARENA_CHUNK_FROM` (default 64 MiB): growths of at least this many bytes are
+    /// mapped as chunks (`strategy/arena/chunks.rs`); lower it to trade memory on workloads
+    /// of mixed sizes for fewer allocations (fewer driver calls, and fewer imports for a
+    /// process that shares its tensors).
+    pub arena_chunk_from: usize,
     /// `GPUPOOL_ARENA_PIECE_ENDS` (default off): a new stitch may begin in the free end of
     /// a granule partly in use and end in the free start of another (`strategy/arena/plan.rs`,
     /// `piece_ends`): less new memory at new peaks, more stitches.
@@ -224,6 +229,7 @@ impl Default for Config {
             arena_lend: true,
             arena_piece_ends: false,
             arena_chunk: ARENA_CHUNK,
+            arena_chunk_from: ARENA_CHUNK_FROM,
             stream_shards: STREAM_SHARDS,
             arena_va: None,
             status_socket: false,
@@ -233,6 +239,8 @@ impl Default for Config {
 
 /// `GPUPOOL_ARENA_CHUNK`'s default: the largest physical allocation the arena maps at once.
 pub const ARENA_CHUNK: usize = 256 << 20;
+/// `GPUPOOL_ARENA_CHUNK_FROM`'s default: the shortest growth the arena maps as chunks.
+pub const ARENA_CHUNK_FROM: usize = 64 << 20;
 
 /// `GPUPOOL_STREAM_SHARDS`'s default and its largest accepted value.
 pub const STREAM_SHARDS: usize = 16;
@@ -277,7 +285,7 @@ pub fn get() -> Result<&'static Config> {
 }
 
 /// Every variable `Config::from_lookup` reads.
-pub const VARIABLES: [&str; 18] = [
+pub const VARIABLES: [&str; 19] = [
     "GPUPOOL_POOL",
     "GPUPOOL_UPSTREAM",
     "GPUPOOL_MEMORY_LIMIT",
@@ -292,6 +300,7 @@ pub const VARIABLES: [&str; 18] = [
     "GPUPOOL_STREAM_SHARDS",
     "GPUPOOL_ARENA_LEND",
     "GPUPOOL_ARENA_CHUNK",
+    "GPUPOOL_ARENA_CHUNK_FROM",
     "GPUPOOL_ARENA_PIECE_ENDS",
     "GPUPOOL_STATUS_SOCKET",
     "GPUPOOL_ARENA_VA",
@@ -482,6 +491,13 @@ impl Config {
                 var: "GPUPOOL_ARENA_CHUNK",
                 value: v.clone(),
                 accepted: "a size: bytes or a size with unit (256MiB); 0 maps granule by granule",
+            })?;
+        }
+        if let Some(v) = get("GPUPOOL_ARENA_CHUNK_FROM") {
+            c.arena_chunk_from = parse_size(&v).ok_or(Error::InvalidConfig {
+                var: "GPUPOOL_ARENA_CHUNK_FROM",
+                value: v.clone(),
+                accepted: "a size: bytes or a size with unit (64MiB); growths of at least this are mapped as chunks",
             })?;
         }
         if let Some(v) = get("GPUPOOL_STATUS_SOCKET") {

@@ -109,6 +109,34 @@ fn chunks_off_maps_granule_by_granule() {
 }
 
 #[test]
+fn a_lower_chunk_threshold_maps_shorter_growths_as_chunks() {
+    // 16 MiB is under the default threshold (64 MiB): eight granules. From 8 MiB on, the
+    // same growth is two chunks of 8 MiB (half the run), which a stitch then shows whole.
+    let mut p = pool(PoolKind::Arena, 1 << 30);
+    let before = p.driver_calls();
+    let a = p.malloc(16 * MIB, 0).unwrap();
+    assert_eq!(p.driver_calls().mem_create - before.mem_create, 8, "{}", p.driver_calls().text());
+    p.free(a, 0).unwrap();
+    let opts = PoolOptions { kind: PoolKind::Arena, check_invariants: true, thread_cache: false, arena_chunk_from: 8 * MIB, ..Default::default() };
+    let mut p = Pool::new(0, Box::new(HostUpstream::new(1 << 30)), &opts).unwrap();
+    let before = p.driver_calls();
+    let a = p.malloc(16 * MIB, 0).unwrap();
+    let d = p.driver_calls();
+    assert_eq!((d.mem_create - before.mem_create, d.mem_map - before.mem_map), (2, 2), "{}", d.text());
+    // Shorter growths stay granules: 6 MiB is three.
+    let before = p.driver_calls();
+    let b = p.malloc(6 * MIB, 0).unwrap();
+    assert_eq!(p.driver_calls().mem_create - before.mem_create, 3, "{}", p.driver_calls().text());
+    stamp(a, 16 * MIB, 3);
+    stamp(b, 6 * MIB, 4);
+    assert!(intact(a, 16 * MIB, 3) && intact(b, 6 * MIB, 4));
+    for x in [a, b] {
+        p.free(x, 0).unwrap();
+    }
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn no_chunk_is_larger_than_the_largest_and_near_the_devices_memory_growth_maps_granules() {
     // 600 MiB: three equal chunks (200 MiB each), none over the largest (256 MiB).
     let mut p = pool(PoolKind::Arena, 4 << 30);

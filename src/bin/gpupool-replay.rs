@@ -1,5 +1,5 @@
 //! gpupool-replay: replay a GPUPOOL_TRACE file against a simulated device and compare
-//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]
+//! strategies. Usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--arena-chunk-from 64MiB] [--steps FIRST,EVERY,WARMUP]
 
 use gpupool::config::{parse_size, PoolKind};
 use gpupool::error::human_bytes;
@@ -8,7 +8,7 @@ use gpupool::replay::{parse, replay_with_progress, second_half_off_peak, Report,
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--steps FIRST,EVERY,WARMUP]";
+const USAGE: &str = "usage: gpupool-replay TRACE.csv [--pool split|binned|none|arena|all] [--device-size 80GiB] [--decay N|off] [--upstream device|vmm] [--no-arena-lend] [--arena-piece-ends] [--arena-chunk 256MiB|0] [--arena-chunk-from 64MiB] [--steps FIRST,EVERY,WARMUP]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -19,6 +19,7 @@ fn main() -> ExitCode {
     let mut arena_lend = true;
     let mut arena_piece_ends = false;
     let mut arena_chunk = gpupool::strategy::arena::CHUNK_MAX;
+    let mut arena_chunk_from = gpupool::strategy::arena::CHUNK_FROM;
     let mut paged = false;
     let mut steps = None;
     let mut i = 0;
@@ -70,6 +71,13 @@ fn main() -> ExitCode {
                     None => return fail("--arena-chunk needs a size such as 256MiB (0: granule by granule)"),
                 }
             }
+            "--arena-chunk-from" => {
+                i += 1;
+                match args.get(i).and_then(|s| parse_size(s)) {
+                    Some(n) => arena_chunk_from = n,
+                    None => return fail("--arena-chunk-from needs a size such as 64MiB"),
+                }
+            }
             "--steps" => {
                 i += 1;
                 match args.get(i).map(|s| (s, Steps::parse(s))) {
@@ -106,7 +114,7 @@ fn main() -> ExitCode {
     let tty = std::io::stderr().is_terminal();
     let mut results: Vec<Report> = Vec::new();
     for k in pools {
-        let opts = PoolOptions { kind: k, decay_window, arena_lend, arena_chunk, arena_piece_ends, ..Default::default() };
+        let opts = PoolOptions { kind: k, decay_window, arena_lend, arena_chunk, arena_chunk_from, arena_piece_ends, ..Default::default() };
         let mut progress = |done: usize, total: usize| {
             if tty {
                 let _ = write!(std::io::stderr(), "\r  replaying through {:<7} {:>5.1}% of {total} events", k.name(), 100.0 * done as f64 / total.max(1) as f64);

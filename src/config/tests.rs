@@ -55,6 +55,9 @@ fn malformed_values_name_variable_value_and_accepted() {
     assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK", "0")]).unwrap().arena_chunk, 0);
     assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK", "64MiB")]).unwrap().arena_chunk, 64 << 20);
     assert!(cfg(&[("GPUPOOL_ARENA_CHUNK", "big")]).is_err());
+    assert_eq!(cfg(&[]).unwrap().arena_chunk_from, 64 << 20);
+    assert_eq!(cfg(&[("GPUPOOL_ARENA_CHUNK_FROM", "8MiB")]).unwrap().arena_chunk_from, 8 << 20);
+    assert!(cfg(&[("GPUPOOL_ARENA_CHUNK_FROM", "soon")]).is_err());
     assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH", " 1 ")]).unwrap().event_batch, 1);
     assert_eq!(cfg(&[]).unwrap().event_batch_bytes, EVENT_BATCH_BYTES);
     assert_eq!(cfg(&[("GPUPOOL_EVENT_BATCH_BYTES", "256MiB")]).unwrap().event_batch_bytes, 256 << 20);

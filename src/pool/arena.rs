@@ -38,7 +38,8 @@ enum GrowFail {
 /// shard reserves as much as shard 0: one stream may hold most of the device, and a range
 /// that runs out fails requests the device could serve. A device with all 16 stream shards
 /// in use holds `85M` of address space, a small part of the 128 TiB a process has.
-pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, max_chunk: usize) -> std::result::Result<Box<dyn Strategy>, String> {
+/// `chunks`: the largest chunk and the shortest growth mapped as chunks.
+pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, chunks: (usize, usize)) -> std::result::Result<Box<dyn Strategy>, String> {
     let g = up.vmm_granule();
     if g == 0 {
         return Err(format!("arena unavailable: the {} upstream or its device has no virtual memory management; using split", up.name()));
@@ -59,7 +60,7 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, max_chunk: u
         match reserved {
             Ok((base, stitch)) => {
                 let mut a = ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g);
-                a.set_max_chunk(max_chunk);
+                a.set_chunks(chunks.0, chunks.1);
                 a.set_device_bytes(total);
                 return Ok(Box::new(a));
             }

@@ -80,7 +80,7 @@ impl Core {
     /// space here; without VMM it falls back to `split` and says why in `notice`).
     pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Core {
         let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match super::arena::build(&mut *upstream, opts.arena_va, opts.arena_chunk) {
+            PoolKind::Arena => match super::arena::build(&mut *upstream, opts.arena_va, (opts.arena_chunk, opts.arena_chunk_from)) {
                 Ok(mut a) => {
                     if let Some(arena) = a.as_arena() {
                         arena.set_piece_ends(opts.arena_piece_ends);

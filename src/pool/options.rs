@@ -39,6 +39,8 @@ pub struct PoolOptions {
     /// `GPUPOOL_ARENA_CHUNK`: the largest physical allocation the arena maps for a long
     /// growth (`strategy/arena/chunks.rs`); a granule or less: granule by granule.
     pub arena_chunk: usize,
+    /// `GPUPOOL_ARENA_CHUNK_FROM`: the shortest growth the arena maps as chunks.
+    pub arena_chunk_from: usize,
     /// `GPUPOOL_ARENA_PIECE_ENDS`: new stitches may end in pieces of granules partly in use.
     pub arena_piece_ends: bool,
     /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
@@ -64,6 +66,7 @@ impl Default for PoolOptions {
             event_batch_bytes: crate::stream::EVENT_BATCH_BYTES,
             arena_lend: true,
             arena_chunk: crate::strategy::arena::CHUNK_MAX,
+            arena_chunk_from: crate::strategy::arena::CHUNK_FROM,
             arena_piece_ends: false,
             budget: None,
             shard: 0,

@@ -196,6 +196,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         event_batch_bytes: cfg.event_batch_bytes,
         arena_lend: cfg.arena_lend,
         arena_chunk: cfg.arena_chunk,
+        arena_chunk_from: cfg.arena_chunk_from,
         arena_piece_ends: cfg.arena_piece_ends,
         budget: None,
         shard: 0,

@@ -10,10 +10,13 @@
 //! use the free granules of a chunk that is partly in use, so coarse chunks where blocks
 //! are small would cost memory.
 //!
-//! The policy: a run of at least `CHUNK_FROM` bytes is cut into equal chunks (granule
-//! multiples) of at most half the run and at most `max` bytes (`PoolOptions::arena_chunk`;
-//! the pool cuts them, `Pool::map_granules`); shorter runs, and every run when `max` is a
-//! granule or less, map granule by granule. The pool also maps granules once the device's
+//! The policy: a run of at least `from` bytes (`PoolOptions::arena_chunk_from`, `CHUNK_FROM`
+//! by default) is cut into equal chunks (granule multiples) of at most half the run and at
+//! most `max` bytes (`PoolOptions::arena_chunk`; the pool cuts them, `Pool::map_granules`);
+//! shorter runs, and every run when `max` is a granule or less, map granule by granule.
+//! A lower `from` is the other side of the same trade: fewer allocations (fewer driver
+//! calls at growth and stitching, fewer imports where the blocks are shared) for memory
+//! stranded in chunks partly in use where block sizes are mixed. The pool also maps granules once the device's
 //! reserved memory would pass half of what it may hold, where stranded memory would cost.
 
 use super::space::FreeRun;
@@ -21,8 +24,8 @@ use super::{ArenaStrategy, LARGE};
 use crate::upstream::stream_id::StreamKey;
 use std::collections::BTreeMap;
 
-/// Growth runs at least this long are mapped as chunks.
-pub const CHUNK_FROM: usize = 64 << 20;
+/// Growth runs at least this long are mapped as chunks by default (`GPUPOOL_ARENA_CHUNK_FROM`).
+pub const CHUNK_FROM: usize = crate::config::ARENA_CHUNK_FROM;
 /// The largest chunk by default (`GPUPOOL_ARENA_CHUNK`).
 pub const CHUNK_MAX: usize = crate::config::ARENA_CHUNK;
 
@@ -31,6 +34,8 @@ pub struct Chunks {
     map: BTreeMap<usize, usize>,
     granule: usize,
     max: usize,
+    /// The shortest growth run mapped as chunks.
+    from: usize,
     /// Off while the pool is short of memory (an escalation released memory): a chunk
     /// partly in use can be neither stitched nor released, so growth near the device's
     /// limit maps granules.
@@ -41,7 +46,7 @@ pub struct Chunks {
 
 impl Chunks {
     pub fn new(granule: usize) -> Chunks {
-        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, enabled: true, device_bytes: usize::MAX }
+        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, from: CHUNK_FROM, enabled: true, device_bytes: usize::MAX }
     }
 
     /// The largest chunk (`0` or a granule: none).
@@ -49,10 +54,15 @@ impl Chunks {
         self.max = max;
     }
 
+    /// The shortest growth run mapped as chunks.
+    pub fn set_from(&mut self, from: usize) {
+        self.from = from;
+    }
+
     /// Bytes per allocation for a growth run of `run` bytes (a granule: one per granule).
     pub fn size_for(&self, run: usize) -> usize {
         let g = self.granule;
-        if run < CHUNK_FROM || self.max <= g || !self.enabled {
+        if run < self.from || self.max <= g || !self.enabled {
             return g;
         }
         (run / 2 / g * g).clamp(g, self.max / g * g)
@@ -166,6 +176,12 @@ impl ArenaStrategy {
         self.chunks.set_max(max);
     }
 
+    /// The largest chunk, and the shortest growth mapped as chunks.
+    pub fn set_chunks(&mut self, max: usize, from: usize) {
+        self.chunks.set_max(max);
+        self.chunks.set_from(from);
+    }
+
     /// The device's memory, as the upstream reported it when the arena was built.
     pub fn set_device_bytes(&mut self, bytes: usize) {
         self.chunks.device_bytes = bytes;
@@ -262,6 +278,9 @@ mod tests {
         assert_eq!(c.mappings(&homes), vec![(0, 1), (1, 4), (5, 3)]);
         assert_eq!(c.round_out(11 * G + 5, 12 * G), (10 * G, 14 * G));
         assert_eq!(c.round_out(15 * G, 16 * G), (15 * G, 16 * G));
+        c.set_from(4 * G);
+        assert_eq!(c.size_for(8 * G), 4 * G, "a lower threshold chunks shorter runs");
+        assert_eq!(c.size_for(3 * G), G);
         c.set_max(G);
         assert_eq!(c.size_for(1000 * G), G, "chunks off");
     }

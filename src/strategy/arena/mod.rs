@@ -24,7 +24,7 @@
 //! calls, so all of this is testable without a GPU.
 
 mod chunks;
-pub use chunks::CHUNK_MAX;
+pub use chunks::{CHUNK_FROM, CHUNK_MAX};
 mod export;
 mod loans;
 mod release;
