@@ -110,8 +110,8 @@ fn chunks_off_maps_granule_by_granule() {
 
 #[test]
 fn a_lower_chunk_threshold_maps_shorter_growths_as_chunks() {
-    // 16 MiB is under the default threshold (64 MiB): eight granules. From 8 MiB on, the
-    // same growth is two chunks of 8 MiB (half the run), which a stitch then shows whole.
+    // 16 MiB is under the default threshold (64 MiB): eight granules. With the threshold at
+    // 8 MiB, the same growth is two chunks of 8 MiB (half the run).
     let mut p = pool(PoolKind::Arena, 1 << 30);
     let before = p.driver_calls();
     let a = p.malloc(16 * MIB, 0).unwrap();
@@ -123,14 +123,19 @@ fn a_lower_chunk_threshold_maps_shorter_growths_as_chunks() {
     let a = p.malloc(16 * MIB, 0).unwrap();
     let d = p.driver_calls();
     assert_eq!((d.mem_create - before.mem_create, d.mem_map - before.mem_map), (2, 2), "{}", d.text());
-    // Shorter growths stay granules: 6 MiB is three.
+    // A growth of exactly the threshold is chunked (two of 4 MiB); a shorter one, 6 MiB,
+    // stays three granules.
     let before = p.driver_calls();
-    let b = p.malloc(6 * MIB, 0).unwrap();
+    let b = p.malloc(8 * MIB, 0).unwrap();
+    assert_eq!(p.driver_calls().mem_create - before.mem_create, 2, "{}", p.driver_calls().text());
+    let before = p.driver_calls();
+    let c = p.malloc(6 * MIB, 0).unwrap();
     assert_eq!(p.driver_calls().mem_create - before.mem_create, 3, "{}", p.driver_calls().text());
     stamp(a, 16 * MIB, 3);
-    stamp(b, 6 * MIB, 4);
-    assert!(intact(a, 16 * MIB, 3) && intact(b, 6 * MIB, 4));
-    for x in [a, b] {
+    stamp(b, 8 * MIB, 4);
+    stamp(c, 6 * MIB, 5);
+    assert!(intact(a, 16 * MIB, 3) && intact(b, 8 * MIB, 4) && intact(c, 6 * MIB, 5));
+    for x in [a, b, c] {
         p.free(x, 0).unwrap();
     }
     p.check_invariants().unwrap();

@@ -75,10 +75,12 @@ while [ $# -gt 0 ]; do
           [ $part = parts ] && [ "$F" != --warm-consumer ] && [ $round = 2 ] && continue
           for a in ${SHARE_ALLOCS:-native split arena}; do
             # NAME-noahead: gpupool's NAME pool with GPUPOOL_SHARE_AHEAD=0 (sends opened by their rebuilds)
-            # NAME-cfN: gpupool's NAME pool with GPUPOOL_ARENA_CHUNK_FROM=NMiB (both processes)
-            AH=1; [ "${a%-noahead}" != "$a" ] && AH=0
-            base=${a%-noahead}; CF=; [ "${base%-cf*}" != "$base" ] && CF=${base##*-cf}MiB && base=${base%-cf*}
-            GPUPOOL_SHARE_AHEAD=$AH env ${CF:+GPUPOOL_ARENA_CHUNK_FROM=$CF} timeout 150 python3 scripts/share_check.py --allocator $base --tensors 1000 $F 2>&1 | tail -1 \
+            # NAME-cfN: gpupool's NAME pool with GPUPOOL_ARENA_CHUNK_FROM=NMiB (both processes);
+            # the suffixes in either order (arena-cf8-noahead, arena-noahead-cf8)
+            AH=1; [ "${a/-noahead/}" != "$a" ] && AH=0
+            base=${a/-noahead/}; CF=(-u GPUPOOL_ARENA_CHUNK_FROM)
+            if [[ $base =~ ^(.*)-cf([0-9]+)$ ]]; then base=${BASH_REMATCH[1]}; CF=(GPUPOOL_ARENA_CHUNK_FROM=${BASH_REMATCH[2]}MiB); fi
+            GPUPOOL_SHARE_AHEAD=$AH env "${CF[@]}" timeout 150 python3 scripts/share_check.py --allocator $base --tensors 1000 $F 2>&1 | tail -1 \
               | sed "s/\"allocator\": \"$base\"/\"allocator\": \"$a\"/" | tee -a $OUT/$part${SHARE_TAG:+-$SHARE_TAG}.jsonl \
               | python3 -c "
 import json, sys

@@ -16,8 +16,10 @@
 //! shorter runs, and every run when `max` is a granule or less, map granule by granule.
 //! A lower `from` is the other side of the same trade: fewer allocations (fewer driver
 //! calls at growth and stitching, fewer imports where the blocks are shared) for memory
-//! stranded in chunks partly in use where block sizes are mixed. The pool also maps granules once the device's
-//! reserved memory would pass half of what it may hold, where stranded memory would cost.
+//! stranded in chunks partly in use where block sizes are mixed (`0` chunks every growth
+//! of four granules or more, whose halves are two granules). The pool also maps granules
+//! once the device's reserved memory would pass half of what it may hold, where stranded
+//! memory would cost.
 
 use super::space::FreeRun;
 use super::{ArenaStrategy, LARGE};
@@ -171,11 +173,6 @@ impl Chunks {
 }
 
 impl ArenaStrategy {
-    /// The largest chunk the large range maps (a granule or less: none).
-    pub fn set_max_chunk(&mut self, max: usize) {
-        self.chunks.set_max(max);
-    }
-
     /// The largest chunk, and the shortest growth mapped as chunks.
     pub fn set_chunks(&mut self, max: usize, from: usize) {
         self.chunks.set_max(max);
@@ -278,9 +275,11 @@ mod tests {
         assert_eq!(c.mappings(&homes), vec![(0, 1), (1, 4), (5, 3)]);
         assert_eq!(c.round_out(11 * G + 5, 12 * G), (10 * G, 14 * G));
         assert_eq!(c.round_out(15 * G, 16 * G), (15 * G, 16 * G));
+        assert_eq!(c.size_for(8 * G), G, "under the default threshold");
         c.set_from(4 * G);
         assert_eq!(c.size_for(8 * G), 4 * G, "a lower threshold chunks shorter runs");
-        assert_eq!(c.size_for(3 * G), G);
+        assert_eq!(c.size_for(4 * G), 2 * G, "a run of exactly the threshold is chunked");
+        assert_eq!(c.size_for(3 * G), G, "a shorter one is not");
         c.set_max(G);
         assert_eq!(c.size_for(1000 * G), G, "chunks off");
     }
