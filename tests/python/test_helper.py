@@ -398,3 +398,30 @@ def test_a_descriptor_fetched_by_another_user_is_refused_on_host(library):
     if out.startswith("skip:"):
         pytest.skip(out.strip()[6:])
     assert "ok" in out
+
+
+def test_the_arena_chunk_threshold_is_read_from_the_environment_on_host(library):
+    # A 16 MiB growth: eight granule allocations under the default threshold (64 MiB), two
+    # chunks of 8 MiB with GPUPOOL_ARENA_CHUNK_FROM=8MiB; a malformed value is refused.
+    script = """
+        import ctypes, gpupool
+        L = gpupool.lib()
+        p = ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(p), 16 << 20, 0, None) == 0
+        j = gpupool.stats_json(0)
+        assert j["strategy"] == "arena", j
+        print("creates", j["driver_calls"]["mem_create"])
+        assert L.gpupool_free(p, 0, None) == 0
+    """
+    assert "creates 8" in ok(run_py(script, env={"GPUPOOL_UPSTREAM": "host"}))
+    assert "creates 2" in ok(run_py(script, env={"GPUPOOL_UPSTREAM": "host", "GPUPOOL_ARENA_CHUNK_FROM": "8MiB"}))
+    out = ok(run_py("""
+        import ctypes, gpupool
+        p = ctypes.c_void_p()
+        try:
+            gpupool._check(gpupool.lib().gpupool_malloc(ctypes.byref(p), 16 << 20, 0, None))
+            raise SystemExit("a malformed GPUPOOL_ARENA_CHUNK_FROM was accepted")
+        except gpupool.GpupoolError as e:
+            print(e)
+    """, env={"GPUPOOL_UPSTREAM": "host", "GPUPOOL_ARENA_CHUNK_FROM": "eight"}))
+    assert "GPUPOOL_ARENA_CHUNK_FROM" in out and "eight" in out, out
