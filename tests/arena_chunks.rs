@@ -22,6 +22,9 @@ fn a_long_growth_is_mapped_in_chunks_which_are_stitched_and_released_whole() {
     let a1 = p.malloc(256 * MIB, 0).unwrap();
     let d = p.driver_calls();
     assert_eq!((d.mem_create - before.mem_create, d.mem_map - before.mem_map), (2, 2), "{}", d.text());
+    // The reports show them.
+    assert!(p.stats_json().contains("\"chunks\":2,\"chunk_bytes\":268435456,"), "{}", p.stats_json());
+    assert!(p.memory_status().contains("256.00 MiB of it in 2 chunks"), "{}", p.memory_status());
     let b = p.malloc(2 * MIB, 0).unwrap(); // a granule between the two big blocks
     let a2 = p.malloc(256 * MIB, 0).unwrap();
     let c = p.malloc(2 * MIB, 0).unwrap();
@@ -51,6 +54,7 @@ fn a_long_growth_is_mapped_in_chunks_which_are_stitched_and_released_whole() {
     assert_eq!(p.stats().total_bytes, 0);
     assert_eq!(d.mem_release - before.mem_release, 6, "4 chunks + 2 granules: {}", d.text());
     assert_eq!(d.mem_unmap - before.mem_unmap, 6 + 4, "and the stitch's 4 alias mappings: {}", d.text());
+    assert!(p.stats_json().contains("\"chunks\":0,\"chunk_bytes\":0,"), "{}", p.stats_json());
     p.check_invariants().unwrap();
 }
 

@@ -16,6 +16,7 @@ impl Pool {
             mapped: a.mapped_bytes(),
             address_space: a.reserved_address_space(),
             stitches: a.stitch_count(),
+            chunks: a.chunk_usage(),
             counters: a.counters,
             small: usage[0],
             large: usage[1],
@@ -35,6 +36,9 @@ pub struct ArenaFigures {
     pub address_space: usize,
     /// Stitches cached now.
     pub stitches: usize,
+    /// Chunks mapped now and their bytes: memory the arena stitches, releases and exports
+    /// only whole (`GPUPOOL_ARENA_CHUNK_FROM`, `GPUPOOL_ARENA_CHUNK`).
+    pub chunks: (usize, usize),
     pub counters: ArenaCounters,
     /// (mapped, free) bytes of the small and of the large range: where the mapped memory
     /// that serves nothing lies.
@@ -54,6 +58,7 @@ impl ArenaFigures {
         self.mapped += o.mapped;
         self.address_space += o.address_space;
         self.stitches += o.stitches;
+        self.chunks = (self.chunks.0 + o.chunks.0, self.chunks.1 + o.chunks.1);
         let (c, d) = (&mut self.counters, &o.counters);
         c.granules_mapped += d.granules_mapped;
         c.granules_unmapped += d.granules_unmapped;
@@ -81,7 +86,7 @@ impl ArenaFigures {
                 "\"granules_unmapped\":{},\"stitches\":{},\"stitches_made\":{},\"stitch_reuses\":{},",
                 "\"stitches_dropped\":{},\"granules_aliased\":{},\"stitch_pieces\":{},\"granules_lent\":{},\"loans_ended\":{},",
                 "\"small_mapped_bytes\":{},\"small_free_bytes\":{},\"large_mapped_bytes\":{},\"large_free_bytes\":{},",
-                "\"memory\":\"{}\",\"leaked_bytes\":{}}}"
+                "\"chunks\":{},\"chunk_bytes\":{},\"memory\":\"{}\",\"leaked_bytes\":{}}}"
             ),
             self.granule,
             self.mapped,
@@ -100,6 +105,8 @@ impl ArenaFigures {
             self.small.1,
             self.large.0,
             self.large.1,
+            self.chunks.0,
+            self.chunks.1,
             self.memory,
             self.leaked
         )
@@ -109,7 +116,7 @@ impl ArenaFigures {
     pub fn text(&self) -> String {
         let (c, h, g) = (self.counters, crate::error::human_bytes, self.granule.max(1));
         format!(
-            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free; granules created as {}",
+            "  Arena: {} mapped in {} granules of {}, {} of address space; granules mapped {}, unmapped {}, lent between the ranges now {}; stitches {} cached, {} made, {} reused, {} dropped; small range {} mapped, {} free; large range {} mapped, {} free, {} of it in {} chunks; granules created as {}",
             h(self.mapped),
             self.mapped / g,
             h(g),
@@ -125,6 +132,8 @@ impl ArenaFigures {
             h(self.small.1),
             h(self.large.0),
             h(self.large.1),
+            h(self.chunks.1),
+            self.chunks.0,
             if self.memory.is_empty() { "plain memory" } else { &self.memory }
         ) + &if self.leaked > 0 {
             format!("; {} unmapped whose memory the driver would not release (leaked)", h(self.leaked))

@@ -80,6 +80,12 @@ impl Chunks {
         self.map.remove(&base);
     }
 
+    /// Chunks mapped now, and their bytes (the reports: memory that is stitched, released
+    /// and exported only whole).
+    pub fn usage(&self) -> (usize, usize) {
+        (self.map.len(), self.map.values().sum())
+    }
+
     /// The chunk holding `addr`, if any: (base, bytes).
     pub fn of(&self, addr: usize) -> Option<(usize, usize)> {
         self.map.range(..=addr).next_back().filter(|(&b, &l)| addr < b + l).map(|(&b, &l)| (b, l))
@@ -173,6 +179,11 @@ impl Chunks {
 }
 
 impl ArenaStrategy {
+    /// Chunks mapped now, and their bytes.
+    pub fn chunk_usage(&self) -> (usize, usize) {
+        self.chunks.usage()
+    }
+
     /// The largest chunk, and the shortest growth mapped as chunks.
     pub fn set_chunks(&mut self, max: usize, from: usize) {
         self.chunks.set_max(max);
