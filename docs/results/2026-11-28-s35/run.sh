@@ -31,7 +31,7 @@
 #                      piece ends off and on alternating, TB_ROUNDS rounds (default 3; 100,000 pairs a thread)
 #   sprofile A...      units/serving_profile.py under each allocator A (torch.profiler over measured steps
 #                      20-80 of serving), to $OUT/sprofile-A.txt; the totals printed
-#   pyspy W A...       py-spy (native frames, 997 Hz, raw collapsed stacks) over bench_workloads.py run W A for
+#   pyspy W A...       py-spy (native frames, PYSPY_RATE Hz (97), at most PYSPY_LIMIT s (150) each; raw collapsed stacks) over bench_workloads.py run W A for
 #                      each allocator A, to $OUT/pyspy-W-A.txt (W=share: share_check.py with its consumer)
 #   srounds R          units/serving_cpu_probe.py: serving, R rounds of native, arena, split (or SR_ALLOCS), one process
 #                      each, with the host's speed measured in each process; JSON lines in $OUT/srounds.jsonl
@@ -185,7 +185,7 @@ print('$w $a round $round:', {k: r.get(k) for k in ('reserved_over_allocated', '
       while [ $# -gt 0 ] && [ -n "$(echo "$1" | grep -E '^(native|expandable|split|arena)$')" ]; do
         a=$1; shift
         if [ $W = share ]; then CMD=(scripts/share_check.py --allocator $a --tensors 1000); else CMD=(scripts/bench_workloads.py run $W $a); fi
-        GPUPOOL_POOL=$( [ $a = native ] || echo $a ) timeout 300 /tmp/site/bin/py-spy record --native --subprocesses -r 997 --format raw \
+        GPUPOOL_POOL=$( [ $a = native ] || echo $a ) timeout ${PYSPY_LIMIT:-150} /tmp/site/bin/py-spy record --native --subprocesses -r ${PYSPY_RATE:-97} --format raw \
           -o $OUT/pyspy-$W-$a.txt -- python3 "${CMD[@]}" > /tmp/pyspy-$a.out 2>/tmp/pyspy-$a.err || tail -5 /tmp/pyspy-$a.err
         tail -c 400 /tmp/pyspy-$a.out; echo; ls -la $OUT/pyspy-$W-$a.txt
       done ;;
