@@ -524,6 +524,18 @@ enum gpupool_status gpupool_share_take_ahead(void *batch, size_t i, void **out_t
 // `batch` from `gpupool_share_open_ahead`, not ended before (NULL: nothing happens).
 enum gpupool_status gpupool_share_end_ahead(void *batch, int failed);
 
+// What opening sends ahead has cost this process so far, as JSON (same buffer convention
+// as `gpupool_memory_status`): `batches` started; seconds from a batch's start to its
+// thread's first line (`thread_start_s`), spent by the threads opening sends
+// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: the
+// arena imports this process made on a GPU (ahead or not), with the seconds spent in each
+// kind of driver call they make (`reserve_s`, `import_s` with the descriptor's checks,
+// `map_s`, `release_s`, `grant_s`).
+//
+// # Safety
+// `buf` must be NULL or point to `len` writable bytes.
+size_t gpupool_share_ahead_json(char *buf, size_t len);
+
 // `void *alloc(size_t size, int device, cudaStream_t stream)`. Never returns NULL for
 // `size > 0`: a failure is thrown as a C++ exception (`std::bad_alloc` subclass for out of
 // memory, `std::runtime_error` otherwise) that PyTorch turns into a Python `RuntimeError`

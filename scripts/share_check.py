@@ -206,7 +206,8 @@ def _live(allocator):
     return {"live_blocks": s["n_live_blocks"], "imports": s.get("ipc_imports"),
             "import_address_space": s.get("ipc_import_address_space"),
             "driver_calls": {k: v for k, v in calls.items() if v},
-            "opened_ahead": {k: round(v, 4) for k, v in ahead.items()}}
+            "opened_ahead": {k: round(v, 4) for k, v in ahead.items()},
+            "ahead_costs": gpupool.share.ahead_costs() if hasattr(gpupool.share, "ahead_costs") else None}
 
 
 def main():

@@ -116,6 +116,7 @@ def lib():
                                                  ctypes.POINTER(vp)]),
             ("gpupool_share_take_ahead", c_int, [vp, c_size, ctypes.POINTER(vp)]),
             ("gpupool_share_end_ahead", c_int, [vp, c_int]),
+            ("gpupool_share_ahead_json", c_size, [cp, c_size]),
             ("gpupool_handover_prepare", c_int, [c_int]),
             ("gpupool_handover_new", c_int, [vp, c_size, ctypes.POINTER(c_size)]),
             ("gpupool_handover_add", c_int, [cp, c_size, ctypes.POINTER(c_int), c_size, ctypes.c_uint32]),

@@ -27,6 +27,7 @@ ran, and at exit, where anything still held is warned about.
 import atexit
 import ctypes
 import errno
+import json
 import os
 import socket
 import struct
@@ -569,9 +570,23 @@ _ahead_enabled = None
 # already, so a send of it is not opened ahead (its rebuild lets it go, or opens it).
 opened_here_checks = []
 # What opening ahead did in this process: batches started, sends listed to their threads,
-# imports taken by rebuilds, and seconds spent starting batches, taking (waiting for)
-# imports and ending batches.
-ahead_counts = {"batches": 0, "listed": 0, "taken": 0, "start_s": 0.0, "take_s": 0.0, "end_s": 0.0}
+# imports taken by rebuilds, and seconds spent starting batches (of it: fetching their
+# descriptors, and the library's call that copies them and starts the thread), taking
+# (waiting for) imports and ending batches. `ahead_costs()`: the library's side.
+ahead_counts = {"batches": 0, "listed": 0, "taken": 0, "start_s": 0.0, "fetch_s": 0.0, "open_s": 0.0,
+                "take_s": 0.0, "end_s": 0.0}
+
+
+def ahead_costs():
+    """The library's side of opening ahead, as a dict (`gpupool_share_ahead_json`): batches,
+    seconds from a batch's start to its thread's first line, spent opening, and waited for
+    by rebuilds; and the arena imports this process made on a GPU, with seconds by kind of
+    driver call."""
+    L = lib()
+    n = L.gpupool_share_ahead_json(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    L.gpupool_share_ahead_json(buf, n + 1)
+    return json.loads(buf.value.decode())
 
 
 def ahead_enabled():
@@ -650,7 +665,9 @@ class _Ahead:
                 got = _received.get(ident)
                 if got is None:
                     got = _received[ident] = _Received(ident)
+            t0 = time.perf_counter()
             here = got.peek(None)
+            ahead_counts["fetch_s"] += time.perf_counter() - t0
         except Exception:
             return None
         seen, index, others = set(), {}, {}
@@ -680,7 +697,10 @@ class _Ahead:
             return None  # a list this receiver cannot read: the rebuilds open their sends
         batch = _Ahead(None, {}, others)
         handle = ctypes.c_void_p()
-        if n < _AHEAD_FROM or lib().gpupool_share_open_ahead(*args, ctypes.byref(handle)) != 0:
+        t0 = time.perf_counter()
+        refused = n < _AHEAD_FROM or lib().gpupool_share_open_ahead(*args, ctypes.byref(handle)) != 0
+        ahead_counts["open_s"] += time.perf_counter() - t0
+        if refused:
             # Nothing to overlap, or no thread: the rebuilds open them, and the end lets go
             # of what none took. (Each send's entries start with its holds descriptor.)
             starts = [0]

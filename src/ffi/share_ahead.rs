@@ -25,7 +25,17 @@ use crate::error::Error;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// What opening ahead has cost this process, in nanoseconds (`gpupool_share_ahead_json`):
+/// batches started; from a batch's start to its thread's first line; the thread's time
+/// opening sends; the callers' time waiting in `gpupool_share_take_ahead`.
+static BATCHES: AtomicU64 = AtomicU64::new(0);
+static THREAD_START_NS: AtomicU64 = AtomicU64::new(0);
+static OPENING_NS: AtomicU64 = AtomicU64::new(0);
+static TAKE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
 
 /// One send to open: its descriptor's bytes, its device, its descriptors (this module's
 /// copies) and its hold.
@@ -96,7 +106,8 @@ fn copies(numbers: impl Iterator<Item = c_int>) -> crate::error::Result<HashMap<
     Ok(out)
 }
 
-fn run(shared: &Shared, sends: Vec<Send>) {
+fn run(shared: &Shared, sends: Vec<Send>, started: Instant) {
+    THREAD_START_NS.fetch_add(started.elapsed().as_nanos() as u64, Relaxed);
     /// Marks the thread finished however it leaves (a rebuild waiting for a send must not
     /// wait for ever).
     struct Finished<'a>(&'a Shared);
@@ -111,12 +122,14 @@ fn run(shared: &Shared, sends: Vec<Send>) {
         if shared.lock().stop {
             break;
         }
+        let t = Instant::now();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // SAFETY: the bytes are this module's own.
             let d = unsafe { read_descriptor(s.desc.as_ptr().cast(), s.desc.len()) }?;
             open_imported(&d, s.device, &s.fds, s.holds_fd, s.slot).map(|t| t as usize)
         }))
         .unwrap_or_else(|_| Err(Error::Internal("opening a send ahead panicked".into())));
+        OPENING_NS.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
         shared.lock().opened[i] = Opened::Ready(r);
         shared.changed.notify_all();
     }
@@ -197,9 +210,11 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
         });
         let holds = sends.iter().map(|s| (s.holds_fd, s.slot)).collect();
         let theirs = shared.clone();
+        let started = Instant::now();
+        BATCHES.fetch_add(1, Relaxed);
         let thread = std::thread::Builder::new()
             .name("gpupool-ahead".into())
-            .spawn(move || run(&theirs, sends))
+            .spawn(move || run(&theirs, sends, started))
             .map_err(|e| Error::Internal(format!("opening sends ahead: cannot start a thread: {e}")))?;
         *out_batch = Box::into_raw(Box::new(Batch { shared, thread: Some(thread), holds, _copies: copied })).cast();
         Ok(())
@@ -226,9 +241,11 @@ pub unsafe extern "C" fn gpupool_share_take_ahead(batch: *mut c_void, i: usize, 
         if i >= st.opened.len() {
             return Err(Error::InvalidArgument(format!("opening sends ahead: no send {i} in a batch of {}", st.opened.len())));
         }
+        let t = Instant::now();
         while matches!(st.opened[i], Opened::Waiting) && !st.finished {
             st = shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+        TAKE_WAIT_NS.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
         match std::mem::replace(&mut st.opened[i], Opened::Taken) {
             Opened::Ready(Ok(t)) => *out_tensor = t as *mut c_void,
             Opened::Ready(Err(e)) => return Err(e),
@@ -273,5 +290,34 @@ pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void, failed: c_i
             }
         }
         Ok(())
+    })
+}
+
+/// What opening sends ahead has cost this process so far, as JSON (same buffer convention
+/// as `gpupool_memory_status`): `batches` started; seconds from a batch's start to its
+/// thread's first line (`thread_start_s`), spent by the threads opening sends
+/// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: the
+/// arena imports this process made on a GPU (ahead or not), with the seconds spent in each
+/// kind of driver call they make (`reserve_s`, `import_s` with the descriptor's checks,
+/// `map_s`, `release_s`, `grant_s`).
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_share_ahead_json(buf: *mut std::ffi::c_char, len: usize) -> usize {
+    super::boundary::call_value(0, || {
+        use crate::upstream::cuda::address_space::import::{IMPORTS_MADE, IMPORT_NS, IMPORT_PHASES};
+        let s = |ns: &AtomicU64| ns.load(Relaxed) as f64 * 1e-9;
+        let phases: Vec<String> = IMPORT_PHASES.iter().zip(&IMPORT_NS).map(|(k, v)| format!("\"{k}_s\":{:.6}", s(v))).collect();
+        let json = format!(
+            "{{\"batches\":{},\"thread_start_s\":{:.6},\"opening_s\":{:.6},\"take_wait_s\":{:.6},\"imports\":{{\"count\":{},{}}}}}",
+            BATCHES.load(Relaxed),
+            s(&THREAD_START_NS),
+            s(&OPENING_NS),
+            s(&TAKE_WAIT_NS),
+            IMPORTS_MADE.load(Relaxed),
+            phases.join(",")
+        );
+        super::boundary::write_str(&json, buf, len)
     })
 }

@@ -34,7 +34,7 @@ use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
-mod import;
+pub mod import;
 
 /// Device memory of `device`, as `cuMemCreate` takes it.
 pub fn device_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {

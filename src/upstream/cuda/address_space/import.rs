@@ -7,6 +7,24 @@ use crate::error::{Error, Result};
 use crate::upstream::shared::{Descriptor, FdSource};
 use crate::upstream::DriverCalls;
 use cudarc::driver::sys;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// Nanoseconds this process's imports spent in each kind of driver call, in the order of
+/// `IMPORT_PHASES`, and how many imports were made: what a receiver's imports cost it,
+/// phase by phase (`gpupool_share_ahead_json`). The driver runs some of these one at a
+/// time for the whole process and others side by side, so where the time goes decides
+/// what running imports beside each other could gain.
+pub static IMPORT_NS: [AtomicU64; 5] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+pub static IMPORTS_MADE: AtomicU64 = AtomicU64::new(0);
+pub const IMPORT_PHASES: [&str; 5] = ["reserve", "import", "map", "release", "grant"];
+
+/// Adds the time since `*t` to phase `k` and restarts `*t`.
+fn lap(k: usize, t: &mut Instant) {
+    let now = Instant::now();
+    IMPORT_NS[k].fetch_add(now.duration_since(*t).as_nanos() as u64, Relaxed);
+    *t = now;
+}
 
 impl CudaVmm {
     /// Map the allocations of `d` (behind the descriptors `fds` yields; each listed whole,
@@ -22,7 +40,10 @@ impl CudaVmm {
         }
         let pieces = allocations_of(d)?;
         let len = d.granules.len() * granule;
+        let mut t = Instant::now();
+        IMPORTS_MADE.fetch_add(1, Relaxed);
         let base = self.reserve(len, calls)?;
+        lap(0, &mut t);
         let mut mapped: Vec<usize> = Vec::new();
         let result = (|| {
             let mut at = 0;
@@ -35,16 +56,21 @@ impl CudaVmm {
                 check("cuMemImportFromShareableHandle", unsafe {
                     sys::cuMemImportFromShareableHandle(&mut h, fd as usize as *mut std::ffi::c_void, POSIX_FD)
                 })?;
+                lap(1, &mut t);
                 calls.mem_map += 1;
                 let r = check("cuMemMap", unsafe { sys::cuMemMap((base + at) as sys::CUdeviceptr, n * granule, 0, h, 0) });
+                lap(2, &mut t);
                 // The mapping keeps the memory; the handle is not needed past it.
                 calls.mem_release += 1;
                 unsafe { sys::cuMemRelease(h) };
+                lap(3, &mut t);
                 r?;
                 mapped.push(n * granule);
                 at += n * granule;
             }
-            self.grant_import(base, len, calls)
+            let granted = self.grant_import(base, len, calls);
+            lap(4, &mut t);
+            granted
         })();
         if let Err(e) = result {
             // A driver that fails the import and then the unmap has lost the range either
