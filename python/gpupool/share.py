@@ -571,9 +571,10 @@ _ahead_enabled = None
 opened_here_checks = []
 # What opening ahead did in this process: batches started, sends listed to their threads,
 # imports taken by rebuilds, and seconds spent starting batches (of it: fetching their
-# descriptors, and the library's call that copies them and starts the thread), taking
-# (waiting for) imports and ending batches. `ahead_costs()`: the library's side.
-ahead_counts = {"batches": 0, "listed": 0, "taken": 0, "start_s": 0.0, "fetch_s": 0.0, "open_s": 0.0,
+# descriptors, listing what to open, and the library's call that copies them and starts
+# the thread), taking (waiting for) imports and ending batches. `ahead_costs()`: the
+# library's side.
+ahead_counts = {"batches": 0, "listed": 0, "taken": 0, "start_s": 0.0, "fetch_s": 0.0, "list_s": 0.0, "open_s": 0.0,
                 "take_s": 0.0, "end_s": 0.0}
 
 
@@ -670,6 +671,7 @@ class _Ahead:
             ahead_counts["fetch_s"] += time.perf_counter() - t0
         except Exception:
             return None
+        t0 = time.perf_counter()
         seen, index, others = set(), {}, {}
         descs, lens, devices, slots, fds, counts = [], [], [], [], [], []
         checks = tuple(opened_here_checks)
@@ -695,6 +697,8 @@ class _Ahead:
                     (ctypes.c_uint32 * n)(*slots), (ctypes.c_int * len(fds))(*fds), (ctypes.c_size_t * n)(*counts))
         except Exception:
             return None  # a list this receiver cannot read: the rebuilds open their sends
+        finally:
+            ahead_counts["list_s"] += time.perf_counter() - t0
         batch = _Ahead(None, {}, others)
         handle = ctypes.c_void_p()
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@
 #   share              scripts/share_check.py --tensors 1000: native, split, arena (or SHARE_ALLOCS), SHARE_ROUNDS
 #                      rounds (default 3; full lines in $OUT/share.jsonl, or share-$SHARE_TAG.jsonl); SHARE_FLAGS: share_check's
 #                      flags (--pickle-first ...); an allocator NAME-noahead is NAME with GPUPOOL_SHARE_AHEAD=0,
-#                      NAME-cfN is NAME with GPUPOOL_ARENA_CHUNK_FROM=NMiB
+#                      NAME-cfN is NAME with GPUPOOL_ARENA_CHUNK_FROM=NMiB, NAME-before is NAME under dist/before's library
 #   pymulti            tests/python/test_multi_gpu.py (two GPUs: kind nvidia-h200-x2)
 #   pyshare            the sharing tests (test_share.py; test_torch.py's and test_cupy.py's sharing and ordered-sends tests)
 #   tball              threads_bench, every allocator (gpupool's two pools, RMM's resources, cudaMallocAsync),
@@ -42,6 +42,8 @@
 #                      GPUPOOL_ARENA_CHUNK_FROM=8MiB: the JSON report's chunks and the status line
 #   tbcf               threads_bench on own streams, the arena, churn and serving at 16 threads, by default and
 #                      with GPUPOOL_ARENA_CHUNK_FROM=8MiB alternating, TB_ROUNDS rounds (default 2)
+#   grantcosts         units/grant_costs.c: what an access grant costs by what it covers, and parts of one
+#                      range granted by several threads at once
 #   traces W S         GPUPOOL_TRACE recordings of workloads W (comma list) under the arena, BENCH_SEED each of S
 #                      (comma list), xz-compressed into $OUT/traces/W-seedS.csv.xz, for gpupool-replay
 set -uo pipefail
@@ -82,11 +84,12 @@ while [ $# -gt 0 ]; do
           for a in ${SHARE_ALLOCS:-native split arena}; do
             # NAME-noahead: gpupool's NAME pool with GPUPOOL_SHARE_AHEAD=0 (sends opened by their rebuilds)
             # NAME-cfN: gpupool's NAME pool with GPUPOOL_ARENA_CHUNK_FROM=NMiB (both processes);
-            # the suffixes in either order (arena-cf8-noahead, arena-noahead-cf8)
+            # the suffixes in either order (arena-cf8-noahead, arena-noahead-cf8); NAME-before: the library in dist/before
             AH=1; [ "${a/-noahead/}" != "$a" ] && AH=0
-            base=${a/-noahead/}; CF=(-u GPUPOOL_ARENA_CHUNK_FROM)
+            LIBV=$PWD/dist/libgpupool.so; [ "${a/-before/}" != "$a" ] && LIBV=$PWD/dist/before/libgpupool.so
+            base=${a/-noahead/}; base=${base/-before/}; CF=(-u GPUPOOL_ARENA_CHUNK_FROM)
             if [[ $base =~ ^(.*)-cf([0-9]+)$ ]]; then base=${BASH_REMATCH[1]}; CF=(GPUPOOL_ARENA_CHUNK_FROM=${BASH_REMATCH[2]}MiB); fi
-            GPUPOOL_SHARE_AHEAD=$AH env "${CF[@]}" timeout 150 python3 scripts/share_check.py --allocator $base --tensors 1000 $F 2>&1 | tail -1 \
+            GPUPOOL_LIBRARY=$LIBV GPUPOOL_SHARE_AHEAD=$AH env "${CF[@]}" timeout 150 python3 scripts/share_check.py --allocator $base --tensors 1000 $F 2>&1 | tail -1 \
               | sed "s/\"allocator\": \"$base\"/\"allocator\": \"$a\"/" | tee -a $OUT/$part${SHARE_TAG:+-$SHARE_TAG}.jsonl \
               | python3 -c "
 import json, sys
@@ -212,6 +215,9 @@ open('$OUT/srounds.jsonl', 'a').write(json.dumps(r) + '\\n')
 print('$a round $round:', {k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in ('tokens_per_s', 'step_ms_median', 'py_loop_ms', 'launch_us', 'reserved_over_allocated', 'fingerprint_sha256')})"
         done
       done ;;
+    grantcosts)
+      gcc -O2 docs/results/2026-11-28-s36/units/grant_costs.c -I/usr/local/cuda/include -L/usr/local/cuda/lib64/stubs -lcuda -lpthread -o /tmp/grant_costs \
+        && /tmp/grant_costs 2>&1 | tee $OUT/grantcosts.log ;;
     cupyshare)
       python3 -m pytest -v -rs tests/python/test_cupy.py -k "share or ipc" 2>&1 | tee $OUT/cupyshare.log | grep -E "FAILED|ERROR|passed|failed|SKIP" | tail -20 ;;
     chunkreport)

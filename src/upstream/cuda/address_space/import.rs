@@ -68,7 +68,7 @@ impl CudaVmm {
                 mapped.push(n * granule);
                 at += n * granule;
             }
-            let granted = self.grant_import(base, len, calls);
+            let granted = self.grant_import(base, &mapped, calls);
             lap(4, &mut t);
             granted
         })();
@@ -91,15 +91,17 @@ impl CudaVmm {
         Ok(ptr)
     }
 
-    /// Grant an imported range to the device and its peers, or to the device alone where
-    /// a peer is refused. Unlike `set_access` the peer list stays as it is: a refusal for
-    /// another process's memory says nothing about this arena's own.
-    fn grant_import(&self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
-        let r = self.grant(base, len, self.access.len(), calls);
+    /// Grant an imported range (the mappings of lengths `maps` side by side from `base`) to
+    /// the device and its peers, or to the device alone where a peer is refused; a large
+    /// range in parts granted side by side (`grants.rs`). Unlike `set_access` the peer list
+    /// stays as it is: a refusal for another process's memory says nothing about this
+    /// arena's own.
+    fn grant_import(&self, base: usize, maps: &[usize], calls: &mut DriverCalls) -> Result<()> {
+        let r = super::super::grants::grant(base, maps, &self.access, self.access.len(), calls);
         if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
             return check("cuMemSetAccess", r);
         }
-        check("cuMemSetAccess", self.grant(base, len, 1, calls))
+        check("cuMemSetAccess", super::super::grants::grant(base, maps, &self.access, 1, calls))
     }
 
     /// Unmap the range `import` returned `ptr` for and give its address space back.
