@@ -12,7 +12,6 @@ pub mod address_space;
 pub mod async_;
 pub mod device;
 pub mod driver;
-pub mod grants;
 pub mod legacy_ipc;
 pub mod managed;
 pub mod pinned;

@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
 /// Nanoseconds this process's imports spent in each kind of driver call, in the order of
-/// `IMPORT_PHASES`, and how many imports were made: what a receiver's imports cost it,
-/// phase by phase (`gpupool_share_ahead_json`). The driver runs some of these one at a
-/// time for the whole process and others side by side, so where the time goes decides
-/// what running imports beside each other could gain.
+/// `IMPORT_PHASES`, and how many imports were made (`gpupool_share_ahead_json`): what a
+/// receiver waits for, phase by phase. The import of a handle and the access grant cost
+/// tens of microseconds for every allocation mapped, and the driver makes them one at a
+/// time for the whole process (`docs/ipc.md`), so the count of allocations under what is
+/// sent is what decides a receiver's cost.
 pub static IMPORT_NS: [AtomicU64; 5] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 pub static IMPORTS_MADE: AtomicU64 = AtomicU64::new(0);
 pub const IMPORT_PHASES: [&str; 5] = ["reserve", "import", "map", "release", "grant"];
@@ -68,7 +69,7 @@ impl CudaVmm {
                 mapped.push(n * granule);
                 at += n * granule;
             }
-            let granted = self.grant_import(base, &mapped, calls);
+            let granted = self.grant_import(base, len, calls);
             lap(4, &mut t);
             granted
         })();
@@ -91,17 +92,15 @@ impl CudaVmm {
         Ok(ptr)
     }
 
-    /// Grant an imported range (the mappings of lengths `maps` side by side from `base`) to
-    /// the device and its peers, or to the device alone where a peer is refused; a large
-    /// range in parts granted side by side (`grants.rs`). Unlike `set_access` the peer list
-    /// stays as it is: a refusal for another process's memory says nothing about this
-    /// arena's own.
-    fn grant_import(&self, base: usize, maps: &[usize], calls: &mut DriverCalls) -> Result<()> {
-        let r = super::super::grants::grant(base, maps, &self.access, self.access.len(), calls);
+    /// Grant an imported range to the device and its peers, or to the device alone where
+    /// a peer is refused. Unlike `set_access` the peer list stays as it is: a refusal for
+    /// another process's memory says nothing about this arena's own.
+    fn grant_import(&self, base: usize, len: usize, calls: &mut DriverCalls) -> Result<()> {
+        let r = self.grant(base, len, self.access.len(), calls);
         if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
             return check("cuMemSetAccess", r);
         }
-        check("cuMemSetAccess", super::super::grants::grant(base, maps, &self.access, 1, calls))
+        check("cuMemSetAccess", self.grant(base, len, 1, calls))
     }
 
     /// Unmap the range `import` returned `ptr` for and give its address space back.
