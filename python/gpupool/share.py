@@ -382,10 +382,11 @@ def route_multiprocessing():
 
 # What travels: the exporter (`PRODUCER`), the block's address and size there (the key an
 # importer caches by), its device, the descriptor, the hold's slot, the descriptors (the
-# holds file's first, then one per allocation under the block), the sender's pid, and per
-# granule of the descriptor which of those allocations' descriptors it is (`order`: the
-# granules of a chunk share one).
-# (A send without `order`, from a sender before it, has one descriptor per granule.)
+# holds file's first, then one per allocation under the block, in the order the
+# descriptor's granules first name them: the library spreads them over the granules, so
+# nothing here works granule by granule), the sender's pid, and `order`, None. (A sender
+# before that sent per granule of the descriptor which of those allocations' descriptors
+# it is, or one descriptor per granule: both still open.)
 class Sent(namedtuple("Sent", "producer ptr size device desc slot fds pid order", defaults=(None,))):
     __slots__ = ()
 
@@ -398,16 +399,6 @@ class Sent(namedtuple("Sent", "producer ptr size device desc slot fds pid order"
         return (Sent, tuple(self))
 
 
-def _unique(fds):
-    """`fds` without repeats, and for each of `fds` its index in that list."""
-    uniq, order, at = [], [], {}
-    for f in fds:
-        j = at.get(f)
-        if j is None:
-            j = at[f] = len(uniq)
-            uniq.append(f)
-        order.append(j)
-    return uniq, order
 
 
 def _export_bytes(ptr):
@@ -428,9 +419,9 @@ def export(ptr, size, device, keep):
     hfd, slot = ctypes.c_int(), ctypes.c_uint32()
     _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
     try:
-        uniq, order = _unique(ipc_descriptor_fds(desc))
+        uniq = list(dict.fromkeys(ipc_descriptor_fds(desc)))  # first-named order, repeats left out
         fds = Fds([hfd.value] + uniq, hold=(hfd.value, slot.value))
-        sent = Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid(), order)
+        sent = Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid())
     except BaseException:
         L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
         _held(slot.value)

@@ -26,14 +26,15 @@ impl AnyDescriptor {
         }
     }
 
-    /// Map it on `device`: `fds` as `gpupool_ipc_open` takes them.
+    /// Map it on `device`: `fds` as `gpupool_ipc_open` takes them (checked by the pool).
     pub(super) fn open(&self, device: c_int, fds: Option<&[c_int]>) -> crate::error::Result<usize> {
-        let n = self.fds().len();
-        if fds.is_some_and(|f| f.len() != n) {
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: {} descriptors passed for a block of {n} granules",
-                fds.map_or(0, |f| f.len())
-            )));
+        if let (AnyDescriptor::Segment(_), Some(f)) = (self, fds) {
+            if !f.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: {} descriptors passed for a segment pool's block, which has none",
+                    f.len()
+                )));
+            }
         }
         match self {
             AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.ipc_import(d, fds)),
@@ -174,7 +175,9 @@ pub unsafe extern "C" fn gpupool_ipc_descriptor_fds(desc: *const c_void, desc_le
 /// Map the block another process exported (`desc`, `desc_len` bytes from
 /// `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
 /// process's copies of the exporter's file descriptors (`n_fds`, in the order
-/// `gpupool_ipc_descriptor_fds` lists them; they stay the caller's), or NULL to fetch them
+/// `gpupool_ipc_descriptor_fds` lists them, one per granule, or that list with each
+/// number's repeats left out: the granules of a chunk share one; they stay the caller's),
+/// or NULL to fetch them
 /// from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
 /// allows it). Undo with `gpupool_ipc_close`.
 ///

@@ -138,8 +138,8 @@ fn run(shared: &Shared, sends: Vec<Send>, started: Instant) {
 /// Start opening `n` sends on a thread of the library. Send `i` is the descriptor of
 /// `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
 /// with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
-/// are the holds file's descriptor (-1: no hold) and then one descriptor per granule, as
-/// `gpupool_ipc_open_dlpack` takes them. Every descriptor is copied before this returns:
+/// are the holds file's descriptor (-1: no hold) and then the block's descriptors, as
+/// `gpupool_ipc_open_dlpack` takes them (one per granule, or one per distinct descriptor). Every descriptor is copied before this returns:
 /// the caller's stay the caller's. `*out_batch` receives the batch: take each send's
 /// import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
 /// (exactly once).

@@ -165,6 +165,7 @@ impl Pool {
     /// block shown through an import already made (`gpupool_ipc_open_dlpack`).
     pub fn ipc_check(&self, d: &Descriptor, fds: &[i32]) -> Result<()> {
         let source = self.import_source(d, Some(fds))?;
+        let FdSource::Given(fds) = &source else { unreachable!("descriptors were given") };
         let mut last = None;
         for (i, g) in d.granules.iter().enumerate() {
             // A chunk's granules share one descriptor: one check each.
@@ -190,14 +191,18 @@ impl Pool {
             )));
         }
         let source = match fds {
-            Some(f) if f.len() == d.granules.len() => FdSource::Given(f),
-            Some(f) => {
-                return Err(Error::InvalidArgument(format!(
-                    "IPC import: {} descriptors passed for a block of {} granules",
-                    f.len(),
-                    d.granules.len()
-                )))
-            }
+            Some(f) => match d.per_granule(f) {
+                Some(given) => FdSource::Given(given),
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "IPC import: {} descriptors passed for a block of {} granules lying in {} allocations \
+                         (pass one per granule, or one per allocation in the order the descriptor names them)",
+                        f.len(),
+                        d.granules.len(),
+                        d.granules.iter().map(|g| g.fd).collect::<std::collections::HashSet<_>>().len()
+                    )))
+                }
+            },
             None => FdSource::fetch_from(d)?,
         };
         Ok(source)

@@ -132,6 +132,24 @@ pub const MAX_GRANULES: u64 = 1 << 23;
 pub const MAX_DESCRIPTOR_BYTES: usize = HEADER_BYTES + GRANULE_BYTES * MAX_GRANULES as usize;
 
 impl Descriptor {
+    /// An importer's descriptors, one per granule, from `given`: one per granule already,
+    /// or one per distinct exporter descriptor in the order the granules first name them
+    /// (a chunk's granules share one: sending that list costs no per-granule work, however
+    /// many granules a block lists). `None`: `given` is neither.
+    pub fn per_granule<'a>(&self, given: &'a [i32]) -> Option<std::borrow::Cow<'a, [i32]>> {
+        if given.len() == self.granules.len() {
+            return Some(std::borrow::Cow::Borrowed(given));
+        }
+        let mut at: rustc_hash::FxHashMap<i32, usize> = Default::default();
+        let mut out = Vec::with_capacity(self.granules.len());
+        for g in &self.granules {
+            let next = at.len();
+            let i = *at.entry(g.fd).or_insert(next);
+            out.push(*given.get(i)?);
+        }
+        (at.len() == given.len()).then_some(std::borrow::Cow::Owned(out))
+    }
+
     pub fn encoded_len(&self) -> usize {
         HEADER_BYTES + GRANULE_BYTES * self.granules.len()
     }
@@ -268,8 +286,9 @@ pub fn set_cloexec(fd: i32) {
 
 /// Where an importer's copies of the exporter's descriptors come from.
 pub enum FdSource<'a> {
-    /// The caller's own, one per granule in the descriptor's order; they stay the caller's.
-    Given(&'a [i32]),
+    /// The caller's own, one per granule in the descriptor's order (`Descriptor::per_granule`
+    /// makes them so); they stay the caller's.
+    Given(std::borrow::Cow<'a, [i32]>),
     /// Copied out of the exporter (`pidfd_getfd`) one at a time, each closed once its
     /// granule is mapped: the mapping keeps the memory. `record`: the exporter's record of
     /// its exports (fetched and checked), and this export's slot and token in it.

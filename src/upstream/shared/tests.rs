@@ -114,10 +114,10 @@ fn stale_forged_and_reused_pid_descriptors_are_refused() {
     }
     // Passed in by the caller: checked the same way.
     let given = [a[1]];
-    assert!(FdSource::Given(&given).get(0, &exported).unwrap_err().to_string().contains("stale"));
+    assert!(FdSource::Given((&given[..]).into()).get(0, &exported).unwrap_err().to_string().contains("stale"));
     // Forged: an identity nobody exported.
     let forged = SharedGranule { file: FileId { dev: 1, ino: 2 }, ..exported };
-    assert!(FdSource::Given(&given).get(0, &forged).is_err());
+    assert!(FdSource::Given((&given[..]).into()).get(0, &forged).is_err());
     // A reused pid: the process with it started at another time.
     assert!(start_time_of(pid) > 0, "this process's start time is readable");
     if let Err(e) = FdSource::fetch_from(&Descriptor { start_time: d.start_time + 1, ..d.clone() }) {
@@ -160,7 +160,7 @@ fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
         Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
     }
     let given = [p[0], p[1]];
-    let src = FdSource::Given(&given);
+    let src = FdSource::Given((&given[..]).into());
     assert_eq!(src.get(1, &shared(p[1])).unwrap().0, p[1], "a given descriptor is the caller's, by position");
     assert!(src.get(1, &shared(p[1])).unwrap().1.is_none(), "and not closed by gpupool");
     assert!(src.get(2, &shared(p[1])).is_err(), "one too few");
@@ -168,5 +168,22 @@ fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
     unsafe {
         libc::close(p[0]);
         libc::close(p[1]);
+    }
+}
+
+#[test]
+fn an_importer_may_pass_one_descriptor_per_allocation_in_the_order_the_granules_name_them() {
+    let g = |fd, offset| SharedGranule { fd, offset, file: FileId { dev: 3, ino: fd as u64 } };
+    let mut d = desc();
+    // A granule, a chunk of three, the first granule's file again (a second view of it), a granule.
+    d.granules = vec![g(9, 0), g(12, 0), g(12, 2 << 20), g(12, 4 << 20), g(9, 0), g(30, 0)];
+    // One per granule: as given.
+    let per = [101, 102, 102, 102, 101, 103];
+    assert_eq!(&*d.per_granule(&per).unwrap(), &per);
+    // One per distinct descriptor, first-named order: spread over the granules.
+    assert_eq!(&*d.per_granule(&[101, 102, 103]).unwrap(), &per);
+    // Any other count is refused (too few, too many, or neither form).
+    for bad in [&[101, 102][..], &[101, 102, 103, 104][..], &[][..]] {
+        assert!(d.per_granule(bad).is_none(), "{bad:?}");
     }
 }
