@@ -80,7 +80,7 @@ impl FaultyUpstream {
         let FdSource::Given(given) = fds else { return Err(injected("import (descriptors fetched)")) };
         let mut mine = given.to_vec();
         mine[i] = fd;
-        let r = self.host.vmm_import(d, &FdSource::Given(&mine));
+        let r = self.host.vmm_import(d, &FdSource::Given((&mine[..]).into()));
         unsafe { libc::close(fd) };
         r
     }
