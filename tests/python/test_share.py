@@ -376,6 +376,13 @@ def consume_known(inq, outq):
         gpupool.share.delete_dlpack(m)
     outq.put("stopped")
 
+def consume_costs(inq, outq):
+    # What opening ahead cost, as the route and the library count it.
+    gpupool.configure(0, pool="arena", upstream="host")
+    gpupool.share.route_multiprocessing()
+    got = inq.get()
+    outq.put((got, dict(gpupool.share.ahead_counts), gpupool.share.ahead_costs()))
+
 def consume_ahead(inq, outq):
     gpupool.configure(0, pool="arena", upstream="host")
     gpupool.share.route_multiprocessing()
@@ -442,6 +449,28 @@ def test_a_messages_sends_are_opened_ahead_while_it_is_unpickled_on_host(library
     assert got == [b"blk" + bytes([48 + i]) for i in range(6)] + [b"blk0"], got
     assert counts == {"batches": 1, "listed": 6, "taken": 6}, counts
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
+def test_what_opening_ahead_costs_is_counted_on_host(library, tmp_path):
+    # The route's split of starting a batch (fetching, listing, the library's call) and the
+    # library's own figures (batches, the thread's start, its opening, the rebuilds' waits)
+    # move with a message opened ahead; on the host no arena import of a GPU is made.
+    head = _ahead_producer(tmp_path, [1 << 20, 2 << 20, 3 << 20])
+    out = ok(run_py(head + textwrap.dedent("""
+        child = ctx.Process(target=ahead_child.consume_costs, args=(inq, outq), daemon=True)
+        child.start()
+        inq.put([ahead_child.Lazy(p, 4) for p in ptrs])
+        print(repr(outq.get(timeout=60)))
+        child.join(60)
+    """), env={"PYTHONPATH_EXTRA": str(tmp_path)}, timeout=180))
+    got, counts, costs = eval(out.strip().splitlines()[-1])
+    assert got == [b"blk0", b"blk1", b"blk2"], got
+    assert counts["batches"] == 1 and counts["taken"] == 3, counts
+    assert counts["start_s"] >= counts["fetch_s"] + counts["list_s"] + counts["open_s"] > 0, counts
+    assert costs["batches"] == 1, costs
+    assert costs["opening_s"] > 0 and costs["thread_start_s"] > 0 and costs["take_wait_s"] >= 0, costs
+    assert costs["imports"]["count"] == 0 and set(costs["imports"]) == {
+        "count", "reserve_s", "import_s", "map_s", "release_s", "grant_s"}, costs
 
 
 def _ahead_script(tmp_path, body):
