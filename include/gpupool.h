@@ -377,7 +377,9 @@ enum gpupool_status gpupool_ipc_descriptor_fds(const void *desc,
 // Map the block another process exported (`desc`, `desc_len` bytes from
 // `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
 // process's copies of the exporter's file descriptors (`n_fds`, in the order
-// `gpupool_ipc_descriptor_fds` lists them; they stay the caller's), or NULL to fetch them
+// `gpupool_ipc_descriptor_fds` lists them, one per granule, or that list with each
+// number's repeats left out: the granules of a chunk share one; they stay the caller's),
+// or NULL to fetch them
 // from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
 // allows it). Undo with `gpupool_ipc_close`.
 //
@@ -486,8 +488,8 @@ enum gpupool_status gpupool_dlpack_give_back_count(void *tensor,
 // Start opening `n` sends on a thread of the library. Send `i` is the descriptor of
 // `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
 // with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
-// are the holds file's descriptor (-1: no hold) and then one descriptor per granule, as
-// `gpupool_ipc_open_dlpack` takes them. Every descriptor is copied before this returns:
+// are the holds file's descriptor (-1: no hold) and then the block's descriptors, as
+// `gpupool_ipc_open_dlpack` takes them (one per granule, or one per distinct descriptor). Every descriptor is copied before this returns:
 // the caller's stay the caller's. `*out_batch` receives the batch: take each send's
 // import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
 // (exactly once).
