@@ -238,8 +238,9 @@ def ipc_descriptor_fds(desc):
 def ipc_open(desc, device=0, fds=None):
     """Map a block another process exported (`ipc_export`) on `device`; returns its address
     here. `fds`: this process's copies of the exporter's descriptors (in
-    `ipc_descriptor_fds` order, or that list with each number's repeats left out); None
-    fetches them from the exporter (pidfd_getfd)."""
+    `ipc_descriptor_fds` order, or each number of that list once, in the order of its first
+    appearance: `list(dict.fromkeys(...))`); None fetches them from the exporter
+    (pidfd_getfd)."""
     out = ctypes.c_void_p()
     arr = None if fds is None else (ctypes.c_int * len(fds))(*fds)
     _check(lib().gpupool_ipc_open(desc, len(desc), device, arr, 0 if fds is None else len(fds), ctypes.byref(out)))

@@ -399,8 +399,6 @@ class Sent(namedtuple("Sent", "producer ptr size device desc slot fds pid order"
         return (Sent, tuple(self))
 
 
-
-
 def _export_bytes(ptr):
     L, n = lib(), ctypes.c_size_t(0)
     _check(L.gpupool_ipc_export_flags(ptr, SHARE_GRANULES, None, 0, ctypes.byref(n)))  # the length only
@@ -576,9 +574,12 @@ def ahead_costs():
     driver call."""
     L = lib()
     n = L.gpupool_share_ahead_json(None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    L.gpupool_share_ahead_json(buf, n + 1)
-    return json.loads(buf.value.decode())
+    while True:
+        # Room to spare: a figure may gain digits between the two calls.
+        buf = ctypes.create_string_buffer(n + 64)
+        n = L.gpupool_share_ahead_json(buf, len(buf))
+        if n < len(buf):
+            return json.loads(buf.value.decode())
 
 
 def ahead_enabled():

@@ -175,8 +175,9 @@ pub unsafe extern "C" fn gpupool_ipc_descriptor_fds(desc: *const c_void, desc_le
 /// Map the block another process exported (`desc`, `desc_len` bytes from
 /// `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
 /// process's copies of the exporter's file descriptors (`n_fds`, in the order
-/// `gpupool_ipc_descriptor_fds` lists them, one per granule, or that list with each
-/// number's repeats left out: the granules of a chunk share one; they stay the caller's),
+/// `gpupool_ipc_descriptor_fds` lists them, one per granule, or each number of that list
+/// once, in the order of its first appearance: the granules of a chunk share one; they
+/// stay the caller's),
 /// or NULL to fetch them
 /// from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
 /// allows it). Undo with `gpupool_ipc_close`.
@@ -200,7 +201,8 @@ pub unsafe extern "C" fn gpupool_ipc_open(
         *out_ptr = std::ptr::null_mut();
         // Decoded and checked here, before the pool's lock and before `fds` is read.
         let d = read_descriptor(desc, desc_len)?;
-        if !fds.is_null() && n_fds != d.fds().len() {
+        // More than one a granule is no list an importer takes: refused before `fds` is read.
+        if !fds.is_null() && n_fds > d.fds().len() {
             return Err(Error::InvalidArgument(format!("IPC import: {n_fds} descriptors passed for a block of {} granules", d.fds().len())));
         }
         let given = (!fds.is_null()).then(|| std::slice::from_raw_parts(fds, n_fds));

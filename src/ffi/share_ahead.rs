@@ -139,7 +139,8 @@ fn run(shared: &Shared, sends: Vec<Send>, started: Instant) {
 /// `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
 /// with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
 /// are the holds file's descriptor (-1: no hold) and then the block's descriptors, as
-/// `gpupool_ipc_open_dlpack` takes them (one per granule, or one per distinct descriptor). Every descriptor is copied before this returns:
+/// `gpupool_ipc_open_dlpack` takes them (one per granule, or each exporter number once in
+/// the order of its first appearance). Every descriptor is copied before this returns:
 /// the caller's stay the caller's. `*out_batch` receives the batch: take each send's
 /// import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
 /// (exactly once).
@@ -211,11 +212,11 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
         let holds = sends.iter().map(|s| (s.holds_fd, s.slot)).collect();
         let theirs = shared.clone();
         let started = Instant::now();
-        BATCHES.fetch_add(1, Relaxed);
         let thread = std::thread::Builder::new()
             .name("gpupool-ahead".into())
             .spawn(move || run(&theirs, sends, started))
             .map_err(|e| Error::Internal(format!("opening sends ahead: cannot start a thread: {e}")))?;
+        BATCHES.fetch_add(1, Relaxed);
         *out_batch = Box::into_raw(Box::new(Batch { shared, thread: Some(thread), holds, _copies: copied })).cast();
         Ok(())
     })
@@ -296,10 +297,10 @@ pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void, failed: c_i
 /// What opening sends ahead has cost this process so far, as JSON (same buffer convention
 /// as `gpupool_memory_status`): `batches` started; seconds from a batch's start to its
 /// thread's first line (`thread_start_s`), spent by the threads opening sends
-/// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: the
-/// arena imports this process made on a GPU (ahead or not), with the seconds spent in each
-/// kind of driver call they make (`reserve_s`, `import_s` with the descriptor's checks,
-/// `map_s`, `release_s`, `grant_s`).
+/// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: how many
+/// arena imports this process made or tried on a GPU, ahead or not (`count`), with the
+/// seconds spent in each kind of driver call they make (`reserve_s`, `import_s` with the
+/// descriptor's checks, `map_s`, `release_s`, `grant_s`).
 ///
 /// # Safety
 /// `buf` must be NULL or point to `len` writable bytes.

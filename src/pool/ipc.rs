@@ -153,19 +153,22 @@ impl Pool {
 
     /// Map the block another process exported as `d` (decoded by the caller, before
     /// this pool's lock); returns where it starts here. `fds`: this process's copies of
-    /// the exporter's descriptors, one per granule in the descriptor's order; `None`
-    /// fetches them from the exporter (`pidfd_getfd`), one at a time.
+    /// the exporter's descriptors, one per granule in the descriptor's order or each
+    /// exporter number once in the order of its first appearance (`Descriptor::per_granule`);
+    /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time.
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
         let source = self.import_source(d, fds)?;
         self.core.upstream.vmm_import(d, &source)
     }
 
-    /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, one
-    /// descriptor per granule, each the file the exporter shared), mapping nothing: for a
-    /// block shown through an import already made (`gpupool_ipc_open_dlpack`).
+    /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, a
+    /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
+    /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
     pub fn ipc_check(&self, d: &Descriptor, fds: &[i32]) -> Result<()> {
         let source = self.import_source(d, Some(fds))?;
-        let FdSource::Given(fds) = &source else { unreachable!("descriptors were given") };
+        let Some(fds) = d.per_granule(fds) else {
+            return Err(Error::Internal("IPC check: a descriptor list the import's checks took is refused".into()));
+        };
         let mut last = None;
         for (i, g) in d.granules.iter().enumerate() {
             // A chunk's granules share one descriptor: one check each.
@@ -195,8 +198,8 @@ impl Pool {
                 Some(given) => FdSource::Given(given),
                 None => {
                     return Err(Error::InvalidArgument(format!(
-                        "IPC import: {} descriptors passed for a block of {} granules lying in {} allocations \
-                         (pass one per granule, or one per allocation in the order the descriptor names them)",
+                        "IPC import: {} descriptors passed for a block of {} granules naming {} of the exporter's \
+                         (pass one per granule, or each of the exporter's once in the order the descriptor first names it)",
                         f.len(),
                         d.granules.len(),
                         d.granules.iter().map(|g| g.fd).collect::<std::collections::HashSet<_>>().len()

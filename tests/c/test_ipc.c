@@ -267,7 +267,25 @@ int main(int argc, char **argv) {
   CHECK_STATUS(gpupool_ipc_descriptor_fds(desc[0], desc_len[0], NULL, 0, &n_fds), GPUPOOL_STATUS_OK);
   CHECK(n_fds >= 3, "a block of 5 MiB spans %zu granules", n_fds);
   CHECK_STATUS(gpupool_ipc_descriptor_fds(desc[0], desc_len[0], fds, 1, &n_fds), GPUPOOL_STATUS_INVALID_ARGUMENT);
-  CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, fds, 1, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(gpupool_ipc_descriptor_fds(desc[0], desc_len[0], fds, MAX_FDS, &n_fds), GPUPOOL_STATUS_OK);
+  /* This process's own numbers name the exported files here too. The list with each
+   * number once, in the order of its first appearance, opens as the per-granule list
+   * does; a list of neither length is refused. */
+  int uniq[MAX_FDS];
+  size_t n_uniq = 0;
+  for (size_t i = 0; i < n_fds; i++) {
+    int seen = 0;
+    for (size_t j = 0; j < n_uniq; j++) seen |= uniq[j] == fds[i];
+    if (!seen) uniq[n_uniq++] = fds[i];
+  }
+  for (int compact = 0; compact < 2; compact++) {
+    CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, compact ? uniq : fds, compact ? n_uniq : n_fds, &p), GPUPOOL_STATUS_OK);
+    CHECK(p != blocks[0] && holds(p, BIG, 0, 0), "the block opened through %s list", compact ? "the compact" : "the per-granule");
+    CHECK_STATUS(gpupool_ipc_close(p, dev), GPUPOOL_STATUS_OK);
+  }
+  CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, fds, n_fds + 1, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  if (n_uniq + 1 < n_fds) CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, fds, n_uniq + 1, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
+  else CHECK_STATUS(gpupool_ipc_open(desc[0], desc_len[0], dev, fds, n_fds - 1, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   /* A damaged descriptor whose offset + size wraps past 2^64 is refused, not mapped. */
   unsigned char wrapped[4096];
   memcpy(wrapped, desc[0], desc_len[0]);

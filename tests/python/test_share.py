@@ -111,6 +111,59 @@ def test_blocks_go_through_a_queue_are_held_until_the_consumer_lets_go_on_host(l
     assert "ok" in out
 
 
+def test_sends_from_a_sender_with_per_granule_lists_still_open_on_host(library, tmp_path):
+    # Senders before this library listed, per granule, which of the block's descriptors it
+    # is (`order`), and receivers passed one descriptor per granule: such sends open and
+    # read as sent, alone (opened by their rebuild) and two in a message (opened ahead),
+    # and are let go once released.
+    out = ok(run_py("""
+        import ctypes, multiprocessing, os, sys, gpupool
+        sys.path.insert(0, os.environ["PYTHONPATH_EXTRA"])
+        import share_child
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+
+        class Keep:
+            pass
+
+        def old_send(n, tag):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0
+            ctypes.memmove(p, tag, 4)
+            sent = gpupool.share.export(p.value, n, 0, Keep())
+            per_granule = gpupool.ipc_descriptor_fds(sent.desc)
+            uniq = list(dict.fromkeys(per_granule))
+            old = sent._replace(order=[uniq.index(f) for f in per_granule])
+            assert len(old.order) == len(per_granule) >= 5, old.order
+            return p, old
+
+        ctx = multiprocessing.get_context("spawn")
+        inq, outq = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=share_child.consume, args=(inq, outq), daemon=True)
+        child.start()
+        blocks = []
+        for message in ([b"old0"], [b"old1", b"old2"]):
+            sends = []
+            for tag in message:
+                p, old = old_send((9 << 20) + 5, tag)
+                blocks.append((p, tag))
+                sends.append(old)
+            inq.put(sends)
+            got = outq.get(timeout=60)
+            assert [data[:4] for _, data in got] == message, got
+        assert all(ctypes.string_at(p, 4) == b"kid!" for p, _ in blocks), "the consumer's writes are here"
+        inq.put("stop")
+        assert outq.get(timeout=60) == "released"
+        child.join(60)
+        assert child.exitcode == 0, child.exitcode
+        assert gpupool.share.collect() == 0, "let go once released"
+        for p, _ in blocks:
+            assert L.gpupool_free(p, 0, None) == 0
+        print("ok")
+    """, env=_child_module(tmp_path), timeout=180))
+    assert "ok" in out
+
+
 def test_a_producer_that_exits_while_a_consumer_holds_says_so_on_host(library, tmp_path):
     p = run_py("""
         import ctypes, multiprocessing, os, sys, gpupool
@@ -376,6 +429,18 @@ def consume_known(inq, outq):
         gpupool.share.delete_dlpack(m)
     outq.put("stopped")
 
+class OldLazy:
+    # As Lazy, sent as a sender before this library sent it: with, per granule, which of
+    # the block's descriptors it is (`order`).
+    def __init__(self, ptr, size):
+        self.ptr, self.size = ptr, size
+
+    def __reduce__(self):
+        sent = gpupool.share.export(self.ptr, self.size, 0, self)
+        per_granule = gpupool.ipc_descriptor_fds(sent.desc)
+        uniq = list(dict.fromkeys(per_granule))
+        return (opened, (sent._replace(order=[uniq.index(f) for f in per_granule]),))
+
 def consume_costs(inq, outq):
     # What opening ahead cost, as the route and the library count it.
     gpupool.configure(0, pool="arena", upstream="host")
@@ -451,6 +516,15 @@ def test_a_messages_sends_are_opened_ahead_while_it_is_unpickled_on_host(library
     assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
 
 
+def test_sends_with_per_granule_lists_are_opened_ahead_on_host(library, tmp_path):
+    # A sender before this library's listed its sends' granules (`order`): they are
+    # opened ahead all the same, each read as sent, nothing left open.
+    got, (counts, imports, handovers, fds), held = _ahead(tmp_path, "[ahead_child.OldLazy(p, 4) for p in ptrs]")
+    assert got == [b"blk" + bytes([48 + i]) for i in range(6)], got
+    assert counts == {"batches": 1, "listed": 6, "taken": 6}, counts
+    assert (imports, handovers, fds, held) == (0, 0, 0, 0), (imports, handovers, fds, held)
+
+
 def test_what_opening_ahead_costs_is_counted_on_host(library, tmp_path):
     # The route's split of starting a batch (fetching, listing, the library's call) and the
     # library's own figures (batches, the thread's start, its opening, the rebuilds' waits)
@@ -468,7 +542,9 @@ def test_what_opening_ahead_costs_is_counted_on_host(library, tmp_path):
     assert counts["batches"] == 1 and counts["taken"] == 3, counts
     assert counts["start_s"] >= counts["fetch_s"] + counts["list_s"] + counts["open_s"] > 0, counts
     assert costs["batches"] == 1, costs
-    assert costs["opening_s"] > 0 and costs["thread_start_s"] > 0 and costs["take_wait_s"] >= 0, costs
+    assert costs["opening_s"] > 0 and costs["thread_start_s"] > 0, costs
+    # The library's waits are inside the route's takes.
+    assert 0 <= costs["take_wait_s"] <= counts["take_s"], (costs, counts)
     assert costs["imports"]["count"] == 0 and set(costs["imports"]) == {
         "count", "reserve_s", "import_s", "map_s", "release_s", "grant_s"}, costs
 

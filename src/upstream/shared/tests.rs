@@ -175,12 +175,14 @@ fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
 fn an_importer_may_pass_one_descriptor_per_allocation_in_the_order_the_granules_name_them() {
     let g = |fd, offset| SharedGranule { fd, offset, file: FileId { dev: 3, ino: fd as u64 } };
     let mut d = desc();
-    // A granule, a chunk of three, the first granule's file again (a second view of it), a granule.
-    d.granules = vec![g(9, 0), g(12, 0), g(12, 2 << 20), g(12, 4 << 20), g(9, 0), g(30, 0)];
+    // A granule, a chunk of three, the first granule's file again (a second view of it), a
+    // granule; the exporter's numbers first named in an order that is not theirs sorted.
+    d.granules = vec![g(30, 0), g(12, 0), g(12, 2 << 20), g(12, 4 << 20), g(30, 0), g(9, 0)];
     // One per granule: as given.
     let per = [101, 102, 102, 102, 101, 103];
     assert_eq!(&*d.per_granule(&per).unwrap(), &per);
-    // One per distinct descriptor, first-named order: spread over the granules.
+    // Each exporter number once, in the order the granules first name them: spread over
+    // the granules (30 -> 101, 12 -> 102, 9 -> 103).
     assert_eq!(&*d.per_granule(&[101, 102, 103]).unwrap(), &per);
     // Any other count is refused (too few, too many, or neither form).
     for bad in [&[101, 102][..], &[101, 102, 103, 104][..], &[][..]] {

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
 /// Nanoseconds this process's imports spent in each kind of driver call, in the order of
-/// `IMPORT_PHASES`, and how many imports were made (`gpupool_share_ahead_json`): what a
+/// `IMPORT_PHASES`, and how many imports were made or tried (`gpupool_share_ahead_json`): what a
 /// receiver waits for, phase by phase. The import of a handle and the access grant cost
-/// tens of microseconds for every allocation mapped, and the driver makes them one at a
-/// time for the whole process (`docs/ipc.md`), so the count of allocations under what is
-/// sent is what decides a receiver's cost.
+/// driver time for every allocation mapped, and the driver makes them one at a time for
+/// the whole process (`docs/ipc.md`), so the count of allocations under what is sent is
+/// what decides a receiver's cost.
 pub static IMPORT_NS: [AtomicU64; 5] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 pub static IMPORTS_MADE: AtomicU64 = AtomicU64::new(0);
 pub const IMPORT_PHASES: [&str; 5] = ["reserve", "import", "map", "release", "grant"];
