@@ -377,8 +377,9 @@ enum gpupool_status gpupool_ipc_descriptor_fds(const void *desc,
 // Map the block another process exported (`desc`, `desc_len` bytes from
 // `gpupool_ipc_export`) on `device`; `*out_ptr` receives its address here. `fds`: this
 // process's copies of the exporter's file descriptors (`n_fds`, in the order
-// `gpupool_ipc_descriptor_fds` lists them, one per granule, or that list with each
-// number's repeats left out: the granules of a chunk share one; they stay the caller's),
+// `gpupool_ipc_descriptor_fds` lists them, one per granule, or each number of that list
+// once, in the order of its first appearance: the granules of a chunk share one; they
+// stay the caller's),
 // or NULL to fetch them
 // from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
 // allows it). Undo with `gpupool_ipc_close`.
@@ -489,7 +490,8 @@ enum gpupool_status gpupool_dlpack_give_back_count(void *tensor,
 // `desc_lens[i]` bytes that follows the previous ones in `descs`, on device `devices[i]`,
 // with hold `slots[i]`; its `n_fds[i]` entries of `fds` (following the previous sends')
 // are the holds file's descriptor (-1: no hold) and then the block's descriptors, as
-// `gpupool_ipc_open_dlpack` takes them (one per granule, or one per distinct descriptor). Every descriptor is copied before this returns:
+// `gpupool_ipc_open_dlpack` takes them (one per granule, or each exporter number once in
+// the order of its first appearance). Every descriptor is copied before this returns:
 // the caller's stay the caller's. `*out_batch` receives the batch: take each send's
 // import with `gpupool_share_take_ahead`, and end it with `gpupool_share_end_ahead`
 // (exactly once).
@@ -529,10 +531,10 @@ enum gpupool_status gpupool_share_end_ahead(void *batch, int failed);
 // What opening sends ahead has cost this process so far, as JSON (same buffer convention
 // as `gpupool_memory_status`): `batches` started; seconds from a batch's start to its
 // thread's first line (`thread_start_s`), spent by the threads opening sends
-// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: the
-// arena imports this process made on a GPU (ahead or not), with the seconds spent in each
-// kind of driver call they make (`reserve_s`, `import_s` with the descriptor's checks,
-// `map_s`, `release_s`, `grant_s`).
+// (`opening_s`) and by rebuilds waiting for them (`take_wait_s`); and `imports`: how many
+// arena imports this process made or tried on a GPU, ahead or not (`count`), with the
+// seconds spent in each kind of driver call they make (`reserve_s`, `import_s` with the
+// descriptor's checks, `map_s`, `release_s`, `grant_s`).
 //
 // # Safety
 // `buf` must be NULL or point to `len` writable bytes.
