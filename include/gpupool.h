@@ -379,10 +379,8 @@ enum gpupool_status gpupool_ipc_descriptor_fds(const void *desc,
 // process's copies of the exporter's file descriptors (`n_fds`, in the order
 // `gpupool_ipc_descriptor_fds` lists them, one per granule, or each number of that list
 // once, in the order of its first appearance: the granules of a chunk share one; they
-// stay the caller's),
-// or NULL to fetch them
-// from the exporter with `pidfd_getfd` (Linux 5.6+, same user, a ptrace policy that
-// allows it). Undo with `gpupool_ipc_close`.
+// stay the caller's), or NULL to fetch them from the exporter with `pidfd_getfd` (Linux
+// 5.6+, same user, a ptrace policy that allows it). Undo with `gpupool_ipc_close`.
 //
 // # Safety
 // `desc` must point to `desc_len` readable bytes; `fds` NULL or `n_fds` readable ints;
