@@ -166,8 +166,8 @@ impl Pool {
     /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
     pub fn ipc_check(&self, d: &Descriptor, fds: &[i32]) -> Result<()> {
         let source = self.import_source(d, Some(fds))?;
-        let Some(fds) = d.per_granule(fds) else {
-            return Err(Error::Internal("IPC check: a descriptor list the import's checks took is refused".into()));
+        let Some(fds) = source.given() else {
+            return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
         };
         let mut last = None;
         for (i, g) in d.granules.iter().enumerate() {

@@ -296,6 +296,14 @@ pub enum FdSource<'a> {
 }
 
 impl FdSource<'_> {
+    /// The caller's descriptors, one per granule, where they were given.
+    pub fn given(&self) -> Option<&[i32]> {
+        match self {
+            FdSource::Given(fds) => Some(fds),
+            FdSource::Fetch { .. } => None,
+        }
+    }
+
     /// Open the exporter of `d` to fetch its descriptors from: a process holding its pid
     /// that started at another time is not the exporter, and an export the exporter no
     /// longer records (its block freed) is not fetched from. Both refused.
