@@ -47,6 +47,8 @@
 #   vmmcosts           units/vmm_costs.c: each VMM call of a granule by the allocation's properties (plain,
 #                      POSIX fd, + GPUDirect RDMA), and imports and creates by 1/2/4 threads at once
 #   offsetmap          units/offset_map.c: does the driver map part of an allocation (at an offset, or a prefix)
+#   opcost R           units/torch_op_cost.py: an allocation and free through PyTorch, native / split / arena
+#                      alternating, R rounds, one process each (JSON lines in $OUT/opcost.jsonl)
 #   traces W S         GPUPOOL_TRACE recordings of workloads W (comma list) under the arena, BENCH_SEED each of S
 #                      (comma list), xz-compressed into $OUT/traces/W-seedS.csv.xz, for gpupool-replay
 set -uo pipefail
@@ -227,6 +229,12 @@ print('$a round $round:', {k: round(r[k], 3) if isinstance(r.get(k), float) else
     offsetmap)
       gcc -O2 docs/results/2026-11-28-s37/units/offset_map.c -I/usr/local/cuda/include -L/usr/local/cuda/lib64/stubs -lcuda -o /tmp/offset_map \
         && /tmp/offset_map 2>&1 | tee $OUT/offsetmap.log ;;
+    opcost)
+      for round in $(seq 1 ${1:-4}); do
+        for a in native split arena; do
+          timeout 120 python3 docs/results/2026-11-28-s37/units/torch_op_cost.py $a 2>&1 | tail -1 | tee -a $OUT/opcost.jsonl
+        done
+      done; shift ;;
     cupyshare)
       python3 -m pytest -v -rs tests/python/test_cupy.py -k "share or ipc" 2>&1 | tee $OUT/cupyshare.log | grep -E "FAILED|ERROR|passed|failed|SKIP" | tail -20 ;;
     chunkreport)
