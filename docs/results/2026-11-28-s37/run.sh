@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 37: every GPU run's parts (session 36's script, vmmcosts added), in calls of
+# Session 37: every GPU run's parts (session 36's script; vmmcosts, offsetmap and opcost added), in calls of
 # the device tool (10 minutes each); the commits are in the README. Run from anywhere:
 # `docs/results/2026-11-28-s37/run.sh PART...`. Parts, any number in one call:
 #   pytest1 / pytest2  the Python tests in two halves (test_torch.py; the rest)

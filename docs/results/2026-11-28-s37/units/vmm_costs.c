@@ -1,5 +1,5 @@
 /* What each VMM call of a granule costs by the allocation's properties, and whether
- * several threads importing, creating or mapping at once finish sooner (session 37).
+ * several threads importing or creating at once finish sooner (session 37).
  * cc vmm_costs.c -I$CUDA/include -lcuda -lpthread -o vmm_costs && ./vmm_costs
  * Part 1: for each of {plain, POSIX fd shareable, fd + GPUDirect RDMA capable (the arena's
  * default where the device reports it)}: 64 granules (2 MiB on the H200) created, mapped
