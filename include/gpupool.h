@@ -127,6 +127,11 @@ enum gpupool_status gpupool_free(void *ptr, int device, void *stream);
 // `out` must be NULL (rejected) or point to a writable `gpupool_stats`.
 enum gpupool_status gpupool_get_stats(int device, struct gpupool_stats *out);
 
+// Start `device`'s peaks (`peak_used_bytes`, `peak_total_bytes`, `peak_requested_bytes`)
+// again from what is in use and reserved now, as PyTorch's `reset_peak_memory_stats`.
+// A device whose pool is not made yet has nothing to reset.
+enum gpupool_status gpupool_reset_peak_stats(int device);
+
 // Return every wholly free cached segment of `device` (-1: all devices) to the upstream.
 // `*out_released` (optional) receives the bytes released.
 //
@@ -570,6 +575,11 @@ void gpupool_torch_memory_fraction(double fraction, int device);
 // No requirement beyond the C prototype.
 void gpupool_torch_record_stream(void *ptr, void *stream);
 
+// The size of the block that holds the live allocation `ptr` (what the pool counts in use
+// for it: the request rounded, or more where the rest was too small to split off); 0 for a
+// pointer that is not a live allocation.
+size_t gpupool_torch_block_size(void *ptr);
+
 // `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
 // IPC handles and CUDA graphs); `*size` receives its length. NULL for unknown pointers.
 //
@@ -606,6 +616,45 @@ void gpupool_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t 
 // `use_mem_pool` scope closed). The pool's memory goes back when no use is left and none
 // of its blocks is live.
 void gpupool_torch_release_pool(int device, uint64_t id_first, uint64_t id_second);
+
+// `gpupool_torch_begin_allocate_to_pool` with a status.
+//
+// # Safety
+// As `gpupool_torch_begin_allocate_to_pool`.
+enum gpupool_status gpupool_torch_pool_begin(int device,
+                                             uint64_t id_first,
+                                             uint64_t id_second,
+                                             const void *filter);
+
+// `gpupool_torch_end_allocate_to_pool` with a status.
+enum gpupool_status gpupool_torch_pool_end(int device, uint64_t id_first, uint64_t id_second);
+
+// `gpupool_torch_release_pool` with a status.
+enum gpupool_status gpupool_torch_pool_release(int device, uint64_t id_first, uint64_t id_second);
+
+// `createOrIncrefPool(int device, MempoolId_t id)`: one more use of the private pool `id`
+// (made if new), as `torch.cuda.MemPool`'s constructor asks; a release drops it.
+enum gpupool_status gpupool_torch_pool_create(int device, uint64_t id_first, uint64_t id_second);
+
+// `getPoolUseCount(int device, MempoolId_t id)`: `*out_uses` receives the uses of the
+// private pool `id` (0 when it does not exist).
+//
+// # Safety
+// `out_uses` must be NULL (rejected) or writable.
+enum gpupool_status gpupool_torch_pool_use_count(int device,
+                                                 uint64_t id_first,
+                                                 uint64_t id_second,
+                                                 int64_t *out_uses);
+
+// `emptyCache(MempoolId_t id)` for a private pool: its memory goes back if nothing uses it
+// and none of its blocks is live. `*out_released` (optional) receives the bytes released.
+//
+// # Safety
+// `out_released` must be NULL or writable.
+enum gpupool_status gpupool_torch_pool_empty(int device,
+                                             uint64_t id_first,
+                                             uint64_t id_second,
+                                             size_t *out_released);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -313,7 +313,7 @@ pub const VARIABLES: [&str; 19] = [
 /// here, in `VARIABLES`, or no environment variable at all).
 pub const OTHER_VARIABLES: [&str; 14] = [
     "GPUPOOL_LIBRARY",
-    "GPUPOOL_TORCH_TYPED_OOM",
+    "GPUPOOL_TORCH_ALLOCATOR",
     "GPUPOOL_SHARE_AHEAD",
     "GPUPOOL_TEST_INSTALLED",
     "GPUPOOL_MODEL_OPS",

@@ -49,7 +49,7 @@ const MISSPELT_EXAMPLES: &[&str] = &[
     "GPUPOOL_THREADCACHE",
     "GPUPOOL_ARENA_LENDING",
     "GPUPOOL_upstream",
-    "GPUPOOL_TORCH_TYPED_OOMS",
+    "GPUPOOL_TORCH_ALLOCATORS",
 ];
 
 fn scan(dir: &Path, names: &mut BTreeSet<String>) {

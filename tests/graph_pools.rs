@@ -489,3 +489,45 @@ fn an_eviction_that_cannot_wait_for_its_stream_does_not_plan_it_again_forever() 
     p.end_allocate_to_pool((1, 1)).unwrap();
     p.check_invariants().unwrap();
 }
+
+#[test]
+fn a_mempool_is_kept_while_used_and_its_memory_goes_back_with_its_last_release() {
+    // PyTorch's MemPool: the constructor makes the pool (one use), each `use_mem_pool`
+    // scope begins (one more use) and releases, the destructor releases and empties it.
+    let (mut p, _dev) = pool(PoolKind::Split);
+    let id = (0, 77);
+    p.create_or_incref_pool(id).unwrap();
+    assert_eq!(p.pool_use_count(id), 1);
+    let key = p.stream_key(T).unwrap();
+    p.begin_allocate_to_pool(id, Filter::Stream(key)).unwrap();
+    assert_eq!(p.pool_use_count(id), 2);
+    let a = p.malloc(3 * MIB, T).unwrap();
+    p.end_allocate_to_pool(id).unwrap();
+    p.release_pool(id).unwrap();
+    assert_eq!(p.pool_use_count(id), 1);
+    let reserved = p.reserved_bytes();
+    assert!(reserved >= 3 * MIB);
+    p.free(a, T).unwrap();
+    assert_eq!(p.empty_private_pool(id).unwrap(), 0, "the MemPool still holds the pool: its memory stays");
+    assert_eq!(p.reserved_bytes(), reserved);
+    p.release_pool(id).unwrap();
+    assert_eq!(p.pool_use_count(id), 0, "released: the pool is gone");
+    assert_eq!(p.reserved_bytes(), 0);
+    assert_eq!(p.empty_private_pool(id).unwrap(), 0, "emptying a pool that is gone is no error");
+}
+
+#[test]
+fn peaks_start_again_from_what_is_held_now() {
+    let (mut p, _dev) = pool(PoolKind::Split);
+    let a = p.malloc(8 * MIB, T).unwrap();
+    let b = p.malloc(MIB, T).unwrap();
+    p.free(a, T).unwrap();
+    let s = p.stats();
+    assert!(s.peak_used_bytes >= 9 * MIB as u64 && s.used_bytes < s.peak_used_bytes, "{s:?}");
+    p.reset_peaks();
+    let s = p.stats();
+    assert_eq!(s.peak_used_bytes, s.used_bytes);
+    assert_eq!(s.peak_total_bytes, s.total_bytes);
+    assert_eq!(s.peak_requested_bytes, s.requested_bytes);
+    p.free(b, T).unwrap();
+}

@@ -80,6 +80,7 @@ def lib():
             ("gpupool_free", c_int, [vp, c_int, vp]),
             ("gpupool_get_stats", c_int, [c_int, ctypes.POINTER(Stats)]),
             ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_reset_peak_stats", c_int, [c_int]),
             ("gpupool_set_limit", c_int, [c_int, c_size]),
             ("gpupool_set_limit_str", c_int, [c_int, cp]),
             ("gpupool_get_limit", c_int, [c_int, ctypes.POINTER(c_size)]),
@@ -160,6 +161,12 @@ def stats(device=0):
     # those are reported.
     return {name: getattr(s, name) for name, _ in Stats._fields_[2:]
             if getattr(Stats, name).offset + getattr(Stats, name).size <= s.struct_size}
+
+
+def reset_peak_stats(device=0):
+    """Start the device's peaks (`peak_used_bytes`, `peak_total_bytes`,
+    `peak_requested_bytes`) again from what is in use and reserved now."""
+    _check(lib().gpupool_reset_peak_stats(device))
 
 
 def memory_status(device=-1):

@@ -7,6 +7,9 @@
   snapshot TRACE.csv -o OUT.pickle
                              the trace in PyTorch's memory snapshot format (for
                              pytorch.org/memory_viz and torch.cuda._memory_viz)
+  build-torch                compile gpupool's PyTorch allocator against the installed
+                             PyTorch now (into PyTorch's extension cache), so that later
+                             processes load it without a compiler
 """
 
 import argparse
@@ -82,6 +85,7 @@ def main(argv=None):
     sn = sub.add_parser("snapshot", help="a trace in PyTorch's memory snapshot format (pickle)")
     sn.add_argument("trace")
     sn.add_argument("-o", "--output", default="snapshot.pickle")
+    sub.add_parser("build-torch", help="compile the PyTorch allocator class for the installed PyTorch")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "status":
@@ -97,6 +101,12 @@ def main(argv=None):
             dump(a.output, data)
             n = sum(len(t) for t in data["device_traces"])
             print(f"wrote {a.output}: {len(data['segments'])} segment(s), {n} trace event(s)")
+        elif a.cmd == "build-torch":
+            from ._torch_allocator import build
+            try:
+                print(f"built {build()}")
+            except RuntimeError as e:
+                raise SystemExit(f"gpupool: {e}")
     except (OSError, ValueError) as e:
         raise SystemExit(f"gpupool: {e}")
     return 0

@@ -1,37 +1,34 @@
-"""PyTorch integration: gpupool as PyTorch's CUDA allocator, with every hook installed.
+"""PyTorch integration: gpupool as PyTorch's CUDA allocator.
 
-CUDA graphs: `torch.cuda.graph`, `torch.cuda.make_graphed_callables` and `MemPool`
-scopes reach gpupool through the begin/end-allocate-to-pool and release-pool hooks, which
-keep each graph's memory in a private pool (see docs/graphs.md).
+Two routes, chosen by `install()`:
 
-`torch.compile(mode="reduce-overhead")` uses inductor's CUDA-graph *trees* by default,
-which call `torch._C._cuda_checkPoolLiveAllocations`; PyTorch's `CUDAPluggableAllocator`
-does not forward that method (c10/cuda/CUDACachingAllocator.h declares it with a default
-that raises "... does not yet support checkPoolLiveAllocations", and
-torch/csrc/cuda/CUDAPluggableAllocator.h does not override it). So `install()` switches
-inductor to its plain CUDA graphs (`torch._inductor.config.triton.cudagraph_trees =
-False`), which capture through `torch.cuda.graph`, the route gpupool supports.
+- **The allocator class** (default): gpupool's own `CUDAAllocator` (csrc/torch_allocator.cpp,
+  Note [gpupool's PyTorch allocator]), compiled once against the installed PyTorch
+  (gpupool/_torch_allocator.py) and installed with PyTorch's changeCurrentAllocator. Every
+  part of PyTorch's allocator interface answers: cuDNN's benchmark mode, memory_stats() and
+  its family, snapshots and memory history, MemPool, CUDA graphs, and torch.multiprocessing
+  through PyTorch's own reductions. Out of memory raises torch.OutOfMemoryError with
+  gpupool's report.
+- **The plug-in route**, where the class cannot be built (no C++ compiler, ninja or CUDA
+  headers; one warning says which) or GPUPOOL_TORCH_ALLOCATOR=0 asks for it:
+  `CUDAPluggableAllocator` over the library's functions, every hook set. PyTorch's plug-in
+  class refuses most of the interface, so here gpupool answers the `torch.cuda.memory_*`
+  family from its own statistics (`answer_memory_api`), sends CUDA tensors through
+  torch.multiprocessing with its own reductions (below), and out of memory is a plain
+  RuntimeError carrying gpupool's report; cuDNN's benchmark mode, snapshots through
+  PyTorch and MemPool are lost.
 
-Out of memory: PyTorch maps a C++ exception from the allocation function to a Python
-exception by its C++ type, and only `c10::OutOfMemoryError` becomes `torch.OutOfMemoryError`
-(= `torch.cuda.OutOfMemoryError`, a `RuntimeError` subclass). libgpupool.so, built without
-PyTorch, can only throw standard exceptions (a plain `RuntimeError` in Python). So by default
-(`typed_oom=None`, GPUPOOL_TORCH_TYPED_OOM unset or 1) the allocation function PyTorch calls
-is a small C++ shim compiled once against the installed PyTorch (gpupool/_torch_oom.py: a
-few seconds, cached in PyTorch's extension cache, rebuilt only when its source or PyTorch
-changes; later processes load it without compiling). It calls gpupool_malloc and throws
-`c10::OutOfMemoryError` when gpupool reports GPUPOOL_STATUS_OUT_OF_MEMORY (device memory or
-the pool limit), `c10::Error` (RuntimeError) otherwise, with gpupool's message. The free
-goes through the shim to gpupool_torch_free unchanged (PyTorch takes both functions from one
-library); every other hook stays gpupool's own function. Where the shim cannot be built (no C++
-compiler, no ninja, no headers), one warning says why and the library's own function is
-installed: out of memory is then a plain RuntimeError with the same message.
-GPUPOOL_TORCH_TYPED_OOM=0 (or `typed_oom=False`) chooses that path without compiling.
+CUDA graphs: `torch.cuda.graph`, `torch.cuda.make_graphed_callables` and `MemPool` scopes
+keep each graph's memory in a private pool of the library (docs/graphs.md).
+`torch.compile(mode="reduce-overhead")` uses inductor's CUDA-graph *trees* by default, which
+checkpoint private pools (`getCheckpointState`), which gpupool refuses; `install()`
+switches inductor to its plain CUDA graphs (`torch._inductor.config.triton.cudagraph_trees
+= False`), which capture through `torch.cuda.graph`.
 """
 
 import warnings
 
-from . import _fn_address, _torch_oom, library_path, lib, share
+from . import _fn_address, _torch_allocator, library_path, lib, share
 
 # (setter names across PyTorch versions, gpupool function)
 _HOOKS = [
@@ -45,47 +42,22 @@ _HOOKS = [
     (("set_release_pool", "set_release_pool_fn"), "gpupool_torch_release_pool"),
 ]
 
-
-_SHIM = None      # the shim's path once built and loaded in this process
-_SHIM_ERROR = None  # why it could not be, once tried
-
-
-def _typed_oom_shim(typed_oom):
-    """The shim's path, or None for the library's own allocation function (see the module
-    notes). A failed build is tried once per process and warned about once."""
-    global _SHIM, _SHIM_ERROR
-    on, required = _torch_oom.wanted(typed_oom)
-    if not on:
-        return None
-    if _SHIM is None and _SHIM_ERROR is None:
-        try:
-            _SHIM = _torch_oom.build()
-        except Exception as e:
-            _SHIM_ERROR = str(e)
-            if not required:
-                warnings.warn(f"gpupool: PyTorch will report gpupool's out of memory as a plain RuntimeError, not "
-                              f"torch.OutOfMemoryError: the shim that raises it could not be built ({_SHIM_ERROR}). "
-                              f"Install a C++ compiler and ninja, or set {_torch_oom.ENV}=0 to choose the plain "
-                              "RuntimeError without this warning.", RuntimeWarning, stacklevel=3)
-    if _SHIM is None and required:
-        raise RuntimeError(f"gpupool: typed_oom=True, but the shim that raises torch.OutOfMemoryError could not be "
-                           f"built: {_SHIM_ERROR}")
-    return _SHIM
+_ROUTE = None       # "allocator" or "plugin" once install() has run
+_CLASS_ERROR = None  # why the class could not be built, once tried
 
 
-def allocator(typed_oom=None):
-    """A CUDAPluggableAllocator over gpupool with all hooks set. `typed_oom`: out of memory
-    raises torch.OutOfMemoryError through the compiled shim (None: as GPUPOOL_TORCH_TYPED_OOM
-    says, default on, falling back with a warning; True: the shim or an error; False: the
-    library's function, a plain RuntimeError). `.typed_oom` on the result says which."""
+def route():
+    """Which route `install()` took: "allocator" (gpupool's allocator class), "plugin"
+    (PyTorch's plug-in class), or None before install()."""
+    return _ROUTE
+
+
+def allocator():
+    """A CUDAPluggableAllocator over the library's functions with all hooks set (the plug-in
+    route; install() takes it only where the allocator class cannot be built)."""
     import torch
     lib()  # load with RTLD_GLOBAL first: the same library (and pool) PyTorch will open
-    shim = _typed_oom_shim(typed_oom)
-    if shim is not None:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "gpupool_torch_oom_malloc", "gpupool_torch_oom_free")
-    else:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "gpupool_torch_malloc", "gpupool_torch_free")
-    alloc.typed_oom = shim is not None
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "gpupool_torch_malloc", "gpupool_torch_free")
     inner = alloc._allocator
     for setters, fn in _HOOKS:
         setter = next((getattr(inner, s) for s in setters if hasattr(inner, s)), None)
@@ -98,7 +70,7 @@ def allocator(typed_oom=None):
 
 def use_plain_cuda_graphs_in_compile():
     """Make torch.compile(mode="reduce-overhead") capture with torch.cuda.graph instead of
-    CUDA-graph trees (which need an allocator method plug-ins cannot provide)."""
+    CUDA-graph trees (which checkpoint private pools, which gpupool refuses)."""
     try:
         import torch._inductor.config as inductor_config
     except Exception:  # inductor unavailable: nothing to configure
@@ -107,20 +79,144 @@ def use_plain_cuda_graphs_in_compile():
     return True
 
 
-def install(compile_graphs=True, typed_oom=None):
-    """Make gpupool PyTorch's CUDA allocator (call before PyTorch allocates on the GPU).
-    `compile_graphs`: also route torch.compile's CUDA graphs through torch.cuda.graph
-    (see the module notes). `typed_oom`: see allocator(); by default out of memory raises
-    torch.OutOfMemoryError with gpupool's report. Afterwards torch.cuda.memory_stats()
-    raises (PyTorch's limitation for plug-ins): use gpupool.stats() and
-    gpupool.memory_status()."""
+def _install_class(compiled):
+    """True once the allocator class is PyTorch's allocator; False where it cannot be built
+    and the caller may fall back (warned once)."""
+    global _CLASS_ERROR
+    on, required = _torch_allocator.wanted(compiled)
+    if not on:
+        return False
+    if _CLASS_ERROR is None:
+        try:
+            _torch_allocator.install()
+            return True
+        except Exception as e:
+            _CLASS_ERROR = str(e)
+            if required:
+                raise RuntimeError(f"gpupool: compiled=True, but its PyTorch allocator could not be installed: "
+                                   f"{_CLASS_ERROR}") from e
+            warnings.warn(f"gpupool: installed through PyTorch's plug-in class, not as a full allocator: its allocator "
+                          f"class could not be built ({_CLASS_ERROR}). Lost: cuDNN benchmark mode "
+                          "(torch.backends.cudnn.benchmark raises), torch.cuda.MemPool, memory snapshots and history "
+                          "through PyTorch, torch.OutOfMemoryError (out of memory is a RuntimeError); "
+                          "torch.cuda.memory_stats() and its family are answered from gpupool's statistics. Install "
+                          "a C++ compiler and ninja (or run `python -m gpupool build-torch` where they are), or set "
+                          f"{_torch_allocator.ENV}=0 to choose this route without the warning.",
+                          RuntimeWarning, stacklevel=3)
+    if required:
+        raise RuntimeError(f"gpupool: compiled=True, but its PyTorch allocator could not be installed: {_CLASS_ERROR}")
+    return False
+
+
+def install(compile_graphs=True, compiled=None):
+    """Make gpupool PyTorch's CUDA allocator (call before PyTorch allocates on the GPU) and
+    return PyTorch's handle of it (`torch.cuda.memory._get_current_allocator()`).
+    `compiled`: None follows GPUPOOL_TORCH_ALLOCATOR (default: the allocator class, falling
+    back to the plug-in route with a warning), True the class or an error, False the plug-in
+    route. `compile_graphs`: route torch.compile's CUDA graphs through torch.cuda.graph (see
+    the module notes). `route()` says which route was taken."""
+    global _ROUTE
     import torch
-    alloc = allocator(typed_oom)
-    torch.cuda.memory.change_current_allocator(alloc)
+    lib()
+    if _install_class(compiled):
+        _ROUTE = "allocator"
+        m = torch.cuda.memory
+        current = (getattr(m, "get_current_allocator", None) or m._get_current_allocator)()
+    else:
+        current = allocator()
+        torch.cuda.memory.change_current_allocator(current)
+        share_cuda_tensors()
+        answer_memory_api()
+        _ROUTE = "plugin"
     if compile_graphs:
         use_plain_cuda_graphs_in_compile()
-    share_cuda_tensors()
-    return alloc
+    return current
+
+
+# The `torch.cuda.memory_*` family on the plug-in route. PyTorch's functions all read
+# `torch.cuda.memory.memory_stats_as_nested_dict` (PyTorch's plug-in class raises there), so
+# answering that one, the resets and the snapshot answers memory_allocated(),
+# max_memory_allocated(), memory_reserved(), max_memory_reserved(), memory_stats() and
+# memory_summary(). The figures are the pool's, for every framework in the process; the
+# pool keeps no per-size-class books, so everything is under "all" and "large_pool".
+
+_STAT_KEYS = ("current", "peak", "allocated", "freed")
+_accumulated_base = {}  # device -> the pool's counters at the last reset_accumulated_memory_stats
+
+
+def memory_stats_nested(s, base=None):
+    """PyTorch's nested memory statistics (`torch.cuda.memory_stats_as_nested_dict()`'s
+    shape) from a `gpupool.stats()` dict `s`; `base`: the counters at the last reset of the
+    accumulated figures."""
+    base = base or {}
+
+    def acc(name):
+        return s.get(name, 0) - base.get(name, 0)
+
+    def stat(current, peak, allocated=0, freed=0):
+        return {"current": current, "peak": max(peak, current), "allocated": allocated, "freed": freed}
+
+    segments = s["n_upstream_allocs"] - s["n_upstream_frees"]
+    reclaimed = acc("reclaimed_bytes")
+    figures = {
+        "allocation": stat(s["n_live_blocks"], s["n_live_blocks"], acc("n_allocs"), acc("n_frees")),
+        "segment": stat(segments, segments, acc("n_upstream_allocs"), acc("n_upstream_frees")),
+        "active": stat(s["n_live_blocks"], s["n_live_blocks"], acc("n_allocs"), acc("n_frees")),
+        "inactive_split": stat(s["n_free_blocks"], s["n_free_blocks"]),
+        "allocated_bytes": stat(s["used_bytes"], s["peak_used_bytes"]),
+        "reserved_bytes": stat(s["total_bytes"], s["peak_total_bytes"], s["total_bytes"] + reclaimed, reclaimed),
+        "active_bytes": stat(s["used_bytes"], s["peak_used_bytes"]),
+        "inactive_split_bytes": stat(s["free_bytes"], s["free_bytes"]),
+        "requested_bytes": stat(s["requested_bytes"], s.get("peak_requested_bytes", s["requested_bytes"])),
+    }
+    out = {}
+    for name, st in figures.items():
+        out[name] = {"all": st, "large_pool": dict(st), "small_pool": {k: 0 for k in _STAT_KEYS}}
+    zero = {k: 0 for k in _STAT_KEYS}
+    out.update({"num_alloc_retries": 0, "num_ooms": acc("n_ooms"), "oversize_allocations": dict(zero),
+                "oversize_segments": dict(zero), "num_sync_all_streams": 0,
+                "num_device_alloc": acc("n_upstream_allocs"), "num_device_free": acc("n_upstream_frees"),
+                "max_split_size": -1})
+    return out
+
+
+def _device_index(device):
+    import torch
+    return torch.cuda._utils._get_device_index(device, optional=True)
+
+
+def answer_memory_api():
+    """Answer PyTorch's memory statistics, their resets and its snapshot from gpupool's
+    figures (the plug-in route; `install()` calls this there). Idempotent."""
+    import torch
+    from . import reset_peak_stats, snapshot as snap, stats
+    m = torch.cuda.memory
+    if getattr(m.memory_stats_as_nested_dict, "_gpupool", False):
+        return
+
+    def memory_stats_as_nested_dict(device=None):
+        d = _device_index(device)
+        return memory_stats_nested(stats(d), _accumulated_base.get(d))
+
+    def reset_peak_memory_stats(device=None):
+        reset_peak_stats(_device_index(device))
+
+    def reset_accumulated_memory_stats(device=None):
+        d = _device_index(device)
+        _accumulated_base[d] = stats(d)
+
+    def _snapshot(device=None, *args, **kwargs):
+        return snap.snapshot(-1 if device is None else _device_index(device))
+
+    for name, fn in [("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
+                     ("reset_peak_memory_stats", reset_peak_memory_stats),
+                     ("reset_accumulated_memory_stats", reset_accumulated_memory_stats),
+                     ("_snapshot", _snapshot)]:
+        fn._gpupool = True
+        fn.__doc__ = getattr(getattr(m, name, None), "__doc__", None)
+        setattr(m, name, fn)
+        if hasattr(torch.cuda, name):
+            setattr(torch.cuda, name, fn)
 
 
 # Process sharing. PyTorch sends a CUDA tensor to another process (torch.multiprocessing
@@ -424,8 +520,11 @@ def _native_storage_here(storage_cls, device, storage_handle, size, offset, ref_
     return storage
 
 
-def mempool(typed_oom=None):
-    """A torch.cuda.MemPool whose segments come from gpupool; PyTorch caches inside it.
-    Use with `with torch.cuda.use_mem_pool(pool): ...`. `typed_oom`: see allocator()."""
+def mempool():
+    """A torch.cuda.MemPool whose memory is gpupool's: a private pool of the library under the
+    allocator class; on the plug-in route a pool over the plug-in allocator, inside which
+    PyTorch caches. Use with `with torch.cuda.use_mem_pool(pool): ...`."""
     import torch
-    return torch.cuda.MemPool(allocator(typed_oom)._allocator)
+    if _ROUTE == "allocator":
+        return torch.cuda.MemPool()
+    return torch.cuda.MemPool(allocator()._allocator)

@@ -91,7 +91,7 @@ fn unknown_variables_are_named_once_with_the_setting_meant() {
     assert_eq!(near("GPUPOOL_THREADCACHE"), "GPUPOOL_THREAD_CACHE");
     assert_eq!(near("GPUPOOL_ARENA_LENDING"), "GPUPOOL_ARENA_LEND");
     assert_eq!(near("GPUPOOL_upstream"), "GPUPOOL_UPSTREAM");
-    assert_eq!(near("GPUPOOL_TORCH_TYPED_OOMS"), "GPUPOOL_TORCH_TYPED_OOM");
+    assert_eq!(near("GPUPOOL_TORCH_ALLOCATORS"), "GPUPOOL_TORCH_ALLOCATOR");
     // The project's own names, the library's and the others, are never warned about.
     assert!(env(&VARIABLES).is_empty());
     assert!(env(&OTHER_VARIABLES).is_empty());

@@ -117,6 +117,14 @@ pub unsafe extern "C" fn gpupool_get_stats(device: c_int, out: *mut Stats) -> St
     })
 }
 
+/// Start `device`'s peaks (`peak_used_bytes`, `peak_total_bytes`, `peak_requested_bytes`)
+/// again from what is in use and reserved now, as PyTorch's `reset_peak_memory_stats`.
+/// A device whose pool is not made yet has nothing to reset.
+#[no_mangle]
+pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> Status {
+    call(|| registry::reset_peaks(device))
+}
+
 /// Return every wholly free cached segment of `device` (-1: all devices) to the upstream.
 /// `*out_released` (optional) receives the bytes released.
 ///

@@ -3,9 +3,10 @@
 //! on failure. Hooks are installed by `python/gpupool/torch.py` through
 //! `allocator._allocator.set_*_fn(address)`.
 
+use super::boundary::{call, call_value};
 use super::core::{free_on, record_stream_any};
 use super::report::call_void;
-use crate::error::{BadPointer, Error};
+use crate::error::{BadPointer, Error, Result, Status};
 use crate::pool::{Callback, Filter};
 use crate::registry;
 use crate::upstream::cuda::driver;
@@ -82,6 +83,15 @@ pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *
     call_void("gpupool_torch_record_stream", || record_stream_any(ptr as usize, stream as usize));
 }
 
+/// The size of the block that holds the live allocation `ptr` (what the pool counts in use
+/// for it: the request rounded, or more where the rest was too small to split off); 0 for a
+/// pointer that is not a live allocation.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_block_size(ptr: *mut c_void) -> usize {
+    let p = ptr as usize;
+    call_value(0, || registry::with_owner_of(p, |pool| pool.block_size(p)).and_then(|r| r.ok()).unwrap_or(0))
+}
+
 /// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
 /// IPC handles and CUDA graphs); `*size` receives its length. NULL for unknown pointers.
 ///
@@ -122,25 +132,13 @@ extern "C" {
 /// `filter` must point to a live `std::function<bool(cudaStream_t)>` (PyTorch's), or be NULL.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_begin_allocate_to_pool(device: c_int, id_first: u64, id_second: u64, filter: *const c_void) {
-    call_void("gpupool_torch_begin_allocate_to_pool", || {
-        if filter.is_null() {
-            return Err(Error::NullArgument("filter"));
-        }
-        let ctx = gpupool_torch_filter_adopt(filter);
-        if ctx.is_null() {
-            return Err(Error::Internal("could not copy PyTorch's allocation filter".into()));
-        }
-        let cb = Callback { call: gpupool_torch_filter_call, ctx, drop: Some(gpupool_torch_filter_drop) };
-        registry::with_pool(device, |p| p.begin_allocate_to_pool((id_first, id_second), Filter::Callback(cb)))
-    });
+    call_void("gpupool_torch_begin_allocate_to_pool", || begin_route(device, (id_first, id_second), filter));
 }
 
 /// `endAllocateToPool(int device, MempoolId_t id)`: the capture (or `use_mem_pool`) ended.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_end_allocate_to_pool(device: c_int, id_first: u64, id_second: u64) {
-    call_void("gpupool_torch_end_allocate_to_pool", || {
-        registry::with_pool(device, |p| p.end_allocate_to_pool((id_first, id_second)))
-    });
+    call_void("gpupool_torch_end_allocate_to_pool", || end_route(device, (id_first, id_second)));
 }
 
 /// `releasePool(int device, MempoolId_t id)`: a graph using the pool was destroyed (or a
@@ -148,7 +146,89 @@ pub extern "C" fn gpupool_torch_end_allocate_to_pool(device: c_int, id_first: u6
 /// of its blocks is live.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_release_pool(device: c_int, id_first: u64, id_second: u64) {
-    call_void("gpupool_torch_release_pool", || {
-        registry::with_existing(device, |p| p.release_pool((id_first, id_second)).map(|_| ())).and_then(|r| r.unwrap_or(Ok(())))
-    });
+    call_void("gpupool_torch_release_pool", || release(device, (id_first, id_second)));
+}
+
+// The same three with a status, for gpupool's compiled PyTorch allocator (which raises
+// the error in Python where the hooks above can only print it), and the private-pool
+// calls only that allocator makes.
+
+/// `gpupool_torch_begin_allocate_to_pool` with a status.
+///
+/// # Safety
+/// As `gpupool_torch_begin_allocate_to_pool`.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_pool_begin(device: c_int, id_first: u64, id_second: u64, filter: *const c_void) -> Status {
+    call(|| begin_route(device, (id_first, id_second), filter))
+}
+
+/// `gpupool_torch_end_allocate_to_pool` with a status.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_pool_end(device: c_int, id_first: u64, id_second: u64) -> Status {
+    call(|| end_route(device, (id_first, id_second)))
+}
+
+/// `gpupool_torch_release_pool` with a status.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_pool_release(device: c_int, id_first: u64, id_second: u64) -> Status {
+    call(|| release(device, (id_first, id_second)))
+}
+
+/// `createOrIncrefPool(int device, MempoolId_t id)`: one more use of the private pool `id`
+/// (made if new), as `torch.cuda.MemPool`'s constructor asks; a release drops it.
+#[no_mangle]
+pub extern "C" fn gpupool_torch_pool_create(device: c_int, id_first: u64, id_second: u64) -> Status {
+    call(|| registry::with_pool(device, |p| p.create_or_incref_pool((id_first, id_second))))
+}
+
+/// `getPoolUseCount(int device, MempoolId_t id)`: `*out_uses` receives the uses of the
+/// private pool `id` (0 when it does not exist).
+///
+/// # Safety
+/// `out_uses` must be NULL (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_pool_use_count(device: c_int, id_first: u64, id_second: u64, out_uses: *mut i64) -> Status {
+    call(|| {
+        if out_uses.is_null() {
+            return Err(Error::NullArgument("out_uses"));
+        }
+        *out_uses = registry::with_existing(device, |p| p.pool_use_count((id_first, id_second)))?.unwrap_or(0);
+        Ok(())
+    })
+}
+
+/// `emptyCache(MempoolId_t id)` for a private pool: its memory goes back if nothing uses it
+/// and none of its blocks is live. `*out_released` (optional) receives the bytes released.
+///
+/// # Safety
+/// `out_released` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_torch_pool_empty(device: c_int, id_first: u64, id_second: u64, out_released: *mut usize) -> Status {
+    call(|| {
+        let n = registry::with_existing(device, |p| p.empty_private_pool((id_first, id_second)))?.unwrap_or(Ok(0))?;
+        if !out_released.is_null() {
+            *out_released = n;
+        }
+        Ok(())
+    })
+}
+
+unsafe fn begin_route(device: c_int, id: (u64, u64), filter: *const c_void) -> Result<()> {
+    if filter.is_null() {
+        return Err(Error::NullArgument("filter"));
+    }
+    let ctx = gpupool_torch_filter_adopt(filter);
+    if ctx.is_null() {
+        return Err(Error::Internal("could not copy PyTorch's allocation filter".into()));
+    }
+    let cb = Callback { call: gpupool_torch_filter_call, ctx, drop: Some(gpupool_torch_filter_drop) };
+    registry::with_pool(device, |p| p.begin_allocate_to_pool(id, Filter::Callback(cb)))
+}
+
+fn end_route(device: c_int, id: (u64, u64)) -> Result<()> {
+    registry::with_pool(device, |p| p.end_allocate_to_pool(id))
+}
+
+fn release(device: c_int, id: (u64, u64)) -> Result<()> {
+    registry::with_existing(device, |p| p.release_pool(id).map(|_| ())).and_then(|r| r.unwrap_or(Ok(())))
 }

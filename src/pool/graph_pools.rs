@@ -190,6 +190,14 @@ impl Pool {
         self.destroy_if_unused(id)
     }
 
+    /// Give the private pool `id`'s memory back if nothing uses it and none of its blocks
+    /// is live (PyTorch's `emptyCache(mempool_id)`); a pool still in use keeps its segments
+    /// for its graphs. The bytes released.
+    pub fn empty_private_pool(&mut self, id: PoolId) -> Result<usize> {
+        self.running()?;
+        self.destroy_if_unused(id)
+    }
+
     /// Allocate from the private pool `id` for `stream` (never from the main cache).
     pub(super) fn malloc_private(&mut self, size: usize, stream: StreamHandle, id: PoolId) -> Result<usize> {
         self.running()?;

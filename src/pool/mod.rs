@@ -156,6 +156,15 @@ impl Pool {
         }
     }
 
+    /// Peaks start again from what is in use and reserved now (`gpupool_reset_peak_stats`,
+    /// PyTorch's `reset_peak_memory_stats`): blocks kept in thread caches count as freed.
+    pub fn reset_peaks(&mut self) {
+        let (_, kept, kept_requested) = if self.caches.enabled() { self.kept_bytes() } else { (0, 0, 0) };
+        self.rec.c.peak_used = self.rec.c.used - kept;
+        self.rec.c.peak_requested = self.rec.c.requested - kept_requested;
+        self.rec.c.peak_reserved = self.rec.c.reserved;
+    }
+
     /// Bytes in live blocks.
     pub fn used_bytes(&self) -> usize {
         self.rec.c.used

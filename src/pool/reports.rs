@@ -19,6 +19,14 @@ impl Pool {
             .collect()
     }
 
+    /// The size of the live block at `ptr` (what the pool counts in use for it).
+    pub fn block_size(&self, ptr: usize) -> Result<usize> {
+        match self.core.live.get(&ptr) {
+            Some(l) => Ok(l.block.size),
+            None => Err(self.classify_bad_pointer(ptr)),
+        }
+    }
+
     /// The upstream allocation that holds the live block at `ptr`: `(base, size)`.
     pub fn segment_of(&self, ptr: usize) -> Result<(usize, usize)> {
         let Some(l) = self.core.live.get(&ptr) else {

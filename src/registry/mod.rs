@@ -42,7 +42,7 @@ mod reports;
 mod route;
 mod streams;
 
-pub use reports::{memory_status, snapshot_json, stats, stats_json};
+pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
 pub use route::{allocate, counted_twice, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, with_holder, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};

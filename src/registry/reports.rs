@@ -107,6 +107,11 @@ pub fn stats(device: i32) -> Result<Stats> {
     Ok(total(&parts, wide))
 }
 
+/// Start `device`'s peaks again from what each shard holds now.
+pub fn reset_peaks(device: i32) -> Result<()> {
+    super::for_each_shard(device, |p| p.reset_peaks())
+}
+
 /// `device`'s status report.
 pub fn memory_status(device: i32) -> Result<String> {
     let ((own, extras, ctx), parts, wide) = parts(device, |p| (p.memory_status(), p.status_extras(None), p.report_context()))?;

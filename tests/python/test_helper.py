@@ -81,20 +81,20 @@ def test_out_of_memory_is_what_batch_size_finders_retry_smaller_on_host(library)
 def test_an_unknown_variable_draws_one_warning_naming_the_setting_meant(library):
     # GPUPOOL_LIMIT is no setting (GPUPOOL_MEMORY_LIMIT is): one line on stderr however many
     # calls follow. The project's own variables (GPUPOOL_LIBRARY, set by run_py; the Python
-    # package's GPUPOOL_TORCH_TYPED_OOM; the tests' GPUPOOL_FAULT_OPS) draw none.
+    # package's GPUPOOL_TORCH_ALLOCATOR; the tests' GPUPOOL_FAULT_OPS) draw none.
     p = run_py("""
         import gpupool
         for _ in range(3):
             gpupool.stats(0)
             gpupool.memory_status()
         print("ok")
-    """, env={"GPUPOOL_LIMIT": "abc", "GPUPOOL_UPSTREAM": "host", "GPUPOOL_TORCH_TYPED_OOM": "0",
+    """, env={"GPUPOOL_LIMIT": "abc", "GPUPOOL_UPSTREAM": "host", "GPUPOOL_TORCH_ALLOCATOR": "0",
               "GPUPOOL_FAULT_OPS": "1000"})
     assert "ok" in ok(p)
     lines = [l for l in p.stderr.splitlines() if "is not a gpupool setting" in l]
     assert len([l for l in lines if "GPUPOOL_LIMIT " in l]) == 1, p.stderr
     assert "did you mean GPUPOOL_MEMORY_LIMIT?" in lines[0], lines
-    for known in ("GPUPOOL_LIBRARY", "GPUPOOL_TORCH_TYPED_OOM", "GPUPOOL_FAULT_OPS", "GPUPOOL_UPSTREAM"):
+    for known in ("GPUPOOL_LIBRARY", "GPUPOOL_TORCH_ALLOCATOR", "GPUPOOL_FAULT_OPS", "GPUPOOL_UPSTREAM"):
         assert not any(known + " is not" in l for l in lines), p.stderr
 
 
@@ -225,12 +225,12 @@ def test_cupy_entry_point_raises_the_registered_out_of_memory_class_on_host(libr
     assert "ok" in out
 
 
-def test_torch_typed_oom_switch_is_parsed_without_torch():
-    # GPUPOOL_TORCH_TYPED_OOM decides only where install()'s typed_oom is None (the default);
+def test_torch_allocator_switch_is_parsed_without_torch():
+    # GPUPOOL_TORCH_ALLOCATOR decides only where install()'s `compiled` is None (the default);
     # a malformed value is an error naming the variable, the value and what is accepted.
     ok(run_py("""
         import os, gpupool
-        from gpupool import _torch_oom as t
+        from gpupool import _torch_allocator as t
         cases = [(None, None, (True, False)), ("1", None, (True, False)), (" On ", None, (True, False)),
                  ("0", None, (False, False)), ("off", None, (False, False)), ("", None, (False, False)),
                  ("0", True, (True, True)), (None, False, (False, False)), ("1", False, (False, False))]
@@ -246,7 +246,7 @@ def test_torch_typed_oom_switch_is_parsed_without_torch():
                 raise SystemExit(f"{bad!r} accepted")
             except gpupool.GpupoolError as e:
                 assert e.status == 6, e.status
-                assert f'invalid value "{bad}" for GPUPOOL_TORCH_TYPED_OOM; accepted: 0 | 1' in str(e), e
+                assert f'invalid value "{bad}" for GPUPOOL_TORCH_ALLOCATOR; accepted: 0 | 1' in str(e), e
         print("ok")
     """))
 

@@ -20,6 +20,8 @@ MLP = """
     print("LOSSES", repr(losses))
 """
 DET = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# The plug-in route, where gpupool's own reductions send CUDA tensors between processes.
+PLUGIN = {"GPUPOOL_TORCH_ALLOCATOR": "0"}
 
 
 def losses(out):
@@ -70,11 +72,12 @@ def test_stats_answer_and_empty_cache_returns_memory_to_driver(torch_gpu):
 
 # Fill the pool up to its limit (1% of the device) in 64 MiB tensors until out of memory,
 # free one, allocate again; gpupool's counters must follow each step exactly. {typed}: the
-# exception is torch.OutOfMemoryError (the compiled shim) or a plain RuntimeError.
+# exception is torch.OutOfMemoryError (gpupool's allocator class) or a plain RuntimeError
+# (the plug-in route).
 OOM_SCENARIO = with_batch_rule("""
     import gpupool, torch
-    alloc = gpupool.torch.install()
-    assert alloc.typed_oom == {typed}, alloc.typed_oom
+    gpupool.torch.install()
+    assert (gpupool.torch.route() == "allocator") == {typed}, gpupool.torch.route()
     torch.cuda.set_per_process_memory_fraction(0.01)   # hook -> pool limit
     limit = gpupool.get_limit(0)
     assert 0 < limit < 2 << 30, limit
@@ -123,48 +126,58 @@ def test_oom_raises_torch_out_of_memory_error_and_recovers(torch_gpu):
     p = run_py(OOM_SCENARIO.format(typed=True))
     out = ok(p)
     assert "raised: OutOfMemoryError CUDA out of memory. gpupool: out of memory" in out, out
-    assert "PyTorch will report" not in p.stderr, p.stderr   # no fallback warning
+    assert "plug-in class" not in p.stderr, p.stderr   # no fallback warning
 
 
-def test_oom_without_the_shim_is_a_runtime_error_with_gpupool_message(torch_gpu, tmp_path):
-    # GPUPOOL_TORCH_TYPED_OOM=0: the library's own allocation function, nothing compiled
+def test_oom_on_the_plugin_route_is_a_runtime_error_with_gpupool_message(torch_gpu, tmp_path):
+    # GPUPOOL_TORCH_ALLOCATOR=0: the library's own allocation function, nothing compiled
     # (an empty extension folder stays empty), no warning.
-    p = run_py(OOM_SCENARIO.format(typed=False), env={"GPUPOOL_TORCH_TYPED_OOM": "0", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    p = run_py(OOM_SCENARIO.format(typed=False), env={"GPUPOOL_TORCH_ALLOCATOR": "0", "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     out = ok(p)
     assert "raised: RuntimeError CUDA out of memory. gpupool: out of memory" in out, out
     assert "gpupool:" not in p.stderr, p.stderr
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
-def test_shim_is_compiled_once_with_a_notice_and_then_needs_no_compiler(torch_gpu, tmp_path):
+def test_allocator_is_compiled_once_with_a_notice_and_then_needs_no_compiler(torch_gpu, tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
     first = run_py(OOM_SCENARIO.format(typed=True), env=env)
     assert "raised: OutOfMemoryError" in ok(first)
-    assert first.stderr.count("gpupool: compiling the PyTorch out-of-memory shim once") == 1, first.stderr
+    assert first.stderr.count("gpupool: compiling its PyTorch allocator once") == 1, first.stderr
     # Cached: loaded without compiling, so neither the notice nor a compiler is needed.
     second = run_py(OOM_SCENARIO.format(typed=True), env=dict(env, CXX="/nonexistent/c++"))
     assert "raised: OutOfMemoryError" in ok(second)
     assert "gpupool:" not in second.stderr, second.stderr
 
 
-def test_shim_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_path):
-    # No compiler (CXX names none) and an empty extension cache: the shim cannot be built.
+def test_allocator_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_path):
+    # No compiler (CXX names none) and an empty extension cache: the class cannot be built.
+    # The plug-in route then answers PyTorch's memory statistics from gpupool's.
     p = run_py(with_batch_rule("""
         import warnings, gpupool, torch
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            alloc = gpupool.torch.install()
-            gpupool.torch.allocator()          # tried once per process: no second warning
+            gpupool.torch.install()
+            gpupool.torch._install_class(None)   # tried once per process: no second warning
         ws = [str(x.message) for x in w if "gpupool" in str(x.message)]
         assert len(ws) == 1, ws
-        assert "plain RuntimeError, not torch.OutOfMemoryError" in ws[0] and "no C++ compiler" in ws[0], ws[0]
-        assert "GPUPOOL_TORCH_TYPED_OOM=0" in ws[0], ws[0]
-        assert not alloc.typed_oom
+        assert "plug-in class, not as a full allocator" in ws[0] and "no C++ compiler" in ws[0], ws[0]
+        assert "cuDNN benchmark mode" in ws[0] and "GPUPOOL_TORCH_ALLOCATOR=0" in ws[0], ws[0]
+        assert gpupool.torch.route() == "plugin"
         try:
-            gpupool.torch.allocator(typed_oom=True)   # asked for explicitly: an error, not a fallback
-            raise SystemExit("typed_oom=True fell back")
+            gpupool.torch._install_class(True)   # asked for explicitly: an error, not a fallback
+            raise SystemExit("compiled=True fell back")
         except RuntimeError as e:
-            assert "typed_oom=True" in str(e) and "no C++ compiler" in str(e), e
+            assert "compiled=True" in str(e) and "no C++ compiler" in str(e), e
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        s = gpupool.stats(0)
+        assert torch.cuda.memory_allocated() == s["used_bytes"] > 0, (torch.cuda.memory_allocated(), s)
+        assert torch.cuda.memory_reserved() == s["total_bytes"], s
+        assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated()
+        del x
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated() == gpupool.stats(0)["used_bytes"]
+        assert "Memory summary" in torch.cuda.memory_summary() or "PyTorch CUDA memory summary" in torch.cuda.memory_summary()
         torch.cuda.set_per_process_memory_fraction(0.01)
         try:
             torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
@@ -180,10 +193,10 @@ def test_shim_that_cannot_be_built_falls_back_with_one_warning(torch_gpu, tmp_pa
     assert "fell back" in ok(p)
 
 
-def test_malformed_typed_oom_switch_is_an_error(torch_gpu):
-    p = run_py("import gpupool; gpupool.torch.install()", env={"GPUPOOL_TORCH_TYPED_OOM": "maybe"})
+def test_malformed_allocator_switch_is_an_error(torch_gpu):
+    p = run_py("import gpupool; gpupool.torch.install()", env={"GPUPOOL_TORCH_ALLOCATOR": "maybe"})
     assert p.returncode != 0
-    assert 'invalid value "maybe" for GPUPOOL_TORCH_TYPED_OOM; accepted: 0 | 1' in p.stderr, p.stderr
+    assert 'invalid value "maybe" for GPUPOOL_TORCH_ALLOCATOR; accepted: 0 | 1' in p.stderr, p.stderr
 
 
 def test_multistream_record_stream(torch_gpu):
@@ -251,8 +264,10 @@ def test_cuda_tensors_go_through_torch_multiprocessing(torch_gpu, pool):
     # letting go frees it; nothing live or imported at the end in either process.
     import json
     from conftest import ROOT, run_script
+    # gpupool's own reductions: the plug-in route (the allocator class sends through
+    # PyTorch's, test_torch_allocator.py).
     p = run_script(ROOT / "scripts" / "share_check.py", ["--allocator", pool, "--tensors", "300", "--max-mib", "16"],
-                   timeout=600)
+                   env=PLUGIN, timeout=600)
     r = json.loads(ok(p).strip().splitlines()[-1])
     assert r["consumer_bad"] == 0 and r["producer_sees_change_bad"] == 0, r
     assert r["reused_while_held"] == 0, r
@@ -343,7 +358,7 @@ def test_a_message_of_cuda_tensors_is_read_after_the_senders_queued_writes(torch
     from conftest import run_script
     script = tmp_path / "ordered_sends.py"
     script.write_text(ORDERED_SENDS)
-    assert "ordered" in ok(run_script(script, [pool], timeout=300))
+    assert "ordered" in ok(run_script(script, [pool], env=PLUGIN, timeout=300))
 
 
 FROM_NATIVE = """
@@ -444,7 +459,7 @@ def test_cuda_tensors_from_a_process_without_gpupool_are_received(torch_gpu, poo
     from conftest import run_script
     script = tmp_path / "from_native.py"
     script.write_text(FROM_NATIVE)
-    assert "received" in ok(run_script(script, [pool], timeout=300))
+    assert "received" in ok(run_script(script, [pool], env=PLUGIN, timeout=300))
 
 
 TO_PLAIN = """
@@ -520,4 +535,4 @@ def test_cuda_tensors_reach_a_process_that_did_not_install_gpupool(torch_gpu, po
     from conftest import run_script
     script = tmp_path / "to_plain.py"
     script.write_text(TO_PLAIN)
-    assert "received" in ok(run_script(script, [pool], timeout=300))
+    assert "received" in ok(run_script(script, [pool], env=PLUGIN, timeout=300))

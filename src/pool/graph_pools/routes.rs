@@ -74,6 +74,19 @@ impl Pool {
         Ok(())
     }
 
+    /// One more use of the private pool `id`, made if new (PyTorch's `MemPool` constructor):
+    /// kept until as many `release_pool` calls.
+    pub fn create_or_incref_pool(&mut self, id: PoolId) -> Result<()> {
+        self.running()?;
+        self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
+        Ok(())
+    }
+
+    /// The uses of the private pool `id` (0 when it does not exist).
+    pub fn pool_use_count(&self, id: PoolId) -> i64 {
+        self.graphs.pools.get(&id).map_or(0, |p| p.uses)
+    }
+
     /// Stop routing to `id` (the latest route to it). Allocations go to the main cache again.
     pub fn end_allocate_to_pool(&mut self, id: PoolId) -> Result<()> {
         let Some(i) = self.graphs.routes.iter().rposition(|r| r.id == id) else {

@@ -1,0 +1,174 @@
+"""The build of gpupool's PyTorch allocator class (csrc/torch_allocator.cpp), and its install.
+
+Why a build at run time: the class derives from PyTorch's C++ `CUDAAllocator`, whose layout
+and C++ ABI are those of the installed PyTorch; libgpupool.so is built without PyTorch. So the
+class is compiled here against the installed PyTorch's headers with
+torch.utils.cpp_extension.load, once per source and PyTorch version, into PyTorch's
+extension cache (later processes load it without compiling), and given the functions of the
+libgpupool.so that Python loaded. `python -m gpupool build-torch` builds it ahead of time
+(for images whose first process should not compile).
+
+What it needs: a C++ compiler, ninja, PyTorch's headers (every PyTorch wheel has them) and the
+CUDA runtime's headers, from a CUDA toolkit or from the `nvidia-cuda-runtime` and
+`nvidia-cuda-crt` packages.
+"""
+
+import ctypes
+import glob
+import hashlib
+import os
+import pathlib
+import shutil
+import sys
+
+from . import GpupoolError, _fn_address
+
+ENV = "GPUPOOL_TORCH_ALLOCATOR"
+_ACCEPTED = "0 | 1 (also true/false, yes/no, on/off)"  # as the library's own boolean variables
+
+SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "torch_allocator.cpp"
+
+# The library functions the class calls, in the order of its `Library` struct.
+LIBRARY_FUNCTIONS = [
+    "gpupool_malloc", "gpupool_free", "gpupool_last_error", "gpupool_get_stats", "gpupool_reset_peak_stats",
+    "gpupool_reclaim", "gpupool_set_limit", "gpupool_record_stream", "gpupool_torch_base_alloc",
+    "gpupool_snapshot_json", "gpupool_torch_pool_begin", "gpupool_torch_pool_end", "gpupool_torch_pool_release",
+    "gpupool_torch_pool_create", "gpupool_torch_pool_use_count", "gpupool_torch_pool_empty",
+    "gpupool_ipc_export_flags", "gpupool_ipc_open", "gpupool_ipc_close", "gpupool_torch_block_size",
+]
+
+
+def wanted(compiled):
+    """(build the class?, must it succeed?) for install()'s `compiled` argument: None follows
+    GPUPOOL_TORCH_ALLOCATOR (default on; a failed build then warns and falls back to the
+    plug-in route), an explicit True or False wins (True: a failed build raises). A malformed
+    value of the variable is an error either way, as for the library's own variables."""
+    raw = os.environ.get(ENV)
+    env_on = None
+    if raw is not None:
+        v = raw.strip().lower()
+        if v in ("", "0", "false", "no", "off"):
+            env_on = False
+        elif v in ("1", "true", "yes", "on"):
+            env_on = True
+        else:
+            raise GpupoolError(6, f'gpupool: invalid value "{raw}" for {ENV}; accepted: {_ACCEPTED}')
+    if compiled is None:
+        return (True if env_on is None else env_on), False
+    return bool(compiled), bool(compiled)
+
+
+def _name(torch, source):
+    """The extension's name, keyed by what the binary depends on: a change of the source or of
+    PyTorch builds a new one beside the old instead of loading a stale one."""
+    h = hashlib.sha256()
+    for part in (source, torch.__version__, str(getattr(torch.version, "git_version", ""))):
+        h.update(part.encode())
+        h.update(b"\0")
+    return "gpupool_torch_allocator_" + h.hexdigest()[:16]
+
+
+def _build_directory(torch, cpp_extension, name):
+    """The folder torch.utils.cpp_extension would choose for `name` (TORCH_EXTENSIONS_DIR, else
+    its per-Python, per-CUDA folder under the cache root), chosen here so that the library's
+    path is known before the build."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        cu = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{py}_{cu}")
+    return os.path.join(root, name)
+
+
+def _cuda_runtime(cpp_extension):
+    """(include folder, libcudart path) of the CUDA runtime: a toolkit's (CUDA_HOME, nvcc on
+    PATH, /usr/local/cuda) or the nvidia-* wheels' PyTorch itself runs on."""
+    homes = [cpp_extension.CUDA_HOME] if getattr(cpp_extension, "CUDA_HOME", None) else []
+    roots = []
+    for site in sys.path:
+        roots += sorted(glob.glob(os.path.join(site, "nvidia", "cu*")), reverse=True)
+        roots.append(os.path.join(site, "nvidia", "cuda_runtime"))
+    for root in homes + roots:
+        inc = os.path.join(root, "include")
+        if not (os.path.isfile(os.path.join(inc, "cuda_runtime_api.h"))
+                and os.path.isfile(os.path.join(inc, "crt", "host_config.h"))):
+            continue
+        for libdir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            found = sorted(glob.glob(os.path.join(root, libdir, "libcudart.so*")), key=len)
+            if found:
+                return inc, found[0]
+    raise RuntimeError("the CUDA runtime's headers were not found (no CUDA toolkit: set CUDA_HOME, or "
+                       "pip install nvidia-cuda-runtime nvidia-cuda-crt of PyTorch's CUDA version)")
+
+
+def _install(path):
+    so = ctypes.CDLL(path)
+    count = so.gpupool_torch_allocator_functions
+    count.restype = ctypes.c_int
+    if count() != len(LIBRARY_FUNCTIONS):
+        raise OSError(f"{path} takes {count()} library functions, this package gives {len(LIBRARY_FUNCTIONS)}")
+    install = so.gpupool_torch_allocator_install
+    install.restype = ctypes.c_int
+    install.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    fns = (ctypes.c_void_p * len(LIBRARY_FUNCTIONS))(*[_fn_address(n) for n in LIBRARY_FUNCTIONS])
+    err = ctypes.create_string_buffer(4096)
+    if install(fns, len(LIBRARY_FUNCTIONS), err, len(err)) != 0:
+        raise RuntimeError(err.value.decode(errors="replace"))
+    return path
+
+
+def _short(e):
+    """The gist of a build error (a failed compile carries the whole compiler output)."""
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    text = " / ".join(lines[-4:]) if lines else type(e).__name__
+    return text if len(text) <= 600 else "..." + text[-600:]
+
+
+def build():
+    """Path of the class's library, built first where needed (with a one-line notice on
+    stderr). Raises RuntimeError saying why it cannot be built."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except Exception as e:  # cpp_extension needs setuptools, for one
+        raise RuntimeError(f"torch.utils.cpp_extension cannot be imported ({_short(e)})") from e
+    source = SOURCE.read_text()
+    name = _name(torch, source)
+    d = _build_directory(torch, cpp_extension, name)
+    so = os.path.join(d, name + ".so")
+    # Built before: use it without a compiler or ninja (deployments often have neither).
+    # The library is written only while the build holds the folder's lock file, so without
+    # that file it is complete.
+    if os.path.isfile(so) and not os.path.exists(os.path.join(d, "lock")):
+        return so
+    compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs on Linux
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja, which torch.utils.cpp_extension builds with, is not installed (pip install ninja)")
+    include, cudart = _cuda_runtime(cpp_extension)
+    try:
+        os.makedirs(d, exist_ok=True)
+        src = os.path.join(d, "torch_allocator.cpp")
+        old = None
+        if os.path.isfile(src):
+            with open(src) as f:
+                old = f.read()
+        if old != source:  # rewriting an unchanged source would make ninja rebuild it
+            with open(src, "w") as f:
+                f.write(source)
+        print(f"gpupool: compiling its PyTorch allocator once (about a minute; cached in {d})", file=sys.stderr,
+              flush=True)
+        torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+        cpp_extension.load(name=name, sources=[src], extra_cflags=["-O2"], extra_include_paths=[include],
+                           extra_ldflags=[f"-L{torch_lib}", "-ltorch_cuda", "-lc10_cuda", cudart],
+                           build_directory=d, is_python_module=False, with_cuda=False, verbose=False)
+        return so
+    except Exception as e:
+        raise RuntimeError(f"building {name} in {d} failed: {_short(e)}") from e
+
+
+def install():
+    """Build (where needed) and install the class as PyTorch's CUDA allocator. Raises
+    RuntimeError saying why where it cannot be."""
+    return _install(build())
