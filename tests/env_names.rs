@@ -23,9 +23,8 @@ const NOT_VARIABLES: &[&str] = &[
     "GPUPOOL_ARENA",
     "GPUPOOL_WITH_RMM",
     "GPUPOOL_EXAMPLE_CUDA",
-    // The PyTorch shim's C++ macros.
-    "GPUPOOL_SHIM_EXPORT",
-    "GPUPOOL_SHIM_VERSION",
+    // The PyTorch allocator class's C++ macro.
+    "GPUPOOL_TORCH_EXPORT",
     // CMake variables set by CMakeLists.txt itself.
     "GPUPOOL_LIB",
     "GPUPOOL_TOP_LEVEL",
