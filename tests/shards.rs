@@ -360,3 +360,22 @@ fn a_request_no_release_could_help_leaves_the_other_shards_caches() {
     let b = malloc(200 * MIB, d, stream(31));
     assert_eq!(free(b, d, stream(31)), Status::Ok);
 }
+
+#[test]
+fn a_peak_reset_reaches_every_shard_and_the_devices_reserved_peak() {
+    let d = 58;
+    host(d, c"split");
+    let a = malloc(40 * MIB, d, stream(1));
+    let b = malloc(3000, d, stream(2));
+    assert_eq!(free(a, d, stream(1)), Status::Ok);
+    assert_eq!(unsafe { gpupool_reclaim(d, null_mut()) }, Status::Ok, "{}", last());
+    let high = stats(d);
+    assert!(shard_count(d) >= 2, "{}", json(d));
+    assert!(high.peak_total_bytes > high.total_bytes && high.peak_used_bytes > high.used_bytes, "{high:?}");
+    assert_eq!(gpupool_reset_peak_stats(d), Status::Ok, "{}", last());
+    let low = stats(d);
+    assert_eq!(low.peak_total_bytes, low.total_bytes, "{low:?}");
+    assert_eq!(low.peak_used_bytes, low.used_bytes, "{low:?}");
+    assert_eq!(low.peak_requested_bytes, low.requested_bytes, "{low:?}");
+    assert_eq!(free(b, d, stream(2)), Status::Ok);
+}

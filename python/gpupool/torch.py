@@ -158,13 +158,14 @@ def memory_stats_nested(s, base=None):
 
     segments = s["n_upstream_allocs"] - s["n_upstream_frees"]
     reclaimed = acc("reclaimed_bytes")
+    reserved_since = s["total_bytes"] + reclaimed - base.get("total_bytes", 0)
     figures = {
         "allocation": stat(s["n_live_blocks"], s["n_live_blocks"], acc("n_allocs"), acc("n_frees")),
         "segment": stat(segments, segments, acc("n_upstream_allocs"), acc("n_upstream_frees")),
         "active": stat(s["n_live_blocks"], s["n_live_blocks"], acc("n_allocs"), acc("n_frees")),
         "inactive_split": stat(s["n_free_blocks"], s["n_free_blocks"]),
         "allocated_bytes": stat(s["used_bytes"], s["peak_used_bytes"]),
-        "reserved_bytes": stat(s["total_bytes"], s["peak_total_bytes"], s["total_bytes"] + reclaimed, reclaimed),
+        "reserved_bytes": stat(s["total_bytes"], s["peak_total_bytes"], reserved_since, reclaimed),
         "active_bytes": stat(s["used_bytes"], s["peak_used_bytes"]),
         "inactive_split_bytes": stat(s["free_bytes"], s["free_bytes"]),
         "requested_bytes": stat(s["requested_bytes"], s.get("peak_requested_bytes", s["requested_bytes"])),

@@ -56,6 +56,11 @@ impl Budget {
         self.peak.load(Ordering::Acquire)
     }
 
+    /// Start the peak again from what is reserved now (`gpupool_reset_peak_stats`).
+    pub fn reset_peak(&self) {
+        self.peak.store(self.reserved(), Ordering::Release);
+    }
+
     /// Reserved bytes above the limit (0 without a limit or below it).
     pub fn excess(&self) -> usize {
         match self.limit() {

@@ -107,8 +107,11 @@ pub fn stats(device: i32) -> Result<Stats> {
     Ok(total(&parts, wide))
 }
 
-/// Start `device`'s peaks again from what each shard holds now.
+/// Start `device`'s peaks again from what each shard holds now, and the device-wide peak of
+/// reserved bytes (what a sharded device reports) from what it reserves now.
 pub fn reset_peaks(device: i32) -> Result<()> {
+    let budget = with_pool(device, |p| Ok(p.budget().clone()))?;
+    budget.reset_peak();
     super::for_each_shard(device, |p| p.reset_peaks())
 }
 

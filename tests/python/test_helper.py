@@ -225,6 +225,21 @@ def test_cupy_entry_point_raises_the_registered_out_of_memory_class_on_host(libr
     assert "ok" in out
 
 
+def test_the_pytorch_allocator_source_ships_with_the_package():
+    # The class is compiled on the user's machine: its source must be in the package (the
+    # installed wheel's too, where scripts/test.sh runs these tests against it).
+    ok(run_py("""
+        from gpupool import _torch_allocator as t
+        assert t.SOURCE.is_file(), t.SOURCE
+        text = t.SOURCE.read_text()
+        assert "gpupool_torch_allocator_install" in text
+        struct = text[text.index("struct Library {"):text.index("};", text.index("struct Library {"))]
+        slots = [l for l in struct.splitlines() if "(*" in l]
+        assert len(slots) == len(t.LIBRARY_FUNCTIONS), (len(slots), len(t.LIBRARY_FUNCTIONS))
+        print("ok")
+    """))
+
+
 def test_torch_allocator_switch_is_parsed_without_torch():
     # GPUPOOL_TORCH_ALLOCATOR decides only where install()'s `compiled` is None (the default);
     # a malformed value is an error naming the variable, the value and what is accepted.

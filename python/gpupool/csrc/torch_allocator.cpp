@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -332,7 +333,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
       p = foreign->raw_alloc_with_stream(size, stream);
     } else {
       status = lib.malloc(&p, size, device, stream);
-      if (status == kOutOfMemory) status = malloc_from_oom_pools(b, &p, size, device, stream, &pool);
+      if (status == kOutOfMemory) status = malloc_from_oom_pools(&p, size, device, stream, &pool, &foreign);
     }
     if (status != kOk) out_of_memory(b, status, size, device, stream);
     // Small blocks are the request in 512-byte units; a large one may keep a rest too small
@@ -345,15 +346,26 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
       Live &l = b.live[p];
       l = Live{size, block, stream, pool, std::move(foreign), context};
       update(b.stats, block, size, true);
-      if (record_when_ >= RecordContext::ALLOC || !trackers_.empty())
+      if (history_ || !trackers_.empty())
         trace(b, TraceEntry::ALLOC, device, p, block, stream, pool, record_when_ >= RecordContext::ALLOC ? context : nullptr);
     }
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(b, p, static_cast<int64_t>(block), device);
     return p;
   }
 
+  // The DataPtr deleter: runs in destructors, so nothing may escape it.
   void free(void *ptr) noexcept {
     if (ptr == nullptr) return;
+    try {
+      free_block(ptr);
+    } catch (const std::exception &e) {
+      std::fprintf(stderr, "gpupool: free of %p failed: %s\n", ptr, e.what());
+    } catch (...) {
+      std::fprintf(stderr, "gpupool: free of %p failed\n", ptr);
+    }
+  }
+
+  void free_block(void *ptr) {
     c10::DeviceIndex device = -1;
     Live l;
     bool known = false;
@@ -368,7 +380,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
       known = true;
       device = static_cast<c10::DeviceIndex>(d);
       update(b.stats, l.block, l.requested, false);
-      if (record_when_ != RecordContext::NEVER || !trackers_.empty()) {
+      if (history_ || !trackers_.empty()) {
         trace(b, TraceEntry::FREE_REQUESTED, device, ptr, l.block, l.stream, l.pool, context);
         trace(b, TraceEntry::FREE_COMPLETED, device, ptr, l.block, l.stream, l.pool, context);
       }
@@ -455,6 +467,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
   }
 
   void *getBaseAllocation(void *ptr, size_t *size) override {
+    if (auto f = foreign_of(ptr)) return f->getBaseAllocation(ptr, size);
     void *base = lib.base_alloc(ptr, size);
     TORCH_CHECK(base != nullptr, "gpupool: ", ptr, " is not a live allocation of gpupool's");
     return base;
@@ -462,6 +475,11 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
   void recordStream(const c10::DataPtr &ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr || ptr.get_deleter() != &deleter) return;  // not a block of ours
+    if (auto f = foreign_of(ptr.get())) {
+      // The other allocator's memory: it is told, through a DataPtr that owns nothing.
+      f->recordStream(c10::DataPtr(ptr.get(), ptr.device()), stream);
+      return;
+    }
     check(lib.record_stream(ptr.get(), stream.stream()));
   }
 
@@ -533,8 +551,17 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     for (size_t d = 0; d < books_.size(); ++d) {
       if (!touched(d)) continue;
-      std::string text(lib.snapshot_json(static_cast<int>(d), nullptr, 0) + 1, '\0');
-      text.resize(lib.snapshot_json(static_cast<int>(d), &text[0], text.size()));
+      // The pool may change between asking the length and the copy: copy until it fits.
+      std::string text;
+      for (size_t n = lib.snapshot_json(static_cast<int>(d), nullptr, 0);;) {
+        text.assign(n + 1, '\0');
+        size_t got = lib.snapshot_json(static_cast<int>(d), &text[0], text.size());
+        if (got < text.size()) {
+          text.resize(got);
+          break;
+        }
+        n = got;
+      }
       TORCH_CHECK(!text.empty() && text[0] == '{', "gpupool: no snapshot of device ", d, ": ", last_error(0));
       JsonReader reader{text};
       Json doc = reader.value();
@@ -595,18 +622,19 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> g(setup_mu_);
     std::vector<std::unique_lock<std::mutex>> locks;
     for (auto &b : books_) locks.emplace_back(b->mu);
+    history_ = enabled;
     recorder_ = enabled ? context_recorder : nullptr;
     record_when_ = enabled ? when : RecordContext::NEVER;
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (const auto &a : skip_actions) skip_.insert(c10::CachingDeviceAllocator::parseTraceEntryAction(a));
     for (auto &b : books_) {
-      if (clearHistory) b->trace.clear();
+      if (clearHistory || !enabled) b->trace.clear();
       while (b->trace.size() > max_entries_) b->trace.pop_front();
     }
   }
 
-  bool isHistoryEnabled() override { return record_when_ != RecordContext::NEVER; }
+  bool isHistoryEnabled() override { return history_; }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> g(setup_mu_);
@@ -747,6 +775,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
   // The block at `ptr` (getBaseAllocation's base) as the library's descriptor, after a
   // header naming this format and the exporting process.
   cca::ShareableHandle shareIpcHandle(void *ptr) override {
+    if (auto f = foreign_of(ptr)) return f->shareIpcHandle(ptr);
     size_t n = 0;
     check(lib.ipc_export_flags(ptr, kShareGranules, nullptr, 0, &n));
     std::string handle(kHandleMagic, sizeof kHandleMagic - 1);
@@ -778,6 +807,11 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     } else {
       mapped = open_cuda_ipc(handle, device);
     }
+    if (imports_.size() >= sweep_at_) {
+      // Forget the imports no storage uses any more (their memory went with them).
+      for (auto i = imports_.begin(); i != imports_.end();) i = i->second.expired() ? imports_.erase(i) : std::next(i);
+      sweep_at_ = std::max<size_t>(64, 2 * imports_.size());
+    }
     imports_[handle] = mapped;
     return mapped;
   }
@@ -787,6 +821,16 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(device >= 0 && static_cast<size_t>(device) < books_.size(), "gpupool: device ", static_cast<int>(device),
                 " is not one of the ", books_.size(), " devices PyTorch sees");
     return *books_[device];
+  }
+
+  // The allocator of a MemPool over another allocator that made `ptr`, if one did.
+  std::shared_ptr<cca::CUDAAllocator> foreign_of(void *ptr) {
+    for (auto &b : books_) {
+      std::lock_guard<std::mutex> g(b->mu);
+      auto it = b->live.find(ptr);
+      if (it != b->live.end()) return it->second.foreign;
+    }
+    return nullptr;
   }
 
   bool touched(size_t d) {
@@ -838,7 +882,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     TraceEntry e(action, device, reinterpret_cast<size_t>(addr), size, stream, pool, c10::getApproximateTime(),
                  std::move(context));
     for (const auto &t : trackers_) t(e);
-    if (record_when_ == RecordContext::NEVER || skip_.count(action)) return;
+    if (!history_ || skip_.count(action)) return;
     b.trace.push_back(std::move(e));
     while (b.trace.size() > max_entries_) b.trace.pop_front();
   }
@@ -857,7 +901,8 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
   // Pools that serve what the device's memory refuses: tried in order, each through a route
   // that takes this thread's allocation alone.
-  int malloc_from_oom_pools(Books &b, void **p, size_t size, c10::DeviceIndex device, cudaStream_t stream, MempoolId_t *pool) {
+  int malloc_from_oom_pools(void **p, size_t size, c10::DeviceIndex device, cudaStream_t stream, MempoolId_t *pool,
+                            std::shared_ptr<cca::CUDAAllocator> *foreign) {
     std::vector<MempoolId_t> pools;
     {
       std::lock_guard<std::mutex> g(setup_mu_);
@@ -866,6 +911,22 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     }
     int status = kOutOfMemory;
     for (const MempoolId_t &id : pools) {
+      std::shared_ptr<cca::CUDAAllocator> other;
+      {
+        std::lock_guard<std::mutex> g(foreign_mu_);
+        auto it = foreign_.find({device, id});
+        if (it != foreign_.end()) other = it->second.allocator;
+      }
+      if (other) {
+        try {
+          *p = other->raw_alloc_with_stream(size, stream);
+        } catch (const std::exception &) {
+          continue;  // refused there too
+        }
+        *pool = id;
+        *foreign = std::move(other);
+        return kOk;
+      }
       auto me = std::this_thread::get_id();
       std::function<bool(cudaStream_t)> mine = [me](cudaStream_t) { return std::this_thread::get_id() == me; };
       if (lib.pool_begin(device, id.first, id.second, &mine) != kOk) continue;
@@ -877,7 +938,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
         break;
       }
     }
-    // The message is the first refusal's.
+    // The message (the thread's last error) is the last refusal's.
     return status == kOk ? kOk : (pools.empty() ? kOutOfMemory : status);
   }
 
@@ -900,7 +961,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
       std::lock_guard<std::mutex> g(b.mu);
       b.stats.num_ooms += 1;
       allocated = static_cast<size_t>(b.stats.allocated_bytes[0].current);
-      if (record_when_ != RecordContext::NEVER || !trackers_.empty())
+      if (history_ || !trackers_.empty())
         trace(b, TraceEntry::OOM, device, reinterpret_cast<void *>(s.device_free_bytes), size, stream, {0, 0}, nullptr);
     }
     for (const auto &o : observers) o(device, allocated, s.device_total_bytes, s.device_free_bytes);
@@ -942,6 +1003,9 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
   std::atomic<int> routes_{0};
   // History: written under setup_mu_ and every device's mutex, read under either.
   std::atomic<cca::CreateContextFn> recorder_{nullptr};
+  std::atomic<bool> history_{false};
+  // How much context to gather: none, for live blocks, also for allocations in the trace,
+  // also for frees (PyTorch's RecordContext).
   std::atomic<RecordContext> record_when_{RecordContext::NEVER};
   size_t max_entries_ = 1;
   struct ActionHash {
@@ -955,6 +1019,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
   std::map<std::pair<int, MempoolId_t>, ForeignPool> foreign_;
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<void>> imports_;
+  size_t sweep_at_ = 64;
 };
 
 // Never destroyed, as PyTorch's own allocator is not: storages freed while the process
