@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import ok, run_py, run_script
 
-POOLS = ["split", "arena"]
+POOLS = ["split", "binned", "none", "arena"]   # every strategy
 
 INSTALL = """
 import gpupool, torch
@@ -71,7 +71,7 @@ def _keys(out):
 def test_memory_api_answers_with_pytorchs_keys_and_the_pools_figures(torch_gpu, pool):
     native = _keys(ok(run_py(NATIVE_KEYS)))
     out = ok(run_py(INSTALL + """
-import json
+import json, os
 assert torch.cuda.memory._get_current_allocator().allocator() is not None
 xs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 1 << 20, 5 << 20, 37 << 20)]
 s = gpupool.stats(0)
@@ -97,7 +97,9 @@ assert "PyTorch CUDA memory summary" in text and "Allocated memory" in text, tex
 del xs
 before = torch.cuda.memory_reserved()
 torch.cuda.empty_cache()
-assert torch.cuda.memory_reserved() == gpupool.stats(0)["total_bytes"] < before, (before, torch.cuda.memory_reserved())
+assert torch.cuda.memory_reserved() == gpupool.stats(0)["total_bytes"] <= before, (before, torch.cuda.memory_reserved())
+# A caching strategy gives its cache back; "none" caches nothing, so nothing is left to give.
+assert torch.cuda.memory_reserved() < before or (os.environ["GPUPOOL_POOL"] == "none" and before == 0), before
 torch.cuda.set_per_process_memory_fraction(0.25)
 _, total = torch.cuda.mem_get_info()
 assert abs(gpupool.get_limit(0) - total // 4) <= 1, (gpupool.get_limit(0), total)
