@@ -14,7 +14,7 @@ use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
 use crate::upstream::export_record::ExportRecord;
-use crate::upstream::shared::{raise_fd_limit, own_start_time, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
+use crate::upstream::shared::{granules_digest, raise_fd_limit, own_start_time, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -98,7 +98,14 @@ impl Pool {
                 Ok(SharedGranule { file, ..s })
             })
             .collect::<Result<Vec<_>>>()?;
-        let record = ExportRecord::add(&granules.iter().map(|g| (g.fd, g.offset)).collect::<Vec<_>>())?;
+        // A block exported before with the same granules keeps its export: one record
+        // slot, one descriptor, however often it is sent.
+        let digest = granules_digest(&granules);
+        let reused = self.core.strategy.as_arena().expect("arena pool").export_of(addr, digest);
+        let record = match reused {
+            Some(at) => at,
+            None => ExportRecord::add(&granules)?,
+        };
         // The importer maps whole granules: nothing else may live in the block's (unless
         // the caller shares granules, as the framework routes do).
         let mut guarded = if share_granules { Ok(()) } else { self.arena_guard_export(addr, block_size) };
@@ -111,10 +118,14 @@ impl Pool {
             guarded = self.arena_guard_export(addr, block_size);
         }
         if let Err(why) = guarded {
-            ExportRecord::end(record);
+            if reused.is_none() {
+                ExportRecord::end(record);
+            }
             return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
         }
-        self.core.strategy.as_arena().expect("arena pool").note_export(addr, record);
+        if reused.is_none() {
+            self.core.strategy.as_arena().expect("arena pool").note_export(addr, record, digest);
+        }
         let d = Descriptor {
             kind: self.core.upstream.vmm_share_kind(),
             pid: std::process::id(),
@@ -156,9 +167,52 @@ impl Pool {
     /// the exporter's descriptors, one per granule in the descriptor's order or each
     /// exporter number once in the order of its first appearance (`Descriptor::per_granule`);
     /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time.
+    ///
+    /// Fetched descriptors go through the cache of kept imports (`import_cache.rs`): a block
+    /// whose memory is still mapped from an earlier message is served with no driver call.
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
-        let source = self.import_source(d, fds)?;
-        self.core.upstream.vmm_import(d, &source)
+        if fds.is_some() {
+            let source = self.import_source(d, fds)?;
+            return self.core.upstream.vmm_import(d, &source);
+        }
+        self.running()?;
+        self.check_kind(d)?;
+        let exporter = self.imports.exporter(d)?;
+        let source = FdSource::fetch_via(exporter.clone(), d)?;
+        // Read before anything is mapped: a release after it moves the count past what
+        // the run records, and the run is not trusted again.
+        let releases = exporter.releases().ok_or_else(|| {
+            Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid))
+        })?;
+        self.drop_kept_imports(false);
+        if let Some(ptr) = self.imports.open_kept(d, releases) {
+            return Ok(ptr);
+        }
+        let ptr = self.core.upstream.vmm_import(d, &source)?;
+        self.imports.insert(d, ptr, releases, exporter);
+        Ok(ptr)
+    }
+
+    /// Unmap the idle kept imports that may not serve again (their exporter released
+    /// memory or exited, or too many are kept), or all of them (`everything`). A run the
+    /// upstream fails to unmap stays kept, to be tried again.
+    pub(super) fn drop_kept_imports(&mut self, everything: bool) {
+        for key in self.imports.stale(everything) {
+            match self.core.upstream.vmm_unimport(key) {
+                Ok(_) => self.imports.dropped(key),
+                Err(e) => crate::error::warn(&format!("dropping a kept import at {key:#x} failed: {e}; it stays mapped")),
+            }
+        }
+    }
+
+    /// Unmap every idle kept import (the pool is about to be replaced).
+    pub fn drop_kept_imports_all(&mut self) {
+        self.drop_kept_imports(true);
+    }
+
+    /// Idle imports kept mapped for later messages (`import_cache.rs`).
+    pub fn ipc_imports_kept(&self) -> usize {
+        self.imports.idle()
     }
 
     /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, a
@@ -180,19 +234,9 @@ impl Pool {
         Ok(())
     }
 
-    fn import_source<'a>(&self, d: &Descriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
+    fn import_source<'a>(&self, d: &'a Descriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
         self.running()?;
-        let kind = self.core.upstream.vmm_share_kind();
-        if d.kind != kind {
-            let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
-                name(d.kind),
-                self.core.device,
-                self.core.upstream.name(),
-                if kind == 0 { "none" } else { name(kind) }
-            )));
-        }
+        self.check_kind(d)?;
         let source = match fds {
             Some(f) => match d.per_granule(f) {
                 Some(given) => FdSource::Given(given),
@@ -211,6 +255,22 @@ impl Pool {
         Ok(source)
     }
 
+    /// The descriptor is of the memory this pool's upstream maps (else: refused, saying so).
+    fn check_kind(&self, d: &Descriptor) -> Result<()> {
+        let kind = self.core.upstream.vmm_share_kind();
+        if d.kind != kind {
+            let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
+                name(d.kind),
+                self.core.device,
+                self.core.upstream.name(),
+                if kind == 0 { "none" } else { name(kind) }
+            )));
+        }
+        Ok(())
+    }
+
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
     /// returns where it starts here.
     pub fn ipc_import_legacy(&mut self, d: &LegacyDescriptor) -> Result<usize> {
@@ -220,6 +280,13 @@ impl Pool {
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
+        if let Some(idle) = self.imports.close(ptr) {
+            // Kept mapped for the exporter's next message; what may not serve again goes.
+            if idle {
+                self.drop_kept_imports(false);
+            }
+            return Ok(());
+        }
         if self.core.upstream.vmm_unimport(ptr)? || self.core.upstream.legacy_ipc_close(ptr)? {
             return Ok(());
         }
@@ -229,6 +296,6 @@ impl Pool {
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
-        self.core.upstream.vmm_imports() + self.core.upstream.legacy_ipc_imports()
+        self.core.upstream.vmm_imports() - self.imports.runs() + self.imports.opens() + self.core.upstream.legacy_ipc_imports()
     }
 }

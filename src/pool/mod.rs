@@ -14,7 +14,8 @@
 //! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
 //! and the out-of-memory escalation in `grow.rs`, the arena's driver calls in `arena.rs`;
 //! giving memory back in `release.rs`; private pools in `graph_pools.rs`; the thread caches'
-//! blocks in `attached_caches/`; exports to other processes in `ipc.rs`; reports and
+//! blocks in `attached_caches/`; exports to other processes in `ipc.rs`, and their memory
+//! kept mapped here between messages in `import_cache.rs`; reports and
 //! snapshots in `reports.rs` and `snapshot.rs`. How a pool is built: `options.rs`; the
 //! budget a device's shards share: `budget.rs`, and whether their growths contend for the
 //! driver: `contention.rs`.
@@ -46,6 +47,7 @@ mod core;
 mod free;
 mod graph_pools;
 mod grow;
+mod import_cache;
 mod ipc;
 mod limits;
 mod options;
@@ -83,6 +85,8 @@ pub struct Pool {
     graphs: graph_pools::PrivatePools,
     /// Threads' fast-path caches for this pool (`attached_caches/`, `crate::thread_cache`).
     caches: AttachedCaches,
+    /// Other processes' memory kept mapped between their messages (`import_cache.rs`).
+    imports: import_cache::ImportCache,
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
     /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
     stopped: Option<String>,
@@ -97,6 +101,7 @@ impl Pool {
             rec: Recorder::new(opts),
             graphs: Default::default(),
             caches: AttachedCaches::new(opts, device),
+            imports: Default::default(),
             stopped: None,
         })
     }
@@ -281,6 +286,7 @@ impl Pool {
         self.finish_pending(false);
         self.fence_unfenced();
         self.rec.c.reclaims += 1;
+        self.drop_kept_imports(true);
         let r = self.release_cached(None).map(|_| {
             let pages = self.decommit_free(usize::MAX);
             self.rec.c.reclaimed_bytes += pages as u64;

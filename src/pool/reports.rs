@@ -133,8 +133,10 @@ impl Pool {
 
     /// The JSON object's fields beyond the numbers and driver calls, each with its leading
     /// comma: `arena` (`arena`: this pool's, or its device's shards added up), `notice`,
-    /// `stopped`, `private_pools`, `ipc_imports` (blocks of other processes mapped here) and
-    /// `ipc_import_address_space` (what the arena's imports reserve).
+    /// `stopped`, `private_pools`, `ipc_imports` (blocks of other processes open here),
+    /// `ipc_imports_kept` (their mappings kept idle for later messages, `import_cache.rs`),
+    /// `ipc_import_reuses` (opens served from those) and `ipc_import_address_space` (what
+    /// the arena's imports reserve, kept ones included).
     pub fn json_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
         if let Some(a) = arena {
@@ -148,7 +150,13 @@ impl Pool {
         }
         let (n, reserved, free) = self.private_pool_summary();
         out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
-        out.push_str(&format!(",\"ipc_imports\":{},\"ipc_import_address_space\":{}", self.ipc_imports(), self.core.upstream.vmm_import_bytes()));
+        out.push_str(&format!(
+            ",\"ipc_imports\":{},\"ipc_imports_kept\":{},\"ipc_import_reuses\":{},\"ipc_import_address_space\":{}",
+            self.ipc_imports(),
+            self.imports.idle(),
+            self.imports.reuses(),
+            self.core.upstream.vmm_import_bytes()
+        ));
         out
     }
 

@@ -300,6 +300,7 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
     for g in shards.iter_mut() {
         if let Some(p) = g.as_mut() {
             p.flush_thread_caches(None);
+            p.drop_kept_imports_all();
             if p.live_count() > 0 {
                 return Err(Error::Busy(format!(
                     "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",

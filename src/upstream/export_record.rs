@@ -1,9 +1,26 @@
 //! The exporter's record of its live exports (`ExportRecord`), which importers fetching
 //! descriptors by pid check (`upstream::shared` says why), and where one export is recorded
 //! (`RecordRef`).
+//!
+//! Layout of the record (a sealed `memfd`, read by importers with `pread`):
+//! - a header: magic, pid, start time, and the release count: how many times a granule
+//!   that was ever exported has been released. An importer that keeps another process's
+//!   memory mapped between messages (`pool::import_cache`) trusts its mappings only while
+//!   this count is the one it saw when it mapped them: an unchanged count means every
+//!   exported file descriptor it fetched still names the allocation it mapped.
+//! - per slot, 16 bytes: the export's random token (0 where free) and the digest of its
+//!   granule list (`shared::granules_digest`). The digest binds a descriptor's granules to
+//!   its token: a descriptor whose entries were changed names granules its export never
+//!   shared, and is refused.
+//!
+//! Only the exporter writes the record, through a mapping made before the file is sealed
+//! against writes, growth and shrinking: an importer holding a copy of the descriptor can
+//! neither rewrite tokens nor truncate the file under the exporter (which would kill it with
+//! SIGBUS on its next write).
 
-use super::shared::{start_time_of, Fd};
+use super::shared::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a descriptor's export is recorded: the exporter's record descriptor, the slot, the
 /// token.
@@ -14,20 +31,34 @@ pub struct RecordRef {
     pub token: u64,
 }
 
-/// This process's record of its live exports: a `memfd` (close-on-exec) holding a header
-/// (magic, pid, start time) and one 8-byte token per slot, 0 where free. Importers read it
-/// through `pidfd_getfd`. One per process, whatever the device or upstream.
+/// This process's record of its live exports. One per process, whatever the device or
+/// upstream.
 pub struct ExportRecord {
     fd: Fd,
+    /// The file mapped shared and writable (`RECORD_BYTES`), made before the seals.
+    map: *mut AtomicU64,
+    /// The pid the record was made by: a forked child makes its own.
+    pid: u32,
     /// Slot -> the granules (descriptor, offset) its export shares.
     live: Vec<Option<Vec<(i32, u64)>>>,
     free: Vec<u32>,
 }
 
-const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXREC");
-const RECORD_HEADER: usize = 24;
-/// Live exports a process may have at once.
+// SAFETY: the mapping is only reached through the `RECORD` mutex.
+unsafe impl Send for ExportRecord {}
+
+const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE2");
+/// Header words: magic, pid, start time, release count.
+const HEADER_WORDS: usize = 4;
+const RELEASES_WORD: usize = 3;
+const RECORD_HEADER: usize = 8 * HEADER_WORDS;
+/// Words per slot: token, digest.
+const SLOT_WORDS: usize = 2;
+/// Live exports a process may have at once. A block re-exported with the same granules
+/// reuses its export (`ArenaStrategy::export_of`), so this bounds blocks shared at once, not
+/// sends.
 pub const RECORD_SLOTS: u32 = 1 << 16;
+const RECORD_BYTES: usize = RECORD_HEADER + 8 * SLOT_WORDS * RECORD_SLOTS as usize;
 
 static RECORD: std::sync::Mutex<Option<ExportRecord>> = std::sync::Mutex::new(None);
 
@@ -35,87 +66,129 @@ impl ExportRecord {
     fn create() -> Result<ExportRecord> {
         let os = |what: &str| Error::InvalidArgument(format!("IPC export: {what} failed: {}", std::io::Error::last_os_error()));
         // SAFETY: a NUL-terminated name; valid flags.
-        let fd = unsafe { libc::memfd_create(c"gpupool-exports".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"gpupool-exports".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(os("memfd_create"));
         }
         let fd = Fd(fd);
-        let len = RECORD_HEADER + 8 * RECORD_SLOTS as usize;
+        // SAFETY: our own file.
+        if unsafe { libc::ftruncate(fd.raw(), RECORD_BYTES as libc::off_t) } != 0 {
+            return Err(os("sizing the export record"));
+        }
+        // SAFETY: a shared mapping of the whole file, which has that size.
+        let map = unsafe { libc::mmap(std::ptr::null_mut(), RECORD_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.raw(), 0) };
+        if map == libc::MAP_FAILED {
+            return Err(os("mapping the export record"));
+        }
+        // Writes through the mapping made above stay allowed; nobody else may write, grow
+        // or shrink the file. A kernel without the future-write seal still gets the size
+        // seals, which keep the exporter from SIGBUS.
+        let size_seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        // SAFETY: fcntl on our own descriptor.
+        unsafe {
+            if libc::fcntl(fd.raw(), libc::F_ADD_SEALS, size_seals | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL) != 0 {
+                libc::fcntl(fd.raw(), libc::F_ADD_SEALS, size_seals | libc::F_SEAL_SEAL);
+            }
+        }
         let pid = std::process::id();
-        let mut head = Vec::with_capacity(RECORD_HEADER);
-        for v in [RECORD_MAGIC, pid as u64, start_time_of(pid)] {
-            head.extend_from_slice(&v.to_le_bytes());
+        let r = ExportRecord { fd, map: map.cast(), pid, live: Vec::new(), free: Vec::new() };
+        for (i, v) in [RECORD_MAGIC, pid as u64, start_time_of(pid), 0].into_iter().enumerate() {
+            r.word(i).store(v, Ordering::Release);
         }
-        // SAFETY: our own file; a buffer of the length passed.
-        let ok = unsafe { libc::ftruncate(fd.raw(), len as libc::off_t) == 0 && libc::pwrite(fd.raw(), head.as_ptr().cast(), head.len(), 0) == head.len() as isize };
-        if !ok {
-            return Err(os("writing the export record"));
-        }
-        Ok(ExportRecord { fd, live: Vec::new(), free: Vec::new() })
+        Ok(r)
     }
 
-    fn write_token(&self, slot: u32, token: u64) -> bool {
-        let b = token.to_le_bytes();
-        // SAFETY: our own file, an 8-byte buffer.
-        unsafe { libc::pwrite(self.fd.raw(), b.as_ptr().cast(), 8, (RECORD_HEADER + 8 * slot as usize) as libc::off_t) == 8 }
+    fn word(&self, i: usize) -> &AtomicU64 {
+        debug_assert!(i < RECORD_BYTES / 8);
+        // SAFETY: within the mapping, which lives as long as `self`; 8-byte aligned.
+        unsafe { &*self.map.add(i) }
     }
 
-    /// Record an export of `granules` (descriptor, offset each); returns where it is.
-    pub fn add(granules: &[(i32, u64)]) -> Result<RecordRef> {
+    fn slot_word(&self, slot: u32, k: usize) -> &AtomicU64 {
+        self.word(HEADER_WORDS + SLOT_WORDS * slot as usize + k)
+    }
+
+    /// Run `f` on this process's record, made on first use (and again in a forked child,
+    /// whose exports are its own).
+    fn with<T>(f: impl FnOnce(&mut ExportRecord) -> Result<T>) -> Result<T> {
         let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
+        if g.as_ref().is_none_or(|r| r.pid != std::process::id()) {
+            if let Some(old) = g.take() {
+                // The parent's record: not ours to write or to unmap from under the
+                // parent's books (the child's copy of the mapping goes with the child).
+                std::mem::forget(old);
+            }
             *g = Some(ExportRecord::create()?);
         }
-        let r = g.as_mut().expect("made above");
-        let slot = match r.free.pop() {
-            Some(s) => s,
-            None if (r.live.len() as u32) < RECORD_SLOTS => {
-                r.live.push(None);
-                (r.live.len() - 1) as u32
+        f(g.as_mut().expect("made above"))
+    }
+
+    /// Record an export of `granules`; returns where it is.
+    pub fn add(granules: &[SharedGranule]) -> Result<RecordRef> {
+        let digest = granules_digest(granules);
+        Self::with(|r| {
+            let slot = match r.free.pop() {
+                Some(s) => s,
+                None if (r.live.len() as u32) < RECORD_SLOTS => {
+                    r.live.push(None);
+                    (r.live.len() - 1) as u32
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "IPC export: {RECORD_SLOTS} blocks are exported at once; free some first"
+                    )))
+                }
+            };
+            let mut token = 0u64;
+            while token == 0 {
+                // SAFETY: an 8-byte buffer.
+                if unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, 0) } != 8 {
+                    r.free.push(slot);
+                    return Err(Error::InvalidArgument("IPC export: getrandom failed".into()));
+                }
             }
-            None => return Err(Error::InvalidArgument(format!("IPC export: {RECORD_SLOTS} exports are live; free some first"))),
-        };
-        let mut token = 0u64;
-        while token == 0 {
-            // SAFETY: an 8-byte buffer.
-            if unsafe { libc::getrandom((&mut token as *mut u64).cast(), 8, 0) } != 8 {
-                r.free.push(slot);
-                return Err(Error::InvalidArgument("IPC export: getrandom failed".into()));
-            }
-        }
-        if !r.write_token(slot, token) {
-            r.free.push(slot);
-            return Err(Error::InvalidArgument("IPC export: writing the export record failed".into()));
-        }
-        r.live[slot as usize] = Some(granules.to_vec());
-        Ok(RecordRef { fd: r.fd.raw(), slot, token })
+            // The digest first: a reader that sees the token sees its digest.
+            r.slot_word(slot, 1).store(digest, Ordering::Release);
+            r.slot_word(slot, 0).store(token, Ordering::Release);
+            r.live[slot as usize] = Some(granules.iter().map(|g| (g.fd, g.offset)).collect());
+            Ok(RecordRef { fd: r.fd.raw(), slot, token })
+        })
+    }
+
+    /// Whether export `at` is still recorded (its block not freed, its granules not released).
+    pub fn is_live(at: RecordRef) -> bool {
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().is_some_and(|r| {
+            r.pid == std::process::id() && r.fd.raw() == at.fd && at.slot < RECORD_SLOTS && r.slot_word(at.slot, 0).load(Ordering::Acquire) == at.token
+        })
+    }
+
+    fn clear(&mut self, slot: u32) {
+        self.slot_word(slot, 0).store(0, Ordering::Release);
+        self.live[slot as usize] = None;
+        self.free.push(slot);
     }
 
     /// Export `at` ended (its block was freed): its slot is cleared, so its descriptor can
     /// no longer be fetched from.
     pub fn end(at: RecordRef) {
         let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(r) = g.as_mut() else { return };
-        let slot = at.slot as usize;
-        if r.live.get(slot).is_some_and(|e| e.is_some()) && ExportRecord::token_at(&r.fd, at.slot) == Some(at.token) && r.write_token(at.slot, 0) {
-            r.live[slot] = None;
-            r.free.push(at.slot);
+        let Some(r) = g.as_mut().filter(|r| r.pid == std::process::id()) else { return };
+        if r.live.get(at.slot as usize).is_some_and(|e| e.is_some()) && r.slot_word(at.slot, 0).load(Ordering::Acquire) == at.token {
+            r.clear(at.slot);
         }
     }
 
     /// The granule shared as (`fd`, `offset`) is about to be released (its descriptor
-    /// closed, or its memory given back): every export that shares it ends first.
+    /// closed, or its memory given back): every export that shares it ends first, and the
+    /// release count moves, so importers drop what they kept mapped of this process.
     pub fn granule_released(fd: i32, offset: u64) {
         let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(r) = g.as_mut() else { return };
+        let Some(r) = g.as_mut().filter(|r| r.pid == std::process::id()) else { return };
+        r.word(RELEASES_WORD).fetch_add(1, Ordering::AcqRel);
         for slot in 0..r.live.len() {
             if r.live[slot].as_ref().is_some_and(|v| v.contains(&(fd, offset))) {
-                // A record the exporter cannot clear would let a stale descriptor through:
-                // keep the slot out of use rather than reuse it.
-                if r.write_token(slot as u32, 0) {
-                    r.live[slot] = None;
-                    r.free.push(slot as u32);
-                }
+                r.clear(slot as u32);
             }
         }
     }
@@ -128,20 +201,31 @@ impl ExportRecord {
         let at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         if n != RECORD_HEADER as isize || at(0) != RECORD_MAGIC || at(8) != pid as u64 || at(16) != start_time {
             return Err(Error::InvalidArgument(format!(
-                "IPC import: the descriptor's export record is not process {pid}'s (forged or stale descriptor)"
+                "IPC import: the descriptor's export record is not process {pid}'s (forged or stale descriptor, or an \
+                 exporter running another gpupool version)"
             )));
         }
         Ok(())
     }
 
-    /// The token in `slot` of the record `fd` (None where unreadable).
-    pub(super) fn token_at(fd: &Fd, slot: u32) -> Option<u64> {
+    fn read_words<const N: usize>(fd: &Fd, at: usize) -> Option<[u64; N]> {
+        let mut b = [0u8; 64];
+        let len = 8 * N;
+        // SAFETY: a buffer of at least the length passed.
+        let n = unsafe { libc::pread(fd.raw(), b.as_mut_ptr().cast(), len, at as libc::off_t) };
+        (n == len as isize).then(|| std::array::from_fn(|i| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"))))
+    }
+
+    /// The token and digest in `slot` of the record `fd` (None where unreadable).
+    pub(super) fn entry_at(fd: &Fd, slot: u32) -> Option<(u64, u64)> {
         if slot >= RECORD_SLOTS {
             return None;
         }
-        let mut b = [0u8; 8];
-        // SAFETY: an 8-byte buffer.
-        let n = unsafe { libc::pread(fd.raw(), b.as_mut_ptr().cast(), 8, (RECORD_HEADER + 8 * slot as usize) as libc::off_t) };
-        (n == 8).then(|| u64::from_le_bytes(b))
+        Self::read_words::<2>(fd, RECORD_HEADER + 8 * SLOT_WORDS * slot as usize).map(|[t, d]| (t, d))
+    }
+
+    /// The release count of the record `fd` (None where unreadable).
+    pub(super) fn releases_at(fd: &Fd) -> Option<u64> {
+        Self::read_words::<1>(fd, 8 * RELEASES_WORD).map(|[v]| v)
     }
 }

@@ -29,13 +29,14 @@
 //! descriptor it maps, fetched or passed in, and refuses, saying why, where one differs.
 //! File identity alone does not tell the driver's exported descriptors apart (each is an
 //! open of `/dev/nvidiactl`), so the exporter also keeps a record of its live exports
-//! (`ExportRecord`): a `memfd` of its own with a random token per export, cleared before
-//! any granule of that export is released and its descriptor closed. A descriptor names
-//! the record's descriptor number, its slot and its token; an importer that fetches
-//! descriptors by pid fetches the record too, checks that it is this exporter's (magic,
-//! pid, start time) and that the slot still holds the token, and checks again after each
-//! granule's descriptor is fetched: a descriptor fetched while its export's token was
-//! still there is that export's (the record is cleared first). A stale descriptor (its
+//! (`ExportRecord`): a `memfd` of its own with a random token per export, beside the digest
+//! of the export's granule list, cleared before any granule of that export is released and
+//! its descriptor closed. A descriptor names the record's descriptor number, its slot and
+//! its token; an importer that fetches descriptors by pid fetches the record too, checks
+//! that it is this exporter's (magic, pid, start time), that the slot still holds the token
+//! and the digest of the descriptor's granules (entries changed after export are refused),
+//! and checks again after each granule's descriptor is fetched: a descriptor fetched while
+//! its export's token was still there is that export's (the record is cleared first). A stale descriptor (its
 //! block freed, its memory released, the numbers reused) is refused. Descriptors passed in
 //! by the caller (`SCM_RIGHTS`) come from whoever holds the memory and are checked by file
 //! identity alone. An export also ends when its block is freed (the pool ends it before
@@ -119,7 +120,7 @@ pub struct Descriptor {
     pub granules: Vec<SharedGranule>,
 }
 
-const MAGIC: &[u8; 8] = b"GPPIPC04";
+const MAGIC: &[u8; 8] = b"GPPIPC05";
 /// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
 /// count, start time, record descriptor + slot, token, origin.
 pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8 + 8;
@@ -284,30 +285,40 @@ pub fn set_cloexec(fd: i32) {
     }
 }
 
-/// Where an importer's copies of the exporter's descriptors come from.
-pub enum FdSource<'a> {
-    /// The caller's own, one per granule in the descriptor's order (`Descriptor::per_granule`
-    /// makes them so); they stay the caller's.
-    Given(std::borrow::Cow<'a, [i32]>),
-    /// Copied out of the exporter (`pidfd_getfd`) one at a time, each closed once its
-    /// granule is mapped: the mapping keeps the memory. `record`: the exporter's record of
-    /// its exports (fetched and checked), and this export's slot and token in it.
-    Fetch { pid: u32, pidfd: Fd, record: Fd, at: RecordRef },
-}
-
-impl FdSource<'_> {
-    /// The caller's descriptors, one per granule, where they were given.
-    pub fn given(&self) -> Option<&[i32]> {
-        match self {
-            FdSource::Given(fds) => Some(fds),
-            FdSource::Fetch { .. } => None,
+/// The digest of a granule list as a descriptor carries it (descriptor number, offset and
+/// file identity per granule), which the exporter's record keeps beside the export's token
+/// (`ExportRecord`): FNV-1a over the fields' little-endian bytes, the same in every build.
+pub fn granules_digest(granules: &[SharedGranule]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for g in granules {
+        for v in [g.fd as u32 as u64, g.offset, g.file.dev, g.file.ino] {
+            for byte in v.to_le_bytes() {
+                h = (h ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
         }
     }
+    h
+}
 
-    /// Open the exporter of `d` to fetch its descriptors from: a process holding its pid
-    /// that started at another time is not the exporter, and an export the exporter no
-    /// longer records (its block freed) is not fetched from. Both refused.
-    pub fn fetch_from(d: &Descriptor) -> Result<FdSource<'static>> {
+/// An exporter, opened by an importer to fetch descriptors from: a pidfd that pins the
+/// process (its pid cannot name another process while it is open) and the exporter's
+/// record of its exports, checked to be that process's. Kept between imports by the
+/// importer's cache (`pool::import_cache`), so a message of many blocks opens its exporter
+/// once.
+#[derive(Debug)]
+pub struct Exporter {
+    pub pid: u32,
+    pub start_time: u64,
+    pidfd: Fd,
+    record: Fd,
+    /// The record's descriptor number in the exporter.
+    record_fd: i32,
+}
+
+impl Exporter {
+    /// Open the exporter of `d`: a process holding its pid that started at another time is
+    /// not the exporter (refused).
+    pub fn open(d: &Descriptor) -> Result<Exporter> {
         let pid = d.pid;
         // SAFETY: a plain syscall with integer arguments.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
@@ -331,22 +342,87 @@ impl FdSource<'_> {
         }
         let record = Fd(record as i32);
         ExportRecord::check(&record, pid, d.start_time)?;
-        let src = FdSource::Fetch { pid, pidfd, record, at: d.record };
-        src.still_exported()?;
-        Ok(src)
+        Ok(Exporter { pid, start_time: d.start_time, pidfd, record, record_fd: d.record.fd })
     }
 
-    /// For a fetching source: the exporter still records this export (else: refused).
-    fn still_exported(&self) -> Result<()> {
-        if let FdSource::Fetch { pid, record, at, .. } = self {
-            if ExportRecord::token_at(record, at.slot) != Some(at.token) {
-                return Err(Error::InvalidArgument(format!(
-                    "IPC import: process {pid} no longer exports this block (the descriptor is stale: the block was \
-                     freed, or its memory released, after the export)"
-                )));
-            }
+    /// Whether `d` comes from this exporter (same process, same record).
+    pub fn is_of(&self, d: &Descriptor) -> bool {
+        self.pid == d.pid && self.start_time == d.start_time && self.record_fd == d.record.fd
+    }
+
+    /// Whether the exporter has exited (its pidfd reads as ready).
+    pub fn exited(&self) -> bool {
+        let mut p = libc::pollfd { fd: self.pidfd.raw(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents != 0 }
+    }
+
+    /// How many exported granules the exporter has released so far (`ExportRecord`); None
+    /// where the record cannot be read.
+    pub fn releases(&self) -> Option<u64> {
+        ExportRecord::releases_at(&self.record)
+    }
+
+    /// The exporter still records export `at` of exactly `granules` (else: refused, saying
+    /// why).
+    pub fn still_exports(&self, at: RecordRef, granules: &[SharedGranule]) -> Result<()> {
+        let pid = self.pid;
+        match ExportRecord::entry_at(&self.record, at.slot) {
+            Some((token, _)) if token != at.token || token == 0 => Err(Error::InvalidArgument(format!(
+                "IPC import: process {pid} no longer exports this block (the descriptor is stale: the block was \
+                 freed, or its memory released, after the export)"
+            ))),
+            Some((_, digest)) if digest != granules_digest(granules) => Err(Error::InvalidArgument(format!(
+                "IPC import: the descriptor's granules are not the ones process {pid} exported under its token \
+                 (a forged or altered descriptor)"
+            ))),
+            Some(_) => Ok(()),
+            None => Err(Error::InvalidArgument(format!("IPC import: the export record of process {pid} cannot be read"))),
         }
-        Ok(())
+    }
+
+    /// This process's copy of the exporter's descriptor `theirs` (granule `i`).
+    fn fetch(&self, i: usize, theirs: i32) -> Result<Fd> {
+        // SAFETY: as in `open`; the result is a new descriptor this process owns.
+        let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.pidfd.raw(), theirs, 0) };
+        if mine < 0 {
+            return Err(fetch_error(self.pid, &format!("pidfd_getfd of descriptor {theirs} (granule {i})")));
+        }
+        Ok(Fd(mine as i32))
+    }
+}
+
+/// Where an importer's copies of the exporter's descriptors come from.
+pub enum FdSource<'a> {
+    /// The caller's own, one per granule in the descriptor's order (`Descriptor::per_granule`
+    /// makes them so); they stay the caller's.
+    Given(std::borrow::Cow<'a, [i32]>),
+    /// Copied out of the exporter (`pidfd_getfd`) one at a time, each closed once its
+    /// granule is mapped: the mapping keeps the memory. `at`: this export's slot and token
+    /// in the exporter's record, and `granules` the list it recorded.
+    Fetch { exporter: std::sync::Arc<Exporter>, at: RecordRef, granules: &'a [SharedGranule] },
+}
+
+impl<'a> FdSource<'a> {
+    /// The caller's descriptors, one per granule, where they were given.
+    pub fn given(&self) -> Option<&[i32]> {
+        match self {
+            FdSource::Given(fds) => Some(fds),
+            FdSource::Fetch { .. } => None,
+        }
+    }
+
+    /// Open the exporter of `d` to fetch its descriptors from: a process holding its pid
+    /// that started at another time is not the exporter, and an export the exporter no
+    /// longer records (its block freed) is not fetched from. Both refused.
+    pub fn fetch_from(d: &'a Descriptor) -> Result<FdSource<'a>> {
+        Self::fetch_via(std::sync::Arc::new(Exporter::open(d)?), d)
+    }
+
+    /// As `fetch_from`, through an exporter already open.
+    pub fn fetch_via(exporter: std::sync::Arc<Exporter>, d: &'a Descriptor) -> Result<FdSource<'a>> {
+        exporter.still_exports(d.record, &d.granules)?;
+        Ok(FdSource::Fetch { exporter, at: d.record, granules: &d.granules })
     }
 
     /// This process's descriptor for granule `i`, shared as `theirs`, and the guard that
@@ -357,17 +433,12 @@ impl FdSource<'_> {
             FdSource::Given(fds) => fds.get(i).map(|&fd| (fd, None)).ok_or_else(|| {
                 Error::InvalidArgument(format!("IPC import: {} descriptors passed, granule {i} has none", fds.len()))
             })?,
-            FdSource::Fetch { pid, pidfd, .. } => {
-                // SAFETY: as above; the result is a new descriptor this process owns.
-                let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), theirs.fd, 0) };
-                if mine < 0 {
-                    return Err(fetch_error(*pid, &format!("pidfd_getfd of descriptor {} (granule {i})", theirs.fd)));
-                }
-                let fetched = Fd(mine as i32);
+            FdSource::Fetch { exporter, at, granules } => {
+                let fetched = exporter.fetch(i, theirs.fd)?;
                 // Still recorded after the fetch: the descriptor was the export's then (the
                 // exporter clears the record before it closes an exported descriptor).
-                self.still_exported()?;
-                (mine as i32, Some(fetched))
+                exporter.still_exports(*at, granules)?;
+                (fetched.raw(), Some(fetched))
             }
         };
         let got = FileId::of(fd)?;

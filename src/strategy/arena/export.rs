@@ -15,9 +15,10 @@ pub(super) struct Exports {
     guarded: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
     /// Bytes those guards hold (free memory set aside: counted as cached).
     pub(super) guard_bytes: usize,
-    /// Exported blocks -> where their exports are recorded: a block freed ends them
-    /// (`put`), so a descriptor of it cannot map memory that serves another block.
-    records: rustc_hash::FxHashMap<usize, Vec<RecordRef>>,
+    /// Exported blocks -> where their exports are recorded, with the digest of the granule
+    /// list each shares (`granules_digest`): a block freed ends them (`put`), so a
+    /// descriptor of it cannot map memory that serves another block.
+    records: rustc_hash::FxHashMap<usize, Vec<(RecordRef, u64)>>,
 }
 
 impl Exports {
@@ -108,15 +109,26 @@ impl ArenaStrategy {
         Ok(())
     }
 
-    /// Block `addr` was exported as `at`: the export ends when the block is freed.
-    pub fn note_export(&mut self, addr: usize, at: RecordRef) {
-        self.exports.records.entry(addr).or_default().push(at);
+    /// Block `addr` was exported as `at`, sharing granules of digest `digest`: the export
+    /// ends when the block is freed.
+    pub fn note_export(&mut self, addr: usize, at: RecordRef, digest: u64) {
+        self.exports.records.entry(addr).or_default().push((at, digest));
+    }
+
+    /// The export of live block `addr` that shares granules of digest `digest`, if one is
+    /// still recorded: a block sent again (weights pushed every step) reuses its export, so
+    /// its descriptor is the same bytes and sends never run the record out of slots.
+    pub fn export_of(&mut self, addr: usize, digest: u64) -> Option<RecordRef> {
+        let recs = self.exports.records.get_mut(&addr)?;
+        // Exports whose granules were released meanwhile are over: forget them here too.
+        recs.retain(|(at, _)| ExportRecord::is_live(*at));
+        recs.iter().find(|(_, d)| *d == digest).map(|(at, _)| *at)
     }
 
     /// The guards of exported block `addr` go back as free memory (it was freed), and its
     /// exports end.
     pub(super) fn unguard(&mut self, addr: usize) {
-        for at in self.exports.records.remove(&addr).unwrap_or_default() {
+        for (at, _) in self.exports.records.remove(&addr).unwrap_or_default() {
             ExportRecord::end(at);
         }
         for (si, slot) in self.exports.guarded.remove(&addr).unwrap_or_default() {

@@ -55,7 +55,7 @@ fn a_descriptor_round_trips_and_damage_is_refused() {
 /// A descriptor of this process sharing `g`, recorded as a live export.
 fn exported(g: SharedGranule) -> Descriptor {
     let pid = std::process::id();
-    let record = ExportRecord::add(&[(g.fd, g.offset)]).unwrap();
+    let record = ExportRecord::add(&[g]).unwrap();
     Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, granules: vec![g] }
 }
 

@@ -1,0 +1,227 @@
+//! Note [Keeping imports mapped]
+//!
+//! Rationale. A process that receives blocks from another (a rollout worker fed weights
+//! every step, a consumer of a data loader's batches) gets the same exporter memory again
+//! and again: a re-send of the same storages, or new tensors the exporter's pool placed in
+//! the allocations it used last time. Mapping another process's memory costs driver calls
+//! per allocation (import the shareable handle, map it, grant access, and on the way out a
+//! device-wide wait, unmap and release), a few hundred microseconds a block; a receiver
+//! that unmaps everything when a message's tensors die pays all of it again for the next
+//! message, several times what the sender's framework pays natively.
+//!
+//! Approach. Closing an import does not unmap it: the mapped range (a run: the whole
+//! allocations under one block, side by side) stays, idle, and a later descriptor whose
+//! granules lie inside a kept run, with the same file descriptors and identities, is served
+//! from it with no driver call. Two facts make that safe:
+//! - the descriptor's export is live: its token and granule digest are still in the
+//!   exporter's record (`ExportRecord`), read with one `pread`;
+//! - the memory behind the run is still what the descriptor names: the exporter counts
+//!   every release of an exported granule in its record, and a run is used only while that
+//!   count is the one read before it was mapped. An exporter's descriptor numbers name the
+//!   same allocations until one is released (the exporter closes a granule's descriptor
+//!   only after counting its release), so an unchanged count means unchanged memory.
+//!
+//! Implementation. The cache sits between the pool's import entry (`ipc.rs`) and the
+//! upstream's `vmm_import` / `vmm_unimport`, for descriptors whose file descriptors are
+//! fetched from the exporter (`pidfd_getfd`), where its record can be read; descriptors
+//! passed in by the caller are mapped and unmapped as before. It keeps the exporters it
+//! opened (pidfd and record: one `pidfd_open` per exporter, not per block), the runs by
+//! exporter and first granule, and the addresses handed out with their open counts (the
+//! same block opened twice gets the same address, closed twice). Idle runs go when their
+//! exporter's release count moves or it exits (checked at every import and close), when
+//! more than `MAX_IDLE_RUNS` are kept (least recently used first), on `reclaim`
+//! (`gpupool_empty_cache`), and before the pool is reconfigured. Dropping one is the
+//! upstream's unimport, which waits for the device first (`CudaVmm::unimport`): that wait
+//! is paid when a run goes, not on every close.
+//!
+//! Limitations. A kept run holds the exporter's physical memory while the exporter keeps it
+//! too; once the exporter releases any exported granule, every idle run of that exporter
+//! is dropped at the next import or close here (not only the runs over the released
+//! granule: the count says that something changed, not what). Until this process imports or
+//! closes again, or empties its cache, memory the exporter released stays alive. A run is
+//! reused only for descriptors that lie inside it; blocks across allocations kept in
+//! different runs are mapped again.
+
+use crate::upstream::shared::{Descriptor, Exporter, SharedGranule};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Idle runs kept at most; past it the least recently used go.
+pub const MAX_IDLE_RUNS: usize = 4096;
+
+/// An exporter as the cache names it: pid and start time.
+type ExporterKey = (u32, u64);
+
+/// One mapped range of another process's allocations.
+struct Run {
+    exporter: ExporterKey,
+    /// The exporter's address of the first granule, and the granules in order.
+    origin: u64,
+    granule: u64,
+    granules: Vec<SharedGranule>,
+    /// Where granule 0 is here.
+    base: usize,
+    /// The exporter's release count read before the run was mapped.
+    releases: u64,
+    /// Open blocks over it.
+    users: usize,
+    /// When it was last opened (the cache's clock).
+    last_use: u64,
+}
+
+/// The runs and exporters a pool keeps (module docs).
+#[derive(Default)]
+pub struct ImportCache {
+    exporters: FxHashMap<ExporterKey, Arc<Exporter>>,
+    /// Run key (the address the upstream's import returned: what unmaps it) -> run.
+    runs: FxHashMap<usize, Run>,
+    /// (exporter, origin) -> run keys starting there, for lookups.
+    by_origin: BTreeMap<(ExporterKey, u64), Vec<usize>>,
+    /// Address handed out -> (run key, opens).
+    open: FxHashMap<usize, (usize, usize)>,
+    clock: u64,
+    /// Opens served by a kept run, with no driver call.
+    reuses: u64,
+}
+
+impl ImportCache {
+    /// The open exporter of `d`, opened now if it is not kept (`Exporter::open`).
+    pub fn exporter(&mut self, d: &Descriptor) -> crate::error::Result<Arc<Exporter>> {
+        let key = (d.pid, d.start_time);
+        if let Some(e) = self.exporters.get(&key) {
+            if e.is_of(d) && !e.exited() {
+                return Ok(e.clone());
+            }
+        }
+        let e = Arc::new(Exporter::open(d)?);
+        self.exporters.insert(key, e.clone());
+        Ok(e)
+    }
+
+    /// A kept run that maps `d` as mapped when the exporter's release count was `releases`
+    /// (the count now): its address for `d`, opened once more.
+    pub fn open_kept(&mut self, d: &Descriptor, releases: u64) -> Option<usize> {
+        let ex = (d.pid, d.start_time);
+        let n = d.granules.len() as u64;
+        let found = self
+            .by_origin
+            .range((ex, 0)..=(ex, d.origin))
+            .rev()
+            .take(8)
+            .flat_map(|(_, keys)| keys.iter().copied())
+            .find(|k| {
+                let r = &self.runs[k];
+                let skip = (d.origin - r.origin) / r.granule;
+                r.releases == releases
+                    && r.granule == d.granule
+                    && (d.origin - r.origin) % r.granule == 0
+                    && skip + n <= r.granules.len() as u64
+                    && r.granules[skip as usize..(skip + n) as usize] == d.granules[..]
+            })?;
+        self.clock += 1;
+        self.reuses += 1;
+        let r = &self.runs[&found];
+        let ptr = r.base + (d.origin - r.origin) as usize + d.offset as usize;
+        // Two runs can map the same memory; an address opened through one stays with it.
+        let e = self.open.entry(ptr).or_insert((found, 0));
+        e.1 += 1;
+        let r = self.runs.get_mut(&e.0).expect("open runs are kept");
+        r.users += 1;
+        r.last_use = self.clock;
+        Some(ptr)
+    }
+
+    /// The upstream mapped `d` at `ptr` (the block's address; its run starts at the
+    /// descriptor's first granule), with the exporter's release count `releases` read
+    /// before: kept as an open run.
+    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>) {
+        self.clock += 1;
+        let ex = (d.pid, d.start_time);
+        // Dropping the exporter's last stale run just before may have forgotten it.
+        self.exporters.entry(ex).or_insert(exporter);
+        let run = Run {
+            exporter: ex,
+            origin: d.origin,
+            granule: d.granule,
+            granules: d.granules.clone(),
+            base: ptr - d.offset as usize,
+            releases,
+            users: 1,
+            last_use: self.clock,
+        };
+        self.by_origin.entry((ex, d.origin)).or_default().push(ptr);
+        self.runs.insert(ptr, run);
+        let e = self.open.entry(ptr).or_insert((ptr, 0));
+        e.1 += 1;
+    }
+
+    /// Close one open of `ptr`: `None` where the cache did not hand it out, else whether
+    /// its run is idle now.
+    pub fn close(&mut self, ptr: usize) -> Option<bool> {
+        let (key, opens) = self.open.get_mut(&ptr)?;
+        let key = *key;
+        *opens -= 1;
+        if *opens == 0 {
+            self.open.remove(&ptr);
+        }
+        let r = self.runs.get_mut(&key).expect("open runs are kept");
+        r.users -= 1;
+        Some(r.users == 0)
+    }
+
+    /// The idle runs to drop now (their run keys, for the upstream's unimport): those whose
+    /// exporter exited or released a granule since they were mapped, those past
+    /// `MAX_IDLE_RUNS` (least recently used), or all of them (`everything`).
+    pub fn stale(&mut self, everything: bool) -> Vec<usize> {
+        let mut now: FxHashMap<ExporterKey, Option<u64>> = FxHashMap::default();
+        for (&key, e) in &self.exporters {
+            now.insert(key, if e.exited() { None } else { e.releases() });
+        }
+        let mut idle: Vec<(u64, usize, bool)> = self
+            .runs
+            .iter()
+            .filter(|(_, r)| r.users == 0)
+            .map(|(&k, r)| (r.last_use, k, everything || now.get(&r.exporter).copied().flatten() != Some(r.releases)))
+            .collect();
+        idle.sort_unstable();
+        let over = idle.iter().filter(|(_, _, stale)| !stale).count().saturating_sub(MAX_IDLE_RUNS);
+        let mut out: Vec<usize> = idle.iter().filter(|(_, _, stale)| *stale).map(|&(_, k, _)| k).collect();
+        out.extend(idle.iter().filter(|(_, _, stale)| !stale).take(over).map(|&(_, k, _)| k));
+        out
+    }
+
+    /// The upstream unmapped run `key`: forgotten, and its exporter too once it has none.
+    pub fn dropped(&mut self, key: usize) {
+        let Some(r) = self.runs.remove(&key) else { return };
+        if let Some(keys) = self.by_origin.get_mut(&(r.exporter, r.origin)) {
+            keys.retain(|&k| k != key);
+            if keys.is_empty() {
+                self.by_origin.remove(&(r.exporter, r.origin));
+            }
+        }
+        if !self.runs.values().any(|o| o.exporter == r.exporter) {
+            self.exporters.remove(&r.exporter);
+        }
+    }
+
+    /// Runs mapped (open or idle).
+    pub fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Runs kept idle.
+    pub fn idle(&self) -> usize {
+        self.runs.values().filter(|r| r.users == 0).count()
+    }
+
+    /// Opens served by a kept run.
+    pub fn reuses(&self) -> u64 {
+        self.reuses
+    }
+
+    /// Blocks open through the cache (an address opened twice counts twice).
+    pub fn opens(&self) -> usize {
+        self.open.values().map(|&(_, n)| n).sum()
+    }
+}
