@@ -74,7 +74,7 @@ static THEIRS: Mutex<Option<HashMap<(u64, u64), Mapping>>> = Mutex::new(None);
 
 fn create() -> Result<Own> {
     // SAFETY: plain system calls on a descriptor this function owns.
-    let fd = unsafe { libc::memfd_create(c"gpupool-holds".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"gpupool-holds".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(Error::InvalidArgument(format!("holds file: memfd_create failed: {}", std::io::Error::last_os_error())));
     }
@@ -82,6 +82,14 @@ fn create() -> Result<Own> {
         let e = std::io::Error::last_os_error();
         unsafe { libc::close(fd) };
         return Err(Error::InvalidArgument(format!("holds file: ftruncate failed: {e}")));
+    }
+    // Importers write their slots, but none may resize the file: a truncated file would
+    // kill this process with SIGBUS at its next hold.
+    // SAFETY: fcntl on our own descriptor.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL) } != 0 {
+        let e = std::io::Error::last_os_error();
+        unsafe { libc::close(fd) };
+        return Err(Error::InvalidArgument(format!("holds file: sealing its size failed: {e}")));
     }
     let map = Mapping::of(fd, FILE_BYTES).inspect_err(|_| unsafe {
         libc::close(fd);
@@ -269,5 +277,20 @@ mod tests {
         release(id, b).unwrap();
         release(id, c).unwrap();
         assert!(!held(b).unwrap() && !held(c).unwrap());
+    }
+
+    #[test]
+    fn an_importer_cannot_resize_the_holds_file() {
+        let (fd, slot) = hold().unwrap();
+        // An importer's copy of the descriptor (here: a duplicate) names the same file.
+        let theirs = unsafe { libc::dup(fd) };
+        assert!(unsafe { libc::ftruncate(theirs, 0) } != 0, "the holds file was truncated");
+        assert!(unsafe { libc::ftruncate(theirs, 2 * FILE_BYTES as libc::off_t) } != 0, "the holds file was grown");
+        let id = map_theirs(theirs).unwrap();
+        unsafe { libc::close(theirs) };
+        // Slots still work both ways.
+        assert!(held(slot).unwrap());
+        release(id, slot).unwrap();
+        assert!(!held(slot).unwrap());
     }
 }

@@ -225,3 +225,48 @@ fn a_panic_inside_a_pool_stops_it_and_it_says_why() {
     assert_eq!(unsafe { gpupool_malloc(&mut q, MIB, 10, null_mut()) }, gpupool::Status::Ok);
     assert_eq!(unsafe { gpupool_free(q, 10, null_mut()) }, gpupool::Status::Ok);
 }
+
+/// The close of an import with a hold fails (its wait for this process's work, or an
+/// unmap): the hold stays held, so the exporter does not reuse memory that work may still
+/// write; the tensor's deleter says so and loses nothing else.
+#[test]
+fn a_failed_close_keeps_its_exporters_hold() {
+    use gpupool::ffi::ipc::{gpupool_ipc_descriptor_fds, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
+    use gpupool::ffi::share::{gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_hold};
+    use gpupool::Status;
+    use std::ffi::c_void;
+    use std::ptr::null_mut;
+    let d = 40;
+    let s = faulty_arena_device(d);
+    let mut block = null_mut();
+    assert_eq!(unsafe { gpupool::ffi::core::gpupool_malloc(&mut block, 3 * MIB, d, null_mut()) }, Status::Ok);
+    let mut desc = vec![0u8; 4096];
+    let mut len = 0;
+    assert_eq!(unsafe { gpupool_ipc_export_flags(block, GPUPOOL_IPC_SHARE_GRANULES, desc.as_mut_ptr().cast(), desc.len(), &mut len) }, Status::Ok);
+    desc.truncate(len);
+    let mut fds = vec![0i32; 64];
+    let mut n = 0;
+    assert_eq!(unsafe { gpupool_ipc_descriptor_fds(desc.as_ptr().cast(), desc.len(), fds.as_mut_ptr(), fds.len(), &mut n) }, Status::Ok);
+    let (mut holds_fd, mut slot) = (0, 0);
+    assert_eq!(unsafe { gpupool_share_hold(&mut holds_fd, &mut slot) }, Status::Ok);
+    let mut t: *mut c_void = null_mut();
+    let st = unsafe { gpupool_ipc_open_dlpack(desc.as_ptr().cast(), desc.len(), d, fds.as_ptr(), n, holds_fd, slot, &mut t) };
+    assert_eq!(st, Status::Ok);
+    let held = |slot| {
+        let mut h = -1;
+        assert_eq!(unsafe { gpupool_share_held(slot, &mut h) }, Status::Ok);
+        h == 1
+    };
+    fail_only(&s, &["close"], 1, None);
+    // DLPack's deleter: the second pointer-sized word after the tensor's fields.
+    #[repr(C)]
+    struct Head {
+        fields: [u8; 48],
+        ctx: *mut c_void,
+        deleter: Option<unsafe extern "C" fn(*mut c_void)>,
+    }
+    let head = t.cast::<Head>();
+    unsafe { ((*head).deleter.unwrap())(t) };
+    assert!(held(slot), "a failed close released its exporter's hold");
+    fail_only(&s, &[], 0, None);
+}

@@ -158,13 +158,14 @@ fn blocks_of_one_granule_share_its_mapping_until_the_last_goes() {
         std::ptr::copy_nonoverlapping(b"BBBB".as_ptr(), b.cast::<u8>(), 4);
     }
     let (da, db, dbig) = (export(a, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(b, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(big, 0).unwrap());
-    let (ta, tb) = (open(&da, d), open(&db, d));
+    // Held, as the framework routes open them: a's hold keeps the granule a and b share.
+    let (ta, tb) = (open_held(&da, d, &fds(&da)).unwrap().0, open_held(&db, d, &fds(&db)).unwrap().0);
     assert_eq!(imports(d), 1, "the second block of the granule maps nothing");
     let (pa, pb) = unsafe { ((*ta).data as usize, (*tb).data as usize) };
     assert_eq!(pb - pa, b as usize - a as usize, "laid out as in the exporter");
     assert_eq!(unsafe { std::slice::from_raw_parts(pb as *const u8, 4) }, b"BBBB");
     // A block of several granules is an import of its own.
-    let tbig = open(&dbig, d);
+    let tbig = open_held(&dbig, d, &fds(&dbig)).unwrap().0;
     assert_eq!(imports(d), 2);
     unsafe { ((*tbig).deleter.unwrap())(tbig) };
     assert_eq!(imports(d), 1);
@@ -175,7 +176,7 @@ fn blocks_of_one_granule_share_its_mapping_until_the_last_goes() {
     unsafe { ((*tb).deleter.unwrap())(tb) };
     assert_eq!(imports(d), 0, "closed with the last");
     // Opened again later: a fresh import.
-    let again = open(&da, d);
+    let again = open_held(&da, d, &fds(&da)).unwrap().0;
     assert_eq!((imports(d), unsafe { std::slice::from_raw_parts((*again).data as *const u8, 4) }), (1, &b"AAAA"[..]));
     unsafe { ((*again).deleter.unwrap())(again) };
     for p in [a, b, big] {
@@ -263,14 +264,15 @@ fn without_holds_a_block_shares_only_a_span_of_exactly_its_own_allocations() {
     let (x, y) = chunk_layout(d);
     let (dx, dy) = (export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), export(y, GPUPOOL_IPC_SHARE_GRANULES).unwrap());
     // Nothing keeps x in the exporter once its tensor goes, so y must not keep x's first
-    // chunk mapped here: y is an import of its own.
+    // chunk mapped here: y is an import of its own; and nothing says a span's allocations
+    // are still the ones a later descriptor names, so y again is one more.
     let tx = open(&dx, d);
     let ty = open(&dy, d);
     assert_eq!(imports(d), 2);
     let ty2 = open(&dy, d);
-    assert_eq!(imports(d), 2, "y again: the same allocations, the same span");
+    assert_eq!(imports(d), 3, "y again: an import of its own");
     drop_tensor(tx);
-    assert_eq!(imports(d), 1, "x's span closed with x's tensor");
+    assert_eq!(imports(d), 2, "x's import closed with x's tensor");
     drop_tensor(ty);
     drop_tensor(ty2);
     assert_eq!(imports(d), 0);
@@ -406,4 +408,27 @@ fn sends_opened_ahead_are_the_imports_an_open_would_make_and_what_none_takes_is_
     for p in [a, b, big] {
         assert_eq!(unsafe { gpupool_free(p, d, null_mut()) }, Status::Ok, "{}", last());
     }
+}
+
+#[test]
+fn without_holds_a_new_block_at_a_freed_blocks_place_shows_its_own_memory() {
+    let d = 57;
+    common::host_device_256mib(d, c"arena");
+    let n = 4 << 20;
+    let x = malloc(n, d);
+    unsafe { std::ptr::write_bytes(x.cast::<u8>(), 0x5A, n) };
+    let tx = open(&export(x, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), d);
+    // The exporter lets x go (nothing holds it), gives its memory back and places z there.
+    assert_eq!(unsafe { gpupool_free(x, d, null_mut()) }, Status::Ok, "{}", last());
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool::ffi::core::gpupool_reclaim(d, &mut released) }, Status::Ok, "{}", last());
+    let z = malloc(n, d);
+    assert_eq!(z, x, "the case needs z where x was");
+    unsafe { std::ptr::write_bytes(z.cast::<u8>(), 0xC3, n) };
+    let tz = open(&export(z, GPUPOOL_IPC_SHARE_GRANULES).unwrap(), d);
+    let seen = unsafe { std::slice::from_raw_parts((*tz).data as *const u8, n) };
+    assert!(seen.iter().all(|&b| b == 0xC3), "z's import shows other memory than z's");
+    drop_tensor(tz);
+    drop_tensor(tx);
+    assert_eq!(unsafe { gpupool_free(z, d, null_mut()) }, Status::Ok, "{}", last());
 }

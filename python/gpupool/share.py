@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import namedtuple
 
-from . import GpupoolError, _check, ipc_descriptor_fds, lib
+from . import GpupoolError, _check, _last_error, ipc_descriptor_fds, lib
 
 SHARE_GRANULES = 1
 
@@ -200,8 +200,15 @@ class _Bundle:
             resource_sharer._resource_sharer._cache.pop(self.ident[1], None)
         self._close()
         for fd, slot in self.holds:
-            lib().gpupool_share_release(fd, slot)
+            # Released, found released (which gives the slot back to the library) and
+            # forgotten in one step under the lock: an export on another thread cannot take
+            # the slot in between and have its storage forgotten in its place.
             with _lock:
+                lib().gpupool_share_release(fd, slot)
+                try:
+                    _held(slot)
+                except GpupoolError:
+                    pass  # already given back
                 _sent.pop(slot, None)
         self.holds = []
 
@@ -415,17 +422,22 @@ def export(ptr, size, device, keep):
     desc = _export_bytes(ptr)
     L = lib()
     hfd, slot = ctypes.c_int(), ctypes.c_uint32()
-    _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
+    # The slot is taken and its storage kept in one step under the lock, as `collect` finds
+    # slots released and forgets their storages in one: neither sees the other half-done.
+    with _lock:
+        _check(L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)))
+        _sent[slot.value] = keep
     try:
         uniq = list(dict.fromkeys(ipc_descriptor_fds(desc)))  # first-named order, repeats left out
         fds = Fds([hfd.value] + uniq, hold=(hfd.value, slot.value))
         sent = Sent(PRODUCER, ptr, size, device, desc, slot.value, fds, os.getpid())
     except BaseException:
-        L.gpupool_share_release(hfd.value, slot.value)  # nobody will: let the slot go
-        _held(slot.value)
+        with _lock:  # nobody will release it: let the slot go
+            L.gpupool_share_release(hfd.value, slot.value)
+            _held(slot.value)
+            _sent.pop(slot.value, None)
         raise
     with _lock:
-        _sent[slot.value] = keep
         due = len(_sent) >= _next_collect
     if due:
         collect()
@@ -463,11 +475,12 @@ def _held(slot):
 def collect():
     """Drop what was kept for sends whose importers let go (their blocks can be freed and
     reused). Returns how many sends are still held."""
+    # Found released and forgotten in one step under the lock: the library gives a slot
+    # found released back at once, and an export on another thread (multiprocessing pickles
+    # on its queue's feeder thread) must not take it and have its storage forgotten here.
     with _lock:
-        slots = list(_sent)
-    released = [s for s in slots if not _held(s)]
-    with _lock:
-        kept = [_sent.pop(s, None) for s in released]
+        released = [s for s in list(_sent) if not _held(s)]
+        kept = [_sent.pop(s) for s in released]
         left = len(_sent)
     del kept  # the framework's storages go here, outside the lock
     return left
@@ -536,8 +549,14 @@ class Received:
             gran = uniq if order is None else [uniq[j] for j in order]
             arr = (ctypes.c_int * len(gran))(*gran)
             out = ctypes.c_void_p()
-            _check(lib().gpupool_ipc_open_dlpack(self.sent.desc, len(self.sent.desc), device, arr, len(gran),
-                                                 self.fds[0], self.sent.slot, ctypes.byref(out)))
+            st = lib().gpupool_ipc_open_dlpack(self.sent.desc, len(self.sent.desc), device, arr, len(gran),
+                                               self.fds[0], self.sent.slot, ctypes.byref(out))
+            if st != 0:
+                # Nothing was mapped, so nothing here will ever release this send's hold:
+                # release it now, or the sender keeps the block until it exits.
+                err = GpupoolError(st, _last_error())
+                lib().gpupool_share_release(self.fds[0], self.sent.slot)
+                raise err
             return out.value
         finally:
             self.close()

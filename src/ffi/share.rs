@@ -154,16 +154,17 @@ struct SharedSpan {
 /// hold, which stays with its send: no tensor here used it, and `covering` maps nothing
 /// new through an allocation no held tensor lies in.) What a span keeps this way lies in its allocations, so it is
 /// bounded by what the span maps. Without holds (the raw C route) nothing keeps the exporter's
-/// blocks: there a block shares only a span of exactly its own allocations, whose mapping
-/// goes with the last tensor over them. And a block is mapped through
-/// a span only where a tensor held here lies in each of the allocations it needs (`held`).
+/// blocks, so nothing says that a span's allocations are still the ones a descriptor names
+/// (the exporter may have freed the block the span was made for, released its memory and
+/// placed another block at the same addresses): there every block is an import of its own.
+/// And a block is mapped through a span only where a tensor held here lies in each of the
+/// allocations it needs (`held`).
 static SHARED: std::sync::Mutex<Option<std::collections::BTreeMap<SpanKey, SharedSpan>>> = std::sync::Mutex::new(None);
 
 /// The mapped span of `map` from the same exporter and device that holds `[origin,
 /// origin + count granules)` with a held tensor in each of those granules' allocations, if
 /// any, and where in it those granules start. `hold`: whether the block comes with a hold
-/// (without one, or where a tensor of the span came without one, only a span of exactly
-/// those granules).
+/// (without one none serves, nor a span a tensor without one was opened through).
 fn covering(map: &std::collections::BTreeMap<SpanKey, SharedSpan>, key: SpanKey, granule: u64, hold: bool) -> Option<(SpanKey, usize)> {
     let (pid, start, device, origin, count, _) = key;
     let end = origin.checked_add((count as u64).checked_mul(granule)?)?;
@@ -171,7 +172,7 @@ fn covering(map: &std::collections::BTreeMap<SpanKey, SharedSpan>, key: SpanKey,
         let (o, n) = (k.3, k.4);
         let first = ((origin - o.min(origin)) / granule) as usize;
         let inside = span.granule == granule && o <= origin && o + n as u64 * granule >= end && (origin - o) % granule == 0;
-        let allowed = (hold && span.all_held) || (o == origin && n == count);
+        let allowed = hold && span.all_held;
         (inside && allowed && span.held[first..first + count].iter().all(|&h| h > 0)).then_some((*k, first))
     })
 }
@@ -323,12 +324,18 @@ pub(super) unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
         None => crate::error::Status::Ok,
     };
     if closed != crate::error::Status::Ok {
+        // The work this process queued on the block may still be running (the wait before
+        // the unmap is what failed): releasing the holds would let the exporter reuse memory
+        // those kernels write. The holds stay, and with them the exporter's blocks.
         crate::error::warn(&format!(
-            "gpupool: warning: closing the import at {:#x} on device {} when its last tensor went failed: {}",
+            "gpupool: warning: closing the import at {:#x} on device {} when its last tensor went failed: {}; its \
+             exporter's {} hold(s) stay held, so that process does not reuse memory this one may still write",
             t.ptr,
             t.device,
-            super::boundary::last_error()
+            super::boundary::last_error(),
+            holds.len()
         ));
+        return;
     }
     for (id, slot) in holds {
         let _ = call(|| holds::release(id, slot));

@@ -305,6 +305,15 @@ pub fn faulty_arena() -> (Pool, Arc<Mutex<Schedule>>) {
     (Pool::new(0, Box::new(up), &opts).unwrap(), s)
 }
 
+/// Device `device` of the registry as an arena over the faulty upstream (for the C API),
+/// no call failing until the schedule says so.
+pub fn faulty_arena_device(device: i32) -> Arc<Mutex<Schedule>> {
+    let s = Arc::new(Mutex::new(Schedule::default()));
+    let up = FaultyUpstream { host: HostUpstream::new(256 * MIB), s: s.clone(), next_event: 0 };
+    gpupool::registry::install(device, PoolKind::Arena, Box::new(up)).unwrap();
+    s
+}
+
 /// From now on the `every`-th call of the kinds `only` fails (at step `at` where set);
 /// empty: nothing fails.
 pub fn fail_only(s: &Mutex<Schedule>, only: &'static [&'static str], every: u64, at: Option<usize>) {

@@ -1000,3 +1000,111 @@ def test_a_cuda_ipc_handle_is_refused_saying_why_where_it_cannot_be_opened_on_ho
         print("ok")
     """))
     assert "ok" in out
+
+
+def test_exports_racing_a_collect_never_drop_a_block_a_consumer_holds_on_host(library):
+    # 8 threads export (as multiprocessing's feeder threads pickle) while another thread
+    # collects: a slot the library gives back as released must not be taken by an export
+    # and then have that export's storage forgotten. A stand-in consumer releases each
+    # send's hold; a storage dropped before its send was released is the bug. 30,000 sends
+    # here (SHARE_RACE_SENDS sets another count; the fault showed within 20,000).
+    out = ok(run_py("""
+        import ctypes, os, queue, threading, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        SENDS, THREADS = int(os.environ.get("SHARE_RACE_SENDS", 30_000)), 8
+        released = bytearray(SENDS)
+        bad, errors = [], []
+
+        class Keep:
+            __slots__ = ("i",)
+            def __init__(self, i):
+                self.i = i
+            def __del__(self):
+                if not released[self.i]:
+                    bad.append(self.i)
+
+        blocks = []
+        for _ in range(THREADS):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+            blocks.append(p.value)
+        # This process's holds file (one per process): what a consumer's copy would name.
+        hfd, slot = ctypes.c_int(), ctypes.c_uint32()
+        assert L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)) == 0
+        assert L.gpupool_share_release(hfd, slot) == 0 and not gpupool.share._held(slot.value)
+        q = queue.Queue()
+        done = threading.Event()
+
+        def sender(k):
+            try:
+                for i in range(k, SENDS, THREADS):
+                    s = gpupool.share.export(blocks[k], 3 << 20, 0, Keep(i))
+                    if isinstance(s.fds.ident, bytes):   # never sent: its handover goes, its hold stays
+                        L.gpupool_handover_withdraw(s.fds.ident, len(s.fds.ident))
+                    q.put((i, s.slot))
+            except BaseException as e:
+                errors.append(repr(e))
+
+        def consumer():
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                i, slot = item
+                released[i] = 1      # let go: from here the sender may drop its storage
+                assert L.gpupool_share_release(hfd, slot) == 0
+
+        def collector():
+            try:
+                while not done.is_set():
+                    gpupool.share.collect()
+            except BaseException as e:
+                errors.append(repr(e))
+
+        c, g = threading.Thread(target=consumer), threading.Thread(target=collector)
+        c.start(); g.start()
+        ts = [threading.Thread(target=sender, args=(k,)) for k in range(THREADS)]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        q.put(None); c.join()
+        done.set(); g.join()
+        left = gpupool.share.collect()
+        assert not errors, errors[:3]
+        assert not bad, f"{len(bad)} storages dropped while their consumer held them: {bad[:5]}"
+        assert left == 0 and gpupool.share.outstanding() == 0, left
+        print("ok", SENDS)
+    """))
+    assert "ok " in out
+
+
+def test_a_send_that_fails_to_open_releases_its_hold_on_host(library, tmp_path):
+    # The direct open (no import made ahead) fails: nothing was mapped, so the send's hold
+    # is released at once and the sender may free the block.
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        p = ctypes.c_void_p()
+        assert L.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        s = gpupool.share.export(p.value, 3 << 20, 0, object())
+        assert gpupool.share.outstanding() == 1
+        import os
+        # As the consumer receives it: copies of the holds file and of the granules'
+        # descriptors; here /dev/null stands where the granule's should be.
+        r = gpupool.share.Received.__new__(gpupool.share.Received)
+        r.sent, r.lender = s, None
+        hfd, slot = ctypes.c_int(), ctypes.c_uint32()   # this process's holds file
+        assert L.gpupool_share_hold(ctypes.byref(hfd), ctypes.byref(slot)) == 0
+        assert L.gpupool_share_release(hfd, slot) == 0 and not gpupool.share._held(slot.value)
+        n = len(set(gpupool.ipc_descriptor_fds(s.desc)))
+        r.fds = [os.dup(hfd.value)] + [os.open("/dev/null", os.O_RDONLY) for _ in range(n)]
+        try:
+            r.open_dlpack(0)
+            raise SystemExit("opened")
+        except gpupool.GpupoolError as e:
+            print("refused:", e)
+        assert gpupool.share.collect() == 0, "the failed open kept the send held"
+        print("ok")
+    """))
+    assert "ok" in out
