@@ -10,8 +10,9 @@
 //!   close-on-exec window's lock (`crate::upstream::shared::new_fd_cloexec`), so no child
 //!   starts holding an exported descriptor that is not yet close-on-exec; after it (parent
 //!   and child handlers) the locks are released again;
-//! - in the child every entry point then fails with `Status::Stopped` saying why, and the
-//!   thread caches' fast path hands nothing out;
+//! - in the child every entry point then fails with `Status::Stopped` saying why (those
+//!   of sharing too, whose own locks the handlers do not take: the child never waits for
+//!   them), and the thread caches' fast path hands nothing out;
 //! - the at-exit hooks do not run in the child (`process.rs`): its trace writer thread and
 //!   pools are the parent's.
 //!
@@ -77,6 +78,13 @@ pub fn register(lock_all: LockAll) {
 /// `Err(Stopped)` in a fork child; installs the handlers on first call.
 pub fn check(lock_all: LockAll) -> Result<()> {
     register(lock_all);
+    refuse_in_child()
+}
+
+/// `Err(Stopped)` in a fork child: for the entry points that reach no pool (sharing's
+/// holds, handovers), whose locks another parent thread may have held at the fork and
+/// which the child must not wait for.
+pub fn refuse_in_child() -> Result<()> {
     if in_child() {
         return Err(Error::Stopped(
             "this process is a fork() child of the process that created gpupool's pools; CUDA memory and contexts do not \

@@ -16,7 +16,10 @@
 //! destructor late in the process's life never touches an unmapped page) and stores 0 in
 //! its slot when it lets go. The exporter polls (`held`): a slot read as 0 goes back to the
 //! free list and the exporter drops its reference to the block. A slot the importer never
-//! releases (it crashed) stays held until the exporter ends, as in PyTorch.
+//! releases (it crashed) stays held until the exporter ends, as in PyTorch. An importer
+//! keeps another process's holds file mapped while it holds any of its slots (each
+//! `map_theirs` counts one, each `release` or `forget` takes one off), so a consumer fed by
+//! many short-lived producers does not keep every one's file mapped for good.
 
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -31,6 +34,13 @@ const FILE_BYTES: usize = SLOTS as usize * 4;
 struct Mapping {
     base: *mut AtomicU32,
     len: usize,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `of`, no longer reachable (its owner is gone).
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics; the pointer is valid
@@ -69,8 +79,9 @@ struct Own {
 }
 
 static OWN: Mutex<Option<Own>> = Mutex::new(None);
-/// Holds files of other processes mapped here (by file identity), as an importer.
-static THEIRS: Mutex<Option<HashMap<(u64, u64), Mapping>>> = Mutex::new(None);
+/// Holds files of other processes mapped here (by file identity), as an importer, each with
+/// the count of slots of it this process holds.
+static THEIRS: Mutex<Option<HashMap<(u64, u64), (Mapping, usize)>>> = Mutex::new(None);
 
 fn create() -> Result<Own> {
     // SAFETY: plain system calls on a descriptor this function owns.
@@ -146,8 +157,9 @@ pub fn held_count() -> usize {
     OWN.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |o| o.held)
 }
 
-/// Map the holds file behind `fd` (another process's; the caller keeps `fd`) once per
-/// process, so `release` can find it later without a descriptor. Returns its identity.
+/// Map the holds file behind `fd` (another process's; the caller keeps `fd`), so `release`
+/// can find it later without a descriptor: one slot of it is held here, until `release`
+/// (or `forget`) says otherwise. Returns its identity.
 pub fn map_theirs(fd: i32) -> Result<(u64, u64)> {
     // SAFETY: fstat into a zeroed struct of the type it fills.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -157,24 +169,51 @@ pub fn map_theirs(fd: i32) -> Result<(u64, u64)> {
     let id = (st.st_dev, st.st_ino);
     let mut theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
     let m = theirs.get_or_insert_with(HashMap::new);
-    if let std::collections::hash_map::Entry::Vacant(e) = m.entry(id) {
-        let len = st.st_size as usize;
-        if len < 4 || len % 4 != 0 {
-            return Err(Error::InvalidArgument(format!("holds file: descriptor {fd} is {len} bytes, not a holds file")));
+    match m.entry(id) {
+        std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().1 += 1,
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let len = st.st_size as usize;
+            if len < 4 || len % 4 != 0 {
+                return Err(Error::InvalidArgument(format!("holds file: descriptor {fd} is {len} bytes, not a holds file")));
+            }
+            e.insert((Mapping::of(fd, len)?, 1));
         }
-        e.insert(Mapping::of(fd, len)?);
     }
     Ok(id)
 }
 
 /// Let go of `slot` in the holds file `id` (`map_theirs`): its exporter may free the block.
+/// The file is unmapped with the last slot of it held here.
 pub fn release(id: (u64, u64), slot: u32) -> Result<()> {
-    let theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(m) = theirs.as_ref().and_then(|m| m.get(&id)) else {
+    let mut theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
+    let Some((m, _)) = theirs.as_ref().and_then(|m| m.get(&id)) else {
         return Err(Error::InvalidArgument("holds: release in a holds file this process never mapped".into()));
     };
     m.slot(slot)?.store(0, Ordering::Release);
+    drop_one(&mut theirs, id);
     Ok(())
+}
+
+/// A slot of holds file `id` counted by `map_theirs` will not be released here (its import
+/// failed, or its send's hold went elsewhere): the count goes down, as `release`'s does.
+pub fn forget(id: (u64, u64)) {
+    let mut theirs = THEIRS.lock().unwrap_or_else(|p| p.into_inner());
+    drop_one(&mut theirs, id);
+}
+
+fn drop_one(theirs: &mut Option<HashMap<(u64, u64), (Mapping, usize)>>, id: (u64, u64)) {
+    let Some(m) = theirs.as_mut() else { return };
+    if let Some(e) = m.get_mut(&id) {
+        e.1 -= 1;
+        if e.1 == 0 {
+            m.remove(&id);
+        }
+    }
+}
+
+/// Other processes' holds files mapped here.
+pub fn mapped_theirs() -> usize {
+    THEIRS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |m| m.len())
 }
 
 /// Take one off the 64-bit count at `byte_offset` in the POSIX shared-memory object `name`
@@ -261,10 +300,11 @@ mod tests {
         let (fd, a) = hold().unwrap();
         let (_, b) = hold().unwrap();
         assert_ne!(a, b);
-        // The importer maps the file through its own descriptor (here: a duplicate).
+        // The importer maps the file through its own descriptor (here: a duplicate), once
+        // for each slot it receives.
         let dup = unsafe { libc::dup(fd) };
         let id = map_theirs(dup).unwrap();
-        unsafe { libc::close(dup) };
+        assert_eq!(map_theirs(dup).unwrap(), id);
         assert!(held(a).unwrap() && held(b).unwrap());
         release(id, a).unwrap();
         assert!(!held(a).unwrap(), "released");
@@ -272,11 +312,15 @@ mod tests {
         assert!(held(b).unwrap(), "the other send is still held");
         let (_, c) = hold().unwrap();
         assert_eq!(c, a, "the released slot serves the next send");
+        assert_eq!(map_theirs(dup).unwrap(), id);
+        unsafe { libc::close(dup) };
         assert!(release(id, SLOTS).is_err(), "past the file");
         assert!(release((0, 0), 0).is_err(), "a file never mapped");
         release(id, b).unwrap();
         release(id, c).unwrap();
         assert!(!held(b).unwrap() && !held(c).unwrap());
+        // Every slot received was released: the file is no longer mapped here.
+        assert!(release(id, b).is_err(), "unmapped with its last slot");
     }
 
     #[test]

@@ -54,3 +54,69 @@ fn a_fork_during_an_export_waits_until_its_descriptor_is_close_on_exec() {
     assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "the descriptor is close-on-exec once the export returns");
     unsafe { libc::close(got) };
 }
+
+/// A fork child of a process that raised its open-file limit (an export or handover does)
+/// gets the limit back as it was, for the programs it execs.
+#[test]
+fn a_fork_child_gets_the_open_file_limit_the_process_had_before_gpupool_raised_it() {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+    if l.rlim_max <= 256 {
+        eprintln!("the hard limit is {}: no room to lower the soft one for the test", l.rlim_max);
+        return;
+    }
+    // Start from a soft limit below the hard one, as most shells do.
+    let before = 256;
+    let low = libc::rlimit { rlim_cur: before, rlim_max: l.rlim_max };
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    gpupool::upstream::shared::raise_fd_limit();
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+    assert_eq!(l.rlim_cur, l.rlim_max, "raised in this process");
+    // SAFETY: the child makes async-signal-safe calls only (getrlimit, _exit).
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        let mut c = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut c) } == 0 && c.rlim_cur == before;
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child's soft limit is not the one before");
+}
+
+/// A fork child while other threads share (holds taken and released in a loop): the
+/// sharing calls answer `STOPPED` at once instead of waiting for a lock a parent thread
+/// held at the fork.
+#[test]
+fn a_fork_child_is_refused_by_the_sharing_calls_without_waiting() {
+    use gpupool::ffi::share::{gpupool_share_hold, gpupool_share_release};
+    let st = unsafe { gpupool::ffi::core::gpupool_configure(1, c"arena".as_ptr(), c"host".as_ptr()) };
+    assert_eq!(st, gpupool::Status::Ok);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let (mut fd, mut slot) = (0, 0);
+                assert_eq!(unsafe { gpupool_share_hold(&mut fd, &mut slot) }, gpupool::Status::Ok);
+                assert_eq!(gpupool_share_release(fd, slot), gpupool::Status::Ok);
+            }
+        })
+    };
+    for _ in 0..50 {
+        // SAFETY: the child calls the library (which allocates; glibc's malloc is fork-safe)
+        // and exits; SIGALRM kills it if a call waits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            unsafe { libc::alarm(5) };
+            let (mut fd, mut slot) = (0, 0);
+            let st = unsafe { gpupool_share_hold(&mut fd, &mut slot) };
+            unsafe { libc::_exit(if st == gpupool::Status::Stopped { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    busy.join().unwrap();
+}

@@ -192,3 +192,47 @@ fn the_export_record_cannot_be_resized_or_written_by_those_who_read_it() {
     export(b);
     free(b, d);
 }
+
+/// An export racing the fast-path free of the same block (the freeing thread's cache takes
+/// it without the pool's lock): either the export is refused (the block was freed), or it
+/// is made and ends with the free, so its descriptor no longer opens; never an export that
+/// outlives its block.
+#[test]
+fn an_export_racing_a_fast_path_free_never_outlives_the_block() {
+    let (ex, im) = (7, 8);
+    common::host_device_256mib(ex, c"arena");
+    common::host_device_256mib(im, c"arena");
+    let (to_exporter, blocks) = std::sync::mpsc::channel::<usize>();
+    let (to_freer, exported) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let b2 = barrier.clone();
+    let exporter = std::thread::spawn(move || {
+        for p in blocks {
+            b2.wait();
+            let mut desc = vec![0u8; 4096];
+            let mut len = 0;
+            let st = unsafe { gpupool_ipc_export_flags(p as *mut c_void, GPUPOOL_IPC_SHARE_GRANULES, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+            to_freer.send((st == Status::Ok).then(|| desc[..len].to_vec())).unwrap();
+        }
+    });
+    let (mut made, mut refused) = (0, 0);
+    for _ in 0..5000 {
+        // Small: the thread's cache hands it out and takes it back on free.
+        let p = malloc(4096, ex);
+        to_exporter.send(p as usize).unwrap();
+        barrier.wait();
+        free(p, ex);
+        match exported.recv().unwrap() {
+            Some(desc) => {
+                made += 1;
+                let e = open(&desc, im).expect_err("an export outlived its freed block");
+                assert!(e.contains("no longer exports"), "{e}");
+            }
+            None => refused += 1,
+        }
+    }
+    drop(to_exporter);
+    exporter.join().unwrap();
+    assert!(made > 0, "no export was made before its free ({refused} refused): the race was not run");
+    assert_eq!(figure(ex, "n_live_blocks"), 0);
+}

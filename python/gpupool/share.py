@@ -451,19 +451,13 @@ _fd_limit_raised = False
 
 def _raise_fd_limit():
     """Raise this process's soft limit on open files to its hard limit, once: a block
-    arrives with one descriptor per allocation under it (the library does the same for
-    exporters)."""
+    arrives with one descriptor per allocation under it. Through the library, which also
+    gives fork children (and the programs they exec) the limit from before."""
     global _fd_limit_raised
     if _fd_limit_raised:
         return
     _fd_limit_raised = True
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError):
-        pass
+    lib().gpupool_handover_prepare(0)
 
 
 def _held(slot):

@@ -23,7 +23,10 @@ unsafe fn ticket_arg<'a>(ticket: *const c_void, len: usize) -> Result<&'a [u8], 
 /// that sends). The handover calls do it themselves otherwise.
 #[no_mangle]
 pub extern "C" fn gpupool_handover_prepare(serve: c_int) -> Status {
-    call(|| handover::prepare(serve != 0))
+    call(|| {
+        crate::fork::refuse_in_child()?;
+        handover::prepare(serve != 0)
+    })
 }
 
 /// Start a handover of this process for one taker: its ticket (opaque bytes to send inside
@@ -37,6 +40,7 @@ pub extern "C" fn gpupool_handover_prepare(serve: c_int) -> Status {
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_handover_new(ticket: *mut c_void, cap: usize, out_len: *mut usize) -> Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_len.is_null() {
             return Err(Error::NullArgument("out_len"));
         }
@@ -67,6 +71,7 @@ pub unsafe extern "C" fn gpupool_handover_new(ticket: *mut c_void, cap: usize, o
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_handover_add(ticket: *const c_void, len: usize, fds: *const c_int, n: usize, sends: u32) -> Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         let t = ticket_arg(ticket, len)?;
         if fds.is_null() && n > 0 {
             return Err(Error::NullArgument("fds"));
@@ -83,7 +88,10 @@ pub unsafe extern "C" fn gpupool_handover_add(ticket: *const c_void, len: usize,
 /// `ticket` must point to `len` readable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_handover_withdraw(ticket: *const c_void, len: usize) -> Status {
-    call(|| handover::withdraw(ticket_arg(ticket, len)?).map(drop))
+    call(|| {
+        crate::fork::refuse_in_child()?;
+        handover::withdraw(ticket_arg(ticket, len)?).map(drop)
+    })
 }
 
 /// Take handover `ticket` from the process that offered it: `*out_fds` receives an array
@@ -102,6 +110,7 @@ pub unsafe extern "C" fn gpupool_handover_take(
     out_sends: *mut u32,
 ) -> Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_fds.is_null() || out_n.is_null() || out_sends.is_null() {
             return Err(Error::NullArgument(if out_fds.is_null() {
                 "out_fds"

@@ -23,6 +23,7 @@ use std::ffi::{c_char, c_int, c_void};
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_share_hold(out_fd: *mut c_int, out_slot: *mut u32) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_fd.is_null() || out_slot.is_null() {
             return Err(Error::NullArgument(if out_fd.is_null() { "out_fd" } else { "out_slot" }));
         }
@@ -41,6 +42,7 @@ pub unsafe extern "C" fn gpupool_share_hold(out_fd: *mut c_int, out_slot: *mut u
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_share_held(slot: u32, out_held: *mut c_int) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_held.is_null() {
             return Err(Error::NullArgument("out_held"));
         }
@@ -53,7 +55,8 @@ pub unsafe extern "C" fn gpupool_share_held(slot: u32, out_held: *mut c_int) -> 
 /// `gpupool_share_held`).
 #[no_mangle]
 pub extern "C" fn gpupool_share_held_count() -> usize {
-    super::boundary::call_value(0, holds::held_count)
+    // A fork child answers 0 without the holds lock a parent thread may have held.
+    super::boundary::call_value(0, || if crate::process::in_child() { 0 } else { holds::held_count() })
 }
 
 /// Release hold `slot` of the exporter whose holds file is `holds_fd` (this process's copy,
@@ -61,7 +64,10 @@ pub extern "C" fn gpupool_share_held_count() -> usize {
 /// did not open (it already had the block open from an earlier send).
 #[no_mangle]
 pub extern "C" fn gpupool_share_release(holds_fd: c_int, slot: u32) -> crate::error::Status {
-    call(|| holds::release(holds::map_theirs(holds_fd)?, slot))
+    call(|| {
+        crate::fork::refuse_in_child()?;
+        holds::release(holds::map_theirs(holds_fd)?, slot)
+    })
 }
 
 /// DLPack's `DLDevice`, `DLDataType`, `DLTensor` and `DLManagedTensor` (the unversioned
@@ -247,6 +253,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
     out_tensor: *mut *mut c_void,
 ) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_tensor.is_null() {
             return Err(Error::NullArgument("out_tensor"));
         }
@@ -273,10 +280,23 @@ pub(super) fn open_imported(
 ) -> crate::error::Result<*mut DlManagedTensor> {
     // The holds file first: an import that cannot release its hold later must not be made.
     let hold = if holds_fd >= 0 { Some((holds::map_theirs(holds_fd)?, slot)) } else { None };
-    let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
-    let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
-    // Last: nothing after it may fail, or the import (or its share of a span) would stay.
-    let (ptr, shared) = open_shared(d, device, given, hold.is_some())?;
+    let opened = (|| {
+        let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
+        let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
+        // Last: nothing after it may fail, or the import (or its share of a span) would stay.
+        let (ptr, shared) = open_shared(d, device, given, hold.is_some())?;
+        Ok((on_host, size, ptr, shared))
+    })();
+    let (on_host, size, ptr, shared) = match opened {
+        Ok(o) => o,
+        Err(e) => {
+            // The hold stays the send's (its caller releases it): not one of this import's.
+            if let Some((id, _)) = hold {
+                holds::forget(id);
+            }
+            return Err(e);
+        }
+    };
     let t = Box::into_raw(Box::new(Imported {
         managed: DlManagedTensor {
             dl_tensor: DlTensor {
@@ -358,7 +378,9 @@ pub(super) unsafe fn close_keeping_hold(t: *mut DlManagedTensor) {
     if t.is_null() {
         return;
     }
-    (*t.cast::<Imported>()).hold = None;
+    if let Some((id, _)) = (*t.cast::<Imported>()).hold.take() {
+        holds::forget(id);
+    }
     delete_imported(t);
 }
 
@@ -380,6 +402,7 @@ pub unsafe extern "C" fn gpupool_dlpack_give_back_count(
     byte_offset: u64,
 ) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if tensor.is_null() {
             return Err(Error::NullArgument("tensor"));
         }

@@ -161,6 +161,7 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
     out_batch: *mut *mut c_void,
 ) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if out_batch.is_null() {
             return Err(Error::NullArgument("out_batch"));
         }
@@ -233,6 +234,7 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_share_take_ahead(batch: *mut c_void, i: usize, out_tensor: *mut *mut c_void) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if batch.is_null() || out_tensor.is_null() {
             return Err(Error::NullArgument(if batch.is_null() { "batch" } else { "out_tensor" }));
         }
@@ -267,6 +269,7 @@ pub unsafe extern "C" fn gpupool_share_take_ahead(batch: *mut c_void, i: usize, 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void, failed: c_int) -> crate::error::Status {
     call(|| {
+        crate::fork::refuse_in_child()?;
         if batch.is_null() {
             return Ok(());
         }

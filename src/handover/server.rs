@@ -5,8 +5,9 @@
 //! Why one thread for every taker: a thread started per taker cost milliseconds in a
 //! process the size of a CUDA program's, paid by the taker's first handover; a request is a
 //! lookup and a few `sendmsg`. What keeps one misbehaving peer of the same user (others are
-//! refused) from holding it: a request must arrive whole within `REQUEST_DEADLINE`, and
-//! an answer's writes time out likewise; at most `MAX_TAKERS` connections are kept (a new
+//! refused) from holding it: requests are read as their bytes arrive, without waiting (a
+//! taker that sends half a key delays nobody), a request must arrive whole within
+//! `REQUEST_DEADLINE`, and an answer's writes time out likewise; at most `MAX_TAKERS` connections are kept (a new
 //! taker beyond them closes the one idle longest, whose taker connects anew when it next
 //! asks: no taker is turned away); a failing `accept` (the open-file limit) pauses the
 //! listener instead of spinning. Signals
@@ -19,6 +20,7 @@ use super::{wire, KEY_BYTES, WAITING};
 use crate::error::{Error, Result};
 use crate::upstream::shared::FileId;
 use rustix::event::{PollFd, PollFlags};
+use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -107,36 +109,72 @@ pub(super) fn same_user(conn: &UnixStream) -> bool {
     }
 }
 
-fn set_fds(listener: &UnixListener, takers: &[UnixStream]) {
+fn set_fds(listener: &UnixListener, takers: &[Taker]) {
     let mut fds = SERVER_FDS.lock().unwrap_or_else(|p| p.into_inner());
     fds.clear();
-    let all = std::iter::once(listener.as_raw_fd()).chain(takers.iter().map(|t| t.as_raw_fd()));
+    let all = std::iter::once(listener.as_raw_fd()).chain(takers.iter().map(|t| t.conn.as_raw_fd()));
     fds.extend(all.filter_map(|fd| Some((fd, FileId::of(fd).ok()?))));
 }
 
-/// The kept connection idle longest (`takers` and `used` side by side): what a new taker
-/// beyond `MAX_TAKERS` replaces. The thread serves one request at a time, so no kept
-/// connection is midway through an answer here; a request its taker wrote but this thread
-/// has not read goes unanswered, and the taker sends it again on a new connection.
-fn idle_longest(used: &[Instant]) -> usize {
-    used.iter().enumerate().min_by_key(|(_, t)| **t).map_or(0, |(i, _)| i)
+/// A kept connection: when it last brought a request (or was accepted), and the request
+/// it is sending, as far as it has arrived (read as its bytes come, so a taker that stops
+/// midway holds up nobody) with when its first byte came.
+struct Taker {
+    conn: UnixStream,
+    used: Instant,
+    key: [u8; KEY_BYTES],
+    got: usize,
+    since: Option<Instant>,
+}
+
+impl Taker {
+    /// Read what has arrived of the request: `Ok(true)` once it is whole.
+    fn read_some(&mut self) -> std::io::Result<bool> {
+        while self.got < KEY_BYTES {
+            match self.conn.read(&mut self.key[self.got..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => {
+                    self.since.get_or_insert_with(Instant::now);
+                    self.got += n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Past its deadline with a request begun and not whole.
+    fn late(&self, now: Instant) -> bool {
+        self.since.is_some_and(|t| now >= t + REQUEST_DEADLINE)
+    }
+}
+
+/// The kept connection idle longest: what a new taker beyond `MAX_TAKERS` replaces. The
+/// thread serves one request at a time, so no kept connection is midway through an
+/// answer here; a request its taker wrote but this thread has not read whole goes
+/// unanswered, and the taker sends it again on a new connection.
+fn idle_longest(takers: &[Taker]) -> usize {
+    takers.iter().enumerate().min_by_key(|(_, t)| t.used).map_or(0, |(i, _)| i)
 }
 
 fn serve(listener: UnixListener) {
-    let mut takers: Vec<UnixStream> = Vec::new();
-    // When each kept connection last brought a request (or was accepted).
-    let mut used: Vec<Instant> = Vec::new();
+    let mut takers: Vec<Taker> = Vec::new();
     let mut listener_rests_until: Option<Instant> = None;
     loop {
         let listening = listener_rests_until.map_or(true, |t| Instant::now() >= t);
+        // Wake for the listener's rest and for the earliest deadline of a request begun.
+        let wake = takers.iter().filter_map(|t| t.since.map(|s| s + REQUEST_DEADLINE)).chain(listener_rests_until.filter(|_| !listening)).min();
         let ready: Vec<(bool, bool)> = {
             let mut fds = Vec::with_capacity(takers.len() + 1);
             if listening {
                 fds.push(PollFd::new(&listener, PollFlags::IN));
             }
-            fds.extend(takers.iter().map(|t| PollFd::new(t, PollFlags::IN)));
-            let rest = rustix::event::Timespec { tv_sec: 0, tv_nsec: ACCEPT_PAUSE.as_nanos() as i64 };
-            match rustix::event::poll(&mut fds, if listening { None } else { Some(&rest) }) {
+            fds.extend(takers.iter().map(|t| PollFd::new(&t.conn, PollFlags::IN)));
+            let left = wake.map(|w| w.saturating_duration_since(Instant::now()));
+            let timeout = left.map(|d| rustix::event::Timespec { tv_sec: d.as_secs() as i64, tv_nsec: d.subsec_nanos() as i64 });
+            match rustix::event::poll(&mut fds, timeout.as_ref()) {
                 Ok(_) => {}
                 Err(e) if e == rustix::io::Errno::INTR => continue,
                 Err(_) => return,
@@ -144,23 +182,32 @@ fn serve(listener: UnixListener) {
             fds.iter().map(|f| (f.revents().contains(PollFlags::IN), f.revents().intersects(PollFlags::HUP | PollFlags::ERR))).collect()
         };
         let (listener_ready, taker_ready) = if listening { (ready[0].0, &ready[1..]) } else { (false, &ready[..]) };
-        // Answer, and drop takers that hung up or misbehaved: off the list first, closed
-        // after (see `SERVER_FDS`).
+        // Answer, and drop takers that hung up, misbehaved or ran out of time: off the list
+        // first, closed after (see `SERVER_FDS`).
         let mut keep = Vec::with_capacity(takers.len());
-        let mut keep_used = Vec::with_capacity(takers.len());
         let mut gone_takers = Vec::new();
         let now = Instant::now();
-        for ((mut t, last), &(readable, gone)) in takers.drain(..).zip(used.drain(..)).zip(taker_ready) {
-            let ok = if readable { answer(&mut t).is_ok() } else { !gone };
+        for (mut t, &(readable, gone)) in takers.drain(..).zip(taker_ready) {
+            let ok = if readable {
+                match t.read_some() {
+                    Ok(true) => {
+                        let key = t.key;
+                        (t.got, t.since, t.used) = (0, None, now);
+                        answer(&t.conn, &key).is_ok()
+                    }
+                    Ok(false) => !t.late(now),
+                    Err(_) => false,
+                }
+            } else {
+                !gone && !t.late(now)
+            };
             if ok {
                 keep.push(t);
-                keep_used.push(if readable { now } else { last });
             } else {
                 gone_takers.push(t);
             }
         }
         takers = keep;
-        used = keep_used;
         if !gone_takers.is_empty() {
             set_fds(&listener, &takers);
             drop(gone_takers);
@@ -173,14 +220,12 @@ fn serve(listener: UnixListener) {
             loop {
                 match listener.accept() {
                     Ok((t, _)) => {
-                        if same_user(&t) && t.set_nonblocking(false).is_ok() && t.set_write_timeout(Some(REQUEST_DEADLINE)).is_ok() {
+                        if same_user(&t) && t.set_nonblocking(true).is_ok() && t.set_write_timeout(Some(REQUEST_DEADLINE)).is_ok() {
                             let evicted = (takers.len() >= MAX_TAKERS).then(|| {
-                                let i = idle_longest(&used);
-                                used.swap_remove(i);
+                                let i = idle_longest(&takers);
                                 takers.swap_remove(i)
                             });
-                            takers.push(t);
-                            used.push(Instant::now());
+                            takers.push(Taker { conn: t, used: Instant::now(), key: [0; KEY_BYTES], got: 0, since: None });
                             set_fds(&listener, &takers);
                             drop(evicted); // closed once off the list (see `SERVER_FDS`)
                         }
@@ -199,15 +244,16 @@ fn serve(listener: UnixListener) {
     }
 }
 
-/// Answer one request of `conn`: read a key (whole within `REQUEST_DEADLINE`), send its
-/// handover, or say there is none.
-fn answer(conn: &mut UnixStream) -> std::io::Result<()> {
-    let mut key = [0u8; KEY_BYTES];
-    wire::read_by(conn, &mut key, Instant::now() + REQUEST_DEADLINE)?;
-    let found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(&key)));
+/// Answer the request `key` of `conn`: its handover, or that there is none. The answer's
+/// writes block (each up to `REQUEST_DEADLINE`, the write timeout), then reads go back to
+/// not waiting.
+fn answer(conn: &UnixStream, key: &[u8; KEY_BYTES]) -> std::io::Result<()> {
+    let found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(key)));
+    conn.set_nonblocking(false)?;
     // The sender's copies close after, whether or not they arrived: a handover goes once.
     match &found {
         None => wire::write_header(conn, wire::UNKNOWN, 0, 0),
         Some(h) => wire::write_header(conn, wire::FOUND, h.fds.len() as u32, h.sends).and_then(|()| wire::send_fds(conn, &h.fds)),
-    }
+    }?;
+    conn.set_nonblocking(true)
 }

@@ -132,7 +132,8 @@ fn a_taker_that_stalls_midway_does_not_stop_the_others() {
     let t = std::time::Instant::now();
     let (got, _) = take(&ticket).unwrap();
     assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
-    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // Requests are read as they arrive: the half key keeps nobody waiting.
+    assert!(t.elapsed() < Duration::from_millis(500), "waited {:?} behind a stalled taker", t.elapsed());
     drop((stalled, silent));
 }
 
@@ -221,7 +222,7 @@ fn a_taker_that_trickles_its_request_is_cut_off_by_the_deadline() {
         let (got, _) = take(&ticket).unwrap();
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
-        assert!(t.elapsed() < Duration::from_secs(3), "waited {:?} behind a trickling taker", t.elapsed());
+        assert!(t.elapsed() < Duration::from_millis(500), "waited {:?} behind a trickling taker", t.elapsed());
     });
 }
 

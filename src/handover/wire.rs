@@ -13,7 +13,6 @@ use std::io::{ErrorKind, IoSlice, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::time::Instant;
 
 /// Descriptors per `SCM_RIGHTS` message (the kernel takes at most 253).
 pub const PER_MESSAGE: usize = 250;
@@ -56,25 +55,6 @@ pub fn read_header(conn: &mut UnixStream) -> std::io::Result<(u32, u32, u32)> {
 /// Whether `e` (from `read_header`) is a connection closed before any byte of the answer.
 pub fn nothing_read(e: &std::io::Error) -> bool {
     e.kind() == ErrorKind::UnexpectedEof && e.get_ref().is_some_and(|m| m.to_string() == NOTHING_READ)
-}
-
-/// Fill `buf` from `conn` by `deadline` (a peer that trickles bytes does not extend it).
-pub fn read_by(conn: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ErrorKind::TimedOut.into());
-        }
-        conn.set_read_timeout(Some(left))?;
-        match conn.read(&mut buf[got..]) {
-            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 pub fn send_fds(conn: &UnixStream, fds: &[OwnedFd]) -> std::io::Result<()> {

@@ -219,6 +219,10 @@ impl Descriptor {
 /// granule keeps one descriptor open while it is mapped, so a 4 GiB block holds 2,048,
 /// past the usual soft limit of 1,024; the hard limit is what the administrator allows
 /// (the Go runtime raises it the same way at start).
+/// The programs this process forks and execs get the limit it had before
+/// (`restore_fd_limit`, a fork child handler), as Go's runtime does: a program that still
+/// uses `select()` must not find its soft limit raised past 1,024. (`vfork` and
+/// `posix_spawn` run no fork handlers: their programs get the raised limit.)
 pub fn raise_fd_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -226,11 +230,36 @@ pub fn raise_fd_limit() {
         // SAFETY: a writable struct, then the same struct back.
         unsafe {
             if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+                let before = l.rlim_cur;
                 l.rlim_cur = l.rlim_max;
-                libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 {
+                    FD_LIMIT_BEFORE.store(before as u64 + 1, std::sync::atomic::Ordering::Release);
+                    libc::pthread_atfork(None, None, Some(restore_fd_limit_in_child));
+                }
             }
         }
     });
+}
+
+/// The soft open-file limit before `raise_fd_limit` raised it, plus one (0: not raised).
+static FD_LIMIT_BEFORE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Put the soft open-file limit back to what it was before `raise_fd_limit` raised it: in
+/// a fork child, which gpupool serves no more and which may exec a program.
+/// Async-signal-safe (an atomic load and two system calls).
+extern "C" fn restore_fd_limit_in_child() {
+    let before = FD_LIMIT_BEFORE.load(std::sync::atomic::Ordering::Acquire);
+    if before == 0 {
+        return;
+    }
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: a writable struct, then the same struct back.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 {
+            l.rlim_cur = (before - 1) as libc::rlim_t;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
 }
 
 /// A file descriptor this process owns, closed when dropped.

@@ -1,0 +1,134 @@
+"""A model's weights pushed to another process through torch.multiprocessing, by allocator.
+
+usage: state_dict_send.py ALLOCATOR [SENDS]
+ALLOCATOR: native | expandable | gpupool (gpupool's allocator class, both processes) |
+           gpupool-split (the same with GPUPOOL_POOL=split)
+
+What RL trainers do to feed rollout workers: the producer puts a state dict on a queue (147
+bf16 CUDA tensors, 1.8 GB, the shapes of a 16-layer LLM with hidden size 2048), the consumer
+sums every tensor and answers with the sums, which the producer checks against its own.
+Timed per send, from the put to the answer:
+  cold:   the first send;
+  resend: the same storages sent again (SENDS times, default 10);
+  fresh:  a new state dict each send, the previous one freed first (SENDS times).
+Prints one JSON line: the median seconds of each kind, and under gpupool the consumer's
+import figures (driver calls of the kinds an import makes, kept and reused imports) and
+both processes' live memory at the end.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+which = sys.argv[1]
+sends = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+if which == "expandable":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+elif which == "gpupool-split":
+    os.environ["GPUPOOL_POOL"] = "split"
+elif which not in ("native", "gpupool"):
+    raise SystemExit(f"unknown allocator {which!r}")
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+GPUPOOL = which.startswith("gpupool")
+HIDDEN, FFN, LAYERS, VOCAB = 2048, 5632, 16, 32000
+
+
+def install():
+    if GPUPOOL:
+        import gpupool
+        gpupool.torch.install(compiled=True)
+
+
+def shapes():
+    out = [("embed", (VOCAB, HIDDEN))]
+    for i in range(LAYERS):
+        out += [(f"{i}.q", (HIDDEN, HIDDEN)), (f"{i}.k", (HIDDEN, HIDDEN)), (f"{i}.v", (HIDDEN, HIDDEN)),
+                (f"{i}.o", (HIDDEN, HIDDEN)), (f"{i}.gate", (FFN, HIDDEN)), (f"{i}.up", (FFN, HIDDEN)),
+                (f"{i}.down", (HIDDEN, FFN)), (f"{i}.norm1", (HIDDEN,)), (f"{i}.norm2", (HIDDEN,))]
+    return out + [("norm", (HIDDEN,)), ("lm_head", (VOCAB, HIDDEN))]
+
+
+def make(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {k: torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16) for k, s in shapes()}
+
+
+def sums(sd):
+    return [float(t.float().sum().item()) for t in sd.values()]
+
+
+def import_figures():
+    if not GPUPOOL:
+        return None
+    import gpupool
+    j = gpupool.stats_json(0)
+    calls = j.get("driver_calls", {})
+    keep = ("shareable", "mem_map", "mem_unmap", "set_access", "address_reserve", "event_sync")
+    return {"calls": {k: calls.get(k) for k in keep}, "imports": j.get("ipc_imports"),
+            "kept": j.get("ipc_imports_kept"), "reuses": j.get("ipc_import_reuses")}
+
+
+def consumer(q, back):
+    install()
+    torch.empty(1, device="cuda")
+    back.put("ready")
+    while True:
+        msg = q.get()
+        if msg is None:
+            break
+        s = sums(msg)
+        del msg
+        back.put(s)
+    torch.cuda.synchronize()
+    back.put({"figures": import_figures(), "allocated": torch.cuda.memory_allocated()})
+
+
+def main():
+    install()
+    ctx = mp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=consumer, args=(q, back))
+    p.start()
+    assert back.get(timeout=300) == "ready"
+
+    def send(sd, want):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        q.put(sd)
+        got = back.get(timeout=300)
+        dt = time.perf_counter() - t
+        assert got == want, "the consumer's sums differ from the producer's"
+        return dt
+
+    sd = make(0)
+    want = sums(sd)
+    cold = send(sd, want)
+    resend = [send(sd, want) for _ in range(sends)]
+    fresh = []
+    for i in range(sends):
+        del sd
+        torch.cuda.ipc_collect()
+        sd = make(i + 1)
+        fresh.append(send(sd, sums(sd)))
+    q.put(None)
+    end = back.get(timeout=300)
+    p.join(60)
+    del sd
+    torch.cuda.ipc_collect()
+    print(json.dumps({
+        "allocator": which, "tensors": len(shapes()), "sends": sends,
+        "bytes": sum(2 * torch.Size(s).numel() for _, s in shapes()),
+        "cold_s": round(cold, 4), "resend_s": round(statistics.median(resend), 4),
+        "fresh_s": round(statistics.median(fresh), 4),
+        "resend_range_s": [round(min(resend), 4), round(max(resend), 4)],
+        "fresh_range_s": [round(min(fresh), 4), round(max(fresh), 4)],
+        "consumer": end, "producer_allocated_after": torch.cuda.memory_allocated(),
+        "producer_figures": import_figures(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
