@@ -1,5 +1,5 @@
 //! Steps for counting instructions per allocator operation under callgrind (deterministic,
-//! unlike wall time on a shared machine). The figures in docs/results/2026-11-22-s5/README.md come from it:
+//! unlike wall time on a shared machine):
 //!
 //! ```text
 //! cargo build --release --example instr_per_step

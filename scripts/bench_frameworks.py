@@ -1,5 +1,5 @@
 """Run the framework churn benchmark (bench/frameworks/churn.py) for every allocator in one GPU
-session and print the table with ratios against the anchors measured in the same run.
+run and print the table with ratios against the anchors measured in the same run.
 
 usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO CHURN_FLOOR_SO [OUT_JSONL]
 Each allocator runs in its own process (one allocator per process, as churn.py requires).

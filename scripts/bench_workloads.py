@@ -52,7 +52,7 @@ Columns:
   driver/step   gpupool only: driver calls per measured step (stats_json driver_calls.total)
   2nd half/step the same, mean over the second half of the measured steps (the steady state)
   2nd half off peak  the same over the second half's steps that did not reach a new peak of
-                bytes handed out (issue #33 excepts those: growth to hold more), and in
+                bytes handed out (the steady state excepts those: growth to hold more), and in
                 parentheses how many did ("-": no peak reported, or every step reached one)
   steps calling measured steps that made a driver call (gpupool) or a device allocation or
                 free (the others): growth at a new peak, apart from a steady state
@@ -277,7 +277,7 @@ def merge_rounds(workload, runs):
 
 def off_peak(per_step, new_peak):
     """The second half's steps that reached a new peak of bytes handed out, and the mean
-    calls of the others (issue #33's steady state excepts growth to a new peak)."""
+    calls of the others (the steady state excepts growth to a new peak)."""
     half = len(per_step) // 2
     calls, peaks = per_step[half:], new_peak[half:]
     if not calls or len(peaks) != len(calls) or any(p is None for p in peaks):

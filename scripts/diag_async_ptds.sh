@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproducer for a driver stall met in issue #3, run ON the GPU machine after
+# Reproducer for a driver stall met earlier, run ON the GPU machine after
 # scripts/gpu_check.sh built build-gpu/: worker threads that free stream-ordered memory on
 # their per-thread default stream and exit without draining it leave cudaDeviceSynchronize
 # spinning forever. Shown with plain cudaMallocAsync/cudaFreeAsync (STRESS_RAW=1, no gpupool)

@@ -1,5 +1,5 @@
 """Can the driver's own stream-ordered pool (cuMemAllocAsync) give memory back at fine
-granularity? The memory target's evidence (docs/results/2026-11-22-s5/README.md), run on the GPU machine.
+granularity? Evidence for the pool's design (docs/internals.md), run on the GPU machine.
 
 usage: python3 scripts/driver_pool_trim.py [LIBGPUPOOL]
 

@@ -8,15 +8,15 @@ figures a policy change must be judged on, in seconds.
 One draw of a workload whose shapes never repeat is chance layout (docs/arena.md, "One draw
 is chance"), so this replays, per workload, every draw there is:
   - tokens, training, serving: the GPUPOOL_TRACE recordings of scripts/bench_workloads.py
-    on the H200 (draw 0: docs/results/2026-11-25-s19/a/; BENCH_SEED 1-3:
-    docs/results/2026-11-26-s28/a/), decompressed into a temporary folder;
+    on an H200 (tests/data/draws/: draw 0 and BENCH_SEED 1-3), decompressed into a
+    temporary folder;
   - churn: generated here as scripts/workloads.py draws it, after the 4-byte allocation of
     bench_workloads.py's first kernel (BENCH_SEED 0-8, or 0..N-1 with --churn-draws N;
     draw 0 replays as the GPU's recording of it does).
 It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
 half and their kinds (gpupool-replay's figures), then each workload's worst ratio and mean
-calls. Churn's trace has a fixed number of events a step, so its draws also get issue
-#33's own figure, as the GPU benchmark counts it: driver calls a step over the second half
+calls. Churn's trace has a fixed number of events a step, so its draws also get the benchmark's
+own figure, as the GPU benchmark counts it: driver calls a step over the second half
 of the measured steps, steps that reach a new peak of bytes in use excepted
 (`gpupool-replay --steps`); the recorded traces carry no step marks.
 """
@@ -32,12 +32,12 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED = [
-    ("tokens", 0, "docs/results/2026-11-25-s19/a/tokens.csv.xz"),
-    ("tokens", 1, "docs/results/2026-11-26-s28/a/tokens-seed1.csv.xz"),
-    ("training", 0, "docs/results/2026-11-25-s19/a/training.csv.xz"),
-    ("training", 1, "docs/results/2026-11-26-s28/a/training-seed1.csv.xz"),
-    ("serving", 0, "docs/results/2026-11-25-s19/a/serving.csv.xz"),
-] + [("serving", s, f"docs/results/2026-11-26-s28/a/serving-seed{s}.csv.xz") for s in (1, 2, 3)]
+    ("tokens", 0, "tests/data/draws/tokens.csv.xz"),
+    ("tokens", 1, "tests/data/draws/tokens-seed1.csv.xz"),
+    ("training", 0, "tests/data/draws/training.csv.xz"),
+    ("training", 1, "tests/data/draws/training-seed1.csv.xz"),
+    ("serving", 0, "tests/data/draws/serving.csv.xz"),
+] + [("serving", s, f"tests/data/draws/serving-seed{s}.csv.xz") for s in (1, 2, 3)]
 CHURN_DRAWS = 9  # the default; --churn-draws N for more (a policy's churn figure is judged on 39)
 EXTRA = []  # gpupool-replay's flags beyond --pool and --steps (main sets them)
 

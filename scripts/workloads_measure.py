@@ -169,7 +169,7 @@ class Recorder:
         # Driver calls (gpupool) or device allocations + frees (the others) of each measured step.
         self.per_step = []
         # Per measured step: whether the bytes handed out reached a new peak during it (issue
-        # #33 excepts such steps from the steady state's driver calls: growth to hold more is
+        # the steady state's driver calls except such steps: growth to hold more is
         # no waste); None where the allocator does not report its peak.
         self.new_peak = []
         self.host = {}

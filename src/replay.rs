@@ -91,7 +91,7 @@ pub struct Report {
     /// one alias per allocation, a growth creates too, so the kinds say which it was.
     pub second_half_by_kind: String,
     /// With `Steps`: each measured step's driver calls and whether the bytes in use reached
-    /// a new peak during it (issue #33's steady state excepts such steps).
+    /// a new peak during it (the steady state's figure excepts such steps).
     pub steps: Vec<StepCalls>,
 }
 

@@ -424,7 +424,7 @@ fn buffers_grown_by_reallocation_settle_on_the_arena() {
     // first grows, its largest buffers find no gap long enough and are stitched, one call
     // per granule (docs/arena.md, "Buffers that grow by reallocation"). Counted as
     // threads_bench times it (20 steps of 1,000 tokens untimed, then 100), most of its calls
-    // fall in the untimed steps, and counted as issue #33 counts (the second half of the
+    // fall in the untimed steps, and counted as the benchmark counts (the second half of the
     // timed steps, those at a new peak of bytes in use excepted) it stays under 2 a step; a
     // few steps still make a burst.
     let opts = PoolOptions { kind: PoolKind::Arena, ..Default::default() };
@@ -503,7 +503,7 @@ fn stitches_that_end_in_pieces_of_granules_hold_churn_closer_to_its_peak() {
 #[test]
 fn random_sizes_replaced_at_random_hold_little_above_their_peak_on_the_arena() {
     // Memory holds on these draws (not on every one: docs/arena.md, "One draw is chance");
-    // driver calls do not settle (issue #33's churn target is unmet): the largest requests often find
+    // driver calls do not settle: the largest requests often find
     // no free run long enough and are stitched anew, one call per granule. Their number is
     // printed, not asserted.
     for seed in 0..4 {

@@ -2,8 +2,8 @@
 //! a lock each, plus the environment configuration read once.
 //!
 //! Shards, and why. One lock per device made every thread on every stream wait for every
-//! other: sixteen threads churning sixteen streams ran at a fifth of one thread's rate
-//! (issue #18). So a device's pool is `1 + GPUPOOL_STREAM_SHARDS` independent pools
+//! other: sixteen threads churning sixteen streams ran at a fifth of one thread's rate.
+//! So a device's pool is `1 + GPUPOOL_STREAM_SHARDS` independent pools
 //! (`Pool`, each with its own strategy, books, stream events and upstream instance):
 //! - shard 0 serves the legacy stream, the per-thread default stream, callers that name
 //!   no stream (CuPy) and everything about private pools (CUDA graphs, `MemPool`s: while

@@ -3,7 +3,7 @@
  * cuMemSetAccess to commit; cuMemUnmap + cuMemRelease per page to decommit). Two variants
  * answer whether page mapping could be cheaper: the same range as one physical allocation,
  * and per-page handles kept and mapped again (recycling). Explains the speed side of the
- * decay / vmm trade-off in docs/results/2026-11-22-s5/README.md. µs per operation. */
+ * decay / vmm trade-off (docs/arena.md). µs per operation. */
 #include <cuda.h>
 #include <stdio.h>
 #include <time.h>

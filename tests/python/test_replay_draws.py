@@ -1,6 +1,6 @@
 """scripts/replay_draws.py: every recorded draw of the workload benchmark replayed on the CPU.
 Its generated churn draws must be the benchmark's own: draw 0 replays exactly as the GPU's
-recording of that draw does (docs/results/2026-11-25-s19/a/churn.csv.xz)."""
+recording of that draw does (tests/data/draws/churn.csv.xz)."""
 import lzma
 import re
 import subprocess
@@ -38,7 +38,7 @@ def test_every_draw_replays_and_churn_draw_0_is_the_recorded_one(tmp_path):
 
     # The recording of churn's draw 0, replayed directly, gives the generated draw's figures.
     recorded = tmp_path / "churn.csv"
-    with lzma.open(ROOT / "docs" / "results" / "2026-11-25-s19" / "a" / "churn.csv.xz") as src:
+    with lzma.open(ROOT / "tests" / "data" / "draws" / "churn.csv.xz") as src:
         recorded.write_bytes(src.read())
     direct = subprocess.run([str(REPLAY), str(recorded), "--pool", "arena"], capture_output=True, text=True, timeout=120)
     assert direct.returncode == 0, direct.stderr

@@ -142,7 +142,7 @@ def test_status_and_snapshot_of_a_trace_agree_on_segments(library, tmp_path, kin
     """`status TRACE` and `snapshot TRACE` count the same segments held at the end, and the
     snapshot's bytes are the pool's: a trace that ends with everything freed and reclaimed
     (its last event an upstream_free) holds none; the arena unmaps granule by granule, in
-    ranges that are not the ones it mapped (issue #36: status said 1 where snapshot said 0)."""
+    ranges that are not the ones it mapped."""
     trace = tmp_path / "trace.csv"
     out = ok(run_py(f"""
         import ctypes, gpupool
