@@ -1,6 +1,7 @@
 //! Unit tests of `config`: parsing values and the environment through `Config::from_lookup`.
 
 use super::*;
+use super::unknown::edit_distance;
 use std::collections::HashMap;
 
 fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
