@@ -179,7 +179,7 @@ size_t gpupool_stats_json(int device, char *buf, size_t len);
 
 // The device's memory as segments cut into blocks (allocated, pending free, free), as JSON
 // (one object for a device, an array for -1; same buffer convention as
-// `gpupool_memory_status`). `gpupool.snapshot()` turns it into PyTorch's memory snapshot
+// `gpupool_memory_status`). `gpupool.snapshot.snapshot()` turns it into PyTorch's memory snapshot
 // format for `torch.cuda._memory_viz` and PyTorch's memory visualizer.
 //
 // # Safety
@@ -586,14 +586,6 @@ size_t gpupool_torch_block_size(void *ptr);
 // # Safety
 // `size` must be NULL or writable.
 void *gpupool_torch_base_alloc(void *ptr, size_t *size);
-
-// torch_shim.cpp: a heap copy of PyTorch's `std::function<bool(cudaStream_t)>` (NULL if
-// copying failed), its call, and its deletion.
-extern void *gpupool_torch_filter_adopt(const void *filter);
-
-extern int gpupool_torch_filter_call(void *ctx, void *stream);
-
-extern void gpupool_torch_filter_drop(void *ctx);
 
 // `beginAllocateToPool(int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter)`:
 // until `end_allocate_to_pool`, allocations on `device` whose stream `filter` accepts (the

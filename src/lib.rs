@@ -17,8 +17,8 @@
 //! - `pages`: the books of pages decommitted inside segments.
 //! - `registry`: per-device pools, created lazily, in shards with a lock each (user
 //!   streams spread over them) that share the device's budget; device-wide reports.
-//! - `thread_cache`: the per-thread fast path for same-size reuse on the legacy stream
-//!   (`pool/attached_caches/` is the pool's side).
+//! - `thread_cache`: the per-thread fast path for same-size reuse on one stream (every
+//!   stream but the per-thread default one; `pool/attached_caches/` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `owners`: which device's pool got an address range (lookups without pool locks).

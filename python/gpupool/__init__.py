@@ -14,6 +14,8 @@ import json
 import os
 import pathlib
 
+__version__ = "0.1.0"   # the library's own (gpupool_version()) is checked to match
+
 __all__ = ["GpupoolError", "library_path", "lib", "stats", "stats_json", "memory_status", "reclaim",
            "set_limit", "get_limit", "configure", "report_leaks", "torch", "cupy", "share", "snapshot"]
 
@@ -200,6 +202,9 @@ def set_limit(limit, device=0):
     """Cap the device pool's reserved memory: bytes, '8GiB', '512MB' or '50%'; 0 = no limit.
     Strings are parsed by the library, exactly as GPUPOOL_MEMORY_LIMIT is."""
     if isinstance(limit, int):
+        # ctypes would wrap these silently: -5 to 16 EiB, 2**70 to some other number.
+        if limit < 0 or limit >= 1 << 64:
+            raise ValueError(f"gpupool: a limit is a number of bytes from 0 (no limit) to 2**64 - 1, not {limit}")
         _check(lib().gpupool_set_limit(device, limit))
     else:
         _check(lib().gpupool_set_limit_str(device, str(limit).encode()))

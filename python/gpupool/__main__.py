@@ -74,6 +74,8 @@ def _prog():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog=_prog(), description="gpupool tools")
+    from . import __version__
+    ap.add_argument("--version", action="version", version=f"gpupool {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="status report of a running process (--pid) or of a trace")
     st.add_argument("trace", nargs="?")

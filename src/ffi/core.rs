@@ -96,8 +96,9 @@ pub(crate) fn record_stream_any(ptr: usize, stream: usize) -> crate::error::Resu
     if ptr == 0 {
         return Err(Error::NullArgument("ptr"));
     }
-    registry::with_owner_of(ptr, |pool| pool.record_stream(ptr, stream))
-        .unwrap_or(Err(Error::InvalidPointer { ptr, device: -1, why: BadPointer::Unknown }))
+    // No device owns it: say what was asked, not a free on device -1.
+    let why = BadPointer::Refused("record_stream: not a block gpupool allocated on any device".into());
+    registry::with_owner_of(ptr, |pool| pool.record_stream(ptr, stream)).unwrap_or(Err(Error::InvalidPointer { ptr, device: -1, why }))
 }
 
 /// Fill `*out` with `device`'s statistics. Set `out->struct_size = sizeof(gpupool_stats)`
@@ -252,7 +253,7 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
 
 /// The device's memory as segments cut into blocks (allocated, pending free, free), as JSON
 /// (one object for a device, an array for -1; same buffer convention as
-/// `gpupool_memory_status`). `gpupool.snapshot()` turns it into PyTorch's memory snapshot
+/// `gpupool_memory_status`). `gpupool.snapshot.snapshot()` turns it into PyTorch's memory snapshot
 /// format for `torch.cuda._memory_viz` and PyTorch's memory visualizer.
 ///
 /// # Safety

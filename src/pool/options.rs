@@ -53,7 +53,8 @@ pub struct PoolOptions {
 impl Default for PoolOptions {
     fn default() -> Self {
         PoolOptions {
-            kind: PoolKind::Split,
+            // The library's default, as `Config::default` has it.
+            kind: PoolKind::Arena,
             limit: None,
             check_invariants: false,
             unsafe_ignore_streams: false,
@@ -71,5 +72,13 @@ impl Default for PoolOptions {
             budget: None,
             shard: 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_pool_and_the_configuration_have_one_default_strategy() {
+        assert_eq!(super::PoolOptions::default().kind, crate::config::Config::default().pool);
     }
 }

@@ -1,6 +1,6 @@
 //! The pool's memory as PyTorch's memory snapshot describes it (`torch.cuda.memory._snapshot()`):
 //! segments, each cut into blocks that are allocated, waiting to be freed, or free. Rendered
-//! as JSON here; `gpupool.snapshot()` turns it into PyTorch's dictionary so its memory
+//! as JSON here; `gpupool.snapshot.snapshot()` turns it into PyTorch's dictionary so its memory
 //! visualizer and `torch.cuda._memory_viz` read memory from any framework, CuPy and C included.
 //!
 //! Segments are the upstream allocations for the segment strategies; for the arena, which

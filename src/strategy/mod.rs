@@ -1,5 +1,5 @@
 //! Caching policies. A strategy owns the bookkeeping of cached (free) memory and decides
-//! which block serves a request; the pool (`pool.rs`) owns everything else: the lock, the
+//! which block serves a request; the pool (`crate::pool`) owns everything else: the lock, the
 //! live-pointer map, limits, stats, streams and the upstream.
 //!
 //! Adding a strategy is one file here plus one arm in `build`.

@@ -1,4 +1,4 @@
-//! `split` (default): best fit with splitting and coalescing.
+//! `split`: best fit with splitting and coalescing.
 //!
 //! - Requests are rounded to 512 B.
 //! - Small requests (<= 1 MiB) and large ones live in separate classes: small ones are cut

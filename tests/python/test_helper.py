@@ -440,3 +440,37 @@ def test_the_arena_chunk_threshold_is_read_from_the_environment_on_host(library)
             print(e)
     """, env={"GPUPOOL_UPSTREAM": "host", "GPUPOOL_ARENA_CHUNK_FROM": "eight"}))
     assert "GPUPOOL_ARENA_CHUNK_FROM" in out and "eight" in out, out
+
+
+def test_one_version_everywhere_and_the_tool_says_it(library):
+    # The package, the library and pyproject.toml name the same version.
+    import re
+    from conftest import ROOT
+    want = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    out = ok(run_py("""
+        import gpupool
+        print("VERSIONS", gpupool.__version__, gpupool.lib().gpupool_version().decode())
+    """))
+    line = [l for l in out.splitlines() if l.startswith("VERSIONS")][0].split()
+    assert line[1:] == [want, want], (line, want)
+    p = run_py("import sys; from gpupool.__main__ import main; sys.argv = ['gpupool', '--version']; main()")
+    assert p.returncode == 0 and f"gpupool {want}" in p.stdout, (p.stdout, p.stderr)
+
+
+def test_an_integer_limit_out_of_range_is_refused_not_wrapped(library):
+    out = ok(run_py("""
+        import gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        for bad in (-5, 1 << 64, 1 << 70):
+            try:
+                gpupool.set_limit(bad)
+                raise SystemExit(f"{bad} accepted: limit now {gpupool.get_limit()}")
+            except ValueError as e:
+                assert str(bad) in str(e) and "2**64 - 1" in str(e), e
+        gpupool.set_limit(1 << 40)
+        assert gpupool.get_limit() == 1 << 40
+        gpupool.set_limit(0)
+        assert gpupool.get_limit() == 0
+        print("ok")
+    """))
+    assert "ok" in out

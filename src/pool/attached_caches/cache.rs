@@ -7,8 +7,8 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// Which word set a block lives in: frees naming the legacy stream, or CuPy's stream-less
-/// frees (the magazine). `Live::owner` records it with the cache id.
+/// Which word set a block lives in: frees naming a stream (ordered on it), or CuPy's
+/// stream-less frees (the magazine). `Live::owner` records it with the cache id.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Kind {
     Ordered,
