@@ -1,7 +1,7 @@
 //! Loans between the arena's two ranges: a range that needs memory shows the other range's
 //! whole free granules (one alias each) before it maps new memory. Why: the ranges peak at
 //! different times (a server's small activations against its KV caches), and without loans
-//! the pool holds the sum of the two peaks (`docs/arena.md`, "Serving"). The pool makes the
+//! the pool holds the sum of the two peaks (`docs/arena.md`, "Loans and scraps (serving)"). The pool makes the
 //! driver calls (`Pool::map_window`, `Pool::arena_release`); this file keeps the books.
 //!
 //! A loan books its home as allocated in the home's range and the borrowed granule as mapped
@@ -16,7 +16,7 @@ use crate::upstream::stream_id::StreamKey;
 
 /// Whether granules under a cached stitch's aliases may be lent. No: lending one makes the
 /// stitch unusable until the loan ends, and in the serving replay that cost more memory
-/// than it saved (docs/arena.md, "What was tried").
+/// than it saved (docs/arena.md, "Alternatives considered").
 const STITCHED_LENDABLE: bool = false;
 
 impl ArenaStrategy {
