@@ -397,12 +397,15 @@ enum gpupool_status gpupool_ipc_open(const void *desc,
                                      size_t n_fds,
                                      void **out_ptr);
 
-// Unmap a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
-// untouched). `ptr` must be the address it returned; any other is
-// `GPUPOOL_STATUS_INVALID_POINTER`. The work this process queued on the device is waited
-// for first (kernels still using the block finish before it is unmapped); work of the
-// exporter on the block is the exporter's to order. A device's pool cannot be
-// reconfigured while blocks of other processes are open on it (`GPUPOOL_STATUS_BUSY`).
+// Close a block `gpupool_ipc_open` mapped on `device` (the exporter's memory is
+// untouched). `ptr` must be the address it returned, open; any other (a second close
+// included) is `GPUPOOL_STATUS_INVALID_POINTER`. A block opened by fetching the exporter's
+// descriptors (`fds` NULL) stays mapped, kept for the exporter's next message, and its
+// close does not wait for the device: finish this process's work on the block before
+// telling the exporter you are done (as with CUDA's own IPC handles). A block opened with
+// descriptors passed in is unmapped, after the work this process queued on the device is
+// waited for. A device's pool cannot be reconfigured while blocks of other processes are
+// open on it (`GPUPOOL_STATUS_BUSY`).
 enum gpupool_status gpupool_ipc_close(void *ptr, int device);
 
 // Allocate `size` bytes of pinned host memory, for use on `stream`.

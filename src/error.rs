@@ -111,6 +111,12 @@ pub struct OomReport {
     /// True when no release anywhere could help (the request is over the limit, or over
     /// what the arena could ever hold): the device's other shards keep their caches.
     pub hopeless: bool,
+    /// The arena's mapping unit (its granule), 0 for the other pools: a limit counts whole
+    /// granules, so a request smaller than one needs one.
+    pub granule: usize,
+    /// The arena found no room in its reserved address space (`GPUPOOL_ARENA_VA`): its
+    /// size, which the hint names (the device may have memory to spare).
+    pub address_space_full: Option<usize>,
 }
 
 /// The error type of the whole crate.
@@ -180,6 +186,9 @@ impl fmt::Display for OomReport {
         }
         if self.by_limit {
             write!(f, ", which would exceed the pool limit of {}", h(self.limit))?;
+            if self.granule > 0 {
+                write!(f, " (the arena maps memory in whole granules of {})", h(self.granule))?;
+            }
         }
         write!(f, ". ")?;
         match self.device_free_total {
@@ -200,6 +209,12 @@ impl fmt::Display for OomReport {
             write!(f, " Hint: the request is larger than the whole device; check the size computation.")
         } else if self.by_limit {
             write!(f, " Hint: raise the limit (gpupool_set_limit / GPUPOOL_MEMORY_LIMIT) or free tensors/arrays you no longer need.")
+        } else if let Some(va) = self.address_space_full {
+            write!(
+                f,
+                " Hint: the arena's reserved address space ({} per range) has no room left for this request; raise GPUPOOL_ARENA_VA.",
+                h(va)
+            )
         } else if self.cached > 0 && self.largest_free_block < self.rounded {
             write!(
                 f,

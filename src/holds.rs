@@ -11,10 +11,9 @@
 //!
 //! The exporter owns one *holds file* per process: a `memfd` of `SLOTS` 4-byte slots,
 //! mapped shared. Each send takes a free slot and sets it to 1 (`hold`); the file's
-//! descriptor travels with the send (`SCM_RIGHTS`); the importer maps the file once
-//! (`release` keeps the mapping until the process ends, so a release from a tensor's
-//! destructor late in the process's life never touches an unmapped page) and stores 0 in
-//! its slot when it lets go. The exporter polls (`held`): a slot read as 0 goes back to the
+//! descriptor travels with the send (`SCM_RIGHTS`); the importer maps the file (counting
+//! the slots of it it holds, so a release, even from a tensor's destructor late in the
+//! process's life, always finds it mapped) and stores 0 in its slot when it lets go. The exporter polls (`held`): a slot read as 0 goes back to the
 //! free list and the exporter drops its reference to the block. A slot the importer never
 //! releases (it crashed) stays held until the exporter ends, as in PyTorch. An importer
 //! keeps another process's holds file mapped while it holds any of its slots (each
@@ -44,7 +43,7 @@ impl Drop for Mapping {
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics; the pointer is valid
-// until the process ends (never unmapped).
+// while the `Mapping` lives (it unmaps on drop, under the lock that reaches it).
 unsafe impl Send for Mapping {}
 
 impl Mapping {
@@ -62,7 +61,7 @@ impl Mapping {
             return Err(Error::InvalidArgument(format!("holds file: slot {slot} is past the file's {} slots", self.len / 4)));
         }
         // SAFETY: in bounds (checked), aligned (4-byte slots from a page-aligned base), and
-        // the mapping lives until the process ends.
+        // the mapping lives as long as `self`.
         Ok(unsafe { &*self.base.add(slot as usize) })
     }
 }
@@ -189,9 +188,10 @@ pub fn release(id: (u64, u64), slot: u32) -> Result<()> {
     let Some((m, _)) = theirs.as_ref().and_then(|m| m.get(&id)) else {
         return Err(Error::InvalidArgument("holds: release in a holds file this process never mapped".into()));
     };
-    m.slot(slot)?.store(0, Ordering::Release);
+    // The slot this release counted goes either way (a slot past the file is an error).
+    let stored = m.slot(slot).map(|s| s.store(0, Ordering::Release));
     drop_one(&mut theirs, id);
-    Ok(())
+    stored
 }
 
 /// A slot of holds file `id` counted by `map_theirs` will not be released here (its import
@@ -295,8 +295,12 @@ mod tests {
         assert!(give_back_count(b"/a\0b", 64).is_err());
     }
 
+    /// The tests below share this process's holds file and its mapping as an importer.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn a_slot_is_held_until_its_importer_releases_it_then_reused() {
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let (fd, a) = hold().unwrap();
         let (_, b) = hold().unwrap();
         assert_ne!(a, b);
@@ -313,6 +317,8 @@ mod tests {
         let (_, c) = hold().unwrap();
         assert_eq!(c, a, "the released slot serves the next send");
         assert_eq!(map_theirs(dup).unwrap(), id);
+        // A release of a slot past the file: an error, and the count it came with goes.
+        assert_eq!(map_theirs(dup).unwrap(), id);
         unsafe { libc::close(dup) };
         assert!(release(id, SLOTS).is_err(), "past the file");
         assert!(release((0, 0), 0).is_err(), "a file never mapped");
@@ -325,6 +331,7 @@ mod tests {
 
     #[test]
     fn an_importer_cannot_resize_the_holds_file() {
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let (fd, slot) = hold().unwrap();
         // An importer's copy of the descriptor (here: a duplicate) names the same file.
         let theirs = unsafe { libc::dup(fd) };

@@ -55,35 +55,6 @@ fn a_fork_during_an_export_waits_until_its_descriptor_is_close_on_exec() {
     unsafe { libc::close(got) };
 }
 
-/// A fork child of a process that raised its open-file limit (an export or handover does)
-/// gets the limit back as it was, for the programs it execs.
-#[test]
-fn a_fork_child_gets_the_open_file_limit_the_process_had_before_gpupool_raised_it() {
-    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
-    if l.rlim_max <= 256 {
-        eprintln!("the hard limit is {}: no room to lower the soft one for the test", l.rlim_max);
-        return;
-    }
-    // Start from a soft limit below the hard one, as most shells do.
-    let before = 256;
-    let low = libc::rlimit { rlim_cur: before, rlim_max: l.rlim_max };
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
-    gpupool::upstream::shared::raise_fd_limit();
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
-    assert_eq!(l.rlim_cur, l.rlim_max, "raised in this process");
-    // SAFETY: the child makes async-signal-safe calls only (getrlimit, _exit).
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        let mut c = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut c) } == 0 && c.rlim_cur == before;
-        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
-    }
-    let mut status = 0;
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child's soft limit is not the one before");
-}
-
 /// A fork child while other threads share (holds taken and released in a loop): the
 /// sharing calls answer `STOPPED` at once instead of waiting for a lock a parent thread
 /// held at the fork.

@@ -12,6 +12,14 @@ use std::ptr::null_mut;
 mod common;
 use common::last_error as last;
 
+/// The exporter's release count is this process's, moved by any test's reclaim: the tests
+/// run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 const MIB: usize = 1 << 20;
 /// Where a descriptor's fields are (`upstream::shared`): the record's descriptor number,
 /// and the first granule's offset.
@@ -70,6 +78,7 @@ fn reads(p: usize, len: usize, byte: u8) -> bool {
 
 #[test]
 fn a_block_sent_again_is_served_from_the_kept_mapping_until_the_exporter_releases_memory() {
+    let _one = one_at_a_time();
     let (ex, im) = (1, 2);
     common::host_device_256mib(ex, c"arena");
     common::host_device_256mib(im, c"arena");
@@ -130,6 +139,7 @@ fn a_block_sent_again_is_served_from_the_kept_mapping_until_the_exporter_release
 
 #[test]
 fn sending_one_block_a_hundred_thousand_times_uses_one_export() {
+    let _one = one_at_a_time();
     let d = 3;
     common::host_device_256mib(d, c"arena");
     let a = malloc(3 * MIB, d);
@@ -147,6 +157,7 @@ fn sending_one_block_a_hundred_thousand_times_uses_one_export() {
 
 #[test]
 fn a_descriptor_whose_granules_were_changed_is_refused() {
+    let _one = one_at_a_time();
     let (ex, im) = (4, 5);
     common::host_device_256mib(ex, c"arena");
     common::host_device_256mib(im, c"arena");
@@ -170,6 +181,7 @@ fn a_descriptor_whose_granules_were_changed_is_refused() {
 
 #[test]
 fn the_export_record_cannot_be_resized_or_written_by_those_who_read_it() {
+    let _one = one_at_a_time();
     let d = 6;
     common::host_device_256mib(d, c"arena");
     let a = malloc(3 * MIB, d);
@@ -199,6 +211,7 @@ fn the_export_record_cannot_be_resized_or_written_by_those_who_read_it() {
 /// outlives its block.
 #[test]
 fn an_export_racing_a_fast_path_free_never_outlives_the_block() {
+    let _one = one_at_a_time();
     let (ex, im) = (7, 8);
     common::host_device_256mib(ex, c"arena");
     common::host_device_256mib(im, c"arena");
@@ -235,4 +248,26 @@ fn an_export_racing_a_fast_path_free_never_outlives_the_block() {
     exporter.join().unwrap();
     assert!(made > 0, "no export was made before its free ({refused} refused): the race was not run");
     assert_eq!(figure(ex, "n_live_blocks"), 0);
+}
+
+/// A block closed twice: the second close is refused, and the kept mapping stays the
+/// cache's (before, the upstream unmapped it behind the cache's books).
+#[test]
+fn a_second_close_of_a_kept_import_is_refused() {
+    let _one = one_at_a_time();
+    let (ex, im) = (9, 10);
+    common::host_device_256mib(ex, c"arena");
+    common::host_device_256mib(im, c"arena");
+    let a = malloc(3 * MIB, ex);
+    fill(a as usize, 3 * MIB, 0x7E);
+    let desc = export(a);
+    let p = open(&desc, im).unwrap();
+    close(p, im);
+    assert_eq!(gpupool_ipc_close(p as *mut c_void, im), Status::InvalidPointer);
+    assert!(last().contains("closed already"), "{}", last());
+    assert_eq!((figure(im, "ipc_imports"), figure(im, "ipc_imports_kept")), (0, 1));
+    let q = open(&desc, im).unwrap();
+    assert!(q == p && reads(q, 3 * MIB, 0x7E));
+    close(q, im);
+    free(a, ex);
 }

@@ -260,7 +260,10 @@ def ipc_open(desc, device=0, fds=None):
 
 
 def ipc_close(ptr, device=0):
-    """Unmap what `ipc_open` returned (the exporter's memory is untouched)."""
+    """Close what `ipc_open` returned (the exporter's memory is untouched). A block opened by
+    fetching the exporter's descriptors stays mapped, kept for the exporter's next message,
+    and the close does not wait for the device: finish your work on the block before you
+    tell the exporter you are done (as with CUDA's own IPC handles)."""
     _check(lib().gpupool_ipc_close(ptr, device))
 
 

@@ -209,7 +209,8 @@ class _Bundle:
                     _held(slot)
                 except GpupoolError:
                     pass  # already given back
-                _sent.pop(slot, None)
+                kept = _sent.pop(slot, None)
+            del kept  # the framework's storage goes here, outside the lock
         self.holds = []
 
 
@@ -435,7 +436,8 @@ def export(ptr, size, device, keep):
         with _lock:  # nobody will release it: let the slot go
             L.gpupool_share_release(hfd.value, slot.value)
             _held(slot.value)
-            _sent.pop(slot.value, None)
+            kept = _sent.pop(slot.value, None)
+        del kept  # outside the lock
         raise
     with _lock:
         due = len(_sent) >= _next_collect
@@ -451,8 +453,8 @@ _fd_limit_raised = False
 
 def _raise_fd_limit():
     """Raise this process's soft limit on open files to its hard limit, once: a block
-    arrives with one descriptor per allocation under it. Through the library, which also
-    gives fork children (and the programs they exec) the limit from before."""
+    arrives with one descriptor per allocation under it (the library's handover set-up,
+    which also grows the table of open files once)."""
     global _fd_limit_raised
     if _fd_limit_raised:
         return
@@ -466,6 +468,15 @@ def _held(slot):
     return h.value == 1
 
 
+def _still_held(slot):
+    """Whether `slot` is still held; a slot the library no longer knows (given back through
+    another path) counts as released, so one error cannot stop every later collect."""
+    try:
+        return _held(slot)
+    except GpupoolError:
+        return False
+
+
 def collect():
     """Drop what was kept for sends whose importers let go (their blocks can be freed and
     reused). Returns how many sends are still held."""
@@ -473,7 +484,7 @@ def collect():
     # found released back at once, and an export on another thread (multiprocessing pickles
     # on its queue's feeder thread) must not take it and have its storage forgotten here.
     with _lock:
-        released = [s for s in list(_sent) if not _held(s)]
+        released = [s for s in list(_sent) if not _still_held(s)]
         kept = [_sent.pop(s) for s in released]
         left = len(_sent)
     del kept  # the framework's storages go here, outside the lock

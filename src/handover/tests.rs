@@ -129,11 +129,14 @@ fn a_taker_that_stalls_midway_does_not_stop_the_others() {
     stalled.write_all(&ticket[..3]).unwrap();
     let silent = UnixStream::connect_addr(&addr).unwrap(); // connected, never writes
     std::thread::sleep(Duration::from_millis(50));
-    let t = std::time::Instant::now();
     let (got, _) = take(&ticket).unwrap();
     assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
-    // Requests are read as they arrive: the half key keeps nobody waiting.
-    assert!(t.elapsed() < Duration::from_millis(500), "waited {:?} behind a stalled taker", t.elapsed());
+    // Requests are read as they arrive: the half key kept nobody waiting for its deadline,
+    // after which the server would have closed the stalled connection (read: end of file).
+    stalled.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 1];
+    let e = std::io::Read::read(&mut stalled, &mut b).expect_err("the server answered or closed the stalled taker");
+    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "the stalled taker's connection: {e}");
     drop((stalled, silent));
 }
 
@@ -222,7 +225,7 @@ fn a_taker_that_trickles_its_request_is_cut_off_by_the_deadline() {
         let (got, _) = take(&ticket).unwrap();
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         assert_eq!(identity(got[0].as_raw_fd()), identity(f.as_raw_fd()));
-        assert!(t.elapsed() < Duration::from_millis(500), "waited {:?} behind a trickling taker", t.elapsed());
+        assert!(t.elapsed() < Duration::from_secs(3), "waited {:?} behind a trickling taker", t.elapsed());
     });
 }
 

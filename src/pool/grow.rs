@@ -227,6 +227,8 @@ impl Pool {
     fn escalate(&mut self, req: &Request, retake: bool, how: &impl Grower) -> Result<Block> {
         let Request { size, rounded, key, stream } = *req;
         let mut by_limit = false;
+        // The last attempt found no room at all (the arena: no window in its address space).
+        let mut no_room = false;
         for stage in [Stage::AsIs, Stage::ReleaseSome, Stage::ReleaseAll] {
             if stage != Stage::AsIs {
                 self.flush_thread_caches(Some(stream));
@@ -268,11 +270,15 @@ impl Pool {
             }
             match how.serve(self, req, stage)? {
                 Attempt::Served(b) => return Ok(b),
-                Attempt::Refused { by_limit: l } => by_limit = l,
-                Attempt::Nothing => {}
+                Attempt::Refused { by_limit: l } => (by_limit, no_room) = (l, false),
+                Attempt::Nothing => no_room = true,
             }
         }
-        Err(self.oom(size, rounded, by_limit))
+        let mut e = self.oom(size, rounded, by_limit);
+        if let (Error::OutOfMemory(r), true) = (&mut e, no_room && !by_limit) {
+            r.address_space_full = self.core.strategy.as_arena_ref().map(|a| a.reservations()[1].1);
+        }
+        Err(e)
     }
 
     /// `Some(by_limit)` where `rounded` bytes exceed the limit or, in the arena, the device's
@@ -339,6 +345,8 @@ impl Pool {
             by_limit,
             strategy: self.core.strategy.name(),
             hopeless: false,
+            granule: self.core.strategy.as_arena_ref().map_or(0, |a| a.granule()),
+            address_space_full: None,
         }))
     }
 }

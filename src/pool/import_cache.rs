@@ -26,9 +26,11 @@
 //! fetched from the exporter (`pidfd_getfd`), where its record can be read; descriptors
 //! passed in by the caller are mapped and unmapped as before. It keeps the exporters it
 //! opened (pidfd and record: one `pidfd_open` per exporter, not per block), the runs by
-//! exporter and first granule, and the addresses handed out with their open counts (the
-//! same block opened twice gets the same address, closed twice). Idle runs go when their
-//! exporter's release count moves or it exits (checked at every import and close), when
+//! exporter and first granule, and the addresses handed out with their open counts (a
+//! block opened twice through one run gets one address, closed twice; a close of an
+//! address no longer open is refused, as before). Idle runs go when their
+//! exporter's release count moves, it exits, or it no longer holds the record it was opened
+//! with (an `exec`; checked at every import and at each close that leaves a run idle), when
 //! more than `MAX_IDLE_RUNS` are kept (least recently used first), on `reclaim`
 //! (`gpupool_empty_cache`), and before the pool is reconfigured. Dropping one is the
 //! upstream's unimport, which waits for the device first (`CudaVmm::unimport`): that wait
@@ -53,9 +55,15 @@ pub const MAX_IDLE_RUNS: usize = 4096;
 /// An exporter as the cache names it: pid and start time.
 type ExporterKey = (u32, u64);
 
+/// Which opening of an exporter a run was mapped through: an exporter that `exec`s (same pid
+/// and start time, another program) or whose record changed is opened anew, and the runs of
+/// the earlier opening may serve nothing more.
+type Serial = u64;
+
 /// One mapped range of another process's allocations.
 struct Run {
     exporter: ExporterKey,
+    serial: Serial,
     /// The exporter's address of the first granule, and the granules in order.
     origin: u64,
     granule: u64,
@@ -73,7 +81,9 @@ struct Run {
 /// The runs and exporters a pool keeps (module docs).
 #[derive(Default)]
 pub struct ImportCache {
-    exporters: FxHashMap<ExporterKey, Arc<Exporter>>,
+    /// The current opening of each exporter with runs here.
+    exporters: FxHashMap<ExporterKey, (Arc<Exporter>, Serial)>,
+    next_serial: Serial,
     /// Run key (the address the upstream's import returned: what unmaps it) -> run.
     runs: FxHashMap<usize, Run>,
     /// (exporter, origin) -> run keys starting there, for lookups.
@@ -86,22 +96,27 @@ pub struct ImportCache {
 }
 
 impl ImportCache {
-    /// The open exporter of `d`, opened now if it is not kept (`Exporter::open`).
-    pub fn exporter(&mut self, d: &Descriptor) -> crate::error::Result<Arc<Exporter>> {
+    /// The open exporter of `d` and the serial of that opening, opened now where the kept
+    /// one is not `d`'s, has exited, or no longer holds its record (`Exporter::same_record`):
+    /// then the runs of the earlier opening are stale.
+    pub fn exporter(&mut self, d: &Descriptor) -> crate::error::Result<(Arc<Exporter>, Serial)> {
         let key = (d.pid, d.start_time);
-        if let Some(e) = self.exporters.get(&key) {
-            if e.is_of(d) && !e.exited() {
-                return Ok(e.clone());
+        if let Some((e, serial)) = self.exporters.get(&key) {
+            if e.is_of(d) && !e.exited() && e.same_record() {
+                return Ok((e.clone(), *serial));
             }
+            self.exporters.remove(&key);
         }
         let e = Arc::new(Exporter::open(d)?);
-        self.exporters.insert(key, e.clone());
-        Ok(e)
+        self.next_serial += 1;
+        self.exporters.insert(key, (e.clone(), self.next_serial));
+        Ok((e, self.next_serial))
     }
 
-    /// A kept run that maps `d` as mapped when the exporter's release count was `releases`
-    /// (the count now): its address for `d`, opened once more.
-    pub fn open_kept(&mut self, d: &Descriptor, releases: u64) -> Option<usize> {
+    /// A kept run of the exporter's opening `serial` that maps `d` as mapped when the
+    /// exporter's release count was `releases` (the count now): its address for `d`, opened
+    /// once more.
+    pub fn open_kept(&mut self, d: &Descriptor, releases: u64, serial: Serial) -> Option<usize> {
         let ex = (d.pid, d.start_time);
         let n = d.granules.len() as u64;
         let found = self
@@ -114,6 +129,7 @@ impl ImportCache {
                 let r = &self.runs[k];
                 let skip = (d.origin - r.origin) / r.granule;
                 r.releases == releases
+                    && r.serial == serial
                     && r.granule == d.granule
                     && (d.origin - r.origin) % r.granule == 0
                     && skip + n <= r.granules.len() as u64
@@ -135,13 +151,15 @@ impl ImportCache {
     /// The upstream mapped `d` at `ptr` (the block's address; its run starts at the
     /// descriptor's first granule), with the exporter's release count `releases` read
     /// before: kept as an open run.
-    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>) {
+    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial) {
         self.clock += 1;
         let ex = (d.pid, d.start_time);
-        // Dropping the exporter's last stale run just before may have forgotten it.
-        self.exporters.entry(ex).or_insert(exporter);
+        // The opening just used is the current one (dropping the exporter's last stale run
+        // just before may have forgotten it).
+        self.exporters.insert(ex, (exporter, serial));
         let run = Run {
             exporter: ex,
+            serial,
             origin: d.origin,
             granule: d.granule,
             granules: d.granules.clone(),
@@ -174,15 +192,16 @@ impl ImportCache {
     /// exporter exited or released a granule since they were mapped, those past
     /// `MAX_IDLE_RUNS` (least recently used), or all of them (`everything`).
     pub fn stale(&mut self, everything: bool) -> Vec<usize> {
-        let mut now: FxHashMap<ExporterKey, Option<u64>> = FxHashMap::default();
-        for (&key, e) in &self.exporters {
-            now.insert(key, if e.exited() { None } else { e.releases() });
+        // Per exporter: the current opening and its release count (None: exited).
+        let mut now: FxHashMap<ExporterKey, (Serial, Option<u64>)> = FxHashMap::default();
+        for (&key, (e, serial)) in &self.exporters {
+            now.insert(key, (*serial, if e.exited() { None } else { e.releases() }));
         }
         let mut idle: Vec<(u64, usize, bool)> = self
             .runs
             .iter()
             .filter(|(_, r)| r.users == 0)
-            .map(|(&k, r)| (r.last_use, k, everything || now.get(&r.exporter).copied().flatten() != Some(r.releases)))
+            .map(|(&k, r)| (r.last_use, k, everything || now.get(&r.exporter) != Some(&(r.serial, Some(r.releases)))))
             .collect();
         idle.sort_unstable();
         let over = idle.iter().filter(|(_, _, stale)| !stale).count().saturating_sub(MAX_IDLE_RUNS);
@@ -203,6 +222,11 @@ impl ImportCache {
         if !self.runs.values().any(|o| o.exporter == r.exporter) {
             self.exporters.remove(&r.exporter);
         }
+    }
+
+    /// Whether `ptr` lies in a run mapped here (open or kept).
+    pub fn covers(&self, ptr: usize) -> bool {
+        self.runs.values().any(|r| ptr >= r.base && ptr < r.base + r.granules.len() * r.granule as usize)
     }
 
     /// Runs mapped (open or idle).

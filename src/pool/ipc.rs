@@ -177,7 +177,7 @@ impl Pool {
         }
         self.running()?;
         self.check_kind(d)?;
-        let exporter = self.imports.exporter(d)?;
+        let (exporter, serial) = self.imports.exporter(d)?;
         let source = FdSource::fetch_via(exporter.clone(), d)?;
         // Read before anything is mapped: a release after it moves the count past what
         // the run records, and the run is not trusted again.
@@ -185,11 +185,11 @@ impl Pool {
             Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid))
         })?;
         self.drop_kept_imports(false);
-        if let Some(ptr) = self.imports.open_kept(d, releases) {
+        if let Some(ptr) = self.imports.open_kept(d, releases, serial) {
             return Ok(ptr);
         }
         let ptr = self.core.upstream.vmm_import(d, &source)?;
-        self.imports.insert(d, ptr, releases, exporter);
+        self.imports.insert(d, ptr, releases, exporter, serial);
         Ok(ptr)
     }
 
@@ -287,6 +287,12 @@ impl Pool {
             }
             return Ok(());
         }
+        if self.imports.covers(ptr) {
+            // A kept run's address no block is open at any more: closed already. The
+            // upstream must not unmap it behind the cache's books.
+            let why = BadPointer::Refused("IPC close: the block at this address was closed already".into());
+            return Err(Error::InvalidPointer { ptr, device: self.core.device, why });
+        }
         if self.core.upstream.vmm_unimport(ptr)? || self.core.upstream.legacy_ipc_close(ptr)? {
             return Ok(());
         }
@@ -296,6 +302,7 @@ impl Pool {
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
-        self.core.upstream.vmm_imports() - self.imports.runs() + self.imports.opens() + self.core.upstream.legacy_ipc_imports()
+        // The upstream's imports count the cache's runs, which count once per open block.
+        (self.core.upstream.vmm_imports() + self.imports.opens() + self.core.upstream.legacy_ipc_imports()).saturating_sub(self.imports.runs())
     }
 }

@@ -313,6 +313,12 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
                     p.ipc_imports()
                 )));
             }
+            if p.ipc_imports_kept() > 0 {
+                return Err(Error::Busy(format!(
+                    "cannot reconfigure device {device}: {} kept mapping(s) of other processes' memory could not be unmapped",
+                    p.ipc_imports_kept()
+                )));
+            }
         }
     }
     Ok(())

@@ -4,7 +4,8 @@
 //!
 //! Layout of the record (a sealed `memfd`, read by importers with `pread`):
 //! - a header: magic, pid, start time, and the release count: how many times a granule
-//!   that was ever exported has been released. An importer that keeps another process's
+//!   that may have been exported has been released (the upstream says so for every granule
+//!   with a shareable descriptor; the host upstream's stand-in, for every granule). An importer that keeps another process's
 //!   memory mapped between messages (`pool::import_cache`) trusts its mappings only while
 //!   this count is the one it saw when it mapped them: an unchanged count means every
 //!   exported file descriptor it fetched still names the allocation it mapped.

@@ -218,11 +218,10 @@ impl Descriptor {
 /// Raise this process's soft limit on open files to its hard limit, once. Why: an exported
 /// granule keeps one descriptor open while it is mapped, so a 4 GiB block holds 2,048,
 /// past the usual soft limit of 1,024; the hard limit is what the administrator allows
-/// (the Go runtime raises it the same way at start).
-/// The programs this process forks and execs get the limit it had before
-/// (`restore_fd_limit`, a fork child handler), as Go's runtime does: a program that still
-/// uses `select()` must not find its soft limit raised past 1,024. (`vfork` and
-/// `posix_spawn` run no fork handlers: their programs get the raised limit.)
+/// (the Go runtime raises it the same way at start). Programs this process starts inherit
+/// the raised limit: a library cannot tell a fork child that will exec from one that goes
+/// on with the parent's descriptors (a data loader's worker), which a lowered limit would
+/// starve of files.
 pub fn raise_fd_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -230,36 +229,11 @@ pub fn raise_fd_limit() {
         // SAFETY: a writable struct, then the same struct back.
         unsafe {
             if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
-                let before = l.rlim_cur;
                 l.rlim_cur = l.rlim_max;
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 {
-                    FD_LIMIT_BEFORE.store(before as u64 + 1, std::sync::atomic::Ordering::Release);
-                    libc::pthread_atfork(None, None, Some(restore_fd_limit_in_child));
-                }
+                libc::setrlimit(libc::RLIMIT_NOFILE, &l);
             }
         }
     });
-}
-
-/// The soft open-file limit before `raise_fd_limit` raised it, plus one (0: not raised).
-static FD_LIMIT_BEFORE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Put the soft open-file limit back to what it was before `raise_fd_limit` raised it: in
-/// a fork child, which gpupool serves no more and which may exec a program.
-/// Async-signal-safe (an atomic load and two system calls).
-extern "C" fn restore_fd_limit_in_child() {
-    let before = FD_LIMIT_BEFORE.load(std::sync::atomic::Ordering::Acquire);
-    if before == 0 {
-        return;
-    }
-    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: a writable struct, then the same struct back.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 {
-            l.rlim_cur = (before - 1) as libc::rlim_t;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
-        }
-    }
 }
 
 /// A file descriptor this process owns, closed when dropped.
@@ -329,9 +303,9 @@ pub fn granules_digest(granules: &[SharedGranule]) -> u64 {
     h
 }
 
-/// An exporter, opened by an importer to fetch descriptors from: a pidfd that pins the
-/// process (its pid cannot name another process while it is open) and the exporter's
-/// record of its exports, checked to be that process's. Kept between imports by the
+/// An exporter, opened by an importer to fetch descriptors from: a pidfd of the process
+/// (which says when it has exited, and fetches its descriptors) and the exporter's record
+/// of its exports, checked to be that process's. Kept between imports by the
 /// importer's cache (`pool::import_cache`), so a message of many blocks opens its exporter
 /// once.
 #[derive(Debug)]
@@ -342,6 +316,8 @@ pub struct Exporter {
     record: Fd,
     /// The record's descriptor number in the exporter.
     record_fd: i32,
+    /// The identity of the record's file (a memfd: unique while it exists).
+    record_file: FileId,
 }
 
 impl Exporter {
@@ -371,7 +347,30 @@ impl Exporter {
         }
         let record = Fd(record as i32);
         ExportRecord::check(&record, pid, d.start_time)?;
-        Ok(Exporter { pid, start_time: d.start_time, pidfd, record, record_fd: d.record.fd })
+        let record_file = FileId::of(record.raw())?;
+        Ok(Exporter { pid, start_time: d.start_time, pidfd, record, record_fd: d.record.fd, record_file })
+    }
+
+    /// Whether the exporter still holds the record this importer opened: an `exec` keeps
+    /// the pid and start time but closes the record (close-on-exec), and a later one may
+    /// take its number. `kcmp` compares the two open files; where the kernel refuses it,
+    /// the number is fetched again and its file compared.
+    pub fn same_record(&self) -> bool {
+        const KCMP_FILE: libc::c_long = 0;
+        // SAFETY: a plain syscall with integer arguments.
+        let r = unsafe {
+            libc::syscall(libc::SYS_kcmp, std::process::id() as libc::c_long, self.pid as libc::c_long, KCMP_FILE, self.record.raw() as libc::c_long, self.record_fd as libc::c_long)
+        };
+        if r >= 0 {
+            return r == 0;
+        }
+        // SAFETY: as in `open`; the result is a new descriptor this process owns.
+        let again = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.pidfd.raw(), self.record_fd, 0) };
+        if again < 0 {
+            return false;
+        }
+        let again = Fd(again as i32);
+        FileId::of(again.raw()).is_ok_and(|f| f == self.record_file)
     }
 
     /// Whether `d` comes from this exporter (same process, same record).

@@ -474,3 +474,36 @@ def test_an_integer_limit_out_of_range_is_refused_not_wrapped(library):
         print("ok")
     """))
     assert "ok" in out
+
+
+def test_out_of_memory_reports_name_the_arenas_granule_and_its_address_space(library):
+    # A request under a limit smaller than the arena's mapping unit: the report says the
+    # arena maps whole granules. An arena whose reserved address space is full (a small
+    # GPUPOOL_ARENA_VA) while the device has room: the hint names that setting.
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        p = ctypes.c_void_p()
+        gpupool.set_limit(1 << 20)
+        assert L.gpupool_malloc(ctypes.byref(p), 512 << 10, 0, None) != 0
+        msg = gpupool._last_error()
+        assert "exceed the pool limit of 1.00 MiB" in msg and "whole granules of 2.00 MiB" in msg, msg
+        print("ok limit")
+    """))
+    assert "ok limit" in out
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        p = ctypes.c_void_p()
+        for i in range(8):
+            if L.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) != 0:
+                break
+        else:
+            raise SystemExit("the address space never filled")
+        msg = gpupool._last_error()
+        assert "address space" in msg and "GPUPOOL_ARENA_VA" in msg, msg
+        print("ok va")
+    """, env={"GPUPOOL_ARENA_VA": "8MiB"}))
+    assert "ok va" in out

@@ -1108,3 +1108,54 @@ def test_a_send_that_fails_to_open_releases_its_hold_on_host(library, tmp_path):
         print("ok")
     """))
     assert "ok" in out
+
+
+EXPORTER_THAT_EXECS = """
+import ctypes, os, sys, gpupool
+gpupool.configure(0, pool="arena", upstream="host")
+L = gpupool.lib()
+p = ctypes.c_void_p()
+assert L.gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+ctypes.memset(p.value, 0x11, 3 << 20)
+print(gpupool.ipc_export(p.value).hex(), flush=True)
+sys.stdin.readline()
+os.execv("/bin/sleep", ["sleep", "60"])   # the same pid and start time, another program
+"""
+
+
+def test_an_exporter_that_execs_is_not_served_from_mappings_kept_of_it_on_host(library, tmp_path):
+    # The importer keeps what it mapped of a process; that process then execs (its pid and
+    # start time stay, its record of exports goes). A descriptor from before must be
+    # refused, not served from the kept mapping.
+    script = tmp_path / "exporter.py"
+    script.write_text(EXPORTER_THAT_EXECS)
+    out = ok(run_py(f"""
+        import os, subprocess, sys, time, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        child = subprocess.Popen([sys.executable, {str(script)!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=os.environ)
+        try:
+            desc = bytes.fromhex(child.stdout.readline().strip())
+            ptr = gpupool.ipc_open(desc)
+            import ctypes
+            assert ctypes.string_at(ptr, 4) == b"\\x11" * 4
+            gpupool.ipc_close(ptr)
+            assert gpupool.stats_json(0)["ipc_imports_kept"] == 1
+            child.stdin.write("exec\\n"); child.stdin.flush()
+            for _ in range(200):   # until the child runs the other program
+                if os.readlink(f"/proc/{{child.pid}}/exe").endswith("sleep"):
+                    break
+                time.sleep(0.02)
+            else:
+                raise SystemExit("the child did not exec")
+            try:
+                again = gpupool.ipc_open(desc)
+                raise SystemExit(f"served after the exporter exec'd, at {{again:#x}}")
+            except gpupool.GpupoolError as e:
+                print("refused:", e)
+        finally:
+            child.kill()
+            child.wait()
+        print("ok")
+    """))
+    assert "ok" in out
