@@ -5,9 +5,9 @@
 //! and again: a re-send of the same storages, or new tensors the exporter's pool placed in
 //! the allocations it used last time. Mapping another process's memory costs driver calls
 //! per allocation (import the shareable handle, map it, grant access, and on the way out a
-//! device-wide wait, unmap and release), a few hundred microseconds a block; a receiver
+//! device-wide wait, unmap and release; `docs/ipc.md` gives what they cost); a receiver
 //! that unmaps everything when a message's tensors die pays all of it again for the next
-//! message, several times what the sender's framework pays natively.
+//! message.
 //!
 //! Approach. Closing an import does not unmap it: the mapped range (a run: the whole
 //! allocations under one block, side by side) stays, idle, and a later descriptor whose
