@@ -37,6 +37,7 @@ pub mod decay;
 pub mod error;
 pub mod pages;
 pub mod fork;
+pub mod front;
 pub mod holds;
 pub mod ffi;
 pub mod handover;

@@ -312,6 +312,20 @@ impl StreamTracker {
         }
     }
 
+    /// The reuse gate a strategy asks while it serves a request on `to` (`to_handle`):
+    /// `make_safe` for each piece of free memory it would hand over. The strategy calls it
+    /// without knowing of streams or the upstream.
+    pub fn reuse_gate<'a>(&'a mut self, up: &'a mut dyn Upstream, to: StreamKey, to_handle: StreamHandle) -> impl FnMut(StreamKey, usize, usize) -> bool + 'a {
+        move |from, addr, len| self.make_safe(up, from, to, to_handle, addr, len)
+    }
+
+    /// The release gate a strategy asks before it gives back free memory last used on a
+    /// stream: every stream where `device_wait` (a device-wide wait may prove it idle), else
+    /// only streams whose frees events cover.
+    pub fn release_gate(&self, device_wait: bool) -> impl FnMut(StreamKey) -> bool + '_ {
+        move |key| device_wait || !self.is_uncovered(key)
+    }
+
     /// Make free memory `[addr, addr + len)` last used on `from` safe for use on stream
     /// `to`. Returns false when that is impossible now (a free there waits for `from`'s next
     /// batched record, or a driver call failed); the caller then must not reuse it.

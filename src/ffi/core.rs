@@ -7,9 +7,9 @@
 use super::boundary::{call, call_value, last_error, opt_str, write_str};
 use crate::config::{PoolKind, UpstreamKind};
 use crate::error::{BadPointer, Error, Status};
+use crate::front;
 use crate::registry;
 use crate::stats::{stats_version_of, Stats, STATS_V1_SIZE};
-use crate::thread_cache;
 use crate::upstream::cuda::driver;
 use std::ffi::{c_char, c_int, c_void};
 
@@ -42,7 +42,7 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
             return Err(Error::NullArgument("out_ptr"));
         }
         *out_ptr = std::ptr::null_mut();
-        *out_ptr = thread_cache::malloc(device, size, stream as usize)? as *mut c_void;
+        *out_ptr = front::malloc(device, size, stream as usize)? as *mut c_void;
         Ok(())
     })
 }
@@ -55,39 +55,7 @@ pub unsafe extern "C" fn gpupool_malloc(out_ptr: *mut *mut c_void, size: usize, 
 /// No requirement beyond the C prototype: the pointer is only looked up, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> Status {
-    call(|| free_on(ptr as usize, device, stream as usize))
-}
-
-/// Shared by `gpupool_free` and the framework entry points.
-pub(crate) fn free_on(ptr: usize, device: c_int, stream: usize) -> crate::error::Result<()> {
-    if ptr != 0 && thread_cache::try_free(device, ptr, stream) {
-        return Ok(());
-    }
-    free_with(ptr, device, stream, |pool| pool.free(ptr, stream))
-}
-
-/// Free `ptr` on `device` with `free` (the pool's stream-ordered or stream-less free), in
-/// the shard that holds it (`stream`: the freeing stream, where to look first). A pointer
-/// unknown to that device's pool is reported with the device that does own it, if any.
-pub(crate) fn free_with(
-    ptr: usize,
-    device: c_int,
-    stream: usize,
-    free: impl FnOnce(&mut crate::pool::Pool) -> crate::error::Result<()>,
-) -> crate::error::Result<()> {
-    if ptr == 0 {
-        return Ok(());
-    }
-    match registry::with_holder(device, ptr, stream, free)? {
-        Some(Ok(())) => Ok(()),
-        Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => Err(match registry::find_owner(ptr) {
-            Some(d) => Error::InvalidArgument(format!(
-                "free of pointer {ptr:#x} on device {device}: it was allocated on device {d}; pass that device"
-            )),
-            None => Error::InvalidPointer { ptr, device, why: BadPointer::Unknown },
-        }),
-        Some(Err(e)) => Err(e),
-    }
+    call(|| front::free(ptr as usize, device, stream as usize))
 }
 
 /// Mark that `stream` uses the live block `ptr` (any device): shared by the C API and the

@@ -44,13 +44,10 @@
 //! with it turns any C++ exception into a plain `MemoryError` or `RuntimeError`.
 
 use super::boundary::call;
-use super::core::free_with;
 use super::report::call_void;
 use crate::error::Error;
-use crate::pool::FreeOn;
-use crate::registry;
+use crate::front;
 use crate::stream::{is_legacy, STREAM_LEGACY};
-use crate::thread_cache;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -218,11 +215,11 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
     }
     call(|| {
         let r = match current_stream() {
-            None => thread_cache::malloc_unordered(device, size),
+            None => front::malloc_unordered(device, size),
             // The legacy stream: the same fast path as PyTorch's and the C API's.
-            Some(s) if is_legacy(s) => thread_cache::malloc(device, size, STREAM_LEGACY),
+            Some(s) if is_legacy(s) => front::malloc(device, size, STREAM_LEGACY),
             // Shard 0: a capture it detects starts a private pool, which lives there.
-            Some(s) => registry::allocate(device, 0, s, |p| p.malloc_detecting_capture(size, s)),
+            Some(s) => front::malloc_detecting_capture(device, size, s),
         };
         r.map(|a| out = a as *mut c_void).inspect_err(|e| err = Some(e.clone()))
     });
@@ -246,18 +243,15 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
     let p = ptr as usize;
     call_void("gpupool_cupy_free", || {
         if STREAM_GETTER.load(Ordering::Relaxed) == 0 {
-            if p != 0 && thread_cache::try_free_unordered(device, p) {
-                return Ok(());
-            }
-            return free_with(p, device, STREAM_LEGACY, |pool| pool.free(p, FreeOn::Unordered));
+            return front::free_unordered(p, device);
         }
-        // This thread's fast path holds only blocks it allocated on the legacy stream.
-        if p != 0 && thread_cache::try_free(device, p, STREAM_LEGACY) {
+        // This thread's fast path holds only blocks it allocated on the legacy stream;
+        // asked before the stream getter, which the fast path does without.
+        if front::kept_by_thread(p, device, STREAM_LEGACY) {
             return Ok(());
         }
         // The current stream is alive now: a block booked on it records its free there;
         // any other booked stream may have been destroyed since and is not touched.
-        let current = current_stream();
-        free_with(p, device, current.unwrap_or(STREAM_LEGACY), |pool| pool.free(p, FreeOn::AsAllocated { current }))
+        front::free_as_allocated(p, device, current_stream())
     });
 }

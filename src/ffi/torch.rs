@@ -4,7 +4,7 @@
 //! `allocator._allocator.set_*_fn(address)`.
 
 use super::boundary::{call, call_value};
-use super::core::{free_on, record_stream_any};
+use super::core::record_stream_any;
 use super::report::call_void;
 use crate::error::{BadPointer, Error, Result, Status};
 use crate::pool::{Callback, Filter};
@@ -37,7 +37,7 @@ pub unsafe extern "C-unwind" fn gpupool_torch_malloc(size: usize, device: c_int,
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void) {
     let _ = size; // the pool knows each block's size
-    call_void("gpupool_torch_free", || free_on(ptr as usize, device, stream as usize));
+    call_void("gpupool_torch_free", || crate::front::free(ptr as usize, device, stream as usize));
 }
 
 /// `init(int device_count)`: loads the driver early so the first allocation does not pay it.

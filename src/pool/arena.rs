@@ -7,17 +7,19 @@
 //! The strategy plans and keeps the books; every driver call is made here, and the books
 //! are updated after each call that succeeded, so a failure midway leaves them exact.
 
+mod export;
 mod figures;
 mod release;
 
 pub use figures::ArenaFigures;
 
 use super::grow::{Attempt, Grower, Request, Stage};
-use super::Pool;
+use super::core::PoolStrategy;
+use super::{Pool, PoolOptions};
 use crate::error::{Error, Result};
 use crate::block::Block;
-use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth};
-use crate::strategy::{ReleaseOrder, Strategy};
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth, PlanRules};
+use crate::strategy::ReleaseOrder;
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::{AliasFail, AllocError, Upstream};
@@ -39,8 +41,9 @@ enum GrowFail {
 /// shard reserves as much as shard 0: one stream may hold most of the device, and a range
 /// that runs out fails requests the device could serve. A device with all 16 stream shards
 /// in use holds `85M` of address space, a small part of the 128 TiB a process has.
-/// `chunks`: the largest chunk and the shortest growth mapped as chunks.
-pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, chunks: (usize, usize)) -> std::result::Result<Box<dyn Strategy>, String> {
+/// `opts` gives the address space (`arena_va`), the chunk sizes and piece ends.
+pub(super) fn build(up: &mut dyn Upstream, opts: &PoolOptions) -> std::result::Result<Box<ArenaStrategy>, String> {
+    let va_bytes = opts.arena_va;
     let g = up.vmm_granule();
     if g == 0 {
         return Err(format!("arena unavailable: the {} upstream or its device has no virtual memory management; using split", up.name()));
@@ -61,8 +64,9 @@ pub(super) fn build(up: &mut dyn Upstream, va_bytes: Option<usize>, chunks: (usi
         match reserved {
             Ok((base, stitch)) => {
                 let mut a = ArenaStrategy::new((small_base, small), (base, large), (stitch, large), g);
-                a.set_chunks(chunks.0, chunks.1);
+                a.set_chunks(opts.arena_chunk, opts.arena_chunk_from);
                 a.set_device_bytes(total);
+                a.set_piece_ends(opts.arena_piece_ends);
                 return Ok(Box::new(a));
             }
             Err(e) if large <= total / 2 || va_bytes.is_some() => {
@@ -88,36 +92,30 @@ impl Grower for ArenaGrowth {
         }
         // Once memory had to be released for this request, new memory is mapped granule by
         // granule: a chunk partly in use could be neither stitched nor released later.
-        pool.arena().set_chunking(stage == Stage::AsIs);
+        let chunking = stage == Stage::AsIs;
         // While other shards' growths contend for the driver, small requests get new memory
         // rather than new stitches (`contention.rs`); not once memory had to be released,
         // nor where new memory is refused or no window is allowed (below): there a stitch
         // serves with memory already held.
         let contended = stage == Stage::AsIs && pool.budget().contention().contended();
-        pool.arena().set_small_stitches(!contended);
-        if let Some(b) = pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled_unplanned(rounded, key, gate)) {
+        if let Some(b) = pool.with_arena_gate(key, stream, |a, gate| a.take_spilled_unplanned(rounded, key, gate)) {
             return Ok(Attempt::Served(b));
         }
         // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
         // stream's work cannot be waited for now) is not planned again in this growth: the
         // same stitch would be chosen forever.
-        let mut may_evict = true;
-        let mut small_stitches = !contended;
-        let mut pieces_when_full = false;
-        pool.arena().set_pieces_when_full(false);
+        let mut rules = PlanRules { small_stitches: !contended, ..PlanRules::default() };
         loop {
-            let plan = pool.with_gate(key, stream, |s, gate| s.as_arena_ref().expect("arena pool").plan(rounded, key, may_evict, gate));
+            let plan = pool.with_arena_gate(key, stream, |a, gate| a.plan(rounded, key, rules, gate));
             let served = match plan {
-                None if !small_stitches => {
-                    small_stitches = true;
-                    pool.arena().set_small_stitches(true);
+                None if !rules.small_stitches => {
+                    rules.small_stitches = true;
                     continue;
                 }
                 // Piece ends were held back for a full stitch cache (`plan`); where nothing
                 // else serves, they may evict.
-                None if !pieces_when_full && pool.arena_ref().piece_ends() => {
-                    pieces_when_full = true;
-                    pool.arena().set_pieces_when_full(true);
+                None if !rules.pieces_when_full && pool.arena_ref().piece_ends() => {
+                    rules.pieces_when_full = true;
                     continue;
                 }
                 None => return Ok(Attempt::Nothing),
@@ -131,7 +129,7 @@ impl Grower for ArenaGrowth {
                         pool.cover_own_frees(key, stream);
                     }
                     if pool.drop_stitch(id).is_err() {
-                        may_evict = false;
+                        rules.may_evict = false;
                     }
                     continue;
                 }
@@ -140,13 +138,13 @@ impl Grower for ArenaGrowth {
                     let budget = pool.budget().clone();
                     let _calls = budget.contention().begin();
                     pool.cover_own_frees(key, stream);
-                    pool.make_stitch(base, homes, &fresh, (take, head, tail), req)
+                    pool.make_stitch(base, homes, &fresh, (take, head, tail), req, chunking)
                 }
                 Some(Growth::Window { space, window }) => {
                     let spilled = if window.targets.is_empty() {
                         None
                     } else {
-                        pool.with_gate(key, stream, |s, gate| s.as_arena().expect("arena pool").take_spilled(rounded, key, gate))
+                        pool.with_arena_gate(key, stream, |a, gate| a.take_spilled(rounded, key, gate))
                     };
                     match spilled {
                         Some(b) => Ok(b),
@@ -157,22 +155,20 @@ impl Grower for ArenaGrowth {
                             if budget.is_some() {
                                 pool.cover_own_frees(key, stream);
                             }
-                            pool.map_window(&window, key, stream).map(|()| pool.arena().carve_window(space, &window, key))
+                            pool.map_window(&window, key, stream, chunking).map(|()| pool.arena().carve_window(space, &window, key))
                         }
                     }
                 }
             };
             return match served {
                 Ok(b) => Ok(Attempt::Served(b)),
-                Err(GrowFail::OutOfMemory { .. }) if !small_stitches => {
-                    small_stitches = true;
-                    pool.arena().set_small_stitches(true);
+                Err(GrowFail::OutOfMemory { .. }) if !rules.small_stitches => {
+                    rules.small_stitches = true;
                     continue;
                 }
                 // The window taken for a full stitch cache was refused: pieces need less.
-                Err(GrowFail::OutOfMemory { .. }) if !pieces_when_full && pool.arena_ref().piece_ends() => {
-                    pieces_when_full = true;
-                    pool.arena().set_pieces_when_full(true);
+                Err(GrowFail::OutOfMemory { .. }) if !rules.pieces_when_full && pool.arena_ref().piece_ends() => {
+                    rules.pieces_when_full = true;
                     continue;
                 }
                 Err(GrowFail::OutOfMemory { by_limit }) => Ok(Attempt::Refused { by_limit }),
@@ -198,12 +194,57 @@ impl Grower for ArenaGrowth {
 }
 
 impl Pool {
+    /// The arena of an arena pool. The arena's pool side runs only for arena pools
+    /// (`Pool::grow` picks `ArenaGrowth` where `Core::is_arena`; exports and releases ask
+    /// `Pool::arena_if_any` first).
     fn arena(&mut self) -> &mut ArenaStrategy {
-        self.core.strategy.as_arena().expect("called for arena pools only")
+        match &mut self.core.strategy {
+            PoolStrategy::Arena(a) => a,
+            PoolStrategy::Segments(_) => unreachable!("the arena's pool side runs for arena pools only"),
+        }
     }
 
     fn arena_ref(&self) -> &ArenaStrategy {
-        self.core.strategy.as_arena_ref().expect("called for arena pools only")
+        self.arena_if_any().expect("the arena's pool side runs for arena pools only")
+    }
+
+    /// The arena's granule (0 for other pools): what out-of-memory reports name as the
+    /// unit of mapping.
+    pub(super) fn arena_granule(&self) -> usize {
+        self.arena_if_any().map_or(0, |a| a.granule())
+    }
+
+    /// The bytes of the arena's large range (any block must fit there), for an
+    /// out-of-memory report where no address space was left.
+    pub(super) fn arena_large_range(&self) -> Option<usize> {
+        self.arena_if_any().map(|a| a.reservations()[1].1)
+    }
+
+    /// Whether `rounded` bytes can never fit this arena: over the device's memory as the
+    /// arena read it at start (no bound where the driver would not say), or over the range
+    /// any block must fit in. False for other pools.
+    pub(super) fn arena_never_fits(&self, rounded: usize) -> bool {
+        let Some(arena) = self.arena_if_any() else { return false };
+        let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
+        rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)
+    }
+
+    /// The arena, where this pool is an arena pool.
+    fn arena_if_any(&self) -> Option<&ArenaStrategy> {
+        match &self.core.strategy {
+            PoolStrategy::Arena(a) => Some(a),
+            PoolStrategy::Segments(_) => None,
+        }
+    }
+
+    /// Run `f` on the arena with the reuse gate of a request on `stream` (`key`): free
+    /// memory last used on another stream serves it only where the stream tracker makes it
+    /// safe for this one (`StreamTracker::reuse_gate`).
+    fn with_arena_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut ArenaStrategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
+        let core = &mut self.core;
+        let PoolStrategy::Arena(a) = &mut core.strategy else { unreachable!("the arena's pool side runs for arena pools only") };
+        let mut gate = core.streams.reuse_gate(&mut *core.upstream, key, stream);
+        f(a, &mut gate)
     }
 
     /// Whether a growth of `len` may be mapped in chunks: only while the device's reserved
@@ -223,11 +264,11 @@ impl Pool {
     /// (an alias each, no new memory: `ArenaStrategy::lendable`), then
     /// with new memory, one call per run of adjacent granules; the books follow each call
     /// that succeeded.
-    fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
+    /// `chunking`: whether long runs of new memory may be mapped as chunks (`map_granules`).
+    fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle, chunking: bool) -> std::result::Result<(), GrowFail> {
         let mut targets = window.targets.as_slice();
         if self.core.arena_lend && !targets.is_empty() {
-            let homes = self.with_gate(key, stream, |s, gate| {
-                let a = s.as_arena_ref().expect("arena pool");
+            let homes = self.with_arena_gate(key, stream, |a, gate| {
                 a.lendable(a.space_of_addr(window.start), targets.len(), key, gate)
             });
             let g = self.arena().granule();
@@ -282,18 +323,18 @@ impl Pool {
                 return Err(GrowFail::Other(error));
             }
         }
-        self.map_granules(targets, key, stream)
+        self.map_granules(targets, key, stream, chunking)
     }
 
     /// Map new memory under the unmapped granules `t` (ascending): per run of adjacent
     /// ones, one call granule by granule, or one per chunk where the run is long
-    /// (`ArenaStrategy::chunk_for`).
-    fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle) -> std::result::Result<(), GrowFail> {
+    /// (`ArenaStrategy::chunk_for`) while `chunking` allows.
+    fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle, chunking: bool) -> std::result::Result<(), GrowFail> {
         let g = self.arena().granule();
         let mut pieces = Vec::new();
         for r in adjacent_runs(t, g) {
             let (addr, len) = (t[r.start], r.len() * g);
-            let chunk = self.arena().chunk_for(addr, len);
+            let chunk = self.arena().chunk_for(addr, len, chunking);
             if chunk <= g || !self.arena_has_room_for_chunks(len) {
                 pieces.push((addr, len, false));
                 continue;
@@ -335,10 +376,11 @@ impl Pool {
     /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
     /// homes are free memory whose streams the plan made safe for `stream`; nothing is
     /// unmapped, so no queued work is disturbed. `(take, head, tail)`: as `Growth::Stitch`'s.
-    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], (take, head, tail): (usize, usize, bool), req: &Request) -> std::result::Result<Block, GrowFail> {
+    /// `chunking`: as `map_granules`'s, for the new memory under the stitch.
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], (take, head, tail): (usize, usize, bool), req: &Request, chunking: bool) -> std::result::Result<Block, GrowFail> {
         let Request { rounded: bytes, key, stream, .. } = *req;
         let g = self.arena().granule();
-        self.map_granules(fresh, key, stream)?;
+        self.map_granules(fresh, key, stream, chunking)?;
         if let Err(AliasFail { made, error }) = self.core.upstream.vmm_alias(&homes, base) {
             // Undo the aliases made (whole allocations), one mapping at a time. One the
             // driver will not remove is booked as a broken stitch over what was aliased, so

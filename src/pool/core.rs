@@ -15,6 +15,7 @@ use crate::config::PoolKind;
 use crate::debug::AllocRecord;
 use crate::error::Result;
 use crate::pages::Holes;
+use crate::strategy::arena::ArenaStrategy;
 use crate::strategy::{self, Strategy};
 use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{EventHandle, Upstream};
@@ -44,12 +45,42 @@ pub(super) struct Pending {
     pub events: Vec<EventHandle>,
 }
 
+/// A pool's strategy: the arena, which grows by mapping granules and whose growth,
+/// release and export are the pool's arena module's (`arena.rs`), or a strategy that
+/// grows by segments. As a `Strategy` both are the same (`Deref`); the arena's own calls
+/// are reached by matching, not by asking a strategy what it is.
+pub(super) enum PoolStrategy {
+    Arena(Box<ArenaStrategy>),
+    Segments(Box<dyn Strategy>),
+}
+
+impl std::ops::Deref for PoolStrategy {
+    type Target = dyn Strategy;
+    #[inline]
+    fn deref(&self) -> &(dyn Strategy + 'static) {
+        match self {
+            PoolStrategy::Arena(a) => &**a,
+            PoolStrategy::Segments(s) => &**s,
+        }
+    }
+}
+
+impl std::ops::DerefMut for PoolStrategy {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut (dyn Strategy + 'static) {
+        match self {
+            PoolStrategy::Arena(a) => &mut **a,
+            PoolStrategy::Segments(s) => &mut **s,
+        }
+    }
+}
+
 /// The core allocator (module docs).
 pub(super) struct Core {
     pub device: i32,
     /// `PoolOptions::shard`: the address index (`crate::owners`) names it.
     pub shard: u16,
-    pub strategy: Box<dyn Strategy>,
+    pub strategy: PoolStrategy,
     pub upstream: Box<dyn Upstream>,
     pub streams: StreamTracker,
     pub live: FxHashMap<usize, Live>,
@@ -80,24 +111,22 @@ impl Core {
     /// space here; without VMM it falls back to `split` and says why in `notice`).
     pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Core {
         let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match super::arena::build(&mut *upstream, opts.arena_va, (opts.arena_chunk, opts.arena_chunk_from)) {
-                Ok(mut a) => {
-                    if let Some(arena) = a.as_arena() {
-                        arena.set_piece_ends(opts.arena_piece_ends);
+            PoolKind::Arena => match super::arena::build(&mut *upstream, opts) {
+                Ok(a) => {
+                    for (base, len) in a.reservations() {
+                        crate::owners::add(base, len, device, opts.shard);
                     }
-                    (a, None)
+                    (PoolStrategy::Arena(a), None)
                 }
-                Err(why) => (strategy::build(PoolKind::Split), Some(why)),
+                Err(why) => (PoolStrategy::Segments(strategy::build(PoolKind::Split)), Some(why)),
             },
-            kind => (strategy::build(kind), None),
+            kind => (PoolStrategy::Segments(strategy::build(kind)), None),
         };
-        if let Some(a) = strategy.as_arena_ref() {
-            for (base, len) in a.reservations() {
-                crate::owners::add(base, len, device, opts.shard);
-            }
-        }
         // The arena maps granules itself: the page decommit of segment pools stays off.
-        let upstream_page = if strategy.as_arena_ref().is_some() { 0 } else { upstream.page_size() };
+        let upstream_page = match strategy {
+            PoolStrategy::Arena(_) => 0,
+            PoolStrategy::Segments(_) => upstream.page_size(),
+        };
         // `none` gives each free straight back, and that release waits for exactly that
         // free's record: no batching there.
         let batch = if opts.kind == PoolKind::None { 1 } else { opts.event_batch };
@@ -124,7 +153,7 @@ impl Core {
     /// segments).
     #[inline]
     pub fn is_arena(&self) -> bool {
-        self.strategy.as_arena_ref().is_some()
+        matches!(self.strategy, PoolStrategy::Arena(_))
     }
 
     /// The tracker's identity for `stream`.
@@ -138,8 +167,7 @@ impl Core {
     /// makes it safe for this one.
     #[inline]
     pub fn with_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut dyn Strategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
-        let (streams, up) = (&mut self.streams, &mut *self.upstream);
-        let mut gate = |from: StreamKey, addr: usize, len: usize| streams.make_safe(up, from, key, stream, addr, len);
+        let mut gate = self.streams.reuse_gate(&mut *self.upstream, key, stream);
         f(&mut *self.strategy, &mut gate)
     }
 

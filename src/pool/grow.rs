@@ -11,7 +11,6 @@ use super::arena::ArenaGrowth;
 use super::{Pool, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
-use crate::strategy::Strategy;
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
 use crate::upstream::AllocError;
@@ -139,12 +138,6 @@ impl Pool {
         self.core.upstream.synchronize_device()?;
         self.core.streams.device_synchronized();
         Ok(())
-    }
-
-    /// `Core::with_gate`, for the arena's growth (`arena.rs`).
-    #[inline]
-    pub(super) fn with_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut dyn Strategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
-        self.core.with_gate(key, stream, f)
     }
 
     pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
@@ -276,7 +269,7 @@ impl Pool {
         }
         let mut e = self.oom(size, rounded, by_limit);
         if let (Error::OutOfMemory(r), true) = (&mut e, no_room && !by_limit) {
-            r.address_space_full = self.core.strategy.as_arena_ref().map(|a| a.reservations()[1].1);
+            r.address_space_full = self.arena_large_range();
         }
         Err(e)
     }
@@ -289,11 +282,7 @@ impl Pool {
         if limit > 0 && rounded > limit {
             return Some(true);
         }
-        let arena = self.core.strategy.as_arena_ref()?;
-        // The device's memory as the arena read it at start (one granule where the driver
-        // would not say: no bound then).
-        let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
-        (rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)).then_some(false)
+        self.arena_never_fits(rounded).then_some(false)
     }
 
     /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
@@ -345,7 +334,7 @@ impl Pool {
             by_limit,
             strategy: self.core.strategy.name(),
             hopeless: false,
-            granule: self.core.strategy.as_arena_ref().map_or(0, |a| a.granule()),
+            granule: self.arena_granule(),
             address_space_full: None,
         }))
     }

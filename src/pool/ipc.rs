@@ -13,8 +13,7 @@
 use super::{Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::export_record::ExportRecord;
-use crate::upstream::shared::{granules_digest, raise_fd_limit, own_start_time, Descriptor, FdSource, FileId, SharedGranule, KIND_CUDA};
+use crate::upstream::shared::{own_start_time, Descriptor, FdSource, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -58,7 +57,7 @@ impl Pool {
             ));
         }
         let size = l.requested.max(1);
-        let Some(g) = self.core.strategy.as_arena_ref().map(|a| a.granule()) else {
+        if !self.core.is_arena() {
             // A segment pool's block lies in a `cuMemAlloc` segment: CUDA's own IPC handle
             // of the segment and the block's offset in it.
             let (segment, device) = (l.block.segment, self.core.device);
@@ -71,74 +70,9 @@ impl Pool {
             let pid = std::process::id();
             let d = LegacyDescriptor { pid, device, start_time: own_start_time(), handle, offset: (ptr - segment) as u64, size: size as u64 };
             return Ok(d.encode());
-        };
-        // The granules' shareable handles and the record come before the guard that keeps
-        // the granules to the block, so a failed export (a driver call, the record) leaves
-        // the arena's books as they were: the block stays usable and unguarded. A refused
-        // guard ends the record; a granule's descriptor stays with the upstream until the
-        // granule is released, and serves its next export.
-        // Each exported granule keeps a descriptor open (`shared.rs`).
-        raise_fd_limit();
+        }
         let (addr, block_size) = (l.block.addr, l.block.size);
-        // Whole allocations: the importer maps a chunk only whole.
-        let (first, end) = self.core.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
-        // Each granule's file identity goes along, so an importer can tell the exported file
-        // from whatever its number names later (`shared.rs`, "Trust").
-        // (The granules of one allocation share its descriptor: one fstat for them.)
-        let mut last: Option<(i32, FileId)> = None;
-        let granules = (first..end)
-            .step_by(g)
-            .map(|a| {
-                let s = self.core.upstream.vmm_export(a)?;
-                let file = match last {
-                    Some((fd, file)) if fd == s.fd => file,
-                    _ => FileId::of(s.fd)?,
-                };
-                last = Some((s.fd, file));
-                Ok(SharedGranule { file, ..s })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        // A block exported before with the same granules keeps its export: one record
-        // slot, one descriptor, however often it is sent.
-        let digest = granules_digest(&granules);
-        let reused = self.core.strategy.as_arena().expect("arena pool").export_of(addr, digest);
-        let record = match reused {
-            Some(at) => at,
-            None => ExportRecord::add(&granules)?,
-        };
-        // The importer maps whole granules: nothing else may live in the block's (unless
-        // the caller shares granules, as the framework routes do).
-        let mut guarded = if share_granules { Ok(()) } else { self.arena_guard_export(addr, block_size) };
-        if guarded.is_err() {
-            // Blocks freed into thread caches, or not yet fenced, are live in the books:
-            // hand them back and look again.
-            self.flush_thread_caches(None);
-            self.fence_unfenced();
-            self.finish_pending(false);
-            guarded = self.arena_guard_export(addr, block_size);
-        }
-        if let Err(why) = guarded {
-            if reused.is_none() {
-                ExportRecord::end(record);
-            }
-            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
-        }
-        if reused.is_none() {
-            self.core.strategy.as_arena().expect("arena pool").note_export(addr, record, digest);
-        }
-        let d = Descriptor {
-            kind: self.core.upstream.vmm_share_kind(),
-            pid: std::process::id(),
-            start_time: own_start_time(),
-            record,
-            device: self.core.device,
-            granule: g as u64,
-            offset: (ptr - first) as u64,
-            size: size as u64,
-            origin: first as u64,
-            granules,
-        };
-        Ok(d.encode())
+        self.arena_export(ptr, size, (addr, block_size), share_granules)
     }
 
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
@@ -148,18 +82,10 @@ impl Pool {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };
         let size = l.requested.max(1);
-        Ok(match self.core.strategy.as_arena_ref().map(|a| a.granule()) {
-            Some(g) => {
-                let (first, end) = self.core.strategy.as_arena_ref().expect("arena pool").export_extent(ptr, size);
-                let granules = (end - first) / g;
-                crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules
-            }
+        Ok(match self.arena_export_granules(ptr, size) {
+            Some(granules) => crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules,
             None => crate::upstream::legacy_descriptor::LEGACY_DESCRIPTOR_BYTES,
         })
-    }
-
-    fn arena_guard_export(&mut self, addr: usize, size: usize) -> std::result::Result<(), String> {
-        self.core.strategy.as_arena().expect("arena pool").guard_export(addr, size)
     }
 
     /// Map the block another process exported as `d` (decoded by the caller, before

@@ -151,8 +151,8 @@ impl Pool {
         // wait; while none may be made (a capture may run) its segments stay cached, where
         // that stream can still use them.
         let allowed = self.device_sync_allowed();
-        let (streams, mut segs) = (&self.core.streams, Vec::new());
-        let mut releasable = |s: StreamKey| allowed || !streams.is_uncovered(s);
+        let mut segs = Vec::new();
+        let mut releasable = self.core.streams.release_gate(allowed);
         for seg in std::mem::take(&mut self.core.unreleased) {
             let waiting = seg.stream == StreamKey::MIXED && !allowed && self.core.streams.has_uncovered();
             if waiting || !releasable(seg.stream) {
@@ -162,6 +162,7 @@ impl Pool {
             }
         }
         segs.extend(self.core.strategy.drain_free_segments(want, order, &mut releasable));
+        drop(releasable);
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {

@@ -170,19 +170,9 @@ impl Pool {
         self.core.notice.as_deref()
     }
 
-    /// The arena's counters, for arena pools.
-    pub fn arena_counters(&self) -> Option<crate::strategy::arena::ArenaCounters> {
-        self.core.strategy.as_arena_ref().map(|a| a.counters)
-    }
-
     /// Device, strategy and upstream names, as the reports head them.
     pub fn report_context(&self) -> ReportContext<'static> {
         ReportContext { device: self.core.device, strategy: self.core.strategy.name(), upstream: self.core.upstream.name() }
-    }
-
-    /// The arena's (mapped, free) bytes in its small and large ranges, for arena pools.
-    pub fn arena_space_usage(&self) -> Option<[(usize, usize); 2]> {
-        self.core.strategy.as_arena_ref().map(|a| a.space_usage())
     }
 
     /// Cached free blocks (tests and reports).

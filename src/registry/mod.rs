@@ -43,7 +43,7 @@ mod route;
 mod streams;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
-pub use route::{allocate, counted_twice, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, with_holder, worth_other_shards};
+pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
 use crate::error::{Error, Result};
@@ -221,30 +221,50 @@ fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
     Ok(pool)
 }
 
-/// Run `f` on shard `shard` of `device`'s pool, creating it on first use.
-pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
-    let s = slot(device)?;
-    let mut g = lock_pool(&s.shards[shard]);
-    if g.is_none() {
-        *g = Some(create(device, shard, s)?);
+/// A shard's pool, locked: the guard the front end holds across one operation
+/// (`crate::front`), so that its own steps run under the lock without a closure handed
+/// down to the registry.
+pub struct PoolGuard(MutexGuard<'static, Option<Pool>>);
+
+impl std::ops::Deref for PoolGuard {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        self.0.as_ref().expect("a guard is made only over a pool")
     }
-    f(g.as_mut().expect("pool created above"))
 }
 
-/// `with_shard` for an allocation on `stream`, which may move the stream to another shard
-/// for later allocations when another stream allocates on this one too
-/// (`StreamShards::allocating`).
-pub fn with_stream_shard<R>(device: i32, shard: usize, stream: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+impl std::ops::DerefMut for PoolGuard {
+    fn deref_mut(&mut self) -> &mut Pool {
+        self.0.as_mut().expect("a guard is made only over a pool")
+    }
+}
+
+/// Lock shard `shard` of `device`'s pool, creating it on first use.
+pub fn lock_shard(device: i32, shard: usize) -> Result<PoolGuard> {
     let s = slot(device)?;
     let mut g = lock_pool(&s.shards[shard]);
     if g.is_none() {
         *g = Some(create(device, shard, s)?);
     }
+    Ok(PoolGuard(g))
+}
+
+/// `lock_shard` for an allocation on `stream`, which may move the stream to another shard
+/// for later allocations when another stream allocates on this one too
+/// (`StreamShards::allocating`).
+pub fn lock_stream_shard(device: i32, shard: usize, stream: usize) -> Result<PoolGuard> {
+    let g = lock_shard(device, shard)?;
+    let s = &SLOTS[device as usize];
     let n = s.stream_shards.load(Ordering::Acquire);
     if shard != 0 && n != 0 && n != NOT_MADE {
         s.streams.allocating(stream, shard, n);
     }
-    f(g.as_mut().expect("pool created above"))
+    Ok(g)
+}
+
+/// Run `f` on shard `shard` of `device`'s pool, creating it on first use.
+pub fn with_shard<R>(device: i32, shard: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
+    f(&mut *lock_shard(device, shard)?)
 }
 
 /// Run `f` on shard 0 of `device`'s pool (creating it on first use): the legacy stream's,

@@ -1,8 +1,9 @@
 //! Which shard of a device's pool a call goes to: allocations by their stream's placement
-//! (`streams.rs`), frees by the shard that holds the block, and the retry of an allocation
-//! that ran out of memory after the device's other shards gave their cache back.
+//! (`streams.rs`), frees by the shard that holds the block, and the release of the other
+//! shards' cache when one runs out of memory (the retry itself is the front end's,
+//! `crate::front::allocate`).
 
-use super::{lock_pool, slot, with_pool, with_shard, with_stream_shard, Error, Pool, Result, MAX_DEVICES, NOT_MADE, SHARDS, SLOTS};
+use super::{lock_pool, slot, with_pool, Error, PoolGuard, Result, MAX_DEVICES, NOT_MADE, SHARDS, SLOTS};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Bumped whenever a placement that `shard_for` may have returned changes: a device's
@@ -66,30 +67,13 @@ pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
     }
 }
 
-/// Run the allocation `f` on `shard` of `device`. Out of memory there while other shards
-/// hold cached memory: they give it back (`release_other_shards`) and `f` runs once more;
-/// the failure is counted once either way (`counted_twice`).
-pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut f: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
-    let r = with_stream_shard(device, shard, stream, &mut f);
-    if !worth_other_shards(&r) || release_other_shards(device, shard) == 0 {
-        return r;
-    }
-    with_shard(device, shard, |p| {
-        let again = f(p);
-        if counted_twice(&again) {
-            p.retract_oom();
-        }
-        again
-    })
-}
-
 /// Whether a shard's result is an out-of-memory that the other shards' cached memory could
 /// help (not one no release could: `OomReport::hopeless`).
 pub fn worth_other_shards<R>(r: &Result<R>) -> bool {
     matches!(r, Err(Error::OutOfMemory(o)) if !o.hopeless)
 }
 
-/// After a retry (`allocate`): whether the first attempt's out-of-memory is to be taken
+/// After a retry (`crate::front::allocate`): whether the first attempt's out-of-memory is to be taken
 /// back. A success never saw it; a second out-of-memory counted the same failure again.
 pub fn counted_twice<R>(again: &Result<R>) -> bool {
     matches!(again, Ok(_) | Err(Error::OutOfMemory(_)))
@@ -116,29 +100,27 @@ pub fn release_other_shards(device: i32, except: usize) -> usize {
     got
 }
 
-/// Run the free `f` of `ptr` on the shard of `device` that holds it: the shard `stream`
-/// allocates on (blocks are mostly freed where they were allocated), else the one the
-/// address index names. A pointer no shard has live is judged by the shard whose memory it
-/// points into, else shard 0 (double, interior or unknown: `f` reports it). `Ok(None)`:
-/// the device has no pool.
-pub fn with_holder<R>(device: i32, ptr: usize, stream: usize, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
+/// The shard of `device` that holds `ptr`, locked: the shard `stream` allocates on (blocks
+/// are mostly freed where they were allocated), else the one the address index names. A
+/// pointer no shard has live goes to the shard whose memory it points into, else shard 0,
+/// which judges it (double, interior or unknown). `Ok(None)`: the device has no pool.
+pub fn lock_holder(device: i32, ptr: usize, stream: usize) -> Result<Option<PoolGuard>> {
     let s = slot(device)?;
     if let Some(k) = shard_placed(device, stream) {
-        let mut g = lock_pool(&s.shards[k]);
-        if let Some(p) = g.as_mut().filter(|p| p.owns(ptr)) {
-            return Ok(Some(f(p)));
+        let g = lock_pool(&s.shards[k]);
+        if g.as_ref().is_some_and(|p| p.owns(ptr)) {
+            return Ok(Some(PoolGuard(g)));
         }
     }
     let judge = match crate::owners::lookup(ptr) {
         Some(o) if o.device == device && (o.shard as usize) < SHARDS => o.shard as usize,
         _ => 0,
     };
-    let mut g = lock_pool(&s.shards[judge]);
-    match g.as_mut() {
-        Some(p) => Ok(Some(f(p))),
-        None => {
-            drop(g);
-            Ok(lock_pool(&s.shards[0]).as_mut().map(f))
-        }
+    let g = lock_pool(&s.shards[judge]);
+    if g.is_some() {
+        return Ok(Some(PoolGuard(g)));
     }
+    drop(g);
+    let g = lock_pool(&s.shards[0]);
+    Ok(g.is_some().then(|| PoolGuard(g)))
 }

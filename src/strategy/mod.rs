@@ -103,14 +103,6 @@ pub trait Strategy: Send {
     fn is_free_block(&self, addr: usize) -> bool;
     /// Full consistency scan of the internal structures.
     fn check_invariants(&self) -> Result<(), String>;
-
-    /// The arena, which grows by mapping granules rather than by segments (`pool/arena.rs`).
-    fn as_arena(&mut self) -> Option<&mut arena::ArenaStrategy> {
-        None
-    }
-    fn as_arena_ref(&self) -> Option<&arena::ArenaStrategy> {
-        None
-    }
 }
 
 /// Build the strategy for a configured kind. The arena needs address space reserved from

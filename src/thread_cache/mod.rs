@@ -56,7 +56,6 @@
 pub use crate::pool::{Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
 use crate::error::Result;
-use crate::pool::Pool;
 use crate::registry::{self, MAX_DEVICES};
 use crate::stream::STREAM_LEGACY;
 use std::cell::{Cell, RefCell};
@@ -103,7 +102,7 @@ impl Route {
 }
 
 /// `registry::shard_for(device, stream)`, remembered for the thread's next call.
-fn route(device: i32, stream: usize) -> Result<usize> {
+pub fn route(device: i32, stream: usize) -> Result<usize> {
     let epoch = registry::placement_epoch();
     let last = ROUTE.try_with(Cell::get).unwrap_or(Route::NONE);
     // `Route::NONE` names device -1: a bad device id must reach the registry's check.
@@ -139,127 +138,38 @@ fn with_mine<R>(device: i32, stream: usize, f: impl FnOnce(&ThreadCache) -> Opti
     MINE.try_with(|m| m.0.borrow().get(idx).and_then(|c| c.as_deref()).and_then(f)).ok().flatten()
 }
 
-/// The locked part of an allocation, on the owner thread under the device lock: attach
-/// this thread's cache (making one if needed: `fresh`), let the magazine fence and reuse,
-/// else allocate from the pool and remember the block.
-fn locked_malloc(
-    pool: &mut Pool,
-    kind: Kind,
-    size: usize,
-    stream: usize,
-    mine: Option<&ThreadCache>,
-) -> (Result<usize>, Option<Arc<ThreadCache>>) {
-    let current = mine.map(|c| (c.pool_id, c.id));
-    let Some((id, fresh)) = pool.attach_thread(current, stream) else {
-        return (pool.malloc(size, stream), None);
-    };
-    let cache = match (&fresh, mine) {
-        (Some(f), _) => &**f,
-        (None, Some(m)) => m,
-        // attach_thread keeps a cache only for a thread that has one; never here.
-        (None, None) => return (pool.malloc(size, stream), None),
-    };
-    // This thread's reusable legacy-stream blocks go back first, so this request may use
-    // their memory (a thread whose sizes repeat does not get here).
-    let mut back = Vec::new();
-    cache.ordered.take_reusable(&mut back);
-    for (p, hold) in back {
-        pool.release_kept(p, hold, Some(stream));
-    }
-    if kind == Kind::Unordered && size != 0 {
-        // SAFETY: the owner thread (we run inside its allocation call).
-        let unfenced = unsafe { &mut *cache.unfenced.get() };
-        // A fence that fails leaves them unfenced (not reusable), for the next allocation's.
-        if (unfenced.0 >= FENCE_BATCH || unfenced.1 >= FENCE_BYTES) && pool.fence_legacy_now() {
-            cache.unordered.fenced();
-            *unfenced = (0, 0);
-        }
-        if let Some(p) = cache.reuse(kind, size, fast_stream(stream)) {
-            return (Ok(p), fresh);
-        }
-        // A miss. The fenced blocks of other sizes go back, so this request may use them;
-        // so do unfenced ones of other sizes, into the pool's own batch: the magazine holds
-        // frees only while the thread keeps asking for their sizes. (A thread whose sizes
-        // never repeat thus hands the pool each free at its next allocation, which makes the
-        // same decisions as without the cache.)
-        let mut back = Vec::new();
-        cache.unordered.take_reusable(&mut back);
-        if unfenced.0 != 0 {
-            let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
-            *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
-        }
-        for (p, hold) in back {
-            pool.release_kept(p, hold, Some(stream));
-        }
-    }
-    let words_repeat = match kind {
-        Kind::Ordered => cache.ordered.repeats(size),
-        Kind::Unordered => cache.unordered.repeats(size),
-    };
-    if !words_repeat || size == 0 {
-        return (pool.malloc(size, stream), fresh);
-    }
-    let r = pool.malloc_owned(size, stream, crate::pool::owner_of(id, kind));
-    if let Ok(p) = r {
-        cache.remember(kind, p, size, fast_stream(stream));
-    }
-    (r, fresh)
-}
-
-fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<usize> {
-    let shard = route(device, stream)?;
+/// A block this thread kept for (`kind`, `size`, `stream`) in its cache for `shard` of
+/// `device`, handed out again: the allocation's hit, with no lock.
+pub fn reuse(device: i32, shard: usize, kind: Kind, size: usize, stream: usize) -> Option<usize> {
     let idx = cache_index(device, shard);
-    let in_tls = MINE.try_with(|m| {
-        let v = m.0.borrow();
-        let mine = v.get(idx).and_then(|c| c.as_deref());
-        if size != 0 {
-            if let Some(p) = mine.and_then(|c| c.reuse(kind, size, fast_stream(stream))) {
-                return Ok(p);
-            }
-        }
-        // The pool never touches this thread-local, so the shared borrow may span the call.
-        let (r, fresh) = locked(device, shard, kind, size, stream, mine)?;
-        if let Some(fresh) = fresh {
-            drop(v);
-            let mut v = m.0.borrow_mut();
-            if v.len() <= idx {
-                v.resize(idx + 1, None);
-            }
-            v[idx] = Some(fresh);
-        }
-        r
-    });
-    match in_tls {
-        Ok(r) => r,
-        // Thread teardown: the thread-local is gone (the closure never ran); the pool alone serves.
-        Err(_) => locked(device, shard, kind, size, stream, None).and_then(|r| r.0),
-    }
+    MINE.try_with(|m| m.0.borrow().get(idx).and_then(|c| c.as_deref()).and_then(|c| c.reuse(kind, size, fast_stream(stream))))
+        .ok()
+        .flatten()
 }
 
-/// `locked_malloc` on `shard` of `device`; out of memory while the device's other shards
-/// cache memory, they give it back and it runs once more (`registry::allocate`'s rule,
-/// here keeping the thread cache the first attempt may have attached).
-fn locked(
-    device: i32,
-    shard: usize,
-    kind: Kind,
-    size: usize,
-    stream: usize,
-    mine: Option<&ThreadCache>,
-) -> Result<(Result<usize>, Option<Arc<ThreadCache>>)> {
-    let (r, fresh) = registry::with_stream_shard(device, shard, stream, |pool| Ok(locked_malloc(pool, kind, size, stream, mine)))?;
-    if !registry::worth_other_shards(&r) || registry::release_other_shards(device, shard) == 0 {
-        return Ok((r, fresh));
-    }
-    let mine = fresh.as_deref().or(mine);
-    let (r, again) = registry::with_shard(device, shard, |pool| {
-        let out = locked_malloc(pool, kind, size, stream, mine);
-        if registry::counted_twice(&out.0) {
-            pool.retract_oom();
+/// This thread's cache for `shard` of `device`, if it has one (for a locked allocation,
+/// which attaches it to the pool).
+pub fn mine(device: i32, shard: usize) -> Option<Arc<ThreadCache>> {
+    let idx = cache_index(device, shard);
+    MINE.try_with(|m| m.0.borrow().get(idx).and_then(|c| c.clone())).ok().flatten()
+}
+
+/// Keep `cache`, which the pool made for this thread (`Pool::attach_thread`), as this
+/// thread's cache for `shard` of `device`. During thread teardown there is nowhere to keep
+/// it: dropped, the pool finds it orphaned.
+pub fn adopt(device: i32, shard: usize, cache: Arc<ThreadCache>) {
+    let idx = cache_index(device, shard);
+    let kept = MINE.try_with(|m| {
+        let mut v = m.0.borrow_mut();
+        if v.len() <= idx {
+            v.resize(idx + 1, None);
         }
-        Ok(out)
-    })?;
-    Ok((r, fresh.or(again)))
+        v[idx] = Some(cache.clone());
+    });
+    if kept.is_err() {
+        cache.orphaned.store(true, Ordering::Release);
+        cache.orphans.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 /// Where this thread keeps its cache for `shard` of `device`.
@@ -270,7 +180,7 @@ fn cache_index(device: i32, shard: usize) -> usize {
 
 /// The stream as the fast path names it: the legacy stream's two handles as one.
 #[inline]
-fn fast_stream(stream: usize) -> usize {
+pub fn fast_stream(stream: usize) -> usize {
     if crate::stream::is_legacy(stream) {
         STREAM_LEGACY
     } else {
@@ -282,50 +192,8 @@ fn fast_stream(stream: usize) -> usize {
 /// per-thread default stream (whose handle names another stream on each thread, which the
 /// pool must resolve when it takes a kept block back).
 #[inline]
-fn fast_path_stream(stream: usize) -> bool {
+pub fn fast_path_stream(stream: usize) -> bool {
     stream != crate::stream::STREAM_PER_THREAD
-}
-
-/// Allocate `size` bytes on `device` for `stream`: a block this thread kept for that
-/// stream, else the pool.
-pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
-    if size == 0 {
-        return empty(device, stream);
-    }
-    // The per-thread default stream, and every stream while a private pool routes
-    // allocations (the pool decides where they go), take the locked path.
-    if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
-        let shard = registry::shard_for(device, stream)?;
-        return registry::allocate(device, shard, stream, |pool| pool.malloc(size, stream));
-    }
-    malloc_kind(device, size, stream, Kind::Ordered)
-}
-
-/// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
-/// else the pool.
-pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
-    if size == 0 {
-        return empty(device, STREAM_LEGACY);
-    }
-    if crate::pool::routes_active() || crate::process::in_child() {
-        return registry::allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
-    }
-    malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
-}
-
-/// An allocation of nothing: NULL, with no pool's lock taken once the device's pool is
-/// made (a framework makes empty tensors, each an allocation of 0 bytes, while another
-/// thread may hold the pool for long driver work: an import made ahead,
-/// `ffi::share_ahead`). A pool that stopped after an internal error answers so too: it
-/// hands out no memory. A fork child, and a device whose pool is not made yet, go the
-/// pool's way, which says what is wrong (no driver, a bad device, the fork).
-fn empty(device: i32, stream: usize) -> Result<usize> {
-    if crate::process::in_child() || !registry::pool_made(device) {
-        let shard = registry::shard_for(device, stream)?;
-        return registry::allocate(device, shard, stream, |pool| pool.malloc(0, stream));
-    }
-    route(device, stream)?;
-    Ok(0)
 }
 
 /// Fast free: keep `ptr` if this thread allocated it for `stream` and still holds it (the

@@ -142,14 +142,14 @@ impl Pool {
 
     /// Pool teardown: give the address space back when nothing in it is live any more.
     pub(in crate::pool) fn arena_teardown(&mut self) {
-        let Some(a) = self.core.strategy.as_arena_ref() else { return };
+        let Some(a) = self.arena_if_any() else { return };
         if a.mapped_bytes() != 0 {
             return; // live blocks keep their memory and addresses until the process ends
         }
         for id in a.free_stitches() {
             let _ = self.drop_stitch(id);
         }
-        let a = self.core.strategy.as_arena_ref().expect("arena pool");
+        let a = self.arena_ref();
         for (base, len) in a.reservations() {
             if self.core.upstream.vmm_unreserve(base, len).is_ok() {
                 crate::owners::remove(base, self.core.device, self.core.shard);

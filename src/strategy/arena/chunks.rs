@@ -38,17 +38,13 @@ pub struct Chunks {
     max: usize,
     /// The shortest growth run mapped as chunks.
     from: usize,
-    /// Off while the pool is short of memory (an escalation released memory): a chunk
-    /// partly in use can be neither stitched nor released, so growth near the device's
-    /// limit maps granules.
-    pub(super) enabled: bool,
     /// The device's memory (for the pool's rule on when chunks are made).
     device_bytes: usize,
 }
 
 impl Chunks {
     pub fn new(granule: usize) -> Chunks {
-        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, from: CHUNK_FROM, enabled: true, device_bytes: usize::MAX }
+        Chunks { map: BTreeMap::new(), granule, max: CHUNK_MAX, from: CHUNK_FROM, device_bytes: usize::MAX }
     }
 
     /// The largest chunk (`0` or a granule: none).
@@ -64,7 +60,7 @@ impl Chunks {
     /// Bytes per allocation for a growth run of `run` bytes (a granule: one per granule).
     pub fn size_for(&self, run: usize) -> usize {
         let g = self.granule;
-        if run < self.from || self.max <= g || !self.enabled {
+        if run < self.from || self.max <= g {
             return g;
         }
         (run / 2 / g * g).clamp(g, self.max / g * g)
@@ -199,14 +195,11 @@ impl ArenaStrategy {
         self.chunks.device_bytes
     }
 
-    /// Whether new growth may be mapped in chunks (no while memory is short).
-    pub fn set_chunking(&mut self, on: bool) {
-        self.chunks.enabled = on;
-    }
-
-    /// Bytes per allocation for new memory under the run `[addr, addr + len)`.
-    pub fn chunk_for(&self, addr: usize, len: usize) -> usize {
-        if self.space_of(addr) == LARGE {
+    /// Bytes per allocation for new memory under the run `[addr, addr + len)`; a granule
+    /// where `chunking` is off (memory is short: a chunk partly in use could be neither
+    /// stitched nor released later).
+    pub fn chunk_for(&self, addr: usize, len: usize, chunking: bool) -> usize {
+        if chunking && self.space_of(addr) == LARGE {
             self.chunks.size_for(len)
         } else {
             self.granule

@@ -8,9 +8,8 @@ impl ArenaStrategy {
     /// How to serve `rounded` bytes for `stream` when no free block does (module docs give
     /// the order). `reusable` is asked before another stream's free memory is used.
     /// `None`: no address space left that could hold it.
-    /// `may_evict`: false once an eviction failed in this growth (its stream's work could not
-    /// be waited for): no stitch is then planned where the cache is full.
-    pub fn plan(&self, rounded: usize, stream: StreamKey, may_evict: bool, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Growth> {
+    /// `rules`: what this step of the growth allows (`PlanRules`).
+    pub fn plan(&self, rounded: usize, stream: StreamKey, rules: PlanRules, reusable: &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> Option<Growth> {
         let si = Self::class(rounded);
         let windows = plan::windows(&self.spaces[si], rounded, stream);
         // Other streams are asked (which may make this one wait on them) only for the
@@ -61,7 +60,7 @@ impl ArenaStrategy {
         // the plan after the eviction may use them; and where the window is refused (the
         // limit, a full device) or there is none, the growth plans again with pieces.
         let (mut n, mut head, mut tail) = (n, plan::Piece::default(), plan::Piece::default());
-        if self.piece_ends && n > free && (self.pieces_when_full || self.stitches.count() < stitch::MAX_STITCHES) {
+        if self.piece_ends && n > free && (rules.pieces_when_full || self.stitches.count() < stitch::MAX_STITCHES) {
             // Not a whole free granule (a stitch takes those whole), a chunk's or a loan's.
             let usable = |at: usize| plan::run_of(&runs, at).is_none() && self.chunks.of(at).is_none() && !self.loans.contains_key(&at);
             let (h, t) = plan::piece_ends(&self.spaces[LARGE], stream, &usable, reusable);
@@ -80,12 +79,12 @@ impl ArenaStrategy {
             }
         }
         let pieces = usize::from(head.bytes > 0) + usize::from(tail.bytes > 0);
-        if (self.small_stitches || whole > CONTENDED_STITCH_FROM * g) && n.saturating_sub(free) < window_new {
+        if (rules.small_stitches || whole > CONTENDED_STITCH_FROM * g) && n.saturating_sub(free) < window_new {
             let full = self.stitches.count() >= stitch::MAX_STITCHES;
             // Evict only where the stitch could then fit (a request larger than the range
             // would otherwise empty the cache one eviction at a time, and still fail).
             let span = (n + pieces) * g;
-            if may_evict && self.stitches.could_hold(span) && (full || self.stitches.find_va(span).is_none()) {
+            if rules.may_evict && self.stitches.could_hold(span) && (full || self.stitches.find_va(span).is_none()) {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }
@@ -98,7 +97,7 @@ impl ArenaStrategy {
             };
             let new = n.saturating_sub(homes.len());
             // Chunks can make the stitch longer than the request: evict for its true length.
-            if may_evict && !homes.is_empty() && self.stitches.could_hold((homes.len() + new + pieces) * g) && fits(self, homes.len() + new + pieces).is_none() {
+            if rules.may_evict && !homes.is_empty() && self.stitches.could_hold((homes.len() + new + pieces) * g) && fits(self, homes.len() + new + pieces).is_none() {
                 if let Some(id) = self.stitches.least_recently_used() {
                     return Some(Growth::Evict { id });
                 }

@@ -70,6 +70,29 @@ pub struct ArenaCounters {
     pub loans_ended: u64,
 }
 
+/// What a growth allows `plan` at its current step: the pool's escalation relaxes them one
+/// by one where the plan found nothing or its driver calls were refused
+/// (`pool/arena.rs`, `ArenaGrowth`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PlanRules {
+    /// A full stitch cache may evict a stitch. False once an eviction failed in this growth
+    /// (its stream's work could not be waited for): the same stitch would be chosen forever.
+    pub may_evict: bool,
+    /// Requests of at most `CONTENDED_STITCH_FROM` granules may be stitched anew. Off while
+    /// the device's shards contend for the driver (`pool/contention.rs`); cached stitches
+    /// are reused either way.
+    pub small_stitches: bool,
+    /// Piece ends may be tried while the stitch cache is full: off at the start of each
+    /// growth, on once the window taken instead was refused.
+    pub pieces_when_full: bool,
+}
+
+impl Default for PlanRules {
+    fn default() -> PlanRules {
+        PlanRules { may_evict: true, small_stitches: true, pieces_when_full: false }
+    }
+}
+
 /// How `plan` serves a request that no free block serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Growth {
@@ -107,13 +130,6 @@ pub struct ArenaStrategy {
     exports: Exports,
     /// Allocations of several granules in the large range (`chunks.rs`).
     chunks: chunks::Chunks,
-    /// Whether requests of at most `CONTENDED_STITCH_FROM` granules may be stitched anew
-    /// (off while the device's shards contend for the driver: `pool/contention.rs`; cached
-    /// stitches are reused either way).
-    small_stitches: bool,
-    /// Whether piece ends may be tried while the stitch cache is full (`plan`): off at the
-    /// start of each growth, on once the window it took instead was refused.
-    pieces_when_full: bool,
     /// What the last granules of the stitched blocks in use hold past their bytes.
     stitch_tail_bytes: usize,
     /// Whether new stitches may begin and end in pieces of granules partly in use
@@ -130,11 +146,6 @@ pub struct ArenaStrategy {
 pub const CONTENDED_STITCH_FROM: usize = 4;
 
 impl ArenaStrategy {
-    /// Whether small requests may be stitched anew (`CONTENDED_STITCH_FROM`).
-    pub fn set_small_stitches(&mut self, on: bool) {
-        self.small_stitches = on;
-    }
-
     /// Whether new stitches may end in pieces of granules partly in use (`plan::piece_ends`).
     pub fn set_piece_ends(&mut self, on: bool) {
         self.piece_ends = on;
@@ -145,18 +156,11 @@ impl ArenaStrategy {
         self.piece_ends
     }
 
-    /// Whether piece ends may be tried while the stitch cache is full (`plan`).
-    pub fn set_pieces_when_full(&mut self, on: bool) {
-        self.pieces_when_full = on;
-    }
-
     /// Over the reserved ranges `small`, `large` and `stitch` (`(base, len)`, granule aligned).
     pub fn new(small: (usize, usize), large: (usize, usize), stitch: (usize, usize), granule: usize) -> ArenaStrategy {
         ArenaStrategy {
             spaces: [Space::new(small.0, small.1, granule), Space::new(large.0, large.1, granule)],
             stitches: Stitches::new(stitch.0, stitch.1),
-            small_stitches: true,
-            pieces_when_full: false,
             stitch_tail_bytes: 0,
             piece_ends: false,
             granule,
@@ -388,14 +392,6 @@ impl Strategy for ArenaStrategy {
             }
         }
         Ok(())
-    }
-
-    fn as_arena(&mut self) -> Option<&mut ArenaStrategy> {
-        Some(self)
-    }
-
-    fn as_arena_ref(&self) -> Option<&ArenaStrategy> {
-        Some(self)
     }
 }
 

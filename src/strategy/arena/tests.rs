@@ -13,11 +13,16 @@ fn arena() -> ArenaStrategy {
 /// Serve a request as the pool would, with unlimited memory and every driver call
 /// succeeding; returns the block and how many granules were mapped or aliased.
 fn grow(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey) -> (Block, usize) {
+    grow_under(a, rounded, stream, PlanRules::default())
+}
+
+/// `grow` under the plan rules `rules` (what a step of the pool's growth allows).
+fn grow_under(a: &mut ArenaStrategy, rounded: usize, stream: StreamKey, rules: PlanRules) -> (Block, usize) {
     if let Some(b) = a.take(rounded, stream, &mut |_, _, _| true) {
         return (b, 0);
     }
     loop {
-        let b = match a.plan(rounded, stream, true, &mut |_, _, _| true).expect("address space left") {
+        let b = match a.plan(rounded, stream, rules, &mut |_, _, _| true).expect("address space left") {
             Growth::Window { space, window } => {
                 for &t in &window.targets {
                     a.mapped(t, G, stream);
@@ -231,7 +236,7 @@ fn other_streams_memory_needs_permission() {
     let (x, _) = grow(&mut a, 4 * G, L);
     a.put(Block { stream: StreamKey(7), ..x });
     assert!(a.take(4 * G, L, &mut |_, _, _| false).is_none());
-    match a.plan(4 * G, L, true, &mut |_, _, _| false).unwrap() {
+    match a.plan(4 * G, L, PlanRules::default(), &mut |_, _, _| false).unwrap() {
         Growth::Window { window, .. } => {
             assert_ne!(window.start, x.addr, "a refused stream's memory is not used");
             assert_eq!(window.targets.len(), 4);
@@ -364,18 +369,18 @@ fn while_shards_contend_small_requests_get_new_memory_instead_of_a_new_stitch() 
     for b in blocks.iter().step_by(2) {
         a.put(*b);
     }
-    a.set_small_stitches(false);
+    let contended = PlanRules { small_stitches: false, ..PlanRules::default() };
     let mapped = a.mapped_bytes();
     // Three granules: new memory (a window past the live blocks), no stitch.
-    let (small, n) = grow(&mut a, 3 * G, L);
+    let (small, n) = grow_under(&mut a, 3 * G, L, contended);
     assert_eq!((n, a.counters.stitches_made), (3, 0));
     assert_eq!(a.mapped_bytes(), mapped + 3 * G);
     // CONTENDED_STITCH_FROM granules exactly: new memory too.
-    let (edge, n) = grow(&mut a, CONTENDED_STITCH_FROM * G, L);
+    let (edge, n) = grow_under(&mut a, CONTENDED_STITCH_FROM * G, L, contended);
     assert_eq!((n, a.counters.stitches_made), (CONTENDED_STITCH_FROM, 0));
     a.put(edge);
     // More than CONTENDED_STITCH_FROM granules are still stitched from the free ones.
-    let (big, aliased) = grow(&mut a, (CONTENDED_STITCH_FROM + 1) * G, L);
+    let (big, aliased) = grow_under(&mut a, (CONTENDED_STITCH_FROM + 1) * G, L, contended);
     assert_eq!((aliased, a.counters.stitches_made), (CONTENDED_STITCH_FROM + 1, 1));
     assert_eq!(a.mapped_bytes(), mapped + (3 + CONTENDED_STITCH_FROM) * G, "no new memory for the stitch");
     a.put(small);
@@ -398,7 +403,7 @@ fn with_piece_ends_a_full_stitch_cache_takes_a_window_where_only_pieces_would_st
     // Two and a half granules: a stitch of the piece and the two whole granules needs no new
     // memory; without the piece, a stitch and a window at the range's end each need one.
     let (a, _) = setup();
-    match a.plan(2 * G + G / 2, L, true, &mut |_, _, _| true).unwrap() {
+    match a.plan(2 * G + G / 2, L, PlanRules::default(), &mut |_, _, _| true).unwrap() {
         Growth::Stitch { head, fresh, .. } => assert_eq!((head, fresh.len()), (G / 2, 0), "a stitch that begins in the piece"),
         other => panic!("expected a pieced stitch, got {other:?}"),
     }
@@ -410,7 +415,7 @@ fn with_piece_ends_a_full_stitch_cache_takes_a_window_where_only_pieces_would_st
         a.add_stitch(base, vec![blocks[0].addr]);
     }
     a.check_invariants().unwrap();
-    match a.plan(2 * G + G / 2, L, true, &mut |_, _, _| true).unwrap() {
+    match a.plan(2 * G + G / 2, L, PlanRules::default(), &mut |_, _, _| true).unwrap() {
         Growth::Window { window, .. } => assert_eq!(window.targets.len(), 1, "one new granule at the range's end"),
         other => panic!("expected a window, got {other:?}"),
     }

@@ -1,0 +1,227 @@
+//! The front end: where every allocation and free of the C API, PyTorch's and CuPy's
+//! entries begins, and the one place an allocation that ran out of memory is tried again.
+//!
+//! An allocation walks down and never back up: this thread's cache
+//! (`crate::thread_cache`, no lock), else the shard the registry names
+//! (`registry::lock_stream_shard`, a guard held here), the pool under that guard
+//! (`Pool::malloc`, `Pool::malloc_owned`), its strategy, the upstream. Out of memory on one
+//! shard while the device's other shards cache memory: they give it back, each under its
+//! own lock (`registry::release_other_shards`), and the allocation runs once more
+//! (`allocate`). A free goes to the thread's cache where that thread kept the block, else
+//! to the shard that holds it (`registry::lock_holder`).
+//!
+//! Why the front end holds the guard rather than handing the registry a closure: the
+//! steps of a locked allocation (attaching the thread's cache, handing back its reusable
+//! blocks, remembering the new block) are the front end's, and a closure run by the
+//! registry would make the walk go back up into them.
+
+use crate::error::{BadPointer, Error, Result};
+use crate::pool::{owner_of, FreeOn, Kind, Pool, ThreadCache, FENCE_BATCH, FENCE_BYTES};
+use crate::registry;
+use crate::stream::STREAM_LEGACY;
+use crate::thread_cache::{self, fast_path_stream, fast_stream};
+use std::sync::Arc;
+
+/// Allocate `size` bytes on `device` for `stream`: a block this thread kept for that
+/// stream, else the pool.
+pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
+    if size == 0 {
+        return empty(device, stream);
+    }
+    // The per-thread default stream, and every stream while a private pool routes
+    // allocations (the pool decides where they go), take the locked path.
+    if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
+        let shard = registry::shard_for(device, stream)?;
+        return allocate(device, shard, stream, |pool| pool.malloc(size, stream));
+    }
+    malloc_kind(device, size, stream, Kind::Ordered)
+}
+
+/// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
+/// else the pool.
+pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
+    if size == 0 {
+        return empty(device, STREAM_LEGACY);
+    }
+    if crate::pool::routes_active() || crate::process::in_child() {
+        return allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
+    }
+    malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
+}
+
+/// Allocate on shard 0 for a caller whose capture the pool must detect itself (CuPy on a
+/// user stream: a capture it detects starts a private pool, which lives there).
+pub fn malloc_detecting_capture(device: i32, size: usize, stream: usize) -> Result<usize> {
+    allocate(device, 0, stream, |pool| pool.malloc_detecting_capture(size, stream))
+}
+
+/// Run the allocation `attempt` on `shard` of `device`. Out of memory there while other
+/// shards hold cached memory (and not out of reach of any release, `OomReport::hopeless`):
+/// they give it back and `attempt` runs once more; the failure is counted once either way
+/// (`registry::counted_twice`). The only retry of an allocation.
+pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut attempt: impl FnMut(&mut Pool) -> Result<R>) -> Result<R> {
+    // The guard goes at the end of the statement: a thread holds one shard's lock at a
+    // time, and the release below takes the others'.
+    let first = attempt(&mut *registry::lock_stream_shard(device, shard, stream)?);
+    if !registry::worth_other_shards(&first) || registry::release_other_shards(device, shard) == 0 {
+        return first;
+    }
+    let mut pool = registry::lock_shard(device, shard)?;
+    let again = attempt(&mut *pool);
+    if registry::counted_twice(&again) {
+        pool.retract_oom();
+    }
+    again
+}
+
+/// An allocation that may take the thread's fast path: a block this thread kept, else a
+/// locked allocation that attaches the thread's cache to the pool (making one the first
+/// time) and, where the thread's sizes repeat, lets the cache remember the new block.
+fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<usize> {
+    let shard = thread_cache::route(device, stream)?;
+    if let Some(p) = thread_cache::reuse(device, shard, kind, size, stream) {
+        return Ok(p);
+    }
+    let mine = thread_cache::mine(device, shard);
+    let mut fresh: Option<Arc<ThreadCache>> = None;
+    let r = allocate(device, shard, stream, |pool| {
+        let (r, made) = malloc_attached(pool, kind, size, stream, fresh.as_deref().or(mine.as_deref()));
+        if fresh.is_none() {
+            fresh = made;
+        }
+        r
+    });
+    if let Some(cache) = fresh {
+        thread_cache::adopt(device, shard, cache);
+    }
+    r
+}
+
+/// The locked part of an allocation, on the owner thread under the shard's lock: attach
+/// this thread's cache (making one if needed: the second value), let the magazine fence
+/// and reuse, else allocate from the pool and remember the block.
+fn malloc_attached(pool: &mut Pool, kind: Kind, size: usize, stream: usize, mine: Option<&ThreadCache>) -> (Result<usize>, Option<Arc<ThreadCache>>) {
+    let current = mine.map(|c| (c.pool_id, c.id));
+    let Some((id, fresh)) = pool.attach_thread(current, stream) else {
+        return (pool.malloc(size, stream), None);
+    };
+    let cache = match (&fresh, mine) {
+        (Some(f), _) => &**f,
+        (None, Some(m)) => m,
+        // attach_thread keeps a cache only for a thread that has one; never here.
+        (None, None) => return (pool.malloc(size, stream), None),
+    };
+    // This thread's reusable legacy-stream blocks go back first, so this request may use
+    // their memory (a thread whose sizes repeat does not get here).
+    let mut back = Vec::new();
+    cache.ordered.take_reusable(&mut back);
+    for (p, hold) in back {
+        pool.release_kept(p, hold, Some(stream));
+    }
+    if kind == Kind::Unordered {
+        // SAFETY: the owner thread (we run inside its allocation call).
+        let unfenced = unsafe { &mut *cache.unfenced.get() };
+        // A fence that fails leaves them unfenced (not reusable), for the next allocation's.
+        if (unfenced.0 >= FENCE_BATCH || unfenced.1 >= FENCE_BYTES) && pool.fence_legacy_now() {
+            cache.unordered.fenced();
+            *unfenced = (0, 0);
+        }
+        if let Some(p) = cache.reuse(kind, size, fast_stream(stream)) {
+            return (Ok(p), fresh);
+        }
+        // A miss. The fenced blocks of other sizes go back, so this request may use them;
+        // so do unfenced ones of other sizes, into the pool's own batch: the magazine holds
+        // frees only while the thread keeps asking for their sizes. (A thread whose sizes
+        // never repeat thus hands the pool each free at its next allocation, which makes the
+        // same decisions as without the cache.)
+        let mut back = Vec::new();
+        cache.unordered.take_reusable(&mut back);
+        if unfenced.0 != 0 {
+            let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
+            *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
+        }
+        for (p, hold) in back {
+            pool.release_kept(p, hold, Some(stream));
+        }
+    }
+    let words_repeat = match kind {
+        Kind::Ordered => cache.ordered.repeats(size),
+        Kind::Unordered => cache.unordered.repeats(size),
+    };
+    if !words_repeat {
+        return (pool.malloc(size, stream), fresh);
+    }
+    let r = pool.malloc_owned(size, stream, owner_of(id, kind));
+    if let Ok(p) = r {
+        cache.remember(kind, p, size, fast_stream(stream));
+    }
+    (r, fresh)
+}
+
+/// An allocation of nothing: NULL, with no pool's lock taken once the device's pool is
+/// made (a framework makes empty tensors, each an allocation of 0 bytes, while another
+/// thread may hold the pool for long driver work: an import made ahead,
+/// `ffi::share_ahead`). A pool that stopped after an internal error answers so too: it
+/// hands out no memory. A fork child, and a device whose pool is not made yet, go the
+/// pool's way, which says what is wrong (no driver, a bad device, the fork).
+fn empty(device: i32, stream: usize) -> Result<usize> {
+    if crate::process::in_child() || !registry::pool_made(device) {
+        let shard = registry::shard_for(device, stream)?;
+        return allocate(device, shard, stream, |pool| pool.malloc(0, stream));
+    }
+    thread_cache::route(device, stream)?;
+    Ok(0)
+}
+
+/// Free `ptr` on `device`, last used on `stream` (the C API, PyTorch): kept by this
+/// thread's cache where it allocated the block for that stream, else freed by its shard.
+pub fn free(ptr: usize, device: i32, stream: usize) -> Result<()> {
+    if kept_by_thread(ptr, device, stream) {
+        return Ok(());
+    }
+    free_in_pool(ptr, device, stream, FreeOn::Stream(stream))
+}
+
+/// Free `ptr` for a caller that names no stream (CuPy without its stream getter): kept
+/// UNFENCED by this thread's cache, else the pool's stream-less free.
+pub fn free_unordered(ptr: usize, device: i32) -> Result<()> {
+    if ptr != 0 && thread_cache::try_free_unordered(device, ptr) {
+        return Ok(());
+    }
+    free_in_pool(ptr, device, STREAM_LEGACY, FreeOn::Unordered)
+}
+
+/// Whether this thread's cache kept `ptr` as freed on `stream` (it allocated the block
+/// for that stream and still holds it): the free is done, with no lock.
+pub fn kept_by_thread(ptr: usize, device: i32, stream: usize) -> bool {
+    ptr != 0 && thread_cache::try_free(device, ptr, stream)
+}
+
+/// Free `ptr` in its pool on the stream it was allocated for (CuPy with its stream getter,
+/// after `kept_by_thread` said no; `current`: the caller's current stream, alive now).
+pub fn free_as_allocated(ptr: usize, device: i32, current: Option<usize>) -> Result<()> {
+    free_in_pool(ptr, device, current.unwrap_or(STREAM_LEGACY), FreeOn::AsAllocated { current })
+}
+
+/// Free `ptr` on `device` as `on` says, in the shard that holds it (`stream`: the freeing
+/// stream, where to look first). A pointer unknown to that device's pool is reported with
+/// the device that does own it, if any.
+fn free_in_pool(ptr: usize, device: i32, stream: usize, on: FreeOn) -> Result<()> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    let freed = match registry::lock_holder(device, ptr, stream)? {
+        Some(mut pool) => Some(pool.free(ptr, on)),
+        None => None,
+    };
+    match freed {
+        Some(Ok(())) => Ok(()),
+        Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => Err(match registry::find_owner(ptr) {
+            Some(d) => Error::InvalidArgument(format!(
+                "free of pointer {ptr:#x} on device {device}: it was allocated on device {d}; pass that device"
+            )),
+            None => Error::InvalidPointer { ptr, device, why: BadPointer::Unknown },
+        }),
+        Some(Err(e)) => Err(e),
+    }
+}

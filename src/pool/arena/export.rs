@@ -1,0 +1,91 @@
+//! The arena's part of exporting a block to another process (`Pool::ipc_export`, which
+//! checks the pointer first): the block's whole allocations, one shareable descriptor per
+//! allocation, and the export record importers check (`crate::upstream::shared`,
+//! `crate::upstream::export_record`).
+
+use crate::error::{BadPointer, Error, Result};
+use crate::pool::Pool;
+use crate::upstream::export_record::ExportRecord;
+use crate::upstream::shared::{granules_digest, own_start_time, raise_fd_limit, Descriptor, FileId, SharedGranule};
+
+impl Pool {
+    /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
+    /// `size` bytes (`Pool::ipc_export` gives the rest).
+    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool) -> Result<Vec<u8>> {
+        let g = self.arena_ref().granule();
+        // The granules' shareable handles and the record come before the guard that keeps
+        // the granules to the block, so a failed export (a driver call, the record) leaves
+        // the arena's books as they were: the block stays usable and unguarded. A refused
+        // guard ends the record; a granule's descriptor stays with the upstream until the
+        // granule is released, and serves its next export.
+        // Each exported granule keeps a descriptor open (`shared.rs`).
+        raise_fd_limit();
+        // Whole allocations: the importer maps a chunk only whole.
+        let (first, end) = self.arena_ref().export_extent(ptr, size);
+        // Each granule's file identity goes along, so an importer can tell the exported file
+        // from whatever its number names later (`shared.rs`, "Trust").
+        // (The granules of one allocation share its descriptor: one fstat for them.)
+        let mut last: Option<(i32, FileId)> = None;
+        let granules = (first..end)
+            .step_by(g)
+            .map(|a| {
+                let s = self.core.upstream.vmm_export(a)?;
+                let file = match last {
+                    Some((fd, file)) if fd == s.fd => file,
+                    _ => FileId::of(s.fd)?,
+                };
+                last = Some((s.fd, file));
+                Ok(SharedGranule { file, ..s })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // A block exported before with the same granules keeps its export: one record
+        // slot, one descriptor, however often it is sent.
+        let digest = granules_digest(&granules);
+        let reused = self.arena().export_of(addr, digest);
+        let record = match reused {
+            Some(at) => at,
+            None => ExportRecord::add(&granules)?,
+        };
+        // The importer maps whole granules: nothing else may live in the block's (unless
+        // the caller shares granules, as the framework routes do).
+        let mut guarded = if share_granules { Ok(()) } else { self.arena().guard_export(addr, block_size) };
+        if guarded.is_err() {
+            // Blocks freed into thread caches, or not yet fenced, are live in the books:
+            // hand them back and look again.
+            self.flush_thread_caches(None);
+            self.fence_unfenced();
+            self.finish_pending(false);
+            guarded = self.arena().guard_export(addr, block_size);
+        }
+        if let Err(why) = guarded {
+            if reused.is_none() {
+                ExportRecord::end(record);
+            }
+            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
+        }
+        if reused.is_none() {
+            self.arena().note_export(addr, record, digest);
+        }
+        let d = Descriptor {
+            kind: self.core.upstream.vmm_share_kind(),
+            pid: std::process::id(),
+            start_time: own_start_time(),
+            record,
+            device: self.core.device,
+            granule: g as u64,
+            offset: (ptr - first) as u64,
+            size: size as u64,
+            origin: first as u64,
+            granules,
+        };
+        Ok(d.encode())
+    }
+
+    /// How many granules an export of `size` bytes at `ptr` names (`None`: not an arena
+    /// pool, whose export is CUDA's segment handle).
+    pub(in crate::pool) fn arena_export_granules(&self, ptr: usize, size: usize) -> Option<usize> {
+        let a = self.arena_if_any()?;
+        let (first, end) = a.export_extent(ptr, size);
+        Some((end - first) / a.granule())
+    }
+}
