@@ -67,7 +67,7 @@ pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut attempt: impl F
         return first;
     }
     let mut pool = registry::lock_shard(device, shard)?;
-    let again = attempt(&mut *pool);
+    let again = attempt(&mut pool);
     if registry::counted_twice(&again) {
         pool.retract_oom();
     }
@@ -210,10 +210,8 @@ fn free_in_pool(ptr: usize, device: i32, stream: usize, on: FreeOn) -> Result<()
     if ptr == 0 {
         return Ok(());
     }
-    let freed = match registry::lock_holder(device, ptr, stream)? {
-        Some(mut pool) => Some(pool.free(ptr, on)),
-        None => None,
-    };
+    // The shard's lock goes with the statement: `find_owner` below asks the others.
+    let freed = registry::lock_holder(device, ptr, stream)?.map(|mut pool| pool.free(ptr, on));
     match freed {
         Some(Ok(())) => Ok(()),
         Some(Err(Error::InvalidPointer { why: BadPointer::Unknown, .. })) | None => Err(match registry::find_owner(ptr) {

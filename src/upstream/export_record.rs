@@ -113,7 +113,7 @@ impl ExportRecord {
     /// whose exports are its own).
     fn with<T>(f: impl FnOnce(&mut ExportRecord) -> Result<T>) -> Result<T> {
         let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
-        if g.as_ref().is_none_or(|r| r.pid != std::process::id()) {
+        if !g.as_ref().is_some_and(|r| r.pid == std::process::id()) {
             if let Some(old) = g.take() {
                 // The parent's record: not ours to write or to unmap from under the
                 // parent's books (the child's copy of the mapping goes with the child).
