@@ -8,7 +8,7 @@
 //! map memory (a stitch, a window over unmapped granules) pass through `begin`; one that
 //! begins while another is under way marks the device contended for `WINDOW_NS`. Meanwhile
 //! the arena serves small requests with new memory instead of new stitches
-//! (`ArenaStrategy::set_small_stitches`): new memory is needed only until there is enough,
+//! (`PlanRules::small_stitches`): new memory is needed only until there is enough,
 //! where stitches go on as long as the pattern does. One thread's growths never overlap,
 //! so a single-threaded program never sees the device contended. The count is per device,
 //! while the driver serialises the whole process: growths on two devices do not count as
