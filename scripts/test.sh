@@ -36,6 +36,10 @@ ctest --test-dir build --output-on-failure
 echo "== installed package: find_package(gpupool) and pkg-config"
 prefix="$tmp/prefix"
 cmake --install build --prefix "$prefix" >/dev/null
+# Installed without debug info (the build keeps line tables for backtraces).
+if readelf -S "$prefix/lib/libgpupool.so" | grep -q "\.debug_info"; then
+  echo "error: the installed libgpupool.so carries debug info" >&2; exit 1
+fi
 cmake -S examples-c/consumer -B build/consumer -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build build/consumer >/dev/null
 LD_LIBRARY_PATH="$prefix/lib" ./build/consumer/consumer host >/dev/null

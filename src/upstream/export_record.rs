@@ -21,6 +21,7 @@
 
 use super::shared::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a descriptor's export is recorded: the exporter's record descriptor, the slot, the
@@ -42,6 +43,9 @@ pub struct ExportRecord {
     pid: u32,
     /// Slot -> the granules (descriptor, offset) its export shares.
     live: Vec<Option<Vec<(i32, u64)>>>,
+    /// Granule (descriptor, offset) -> the slots whose exports share it: a released granule
+    /// ends its exports without a scan of every slot.
+    by_granule: FxHashMap<(i32, u64), Vec<u32>>,
     free: Vec<u32>,
 }
 
@@ -92,7 +96,7 @@ impl ExportRecord {
             }
         }
         let pid = std::process::id();
-        let r = ExportRecord { fd, map: map.cast(), pid, live: Vec::new(), free: Vec::new() };
+        let r = ExportRecord { fd, map: map.cast(), pid, live: Vec::new(), by_granule: FxHashMap::default(), free: Vec::new() };
         for (i, v) in [RECORD_MAGIC, pid as u64, start_time_of(pid), 0].into_iter().enumerate() {
             r.word(i).store(v, Ordering::Release);
         }
@@ -151,7 +155,11 @@ impl ExportRecord {
             // The digest first: a reader that sees the token sees its digest.
             r.slot_word(slot, 1).store(digest, Ordering::Release);
             r.slot_word(slot, 0).store(token, Ordering::Release);
-            r.live[slot as usize] = Some(granules.iter().map(|g| (g.fd, g.offset)).collect());
+            let shared: Vec<(i32, u64)> = granules.iter().map(|g| (g.fd, g.offset)).collect();
+            for &k in &shared {
+                r.by_granule.entry(k).or_default().push(slot);
+            }
+            r.live[slot as usize] = Some(shared);
             Ok(RecordRef { fd: r.fd.raw(), slot, token })
         })
     }
@@ -166,7 +174,14 @@ impl ExportRecord {
 
     fn clear(&mut self, slot: u32) {
         self.slot_word(slot, 0).store(0, Ordering::Release);
-        self.live[slot as usize] = None;
+        for k in self.live[slot as usize].take().unwrap_or_default() {
+            if let std::collections::hash_map::Entry::Occupied(mut e) = self.by_granule.entry(k) {
+                e.get_mut().retain(|&s| s != slot);
+                if e.get().is_empty() {
+                    e.remove();
+                }
+            }
+        }
         self.free.push(slot);
     }
 
@@ -187,10 +202,8 @@ impl ExportRecord {
         let mut g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
         let Some(r) = g.as_mut().filter(|r| r.pid == std::process::id()) else { return };
         r.word(RELEASES_WORD).fetch_add(1, Ordering::AcqRel);
-        for slot in 0..r.live.len() {
-            if r.live[slot].as_ref().is_some_and(|v| v.contains(&(fd, offset))) {
-                r.clear(slot as u32);
-            }
+        for slot in r.by_granule.get(&(fd, offset)).cloned().unwrap_or_default() {
+            r.clear(slot);
         }
     }
 

@@ -189,3 +189,24 @@ fn an_importer_may_pass_one_descriptor_per_allocation_in_the_order_the_granules_
         assert!(d.per_granule(bad).is_none(), "{bad:?}");
     }
 }
+
+#[test]
+fn a_released_granule_ends_the_exports_that_share_it_and_no_other() {
+    // Descriptor numbers no other test uses: the record is the process's.
+    let g = |fd: i32, offset: u64| SharedGranule { fd, offset, file: FileId { dev: 0, ino: 0 } };
+    let (a, b, c) = (g(900_001, 0), g(900_001, 2 << 20), g(900_002, 0));
+    let ab = ExportRecord::add(&[a, b]).unwrap();
+    let bc = ExportRecord::add(&[b, c]).unwrap();
+    let c_only = ExportRecord::add(&[c]).unwrap();
+    ExportRecord::granule_released(a.fd, a.offset);
+    assert!(!ExportRecord::is_live(ab), "the export that shared the granule ended");
+    assert!(ExportRecord::is_live(bc) && ExportRecord::is_live(c_only), "the others did not");
+    // A new export (which may take the ended one's slot) of a granule the ended export did
+    // not share outlives the release of one it did.
+    let again = ExportRecord::add(&[c]).unwrap();
+    ExportRecord::granule_released(b.fd, b.offset);
+    assert!(!ExportRecord::is_live(bc));
+    assert!(ExportRecord::is_live(again) && ExportRecord::is_live(c_only), "exports of other granules stay");
+    ExportRecord::granule_released(c.fd, c.offset);
+    assert!(!ExportRecord::is_live(again) && !ExportRecord::is_live(c_only));
+}
