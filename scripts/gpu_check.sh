@@ -37,13 +37,13 @@ cp build-gpu/Testing/Temporary/LastTest.log "$OUT/ctest-full.log" 2>/dev/null
 
 echo "== hot-path microbenchmark (no framework)"
 ./build-gpu/hotpath_bench 2>&1 | tee "$OUT/hotpath.log"
-echo "== threads and streams: gpupool vs cudaMallocAsync (and RMM's resources, with its wheels) from C (tests/gpu/threads_bench.c)"
+echo "== threads and streams: gpupool vs cudaMallocAsync (and RMM's resources, with its wheels) from C (bench/gpu/threads_bench.c)"
 [ -n "${SKIP_BENCH:-}" ] || ./build-gpu/threads_bench "${THREADS_BENCH_PAIRS:-20000}" 2>&1 | tee "$OUT/threads_bench.log"
 # The same workloads on the host upstream, no driver: the library's own scaling on this
 # machine's cores (built with Rust elsewhere: cargo build --release --example threads_host,
 # copied to dist/).
 if [ -z "${SKIP_BENCH:-}" ] && [ -x dist/threads_host ]; then
-  echo "== the same workloads over the host upstream (examples/threads_host.rs): the library alone"
+  echo "== the same workloads over the host upstream (bench/diagnostics/threads_host.rs): the library alone"
   dist/threads_host "${THREADS_BENCH_PAIRS:-20000}" 2>&1 | tee "$OUT/threads_host.log"
 fi
 echo "== driver call costs behind the upstreams (no gpupool)"

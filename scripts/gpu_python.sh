@@ -6,7 +6,7 @@
 # only (the two together pass the device's 10-minute limit per command). PYTEST_ARGS: what
 # pytest runs instead of tests/python (e.g. two halves in two calls on a 2-GPU machine, where
 # the two-GPU tests bring the whole set close to the limit).
-# WORKLOADS=training,serving,churn: run the workload benchmark (scripts/bench_workloads.py:
+# WORKLOADS=training,serving,churn: run the workload benchmark (bench/workloads/bench_workloads.py:
 # memory and step time of native, expandable segments, RMM, gpupool split and arena) for
 # those workloads instead of the framework churn benchmark.
 set -uo pipefail
@@ -35,16 +35,16 @@ if [ -n "${SKIP_BENCH:-}" ]; then
 fi
 if [ -n "${WORKLOADS:-}" ]; then
   echo "== workload benchmark ($WORKLOADS), every allocator in this run"
-  python3 scripts/bench_workloads.py all --workloads "$WORKLOADS" --out "$OUT/workloads.jsonl" 2>&1 | tee "$OUT/workloads.log"
+  python3 bench/workloads/bench_workloads.py all --workloads "$WORKLOADS" --out "$OUT/workloads.jsonl" 2>&1 | tee "$OUT/workloads.log"
   { echo "workload benchmark:"; sed -n '/^### /,$p' "$OUT/workloads.log"; } > "$OUT/python-summary.txt"
   exit 0
 fi
 echo "== framework benchmark (churn.py), every allocator in this run"
 gcc -O2 -shared -fPIC -I/usr/local/cuda/include bench/frameworks/passthrough.c -L/usr/local/cuda/lib64 -lcudart -o /tmp/passthrough.so
-gcc -O2 -shared -fPIC -I/usr/local/cuda/include tests/gpu/churn_floor.c -L/usr/local/cuda/lib64 -lcuda -o /tmp/churn_floor.so
-ROUNDS=${ROUNDS:-4} python3 scripts/bench_frameworks.py bench/frameworks "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
-echo "== does the driver's own pool give memory back? (scripts/driver_pool_trim.py)"
-python3 scripts/driver_pool_trim.py "$GPUPOOL_LIBRARY" 2>&1 | tee "$OUT/driver_pool.log"
+gcc -O2 -shared -fPIC -I/usr/local/cuda/include bench/gpu/churn_floor.c -L/usr/local/cuda/lib64 -lcuda -o /tmp/churn_floor.so
+ROUNDS=${ROUNDS:-4} python3 bench/frameworks/bench_frameworks.py bench/frameworks "$GPUPOOL_LIBRARY" /tmp/passthrough.so /tmp/churn_floor.so "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+echo "== does the driver's own pool give memory back? (bench/frameworks/driver_pool_trim.py)"
+python3 bench/frameworks/driver_pool_trim.py "$GPUPOOL_LIBRARY" 2>&1 | tee "$OUT/driver_pool.log"
 {
   if [ -f "$OUT/pytest.log" ]; then
     echo "python tests:"

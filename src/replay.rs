@@ -97,7 +97,7 @@ pub struct Report {
 
 /// Where a trace's steps lie, for a trace of a fixed number of events a step (the churn
 /// workload's): after `first` events, one step every `every` events, the first `warmup`
-/// of them not measured (as `scripts/bench_workloads.py` counts them).
+/// of them not measured (as `bench/workloads/bench_workloads.py` counts them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Steps {
     pub first: usize,

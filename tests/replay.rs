@@ -191,7 +191,7 @@ impl Draws {
 
 /// A training loop with token-budget batching, as allocation events: every step draws a
 /// sequence length T and sizes the batch to about 16K tokens, so almost no step repeats a
-/// shape (the `tokens` workload of scripts/bench_workloads.py, in outline: parameters,
+/// shape (the `tokens` workload of bench/workloads/bench_workloads.py, in outline: parameters,
 /// gradients and two optimizer states that live throughout, per-layer activations saved
 /// for the backward pass between temporaries, attention scores of B x H x T x T, logits
 /// in bf16 and fp32, then the backward pass freeing them in reverse).
@@ -270,7 +270,7 @@ fn a_loop_whose_shapes_never_repeat_holds_its_peak_on_the_arena() {
 }
 
 /// A server decoding with KV caches grown a token at a time, as allocation events (the
-/// `serving` workload of scripts/bench_workloads.py, in outline): requests arrive at random
+/// `serving` workload of bench/workloads/bench_workloads.py, in outline): requests arrive at random
 /// (prompt 32-384 tokens, 16-160 generated, at most 32 at once); a prefill allocates each
 /// layer's activations and keeps its K and V caches; every decode step of every request
 /// re-allocates each cache one token longer (4 KiB more) and frees the old one, between
@@ -382,7 +382,7 @@ fn a_server_whose_caches_grow_a_token_at_a_time_holds_little_above_its_peak_on_t
     }
 }
 
-/// `tests/gpu/threads_bench_workloads.c`'s serving row for one thread, as allocation
+/// `bench/gpu/threads_bench_workloads.c`'s serving row for one thread, as allocation
 /// events: its warm-up of 128 pairs of 1 MiB, then 32 requests whose buffers grow 64 KiB a
 /// token by reallocation (the longer buffer allocated before the old one is freed), each
 /// request restarting at 64 KiB once it reaches its length (256 KiB to 8 MiB), one random
@@ -450,7 +450,7 @@ fn buffers_grown_by_reallocation_settle_on_the_arena() {
     }
 }
 
-/// The `churn` workload of scripts/bench_workloads.py as allocation events: 256 slots of
+/// The `churn` workload of bench/workloads/bench_workloads.py as allocation events: 256 slots of
 /// log-uniform sizes from 512 B to 32 MiB, then `steps` x 1,000 replacements of a random
 /// slot (free, then allocate). `seed` draws the slots and sizes.
 fn churn_loop(seed: u64, steps: usize) -> Vec<gpupool::replay::Op> {

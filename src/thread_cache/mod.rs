@@ -85,7 +85,7 @@ thread_local! {
 /// The shard that served this thread's last call on (`device`, `stream`), valid while the
 /// registry's placement epoch stays `epoch`. Why: a thread mostly stays on one stream, and
 /// asking the registry costs two stream-table probes per pair (one to allocate, one to
-/// free), a large share of the fast path (`examples/instr_per_step.rs streampair` counts
+/// free), a large share of the fast path (`bench/diagnostics/instr_per_step.rs streampair` counts
 /// its instructions). Placements change rarely (a device remade, a stream that shared its shard
 /// moved), and each change bumps the epoch. A stale answer could only misplace an
 /// allocation, never lose a block: frees find their pool through the address index.

@@ -1,4 +1,4 @@
-"""scripts/replay_draws.py: every recorded draw of the workload benchmark replayed on the CPU.
+"""bench/workloads/replay_draws.py: every recorded draw of the workload benchmark replayed on the CPU.
 Its generated churn draws must be the benchmark's own: draw 0 replays exactly as the GPU's
 recording of that draw does (tests/data/draws/churn.csv.xz)."""
 import lzma
@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 REPLAY = ROOT / "target" / "release" / "gpupool-replay"
-SCRIPT = ROOT / "scripts" / "replay_draws.py"
+SCRIPT = ROOT / "bench" / "workloads" / "replay_draws.py"
 
 pytestmark = pytest.mark.skipif(not REPLAY.is_file(), reason="needs target/release/gpupool-replay (cargo build --release)")
 
@@ -46,7 +46,7 @@ def test_every_draw_replays_and_churn_draw_0_is_the_recorded_one(tmp_path):
     churn0 = next(r for r in rows if r[0] == "churn" and r[1] == "0")
     assert (churn0[2], churn0[3]) == (cells[3], cells[10].split("/")[1].strip()), (churn0, cells)
     # And its steps, counted on the recording with the script's own step layout, too.
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "bench" / "workloads"))
     import replay_draws
     stepped = subprocess.run([str(REPLAY), str(recorded), "--pool", "arena", "--steps", replay_draws.churn_steps()], capture_output=True, text=True, timeout=120)
     m = re.search(r"^arena steps: 30 measured; second half [\d.]+ driver calls a step, ([\d.]+) off peak \((\d+) new-peak", stepped.stdout, re.M)

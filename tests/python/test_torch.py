@@ -259,14 +259,14 @@ def test_foreign_free_is_counted_not_fatal(torch_gpu):
 
 @pytest.mark.parametrize("pool", ["split", "arena"])
 def test_cuda_tensors_go_through_torch_multiprocessing(torch_gpu, pool):
-    # scripts/share_check.py: mixed sizes and dtypes, views beside their bases, the consumer
+    # bench/frameworks/share_check.py: mixed sizes and dtypes, views beside their bases, the consumer
     # checks and adds 1, the producer sees it; a block the consumer holds is not reused;
     # letting go frees it; nothing live or imported at the end in either process.
     import json
     from conftest import ROOT, run_script
     # gpupool's own reductions: the plug-in route (the allocator class sends through
     # PyTorch's, test_torch_allocator.py).
-    p = run_script(ROOT / "scripts" / "share_check.py", ["--allocator", pool, "--tensors", "300", "--max-mib", "16"],
+    p = run_script(ROOT / "bench" / "frameworks" / "share_check.py", ["--allocator", pool, "--tensors", "300", "--max-mib", "16"],
                    env=PLUGIN, timeout=600)
     r = json.loads(ok(p).strip().splitlines()[-1])
     assert r["consumer_bad"] == 0 and r["producer_sees_change_bad"] == 0, r

@@ -1,9 +1,9 @@
 """Run the framework churn benchmark (bench/frameworks/churn.py) for every allocator in one GPU
 run and print the table with ratios against the anchors measured in the same run.
 
-usage: python3 scripts/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO CHURN_FLOOR_SO [OUT_JSONL]
+usage: python3 bench/frameworks/bench_frameworks.py BENCH_DIR LIBGPUPOOL PASSTHROUGH_SO CHURN_FLOOR_SO [OUT_JSONL]
 Each allocator runs in its own process (one allocator per process, as churn.py requires).
-CHURN_FLOOR_SO: tests/gpu/churn_floor.c built, the `churn` workload's floor (distinct
+CHURN_FLOOR_SO: bench/gpu/churn_floor.c built, the `churn` workload's floor (distinct
 addresses at next to no cost; bench/frameworks' floor plug-in serves `fixed` only).
 """
 import json
@@ -101,7 +101,7 @@ def table(results, title):
     print(title)
     print("| framework | workload | native | async | RMM | floor | gpupool variant | gpupool | target | met |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print("(floor for churn: tests/gpu/churn_floor.c, an allocator that costs next to nothing)")
+    print("(floor for churn: bench/gpu/churn_floor.c, an allocator that costs next to nothing)")
     for fw in ("torch", "cupy"):
         if not any(k[0] == fw for k in results):
             continue

@@ -1,4 +1,4 @@
-//! `tests/gpu/threads_bench.c`'s workloads through the C API over the host upstream: how the
+//! `bench/gpu/threads_bench.c`'s workloads through the C API over the host upstream: how the
 //! library alone scales with threads and streams, with no driver in the way (on the GPU
 //! host, beside threads_bench, this separates the pool's own scaling from the driver's).
 //!

@@ -1,10 +1,10 @@
 """Memory efficiency and speed of CUDA allocators on realistic PyTorch workloads.
 
 usage:
-    python3 scripts/bench_workloads.py run WORKLOAD ALLOCATOR
+    python3 bench/workloads/bench_workloads.py run WORKLOAD ALLOCATOR
         one workload with one allocator in this process; prints one JSON line on stdout
         (progress goes to stderr).
-    python3 scripts/bench_workloads.py all [--workloads training,serving,churn]
+    python3 bench/workloads/bench_workloads.py all [--workloads training,serving,churn]
                                            [--allocators native,expandable,rmm,split,arena]
                                            [--rounds N] [--out FILE.jsonl]
         one fresh process per (workload, allocator) (an allocator must be chosen before

@@ -1,5 +1,5 @@
-/* Shared by tests/gpu/threads_bench.c (its usage doc, the rows, the table, main) and
- * tests/gpu/threads_bench_workloads.c (what one thread of a row does: the allocators behind
+/* Shared by bench/gpu/threads_bench.c (its usage doc, the rows, the table, main) and
+ * bench/gpu/threads_bench_workloads.c (what one thread of a row does: the allocators behind
  * one interface, the three workloads, the clock reference): the allocator kinds, the
  * workloads and a thread's job. */
 #ifndef THREADS_BENCH_H

@@ -1,5 +1,5 @@
-// RMM's C++ memory resources behind a small C interface, so tests/gpu/threads_bench.c can
-// put them in the same table as gpupool and cudaMallocAsync (issue #18 asks for one run).
+// RMM's C++ memory resources behind a small C interface, so bench/gpu/threads_bench.c can
+// put them in the same table as gpupool and cudaMallocAsync (one run measures every allocator).
 // Built only when CMake is given the librmm wheel (-DGPUPOOL_RMM_ROOT=.../librmm, with
 // -DGPUPOOL_RAPIDS_LOGGER_ROOT=.../rapids_logger); scripts/gpu_check.sh unpacks both from
 // .whl/. RMM 26.10's resources take their upstream as a `cuda::mr::any_resource` and

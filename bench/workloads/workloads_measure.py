@@ -1,4 +1,4 @@
-"""Measurement side of scripts/bench_workloads.py: installing one allocator and reading its
+"""Measurement side of bench/workloads/bench_workloads.py: installing one allocator and reading its
 counters (Probe), and timing steps and sampling device memory (Recorder).
 
 Separate from bench_workloads.py (command line, configuration, run and all modes) and from
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GPUPOOL_ALLOCATORS = ("split", "arena", "arena-nolend")
 
 

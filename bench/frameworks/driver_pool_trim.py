@@ -1,7 +1,7 @@
 """Can the driver's own stream-ordered pool (cuMemAllocAsync) give memory back at fine
 granularity? Evidence for the pool's design (docs/internals.md), run on the GPU machine.
 
-usage: python3 scripts/driver_pool_trim.py [LIBGPUPOOL]
+usage: python3 bench/frameworks/driver_pool_trim.py [LIBGPUPOOL]
 
 Runs bench/frameworks/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
 [512 B, 32 MiB]) through CuPy in child processes, one configuration each:

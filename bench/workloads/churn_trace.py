@@ -1,7 +1,7 @@
 """Write bench/frameworks/churn.py's churn sequence (same seed, 256 slots, log-uniform sizes in
 [512 B, 32 MiB]) as a GPUPOOL_TRACE file, so gpupool-replay can study the benchmark offline:
 
-    python3 scripts/churn_trace.py > /tmp/churn.csv
+    python3 bench/workloads/churn_trace.py > /tmp/churn.csv
     cargo run --release --bin gpupool-replay -- /tmp/churn.csv --pool split [--decay N|off] [--upstream device|vmm]
 
 `--bounds` prints instead what no pool can beat: the live bytes at the end, and what a pool

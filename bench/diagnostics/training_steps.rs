@@ -2,7 +2,7 @@
 //! per step a random sequence length, forward activations kept for backward, temporaries,
 //! backward gradients, optimizer state. Prints, per strategy, peak reserved / peak in use
 //! and the driver calls of the steps after warm-up: the CPU stand-in for the training row
-//! of `scripts/bench_workloads.py`, for trying arena policies between GPU runs.
+//! of `bench/workloads/bench_workloads.py`, for trying arena policies between GPU runs.
 //!
 //! ```text
 //! cargo run --release --example training_steps [STEPS]

@@ -21,7 +21,7 @@ use gpupool::ffi::cupy::{gpupool_cupy_free, gpupool_cupy_malloc};
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
-#[path = "../benches/common/churn_sequence.rs"]
+#[path = "../criterion/common/churn_sequence.rs"]
 mod churn_sequence;
 use churn_sequence::churn_sequence;
 

@@ -1,7 +1,7 @@
-//! The churn workload shared by `benches/malloc_free.rs` (`c_api/churn_step`, `churn/*`) and
-//! `examples/instr_per_step.rs` (`churn`, `cupychurn`), so the criterion timings and the
+//! The churn workload shared by `bench/criterion/malloc_free.rs` (`c_api/churn_step`, `churn/*`) and
+//! `bench/diagnostics/instr_per_step.rs` (`churn`, `cupychurn`), so the criterion timings and the
 //! callgrind instruction counts measure the same sequence. Included by `#[path]`: cargo
-//! does not build files in `benches/` subfolders as benches of their own.
+//! does not build files in a bench's subfolders as benches of their own.
 
 /// (slot, size) pairs: a slot of 256 to free and refill, and a log-uniform size in
 /// [512 B, 32 MiB]. A fixed splitmix64 stream, so every run (and every strategy) sees the

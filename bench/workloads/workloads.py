@@ -1,4 +1,4 @@
-"""The workloads of scripts/bench_workloads.py and their model: a small transformer
+"""The workloads of bench/workloads/bench_workloads.py and their model: a small transformer
 (build_model), then training, tokens, serving and churn. Each takes (torch, recorder,
 config, measured steps) and returns a fingerprint string of its outputs.
 

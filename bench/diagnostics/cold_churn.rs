@@ -7,7 +7,7 @@ use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc, gpupoo
 use std::ptr::null_mut;
 use std::time::Instant;
 
-#[path = "../benches/common/churn_sequence.rs"]
+#[path = "../criterion/common/churn_sequence.rs"]
 mod churn_sequence;
 
 fn main() {

@@ -3,14 +3,14 @@
 figures a policy change must be judged on, in seconds.
 
     cargo build --release
-    python3 scripts/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay] [--churn-draws 9]
+    python3 bench/workloads/replay_draws.py [--pool arena] [--replay target/release/gpupool-replay] [--churn-draws 9]
 
 One draw of a workload whose shapes never repeat is chance layout (docs/arena.md, "One draw
 is chance"), so this replays, per workload, every draw there is:
-  - tokens, training, serving: the GPUPOOL_TRACE recordings of scripts/bench_workloads.py
+  - tokens, training, serving: the GPUPOOL_TRACE recordings of bench/workloads/bench_workloads.py
     on an H200 (tests/data/draws/: draw 0 and BENCH_SEED 1-3), decompressed into a
     temporary folder;
-  - churn: generated here as scripts/workloads.py draws it, after the 4-byte allocation of
+  - churn: generated here as bench/workloads/workloads.py draws it, after the 4-byte allocation of
     bench_workloads.py's first kernel (BENCH_SEED 0-8, or 0..N-1 with --churn-draws N;
     draw 0 replays as the GPU's recording of it does).
 It prints, per draw, peak reserved / peak in use, the driver calls of the trace's second
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = [
     ("tokens", 0, "tests/data/draws/tokens.csv.xz"),
     ("tokens", 1, "tests/data/draws/tokens-seed1.csv.xz"),
@@ -52,7 +52,7 @@ def churn_steps():
 
 
 def churn_trace(seed, path, slots=CHURN["slots"], ops=CHURN["ops"], steps=CHURN["warmup"] + CHURN["steps"], lo=512, hi=32 << 20):
-    """scripts/workloads.py's churn (its config in bench_workloads.py), as trace rows."""
+    """bench/workloads/workloads.py's churn (its config in bench_workloads.py), as trace rows."""
     rng, llo, lhi = random.Random(1234 + seed), math.log(lo), math.log(hi)
     rows, t, ptr = ["time_ns,thread,device,stream,action,ptr,size"], 0, 0
 

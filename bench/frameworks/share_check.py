@@ -9,7 +9,7 @@ processes end with no live block and nothing imported. Prints one JSON line last
 tensors/s through the queue (consumer start-up excluded), the consumer's time unpickling
 (`consumer_loads_s`: rebuilding the tensors, which opens or imports their memory) and the checks.
 
-    python3 scripts/share_check.py --allocator arena --tensors 1000 [--profile DIR] [--check-parts] [--warm-consumer]
+    python3 bench/frameworks/share_check.py --allocator arena --tensors 1000 [--profile DIR] [--check-parts] [--warm-consumer]
 
 --profile DIR: the producer's pickling (where it exports) and the consumer's receiving and
 checking are profiled (cProfile) over the measured exchange; the functions by cumulative

@@ -66,7 +66,7 @@ fn c_api(c: &mut Criterion) {
     unsafe { gpupool_configure(0, c"split".as_ptr(), c"host".as_ptr()) };
     let mut g = c.benchmark_group("c_api");
     g.bench_function("pair_1_thread", |b| b.iter(|| c_pair(0)));
-    // A user stream (#18): the thread's fast path serves each stream for itself.
+    // A user stream: the thread's fast path serves each stream for itself.
     unsafe { gpupool_configure(7, c"split".as_ptr(), c"host".as_ptr()) };
     g.bench_function("pair_user_stream_1_thread", |b| b.iter(|| c_pair_on(7, 0x5000)));
     // 8 threads, each on its own stream (device 8).

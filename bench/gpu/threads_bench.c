@@ -40,7 +40,7 @@
  * THREADS_BENCH_STREAMS=legacy|own and THREADS_BENCH_THREADS=1|4|16 keep only the rows they
  * name (e.g. one row under a profiler).
  * Built with GPUPOOL_WITH_RMM (CMake: -DGPUPOOL_RMM_ROOT, the unpacked librmm wheel), the
- * table also has RMM's pool, arena and cuda_async resources (tests/gpu/rmm_allocators.cpp),
+ * table also has RMM's pool, arena and cuda_async resources (bench/gpu/rmm_allocators.cpp),
  * every allocator measured in the same run. */
 #define _GNU_SOURCE
 #include <sys/mman.h>

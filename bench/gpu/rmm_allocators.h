@@ -1,4 +1,4 @@
-/* RMM's resources for tests/gpu/threads_bench.c (implemented in rmm_allocators.cpp, built
+/* RMM's resources for bench/gpu/threads_bench.c (implemented in rmm_allocators.cpp, built
  * only with the librmm wheel: GPUPOOL_RMM_ROOT). Kinds 0..rmm_bench_count()-1. */
 #ifndef GPUPOOL_RMM_ALLOCATORS_H
 #define GPUPOOL_RMM_ALLOCATORS_H

@@ -1,4 +1,4 @@
-/* What one thread of a tests/gpu/threads_bench.c row does: the allocators behind one
+/* What one thread of a bench/gpu/threads_bench.c row does: the allocators behind one
  * interface (gpupool, cudaMallocAsync, RMM's resources when built with them), the three
  * workloads (1 MiB pairs, churn, serving) with their warm-up, and the clock reference loop
  * every thread runs between warm-up and timed work. The benchmark's usage doc, its rows,
