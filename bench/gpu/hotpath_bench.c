@@ -4,10 +4,7 @@
 #include <stdio.h>
 #include <time.h>
 #include <cuda_runtime_api.h>
-#include "gpupool.h"
-
-void *gpupool_torch_malloc(size_t size, int device, void *stream);
-void gpupool_torch_free(void *ptr, size_t size, int device, void *stream);
+#include "gpupool_plugin.h"
 
 static double now(void) {
   struct timespec t;

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "check.h"
+#include "gpupool_share.h"
 
 #define MIB ((size_t)1 << 20)
 #define BIG (5 * MIB + 12345)

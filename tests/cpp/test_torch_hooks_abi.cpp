@@ -10,7 +10,7 @@
 #include <functional>
 #include <string>
 #include <utility>
-#include "gpupool.h"
+#include "gpupool_plugin.h"
 
 struct CUstream_st;
 typedef struct CUstream_st *cudaStream_t;
