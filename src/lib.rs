@@ -17,6 +17,7 @@
 //! - `pages`: the books of pages decommitted inside segments.
 //! - `registry`: per-device pools, created lazily, in shards with a lock each (user
 //!   streams spread over them) that share the device's budget; device-wide reports.
+//! - `front`: where every allocation and free begins; the one out-of-memory retry.
 //! - `thread_cache`: the per-thread fast path for same-size reuse on one stream (every
 //!   stream but the per-thread default one; `pool/attached_caches/` is the pool's side).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
@@ -25,8 +26,8 @@
 //! - `process`: the fork-child flag and at-exit hooks (a leaf every layer may use).
 //! - `socket`: socket writes that raise no SIGPIPE (a leaf).
 //! - `fork`: `pthread_atfork` handlers; a fork child gets a clear error.
-//! - `handover`: file descriptors handed to the process that unpickles a message (the
-//!   transport of the frameworks' process-sharing routes).
+//! - `share`: sharing blocks between processes above the device pool (received
+//!   descriptors, spans mapped once, the holds file, the descriptor handover).
 //! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
 //! - `ffi`: every `extern "C"` function.
 
@@ -38,14 +39,13 @@ pub mod error;
 pub mod pages;
 pub mod fork;
 pub mod front;
-pub mod holds;
 pub mod ffi;
-pub mod handover;
 pub mod owners;
 pub mod pool;
 pub mod process;
 pub mod registry;
 pub mod replay;
+pub mod share;
 pub mod socket;
 pub mod stats;
 pub mod status_socket;

@@ -3,7 +3,7 @@
 //! a CPU), and serves the queued taker once descriptors are free again. A binary of its own:
 //! the open-file limit is the whole process's.
 
-use gpupool::handover::{add, offer, take, KEY_BYTES};
+use gpupool::share::handover::{add, offer, take, KEY_BYTES};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};

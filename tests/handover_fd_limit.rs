@@ -3,7 +3,7 @@
 //! did arrive stay open, and its kept connection still serves the next handover. A binary
 //! of its own: the open-file limit is the whole process's.
 
-use gpupool::handover::{add, offer, take};
+use gpupool::share::handover::{add, offer, take};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 fn open_below(limit: u64) -> Vec<u64> {

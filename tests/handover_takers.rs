@@ -3,7 +3,7 @@
 //! sender closed unread sends it again on a new connection. A binary of its own: it opens
 //! over two thousand descriptors.
 
-use gpupool::handover::{add, offer, take, KEY_BYTES};
+use gpupool::share::handover::{add, offer, take, KEY_BYTES};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;

@@ -1,8 +1,8 @@
 //! The layers import one way (docs/internals.md): each module of `src/` may use only
 //! modules of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
 //! the trace; the upstreams (driver layer); blocks; strategies and the stream tracker; the
-//! device pool; process-level services; the registry; the thread caches; the front end; the
-//! C boundary. A `use crate::X` (or a `crate::X::` path outside comments) against the order
+//! device pool; process-level services; the registry; the thread caches and sharing between
+//! processes; the front end; the C boundary. A `use crate::X` (or a `crate::X::` path outside comments) against the order
 //! fails this test, and so does a module missing from the table.
 
 use std::collections::BTreeMap;
@@ -26,11 +26,10 @@ const RANKS: &[(&str, u32)] = &[
     ("pool", 6),
     ("fork", 7),
     ("status_socket", 7),
-    ("holds", 7),
-    ("handover", 7),
     ("replay", 7),
     ("registry", 8),
     ("thread_cache", 9),
+    ("share", 9),
     ("front", 10),
     ("ffi", 11),
 ];

@@ -7,7 +7,7 @@
 //! process's.
 
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
-use gpupool::handover::{take, KEY_BYTES};
+use gpupool::share::handover::{take, KEY_BYTES};
 use std::ffi::c_void;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;

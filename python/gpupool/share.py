@@ -9,7 +9,7 @@ the block is not freed and reused while another process uses it), and the file
 descriptors behind both. The descriptors travel the way `torch.multiprocessing` sends
 CPU tensors' file descriptors, over a Unix socket (`SCM_RIGHTS`) from a thread of the
 sending process to the process that unpickles the send, but the thread is the library's
-(`gpupool_handover_*`, `src/handover.rs`): it needs no interpreter lock, and a receiver
+(`gpupool_handover_*`, `src/share/handover.rs`): it needs no interpreter lock, and a receiver
 keeps one connection per sender, so a handover costs a request and a reply instead of a
 new authenticated connection answered by a Python thread. The socket answers only the
 same user, and a handover only whoever has its random key, which travels inside the

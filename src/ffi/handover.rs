@@ -1,9 +1,9 @@
-//! Handing file descriptors to the process that unpickles a message (`crate::handover`):
+//! Handing file descriptors to the process that unpickles a message (`crate::share::handover`):
 //! the transport of `python/gpupool/share.py`, callable from any language.
 
 use super::boundary::call;
 use crate::error::{Error, Status};
-use crate::handover;
+use crate::share::handover;
 use std::ffi::{c_int, c_void};
 use std::os::fd::IntoRawFd;
 

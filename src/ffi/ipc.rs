@@ -7,49 +7,9 @@
 use super::boundary::call;
 use crate::error::{Error, Status};
 use crate::registry;
-use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{Descriptor, MAX_DESCRIPTOR_BYTES};
+use crate::share::descriptor::AnyDescriptor;
+use crate::upstream::shared::MAX_DESCRIPTOR_BYTES;
 use std::ffi::{c_int, c_void};
-
-/// A descriptor of either kind.
-pub(super) enum AnyDescriptor {
-    Arena(Descriptor),
-    Segment(LegacyDescriptor),
-}
-
-impl AnyDescriptor {
-    /// The file descriptors behind it (one per granule; none for a segment's handle).
-    pub(super) fn fds(&self) -> Vec<i32> {
-        match self {
-            AnyDescriptor::Arena(d) => d.granules.iter().map(|g| g.fd).collect(),
-            AnyDescriptor::Segment(_) => Vec::new(),
-        }
-    }
-
-    /// Map it on `device`: `fds` as `gpupool_ipc_open` takes them (checked by the pool).
-    pub(super) fn open(&self, device: c_int, fds: Option<&[c_int]>) -> crate::error::Result<usize> {
-        if let (AnyDescriptor::Segment(_), Some(f)) = (self, fds) {
-            if !f.is_empty() {
-                return Err(Error::InvalidArgument(format!(
-                    "IPC import: {} descriptors passed for a segment pool's block, which has none",
-                    f.len()
-                )));
-            }
-        }
-        match self {
-            AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.ipc_import(d, fds)),
-            AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.ipc_import_legacy(d)),
-        }
-    }
-
-    /// The block's size.
-    pub(super) fn size(&self) -> u64 {
-        match self {
-            AnyDescriptor::Arena(d) => d.size,
-            AnyDescriptor::Segment(d) => d.size,
-        }
-    }
-}
 
 /// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
 /// before touching the memory, so a wrong length is an error, not a read past the buffer
@@ -61,11 +21,7 @@ pub(super) unsafe fn read_descriptor(desc: *const c_void, len: usize) -> crate::
     if len > MAX_DESCRIPTOR_BYTES {
         return Err(Error::InvalidArgument(format!("IPC descriptor: {len} bytes is longer than any descriptor")));
     }
-    let b = std::slice::from_raw_parts(desc as *const u8, len);
-    if LegacyDescriptor::is_one(b) {
-        return LegacyDescriptor::decode(b).map(AnyDescriptor::Segment);
-    }
-    Descriptor::decode(b).map(AnyDescriptor::Arena)
+    AnyDescriptor::decode(std::slice::from_raw_parts(desc as *const u8, len))
 }
 
 /// Copy `bytes` to `buf` (`cap` bytes) and its length to `*out_len`. `buf == NULL` with

@@ -287,7 +287,7 @@ pub unsafe extern "C" fn gpupool_share_end_ahead(batch: *mut c_void, failed: c_i
                 Opened::Waiting | Opened::Ready(Err(_)) if failed != 0 => {
                     let (fd, slot) = b.holds[i];
                     if fd >= 0 {
-                        let _ = crate::holds::map_theirs(fd).and_then(|id| crate::holds::release(id, slot));
+                        let _ = crate::share::holds::map_theirs(fd).and_then(|id| crate::share::holds::release(id, slot));
                     }
                 }
                 _ => {}

@@ -1,0 +1,60 @@
+//! A descriptor another process sent, of either kind: an arena block's granules
+//! (`crate::upstream::shared::Descriptor`) or a segment pool's CUDA IPC handle
+//! (`crate::upstream::legacy_descriptor`), told apart by its bytes, and opened on a device
+//! through its pool.
+
+use crate::error::{Error, Result};
+use crate::registry;
+use crate::upstream::legacy_descriptor::LegacyDescriptor;
+use crate::upstream::shared::Descriptor;
+use std::ffi::c_int;
+
+/// A descriptor of either kind.
+pub enum AnyDescriptor {
+    Arena(Descriptor),
+    Segment(LegacyDescriptor),
+}
+
+impl AnyDescriptor {
+    /// The file descriptors behind it (one per granule; none for a segment's handle).
+    pub fn fds(&self) -> Vec<i32> {
+        match self {
+            AnyDescriptor::Arena(d) => d.granules.iter().map(|g| g.fd).collect(),
+            AnyDescriptor::Segment(_) => Vec::new(),
+        }
+    }
+
+    /// Map it on `device`: `fds` as `gpupool_ipc_open` takes them (checked by the pool).
+    pub fn open(&self, device: c_int, fds: Option<&[c_int]>) -> Result<usize> {
+        if let (AnyDescriptor::Segment(_), Some(f)) = (self, fds) {
+            if !f.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: {} descriptors passed for a segment pool's block, which has none",
+                    f.len()
+                )));
+            }
+        }
+        match self {
+            AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.ipc_import(d, fds)),
+            AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.ipc_import_legacy(d)),
+        }
+    }
+
+    /// The block's size.
+    pub fn size(&self) -> u64 {
+        match self {
+            AnyDescriptor::Arena(d) => d.size,
+            AnyDescriptor::Segment(d) => d.size,
+        }
+    }
+}
+
+impl AnyDescriptor {
+    /// The descriptor in `bytes`, of whichever kind its bytes say.
+    pub fn decode(bytes: &[u8]) -> Result<AnyDescriptor> {
+        if LegacyDescriptor::is_one(bytes) {
+            return LegacyDescriptor::decode(bytes).map(AnyDescriptor::Segment);
+        }
+        Descriptor::decode(bytes).map(AnyDescriptor::Arena)
+    }
+}
