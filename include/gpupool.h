@@ -290,6 +290,11 @@ enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
 }  // extern "C"
 #endif  // __cplusplus
 
+/* Sharing between processes and the frameworks' allocator entries have headers of their
+ * own; included here, so a program that includes this header alone sees them too. */
+#include "gpupool_share.h"
+#include "gpupool_plugin.h"
+
 #endif  /* GPUPOOL_H */
 
 #ifndef GPUPOOL_STATS_INIT_DEFINED

@@ -5,8 +5,9 @@
 //! The three headers: `gpupool.h`, the C API a program allocates through; `gpupool_share.h`,
 //! sharing blocks between processes (`gpupool_ipc_*`, and the frameworks' sharing routes'
 //! holds, handover and DLPack entries); `gpupool_plugin.h`, the entries PyTorch's and CuPy's
-//! allocator interfaces call (`gpupool_torch_*`, `gpupool_cupy_*`). The last two include
-//! the first.
+//! allocator interfaces call (`gpupool_torch_*`, `gpupool_cupy_*`). Each of the last two
+//! includes the first, which includes them at its end: a program that includes `gpupool.h`
+//! alone sees every declaration, as before the split.
 
 use std::path::Path;
 
@@ -48,7 +49,10 @@ fn split(full: &str) -> Vec<(&'static str, String)> {
         parts.entry(header_of(&name)).or_default().push(block);
     }
     let body = |h: &str| format!("\n{}\n\n", parts.get(h).map_or(String::new(), |v| v.join("\n\n")));
-    let main = format!("{}{}{}", &full[..a], body("gpupool.h"), &full[b..]).replacen(FLAG, "", 1);
+    // A program that includes gpupool.h alone still sees every declaration.
+    const REST: &str = "\n/* Sharing between processes and the frameworks' allocator entries have headers of their\n * own; included here, so a program that includes this header alone sees them too. */\n#include \"gpupool_share.h\"\n#include \"gpupool_plugin.h\"\n";
+    let rest = &full[b + CLOSE.len()..];
+    let main = format!("{}{}{CLOSE}{REST}{rest}", &full[..a], body("gpupool.h")).replacen(FLAG, "", 1);
     let mut out = vec![("gpupool.h", main)];
     for (h, guard, what, extra) in [
         ("gpupool_share.h", "GPUPOOL_SHARE_H", "sharing gpupool blocks between processes (docs/ipc.md)", FLAG),

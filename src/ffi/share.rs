@@ -1,6 +1,6 @@
 //! What the frameworks' process-sharing routes (`gpupool.torch`'s `torch.multiprocessing`
 //! reductions, `gpupool.cupy.share`) need beyond `ipc.rs`: holds that tell an exporter
-//! when its importers let go (`crate::holds`), and an import handed out as a DLPack tensor
+//! when its importers let go (`crate::share::holds`), and an import handed out as a DLPack tensor
 //! whose deleter closes it and releases the hold, so the framework's own tensor lifetime
 //! decides when the mapping goes, with no Python code in the deleter (it may run late in
 //! the interpreter's life, or on a thread without the GIL).

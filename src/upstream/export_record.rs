@@ -157,7 +157,10 @@ impl ExportRecord {
             r.slot_word(slot, 0).store(token, Ordering::Release);
             let shared: Vec<(i32, u64)> = granules.iter().map(|g| (g.fd, g.offset)).collect();
             for &k in &shared {
-                r.by_granule.entry(k).or_default().push(slot);
+                let slots = r.by_granule.entry(k).or_default();
+                if !slots.contains(&slot) {
+                    slots.push(slot);
+                }
             }
             r.live[slot as usize] = Some(shared);
             Ok(RecordRef { fd: r.fd.raw(), slot, token })
@@ -172,9 +175,13 @@ impl ExportRecord {
         })
     }
 
+    /// End the export in `slot`; a slot already free stays as it is (an export that lists
+    /// a granule twice is found twice when that granule goes, and its slot must go back to
+    /// the free list once).
     fn clear(&mut self, slot: u32) {
+        let Some(shared) = self.live[slot as usize].take() else { return };
         self.slot_word(slot, 0).store(0, Ordering::Release);
-        for k in self.live[slot as usize].take().unwrap_or_default() {
+        for k in shared {
             if let std::collections::hash_map::Entry::Occupied(mut e) = self.by_granule.entry(k) {
                 e.get_mut().retain(|&s| s != slot);
                 if e.get().is_empty() {

@@ -210,3 +210,18 @@ fn a_released_granule_ends_the_exports_that_share_it_and_no_other() {
     ExportRecord::granule_released(c.fd, c.offset);
     assert!(!ExportRecord::is_live(again) && !ExportRecord::is_live(c_only));
 }
+
+#[test]
+fn an_export_that_lists_a_granule_twice_gives_its_slot_back_once() {
+    let g = |fd: i32, offset: u64| SharedGranule { fd, offset, file: FileId { dev: 0, ino: 0 } };
+    let (a, b, c) = (g(900_011, 0), g(900_012, 0), g(900_013, 0));
+    let twice = ExportRecord::add(&[a, b, a]).unwrap();
+    ExportRecord::granule_released(a.fd, a.offset);
+    assert!(!ExportRecord::is_live(twice));
+    // Two later exports get slots of their own: neither overwrites the other.
+    let (x, y) = (ExportRecord::add(&[b]).unwrap(), ExportRecord::add(&[c]).unwrap());
+    assert_ne!(x.slot, y.slot);
+    assert!(ExportRecord::is_live(x) && ExportRecord::is_live(y));
+    ExportRecord::granule_released(b.fd, b.offset);
+    ExportRecord::granule_released(c.fd, c.offset);
+}
