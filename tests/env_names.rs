@@ -11,12 +11,14 @@ use std::path::Path;
 
 /// Identifiers that share the prefix but are no environment variables.
 const NOT_VARIABLES: &[&str] = &[
-    // C API constants and include guards (include/gpupool.h, tests/c, tests/gpu).
+    // C API constants and include guards (include/, tests/c, tests/gpu, bench/gpu).
     "GPUPOOL_STATUS",
     "GPUPOOL_STREAM_LEGACY",
     "GPUPOOL_STREAM_PER_THREAD",
     "GPUPOOL_IPC_SHARE_GRANULES",
     "GPUPOOL_H",
+    "GPUPOOL_SHARE_H",
+    "GPUPOOL_PLUGIN_H",
     "GPUPOOL_TEST_CHECK_H",
     "GPUPOOL_RMM_ALLOCATORS_H",
     "GPUPOOL_STATS_INIT_DEFINED",
