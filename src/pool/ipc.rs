@@ -10,7 +10,7 @@
 //! importer sees the whole granules under the block, as `cudaIpcOpenMemHandle` shows the
 //! whole `cuMemAlloc` allocation.
 
-use super::{Pool, NO_OWNER};
+use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
 use crate::upstream::shared::{own_start_time, Descriptor, FdSource, KIND_CUDA};
@@ -36,17 +36,21 @@ impl Pool {
             };
             return Err(refuse(why));
         };
-        // A block this thread's cache holds as freed is no longer the caller's to share
-        // (asked, not claimed: the cache keeps it either way).
-        if l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr) {
-            return Err(refuse("IPC export: the block was freed".into()));
-        }
-        // A block this thread's cache handed out would go back to that cache when freed,
+        // A block its thread's cache handed out would go back to that cache when freed,
         // never reaching the pool, which must end the export then: it becomes the pool's.
+        // The claim and the owner's fast-path free race on one word; whichever comes
+        // second sees the other's mark, so a block kept as freed is refused here (and
+        // stays the cache's), never exported.
         let owner = l.owner;
-        if owner != NO_OWNER && self.caches.claim(owner, ptr).is_some() {
-            if let Some(l) = self.core.live.get_mut(&ptr) {
-                l.owner = NO_OWNER;
+        if owner != NO_OWNER {
+            match self.caches.claim(owner, ptr) {
+                Some(Hold::Handed) => {
+                    if let Some(l) = self.core.live.get_mut(&ptr) {
+                        l.owner = NO_OWNER;
+                    }
+                }
+                Some(_) => return Err(refuse("IPC export: the block was freed".into())),
+                None => {}
             }
         }
         let Some(l) = self.core.live.get(&ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
