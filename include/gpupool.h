@@ -286,6 +286,55 @@ enum gpupool_status gpupool_pinned_get_stats(struct gpupool_stats *out);
 // `out_released` must be NULL or writable.
 enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
 
+// From now on this thread's allocations (every device, every route: C, PyTorch, CuPy)
+// come from tag `name`'s own memory, until the matching `gpupool_tag_end`. Tags nest.
+// While a CUDA graph's private pool routes allocations, the graph's pool serves them.
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string.
+enum gpupool_status gpupool_tag_begin(const char *name);
+
+// End this thread's innermost `gpupool_tag_begin`.
+enum gpupool_status gpupool_tag_end(void);
+
+// Pause tag `name` on `device` (-1: every device): wait for the work queued on `stream`
+// (NULL: the legacy stream) before copying, copy the tag's memory to page-locked host
+// memory if `backup` is non-zero, and give its device memory back to the driver; its
+// addresses stay reserved. Until `gpupool_tag_resume`, allocations under the tag are
+// refused, frees of its blocks wait for the resume and its blocks cannot be exported.
+// `*out_released` (optional) receives the device bytes given back.
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string; `out_released` NULL or writable.
+enum gpupool_status gpupool_tag_pause(int device,
+                                      const char *name,
+                                      void *stream,
+                                      int backup,
+                                      size_t *out_released);
+
+// Resume tag `name` on `device` (-1: every device): new device memory at the same
+// addresses, the backup copied back. Out of memory leaves it paused (resume again later).
+// `*out_restored` (optional) receives the bytes mapped again.
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string; `out_restored` NULL or writable.
+enum gpupool_status gpupool_tag_resume(int device, const char *name, size_t *out_restored);
+
+// `*out_bytes` receives the device bytes tag `name` has paused on `device` (-1: every device).
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL (rejected) or writable.
+enum gpupool_status gpupool_tag_paused_bytes(int device,
+                                             const char *name,
+                                             size_t *out_bytes);
+
+// Give back the page-locked host memory kept for tag `name`'s next backup on `device`
+// (-1: every device); a paused tag's backup stays. `*out_bytes` (optional) receives its size.
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL or writable.
+enum gpupool_status gpupool_tag_drop_backup(int device, const char *name, size_t *out_bytes);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -10,6 +10,10 @@
 //! (`allocate`). A free goes to the thread's cache where that thread kept the block, else
 //! to the shard that holds it (`registry::lock_holder`).
 //!
+//! An allocation under a tag (`crate::tags`) goes to the tag's own pool
+//! (`registry::tag_shard`), whose memory can be paused and resumed apart (`docs/tags.md`);
+//! its free finds that pool as any free finds its shard.
+//!
 //! Why the front end holds the guard rather than handing the registry a closure: the
 //! steps of a locked allocation (attaching the thread's cache, handing back its reusable
 //! blocks, remembering the new block) are the front end's, and a closure run by the
@@ -28,6 +32,9 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     if size == 0 {
         return empty(device, stream);
     }
+    if let Some(tag) = tagged() {
+        return allocate(device, registry::tag_shard(tag), stream, |pool| pool.malloc(size, stream));
+    }
     // The per-thread default stream, and every stream while a private pool routes
     // allocations (the pool decides where they go), take the locked path.
     if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
@@ -43,10 +50,21 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     if size == 0 {
         return empty(device, STREAM_LEGACY);
     }
+    if let Some(tag) = tagged() {
+        return allocate(device, registry::tag_shard(tag), STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
+    }
     if crate::pool::routes_active() || crate::process::in_child() {
         return allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
+}
+
+/// The tag this thread allocates under (`crate::tags`), unless a private pool routes
+/// allocations (a CUDA graph's memory is the graph's, in shard 0): its own pool serves it,
+/// without the thread cache (a tag's blocks are few and long-lived: weights, caches).
+#[inline]
+fn tagged() -> Option<usize> {
+    crate::tags::current().filter(|_| !crate::pool::routes_active())
 }
 
 /// Allocate on shard 0 for a caller whose capture the pool must detect itself (CuPy on a

@@ -51,6 +51,7 @@ pub mod stats;
 pub mod status_socket;
 pub mod strategy;
 pub mod stream;
+pub mod tags;
 pub mod thread_cache;
 pub mod trace;
 pub mod upstream;

@@ -26,6 +26,7 @@ const RANKS: &[(&str, u32)] = &[
     ("pool", 6),
     ("fork", 7),
     ("status_socket", 7),
+    ("tags", 7),
     ("replay", 7),
     ("registry", 8),
     ("thread_cache", 9),

@@ -23,4 +23,5 @@ pub mod pinned;
 pub mod report;
 pub mod share;
 pub mod share_ahead;
+pub mod tags;
 pub mod torch;

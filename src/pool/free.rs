@@ -39,6 +39,9 @@ impl Pool {
     /// that stream, alive now).
     #[inline]
     pub fn free(&mut self, ptr: usize, on: impl Into<FreeOn>) -> Result<()> {
+        if self.paused.is_some() {
+            return self.free_while_paused(ptr);
+        }
         match on.into() {
             FreeOn::Stream(stream) => {
                 if ptr == 0 {

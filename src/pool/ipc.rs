@@ -25,6 +25,7 @@ impl Pool {
     /// aside while it lives.
     pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
         self.running()?;
+        self.not_paused()?;
         let refuse = |why: String| Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(why) };
         let Some(l) = self.core.live.get(&ptr) else {
             let why = match self.classify_bad_pointer(ptr) {

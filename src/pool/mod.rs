@@ -51,6 +51,7 @@ mod import_cache;
 mod ipc;
 mod limits;
 mod options;
+mod pause;
 mod recorder;
 mod release;
 mod reports;
@@ -90,6 +91,8 @@ pub struct Pool {
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
     /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
     stopped: Option<String>,
+    /// Its memory given back while its addresses stay reserved (`pause.rs`).
+    paused: Option<pause::Paused>,
 }
 
 impl Pool {
@@ -103,6 +106,7 @@ impl Pool {
             caches: AttachedCaches::new(opts, device),
             imports: Default::default(),
             stopped: None,
+            paused: None,
         })
     }
 
@@ -212,6 +216,7 @@ impl Pool {
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
     pub fn malloc_owned(&mut self, size: usize, stream: StreamHandle, owner: u32) -> Result<usize> {
         self.running()?;
+        self.not_paused()?;
         if size == 0 {
             return Ok(0);
         }

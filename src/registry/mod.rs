@@ -41,8 +41,10 @@
 mod reports;
 mod route;
 mod streams;
+mod tags;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
+pub use tags::{pause_tag, resume_tag, tag_backup_drop, tag_paused_bytes, tag_shard};
 pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
@@ -58,6 +60,9 @@ pub const MAX_DEVICES: usize = 64;
 
 /// Shards a device may have: shard 0 and the stream shards.
 pub const SHARDS: usize = 1 + MAX_STREAM_SHARDS;
+
+/// Every pool of a device: its shards, then one per tag (`tags.rs`).
+const POOLS: usize = SHARDS + crate::tags::MAX_TAGS;
 
 /// The hot-path lock around each shard.
 pub type PoolLock<T> = Mutex<T>;
@@ -85,7 +90,7 @@ impl std::ops::Deref for Shard {
 }
 
 struct Slot {
-    shards: [Shard; SHARDS],
+    shards: [Shard; POOLS],
     choice: Mutex<Option<Choice>>,
     /// Stream shards of the pool as made (0: one pool for every stream; `NOT_MADE`).
     stream_shards: AtomicUsize,
@@ -107,7 +112,7 @@ impl Slot {
 const NO_POOL: Shard = Shard(Mutex::new(None));
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY_SLOT: Slot = Slot {
-    shards: [NO_POOL; SHARDS],
+    shards: [NO_POOL; POOLS],
     choice: Mutex::new(None),
     stream_shards: AtomicUsize::new(NOT_MADE),
     budget: Mutex::new(None),
@@ -256,7 +261,7 @@ pub fn lock_stream_shard(device: i32, shard: usize, stream: usize) -> Result<Poo
     let g = lock_shard(device, shard)?;
     let s = &SLOTS[device as usize];
     let n = s.stream_shards.load(Ordering::Acquire);
-    if shard != 0 && n != 0 && n != NOT_MADE {
+    if shard != 0 && shard < SHARDS && n != 0 && n != NOT_MADE {
         s.streams.allocating(stream, shard, n);
     }
     Ok(g)

@@ -24,6 +24,9 @@ struct Part {
     strategy: &'static str,
     /// Why this shard runs another strategy than configured (an arena without address space).
     notice: Option<String>,
+    /// The tag whose pool this is (`tags.rs`), and the bytes its pause gave back.
+    tag: Option<String>,
+    paused: usize,
 }
 
 /// The device's own figures where it has more than one shard in use: the budget's peak of
@@ -42,6 +45,8 @@ fn parts<R>(device: i32, first: impl FnOnce(&mut crate::pool::Pool) -> R) -> Res
             arena: p.arena_figures(),
             strategy: p.strategy_name(),
             notice: p.notice().map(str::to_owned),
+            tag: super::tags::tag_of_shard(p.shard() as usize),
+            paused: p.paused_bytes(),
         }))?;
     let device_wide = (parts.len() > 1).then(|| (budget.peak(), budget.limit()));
     Ok((r, parts, device_wide))
@@ -144,6 +149,15 @@ pub fn memory_status(device: i32) -> Result<String> {
     }
     out.pop();
     out.push('\n');
+    for p in parts.iter().filter(|p| p.tag.is_some()) {
+        let state = if p.paused > 0 { format!(", paused: {} given back to the driver", human_bytes(p.paused)) } else { String::new() };
+        out.push_str(&format!(
+            "  Tag {:?}: {} in use / {} reserved{state}\n",
+            p.tag.as_deref().unwrap_or_default(),
+            human_bytes(p.stats.used_bytes as usize),
+            human_bytes(p.stats.total_bytes as usize)
+        ));
+    }
     out.push_str(&format!("  Driver calls: {}\n", calls(&parts).text()));
     Ok(out)
 }
@@ -175,6 +189,17 @@ pub fn stats_json(device: i32) -> Result<String> {
             )
         })
         .collect();
+    let tags: Vec<String> = parts
+        .iter()
+        .filter_map(|p| {
+            let name = p.tag.as_ref()?.replace('\\', "\\\\").replace('"', "\\\"");
+            Some(format!(
+                "\"{name}\":{{\"used_bytes\":{},\"total_bytes\":{},\"paused_bytes\":{},\"n_live_blocks\":{}}}",
+                p.stats.used_bytes, p.stats.total_bytes, p.paused, p.stats.n_live_blocks
+            ))
+        })
+        .collect();
+    out.push_str(&format!(",\"tags\":{{{}}}", tags.join(",")));
     out.push_str(&format!(",\"shards\":[{}]}}", shards.join(",")));
     Ok(out)
 }

@@ -3,7 +3,7 @@
 //! shards' cache when one runs out of memory (the retry itself is the front end's,
 //! `crate::front::allocate`).
 
-use super::{lock_pool, slot, with_pool, Error, PoolGuard, Result, MAX_DEVICES, NOT_MADE, SHARDS, SLOTS};
+use super::{lock_pool, slot, with_pool, Error, PoolGuard, Result, MAX_DEVICES, NOT_MADE, SLOTS};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Bumped whenever a placement that `shard_for` may have returned changes: a device's
@@ -113,7 +113,7 @@ pub fn lock_holder(device: i32, ptr: usize, stream: usize) -> Result<Option<Pool
         }
     }
     let judge = match crate::owners::lookup(ptr) {
-        Some(o) if o.device == device && (o.shard as usize) < SHARDS => o.shard as usize,
+        Some(o) if o.device == device && (o.shard as usize) < s.shards.len() => o.shard as usize,
         _ => 0,
     };
     let g = lock_pool(&s.shards[judge]);

@@ -268,6 +268,27 @@ impl Upstream for HostUpstream {
         r
     }
 
+    fn vmm_pause(&mut self, _after: Option<super::EventHandle>, backup: bool) -> Result<usize> {
+        let bytes = self.vmm.pause(backup)?;
+        self.give(bytes);
+        Ok(bytes)
+    }
+
+    fn vmm_resume(&mut self) -> std::result::Result<usize, AllocError> {
+        let bytes = self.vmm.paused_bytes();
+        if !self.take(bytes) {
+            return Err(AllocError::OutOfMemory);
+        }
+        self.vmm.resume().map_err(|e| {
+            self.give(bytes);
+            AllocError::from(e)
+        })
+    }
+
+    fn vmm_paused_bytes(&self) -> usize {
+        self.vmm.paused_bytes()
+    }
+
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         let g = self.vmm.granule();
         let mut i = 0;

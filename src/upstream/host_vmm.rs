@@ -17,6 +17,8 @@
 //! granule is exported as the file's descriptor and the granule's offset in it, and an
 //! importer maps those offsets of its copy of the descriptor side by side.
 
+mod pause;
+
 use crate::upstream::shared::{Descriptor, FdSource};
 use crate::upstream::UnmapFail;
 use crate::error::{Error, Result};
@@ -43,6 +45,8 @@ pub struct HostVmm {
     /// Ranges mapping another process's granules (`import`): base -> (granules, the
     /// address `import` returned, which alone closes it).
     imports: BTreeMap<usize, (usize, usize)>,
+    /// What a pause released (`host_vmm/pause.rs`), until the resume.
+    paused: Option<pause::HostPaused>,
 }
 
 fn os_error(what: &str) -> Error {
@@ -62,6 +66,7 @@ impl HostVmm {
             alias_chunks: BTreeMap::new(),
             reservations: FxHashMap::default(),
             imports: BTreeMap::new(),
+            paused: None,
         }
     }
 

@@ -216,6 +216,29 @@ pub trait Upstream: Send {
     fn vmm_import_bytes(&self) -> usize {
         0
     }
+    /// Pause every allocation this upstream maps for the arena (`docs/tags.md`): where
+    /// `backup`, copy the contents to host memory; unmap them (homes and aliases) and
+    /// release their physical memory, keeping the address ranges reserved. `after`: an
+    /// event the copies (or the unmaps) wait for first. Returns the bytes released.
+    fn vmm_pause(&mut self, _after: Option<EventHandle>, _backup: bool) -> Result<usize> {
+        Err(Error::InvalidArgument(format!(
+            "the {} upstream cannot pause memory: pausing needs the arena over the virtual memory API",
+            self.name()
+        )))
+    }
+    /// Map new memory where `vmm_pause` released it, at the same addresses, and copy the
+    /// backup back. All or nothing: refused, the memory stays paused. Returns the bytes.
+    fn vmm_resume(&mut self) -> std::result::Result<usize, AllocError> {
+        Ok(0)
+    }
+    /// Bytes paused and not resumed.
+    fn vmm_paused_bytes(&self) -> usize {
+        0
+    }
+    /// Give back the host memory kept for the next pause's backup; returns its bytes.
+    fn vmm_drop_backup(&mut self) -> usize {
+        0
+    }
     /// The CUDA IPC handle (`cuIpcGetMemHandle`) of the allocation holding `ptr` (memory
     /// from `allocate`): how segment pools' blocks go to another process.
     fn legacy_ipc_export(&mut self, _ptr: usize) -> Result<[u8; 64]> {

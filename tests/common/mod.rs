@@ -107,3 +107,12 @@ pub fn device_json(device: i32) -> String {
     unsafe { gpupool_stats_json(device, buf.as_mut_ptr() as *mut std::ffi::c_char, buf.len()) };
     std::ffi::CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
 }
+
+/// `device`'s status report, through the C API.
+pub fn memory_status(device: i32) -> String {
+    use gpupool::ffi::core::gpupool_memory_status;
+    let n = unsafe { gpupool_memory_status(device, std::ptr::null_mut(), 0) };
+    let mut buf = vec![0u8; n + 1];
+    unsafe { gpupool_memory_status(device, buf.as_mut_ptr() as *mut std::ffi::c_char, buf.len()) };
+    std::ffi::CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
+}

@@ -81,6 +81,11 @@ impl Pool {
         Ok(d.encode())
     }
 
+    /// Blocks of this arena another process may still map (their exports are recorded).
+    pub(in crate::pool) fn arena_exports_live(&mut self) -> usize {
+        self.arena().exported_blocks()
+    }
+
     /// How many granules an export of `size` bytes at `ptr` names (`None`: not an arena
     /// pool, whose export is CUDA's segment handle).
     pub(in crate::pool) fn arena_export_granules(&self, ptr: usize, size: usize) -> Option<usize> {

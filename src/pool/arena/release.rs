@@ -7,6 +7,9 @@ impl Pool {
     /// Give back whole free granules in `order` until `want` bytes went (`None`: all).
     /// Each run's stream is synchronised first. Returns the bytes released.
     pub(in crate::pool) fn arena_release(&mut self, want: Option<usize>, order: ReleaseOrder) -> usize {
+        if self.paused.is_some() {
+            return 0; // its memory is given back already, and its books stay as they are
+        }
         let mut got = 0;
         // A pass that ends loans frees their homes, which the next pass can give back.
         loop {

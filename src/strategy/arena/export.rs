@@ -125,6 +125,15 @@ impl ArenaStrategy {
         recs.iter().find(|(_, d)| *d == digest).map(|(at, _)| *at)
     }
 
+    /// Live blocks with an export still recorded (another process may map their granules).
+    pub fn exported_blocks(&mut self) -> usize {
+        self.exports.records.retain(|_, recs| {
+            recs.retain(|(at, _)| ExportRecord::is_live(*at));
+            !recs.is_empty()
+        });
+        self.exports.records.len()
+    }
+
     /// The guards of exported block `addr` go back as free memory (it was freed), and its
     /// exports end.
     pub(super) fn unguard(&mut self, addr: usize) {

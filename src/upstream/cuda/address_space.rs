@@ -35,6 +35,7 @@ use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
 pub mod import;
+mod pause;
 
 /// Device memory of `device`, as `cuMemCreate` takes it.
 pub fn device_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
@@ -74,6 +75,12 @@ pub struct CudaVmm {
     /// address `import` returned, which alone closes it, mappings not yet unmapped by a
     /// close the driver failed midway (a retry resumes there): their lengths in order).
     imports: BTreeMap<usize, (usize, usize, Vec<usize>)>,
+    /// What a pause released (`pause.rs`), until the resume.
+    paused: Option<pause::PausedSpace>,
+    /// Page-locked host memory for paused contents, kept for the next pause.
+    backup: Option<pause::HostBackup>,
+    /// The stream pause and resume copy on (null until first used).
+    copy_stream: sys::CUstream,
 }
 
 const POSIX_FD: sys::CUmemAllocationHandleType = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -153,6 +160,9 @@ impl CudaVmm {
             alias_maps: BTreeMap::new(),
             exported: FxHashMap::default(),
             imports: BTreeMap::new(),
+            paused: None,
+            backup: None,
+            copy_stream: std::ptr::null_mut(),
         }))
     }
 
@@ -444,6 +454,7 @@ impl CudaVmm {
 
 impl Drop for CudaVmm {
     fn drop(&mut self) {
+        self.drop_pause_resources();
         for (_, fd) in self.exported.drain() {
             crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
             // SAFETY: descriptors `export` got, ours to close; the memory stays mapped.

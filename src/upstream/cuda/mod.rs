@@ -213,6 +213,27 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         vmm.unalias(addr, len, calls)
     }
 
+    fn vmm_pause(&mut self, after: Option<EventHandle>, backup: bool) -> Result<usize> {
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.pause(after, backup, calls)
+    }
+
+    fn vmm_resume(&mut self) -> std::result::Result<usize, AllocError> {
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.resume(calls)
+    }
+
+    fn vmm_paused_bytes(&self) -> usize {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.paused_bytes())
+    }
+
+    fn vmm_drop_backup(&mut self) -> usize {
+        let Ok(_g) = self.enter() else { return 0 };
+        self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.drop_backup())
+    }
+
     fn vmm_share_kind(&self) -> u32 {
         crate::upstream::shared::KIND_CUDA
     }

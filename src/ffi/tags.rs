@@ -1,0 +1,100 @@
+//! Tags and pausing (`docs/tags.md`): allocate under a tag, give a tag's device memory
+//! back while its addresses stay reserved, and get it back at the same addresses.
+
+use super::boundary::{call, opt_str};
+use crate::error::{Error, Status};
+use crate::registry;
+use std::ffi::{c_char, c_int, c_void};
+
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string.
+unsafe fn tag_name<'a>(name: *const c_char) -> crate::error::Result<&'a str> {
+    opt_str(name, "tag")?.ok_or(Error::NullArgument("tag"))
+}
+
+/// # Safety
+/// `out` must be NULL or writable.
+unsafe fn put(out: *mut usize, v: usize) {
+    if !out.is_null() {
+        *out = v;
+    }
+}
+
+/// From now on this thread's allocations (every device, every route: C, PyTorch, CuPy)
+/// come from tag `name`'s own memory, until the matching `gpupool_tag_end`. Tags nest.
+/// While a CUDA graph's private pool routes allocations, the graph's pool serves them.
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_begin(name: *const c_char) -> Status {
+    call(|| crate::tags::begin(tag_name(name)?))
+}
+
+/// End this thread's innermost `gpupool_tag_begin`.
+#[no_mangle]
+pub extern "C" fn gpupool_tag_end() -> Status {
+    call(crate::tags::end)
+}
+
+/// Pause tag `name` on `device` (-1: every device): wait for the work queued on `stream`
+/// (NULL: the legacy stream) before copying, copy the tag's memory to page-locked host
+/// memory if `backup` is non-zero, and give its device memory back to the driver; its
+/// addresses stay reserved. Until `gpupool_tag_resume`, allocations under the tag are
+/// refused, frees of its blocks wait for the resume and its blocks cannot be exported.
+/// `*out_released` (optional) receives the device bytes given back.
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string; `out_released` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_pause(device: c_int, name: *const c_char, stream: *mut c_void, backup: c_int, out_released: *mut usize) -> Status {
+    call(|| {
+        let n = registry::pause_tag(device, tag_name(name)?, stream as usize, backup != 0)?;
+        put(out_released, n);
+        Ok(())
+    })
+}
+
+/// Resume tag `name` on `device` (-1: every device): new device memory at the same
+/// addresses, the backup copied back. Out of memory leaves it paused (resume again later).
+/// `*out_restored` (optional) receives the bytes mapped again.
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string; `out_restored` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_resume(device: c_int, name: *const c_char, out_restored: *mut usize) -> Status {
+    call(|| {
+        let n = registry::resume_tag(device, tag_name(name)?)?;
+        put(out_restored, n);
+        Ok(())
+    })
+}
+
+/// `*out_bytes` receives the device bytes tag `name` has paused on `device` (-1: every device).
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_paused_bytes(device: c_int, name: *const c_char, out_bytes: *mut usize) -> Status {
+    call(|| {
+        if out_bytes.is_null() {
+            return Err(Error::NullArgument("out_bytes"));
+        }
+        *out_bytes = registry::tag_paused_bytes(device, tag_name(name)?)?;
+        Ok(())
+    })
+}
+
+/// Give back the page-locked host memory kept for tag `name`'s next backup on `device`
+/// (-1: every device); a paused tag's backup stays. `*out_bytes` (optional) receives its size.
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_drop_backup(device: c_int, name: *const c_char, out_bytes: *mut usize) -> Status {
+    call(|| {
+        let n = registry::tag_backup_drop(device, tag_name(name)?)?;
+        put(out_bytes, n);
+        Ok(())
+    })
+}

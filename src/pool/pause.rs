@@ -1,0 +1,145 @@
+//! Pausing a pool: its device memory goes back to the driver while every address it
+//! handed out stays reserved, and comes back at the same addresses on resume
+//! (`docs/tags.md`). A tag's allocations are a pool of their own (`crate::registry`'s tag
+//! shards), so pausing that pool pauses exactly the tag.
+//!
+//! While paused the pool hands out nothing (an allocation is refused, naming the tag),
+//! refuses to export its blocks to other processes, and releases nothing (its memory is
+//! given back already); a free is kept and done by the resume. Reports work and show the
+//! paused bytes. The pool's books (blocks, granules, stitches) do not change across a
+//! pause: the upstream swaps the physical memory under them (`Upstream::vmm_pause`).
+
+use super::{FreeOn, Pool};
+use crate::error::{Error, Result};
+use crate::stream::{StreamHandle, STREAM_LEGACY};
+use crate::upstream::AllocError;
+
+/// A paused pool's state.
+pub(super) struct Paused {
+    /// The name the caller paused it under (the tag), for messages.
+    name: String,
+    /// Device bytes released (and given back to the device's budget).
+    bytes: usize,
+    /// Frees made while paused, done by the resume.
+    frees: Vec<usize>,
+}
+
+impl Pool {
+    /// Pause this pool's memory (module docs): wait for the work on `stream` (a
+    /// stream-ordered wait for the copies; the host waits for them and for earlier frees'
+    /// events, never for the whole device unless a free's stream is gone), give cached free
+    /// granules back, then copy what is mapped to host memory where `backup` asks and
+    /// release it. Returns the device bytes released, cached ones included.
+    pub fn pause(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
+        self.running()?;
+        self.not_paused()?;
+        if !self.core.is_arena() {
+            return Err(Error::InvalidArgument(format!(
+                "pause `{name}`: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
+                self.core.device,
+                self.core.strategy.name()
+            )));
+        }
+        let exported = self.arena_exports_live();
+        if exported > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "pause `{name}`: {exported} of its blocks are exported to other processes; close their imports and end the exports first"
+            )));
+        }
+        let reserved_before = self.rec.c.reserved;
+        self.flush_thread_caches(None);
+        self.finish_pending(true);
+        self.fence_unfenced();
+        let allowed = self.device_sync_allowed();
+        self.core.streams.synchronize_all(&mut *self.core.upstream, allowed)?;
+        let _ = self.release_cached(None);
+        let given_back = reserved_before - self.rec.c.reserved;
+        let ev = self.core.streams.record_on(&mut *self.core.upstream, stream)?;
+        let r = self.core.upstream.vmm_pause(Some(ev), backup);
+        self.core.streams.recycle(ev);
+        let bytes = self.core.upstream.vmm_paused_bytes();
+        if bytes > 0 || r.is_ok() {
+            self.limits.budget().released(bytes);
+            self.paused = Some(Paused { name: name.to_string(), bytes, frees: Vec::new() });
+        }
+        r.map(|b| b + given_back)
+    }
+
+    /// Map this pool's memory again at the same addresses and restore its backup (module
+    /// docs). A pool not paused: `Ok(0)`. Out of memory (the device's, or the pool limit):
+    /// the memory stays paused, for a later resume.
+    pub fn resume(&mut self) -> Result<usize> {
+        self.running()?;
+        let Some(p) = self.paused.as_ref() else { return Ok(0) };
+        let (bytes, name) = (p.bytes, p.name.clone());
+        let budget = self.limits.budget().clone();
+        if !budget.claim(bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "resume `{name}`: its {} would pass the device's pool limit of {}; free memory or raise the limit, then resume again",
+                crate::error::human_bytes(bytes),
+                crate::error::human_bytes(budget.limit())
+            )));
+        }
+        match self.core.upstream.vmm_resume() {
+            Ok(_) => budget.confirm(),
+            Err(e) => {
+                budget.unclaim(bytes);
+                return Err(match e {
+                    AllocError::OutOfMemory => Error::InvalidArgument(format!(
+                        "resume `{name}`: the device has not {} free for it; it stays paused: free memory, then resume again",
+                        crate::error::human_bytes(bytes)
+                    )),
+                    AllocError::Other(e) => e,
+                });
+            }
+        }
+        let p = self.paused.take().expect("checked above");
+        // Their memory is back and no queued work uses it (the pause waited, the resume's
+        // copies finished): freed on the legacy stream, which every stream may follow.
+        for ptr in p.frees {
+            let _ = self.free(ptr, FreeOn::Stream(STREAM_LEGACY));
+        }
+        Ok(bytes)
+    }
+
+    /// Device bytes this pool's pause released (0: not paused).
+    pub fn paused_bytes(&self) -> usize {
+        self.paused.as_ref().map_or(0, |p| p.bytes)
+    }
+
+    /// Give back the host memory kept for the next pause's backup; returns its bytes.
+    pub fn drop_pause_backup(&mut self) -> usize {
+        self.core.upstream.vmm_drop_backup()
+    }
+
+    /// Refuse work that needs the memory mapped, naming the paused tag.
+    pub(super) fn not_paused(&self) -> Result<()> {
+        match &self.paused {
+            None => Ok(()),
+            Some(p) => Err(Error::InvalidArgument(format!(
+                "memory tagged `{}` on device {} is paused; resume it first",
+                p.name, self.core.device
+            ))),
+        }
+    }
+
+    /// A free while paused: checked against the live blocks now, done by the resume.
+    pub(super) fn free_while_paused(&mut self, ptr: usize) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let already = self.paused.as_ref().is_some_and(|p| p.frees.contains(&ptr));
+        if already || !self.core.live.contains_key(&ptr) {
+            self.rec.c.invalid_frees += 1;
+            return Err(if already {
+                Error::InvalidPointer { ptr, device: self.core.device, why: crate::error::BadPointer::AlreadyFreed }
+            } else {
+                self.classify_bad_pointer(ptr)
+            });
+        }
+        if let Some(p) = self.paused.as_mut() {
+            p.frees.push(ptr);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,57 @@
+//! The registry's side of tags (`crate::tags`, `docs/tags.md`): each tag has a pool of its
+//! own on each device, after the device's shards, made when the first allocation under
+//! the tag reaches that device; pausing and resuming a tag pause and resume those pools.
+
+use super::{existing_devices, lock_pool, slot, Result, SHARDS};
+use crate::error::Error;
+use crate::pool::Pool;
+
+/// The index of tag `tag`'s pool among a device's pools.
+pub fn tag_shard(tag: usize) -> usize {
+    SHARDS + tag
+}
+
+/// The tag of pool `shard`, if it is a tag's.
+pub(super) fn tag_of_shard(shard: usize) -> Option<String> {
+    shard.checked_sub(SHARDS).and_then(crate::tags::name)
+}
+
+/// Run `f` on tag `name`'s pool on `device` (every device whose pool exists: `device` < 0)
+/// where it exists; returns the sum of what `f` returns. A name never used is refused (a
+/// misspelt tag must not pause nothing quietly).
+fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result<usize>) -> Result<usize> {
+    let Some(tag) = crate::tags::lookup(name) else {
+        return Err(Error::InvalidArgument(format!("tag {name:?}: nothing was ever allocated under it in this process")));
+    };
+    let devices = if device < 0 { existing_devices() } else { vec![device] };
+    let mut total = 0;
+    for d in devices {
+        let s = slot(d)?;
+        if let Some(p) = lock_pool(&s.shards[tag_shard(tag)]).as_mut() {
+            total += f(p)?;
+        }
+    }
+    Ok(total)
+}
+
+/// Pause tag `name` on `device` (< 0: every device): `Pool::pause`. Returns the bytes
+/// given back to the driver.
+pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result<usize> {
+    each_tag_pool(device, name, |p| p.pause(name, stream, backup))
+}
+
+/// Resume tag `name` on `device` (< 0: every device): `Pool::resume`.
+pub fn resume_tag(device: i32, name: &str) -> Result<usize> {
+    each_tag_pool(device, name, |p| p.resume())
+}
+
+/// Bytes of tag `name` paused on `device` (< 0: every device).
+pub fn tag_paused_bytes(device: i32, name: &str) -> Result<usize> {
+    each_tag_pool(device, name, |p| Ok(p.paused_bytes()))
+}
+
+/// Give back the host memory kept for tag `name`'s next backup on `device` (< 0: every
+/// device); returns its bytes.
+pub fn tag_backup_drop(device: i32, name: &str) -> Result<usize> {
+    each_tag_pool(device, name, |p| Ok(p.drop_pause_backup()))
+}

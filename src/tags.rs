@@ -1,0 +1,115 @@
+//! Tags: names a thread allocates under (`gpupool_tag_begin` / `gpupool.tag(...)`), so
+//! that what it allocates can be paused and resumed apart from everything else
+//! (`docs/tags.md`). Each tag's allocations come from a pool of their own on each device
+//! (the registry's tag shards), so a tag's memory is whole granules no other tag or
+//! untagged allocation shares.
+//!
+//! This module holds the process's tag names (at most `MAX_TAGS`, kept for the process's
+//! life: a tag's index names its shard) and each thread's current tag, a stack so that
+//! tags nest as `with` blocks do.
+
+use crate::error::{Error, Result};
+use std::cell::{Cell, RefCell};
+use std::sync::Mutex;
+
+/// Tags a process may name.
+pub const MAX_TAGS: usize = 16;
+
+/// The longest tag name, in bytes.
+pub const MAX_NAME: usize = 64;
+
+static NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// This thread's tag: its index + 1, or 0 for none (one load on the allocation path).
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// The tags `begin` replaced, innermost last.
+    static OUTER: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+fn names() -> std::sync::MutexGuard<'static, Vec<String>> {
+    NAMES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_NAME || name.chars().any(|c| c.is_control()) {
+        return Err(Error::InvalidArgument(format!(
+            "tag {name:?}: a tag is a name of 1 to {MAX_NAME} bytes without control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// The index of tag `name`, named now if it is new.
+pub fn index_of(name: &str) -> Result<usize> {
+    check_name(name)?;
+    let mut n = names();
+    if let Some(i) = n.iter().position(|t| t == name) {
+        return Ok(i);
+    }
+    if n.len() == MAX_TAGS {
+        return Err(Error::InvalidArgument(format!(
+            "tag {name:?}: this process named {MAX_TAGS} tags already ({}), the most it may",
+            n.join(", ")
+        )));
+    }
+    n.push(name.to_string());
+    Ok(n.len() - 1)
+}
+
+/// The index of tag `name` if it was ever named.
+pub fn lookup(name: &str) -> Option<usize> {
+    names().iter().position(|t| t == name)
+}
+
+/// The name of tag `index`.
+pub fn name(index: usize) -> Option<String> {
+    names().get(index).cloned()
+}
+
+/// From now on this thread allocates under tag `name` (until the matching `end`).
+pub fn begin(name: &str) -> Result<()> {
+    let i = index_of(name)?;
+    let outer = CURRENT.with(|c| c.replace(i + 1));
+    OUTER.with(|o| o.borrow_mut().push(outer));
+    Ok(())
+}
+
+/// End this thread's innermost tag: it allocates under the tag outside it again.
+pub fn end() -> Result<()> {
+    let Some(outer) = OUTER.with(|o| o.borrow_mut().pop()) else {
+        return Err(Error::InvalidArgument("tag end: this thread has no tag begun".into()));
+    };
+    CURRENT.with(|c| c.set(outer));
+    Ok(())
+}
+
+/// This thread's tag index, if it allocates under one.
+#[inline]
+pub fn current() -> Option<usize> {
+    CURRENT.with(|c| c.get().checked_sub(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_nest_per_thread_and_names_are_checked() {
+        assert_eq!(current(), None);
+        begin("unit-a").unwrap();
+        let a = current().unwrap();
+        begin("unit-b").unwrap();
+        assert_ne!(current(), Some(a));
+        std::thread::spawn(|| assert_eq!(current(), None, "another thread has no tag")).join().unwrap();
+        end().unwrap();
+        assert_eq!(current(), Some(a));
+        end().unwrap();
+        assert_eq!(current(), None);
+        assert!(end().is_err(), "an end without a begin is refused");
+        assert!(begin("").is_err());
+        assert!(begin(&"x".repeat(MAX_NAME + 1)).is_err());
+        assert_eq!(lookup("unit-a"), Some(a));
+        assert_eq!(name(a).as_deref(), Some("unit-a"));
+    }
+}

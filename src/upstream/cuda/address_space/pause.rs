@@ -1,0 +1,295 @@
+//! Pausing the arena's memory (`docs/tags.md`): every physical allocation this address
+//! space maps is copied to page-locked host memory where asked, unmapped (at its home and
+//! at every alias) and released, while the address ranges stay reserved; resuming creates
+//! new allocations of the same sizes, maps them at the same addresses and aliases, and
+//! copies the contents back. Pointers, CUDA graphs and anything else that holds addresses
+//! see the same memory after a resume.
+//!
+//! The copies go on a stream of this address space's own, which first waits for the
+//! caller's event (a stream-ordered wait; the host waits for the copy alone before the
+//! unmap, never for the whole device). The host buffer is kept after a resume for the next
+//! pause (a trainer and a rollout engine switch every step, and page-locking tens of
+//! gigabytes costs more than copying them); `drop_backup` gives it back.
+
+use super::super::driver::{check, cuda_error};
+use super::CudaVmm;
+use crate::error::{Error, Result};
+use crate::upstream::{AllocError, DriverCalls, EventHandle};
+use cudarc::driver::sys;
+
+/// What a pause released, for the resume.
+#[derive(Default)]
+pub struct PausedSpace {
+    /// Allocations: (base, bytes, released), in address order.
+    homes: Vec<(usize, usize, bool)>,
+    /// Alias mappings: (start, bytes, base of the allocation shown, unmapped).
+    aliases: Vec<(usize, usize, usize, bool)>,
+    /// Whether the host buffer holds the homes' contents, in their order.
+    backed_up: bool,
+}
+
+/// Page-locked host memory for the contents of paused allocations.
+pub struct HostBackup {
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// Copies of at most this many bytes each: a long run is cut so one copy's failure says
+/// where, and the driver's queue stays short.
+const COPY_PIECE: usize = 1 << 30;
+
+/// Runs of address-adjacent allocations among `homes` (only those `pick` selects), each as
+/// (address, bytes, offset in the host buffer).
+fn runs(homes: &[(usize, usize, bool)], pick: impl Fn(bool) -> bool) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    let mut offset = 0;
+    for &(base, len, released) in homes {
+        if pick(released) {
+            match out.last_mut() {
+                Some(r) if r.0 + r.1 == base && r.2 + r.1 == offset && r.1 + len <= COPY_PIECE => r.1 += len,
+                _ => out.push((base, len, offset)),
+            }
+        }
+        offset += len;
+    }
+    out
+}
+
+impl CudaVmm {
+    /// Bytes of device memory a pause released and a resume has not mapped again.
+    pub fn paused_bytes(&self) -> usize {
+        self.paused.as_ref().map_or(0, |p| p.homes.iter().filter(|h| h.2).map(|h| h.1).sum())
+    }
+
+    /// The copy stream, made on first use.
+    fn copy_stream(&mut self) -> Result<sys::CUstream> {
+        if self.copy_stream.is_null() {
+            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+            check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut self.copy_stream, flags) })?;
+        }
+        Ok(self.copy_stream)
+    }
+
+    /// A host buffer of at least `len` bytes (the kept one when it is large enough).
+    fn host_buffer(&mut self, len: usize) -> Result<*mut u8> {
+        if self.backup.as_ref().is_some_and(|b| b.len >= len) {
+            return Ok(self.backup.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr));
+        }
+        self.drop_backup();
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let r = unsafe { sys::cuMemHostAlloc(&mut p, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // Nothing was unmapped yet: the pause is refused and nothing changed.
+            return Err(cuda_error("cuMemHostAlloc", r));
+        }
+        self.backup = Some(HostBackup { ptr: p.cast(), len });
+        Ok(p.cast())
+    }
+
+    /// Give the kept host buffer back; returns its bytes.
+    pub fn drop_backup(&mut self) -> usize {
+        if self.paused.as_ref().is_some_and(|p| p.backed_up) {
+            return 0; // it holds a paused tag's contents
+        }
+        match self.backup.take() {
+            Some(b) => {
+                // SAFETY: memory `cuMemHostAlloc` gave us, no copy in flight (copies are
+                // waited for before pause and resume return).
+                unsafe { sys::cuMemFreeHost(b.ptr.cast()) };
+                b.len
+            }
+            None => 0,
+        }
+    }
+
+    /// Pause every allocation mapped here (module docs). `after`: an event the copies (or,
+    /// without `backup`, the unmaps) wait for. Returns the bytes released. A failure before
+    /// the first unmap changes nothing; one after it keeps what was released paused (the
+    /// resume maps it again) and says so.
+    pub fn pause(&mut self, after: Option<EventHandle>, backup: bool, calls: &mut DriverCalls) -> Result<usize> {
+        if self.paused.is_some() {
+            return Err(Error::InvalidArgument("pause: this memory is paused already".into()));
+        }
+        let homes: Vec<(usize, usize, bool)> = self.handles.iter().map(|(&b, &(_, l))| (b, l, false)).collect();
+        let total: usize = homes.iter().map(|h| h.1).sum();
+        if backup && total > 0 {
+            let host = self.host_buffer(total)?;
+            let stream = self.copy_stream()?;
+            if let Some(ev) = after {
+                calls.stream_wait += 1;
+                check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, ev as sys::CUevent, 0) })?;
+            }
+            for (addr, len, offset) in runs(&homes, |_| true) {
+                // SAFETY: `host` holds `total` bytes; the range is mapped device memory.
+                check("cuMemcpyDtoHAsync", unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(host.add(offset).cast(), addr as sys::CUdeviceptr, len, stream)
+                })?;
+            }
+            calls.event_sync += 1;
+            check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })?;
+        } else if let Some(ev) = after {
+            calls.event_sync += 1;
+            check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev as sys::CUevent) })?;
+        }
+        let aliases: Vec<(usize, usize, usize, bool)> = self
+            .alias_maps
+            .iter()
+            .map(|(&a, &l)| (a, l, self.aliases.get(&a).copied().unwrap_or(a), false))
+            .collect();
+        let mut paused = PausedSpace { homes, aliases, backed_up: backup };
+        let outcome = self.release_paused(&mut paused, calls);
+        self.paused = Some(paused);
+        outcome.map(|()| total)
+    }
+
+    /// Unmap the aliases, then unmap and release the homes, marking each done.
+    fn release_paused(&mut self, p: &mut PausedSpace, calls: &mut DriverCalls) -> Result<()> {
+        for a in p.aliases.iter_mut() {
+            calls.mem_unmap += 1;
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(a.0 as sys::CUdeviceptr, a.1) })
+                .map_err(|e| midway("unmapping an alias", e))?;
+            a.3 = true;
+        }
+        for h in p.homes.iter_mut() {
+            let Some(&(handle, len)) = self.handles.get(&h.0) else { continue };
+            calls.mem_unmap += 1;
+            check("cuMemUnmap", unsafe { sys::cuMemUnmap(h.0 as sys::CUdeviceptr, len) })
+                .map_err(|e| midway("unmapping an allocation", e))?;
+            self.handles.remove(&h.0);
+            h.2 = true;
+            if let Some(fd) = self.exported.remove(&h.0) {
+                // Its exports end (the pool refuses a pause while a block's export is
+                // live; this one's blocks were freed): the new memory is not theirs.
+                crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
+                // SAFETY: the descriptor `export` got for this allocation, ours to close.
+                unsafe { libc::close(fd) };
+            }
+            calls.mem_release += 1;
+            // The address is unmapped; a failed release leaks the memory but not the range.
+            let _ = check("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+        }
+        Ok(())
+    }
+
+    /// Map new memory where a pause released it, at the homes and aliases, and copy the
+    /// backup back. All or nothing: a refusal (out of memory) unmaps what this call mapped
+    /// and the memory stays paused, for a later resume.
+    pub fn resume(&mut self, calls: &mut DriverCalls) -> std::result::Result<usize, AllocError> {
+        let Some(mut p) = self.paused.take() else { return Ok(0) };
+        let mut made: Vec<(usize, usize)> = Vec::new();
+        let mut failure: Option<AllocError> = None;
+        for &(base, len, released) in &p.homes {
+            if !released {
+                continue;
+            }
+            let h = match self.create(len, calls) {
+                Ok(h) => h,
+                Err(r) => {
+                    failure = Some(alloc_error("cuMemCreate", r));
+                    break;
+                }
+            };
+            calls.mem_map += 1;
+            let r = unsafe { sys::cuMemMap(base as sys::CUdeviceptr, len, 0, h, 0) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                calls.mem_release += 1;
+                unsafe { sys::cuMemRelease(h) };
+                failure = Some(alloc_error("cuMemMap", r));
+                break;
+            }
+            self.handles.insert(base, (h, len));
+            made.push((base, len));
+        }
+        if failure.is_none() {
+            for (addr, len, _) in runs(&p.homes, |released| released) {
+                let r = self.set_access(addr, len, calls);
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    failure = Some(alloc_error("cuMemSetAccess", r));
+                    break;
+                }
+            }
+        }
+        if let Some(f) = failure {
+            for (base, len) in made {
+                if let Some((h, _)) = self.handles.remove(&base) {
+                    calls.mem_unmap += 1;
+                    calls.mem_release += 1;
+                    unsafe {
+                        sys::cuMemUnmap(base as sys::CUdeviceptr, len);
+                        sys::cuMemRelease(h);
+                    }
+                }
+            }
+            self.paused = Some(p);
+            return Err(f);
+        }
+        for a in p.aliases.iter_mut().filter(|a| a.3) {
+            let Some(&(h, _)) = self.handles.get(&a.2) else { continue };
+            calls.mem_map += 1;
+            let mapped = check("cuMemMap", unsafe { sys::cuMemMap(a.0 as sys::CUdeviceptr, a.1, 0, h, 0) });
+            let granted = mapped.and_then(|()| {
+                let r = self.set_access(a.0, a.1, calls);
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(cuda_error("cuMemSetAccess", r))
+                }
+            });
+            granted.map_err(|e| AllocError::Other(midway("mapping an alias again", e)))?;
+            a.3 = false;
+        }
+        let bytes = made.iter().map(|m| m.1).sum();
+        if p.backed_up {
+            self.restore(&p, calls).map_err(AllocError::Other)?;
+        }
+        Ok(bytes)
+    }
+
+    /// Copy the backup of `p`'s homes back and wait for the copies.
+    fn restore(&mut self, p: &PausedSpace, calls: &mut DriverCalls) -> Result<()> {
+        let host = self.backup.as_ref().map(|b| b.ptr).ok_or_else(|| Error::Internal("resume: the backup is gone".into()))?;
+        let stream = self.copy_stream()?;
+        for (addr, len, offset) in runs(&p.homes, |_| true) {
+            // SAFETY: the buffer holds every home's contents in order; the range is mapped.
+            check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(addr as sys::CUdeviceptr, host.add(offset).cast(), len, stream) })?;
+        }
+        calls.event_sync += 1;
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })
+    }
+
+    /// The copy stream and host buffer go with the address space.
+    pub(super) fn drop_pause_resources(&mut self) {
+        if let Some(p) = self.paused.as_mut() {
+            p.backed_up = false;
+        }
+        self.drop_backup();
+        if !self.copy_stream.is_null() {
+            unsafe { sys::cuStreamDestroy_v2(self.copy_stream) };
+            self.copy_stream = std::ptr::null_mut();
+        }
+    }
+}
+
+fn midway(step: &str, e: Error) -> Error {
+    Error::Internal(format!("pause: {step} failed ({e}); what was released stays paused and a resume maps it again"))
+}
+
+fn alloc_error(call: &'static str, r: sys::CUresult) -> AllocError {
+    if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        AllocError::OutOfMemory
+    } else {
+        AllocError::Other(cuda_error(call, r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn adjacent_allocations_copy_as_one_run_with_buffer_offsets() {
+        let homes = [(0x1000, 0x100, true), (0x1100, 0x100, false), (0x2000, 0x100, true)];
+        assert_eq!(runs(&homes, |_| true), vec![(0x1000, 0x200, 0), (0x2000, 0x100, 0x200)]);
+        assert_eq!(runs(&homes, |r| r), vec![(0x1000, 0x100, 0), (0x2000, 0x100, 0x200)]);
+    }
+}

@@ -1,0 +1,224 @@
+//! Tags and pausing (`docs/tags.md`) on the host upstream through the C API: a tag's
+//! allocations come from memory of their own; a pause gives that memory back (the
+//! device's free figure rises by it) keeping every address, and a resume maps it again
+//! with its contents. Paused memory is inaccessible on the host as on a GPU, so a test
+//! that read it would crash rather than pass.
+
+use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use gpupool::ffi::ipc::gpupool_ipc_export_flags;
+use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_drop_backup, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_paused_bytes, gpupool_tag_resume};
+use gpupool::Status;
+use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
+
+mod common;
+use common::last_error as last;
+
+const MIB: usize = 1 << 20;
+
+fn malloc(size: usize, d: i32) -> Result<usize, String> {
+    let mut p = null_mut();
+    match unsafe { gpupool_malloc(&mut p, size, d, null_mut()) } {
+        Status::Ok => Ok(p as usize),
+        _ => Err(last()),
+    }
+}
+
+fn free(p: usize, d: i32) {
+    assert_eq!(unsafe { gpupool_free(p as *mut c_void, d, null_mut()) }, Status::Ok, "{}", last());
+}
+
+fn begin(tag: &CStr) {
+    assert_eq!(unsafe { gpupool_tag_begin(tag.as_ptr()) }, Status::Ok, "{}", last());
+}
+
+fn end() {
+    assert_eq!(gpupool_tag_end(), Status::Ok, "{}", last());
+}
+
+fn pause(d: i32, tag: &CStr, backup: bool) -> Result<usize, String> {
+    let mut n = 0;
+    match unsafe { gpupool_tag_pause(d, tag.as_ptr(), null_mut(), backup as i32, &mut n) } {
+        Status::Ok => Ok(n),
+        _ => Err(last()),
+    }
+}
+
+fn resume(d: i32, tag: &CStr) -> Result<usize, String> {
+    let mut n = 0;
+    match unsafe { gpupool_tag_resume(d, tag.as_ptr(), &mut n) } {
+        Status::Ok => Ok(n),
+        _ => Err(last()),
+    }
+}
+
+fn paused_bytes(d: i32, tag: &CStr) -> usize {
+    let mut n = usize::MAX;
+    assert_eq!(unsafe { gpupool_tag_paused_bytes(d, tag.as_ptr(), &mut n) }, Status::Ok, "{}", last());
+    n
+}
+
+/// The number after `"key":` in `device`'s JSON report, from `from` on.
+fn figure_after(d: i32, from: &str, key: &str) -> u64 {
+    let j = common::device_json(d);
+    let start = j.find(from).unwrap_or_else(|| panic!("{from} in {j}"));
+    let at = j[start..].find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("{key} in {j}")) + start + key.len() + 3;
+    j[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+}
+
+fn device_free(d: i32) -> u64 {
+    figure_after(d, "{", "device_free_bytes")
+}
+
+fn fill(p: usize, len: usize, seed: u8) {
+    let s = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) };
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = seed.wrapping_add((i % 251) as u8);
+    }
+}
+
+fn holds(p: usize, len: usize, seed: u8) -> bool {
+    let s = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+    s.iter().enumerate().all(|(i, &b)| b == seed.wrapping_add((i % 251) as u8))
+}
+
+#[test]
+fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its_contents() {
+    let d = 20;
+    common::host_device_256mib(d, c"arena");
+    let untagged = malloc(3 * MIB, d).unwrap();
+    fill(untagged, 3 * MIB, 1);
+    begin(c"weights");
+    let sizes = [5 * MIB, 300 << 10, 12 * MIB, 4096];
+    let blocks: Vec<usize> = sizes.iter().map(|&s| malloc(s, d).unwrap()).collect();
+    end();
+    for (i, (&p, &s)) in blocks.iter().zip(&sizes).enumerate() {
+        fill(p, s, 10 + i as u8);
+    }
+    // Granules of their own: no tagged block shares a 2 MiB granule with the untagged one.
+    let g = 2 * MIB;
+    for &p in &blocks {
+        assert!(p / g != untagged / g && p / g != (untagged + 3 * MIB - 1) / g);
+    }
+    assert_eq!(figure_after(d, "\"weights\"", "n_live_blocks"), 4);
+    let free_before = device_free(d);
+    let released = pause(d, c"weights", true).unwrap();
+    assert!(released >= sizes.iter().sum::<usize>(), "released {released}");
+    assert_eq!(device_free(d) - free_before, released as u64, "the device got the tag's memory back");
+    assert_eq!(paused_bytes(d, c"weights") as u64, figure_after(d, "\"weights\"", "paused_bytes"));
+    assert!(common::memory_status(d).contains("Tag \"weights\""), "{}", common::memory_status(d));
+
+    // While paused: allocations under the tag and exports of its blocks are refused, saying
+    // why; untagged work goes on; a free waits for the resume; a second pause is refused.
+    begin(c"weights");
+    let e = malloc(MIB, d).unwrap_err();
+    end();
+    assert!(e.contains("`weights`") && e.contains("paused"), "{e}");
+    let mut desc = vec![0u8; 4096];
+    let mut len = 0;
+    let st = unsafe { gpupool_ipc_export_flags(blocks[0] as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+    assert_ne!(st, Status::Ok);
+    assert!(last().contains("paused"), "{}", last());
+    let other = malloc(MIB, d).unwrap();
+    assert!(holds(untagged, 3 * MIB, 1));
+    free(blocks[3], d);
+    assert!(pause(d, c"weights", true).unwrap_err().contains("is paused"));
+
+    let paused = paused_bytes(d, c"weights");
+    assert!(paused > 0 && paused <= released);
+    let restored = resume(d, c"weights").unwrap();
+    assert_eq!(restored, paused);
+    assert_eq!(paused_bytes(d, c"weights"), 0);
+    for (i, (&p, &s)) in blocks.iter().zip(&sizes).enumerate().take(3) {
+        assert!(holds(p, s, 10 + i as u8), "block {i} lost its contents");
+    }
+    assert_eq!(figure_after(d, "\"weights\"", "n_live_blocks"), 3, "the free made while paused was done by the resume");
+    assert_eq!(resume(d, c"weights").unwrap(), 0, "a tag not paused resumes nothing");
+    for &p in &blocks[..3] {
+        free(p, d);
+    }
+    free(other, d);
+    free(untagged, d);
+}
+
+#[test]
+fn stitched_blocks_resume_with_their_aliases() {
+    let d = 21;
+    common::host_device_256mib(d, c"arena");
+    begin(c"stitched");
+    // Scattered free granules, then a request no run of them serves: a stitch.
+    let singles: Vec<usize> = (0..8).map(|_| malloc(2 * MIB, d).unwrap()).collect();
+    for &p in singles.iter().step_by(2) {
+        free(p, d);
+    }
+    let big = malloc(8 * MIB, d).unwrap();
+    end();
+    assert!(figure_after(d, "\"arena\"", "stitches_made") > 0, "no stitch: {}", common::device_json(d));
+    fill(big, 8 * MIB, 40);
+    for (i, &p) in singles.iter().enumerate().skip(1).step_by(2) {
+        fill(p, 2 * MIB, 50 + i as u8);
+    }
+    pause(d, c"stitched", true).unwrap();
+    resume(d, c"stitched").unwrap();
+    assert!(holds(big, 8 * MIB, 40), "the stitched block lost its contents");
+    for (i, &p) in singles.iter().enumerate().skip(1).step_by(2) {
+        assert!(holds(p, 2 * MIB, 50 + i as u8));
+        free(p, d);
+    }
+    free(big, d);
+}
+
+#[test]
+fn a_hundred_switches_keep_memory_and_address_space_flat() {
+    let d = 22;
+    common::host_device_256mib(d, c"arena");
+    begin(c"trainer");
+    let model = malloc(4 * MIB, d).unwrap();
+    let optimizer = malloc(6 * MIB, d).unwrap();
+    end();
+    begin(c"rollout");
+    let kv = malloc(8 * MIB, d).unwrap();
+    end();
+    fill(model, 4 * MIB, 3);
+    let free_at_start = device_free(d);
+    let reserved_at_start = figure_after(d, "{", "total_bytes");
+    for step in 0..100u32 {
+        // The trainer sleeps, the rollout engine wakes (its cache is discarded), and back.
+        pause(d, c"trainer", true).unwrap();
+        resume(d, c"rollout").unwrap();
+        fill(kv, MIB, step as u8);
+        pause(d, c"rollout", false).unwrap();
+        resume(d, c"trainer").unwrap();
+        assert!(holds(model, 4 * MIB, 3), "step {step}");
+        if step == 0 {
+            // The first rollout pause gave its memory back: from here on each step ends
+            // where this one does.
+            assert_eq!(device_free(d), free_at_start + 8 * MIB as u64);
+        }
+        assert_eq!(device_free(d), free_at_start + 8 * MIB as u64, "step {step}");
+        assert_eq!(figure_after(d, "{", "total_bytes"), reserved_at_start, "step {step}");
+    }
+    resume(d, c"rollout").unwrap();
+    let mut kept = 0;
+    assert_eq!(unsafe { gpupool_tag_drop_backup(d, c"trainer".as_ptr(), &mut kept) }, Status::Ok);
+    for (p, _) in [(model, 0), (optimizer, 0), (kv, 0)] {
+        free(p, d);
+    }
+}
+
+#[test]
+fn bad_tags_and_strategies_that_cannot_pause_are_refused_with_the_cause() {
+    let d = 23;
+    assert!(pause(d, c"never-used", true).unwrap_err().contains("never"), "{}", last());
+    assert_eq!(unsafe { gpupool_tag_begin(std::ptr::null()) }, Status::NullArgument);
+    assert_eq!(unsafe { gpupool_tag_begin(c"".as_ptr()) }, Status::InvalidArgument);
+    assert_eq!(gpupool_tag_end(), Status::InvalidArgument, "an end without a begin");
+    std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB");
+    assert_eq!(unsafe { gpupool_configure(d, c"split".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+    begin(c"segments");
+    let p = malloc(MIB, d).unwrap();
+    end();
+    let e = pause(d, c"segments", true).unwrap_err();
+    assert!(e.contains("arena"), "{e}");
+    free(p, d);
+}
