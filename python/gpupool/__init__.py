@@ -9,6 +9,7 @@ PyTorch and CuPy call the library's C functions directly.
     print(gpupool.memory_status())
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -82,6 +83,12 @@ def lib():
             ("gpupool_free", c_int, [vp, c_int, vp]),
             ("gpupool_get_stats", c_int, [c_int, ctypes.POINTER(Stats)]),
             ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_tag_begin", c_int, [cp]),
+            ("gpupool_tag_end", c_int, []),
+            ("gpupool_tag_pause", c_int, [c_int, cp, vp, c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_tag_resume", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
+            ("gpupool_tag_paused_bytes", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
+            ("gpupool_tag_drop_backup", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_reset_peak_stats", c_int, [c_int]),
             ("gpupool_set_limit", c_int, [c_int, c_size]),
             ("gpupool_set_limit_str", c_int, [c_int, cp]),
@@ -265,6 +272,81 @@ def ipc_close(ptr, device=0):
     and the close does not wait for the device: finish your work on the block before you
     tell the exporter you are done (as with CUDA's own IPC handles)."""
     _check(lib().gpupool_ipc_close(ptr, device))
+
+
+@contextlib.contextmanager
+def tag(name):
+    """Allocations this thread makes inside the block (PyTorch, CuPy, C: all through gpupool)
+    come from tag `name`'s own memory, which `pause` gives back to the driver and `resume`
+    restores at the same addresses (docs/tags.md). Tags nest."""
+    _check(lib().gpupool_tag_begin(name.encode()))
+    try:
+        yield
+    finally:
+        _check(lib().gpupool_tag_end())
+
+
+def _names(tags):
+    return [tags] if isinstance(tags, str) else list(tags)
+
+
+def _stream_handle(stream):
+    """A CUDA stream as the library takes it: a handle, a PyTorch or CuPy stream object, or
+    None for PyTorch's current stream where PyTorch is in use (else the legacy stream)."""
+    if stream is None:
+        import sys
+        t = sys.modules.get("torch")
+        if t is not None and t.cuda.is_initialized():
+            return t.cuda.current_stream().cuda_stream
+        return 0
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    return int(stream)
+
+
+def pause(tags, backup=True, device=-1, stream=None):
+    """Give the device memory of `tags` (a name or several) back to the driver, keeping every
+    address: work queued on `stream` (default: PyTorch's current stream) finishes first
+    (stream-ordered, no device-wide synchronize); contents are copied to page-locked host
+    memory where `backup` says (True, False, or a dict of tag -> bool: weights kept, KV
+    caches discarded). Returns the device bytes given back. Until `resume`, allocating under
+    a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume."""
+    handle, total = _stream_handle(stream), 0
+    for name in _names(tags):
+        keep = backup.get(name, True) if isinstance(backup, dict) else bool(backup)
+        n = ctypes.c_size_t(0)
+        _check(lib().gpupool_tag_pause(device, name.encode(), handle, int(keep), ctypes.byref(n)))
+        total += n.value
+    return total
+
+
+def resume(tags, device=-1):
+    """Map device memory for paused `tags` again at the same addresses and restore their
+    backups; tensors, CUDA graphs captured before the pause and other holders of those
+    addresses go on. Out of memory leaves a tag paused (free memory, then resume again).
+    Returns the bytes mapped."""
+    total = 0
+    for name in _names(tags):
+        n = ctypes.c_size_t(0)
+        _check(lib().gpupool_tag_resume(device, name.encode(), ctypes.byref(n)))
+        total += n.value
+    return total
+
+
+def paused_bytes(tag_name, device=-1):
+    """Device bytes tag `tag_name` has paused."""
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_tag_paused_bytes(device, tag_name.encode(), ctypes.byref(n)))
+    return n.value
+
+
+def drop_backup(tag_name, device=-1):
+    """Give back the page-locked host memory kept for tag `tag_name`'s next backup (kept
+    after a resume, as the next pause needs it); returns its bytes."""
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_tag_drop_backup(device, tag_name.encode(), ctypes.byref(n)))
+    return n.value
 
 
 def _socket_path(pid):

@@ -112,21 +112,19 @@ impl CudaVmm {
         }
         let homes: Vec<(usize, usize, bool)> = self.handles.iter().map(|(&b, &(_, l))| (b, l, false)).collect();
         let total: usize = homes.iter().map(|h| h.1).sum();
+        // With a backup, each run's copy is followed by an event, and each allocation is
+        // released as soon as the copy of its run is done: the releases run while the
+        // later copies do.
+        let mut copied: Vec<(usize, sys::CUevent)> = Vec::new();
         if backup && total > 0 {
             let host = self.host_buffer(total)?;
             let stream = self.copy_stream()?;
-            if let Some(ev) = after {
-                calls.stream_wait += 1;
-                check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, ev as sys::CUevent, 0) })?;
+            let queued = self.queue_copies(host, stream, after, &homes, &mut copied, calls);
+            if let Err(e) = queued {
+                let _ = unsafe { sys::cuStreamSynchronize(stream) };
+                destroy(&copied);
+                return Err(e);
             }
-            for (addr, len, offset) in runs(&homes, |_| true) {
-                // SAFETY: `host` holds `total` bytes; the range is mapped device memory.
-                check("cuMemcpyDtoHAsync", unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(host.add(offset).cast(), addr as sys::CUdeviceptr, len, stream)
-                })?;
-            }
-            calls.event_sync += 1;
-            check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })?;
         } else if let Some(ev) = after {
             calls.event_sync += 1;
             check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev as sys::CUevent) })?;
@@ -137,13 +135,66 @@ impl CudaVmm {
             .map(|(&a, &l)| (a, l, self.aliases.get(&a).copied().unwrap_or(a), false))
             .collect();
         let mut paused = PausedSpace { homes, aliases, backed_up: backup };
-        let outcome = self.release_paused(&mut paused, calls);
+        let outcome = self.release_paused(&mut paused, &copied, calls);
+        if outcome.is_err() && !copied.is_empty() {
+            // The copies still queued must end before their buffer is used again.
+            let _ = unsafe { sys::cuStreamSynchronize(self.copy_stream) };
+        }
+        destroy(&copied);
+        if outcome.is_err() && !paused.homes.iter().any(|h| h.2) {
+            // Nothing released yet: map the aliases unmapped so far again and refuse the
+            // pause with nothing changed.
+            for a in paused.aliases.iter_mut().filter(|a| a.3) {
+                let Some(&(h, _)) = self.handles.get(&a.2) else { continue };
+                calls.mem_map += 1;
+                if unsafe { sys::cuMemMap(a.0 as sys::CUdeviceptr, a.1, 0, h, 0) } == sys::CUresult::CUDA_SUCCESS
+                    && self.set_access(a.0, a.1, calls) == sys::CUresult::CUDA_SUCCESS
+                {
+                    a.3 = false;
+                }
+            }
+            if !paused.aliases.iter().any(|a| a.3) {
+                return outcome.map(|()| total);
+            }
+        }
         self.paused = Some(paused);
         outcome.map(|()| total)
     }
 
-    /// Unmap the aliases, then unmap and release the homes, marking each done.
-    fn release_paused(&mut self, p: &mut PausedSpace, calls: &mut DriverCalls) -> Result<()> {
+    /// Queue the copy of every run of `homes` to `host` on `stream` after `after`, each
+    /// followed by an event recorded in `copied` with the run's end address.
+    fn queue_copies(
+        &mut self,
+        host: *mut u8,
+        stream: sys::CUstream,
+        after: Option<EventHandle>,
+        homes: &[(usize, usize, bool)],
+        copied: &mut Vec<(usize, sys::CUevent)>,
+        calls: &mut DriverCalls,
+    ) -> Result<()> {
+        if let Some(ev) = after {
+            calls.stream_wait += 1;
+            check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, ev as sys::CUevent, 0) })?;
+        }
+        for (addr, len, offset) in runs(homes, |_| true) {
+            // SAFETY: `host` holds every home's bytes in order; the range is mapped memory.
+            check("cuMemcpyDtoHAsync", unsafe {
+                sys::cuMemcpyDtoHAsync_v2(host.add(offset).cast(), addr as sys::CUdeviceptr, len, stream)
+            })?;
+            let mut ev: sys::CUevent = std::ptr::null_mut();
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            check("cuEventCreate", unsafe { sys::cuEventCreate(&mut ev, flags) })?;
+            copied.push((addr + len, ev));
+            calls.event_record += 1;
+            check("cuEventRecord", unsafe { sys::cuEventRecord(ev, stream) })?;
+        }
+        Ok(())
+    }
+
+    /// Unmap the aliases, then unmap and release the homes (each once the copy of its run
+    /// in `copied` is done), marking each done.
+    fn release_paused(&mut self, p: &mut PausedSpace, copied: &[(usize, sys::CUevent)], calls: &mut DriverCalls) -> Result<()> {
+        let mut run = 0;
         for a in p.aliases.iter_mut() {
             calls.mem_unmap += 1;
             check("cuMemUnmap", unsafe { sys::cuMemUnmap(a.0 as sys::CUdeviceptr, a.1) })
@@ -152,6 +203,14 @@ impl CudaVmm {
         }
         for h in p.homes.iter_mut() {
             let Some(&(handle, len)) = self.handles.get(&h.0) else { continue };
+            // Its contents are in the host buffer once its run's copy is done.
+            while run < copied.len() && copied[run].0 <= h.0 {
+                run += 1;
+            }
+            if let Some(&(_, ev)) = copied.get(run) {
+                calls.event_sync += 1;
+                check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(ev) }).map_err(|e| midway("waiting for a copy", e))?;
+            }
             calls.mem_unmap += 1;
             check("cuMemUnmap", unsafe { sys::cuMemUnmap(h.0 as sys::CUdeviceptr, len) })
                 .map_err(|e| midway("unmapping an allocation", e))?;
@@ -172,41 +231,57 @@ impl CudaVmm {
     }
 
     /// Map new memory where a pause released it, at the homes and aliases, and copy the
-    /// backup back. All or nothing: a refusal (out of memory) unmaps what this call mapped
-    /// and the memory stays paused, for a later resume.
+    /// backup back. Each allocation's copy is queued as soon as it is mapped, so the copies
+    /// run while the next allocations are created. All or nothing for the memory: a refusal
+    /// (out of memory) unmaps what this call mapped and the memory stays paused, for a later
+    /// resume. An alias the driver will not map again keeps the pause (its homes mapped),
+    /// and the next resume tries the rest.
     pub fn resume(&mut self, calls: &mut DriverCalls) -> std::result::Result<usize, AllocError> {
         let Some(mut p) = self.paused.take() else { return Ok(0) };
+        let copy = if p.backed_up {
+            let host = self.backup.as_ref().map(|b| b.ptr);
+            match (host, self.copy_stream()) {
+                (Some(h), Ok(s)) => Some((h, s)),
+                (None, _) => {
+                    self.paused = Some(p);
+                    return Err(AllocError::Other(Error::Internal("resume: the backup is gone".into())));
+                }
+                (_, Err(e)) => {
+                    self.paused = Some(p);
+                    return Err(AllocError::Other(e));
+                }
+            }
+        } else {
+            None
+        };
         let mut made: Vec<(usize, usize)> = Vec::new();
         let mut failure: Option<AllocError> = None;
+        let mut offset = 0;
         for &(base, len, released) in &p.homes {
+            let at = offset;
+            offset += len;
             if !released {
                 continue;
             }
-            let h = match self.create(len, calls) {
-                Ok(h) => h,
-                Err(r) => {
-                    failure = Some(alloc_error("cuMemCreate", r));
-                    break;
-                }
-            };
-            calls.mem_map += 1;
-            let r = unsafe { sys::cuMemMap(base as sys::CUdeviceptr, len, 0, h, 0) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                calls.mem_release += 1;
-                unsafe { sys::cuMemRelease(h) };
-                failure = Some(alloc_error("cuMemMap", r));
+            if let Err(f) = self.map_home(base, len, calls) {
+                failure = Some(f);
                 break;
             }
-            self.handles.insert(base, (h, len));
             made.push((base, len));
-        }
-        if failure.is_none() {
-            for (addr, len, _) in runs(&p.homes, |released| released) {
-                let r = self.set_access(addr, len, calls);
+            if let Some((host, stream)) = copy {
+                // SAFETY: the buffer holds every home's contents in order; `base` is mapped.
+                let r = unsafe { sys::cuMemcpyHtoDAsync_v2(base as sys::CUdeviceptr, host.add(at).cast(), len, stream) };
                 if r != sys::CUresult::CUDA_SUCCESS {
-                    failure = Some(alloc_error("cuMemSetAccess", r));
+                    failure = Some(AllocError::Other(cuda_error("cuMemcpyHtoDAsync", r)));
                     break;
                 }
+            }
+        }
+        if let Some((_, stream)) = copy {
+            calls.event_sync += 1;
+            let r = check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) });
+            if let (Err(e), None) = (r, &failure) {
+                failure = Some(AllocError::Other(e));
             }
         }
         if let Some(f) = failure {
@@ -223,38 +298,53 @@ impl CudaVmm {
             self.paused = Some(p);
             return Err(f);
         }
-        for a in p.aliases.iter_mut().filter(|a| a.3) {
-            let Some(&(h, _)) = self.handles.get(&a.2) else { continue };
+        for h in p.homes.iter_mut() {
+            h.2 = false;
+        }
+        for i in 0..p.aliases.len() {
+            let (at, len, home, unmapped) = p.aliases[i];
+            let Some(&(h, _)) = self.handles.get(&home).filter(|_| unmapped) else { continue };
             calls.mem_map += 1;
-            let mapped = check("cuMemMap", unsafe { sys::cuMemMap(a.0 as sys::CUdeviceptr, a.1, 0, h, 0) });
-            let granted = mapped.and_then(|()| {
-                let r = self.set_access(a.0, a.1, calls);
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    Ok(())
-                } else {
-                    Err(cuda_error("cuMemSetAccess", r))
+            let mapped = check("cuMemMap", unsafe { sys::cuMemMap(at as sys::CUdeviceptr, len, 0, h, 0) }).and_then(|()| {
+                match self.set_access(at, len, calls) {
+                    sys::CUresult::CUDA_SUCCESS => Ok(()),
+                    r => Err(cuda_error("cuMemSetAccess", r)),
                 }
             });
-            granted.map_err(|e| AllocError::Other(midway("mapping an alias again", e)))?;
-            a.3 = false;
+            if let Err(e) = mapped {
+                self.paused = Some(p);
+                return Err(AllocError::Other(midway("mapping an alias again", e)));
+            }
+            p.aliases[i].3 = false;
         }
-        let bytes = made.iter().map(|m| m.1).sum();
-        if p.backed_up {
-            self.restore(&p, calls).map_err(AllocError::Other)?;
-        }
-        Ok(bytes)
+        Ok(made.iter().map(|m| m.1).sum())
     }
 
-    /// Copy the backup of `p`'s homes back and wait for the copies.
-    fn restore(&mut self, p: &PausedSpace, calls: &mut DriverCalls) -> Result<()> {
-        let host = self.backup.as_ref().map(|b| b.ptr).ok_or_else(|| Error::Internal("resume: the backup is gone".into()))?;
-        let stream = self.copy_stream()?;
-        for (addr, len, offset) in runs(&p.homes, |_| true) {
-            // SAFETY: the buffer holds every home's contents in order; the range is mapped.
-            check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(addr as sys::CUdeviceptr, host.add(offset).cast(), len, stream) })?;
+    /// New memory of `len` bytes at `base`, readable and writable as the arena's is.
+    fn map_home(&mut self, base: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
+        let h = self.create(len, calls).map_err(|r| alloc_error("cuMemCreate", r))?;
+        calls.mem_map += 1;
+        let r = unsafe { sys::cuMemMap(base as sys::CUdeviceptr, len, 0, h, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            calls.mem_release += 1;
+            unsafe { sys::cuMemRelease(h) };
+            return Err(alloc_error("cuMemMap", r));
         }
-        calls.event_sync += 1;
-        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) })
+        match self.set_access(base, len, calls) {
+            sys::CUresult::CUDA_SUCCESS => {
+                self.handles.insert(base, (h, len));
+                Ok(())
+            }
+            r => {
+                calls.mem_unmap += 1;
+                calls.mem_release += 1;
+                unsafe {
+                    sys::cuMemUnmap(base as sys::CUdeviceptr, len);
+                    sys::cuMemRelease(h);
+                }
+                Err(alloc_error("cuMemSetAccess", r))
+            }
+        }
     }
 
     /// The copy stream and host buffer go with the address space.
@@ -267,6 +357,13 @@ impl CudaVmm {
             unsafe { sys::cuStreamDestroy_v2(self.copy_stream) };
             self.copy_stream = std::ptr::null_mut();
         }
+    }
+}
+
+/// Destroy the copies' events (the stream is past them, or waited for).
+fn destroy(events: &[(usize, sys::CUevent)]) {
+    for &(_, ev) in events {
+        unsafe { sys::cuEventDestroy_v2(ev) };
     }
 }
 

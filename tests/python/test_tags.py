@@ -1,0 +1,176 @@
+"""Tags, pause and resume (docs/tags.md): the Python API on the host upstream (no GPU), and
+on a GPU under PyTorch (gpupool's allocator class) and CuPy: memory given back to the
+driver, contents bit-exact after resume, CUDA graphs captured before the pause replay, the
+pause waits for queued work, and a trainer/rollout switch loop stays flat."""
+import textwrap
+
+from conftest import ok, run_py
+
+TORCH = """
+import gpupool, torch
+gpupool.torch.install(compiled=True)
+assert gpupool.torch.route() == "allocator", gpupool.torch.route()
+"""
+
+
+def test_tags_pause_and_resume_through_python_on_host(library):
+    ok(run_py("""
+        import ctypes, gpupool
+        L = gpupool.lib()
+        def malloc(n):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0, gpupool._last_error()
+            return p.value
+        with gpupool.tag("weights"):
+            w = malloc(6 << 20)
+            with gpupool.tag("kv"):
+                kv = malloc(4 << 20)
+        plain = malloc(1 << 20)
+        ctypes.memset(w, 0x5a, 6 << 20)
+        ctypes.memset(kv, 0x11, 4 << 20)
+        tags = gpupool.stats_json(0)["tags"]
+        assert set(tags) == {"weights", "kv"}, tags
+        assert tags["weights"]["n_live_blocks"] == tags["kv"]["n_live_blocks"] == 1, tags
+        released = gpupool.pause(["weights", "kv"], backup={"weights": True, "kv": False})
+        assert released >= 10 << 20, released
+        assert gpupool.paused_bytes("weights") >= 6 << 20
+        assert gpupool.stats_json(0)["tags"]["kv"]["paused_bytes"] >= 4 << 20
+        assert "paused" in gpupool.memory_status(0)
+        with gpupool.tag("weights"):
+            try:
+                malloc(1 << 20)
+                raise SystemExit("allocated under a paused tag")
+            except AssertionError as e:
+                assert "`weights`" in str(e) and "paused" in str(e), e
+        for bad in ([""], ["never-named"]):
+            try:
+                gpupool.pause(bad)
+                raise SystemExit(f"paused {bad}")
+            except gpupool.GpupoolError as e:
+                assert "tag" in str(e), e
+        assert gpupool.resume(["weights", "kv"]) >= 10 << 20
+        assert ctypes.string_at(w, 6 << 20) == b"\\x5a" * (6 << 20), "weights lost their contents"
+        assert gpupool.paused_bytes("kv") == 0
+        print("ok")
+    """, env={"GPUPOOL_UPSTREAM": "host"}))
+
+
+def test_pause_returns_the_memory_and_resume_restores_tensors_bit_exact(torch_gpu, library):
+    out = ok(run_py(TORCH + textwrap.dedent("""
+        torch.manual_seed(0)
+        with gpupool.tag("weights"):
+            ws = [torch.randn(n, device="cuda") for n in (1 << 28, 3 << 20, 12345, 1 << 26)]
+        keep = [w.cpu() for w in ws]
+        x = torch.randn(4096, device="cuda")
+        torch.cuda.synchronize()
+        mapped = gpupool.stats_json(0)["tags"]["weights"]["total_bytes"]
+        free0, _ = torch.cuda.mem_get_info()
+        released = gpupool.pause("weights")
+        free1, _ = torch.cuda.mem_get_info()
+        assert free1 - free0 >= 0.99 * mapped, (free0, free1, mapped, released)
+        assert gpupool.stats_json(0)["tags"]["weights"]["paused_bytes"] > 0
+        y = x * 2                                   # untagged work goes on
+        with gpupool.tag("weights"):
+            try:
+                torch.empty(1 << 20, device="cuda")
+                raise SystemExit("allocated under a paused tag")
+            except RuntimeError as e:
+                assert "paused" in str(e), e
+        gpupool.resume("weights")
+        for w, k in zip(ws, keep):
+            assert torch.equal(w.cpu(), k), "a tensor changed across the pause"
+        assert torch.equal(y, x * 2)
+        print("returned", free1 - free0, "of", mapped)
+    """)))
+    assert "returned" in out
+
+
+def test_a_graph_captured_before_the_pause_replays_after_resume(torch_gpu, library):
+    ok(run_py(TORCH + textwrap.dedent("""
+        with gpupool.tag("weights"):
+            w = torch.randn(2048, 2048, device="cuda")
+        x = torch.randn(2048, 2048, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                y = x @ w
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = torch.relu(x @ w)
+        g.replay()
+        torch.cuda.synchronize()
+        before = y.clone()
+        gpupool.pause("weights")
+        gpupool.resume("weights")
+        y.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, before), "the graph's output changed"
+        print("ok")
+    """)))
+
+
+def test_the_pause_waits_for_work_queued_on_the_stream(torch_gpu, library):
+    ok(run_py(TORCH + textwrap.dedent("""
+        with gpupool.tag("w"):
+            a = torch.zeros(1 << 28, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)              # the stream is busy for a while
+        a.fill_(7)                                  # queued behind it
+        gpupool.pause("w")                          # its copy waits for the fill
+        gpupool.resume("w")
+        assert bool((a == 7).all()), "the backup was taken before the queued fill"
+        print("ok")
+    """)))
+
+
+def test_a_trainer_and_rollout_switch_loop_stays_flat(torch_gpu, library):
+    out = ok(run_py(TORCH + textwrap.dedent("""
+        torch.manual_seed(0)
+        with gpupool.tag("trainer"):
+            model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+            opt = torch.optim.Adam(model.parameters())
+            x = torch.randn(64, 2048, device="cuda")
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with gpupool.tag("rollout"):
+            kv = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        with torch.no_grad():
+            want = model(x)
+        torch.cuda.synchronize()
+        free = []
+        for step in range(100):
+            gpupool.pause("trainer")
+            gpupool.resume("rollout")
+            kv[:1024].fill_(step % 255)             # a KV cache: contents not kept
+            gpupool.pause("rollout", backup=False)
+            gpupool.resume("trainer")
+            with torch.no_grad():
+                assert torch.equal(model(x), want), step
+            torch.cuda.synchronize()
+            free.append(torch.cuda.mem_get_info()[0])
+        j = gpupool.stats_json(0)
+        # The device's free memory after each switch: flat (a few MiB of the driver's own
+        # bookkeeping may move; a leak of the tags' memory would move it by their size).
+        assert max(free[1:]) - min(free[1:]) <= 8 << 20, ("device memory moved", min(free[1:]), max(free[1:]))
+        assert free[-1] >= free[1] - (8 << 20), (free[1], free[-1])
+        print("steady", free[-1], "trainer", j["tags"]["trainer"], "rollout", j["tags"]["rollout"])
+    """)))
+    assert "steady" in out
+
+
+def test_cupy_arrays_under_a_tag_pause_and_resume(cupy_gpu, library):
+    ok(run_py("""
+        import gpupool, cupy
+        gpupool.cupy.install()
+        with gpupool.tag("cupy-weights"):
+            a = cupy.arange(1 << 26, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()
+        gpupool.pause("cupy-weights", stream=0)
+        gpupool.resume("cupy-weights")
+        assert bool((a == cupy.arange(1 << 26, dtype=cupy.float32)).all())
+        print("ok")
+    """))
