@@ -70,6 +70,17 @@ fn tagged() -> Option<usize> {
 /// Allocate on shard 0 for a caller whose capture the pool must detect itself (CuPy on a
 /// user stream: a capture it detects starts a private pool, which lives there).
 pub fn malloc_detecting_capture(device: i32, size: usize, stream: usize) -> Result<usize> {
+    if let Some(tag) = tagged() {
+        // Under a tag, the tag's pool serves it unless the stream is capturing (the graph's
+        // private pool in shard 0 does then).
+        let served = allocate(device, registry::tag_shard(tag), stream, |pool| match pool.capture_of(stream)? {
+            None => pool.malloc(size, stream).map(Some),
+            Some(_) => Ok(None),
+        })?;
+        if let Some(p) = served {
+            return Ok(p);
+        }
+    }
     allocate(device, 0, stream, |pool| pool.malloc_detecting_capture(size, stream))
 }
 

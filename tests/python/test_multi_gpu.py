@@ -121,3 +121,42 @@ def test_ddp_over_nccl_on_two_gpus_matches_the_native_allocator(two_gpus, tmp_pa
         assert head == n                       # same losses and parameters, rank by rank
         strategy, n_allocs = pool_part.split()
         assert strategy == pool and int(n_allocs) > 0, p
+
+
+PAUSE_NCCL = """
+import os, torch, torch.distributed as dist
+import gpupool
+gpupool.torch.install()
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl")
+with gpupool.tag("weights"):
+    w = torch.full((16 << 20,), float(rank + 1), device="cuda")
+dist.all_reduce(w)                                  # the communicator is made and used
+torch.cuda.synchronize()
+before = w.clone()
+for _ in range(3):
+    assert gpupool.pause("weights") > 0
+    gpupool.resume("weights")
+    assert torch.equal(w, before), "weights changed across the pause"
+    dist.all_reduce(w)                              # the same communicator, the same buffer
+    torch.cuda.synchronize()
+    before = before * 2
+    assert torch.equal(w, before), "all-reduce after resume"
+print("RANK %d PAUSED OK" % rank, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_nccl_communicators_work_after_a_tag_pauses_and_resumes(two_gpus, tmp_path):
+    script = tmp_path / "pause_nccl.py"
+    script.write_text(PAUSE_NCCL)
+    e = dict(os.environ)
+    if not INSTALLED:
+        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
+        e["GPUPOOL_LIBRARY"] = _lib()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script)], env=e, capture_output=True, text=True, timeout=600)
+    out = ok(p)
+    assert sum("PAUSED OK" in l for l in out.splitlines()) == 2, out

@@ -166,11 +166,16 @@ def test_cupy_arrays_under_a_tag_pause_and_resume(cupy_gpu, library):
     ok(run_py("""
         import gpupool, cupy
         gpupool.cupy.install()
+        s = cupy.cuda.Stream(non_blocking=True)
         with gpupool.tag("cupy-weights"):
             a = cupy.arange(1 << 26, dtype=cupy.float32)
+            with s:                                   # a user stream: the tag's too
+                b = cupy.full(1 << 24, 3, dtype=cupy.int32)
+        assert gpupool.stats_json(0)["tags"]["cupy-weights"]["n_live_blocks"] >= 2
         cupy.cuda.Device().synchronize()
         gpupool.pause("cupy-weights", stream=0)
         gpupool.resume("cupy-weights")
         assert bool((a == cupy.arange(1 << 26, dtype=cupy.float32)).all())
+        assert bool((b == 3).all())
         print("ok")
     """))
