@@ -5,6 +5,7 @@
 //! that read it would crash rather than pass.
 
 use gpupool::ffi::core::{gpupool_configure, gpupool_free, gpupool_malloc};
+use gpupool::ffi::cupy::{gpupool_cupy_free, gpupool_cupy_malloc, gpupool_cupy_set_stream_getter};
 use gpupool::ffi::ipc::gpupool_ipc_export_flags;
 use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_drop_backup, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_paused_bytes, gpupool_tag_resume};
 use gpupool::Status;
@@ -221,4 +222,27 @@ fn bad_tags_and_strategies_that_cannot_pause_are_refused_with_the_cause() {
     let e = pause(d, c"segments", true).unwrap_err();
     assert!(e.contains("arena"), "{e}");
     free(p, d);
+}
+
+/// CuPy's current stream as its getter reports it: a user stream.
+unsafe extern "C" fn a_user_stream() -> isize {
+    0x7000
+}
+
+#[test]
+fn cupy_allocations_on_a_user_stream_are_the_tags() {
+    let d = 24;
+    common::host_device_256mib(d, c"arena");
+    unsafe { gpupool_cupy_set_stream_getter(Some(a_user_stream)) };
+    begin(c"cupy-user");
+    let p = unsafe { gpupool_cupy_malloc(null_mut(), 3 * MIB, d) } as usize;
+    end();
+    assert_ne!(p, 0, "{}", last());
+    assert_eq!(figure_after(d, "\"cupy-user\"", "n_live_blocks"), 1);
+    fill(p, 3 * MIB, 77);
+    pause(d, c"cupy-user", true).unwrap();
+    resume(d, c"cupy-user").unwrap();
+    assert!(holds(p, 3 * MIB, 77));
+    unsafe { gpupool_cupy_free(null_mut(), p as *mut c_void, d) };
+    assert_eq!(figure_after(d, "\"cupy-user\"", "n_live_blocks"), 0);
 }
