@@ -17,13 +17,12 @@
 //! granule is exported as the file's descriptor and the granule's offset in it, and an
 //! importer maps those offsets of its copy of the descriptor side by side.
 
-mod pause;
-
 use crate::upstream::shared::{Descriptor, FdSource};
 use crate::upstream::UnmapFail;
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
+mod pause;
 
 pub struct HostVmm {
     granule: usize,
@@ -36,8 +35,7 @@ pub struct HostVmm {
     mapped: FxHashMap<usize, usize>,
     /// Alias address -> the home granule whose memory it shows.
     aliases: FxHashMap<usize, usize>,
-    /// Chunks (allocations of several granules): base -> bytes; and alias mappings of
-    /// chunks: start -> bytes.
+    /// Chunks (allocations of several granules), and alias mappings of them: base -> bytes.
     chunks: BTreeMap<usize, usize>,
     alias_chunks: BTreeMap<usize, usize>,
     /// Reservation base -> length.

@@ -38,6 +38,14 @@ def _env(env):
     return e
 
 
+# The start of a scenario under gpupool's compiled PyTorch allocator class.
+TORCH_ALLOCATOR = """
+import gpupool, torch
+gpupool.torch.install(compiled=True)
+assert gpupool.torch.route() == "allocator", gpupool.torch.route()
+"""
+
+
 def run_py(code, env=None, timeout=300):
     """Run `code` in a fresh interpreter with gpupool importable; returns CompletedProcess."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(env), capture_output=True, text=True,

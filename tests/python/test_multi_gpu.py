@@ -96,9 +96,10 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(tmp_path, env):
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP)
+def _two_ranks(tmp_path, name, text, env):
+    """Run the script `text` as two ranks under torchrun; returns their output."""
+    script = tmp_path / name
+    script.write_text(text)
     e = dict(os.environ)
     if not INSTALLED:
         e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
@@ -106,7 +107,11 @@ def _torchrun(tmp_path, env):
     e.update({"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}, **env)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(script)], env=e, capture_output=True, text=True, timeout=600)
-    out = ok(p)
+    return ok(p)
+
+
+def _torchrun(tmp_path, env):
+    out = _two_ranks(tmp_path, "ddp.py", DDP, env)
     ranks = sorted(l[l.index("RANK"):] for l in out.splitlines() if "RANK" in l and "LOSSES" in l)
     assert len(ranks) == 2, out
     return ranks
@@ -150,13 +155,5 @@ dist.destroy_process_group()
 
 
 def test_nccl_communicators_work_after_a_tag_pauses_and_resumes(two_gpus, tmp_path):
-    script = tmp_path / "pause_nccl.py"
-    script.write_text(PAUSE_NCCL)
-    e = dict(os.environ)
-    if not INSTALLED:
-        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-        e["GPUPOOL_LIBRARY"] = _lib()
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script)], env=e, capture_output=True, text=True, timeout=600)
-    out = ok(p)
+    out = _two_ranks(tmp_path, "pause_nccl.py", PAUSE_NCCL, {})
     assert sum("PAUSED OK" in l for l in out.splitlines()) == 2, out

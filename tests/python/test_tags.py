@@ -4,13 +4,9 @@ driver, contents bit-exact after resume, CUDA graphs captured before the pause r
 pause waits for queued work, and a trainer/rollout switch loop stays flat."""
 import textwrap
 
-from conftest import ok, run_py
+from conftest import TORCH_ALLOCATOR, ok, run_py
 
-TORCH = """
-import gpupool, torch
-gpupool.torch.install(compiled=True)
-assert gpupool.torch.route() == "allocator", gpupool.torch.route()
-"""
+TORCH = TORCH_ALLOCATOR
 
 
 def test_tags_pause_and_resume_through_python_on_host(library):

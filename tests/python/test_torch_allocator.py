@@ -4,15 +4,11 @@ to the memory API are checked on the host upstream, without torch."""
 import json
 
 import pytest
-from conftest import ok, run_py, run_script
+from conftest import TORCH_ALLOCATOR, ok, run_py, run_script
 
 POOLS = ["split", "binned", "none", "arena"]   # every strategy
 
-INSTALL = """
-import gpupool, torch
-gpupool.torch.install(compiled=True)
-assert gpupool.torch.route() == "allocator", gpupool.torch.route()
-"""
+INSTALL = TORCH_ALLOCATOR
 
 
 def test_memory_stats_of_the_plugin_route_follow_the_pool_on_host(library):
