@@ -17,6 +17,22 @@ use common::last_error as last;
 
 const MIB: usize = 1 << 20;
 
+/// The environment every test here reads: devices on the host upstream (a device no test
+/// configures gets it from here), before the first call reads the configuration.
+fn host_env() {
+    static ENV: std::sync::Once = std::sync::Once::new();
+    ENV.call_once(|| {
+        std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB");
+        std::env::set_var("GPUPOOL_UPSTREAM", "host");
+    });
+}
+
+/// Device `d` as an arena on the host upstream.
+fn host(d: i32) {
+    host_env();
+    common::host_device_256mib(d, c"arena");
+}
+
 fn malloc(size: usize, d: i32) -> Result<usize, String> {
     let mut p = null_mut();
     match unsafe { gpupool_malloc(&mut p, size, d, null_mut()) } {
@@ -86,7 +102,7 @@ fn holds(p: usize, len: usize, seed: u8) -> bool {
 #[test]
 fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its_contents() {
     let d = 20;
-    common::host_device_256mib(d, c"arena");
+    host(d);
     let untagged = malloc(3 * MIB, d).unwrap();
     fill(untagged, 3 * MIB, 1);
     begin(c"weights");
@@ -123,7 +139,7 @@ fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its
     let other = malloc(MIB, d).unwrap();
     assert!(holds(untagged, 3 * MIB, 1));
     free(blocks[3], d);
-    assert!(pause(d, c"weights", true).unwrap_err().contains("is paused"));
+    assert_eq!(pause(d, c"weights", true).unwrap(), 0, "a paused tag counts as paused");
 
     let paused = paused_bytes(d, c"weights");
     assert!(paused > 0 && paused <= released);
@@ -145,7 +161,7 @@ fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its
 #[test]
 fn stitched_blocks_resume_with_their_aliases() {
     let d = 21;
-    common::host_device_256mib(d, c"arena");
+    host(d);
     begin(c"stitched");
     // Scattered free granules, then a request no run of them serves: a stitch.
     let singles: Vec<usize> = (0..8).map(|_| malloc(2 * MIB, d).unwrap()).collect();
@@ -172,7 +188,7 @@ fn stitched_blocks_resume_with_their_aliases() {
 #[test]
 fn a_hundred_switches_keep_memory_and_address_space_flat() {
     let d = 22;
-    common::host_device_256mib(d, c"arena");
+    host(d);
     begin(c"trainer");
     let model = malloc(4 * MIB, d).unwrap();
     let optimizer = malloc(6 * MIB, d).unwrap();
@@ -210,11 +226,11 @@ fn a_hundred_switches_keep_memory_and_address_space_flat() {
 #[test]
 fn bad_tags_and_strategies_that_cannot_pause_are_refused_with_the_cause() {
     let d = 23;
-    assert!(pause(d, c"never-used", true).unwrap_err().contains("never"), "{}", last());
+    assert!(pause(d, c"never-used", true).unwrap_err().contains("never named"), "{}", last());
     assert_eq!(unsafe { gpupool_tag_begin(std::ptr::null()) }, Status::NullArgument);
     assert_eq!(unsafe { gpupool_tag_begin(c"".as_ptr()) }, Status::InvalidArgument);
     assert_eq!(gpupool_tag_end(), Status::InvalidArgument, "an end without a begin");
-    std::env::set_var("GPUPOOL_HOST_CAPACITY", "256MiB");
+    host_env();
     assert_eq!(unsafe { gpupool_configure(d, c"split".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
     begin(c"segments");
     let p = malloc(MIB, d).unwrap();
@@ -232,7 +248,7 @@ unsafe extern "C" fn a_user_stream() -> isize {
 #[test]
 fn cupy_allocations_on_a_user_stream_are_the_tags() {
     let d = 24;
-    common::host_device_256mib(d, c"arena");
+    host(d);
     unsafe { gpupool_cupy_set_stream_getter(Some(a_user_stream)) };
     begin(c"cupy-user");
     let p = unsafe { gpupool_cupy_malloc(null_mut(), 3 * MIB, d) } as usize;
@@ -245,4 +261,21 @@ fn cupy_allocations_on_a_user_stream_are_the_tags() {
     assert!(holds(p, 3 * MIB, 77));
     unsafe { gpupool_cupy_free(null_mut(), p as *mut c_void, d) };
     assert_eq!(figure_after(d, "\"cupy-user\"", "n_live_blocks"), 0);
+}
+
+#[test]
+fn a_tag_allocated_first_on_its_device_pauses_when_every_device_is_asked() {
+    // Not configured: the tagged allocation is the device's first call.
+    let d = 25;
+    host_env();
+    begin(c"first-on-device");
+    let p = malloc(4 * MIB, d).unwrap();
+    end();
+    fill(p, 4 * MIB, 9);
+    assert!(pause(-1, c"first-on-device", true).unwrap() >= 4 * MIB, "the device is known to every-device calls");
+    assert_eq!(pause(-1, c"first-on-device", true).unwrap(), 0, "a device paused already counts as done");
+    assert!(paused_bytes(d, c"first-on-device") >= 4 * MIB);
+    resume(-1, c"first-on-device").unwrap();
+    assert!(holds(p, 4 * MIB, 9));
+    free(p, d);
 }

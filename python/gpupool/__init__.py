@@ -312,12 +312,21 @@ def pause(tags, backup=True, device=-1, stream=None):
     memory where `backup` says (True, False, or a dict of tag -> bool: weights kept, KV
     caches discarded). Returns the device bytes given back. Until `resume`, allocating under
     a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume."""
-    handle, total = _stream_handle(stream), 0
+    # A stream belongs to one device: with every device asked and no stream named, each
+    # device waits for its own current stream (PyTorch's), else for its legacy stream.
+    targets = [(device, _stream_handle(stream))]
+    if device == -1 and stream is None:
+        import sys
+        t = sys.modules.get("torch")
+        if t is not None and t.cuda.is_initialized():
+            targets = [(d, t.cuda.current_stream(d).cuda_stream) for d in range(t.cuda.device_count())]
+    total = 0
     for name in _names(tags):
         keep = backup.get(name, True) if isinstance(backup, dict) else bool(backup)
-        n = ctypes.c_size_t(0)
-        _check(lib().gpupool_tag_pause(device, name.encode(), handle, int(keep), ctypes.byref(n)))
-        total += n.value
+        for d, handle in targets:
+            n = ctypes.c_size_t(0)
+            _check(lib().gpupool_tag_pause(d, name.encode(), handle, int(keep), ctypes.byref(n)))
+            total += n.value
     return total
 
 

@@ -58,7 +58,7 @@ impl Pool {
         let r = self.core.upstream.vmm_pause(Some(ev), backup);
         self.core.streams.recycle(ev);
         let bytes = self.core.upstream.vmm_paused_bytes();
-        if bytes > 0 || r.is_ok() {
+        if r.is_ok() || self.core.upstream.vmm_is_paused() {
             self.limits.budget().released(bytes);
             self.paused = Some(Paused { name: name.to_string(), bytes, frees: Vec::new() });
         }
@@ -73,23 +73,18 @@ impl Pool {
         let Some(p) = self.paused.as_ref() else { return Ok(0) };
         let (bytes, name) = (p.bytes, p.name.clone());
         let budget = self.limits.budget().clone();
+        // Out of memory is the typed out-of-memory report (a caller may free memory and
+        // resume again: the tag stays paused), for the tag's bytes.
         if !budget.claim(bytes) {
-            return Err(Error::InvalidArgument(format!(
-                "resume `{name}`: its {} would pass the device's pool limit of {}; free memory or raise the limit, then resume again",
-                crate::error::human_bytes(bytes),
-                crate::error::human_bytes(budget.limit())
-            )));
+            return Err(self.oom(bytes, bytes, true));
         }
         match self.core.upstream.vmm_resume() {
             Ok(_) => budget.confirm(),
             Err(e) => {
                 budget.unclaim(bytes);
                 return Err(match e {
-                    AllocError::OutOfMemory => Error::InvalidArgument(format!(
-                        "resume `{name}`: the device has not {} free for it; it stays paused: free memory, then resume again",
-                        crate::error::human_bytes(bytes)
-                    )),
-                    AllocError::Other(e) => e,
+                    AllocError::OutOfMemory => self.oom(bytes, bytes, false),
+                    AllocError::Other(e) => Error::Internal(format!("resume `{name}`: {e}; it stays paused")),
                 });
             }
         }
@@ -100,6 +95,11 @@ impl Pool {
             let _ = self.free(ptr, FreeOn::Stream(STREAM_LEGACY));
         }
         Ok(bytes)
+    }
+
+    /// Whether this pool is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
     }
 
     /// Device bytes this pool's pause released (0: not paused).

@@ -244,9 +244,13 @@ impl std::ops::DerefMut for PoolGuard {
     }
 }
 
-/// Lock shard `shard` of `device`'s pool, creating it on first use.
+/// Lock shard `shard` of `device`'s pool, creating it on first use (a tag's pool after
+/// shard 0, which holds the device's settings and makes the device known to the reports).
 pub fn lock_shard(device: i32, shard: usize) -> Result<PoolGuard> {
     let s = slot(device)?;
+    if shard >= SHARDS && s.stream_shards.load(Ordering::Acquire) == NOT_MADE {
+        drop(lock_shard(device, 0)?);
+    }
     let mut g = lock_pool(&s.shards[shard]);
     if g.is_none() {
         *g = Some(create(device, shard, s)?);

@@ -83,7 +83,7 @@ pub fn counted_twice<R>(again: &Result<R>) -> bool {
 /// memory it can, each under its own lock. Returns the bytes that went back.
 pub fn release_other_shards(device: i32, except: usize) -> usize {
     let Ok(s) = slot(device) else { return 0 };
-    if matches!(s.stream_shards.load(Ordering::Acquire), 0 | NOT_MADE) {
+    if s.stream_shards.load(Ordering::Acquire) == NOT_MADE {
         return 0;
     }
     let mut got = 0;

@@ -21,7 +21,9 @@ pub(super) fn tag_of_shard(shard: usize) -> Option<String> {
 /// misspelt tag must not pause nothing quietly).
 fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result<usize>) -> Result<usize> {
     let Some(tag) = crate::tags::lookup(name) else {
-        return Err(Error::InvalidArgument(format!("tag {name:?}: nothing was ever allocated under it in this process")));
+        return Err(Error::InvalidArgument(format!(
+            "tag {name:?}: this process never named it (gpupool.tag / gpupool_tag_begin), so nothing is under it"
+        )));
     };
     let devices = if device < 0 { existing_devices() } else { vec![device] };
     let mut total = 0;
@@ -35,9 +37,10 @@ fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result
 }
 
 /// Pause tag `name` on `device` (< 0: every device): `Pool::pause`. Returns the bytes
-/// given back to the driver.
+/// given back to the driver. A device where the tag is paused already counts as done, so
+/// a pause over several devices that failed on one can be asked again.
 pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result<usize> {
-    each_tag_pool(device, name, |p| p.pause(name, stream, backup))
+    each_tag_pool(device, name, |p| if p.is_paused() { Ok(0) } else { p.pause(name, stream, backup) })
 }
 
 /// Resume tag `name` on `device` (< 0: every device): `Pool::resume`.

@@ -289,6 +289,10 @@ impl Upstream for HostUpstream {
         self.vmm.paused_bytes()
     }
 
+    fn vmm_is_paused(&self) -> bool {
+        self.vmm.is_paused()
+    }
+
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         let g = self.vmm.granule();
         let mut i = 0;

@@ -235,6 +235,11 @@ pub trait Upstream: Send {
     fn vmm_paused_bytes(&self) -> usize {
         0
     }
+    /// Whether a pause is on record (it may hold no bytes: a pause that failed midway
+    /// after unmapping aliases only), which only `vmm_resume` ends.
+    fn vmm_is_paused(&self) -> bool {
+        false
+    }
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
     fn vmm_drop_backup(&mut self) -> usize {
         0

@@ -229,6 +229,10 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.paused_bytes())
     }
 
+    fn vmm_is_paused(&self) -> bool {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).is_some_and(|v| v.is_paused())
+    }
+
     fn vmm_drop_backup(&mut self) -> usize {
         let Ok(_g) = self.enter() else { return 0 };
         self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.drop_backup())

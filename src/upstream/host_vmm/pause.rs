@@ -19,8 +19,12 @@ pub struct HostPaused {
 }
 
 impl HostVmm {
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
+    }
+
     pub fn paused_bytes(&self) -> usize {
-        self.paused.as_ref().map_or(0, |p| p.homes.len() * self.granule)
+        self.paused.as_ref().map_or(0, |p| p.homes.iter().filter(|h| !self.mapped.contains_key(h)).count() * self.granule)
     }
 
     /// Pause every granule mapped here (module docs); returns the bytes released.
@@ -41,6 +45,9 @@ impl HostVmm {
         });
         let mut aliases: Vec<(usize, usize)> = self.aliases.iter().map(|(&a, &h)| (a, h)).collect();
         aliases.sort_unstable();
+        // On record before the first unmap: a failure midway leaves a pause the resume
+        // undoes whole (it maps every home and alias again).
+        self.paused = Some(HostPaused { homes: homes.clone(), aliases: aliases.clone(), backup });
         for &(a, _) in &aliases {
             self.unmap_at(a)?;
         }
@@ -52,14 +59,28 @@ impl HostVmm {
             }
             self.release_offset(off);
         }
-        self.paused = Some(HostPaused { homes, aliases, backup });
         Ok(self.paused_bytes())
     }
 
     /// Map new memory where `pause` released it and copy the backup back; returns the bytes.
     pub fn resume(&mut self) -> Result<usize> {
         let Some(p) = self.paused.take() else { return Ok(0) };
+        if let Err(e) = self.map_paused(&p) {
+            self.paused = Some(p); // a later resume maps it all again
+            return Err(e);
+        }
         let g = self.granule;
+        if let Some(b) = &p.backup {
+            for (i, &h) in p.homes.iter().enumerate() {
+                // SAFETY: a granule mapped just now, writable; the backup holds it in order.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(i * g), h as *mut u8, g) };
+            }
+        }
+        Ok(p.homes.len() * g)
+    }
+
+    /// New pages under every home of `p` (over any left mapped) and the aliases again.
+    fn map_paused(&mut self, p: &HostPaused) -> Result<()> {
         for &h in &p.homes {
             let off = self.new_offset()?;
             self.map_at(h, off)?;
@@ -69,12 +90,6 @@ impl HostVmm {
             self.map_at(a, off)?;
             self.mapped.remove(&a); // `map_at` books homes; an alias is booked apart
         }
-        if let Some(b) = &p.backup {
-            for (i, &h) in p.homes.iter().enumerate() {
-                // SAFETY: a granule mapped just now, writable; the backup holds it in order.
-                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(i * g), h as *mut u8, g) };
-            }
-        }
-        Ok(p.homes.len() * g)
+        Ok(())
     }
 }

@@ -61,6 +61,10 @@ impl CudaVmm {
         self.paused.as_ref().map_or(0, |p| p.homes.iter().filter(|h| h.2).map(|h| h.1).sum())
     }
 
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
+    }
+
     /// The copy stream, made on first use.
     fn copy_stream(&mut self) -> Result<sys::CUstream> {
         if self.copy_stream.is_null() {
@@ -368,7 +372,7 @@ fn destroy(events: &[(usize, sys::CUevent)]) {
 }
 
 fn midway(step: &str, e: Error) -> Error {
-    Error::Internal(format!("pause: {step} failed ({e}); what was released stays paused and a resume maps it again"))
+    Error::Internal(format!("{step} failed ({e}); the memory stays paused and the next resume maps the rest"))
 }
 
 fn alloc_error(call: &'static str, r: sys::CUresult) -> AllocError {
