@@ -312,14 +312,15 @@ def pause(tags, backup=True, device=-1, stream=None):
     memory where `backup` says (True, False, or a dict of tag -> bool: weights kept, KV
     caches discarded). Returns the device bytes given back. Until `resume`, allocating under
     a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume."""
-    # A stream belongs to one device: with every device asked and no stream named, each
-    # device waits for its own current stream (PyTorch's), else for its legacy stream.
+    # A stream belongs to one device: with every device asked and no stream named, the
+    # current device waits for PyTorch's current stream and the others (a paused device
+    # counts as done) for their legacy streams; no other device's context is touched.
     targets = [(device, _stream_handle(stream))]
     if device == -1 and stream is None:
         import sys
         t = sys.modules.get("torch")
         if t is not None and t.cuda.is_initialized():
-            targets = [(d, t.cuda.current_stream(d).cuda_stream) for d in range(t.cuda.device_count())]
+            targets = [(t.cuda.current_device(), t.cuda.current_stream().cuda_stream), (-1, 0)]
     total = 0
     for name in _names(tags):
         keep = backup.get(name, True) if isinstance(backup, dict) else bool(backup)
