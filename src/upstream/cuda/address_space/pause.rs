@@ -267,7 +267,8 @@ impl CudaVmm {
             if !released {
                 continue;
             }
-            if let Err(f) = self.map_home(base, len, calls) {
+            // One allocation of the home's size, as a chunk is mapped (all or nothing).
+            if let Err(f) = self.map_chunk(base, len, calls) {
                 failure = Some(f);
                 break;
             }
@@ -324,33 +325,6 @@ impl CudaVmm {
         Ok(made.iter().map(|m| m.1).sum())
     }
 
-    /// New memory of `len` bytes at `base`, readable and writable as the arena's is.
-    fn map_home(&mut self, base: usize, len: usize, calls: &mut DriverCalls) -> std::result::Result<(), AllocError> {
-        let h = self.create(len, calls).map_err(|r| alloc_error("cuMemCreate", r))?;
-        calls.mem_map += 1;
-        let r = unsafe { sys::cuMemMap(base as sys::CUdeviceptr, len, 0, h, 0) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            calls.mem_release += 1;
-            unsafe { sys::cuMemRelease(h) };
-            return Err(alloc_error("cuMemMap", r));
-        }
-        match self.set_access(base, len, calls) {
-            sys::CUresult::CUDA_SUCCESS => {
-                self.handles.insert(base, (h, len));
-                Ok(())
-            }
-            r => {
-                calls.mem_unmap += 1;
-                calls.mem_release += 1;
-                unsafe {
-                    sys::cuMemUnmap(base as sys::CUdeviceptr, len);
-                    sys::cuMemRelease(h);
-                }
-                Err(alloc_error("cuMemSetAccess", r))
-            }
-        }
-    }
-
     /// The copy stream and host buffer go with the address space.
     pub(super) fn drop_pause_resources(&mut self) {
         if let Some(p) = self.paused.as_mut() {
@@ -373,14 +347,6 @@ fn destroy(events: &[(usize, sys::CUevent)]) {
 
 fn midway(step: &str, e: Error) -> Error {
     Error::Internal(format!("{step} failed ({e}); the memory stays paused and the next resume maps the rest"))
-}
-
-fn alloc_error(call: &'static str, r: sys::CUresult) -> AllocError {
-    if r == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        AllocError::OutOfMemory
-    } else {
-        AllocError::Other(cuda_error(call, r))
-    }
 }
 
 #[cfg(test)]
