@@ -9,8 +9,9 @@ up to GB gigabytes, allocated under a tag; each round pauses them with a backup 
 page-locked host memory, then resumes them, and checks every tensor's checksum. `copy`
 copies one buffer of the same size to and from page-locked host memory: the bandwidth a
 pause and a resume can at most reach. Reported: seconds and GB/s of each pause and resume
-(the first round apart: it page-locks the host buffer, which later rounds reuse), and the
-share of the weights' device memory the pause gave back (cudaMemGetInfo).
+(the first round apart: it page-locks the host buffer, which later rounds reuse), the
+share of the weights' device memory the pause gave back (cudaMemGetInfo), and gpupool's
+driver calls in one pause and resume.
 """
 import json
 import os
@@ -61,6 +62,7 @@ def run_one(who, gb, rounds):
         region = lambda: gpupool.tag("weights")
         pause = lambda: gpupool.pause("weights")
         resume = lambda: gpupool.resume("weights")
+        calls = lambda: gpupool.stats_json(0)["driver_calls"]
     else:
         from torch_memory_saver import torch_memory_saver as tms
         tms.hook_mode = "torch"
@@ -83,6 +85,8 @@ def run_one(who, gb, rounds):
     res["bytes"] = size
     for _ in range(rounds + 1):
         torch.cuda.synchronize()
+        if who == "gpupool":
+            c0 = calls()
         free0 = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         pause()
@@ -95,6 +99,9 @@ def run_one(who, gb, rounds):
         res["pause_s"].append(t1 - t0)
         res["resume_s"].append(t2 - t1)
         res["returned"].append((free1 - free0) / size)
+        if who == "gpupool":
+            c1 = calls()
+            res["calls"] = {k: c1[k] - c0[k] for k in ("mem_create", "mem_map", "mem_unmap", "set_access", "total") if c1[k] != c0[k]}
         got = checksums(torch, ws)
         if not torch.equal(got, want):
             raise SystemExit(f"{who}: the weights changed across a pause")
@@ -113,6 +120,9 @@ def table(results):
         gbytes = r.get("bytes", int(r["gb"] * (1 << 30))) / 1e9
         ret = f"{min(r['returned']):.3f}" if r["returned"] else "-"
         print(f"| {r['who']} | {r['gb']} | {r['pause_s'][0]:.3f} | {r['resume_s'][0]:.3f} | {p:.3f} | {q:.3f} | {gbytes / p:.1f} | {gbytes / q:.1f} | {ret} |")
+    for r in results:
+        if r.get("calls"):
+            print(f"{r['who']}: driver calls in the last pause + resume: {r['calls']}")
 
 
 def main():
