@@ -17,7 +17,7 @@ use gpupool::config::PoolKind;
 use gpupool::error::{Error, Result};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AllocError, Upstream};
+use gpupool::upstream::{AllocError, Events, Ipc, Memory, VirtualMemory};
 use gpupool::{Pool, PoolOptions};
 
 /// One step of a fragmenting program: mixed sizes, free every other block, then ask for
@@ -277,7 +277,7 @@ fn device_out_of_memory_moves_free_granules_instead_of_failing() {
 /// An upstream with no virtual memory API (a device without VMM support).
 struct NoVmm(HostUpstream);
 
-impl Upstream for NoVmm {
+impl Memory for NoVmm {
     fn name(&self) -> &'static str {
         "no-vmm"
     }
@@ -291,6 +291,12 @@ impl Upstream for NoVmm {
         self.0.mem_info()
     }
 }
+
+impl VirtualMemory for NoVmm {}
+
+impl Ipc for NoVmm {}
+
+impl Events for NoVmm {}
 
 #[test]
 fn without_vmm_the_arena_falls_back_to_split_with_a_notice() {
@@ -368,11 +374,17 @@ struct StickyAliases {
     unalias_failures: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
-impl Upstream for StickyAliases {
+impl Memory for StickyAliases {
     fn name(&self) -> &'static str {
         "sticky-aliases"
     }
     host_memory!();
+    fn driver_calls(&self) -> gpupool::upstream::DriverCalls {
+        self.host.driver_calls()
+    }
+}
+
+impl VirtualMemory for StickyAliases {
     host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
         self.host.vmm_map_new(addr, len)
@@ -396,10 +408,11 @@ impl Upstream for StickyAliases {
         }
         self.host.vmm_unalias(addr, len)
     }
-    fn driver_calls(&self) -> gpupool::upstream::DriverCalls {
-        self.host.driver_calls()
-    }
 }
+
+impl Ipc for StickyAliases {}
+
+impl Events for StickyAliases {}
 
 #[test]
 fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {

@@ -15,7 +15,7 @@ use gpupool::ffi::core::*;
 use gpupool::pool::FreeOn;
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AllocError, EventHandle, Events, Ipc, Memory, VirtualMemory};
 use gpupool::{Stats, Status};
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
@@ -49,7 +49,7 @@ impl CheckingUpstream {
     }
 }
 
-impl Upstream for CheckingUpstream {
+impl Memory for CheckingUpstream {
     fn name(&self) -> &'static str {
         "checking-host"
     }
@@ -64,6 +64,18 @@ impl Upstream for CheckingUpstream {
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         self.host.mem_info()
     }
+    fn stream_ordered(&self) -> bool {
+        self.streams.lock().unwrap().stream_ordered
+    }
+}
+
+impl VirtualMemory for CheckingUpstream {
+    host_address_space!();
+}
+
+impl Ipc for CheckingUpstream {}
+
+impl Events for CheckingUpstream {
     fn event_create(&mut self) -> Result<EventHandle> {
         self.next_event += 1;
         Ok(self.next_event)
@@ -78,9 +90,6 @@ impl Upstream for CheckingUpstream {
     fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
         self.streams.lock().unwrap().event_syncs += 1;
         Ok(())
-    }
-    fn stream_ordered(&self) -> bool {
-        self.streams.lock().unwrap().stream_ordered
     }
     fn stream_wait_event(&mut self, s: StreamHandle, _ev: EventHandle) -> Result<()> {
         self.named("stream wait", s);
@@ -99,7 +108,6 @@ impl Upstream for CheckingUpstream {
         st.device_syncs += 1;
         Ok(())
     }
-    host_address_space!();
 }
 
 fn install(device: i32) -> Arc<Mutex<Streams>> {

@@ -12,7 +12,7 @@ use gpupool::error::Result;
 use gpupool::pool::{Callback, Filter, FreeOn, C_POOL_TAG, IMPLICIT_POOL_TAG};
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, Events, Ipc, Memory, VirtualMemory};
 use gpupool::{Pool, PoolOptions};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -54,7 +54,7 @@ impl CaptureUpstream {
     }
 }
 
-impl Upstream for CaptureUpstream {
+impl Memory for CaptureUpstream {
     fn name(&self) -> &'static str {
         "capture-host"
     }
@@ -69,6 +69,29 @@ impl Upstream for CaptureUpstream {
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         self.host.mem_info()
     }
+}
+
+impl VirtualMemory for CaptureUpstream {
+    host_address_space!();
+    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
+        self.unsafe_call("map");
+        self.host.vmm_map_new(addr, len)
+    }
+    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
+        self.unsafe_call("unmap");
+        self.host.vmm_unmap(addr, len)
+    }
+    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
+        self.host.vmm_alias(homes, to)
+    }
+    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
+        self.host.vmm_unalias(addr, len)
+    }
+}
+
+impl Ipc for CaptureUpstream {}
+
+impl Events for CaptureUpstream {
     fn event_create(&mut self) -> Result<EventHandle> {
         self.next_event += 1;
         Ok(self.next_event)
@@ -104,21 +127,6 @@ impl Upstream for CaptureUpstream {
         self.unsafe_call("device synchronize");
         self.dev.lock().unwrap().device_syncs += 1;
         Ok(())
-    }
-    host_address_space!();
-    fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        self.unsafe_call("map");
-        self.host.vmm_map_new(addr, len)
-    }
-    fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), gpupool::upstream::UnmapFail> {
-        self.unsafe_call("unmap");
-        self.host.vmm_unmap(addr, len)
-    }
-    fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
-        self.host.vmm_alias(homes, to)
-    }
-    fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        self.host.vmm_unalias(addr, len)
     }
 }
 

@@ -365,11 +365,18 @@ struct RefusingRecords {
     refuse: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
-impl gpupool::upstream::Upstream for RefusingRecords {
+impl gpupool::upstream::Memory for RefusingRecords {
     fn name(&self) -> &'static str {
         "refusing-records"
     }
     host_memory!();
+}
+
+impl gpupool::upstream::VirtualMemory for RefusingRecords {}
+
+impl gpupool::upstream::Ipc for RefusingRecords {}
+
+impl gpupool::upstream::Events for RefusingRecords {
     fn event_record(&mut self, _ev: gpupool::upstream::EventHandle, _s: gpupool::stream::StreamHandle) -> gpupool::error::Result<()> {
         if self.refuse.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });

@@ -14,7 +14,7 @@
 //! driver calls.
 
 use super::host_vmm::HostVmm;
-use super::{AliasFail, AllocError, DriverCalls, UnmapFail, Upstream, MIN_ALIGN};
+use super::{AliasFail, AllocError, DriverCalls, Events, Ipc, Memory, UnmapFail, VirtualMemory, MIN_ALIGN};
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey, STREAM_PER_THREAD};
 use std::alloc::{alloc, dealloc, Layout};
@@ -153,7 +153,7 @@ impl HostUpstream {
     }
 }
 
-impl Upstream for HostUpstream {
+impl Memory for HostUpstream {
     fn name(&self) -> &'static str {
         "host"
     }
@@ -233,6 +233,12 @@ impl Upstream for HostUpstream {
         Ok((self.capacity.saturating_sub(self.device_allocated.load(Ordering::Acquire)), self.capacity))
     }
 
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
+    }
+}
+
+impl VirtualMemory for HostUpstream {
     fn vmm_granule(&mut self) -> usize {
         self.vmm.granule()
     }
@@ -325,13 +331,15 @@ impl Upstream for HostUpstream {
         Ok(())
     }
 
-    fn vmm_share_kind(&self) -> u32 {
-        super::shared::KIND_HOST
-    }
-
     /// The host's granules are memfd offsets, shared as file descriptors.
     fn vmm_memory_kind(&self) -> String {
         "posix_fd".into()
+    }
+}
+
+impl Ipc for HostUpstream {
+    fn vmm_share_kind(&self) -> u32 {
+        super::shared::KIND_HOST
     }
 
     fn vmm_export(&mut self, addr: usize) -> Result<super::shared::SharedGranule> {
@@ -360,11 +368,9 @@ impl Upstream for HostUpstream {
     fn vmm_import_bytes(&self) -> usize {
         self.vmm.import_bytes()
     }
+}
 
-    fn driver_calls(&self) -> DriverCalls {
-        self.calls
-    }
-
+impl Events for HostUpstream {
     // Events: the host "device" has finished everything at once. The calls are counted as
     // the CUDA upstream's would be, so tests can tell a hot path that makes them.
     fn event_record(&mut self, _ev: super::EventHandle, _stream: StreamHandle) -> Result<()> {

@@ -2,7 +2,7 @@
 //! `capacity` bytes without touching memory, so a user's trace can be replayed against an
 //! 80 GiB "GPU" on a laptop.
 
-use super::{AliasFail, AllocError, DriverCalls, UnmapFail, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, Events, Ipc, Memory, UnmapFail, VirtualMemory};
 use crate::error::{Error, Result};
 use crate::upstream::stream_id::StreamHandle;
 use std::collections::BTreeSet;
@@ -52,7 +52,7 @@ impl SimUpstream {
     }
 }
 
-impl Upstream for SimUpstream {
+impl Memory for SimUpstream {
     fn name(&self) -> &'static str {
         "simulated"
     }
@@ -99,6 +99,15 @@ impl Upstream for SimUpstream {
         self.allocated -= len;
         Ok(())
     }
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
+    }
+    fn mem_info(&mut self) -> Result<(usize, usize)> {
+        Ok((self.capacity - self.allocated, self.capacity))
+    }
+}
+
+impl VirtualMemory for SimUpstream {
     fn vmm_granule(&mut self) -> usize {
         SIM_PAGE
     }
@@ -180,13 +189,11 @@ impl Upstream for SimUpstream {
         self.calls.mem_unmap += (len / SIM_PAGE - sim_in_chunks(&mut self.alias_chunks, addr, len)) as u64;
         Ok(())
     }
-    fn driver_calls(&self) -> DriverCalls {
-        self.calls
-    }
-    fn mem_info(&mut self) -> Result<(usize, usize)> {
-        Ok((self.capacity - self.allocated, self.capacity))
-    }
 }
+
+impl Ipc for SimUpstream {}
+
+impl Events for SimUpstream {}
 
 /// Granules of `[addr, addr + len)` beyond the first of each chunk of `chunks` starting
 /// there (a chunk is one call), forgetting those chunks.

@@ -8,7 +8,7 @@ use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::host::HOST_PAGE;
 use gpupool::upstream::shared::{Descriptor, FdSource, SharedGranule};
-use gpupool::upstream::{AliasFail, AllocError, EventHandle, UnmapFail, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, UnmapFail, Events, Ipc, Memory, VirtualMemory};
 use std::sync::{Arc, Mutex};
 
 pub struct FaultyUpstream {
@@ -86,7 +86,7 @@ impl FaultyUpstream {
     }
 }
 
-impl Upstream for FaultyUpstream {
+impl Memory for FaultyUpstream {
     fn name(&self) -> &'static str {
         "faulty-host"
     }
@@ -164,44 +164,9 @@ impl Upstream for FaultyUpstream {
     fn mem_info(&mut self) -> Result<(usize, usize)> {
         self.host.mem_info()
     }
-    fn event_create(&mut self) -> Result<EventHandle> {
-        if self.fail("event create") {
-            return Err(injected("event create"));
-        }
-        self.next_event += 1;
-        Ok(self.next_event)
-    }
-    fn event_record(&mut self, _ev: EventHandle, _s: StreamHandle) -> Result<()> {
-        if self.fail("event record") {
-            return Err(injected("event record"));
-        }
-        Ok(())
-    }
-    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
-        if self.fail("event query") {
-            return Err(injected("event query"));
-        }
-        // Busy while faults are injected (cross-stream reuse must wait), idle after.
-        Ok(lock(&self.s).off)
-    }
-    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
-        if self.fail("event synchronize") {
-            return Err(injected("event synchronize"));
-        }
-        Ok(())
-    }
-    fn stream_wait_event(&mut self, _s: StreamHandle, _ev: EventHandle) -> Result<()> {
-        if self.fail("stream wait") {
-            return Err(injected("stream wait"));
-        }
-        Ok(())
-    }
-    fn synchronize_device(&mut self) -> Result<()> {
-        if self.fail("device synchronize") {
-            return Err(injected("device synchronize"));
-        }
-        Ok(())
-    }
+}
+
+impl VirtualMemory for FaultyUpstream {
     fn vmm_granule(&mut self) -> usize {
         self.host.vmm_granule()
     }
@@ -311,6 +276,9 @@ impl Upstream for FaultyUpstream {
         self.sync(addr, len);
         r
     }
+}
+
+impl Ipc for FaultyUpstream {
     fn vmm_share_kind(&self) -> u32 {
         self.host.vmm_share_kind()
     }
@@ -380,5 +348,46 @@ impl Upstream for FaultyUpstream {
     }
     fn vmm_imports(&self) -> usize {
         self.host.vmm_imports()
+    }
+}
+
+impl Events for FaultyUpstream {
+    fn event_create(&mut self) -> Result<EventHandle> {
+        if self.fail("event create") {
+            return Err(injected("event create"));
+        }
+        self.next_event += 1;
+        Ok(self.next_event)
+    }
+    fn event_record(&mut self, _ev: EventHandle, _s: StreamHandle) -> Result<()> {
+        if self.fail("event record") {
+            return Err(injected("event record"));
+        }
+        Ok(())
+    }
+    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        if self.fail("event query") {
+            return Err(injected("event query"));
+        }
+        // Busy while faults are injected (cross-stream reuse must wait), idle after.
+        Ok(lock(&self.s).off)
+    }
+    fn event_synchronize(&mut self, _ev: EventHandle) -> Result<()> {
+        if self.fail("event synchronize") {
+            return Err(injected("event synchronize"));
+        }
+        Ok(())
+    }
+    fn stream_wait_event(&mut self, _s: StreamHandle, _ev: EventHandle) -> Result<()> {
+        if self.fail("stream wait") {
+            return Err(injected("stream wait"));
+        }
+        Ok(())
+    }
+    fn synchronize_device(&mut self) -> Result<()> {
+        if self.fail("device synchronize") {
+            return Err(injected("device synchronize"));
+        }
+        Ok(())
     }
 }

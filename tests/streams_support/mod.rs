@@ -7,7 +7,7 @@ use gpupool::config::PoolKind;
 use gpupool::error::Result;
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
-use gpupool::upstream::{AliasFail, AllocError, EventHandle, Upstream};
+use gpupool::upstream::{AliasFail, AllocError, EventHandle, Events, Ipc, Memory, VirtualMemory};
 use gpupool::{Pool, PoolOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,32 +33,14 @@ pub struct BusyUpstream {
     pub next_event: usize,
 }
 
-impl Upstream for BusyUpstream {
+impl Memory for BusyUpstream {
     fn name(&self) -> &'static str {
         "busy-host"
     }
     host_memory!();
-    fn event_create(&mut self) -> Result<EventHandle> {
-        self.next_event += 1;
-        Ok(self.next_event)
-    }
-    fn event_record(&mut self, ev: EventHandle, s: StreamHandle) -> Result<()> {
-        if self.dev.refuse_records.load(Ordering::SeqCst) {
-            self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x} refused"));
-            return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });
-        }
-        self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x}"));
-        Ok(())
-    }
-    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
-        self.dev.queries.fetch_add(1, Ordering::SeqCst);
-        Ok(self.dev.idle.load(Ordering::SeqCst))
-    }
-    fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
-        self.dev.log.lock().unwrap().push(format!("sync ev{ev}"));
-        self.dev.idle.store(true, Ordering::SeqCst);
-        Ok(())
-    }
+}
+
+impl VirtualMemory for BusyUpstream {
     // The arena's virtual memory API, from the host upstream; moves are logged.
     host_address_space!();
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
@@ -86,6 +68,32 @@ impl Upstream for BusyUpstream {
             return Err(gpupool::error::Error::Internal("injected: unmap refused".into()));
         }
         self.host.vmm_unalias(addr, len)
+    }
+}
+
+impl Ipc for BusyUpstream {}
+
+impl Events for BusyUpstream {
+    fn event_create(&mut self) -> Result<EventHandle> {
+        self.next_event += 1;
+        Ok(self.next_event)
+    }
+    fn event_record(&mut self, ev: EventHandle, s: StreamHandle) -> Result<()> {
+        if self.dev.refuse_records.load(Ordering::SeqCst) {
+            self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x} refused"));
+            return Err(gpupool::error::Error::Cuda { call: "cuEventRecord", code: 999, name: "refused".into() });
+        }
+        self.dev.log.lock().unwrap().push(format!("record ev{ev} on {s:#x}"));
+        Ok(())
+    }
+    fn event_query(&mut self, _ev: EventHandle) -> Result<bool> {
+        self.dev.queries.fetch_add(1, Ordering::SeqCst);
+        Ok(self.dev.idle.load(Ordering::SeqCst))
+    }
+    fn event_synchronize(&mut self, ev: EventHandle) -> Result<()> {
+        self.dev.log.lock().unwrap().push(format!("sync ev{ev}"));
+        self.dev.idle.store(true, Ordering::SeqCst);
+        Ok(())
     }
     fn stream_wait_event(&mut self, s: StreamHandle, ev: EventHandle) -> Result<()> {
         self.dev.log.lock().unwrap().push(format!("wait {s:#x} on ev{ev}"));

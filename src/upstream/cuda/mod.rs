@@ -17,7 +17,7 @@ pub mod managed;
 pub mod pinned;
 pub mod vmm;
 
-use super::{AliasFail, AllocError, DriverCalls, EventHandle, UnmapFail, Upstream};
+use super::{AliasFail, AllocError, DriverCalls, EventHandle, Events, Ipc, Memory, UnmapFail, VirtualMemory};
 use address_space::CudaVmm;
 use crate::error::Result;
 use crate::upstream::stream_id::{StreamHandle, StreamKey};
@@ -107,7 +107,7 @@ fn stream_ptr(h: StreamHandle) -> sys::CUstream {
     h as sys::CUstream
 }
 
-impl<K: MemKind> Upstream for CudaUpstream<K> {
+impl<K: MemKind> Memory for CudaUpstream<K> {
     fn name(&self) -> &'static str {
         K::NAME
     }
@@ -161,6 +161,12 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         self.kind.decommit(addr, len)
     }
 
+    fn driver_calls(&self) -> DriverCalls {
+        self.calls
+    }
+}
+
+impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
     fn vmm_granule(&mut self) -> usize {
         if self.vmm.is_none() {
             // A device without VMM (or a failing probe) gets no arena: the pool falls back.
@@ -238,12 +244,14 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
         self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.drop_backup())
     }
 
-    fn vmm_share_kind(&self) -> u32 {
-        crate::upstream::shared::KIND_CUDA
-    }
-
     fn vmm_memory_kind(&self) -> String {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or_else(String::new, |v| v.memory_kind())
+    }
+}
+
+impl<K: MemKind> Ipc for CudaUpstream<K> {
+    fn vmm_share_kind(&self) -> u32 {
+        crate::upstream::shared::KIND_CUDA
     }
 
     fn vmm_export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
@@ -312,11 +320,9 @@ impl<K: MemKind> Upstream for CudaUpstream<K> {
     fn legacy_ipc_imports(&self) -> usize {
         self.legacy.count()
     }
+}
 
-    fn driver_calls(&self) -> DriverCalls {
-        self.calls
-    }
-
+impl<K: MemKind> Events for CudaUpstream<K> {
     fn stream_key(&mut self, handle: StreamHandle) -> Result<StreamKey> {
         let _g = self.enter()?;
         self.calls.stream_id += 1;
