@@ -13,6 +13,13 @@
 #define GPUPOOL_STREAM_LEGACY ((void *)0x1)
 #define GPUPOOL_STREAM_PER_THREAD ((void *)0x2)
 
+/* Marks a function kept under a former name (compilers that know the attribute warn). */
+#if defined(__GNUC__) || defined(__clang__)
+#define GPUPOOL_DEPRECATED(note) __attribute__((deprecated(note)))
+#else
+#define GPUPOOL_DEPRECATED(note)
+#endif
+
 // Status code returned by every `gpupool_*` C function. `0` is success.
 //
 // The numbers are stable across releases; new codes are only appended.

@@ -51,7 +51,7 @@ enum gpupool_status gpupool_handover_withdraw(const void *ticket, size_t len);
 
 // Take handover `ticket` from the process that offered it: `*out_fds` receives an array
 // of `*out_n` descriptors, now this process's (close them; free the array with
-// `gpupool_handover_free`), in the order they were added; `*out_sends` how many sends
+// `gpupool_handover_free_fds`), in the order they were added; `*out_sends` how many sends
 // name them. A handover is taken once.
 //
 // # Safety
@@ -66,6 +66,13 @@ enum gpupool_status gpupool_handover_take(const void *ticket,
 //
 // # Safety
 // `fds` NULL or an array from `gpupool_handover_take`, freed once.
+void gpupool_handover_free_fds(int *fds);
+
+// The former name of `gpupool_handover_free_fds`, kept so programs built against it link.
+//
+// # Safety
+// As `gpupool_handover_free_fds`.
+GPUPOOL_DEPRECATED("renamed gpupool_handover_free_fds: it frees the descriptor array, not the handover")
 void gpupool_handover_free(int *fds);
 
 // The IPC descriptor of the live block `ptr` (as `gpupool_malloc` returned it), for

@@ -111,7 +111,7 @@ fn a_block_sent_again_is_served_from_the_kept_mapping_until_the_exporter_release
     fill(b as usize, n, 0x33);
     let desc_b = export(b);
     assert_ne!(desc_b, desc, "a new block is a new export");
-    assert_eq!(open(&desc, im).unwrap_err().contains("no longer exports"), true, "the freed block's descriptor is stale");
+    assert!(open(&desc, im).unwrap_err().contains("no longer exports"), "the freed block's descriptor is stale");
     let r = open(&desc_b, im).unwrap();
     assert!(reads(r, n, 0x33));
     assert_eq!(figure(im, "mem_map"), maps, "the allocations were kept mapped");

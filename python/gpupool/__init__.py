@@ -133,7 +133,7 @@ def lib():
             ("gpupool_handover_withdraw", c_int, [cp, c_size]),
             ("gpupool_handover_take", c_int, [cp, c_size, ctypes.POINTER(ctypes.POINTER(c_int)), ctypes.POINTER(c_size),
                                               ctypes.POINTER(ctypes.c_uint32)]),
-            ("gpupool_handover_free", None, [ctypes.POINTER(c_int)]),
+            ("gpupool_handover_free_fds", None, [ctypes.POINTER(c_int)]),
         ]:
             f = getattr(L, name)
             f.restype, f.argtypes = res, args

@@ -224,7 +224,7 @@ def _fetch(ident):
         try:
             return arr[:n.value], sends.value
         finally:
-            L.gpupool_handover_free(arr)
+            L.gpupool_handover_free_fds(arr)
     from multiprocessing import reduction, resource_sharer
     out = []
     with resource_sharer._resource_sharer.get_connection(ident) as conn:

@@ -96,7 +96,7 @@ pub unsafe extern "C" fn gpupool_handover_withdraw(ticket: *const c_void, len: u
 
 /// Take handover `ticket` from the process that offered it: `*out_fds` receives an array
 /// of `*out_n` descriptors, now this process's (close them; free the array with
-/// `gpupool_handover_free`), in the order they were added; `*out_sends` how many sends
+/// `gpupool_handover_free_fds`), in the order they were added; `*out_sends` how many sends
 /// name them. A handover is taken once.
 ///
 /// # Safety
@@ -145,6 +145,16 @@ pub unsafe extern "C" fn gpupool_handover_take(
 /// # Safety
 /// `fds` NULL or an array from `gpupool_handover_take`, freed once.
 #[no_mangle]
-pub unsafe extern "C" fn gpupool_handover_free(fds: *mut c_int) {
+pub unsafe extern "C" fn gpupool_handover_free_fds(fds: *mut c_int) {
     libc::free(fds as *mut c_void);
+}
+
+/// The former name of `gpupool_handover_free_fds`, kept so programs built against it link.
+///
+/// # Safety
+/// As `gpupool_handover_free_fds`.
+#[deprecated(note = "renamed gpupool_handover_free_fds: it frees the descriptor array, not the handover")]
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_handover_free(fds: *mut c_int) {
+    gpupool_handover_free_fds(fds)
 }

@@ -78,9 +78,10 @@ struct Own {
 }
 
 static OWN: Mutex<Option<Own>> = Mutex::new(None);
-/// Holds files of other processes mapped here (by file identity), as an importer, each with
-/// the count of slots of it this process holds.
-static THEIRS: Mutex<Option<HashMap<(u64, u64), (Mapping, usize)>>> = Mutex::new(None);
+/// Holds files of other processes mapped here by file identity (device, inode), as an
+/// importer, each with the count of slots of it this process holds.
+type Theirs = HashMap<(u64, u64), (Mapping, usize)>;
+static THEIRS: Mutex<Option<Theirs>> = Mutex::new(None);
 
 fn create() -> Result<Own> {
     // SAFETY: plain system calls on a descriptor this function owns.
@@ -201,7 +202,7 @@ pub fn forget(id: (u64, u64)) {
     drop_one(&mut theirs, id);
 }
 
-fn drop_one(theirs: &mut Option<HashMap<(u64, u64), (Mapping, usize)>>, id: (u64, u64)) {
+fn drop_one(theirs: &mut Option<Theirs>, id: (u64, u64)) {
     let Some(m) = theirs.as_mut() else { return };
     if let Some(e) = m.get_mut(&id) {
         e.1 -= 1;
