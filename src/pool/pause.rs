@@ -7,7 +7,7 @@
 //! refuses to export its blocks to other processes, and releases nothing (its memory is
 //! given back already); a free is kept and done by the resume. Reports work and show the
 //! paused bytes. The pool's books (blocks, granules, stitches) do not change across a
-//! pause: the upstream swaps the physical memory under them (`Upstream::vmm_pause`).
+//! pause: the upstream swaps the physical memory under them (`VirtualMemory::vmm_pause`).
 
 use super::{FreeOn, Pool};
 use crate::error::{Error, Result};

@@ -1,7 +1,8 @@
 //! The sharing concern of an upstream: exporting memory to another process and mapping
 //! another process's memory, as arena granules (shareable handles, `shared.rs`) or as
-//! whole allocations of segment pools (CUDA IPC handles). The defaults refuse, naming the
-//! upstream.
+//! whole allocations of segment pools (CUDA IPC handles). By default an upstream shares
+//! nothing: exports and imports are refused with the reason, and closes find nothing to
+//! close (`Ok(false)`).
 
 use super::{shared, Memory};
 use crate::error::{Error, Result};

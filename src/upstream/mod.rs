@@ -34,16 +34,16 @@
 
 pub mod calls;
 pub mod cuda;
-mod events;
+pub mod events;
 pub mod export_record;
 pub mod host;
 pub mod host_vmm;
-mod ipc;
+pub mod ipc;
 pub mod legacy_descriptor;
 pub mod shared;
 pub mod sim;
 pub mod stream_id;
-mod virtual_memory;
+pub mod virtual_memory;
 
 pub use calls::DriverCalls;
 pub use events::Events;
@@ -69,7 +69,7 @@ pub enum AllocError {
     Other(Error),
 }
 
-/// Why `Upstream::vmm_alias` failed: the error, and how many of the aliases asked for
+/// Why `VirtualMemory::vmm_alias` failed: the error, and how many of the aliases asked for
 /// (the first `made`) are in place all the same, which the caller removes (`vmm_unalias`).
 #[derive(Debug)]
 pub struct AliasFail {
@@ -77,7 +77,7 @@ pub struct AliasFail {
     pub error: Error,
 }
 
-/// Why `Upstream::vmm_unmap` or `Upstream::decommit` failed, and what is unmapped all the
+/// Why `VirtualMemory::vmm_unmap` or `Memory::decommit` failed, and what is unmapped all the
 /// same: the pool books exactly the granules (pages) whose addresses are gone as unmapped
 /// (decommitted), so it never hands out an address with nothing behind it, and never maps
 /// over one still mapped.

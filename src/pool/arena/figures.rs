@@ -54,7 +54,7 @@ pub struct ArenaFigures {
     /// that serves nothing lies.
     pub small: (usize, usize),
     pub large: (usize, usize),
-    /// What its granules are created as (`Upstream::vmm_memory_kind`).
+    /// What its granules are created as (`VirtualMemory::vmm_memory_kind`).
     pub memory: String,
     /// Bytes of granules unmapped whose memory the driver would not release (lost until
     /// the process ends).

@@ -170,7 +170,7 @@ impl CudaVmm {
         self.granule
     }
 
-    /// What granules are created as now (`Upstream::vmm_memory_kind`).
+    /// What granules are created as now (`VirtualMemory::vmm_memory_kind`).
     pub fn memory_kind(&self) -> String {
         let t = self.prop.requestedHandleTypes.0;
         let handles = match (t & POSIX_FD.0 != 0, t & FABRIC.0 != 0) {

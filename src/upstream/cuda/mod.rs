@@ -47,7 +47,7 @@ pub trait MemKind: Send {
         Err(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)
     }
     /// Give back the memory of the pages of `[addr, addr + len)` in order; a failure says
-    /// how much went back all the same (`Upstream::decommit`).
+    /// how much went back all the same (`Memory::decommit`).
     fn decommit(&mut self, _addr: usize, _len: usize) -> std::result::Result<(), UnmapFail> {
         Err(UnmapFail::nothing(driver::cuda_error("decommit", sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)))
     }
@@ -65,7 +65,7 @@ pub struct CudaUpstream<K: MemKind> {
     /// The arena's virtual memory API: probed on first use; `Some(None)`: not supported.
     vmm: Option<Option<CudaVmm>>,
     calls: DriverCalls,
-    /// Make calls in relaxed capture mode (`Upstream::set_capture_relaxed`).
+    /// Make calls in relaxed capture mode (`Events::set_capture_relaxed`).
     relaxed: bool,
     /// Other processes' `cuMemAlloc` allocations mapped here (`legacy_ipc_open`).
     legacy: legacy_ipc::LegacyImports,
