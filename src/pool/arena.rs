@@ -14,7 +14,6 @@ mod release;
 pub use figures::ArenaFigures;
 
 use super::grow::{Attempt, Grower, Request, Stage};
-use super::core::PoolStrategy;
 use super::{Pool, PoolOptions};
 use crate::error::{Error, Result};
 use crate::block::Block;
@@ -180,7 +179,7 @@ impl Grower for ArenaGrowth {
     fn before_release(&self, pool: &mut Pool, _stage: Stage, _covered: bool) -> bool {
         // What the stages moved back joins the searchable books, and the cache is tried
         // before any granule goes back.
-        pool.core.strategy.flush_deferred();
+        pool.core.strategy_mut().flush_deferred();
         true
     }
 
@@ -198,10 +197,7 @@ impl Pool {
     /// (`Pool::grow` picks `ArenaGrowth` where `Core::is_arena`; exports and releases ask
     /// `Pool::arena_if_any` first).
     fn arena(&mut self) -> &mut ArenaStrategy {
-        match &mut self.core.strategy {
-            PoolStrategy::Arena(a) => a,
-            PoolStrategy::Segments(_) => unreachable!("the arena's pool side runs for arena pools only"),
-        }
+        self.core.arena_mut().expect("the arena's pool side runs for arena pools only")
     }
 
     fn arena_ref(&self) -> &ArenaStrategy {
@@ -231,20 +227,14 @@ impl Pool {
 
     /// The arena, where this pool is an arena pool.
     fn arena_if_any(&self) -> Option<&ArenaStrategy> {
-        match &self.core.strategy {
-            PoolStrategy::Arena(a) => Some(a),
-            PoolStrategy::Segments(_) => None,
-        }
+        self.core.arena()
     }
 
     /// Run `f` on the arena with the reuse gate of a request on `stream` (`key`): free
     /// memory last used on another stream serves it only where the stream tracker makes it
     /// safe for this one (`StreamTracker::reuse_gate`).
     fn with_arena_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut ArenaStrategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
-        let core = &mut self.core;
-        let PoolStrategy::Arena(a) = &mut core.strategy else { unreachable!("the arena's pool side runs for arena pools only") };
-        let mut gate = core.streams.reuse_gate(&mut *core.upstream, key, stream);
-        f(a, &mut gate)
+        self.core.with_arena_gate(key, stream, f).expect("the arena's pool side runs for arena pools only")
     }
 
     /// Whether a growth of `len` may be mapped in chunks: only while the device's reserved
@@ -267,7 +257,7 @@ impl Pool {
     /// `chunking`: whether long runs of new memory may be mapped as chunks (`map_granules`).
     fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle, chunking: bool) -> std::result::Result<(), GrowFail> {
         let mut targets = window.targets.as_slice();
-        if self.core.arena_lend && !targets.is_empty() {
+        if self.core.arena_lend() && !targets.is_empty() {
             let homes = self.with_arena_gate(key, stream, |a, gate| {
                 a.lendable(a.space_of_addr(window.start), targets.len(), key, gate)
             });
@@ -284,11 +274,11 @@ impl Pool {
             let mut done = 0;
             let mut stuck = None;
             for r in adjacent_runs(&targets[..homes.len()], g) {
-                if let Err(f) = self.core.upstream.vmm_alias(&homes[r.clone()], targets[r.start]) {
+                if let Err(f) = self.core.upstream_mut().vmm_alias(&homes[r.clone()], targets[r.start]) {
                     let mut quarantined = false;
                     for k in 0..f.made {
                         let at = targets[r.start] + k * g;
-                        if self.core.upstream.vmm_unalias(at, g).is_err() {
+                        if self.core.upstream_mut().vmm_unalias(at, g).is_err() {
                             self.arena().quarantine(at, homes[r.start + k], key);
                             quarantined = true;
                         }
@@ -314,9 +304,9 @@ impl Pool {
                 // event would not wait for them. (In a capture no record may be made: the
                 // stream is left uncovered instead.)
                 if self.capturing(stream, true) {
-                    self.core.streams.on_free_capturing(&mut *self.core.upstream, key, stream);
+                    self.core.on_free_capturing(key, stream);
                 } else {
-                    let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
+                    let _ = self.core.record_now(key, stream);
                 }
             }
             if let Some(error) = stuck {
@@ -381,14 +371,14 @@ impl Pool {
         let Request { rounded: bytes, key, stream, .. } = *req;
         let g = self.arena().granule();
         self.map_granules(fresh, key, stream, chunking)?;
-        if let Err(AliasFail { made, error }) = self.core.upstream.vmm_alias(&homes, base) {
+        if let Err(AliasFail { made, error }) = self.core.upstream_mut().vmm_alias(&homes, base) {
             // Undo the aliases made (whole allocations), one mapping at a time. One the
             // driver will not remove is booked as a broken stitch over what was aliased, so
             // its address space is not reused while mapped and the removal is retried later.
             let made_homes = homes[..made].to_vec();
             let maps = self.arena().mappings_of(&made_homes);
             for (i, n) in maps {
-                if self.core.upstream.vmm_unalias(base + i * g, n * g).is_err() {
+                if self.core.upstream_mut().vmm_unalias(base + i * g, n * g).is_err() {
                     let id = self.arena().add_stitch(base, made_homes);
                     self.arena().stitch_broken(id, i);
                     break;
@@ -412,7 +402,7 @@ impl Pool {
     fn drop_stitch(&mut self, id: u32) -> Result<()> {
         if let Some(s) = self.arena().stitch_last_stream(id) {
             let allowed = self.device_sync_allowed();
-            self.core.streams.synchronize(&mut *self.core.upstream, s, allowed)?;
+            self.core.synchronize_stream(s, allowed)?;
         }
         let g = self.arena().granule();
         let (base, _, done) = self.arena().stitch_range(id);
@@ -420,7 +410,7 @@ impl Pool {
             if off / g < done {
                 continue;
             }
-            if let Err(e) = self.core.upstream.vmm_unalias(base + off, len) {
+            if let Err(e) = self.core.upstream_mut().vmm_unalias(base + off, len) {
                 self.arena().stitch_broken(id, off / g);
                 return Err(e);
             }

@@ -23,6 +23,9 @@ use rustc_hash::FxHashMap;
 
 use super::{PoolId, PoolOptions, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
 
+mod books;
+mod streams;
+
 /// A block handed out and not yet freed.
 pub(super) struct Live {
     pub block: Block,
@@ -40,9 +43,9 @@ pub(super) struct Live {
 }
 
 /// A free waiting for `record_stream` streams to pass their recorded events.
-pub(super) struct Pending {
-    pub block: Block,
-    pub events: Vec<EventHandle>,
+struct Pending {
+    block: Block,
+    events: Vec<EventHandle>,
 }
 
 /// A pool's strategy: the arena, which grows by mapping granules and whose growth,
@@ -75,35 +78,39 @@ impl std::ops::DerefMut for PoolStrategy {
     }
 }
 
-/// The core allocator (module docs).
+/// The core allocator (module docs). Its fields are its own: the pool's layers reach them
+/// through the methods below, so an operation that needs two of them at once (the stream
+/// tracker and the upstream, the strategy and the live map) is one place, here.
 pub(super) struct Core {
-    pub device: i32,
+    device: i32,
     /// `PoolOptions::shard`: the address index (`crate::owners`) names it.
-    pub shard: u16,
-    pub strategy: PoolStrategy,
-    pub upstream: Box<dyn Upstream>,
-    pub streams: StreamTracker,
-    pub live: FxHashMap<usize, Live>,
-    pub pending: Vec<Pending>,
+    shard: u16,
+    strategy: PoolStrategy,
+    upstream: Box<dyn Upstream>,
+    streams: StreamTracker,
+    /// Blocks handed out, by address.
+    live: FxHashMap<usize, Live>,
+    /// Frees waiting for the events of the streams `record_stream` named.
+    pending: Vec<Pending>,
     /// Frees from callers without a stream (CuPy) waiting for the next legacy-stream fence.
-    pub unfenced: Vec<Block>,
-    pub unfenced_bytes: usize,
+    unfenced: Vec<Block>,
+    unfenced_bytes: usize,
     /// Scratch for the ranges a free leaves pending on its stream (`StreamTracker::on_free`):
     /// kept so a free allocates nothing.
-    pub scratch_ranges: Vec<(usize, usize)>,
+    scratch_ranges: Vec<(usize, usize)>,
     /// Pages decommitted inside cached free blocks (page-mapped upstreams only).
-    pub holes: Holes,
+    holes: Holes,
     /// Segments the upstream refused to take back (a driver failure while releasing):
     /// still reserved, never handed out, retried at the next release.
-    pub unreleased: Vec<Segment>,
+    unreleased: Vec<Segment>,
     /// `PoolOptions::arena_lend`.
-    pub arena_lend: bool,
+    arena_lend: bool,
     /// Bytes of arena granules the driver unmapped but would not release (`UnmapFail`):
     /// booked unmapped, never handed out again, reported.
-    pub arena_leaked: usize,
+    arena_leaked: usize,
     /// Why the configured strategy is not the one running (arena without VMM), for the
     /// status report.
-    pub notice: Option<String>,
+    notice: Option<String>,
 }
 
 impl Core {
@@ -225,5 +232,103 @@ impl Core {
     #[inline]
     pub fn cached_committed(&self) -> usize {
         self.strategy.cached_bytes().saturating_sub(self.holes.bytes())
+    }
+}
+
+/// What the core is: its device, its shard, what runs and what it says about it.
+impl Core {
+    #[inline]
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    #[inline]
+    pub fn shard(&self) -> u16 {
+        self.shard
+    }
+
+    /// Why the configured strategy is not the one running, if it is not.
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
+    }
+
+    /// Enter `[base, base + len)` in the address index as this pool's memory.
+    #[inline]
+    pub fn index_range(&self, base: usize, len: usize) {
+        crate::owners::add(base, len, self.device, self.shard);
+    }
+
+    /// Take the range at `base` out of the address index (before it goes back: once
+    /// released, the address may be another device's).
+    #[inline]
+    pub fn unindex_range(&self, base: usize) {
+        crate::owners::remove(base, self.device, self.shard);
+    }
+}
+
+/// The upstream and the strategy. The upstream is the driver of this device's memory: the
+/// pool's layers ask it directly for what concerns no book of the core (exports, imports,
+/// captures, pauses, reports).
+impl Core {
+    #[inline]
+    pub fn upstream(&self) -> &dyn Upstream {
+        &*self.upstream
+    }
+
+    #[inline]
+    pub fn upstream_mut(&mut self) -> &mut dyn Upstream {
+        &mut *self.upstream
+    }
+
+    #[inline]
+    pub fn strategy(&self) -> &dyn Strategy {
+        &*self.strategy
+    }
+
+    #[inline]
+    pub fn strategy_mut(&mut self) -> &mut dyn Strategy {
+        &mut *self.strategy
+    }
+
+    /// The arena, where the strategy is the arena.
+    #[inline]
+    pub fn arena(&self) -> Option<&ArenaStrategy> {
+        match &self.strategy {
+            PoolStrategy::Arena(a) => Some(a),
+            PoolStrategy::Segments(_) => None,
+        }
+    }
+
+    #[inline]
+    pub fn arena_mut(&mut self) -> Option<&mut ArenaStrategy> {
+        match &mut self.strategy {
+            PoolStrategy::Arena(a) => Some(a),
+            PoolStrategy::Segments(_) => None,
+        }
+    }
+
+    /// `PoolOptions::arena_lend`: whether the arena lends granules across its ranges.
+    #[inline]
+    pub fn arena_lend(&self) -> bool {
+        self.arena_lend
+    }
+
+    /// Bytes of arena granules unmapped but not released (`book_arena_leak`).
+    #[inline]
+    pub fn arena_leaked(&self) -> usize {
+        self.arena_leaked
+    }
+
+    /// Book `bytes` of granules the driver unmapped and would not release.
+    pub fn book_arena_leak(&mut self, bytes: usize) {
+        self.arena_leaked += bytes;
+    }
+
+    /// Run `f` on the arena with the reuse gate of a request on `stream` (`key`), as
+    /// `with_gate` does for any strategy. None where the strategy is not the arena.
+    pub fn with_arena_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut ArenaStrategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> Option<R> {
+        let PoolStrategy::Arena(a) = &mut self.strategy else { return None };
+        let mut gate = self.streams.reuse_gate(&mut *self.upstream, key, stream);
+        Some(f(a, &mut gate))
     }
 }

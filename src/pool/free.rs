@@ -2,7 +2,7 @@
 //! stream) and the steps behind it; deferred frees (`record_stream`) and fences; the
 //! live-pointer checks that turn a bad pointer into a clear error.
 
-use super::{Live, Pending, Pool, NO_OWNER};
+use super::{Live, Pool, NO_OWNER};
 use crate::block::Block;
 use crate::error::{BadPointer, Error, Result};
 use crate::stream::{StreamHandle, StreamKey};
@@ -57,7 +57,7 @@ impl Pool {
     /// `FreeOn::AsAllocated`.
     fn free_as_allocated(&mut self, ptr: usize, current: Option<StreamHandle>) -> Result<()> {
         self.running()?;
-        let Some((handle, key)) = self.core.live.get(&ptr).map(|l| (l.handle, l.block.stream)) else {
+        let Some((handle, key)) = self.core.live(ptr).map(|l| (l.handle, l.block.stream)) else {
             self.rec.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
@@ -76,7 +76,7 @@ impl Pool {
             return self.free_keyed(ptr, handle, key, check_capture);
         }
         let live = self.take_live(ptr, handle)?;
-        self.free_live(ptr, live, None, key, false)
+        self.free_live(live, None, key, false)
     }
 
     /// `FreeOn::Stream` for a non-null `ptr`.
@@ -90,13 +90,13 @@ impl Pool {
     /// The free of `ptr` on `stream`, whose key is `key`.
     fn free_keyed(&mut self, ptr: usize, stream: StreamHandle, key: StreamKey, check_capture: bool) -> Result<()> {
         let live = self.take_live(ptr, stream)?;
-        self.free_live(ptr, live, Some(stream), key, check_capture)
+        self.free_live(live, Some(stream), key, check_capture)
     }
 
     /// The rest of a free once `live` is out of the live map (one map operation per free).
     /// `stream`: the freeing stream's handle, alive now; None when no live handle is known
     /// (`free_later`): then nothing is recorded and the stream is left uncovered.
-    fn free_live(&mut self, ptr: usize, live: Live, stream: Option<StreamHandle>, key: StreamKey, check_capture: bool) -> Result<()> {
+    fn free_live(&mut self, live: Live, stream: Option<StreamHandle>, key: StreamKey, check_capture: bool) -> Result<()> {
         if let Some(id) = live.private {
             let block = Block { stream: key, ..live.block };
             // Used on other streams too (`record_stream`): no event may be asked about
@@ -108,37 +108,29 @@ impl Pool {
         }
         let mut block = Block { stream: key, ..live.block };
         let Some(stream) = stream else {
-            self.core.streams.on_free_unrecorded(&mut *self.core.upstream, key, block.size);
-            return self.finish_free(ptr, live, block, check_capture, None);
+            self.core.on_free_unrecorded(key, block.size);
+            return self.finish_free(live, block, check_capture, None);
         };
         let capturing = self.capturing(stream, check_capture);
         if capturing {
             // An event recorded on a capturing stream belongs to the graph: record none, and
             // keep the stream's blocks on it until a later free covers them.
-            self.core.streams.on_free_capturing(&mut *self.core.upstream, key, stream);
-        } else if {
-            let ranges = &mut self.core.scratch_ranges;
-            ranges.clear();
-            if key != StreamKey::LEGACY {
-                self.core.strategy.home_ranges(&block, ranges);
-            }
-            self.core.streams.on_free(&mut *self.core.upstream, key, stream, ranges).is_err()
-        } && self.wait_for_device().is_ok()
-        {
+            self.core.on_free_capturing(key, stream);
+        } else if self.core.on_free(key, stream, &block).is_err() && self.wait_for_device().is_ok() {
             // No event covers this free (the driver refused the record or the event): after
             // a wait for the whole device the block is safe anywhere.
             block.stream = StreamKey::LEGACY;
         }
-        self.finish_free(ptr, live, block, check_capture, Some(stream))
+        self.finish_free(live, block, check_capture, Some(stream))
     }
 
     /// The end of a free, once the freeing stream's event is dealt with: the streams the
     /// block was also used on (`record_stream`), then the cache.
     /// `alive`: the freeing stream's handle when the caller named it (valid now).
-    fn finish_free(&mut self, ptr: usize, live: Live, block: Block, check_capture: bool, alive: Option<StreamHandle>) -> Result<()> {
+    fn finish_free(&mut self, live: Live, block: Block, check_capture: bool, alive: Option<StreamHandle>) -> Result<()> {
         // (The extra streams' handles were named by `record_stream` and must still be alive,
         // as with PyTorch's own allocator, which records on them at the free too.)
-        if !self.core.streams.ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
+        if !self.core.streams().ignores_streams() && live.extra_streams.iter().any(|&h| self.capturing(h, check_capture)) {
             // An extra stream is capturing: an event recorded there would belong to the graph
             // and could never be waited for. Hold the free until no route is active.
             self.rec.c.deferred_frees += 1;
@@ -147,18 +139,18 @@ impl Pool {
             return Ok(());
         }
         let mut events = Vec::new();
-        if !self.core.streams.ignores_streams() {
+        if !self.core.streams().ignores_streams() {
             for &h in &live.extra_streams {
-                match self.core.streams.record_on(&mut *self.core.upstream, h) {
+                match self.core.record_on(h) {
                     Ok(ev) => events.push(ev),
                     // No event can say when that stream's work is done: wait for the
                     // device now rather than hand the block out early.
                     Err(_) => {
                         if let Err(e) = self.wait_for_device() {
                             for ev in events {
-                                self.core.streams.recycle(ev);
+                                self.core.recycle_event(ev);
                             }
-                            self.restore_live(ptr, live);
+                            self.restore_live(live);
                             return Err(e);
                         }
                     }
@@ -169,7 +161,7 @@ impl Pool {
             self.put_block(block, alive)
         } else {
             self.rec.c.deferred_frees += 1;
-            self.core.pending.push(Pending { block, events });
+            self.core.defer(block, events);
             Ok(())
         };
         self.verify();
@@ -178,7 +170,7 @@ impl Pool {
 
     /// `alive`: a handle of the stream that freed `block`, valid now (None: none is known).
     pub(super) fn put_block(&mut self, block: Block, alive: Option<StreamHandle>) -> Result<()> {
-        match self.core.strategy.put(block) {
+        match self.core.strategy_mut().put(block) {
             // Not cached (passthrough): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
@@ -187,7 +179,7 @@ impl Pool {
                 // its handle is known alive; otherwise (a stored handle may be dead by now)
                 // the stream is waited for and the release goes on the legacy stream.
                 let r = match alive {
-                    Some(h) if self.core.upstream.stream_ordered() && !self.core.streams.is_uncovered(seg.stream) => {
+                    Some(h) if self.core.upstream().stream_ordered() && !self.core.streams().is_uncovered(seg.stream) => {
                         let h = if seg.stream == StreamKey::LEGACY { crate::stream::STREAM_LEGACY } else { h };
                         self.give_to_upstream(seg, h)
                     }
@@ -196,7 +188,7 @@ impl Pool {
                 // A refused release keeps the segment (reserved, unusable) for a later retry:
                 // the free itself succeeded.
                 if r.is_err() {
-                    self.core.unreleased.push(seg);
+                    self.core.keep_unreleased(seg);
                 }
                 Ok(())
             }
@@ -206,31 +198,16 @@ impl Pool {
 
     /// Move deferred frees whose events completed (all of them, waiting, if `wait`).
     pub(super) fn finish_pending(&mut self, wait: bool) {
-        let mut i = 0;
-        while i < self.core.pending.len() {
-            let done = self.core.pending[i].events.iter().all(|&ev| {
-                if wait {
-                    self.core.upstream.event_synchronize(ev).is_ok()
-                } else {
-                    self.core.upstream.event_query(ev).unwrap_or(false)
-                }
-            });
-            if done {
-                let p = self.core.pending.swap_remove(i);
-                for ev in p.events {
-                    self.core.streams.recycle(ev);
-                }
-                let _ = self.put_block(p.block, None);
-            } else {
-                i += 1;
-            }
+        let mut at = 0;
+        while let Some(block) = self.core.next_passed(wait, &mut at) {
+            let _ = self.put_block(block, None);
         }
     }
 
     pub(super) fn classify_bad_pointer(&self, ptr: usize) -> Error {
         let why = if self.core.holds_freed(ptr)
             || self.graphs.is_free_block(ptr)
-            || self.core.live.get(&ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
+            || self.core.live(ptr).is_some_and(|l| l.owner != NO_OWNER && self.caches.is_kept(l.owner, ptr))
         {
             BadPointer::AlreadyFreed
         } else if let Some(b) = self.core.live_around(ptr) {
@@ -238,21 +215,21 @@ impl Pool {
         } else {
             BadPointer::Unknown
         };
-        Error::InvalidPointer { ptr, device: self.core.device, why }
+        Error::InvalidPointer { ptr, device: self.core.device(), why }
     }
 
     /// Remove `ptr` from the live map for a free on `stream` (counted and traced); an
     /// unknown pointer is counted as an invalid free and changes nothing else.
     pub(super) fn take_live(&mut self, ptr: usize, stream: StreamHandle) -> Result<Live> {
-        let Some(live) = self.core.live.remove(&ptr) else {
+        let Some(live) = self.core.remove_live(ptr) else {
             self.rec.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
         if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
             // Its thread freed it already and keeps it for reuse: a double free.
-            self.core.live.insert(ptr, live);
+            self.core.insert_live(live);
             self.rec.c.invalid_frees += 1;
-            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::AlreadyFreed });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::AlreadyFreed });
         }
         self.trace(stream, Action::Free, ptr, live.requested);
         self.rec.c.used -= live.block.size;
@@ -262,22 +239,22 @@ impl Pool {
     }
 
     /// Undo `take_live` for a free that could not finish (nothing about the block changed).
-    pub(super) fn restore_live(&mut self, ptr: usize, live: Live) {
+    pub(super) fn restore_live(&mut self, live: Live) {
         self.rec.c.used += live.block.size;
         self.rec.c.requested += live.requested;
         self.rec.c.frees -= 1;
-        self.core.live.insert(ptr, live);
+        self.core.insert_live(live);
     }
 
     /// The free of `ptr` will also wait for work queued on `stream` until the free.
     pub fn record_stream(&mut self, ptr: usize, stream: StreamHandle) -> Result<()> {
         self.running()?;
-        let Some(l) = self.core.live.get_mut(&ptr) else {
+        let Some(l) = self.core.live_mut(ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
         // Its free must now reach the pool (which waits for `stream`): off the fast path.
         if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
-            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::AlreadyFreed });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::AlreadyFreed });
         }
         if !l.extra_streams.contains(&stream) {
             l.extra_streams.push(stream);
@@ -293,7 +270,7 @@ impl Pool {
     /// blocks. Pressure (limit, OOM, reclaim) fences at once.
     fn free_unordered(&mut self, ptr: usize) -> Result<()> {
         self.running()?;
-        if self.core.streams.ignores_streams() {
+        if self.core.streams().ignores_streams() {
             return self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY));
         }
         if ptr == 0 {
@@ -306,7 +283,7 @@ impl Pool {
             // (A stream-less free comes later than the block's last use: its booked stream
             // is not named to the driver, as in `free_later`.)
             let key = live.block.stream;
-            return self.free_live(ptr, live, None, key, false);
+            return self.free_live(live, None, key, false);
         }
         self.core.push_unfenced(Block { stream: StreamKey::LEGACY, ..live.block });
         if self.core.unfenced_full() {
@@ -319,7 +296,7 @@ impl Pool {
     /// Fence the legacy stream and hand every unfenced block to the strategy. Where the
     /// fence fails they stay unfenced (never reused unsafely), for the next fence.
     pub(super) fn fence_unfenced(&mut self) {
-        if self.core.unfenced.is_empty() || !self.fence_legacy_now() {
+        if !self.core.has_unfenced() || !self.fence_legacy_now() {
             return;
         }
         for b in self.core.take_unfenced() {

@@ -220,10 +220,7 @@ impl Pool {
         self.bump_peaks();
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);
-        self.core.live.insert(
-            block.addr,
-            Live { block, requested: size, extra_streams: Vec::new(), rec, owner: NO_OWNER, handle: stream, private: Some(id) },
-        );
+        self.core.insert_live(Live { block, requested: size, extra_streams: Vec::new(), rec, owner: NO_OWNER, handle: stream, private: Some(id) });
         self.trace(stream, Action::Alloc, block.addr, size);
         self.verify();
         Ok(block.addr)
@@ -236,10 +233,10 @@ impl Pool {
     /// pool's block must not come from.
     fn grow_private(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, id: PoolId) -> Result<Block> {
         // An implicit capture pool grows with no route active: relax for this growth too.
-        self.core.upstream.set_capture_relaxed(true);
+        self.core.upstream_mut().set_capture_relaxed(true);
         let r = self.grow_private_relaxed(size, rounded, key, stream, id);
         let routed = self.graphs.has_routes();
-        self.core.upstream.set_capture_relaxed(routed);
+        self.core.upstream_mut().set_capture_relaxed(routed);
         r
     }
 
@@ -256,7 +253,7 @@ impl Pool {
             for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
                 // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
                 // graph being captured: allocate on the legacy stream, outside any capture.
-                let on = if self.core.upstream.stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
+                let on = if self.core.upstream().stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
                 let Some(got) = self.within_budget(want, |up| up.allocate(want, on)) else {
                     by_limit = want == rounded;
                     continue;
@@ -285,9 +282,9 @@ impl Pool {
         if let Some(seg) = pool.strategy.put(block) {
             // Split never returns segments from `put`; kept for the contract's sake.
             pool.reserved -= seg.size;
-            self.core.upstream.deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
+            self.core.upstream_mut().deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
             self.sub_reserved(seg.size);
-            crate::owners::remove(seg.base, self.core.device, self.core.shard);
+            self.core.unindex_range(seg.base);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -318,9 +315,9 @@ impl Pool {
         for base in segments {
             let len = p.strategy.segment_len(base).expect("private pools are split pools, which know their segments");
             // Every queued use finished (synchronised above): release on the legacy stream.
-            match self.core.upstream.deallocate(base, len, crate::stream::STREAM_LEGACY) {
+            match self.core.upstream_mut().deallocate(base, len, crate::stream::STREAM_LEGACY) {
                 Ok(()) => {
-                    crate::owners::remove(base, self.core.device, self.core.shard);
+                    self.core.unindex_range(base);
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.sub_reserved(len);
                     self.rec.c.upstream_frees += 1;

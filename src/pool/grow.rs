@@ -84,14 +84,14 @@ impl Grower for SegmentGrowth {
             match got {
                 Ok(base) => {
                     pool.book_segment(base, seg_size, stream);
-                    if key != StreamKey::LEGACY && pool.core.upstream.stream_ordered() {
+                    if key != StreamKey::LEGACY && pool.core.upstream().stream_ordered() {
                         // Stream-ordered upstreams make the memory valid on `stream` only;
                         // cover it so another stream reusing the remainder waits. (Other
                         // upstreams' memory is idle when it arrives: nothing to cover.)
-                        let _ = pool.core.streams.record_now(&mut *pool.core.upstream, key, stream);
+                        let _ = pool.core.record_now(key, stream);
                     }
                     let seg = Segment { base, size: seg_size, stream: key };
-                    return Ok(Attempt::Served(pool.core.strategy.add_segment(seg, rounded)));
+                    return Ok(Attempt::Served(pool.core.strategy_mut().add_segment(seg, rounded)));
                 }
                 Err(AllocError::OutOfMemory) => by_limit = false,
                 Err(AllocError::Other(e)) => return Err(e),
@@ -126,7 +126,7 @@ impl Pool {
     /// wait. Never on a path that is not already failing to grow, so a steady state makes
     /// no such call. Returns whether it waited.
     pub(super) fn cover_by_device_sync(&mut self) -> bool {
-        self.core.streams.has_uncovered() && self.wait_for_device().is_ok()
+        self.core.streams().has_uncovered() && self.wait_for_device().is_ok()
     }
 
     /// Wait for the whole device, if a wait may be made now (`device_sync_allowed`); every
@@ -135,9 +135,7 @@ impl Pool {
         if !self.device_sync_allowed() {
             return Err(Error::Internal("no device-wide wait may be made while a capture may run".into()));
         }
-        self.core.upstream.synchronize_device()?;
-        self.core.streams.device_synchronized();
-        Ok(())
+        self.core.synchronize_device()
     }
 
     pub(super) fn find_or_grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle) -> Result<Block> {
@@ -150,7 +148,7 @@ impl Pool {
                 return Ok(b);
             }
         }
-        if self.core.strategy.flush_deferred() {
+        if self.core.strategy_mut().flush_deferred() {
             if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
@@ -162,7 +160,7 @@ impl Pool {
             for (p, hold) in self.caches.take_all_kept(true) {
                 self.release_kept(p, hold, Some(stream));
             }
-            self.core.strategy.flush_deferred();
+            self.core.strategy_mut().flush_deferred();
             if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
@@ -173,7 +171,7 @@ impl Pool {
         // creating and destroying streams does not grow the pool to the whole device. (At
         // most one wait per that many bytes of such frees, and only where the pool would
         // grow: never in a steady state.)
-        if self.core.streams.unrecorded_bytes() >= (self.rec.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
+        if self.core.streams().unrecorded_bytes() >= (self.rec.c.reserved / 4).max(UNRECORDED_WAIT_MIN) && self.cover_by_device_sync() {
             if let Some(b) = self.core.take_cached(rounded, key, stream) {
                 return Ok(b);
             }
@@ -193,7 +191,7 @@ impl Pool {
             return self.escalate(&req, retake, &ArenaGrowth);
         }
         self.cover_own_frees(key, stream);
-        let preferred = match self.core.strategy.segment_size(rounded) {
+        let preferred = match self.core.strategy().segment_size(rounded) {
             Some(s) => s,
             None => return Err(self.oom(size, rounded, false)),
         };
@@ -207,8 +205,8 @@ impl Pool {
     /// One event record, beside the driver calls the growth or release makes anyway. (Not
     /// while the stream captures a graph: an event recorded there belongs to the graph.)
     pub(super) fn cover_own_frees(&mut self, key: StreamKey, stream: StreamHandle) {
-        if key != StreamKey::LEGACY && self.core.streams.is_uncovered(key) && !self.capturing(stream, true) {
-            let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
+        if key != StreamKey::LEGACY && self.core.streams().is_uncovered(key) && !self.capturing(stream, true) {
+            let _ = self.core.record_now(key, stream);
         }
     }
 
@@ -288,7 +286,7 @@ impl Pool {
     /// Book a segment the upstream just gave (`size` bytes at `base`, asked for on `stream`):
     /// the address index, the trace and the counters.
     pub(super) fn book_segment(&mut self, base: usize, size: usize, stream: StreamHandle) {
-        crate::owners::add(base, size, self.core.device, self.core.shard);
+        self.core.index_range(base, size);
         self.trace(stream, Action::UpstreamAlloc, base, size);
         self.add_reserved(size);
         self.rec.c.upstream_allocs += 1;
@@ -303,7 +301,7 @@ impl Pool {
         bytes: usize,
         get: impl FnOnce(&mut dyn crate::upstream::Upstream) -> std::result::Result<T, E>,
     ) -> Option<std::result::Result<T, E>> {
-        self.limits.within(bytes, &mut *self.core.upstream, get)
+        self.limits.within(bytes, self.core.upstream_mut(), get)
     }
 
     /// `bytes` claimed from the device's budget (`within_budget`) arrived from the upstream.
@@ -322,17 +320,17 @@ impl Pool {
         self.rec.c.ooms += 1;
         self.trace(0, Action::Oom, 0, requested);
         Error::OutOfMemory(Box::new(OomReport {
-            device: self.core.device,
+            device: self.core.device(),
             requested,
             rounded,
             reserved: self.rec.c.reserved,
             in_use: self.rec.c.used,
             cached: self.core.cached_committed(),
-            largest_free_block: self.core.strategy.largest_free_block(),
+            largest_free_block: self.core.strategy().largest_free_block(),
             limit: self.limits.limit(),
-            device_free_total: self.core.upstream.mem_info().ok(),
+            device_free_total: self.core.upstream_mut().mem_info().ok(),
             by_limit,
-            strategy: self.core.strategy.name(),
+            strategy: self.core.strategy().name(),
             hopeless: false,
             granule: self.arena_granule(),
             address_space_full: None,

@@ -26,8 +26,9 @@ impl Pool {
     pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
         self.running()?;
         self.not_paused()?;
-        let refuse = |why: String| Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(why) };
-        let Some(l) = self.core.live.get(&ptr) else {
+        let device = self.core.device();
+        let refuse = |why: String| Error::InvalidPointer { ptr, device, why: BadPointer::Refused(why) };
+        let Some(l) = self.core.live(ptr) else {
             let why = match self.classify_bad_pointer(ptr) {
                 Error::InvalidPointer { why: BadPointer::Interior { block_start, .. }, .. } => {
                     format!("IPC export: it points inside the block at {block_start:#x}; pass the address malloc returned")
@@ -46,7 +47,7 @@ impl Pool {
         if owner != NO_OWNER {
             match self.caches.claim(owner, ptr) {
                 Some(Hold::Handed) => {
-                    if let Some(l) = self.core.live.get_mut(&ptr) {
+                    if let Some(l) = self.core.live_mut(ptr) {
                         l.owner = NO_OWNER;
                     }
                 }
@@ -54,7 +55,7 @@ impl Pool {
                 None => {}
             }
         }
-        let Some(l) = self.core.live.get(&ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
+        let Some(l) = self.core.live(ptr) else { return Err(refuse("IPC export: the block was freed".into())) };
         if l.private.is_some() {
             // Graph pools' blocks are segments of their own (`graph_pools.rs`), not granules.
             return Err(refuse(
@@ -65,11 +66,11 @@ impl Pool {
         if !self.core.is_arena() {
             // A segment pool's block lies in a `cuMemAlloc` segment: CUDA's own IPC handle
             // of the segment and the block's offset in it.
-            let (segment, device) = (l.block.segment, self.core.device);
-            let handle = self.core.upstream.legacy_ipc_export(segment).map_err(|e| {
+            let (segment, device) = (l.block.segment, self.core.device());
+            let handle = self.core.upstream_mut().legacy_ipc_export(segment).map_err(|e| {
                 Error::InvalidArgument(format!(
                     "IPC export of {ptr:#x}: device {device}'s pool is `{}`, whose blocks go through CUDA's IPC handles: {e}",
-                    self.core.strategy.name()
+                    self.core.strategy().name()
                 ))
             })?;
             let pid = std::process::id();
@@ -83,7 +84,7 @@ impl Pool {
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
     /// (a pointer that is no live block gets `ipc_export`'s error).
     pub fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
-        let Some(l) = self.core.live.get(&ptr).filter(|l| l.private.is_none()) else {
+        let Some(l) = self.core.live(ptr).filter(|l| l.private.is_none()) else {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };
         let size = l.requested.max(1);
@@ -104,7 +105,7 @@ impl Pool {
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
         if fds.is_some() {
             let source = self.import_source(d, fds)?;
-            return self.core.upstream.vmm_import(d, &source);
+            return self.core.upstream_mut().vmm_import(d, &source);
         }
         self.running()?;
         self.check_kind(d)?;
@@ -119,7 +120,7 @@ impl Pool {
         if let Some(ptr) = self.imports.open_kept(d, releases, serial) {
             return Ok(ptr);
         }
-        let ptr = self.core.upstream.vmm_import(d, &source)?;
+        let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
         self.imports.insert(d, ptr, releases, exporter, serial);
         Ok(ptr)
     }
@@ -129,7 +130,7 @@ impl Pool {
     /// upstream fails to unmap stays kept, to be tried again.
     pub(super) fn drop_kept_imports(&mut self, everything: bool) {
         for key in self.imports.stale(everything) {
-            match self.core.upstream.vmm_unimport(key) {
+            match self.core.upstream_mut().vmm_unimport(key) {
                 Ok(_) => self.imports.dropped(key),
                 Err(e) => crate::error::warn(&format!("dropping a kept import at {key:#x} failed: {e}; it stays mapped")),
             }
@@ -188,14 +189,14 @@ impl Pool {
 
     /// The descriptor is of the memory this pool's upstream maps (else: refused, saying so).
     fn check_kind(&self, d: &Descriptor) -> Result<()> {
-        let kind = self.core.upstream.vmm_share_kind();
+        let kind = self.core.upstream().vmm_share_kind();
         if d.kind != kind {
             let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
             return Err(Error::InvalidArgument(format!(
                 "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
                 name(d.kind),
-                self.core.device,
-                self.core.upstream.name(),
+                self.core.device(),
+                self.core.upstream().name(),
                 if kind == 0 { "none" } else { name(kind) }
             )));
         }
@@ -206,7 +207,7 @@ impl Pool {
     /// returns where it starts here.
     pub fn ipc_import_legacy(&mut self, d: &LegacyDescriptor) -> Result<usize> {
         self.running()?;
-        self.core.upstream.legacy_ipc_open(&d.handle, d.offset as usize)
+        self.core.upstream_mut().legacy_ipc_open(&d.handle, d.offset as usize)
     }
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
@@ -222,18 +223,18 @@ impl Pool {
             // A kept run's address no block is open at any more: closed already. The
             // upstream must not unmap it behind the cache's books.
             let why = BadPointer::Refused("IPC close: the block at this address was closed already".into());
-            return Err(Error::InvalidPointer { ptr, device: self.core.device, why });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why });
         }
-        if self.core.upstream.vmm_unimport(ptr)? || self.core.upstream.legacy_ipc_close(ptr)? {
+        if self.core.upstream_mut().vmm_unimport(ptr)? || self.core.upstream_mut().legacy_ipc_close(ptr)? {
             return Ok(());
         }
         let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
-        Err(Error::InvalidPointer { ptr, device: self.core.device, why })
+        Err(Error::InvalidPointer { ptr, device: self.core.device(), why })
     }
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
         // The upstream's imports count the cache's runs, which count once per open block.
-        (self.core.upstream.vmm_imports() + self.imports.opens() + self.core.upstream.legacy_ipc_imports()).saturating_sub(self.imports.runs())
+        (self.core.upstream().vmm_imports() + self.imports.opens() + self.core.upstream().legacy_ipc_imports()).saturating_sub(self.imports.runs())
     }
 }

@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
 use crate::upstream::Upstream;
 use attached_caches::AttachedCaches;
-use self::core::{Core, Live, Pending};
+use self::core::{Core, Live};
 use limits::Limits;
 use recorder::Recorder;
 pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
@@ -111,7 +111,7 @@ impl Pool {
     }
 
     pub fn device(&self) -> i32 {
-        self.core.device
+        self.core.device()
     }
 
     /// Stop this pool: an operation was interrupted by a panic (caught at the C boundary),
@@ -136,17 +136,17 @@ impl Pool {
             None => Ok(()),
             Some(why) => Err(Error::Stopped(format!(
                 "device {}'s pool stopped after an internal error and hands out no more memory ({why}); restart the process",
-                self.core.device
+                self.core.device()
             ))),
         }
     }
 
     pub fn strategy_name(&self) -> &'static str {
-        self.core.strategy.name()
+        self.core.strategy().name()
     }
 
     pub fn upstream_name(&self) -> &'static str {
-        self.core.upstream.name()
+        self.core.upstream().name()
     }
 
     /// Bytes reserved from the upstream (cheap; `stats()` computes more).
@@ -191,11 +191,11 @@ impl Pool {
 
     /// Live allocations (blocks kept in thread caches were freed by their users).
     pub fn live_count(&self) -> usize {
-        self.core.live.len() - self.caches.kept().len()
+        self.core.live_count() - self.caches.kept().len()
     }
 
     pub fn owns(&self, ptr: usize) -> bool {
-        self.core.live.contains_key(&ptr)
+        self.core.is_live(ptr)
     }
 
     /// Allocate `size` bytes for use on `stream`. Size 0 gives a null pointer (0).
@@ -228,23 +228,23 @@ impl Pool {
             }
         }
         let key = self.core.key(stream)?;
-        let rounded = match self.core.strategy.round(size) {
+        let rounded = match self.core.strategy().round(size) {
             Some(r) => r,
             None => return Err(self.oom(size, size, false)),
         };
-        if !self.core.pending.is_empty() {
+        if self.core.has_deferred() {
             self.finish_pending(false);
         }
         let mut block = self.find_or_grow(size, rounded, key, stream)?;
-        if !self.core.holes.is_empty() {
+        if !self.core.holes().is_empty() {
             if let Err(e) = self.commit_block(&block) {
                 // Back to the cache as it was taken (its pages stay decommitted). A block
                 // straddling pages may need more memory than a fresh segment: try one.
-                let _ = self.core.strategy.put(block);
+                let _ = self.core.strategy_mut().put(block);
                 // Booked under this stream now: it may have been another stream's, which this
                 // one waited for; a record here makes later reuse elsewhere wait for both.
                 if !self.capturing(stream, false) {
-                    let _ = self.core.streams.record_now(&mut *self.core.upstream, key, stream);
+                    let _ = self.core.record_now(key, stream);
                 }
                 block = self.grow(size, rounded, key, stream, false).map_err(|_| e)?;
             }
@@ -256,11 +256,11 @@ impl Pool {
         self.bump_peaks();
         self.rec.c.allocs += 1;
         let rec = self.rec.alloc_record(stream);
-        self.core.live.insert(block.addr, Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
+        self.core.insert_live(Live { block, requested: size, extra_streams: Vec::new(), rec, owner, handle: stream, private: None });
         self.trace(stream, Action::Alloc, block.addr, size);
         // Decay's peak counts what live blocks hold beyond their size: it cannot go back.
         // Asked only where decay is on: no strategy call on the malloc path otherwise.
-        let (used, strategy) = (self.rec.c.used, &self.core.strategy);
+        let (used, strategy) = (self.rec.c.used, self.core.strategy());
         if let Some(cap) = self.limits.on_malloc(|| used + strategy.held_beyond_blocks()) {
             if self.rec.c.reserved > cap {
                 // The trim waits for the streams whose memory it gives back: this one's
@@ -275,7 +275,7 @@ impl Pool {
 
     #[inline]
     pub(super) fn trace(&self, stream: StreamHandle, action: Action, ptr: usize, size: usize) {
-        self.rec.trace(self.core.device, stream, action, ptr, size);
+        self.rec.trace(self.core.device(), stream, action, ptr, size);
     }
 
     /// Give every wholly free cached segment back to the upstream. Returns the bytes.
@@ -333,7 +333,7 @@ impl Pool {
 
     /// Which shard of its device this pool is.
     pub fn shard(&self) -> u16 {
-        self.core.shard
+        self.core.shard()
     }
 
     /// Take back the out-of-memory this pool last counted: the registry freed other shards'
@@ -347,12 +347,12 @@ impl Pool {
     /// memory may gain.
     pub fn cached_bytes(&self) -> usize {
         let kept = if self.caches.enabled() { self.kept_bytes().1 } else { 0 };
-        self.rec.c.reserved.saturating_sub(self.rec.c.used - kept + self.core.strategy.held_beyond_blocks())
+        self.rec.c.reserved.saturating_sub(self.rec.c.used - kept + self.core.strategy().held_beyond_blocks())
     }
 
     /// Device `(free, total)` from the upstream.
     pub fn mem_info(&mut self) -> Result<(usize, usize)> {
-        self.core.upstream.mem_info()
+        self.core.upstream_mut().mem_info()
     }
 }
 
@@ -372,6 +372,6 @@ impl Drop for Pool {
         let _ = self.release_cached(None);
         self.release_private_pools();
         self.arena_teardown();
-        self.core.streams.destroy_all(&mut *self.core.upstream);
+        self.core.destroy_streams();
     }
 }

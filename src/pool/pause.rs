@@ -36,8 +36,8 @@ impl Pool {
         if !self.core.is_arena() {
             return Err(Error::InvalidArgument(format!(
                 "pause `{name}`: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
-                self.core.device,
-                self.core.strategy.name()
+                self.core.device(),
+                self.core.strategy().name()
             )));
         }
         let exported = self.arena_exports_live();
@@ -51,14 +51,14 @@ impl Pool {
         self.finish_pending(true);
         self.fence_unfenced();
         let allowed = self.device_sync_allowed();
-        self.core.streams.synchronize_all(&mut *self.core.upstream, allowed)?;
+        self.core.synchronize_all_streams(allowed)?;
         let _ = self.release_cached(None);
         let given_back = reserved_before - self.rec.c.reserved;
-        let ev = self.core.streams.record_on(&mut *self.core.upstream, stream)?;
-        let r = self.core.upstream.vmm_pause(Some(ev), backup);
-        self.core.streams.recycle(ev);
-        let bytes = self.core.upstream.vmm_paused_bytes();
-        if r.is_ok() || self.core.upstream.vmm_is_paused() {
+        let ev = self.core.record_on(stream)?;
+        let r = self.core.upstream_mut().vmm_pause(Some(ev), backup);
+        self.core.recycle_event(ev);
+        let bytes = self.core.upstream().vmm_paused_bytes();
+        if r.is_ok() || self.core.upstream().vmm_is_paused() {
             self.limits.budget().released(bytes);
             self.paused = Some(Paused { name: name.to_string(), bytes, frees: Vec::new() });
         }
@@ -78,7 +78,7 @@ impl Pool {
         if !budget.claim(bytes) {
             return Err(self.oom(bytes, bytes, true));
         }
-        match self.core.upstream.vmm_resume() {
+        match self.core.upstream_mut().vmm_resume() {
             Ok(_) => budget.confirm(),
             Err(e) => {
                 budget.unclaim(bytes);
@@ -109,7 +109,7 @@ impl Pool {
 
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
     pub fn drop_pause_backup(&mut self) -> usize {
-        self.core.upstream.vmm_drop_backup()
+        self.core.upstream_mut().vmm_drop_backup()
     }
 
     /// Refuse work that needs the memory mapped, naming the paused tag.
@@ -118,7 +118,7 @@ impl Pool {
             None => Ok(()),
             Some(p) => Err(Error::InvalidArgument(format!(
                 "memory tagged `{}` on device {} is paused; resume it first",
-                p.name, self.core.device
+                p.name, self.core.device()
             ))),
         }
     }
@@ -129,10 +129,10 @@ impl Pool {
             return Ok(());
         }
         let already = self.paused.as_ref().is_some_and(|p| p.frees.contains(&ptr));
-        if already || !self.core.live.contains_key(&ptr) {
+        if already || !self.core.is_live(ptr) {
             self.rec.c.invalid_frees += 1;
             return Err(if already {
-                Error::InvalidPointer { ptr, device: self.core.device, why: crate::error::BadPointer::AlreadyFreed }
+                Error::InvalidPointer { ptr, device: self.core.device(), why: crate::error::BadPointer::AlreadyFreed }
             } else {
                 self.classify_bad_pointer(ptr)
             });

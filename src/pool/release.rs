@@ -15,7 +15,7 @@ impl Pool {
     /// cached segments beyond what the recent peak needs (`decay.rs`); they could not serve
     /// this request anyway. `key`/`stream`: the requester's stream.
     pub(super) fn decay_before_grow(&mut self, grow: usize, key: StreamKey, stream: StreamHandle) {
-        if let Some(cap) = self.limits.decay_cap(self.rec.c.used + self.core.strategy.held_beyond_blocks(), grow) {
+        if let Some(cap) = self.limits.decay_cap(self.rec.c.used + self.core.strategy().held_beyond_blocks(), grow) {
             if self.rec.c.reserved > cap {
                 // A trim waits for the streams whose free memory it gives back: this one's
                 // frees, left for its next batched record, would cost a device-wide wait.
@@ -29,8 +29,8 @@ impl Pool {
     /// inside free blocks (page-mapped upstreams). Best effort: what cannot be released
     /// (a failed driver call) simply stays cached.
     pub(super) fn shrink_to(&mut self, cap: usize) {
-        let strategy = &self.core.strategy;
-        if self.rec.c.reserved <= cap || strategy.cached_bytes() - strategy.held_beyond_blocks() == self.core.holes.bytes() {
+        let strategy = self.core.strategy();
+        if self.rec.c.reserved <= cap || strategy.cached_bytes() - strategy.held_beyond_blocks() == self.core.holes().bytes() {
             return;
         }
         let _ = self.release_in_order(Some(self.rec.c.reserved - cap), ReleaseOrder::OldestFirst);
@@ -44,24 +44,24 @@ impl Pool {
     /// back. Each block's stream is synchronised first: no queued kernel may touch a page
     /// that is unmapped. Returns the bytes decommitted.
     pub(super) fn decommit_free(&mut self, want: usize) -> usize {
-        if !self.core.holes.supported() {
+        if !self.core.holes().supported() {
             return 0;
         }
-        let blocks = self.core.strategy.decommit_candidates();
+        let blocks = self.core.strategy_mut().decommit_candidates();
         let mut synced: Vec<StreamKey> = Vec::new();
         let mut got = 0;
         for b in blocks {
             if got >= want {
                 break;
             }
-            let Some((start, end)) = self.core.holes.interior(b.addr, b.size) else { continue };
-            let runs = self.core.holes.committed_runs(b.segment, start, end);
+            let Some((start, end)) = self.core.holes().interior(b.addr, b.size) else { continue };
+            let runs = self.core.holes().committed_runs(b.segment, start, end);
             if runs.is_empty() {
                 continue;
             }
             if !synced.contains(&b.stream) {
                 let allowed = self.device_sync_allowed();
-                if self.core.streams.synchronize(&mut *self.core.upstream, b.stream, allowed).is_err() {
+                if self.core.synchronize_stream(b.stream, allowed).is_err() {
                     continue;
                 }
                 synced.push(b.stream);
@@ -69,9 +69,9 @@ impl Pool {
             for (s, l) in runs {
                 // A failure says how many pages from `s` went back all the same: exactly
                 // those are booked decommitted, the rest stay backed.
-                let l = self.core.upstream.decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
+                let l = self.core.upstream_mut().decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
                 if l > 0 {
-                    self.core.holes.mark_decommitted(b.segment, s, l);
+                    self.core.holes_mut().mark_decommitted(b.segment, s, l);
                     self.sub_reserved(l);
                     self.rec.c.decommits += 1;
                     self.trace(0, Action::PageDecommit, s, l);
@@ -85,7 +85,7 @@ impl Pool {
     /// Recommit the decommitted pages under a block about to be handed out. Out of memory
     /// releases the rest of the cache once and retries; a failure leaves the block free.
     pub(super) fn commit_block(&mut self, block: &Block) -> Result<()> {
-        for (s, l) in self.core.holes.missing_runs(block.segment, block.addr, block.size) {
+        for (s, l) in self.core.holes().missing_runs(block.segment, block.addr, block.size) {
             let mut retried = false;
             loop {
                 let (res, over_limit) = match self.within_budget(l, |up| up.commit(s, l)) {
@@ -94,7 +94,7 @@ impl Pool {
                 };
                 match res {
                     Ok(()) => {
-                        self.core.holes.mark_committed(block.segment, s, l);
+                        self.core.holes_mut().mark_committed(block.segment, s, l);
                         self.add_reserved(l);
                         self.rec.c.commits += 1;
                         self.rec.c.commit_bytes += l as u64;
@@ -151,18 +151,7 @@ impl Pool {
         // wait; while none may be made (a capture may run) its segments stay cached, where
         // that stream can still use them.
         let allowed = self.device_sync_allowed();
-        let mut segs = Vec::new();
-        let mut releasable = self.core.streams.release_gate(allowed);
-        for seg in std::mem::take(&mut self.core.unreleased) {
-            let waiting = seg.stream == StreamKey::MIXED && !allowed && self.core.streams.has_uncovered();
-            if waiting || !releasable(seg.stream) {
-                self.core.unreleased.push(seg);
-            } else {
-                segs.push(seg);
-            }
-        }
-        segs.extend(self.core.strategy.drain_free_segments(want, order, &mut releasable));
-        drop(releasable);
+        let segs = self.core.releasable_segments(want, order, allowed);
         let mut released = 0;
         let mut first_err = None;
         for seg in segs {
@@ -170,7 +159,7 @@ impl Pool {
                 Ok(n) => released += n,
                 Err(e) => {
                     first_err.get_or_insert(e);
-                    self.core.unreleased.push(seg);
+                    self.core.keep_unreleased(seg);
                 }
             }
         }
@@ -183,7 +172,7 @@ impl Pool {
 
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn release_segment(&mut self, seg: Segment) -> Result<usize> {
-        if self.core.upstream.stream_ordered() && seg.stream == StreamKey::LEGACY {
+        if self.core.upstream().stream_ordered() && seg.stream == StreamKey::LEGACY {
             // cuMemFreeAsync on the legacy stream orders the release after its work.
             return self.give_to_upstream(seg, crate::stream::STREAM_LEGACY);
         }
@@ -194,9 +183,9 @@ impl Pool {
         // legacy stream.
         let allowed = self.device_sync_allowed();
         if seg.stream == StreamKey::MIXED {
-            self.core.streams.synchronize_all(&mut *self.core.upstream, allowed)?;
+            self.core.synchronize_all_streams(allowed)?;
         } else {
-            self.core.streams.synchronize(&mut *self.core.upstream, seg.stream, allowed)?;
+            self.core.synchronize_stream(seg.stream, allowed)?;
         }
         let seg = Segment { stream: StreamKey::LEGACY, ..seg };
         self.give_to_upstream(seg, crate::stream::STREAM_LEGACY)
@@ -207,13 +196,13 @@ impl Pool {
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment, h: StreamHandle) -> Result<usize> {
         // Unbooked first: once released, the address may be given to another device's pool.
-        crate::owners::remove(seg.base, self.core.device, self.core.shard);
-        if let Err(e) = self.core.upstream.deallocate(seg.base, seg.size, h) {
-            crate::owners::add(seg.base, seg.size, self.core.device, self.core.shard);
+        self.core.unindex_range(seg.base);
+        if let Err(e) = self.core.upstream_mut().deallocate(seg.base, seg.size, h) {
+            self.core.index_range(seg.base, seg.size);
             return Err(e);
         }
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
-        let committed = seg.size - self.core.holes.remove_segment(seg.base);
+        let committed = seg.size - self.core.holes_mut().remove_segment(seg.base);
         self.sub_reserved(committed);
         self.rec.c.upstream_frees += 1;
         Ok(committed)

@@ -41,22 +41,22 @@ impl Pool {
     /// "pool_id":[a,b],"is_expandable":false,"blocks":[{"address":A,"size":N,
     /// "requested_size":R,"state":"active_allocated"},...]},...]}`
     pub fn snapshot_json(&self) -> String {
-        format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[{}]}}", self.core.device, self.core.strategy.name(), self.snapshot_segments())
+        format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[{}]}}", self.core.device(), self.core.strategy().name(), self.snapshot_segments())
     }
 
     /// The `segments` array's items, comma-separated (a sharded device joins its shards').
     pub fn snapshot_segments(&self) -> String {
         let kept = self.caches.kept();
         let mut pieces: Vec<Piece> = Vec::new();
-        for l in self.core.live.values() {
+        for l in self.core.live_blocks() {
             let state = if kept.contains(&l.block.addr) { State::PendingFree } else { State::Allocated };
             pieces.push(Piece { block: l.block, requested: l.requested, state, pool: l.private.unwrap_or((0, 0)) });
         }
-        let pending = self.core.pending.iter().map(|p| p.block).chain(self.core.unfenced.iter().copied());
+        let pending = self.core.deferred_blocks().copied().chain(self.core.unfenced_blocks().copied());
         for b in pending.chain(self.graphs.pending_blocks()) {
             pieces.push(Piece { block: b, requested: b.size, state: State::PendingFree, pool: (0, 0) });
         }
-        for b in self.core.strategy.free_blocks() {
+        for b in self.core.strategy().free_blocks() {
             pieces.push(Piece { block: b, requested: b.size, state: State::Free, pool: (0, 0) });
         }
         for (id, b) in self.graphs.free_blocks_by_pool() {

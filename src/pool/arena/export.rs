@@ -29,7 +29,7 @@ impl Pool {
         let granules = (first..end)
             .step_by(g)
             .map(|a| {
-                let s = self.core.upstream.vmm_export(a)?;
+                let s = self.core.upstream_mut().vmm_export(a)?;
                 let file = match last {
                     Some((fd, file)) if fd == s.fd => file,
                     _ => FileId::of(s.fd)?,
@@ -61,17 +61,17 @@ impl Pool {
             if reused.is_none() {
                 ExportRecord::end(record);
             }
-            return Err(Error::InvalidPointer { ptr, device: self.core.device, why: BadPointer::Refused(format!("IPC export: {why}")) });
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(format!("IPC export: {why}")) });
         }
         if reused.is_none() {
             self.arena().note_export(addr, record, digest);
         }
         let d = Descriptor {
-            kind: self.core.upstream.vmm_share_kind(),
+            kind: self.core.upstream().vmm_share_kind(),
             pid: std::process::id(),
             start_time: own_start_time(),
             record,
-            device: self.core.device,
+            device: self.core.device(),
             granule: g as u64,
             offset: (ptr - first) as u64,
             size: size as u64,

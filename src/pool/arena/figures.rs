@@ -30,8 +30,8 @@ impl Pool {
             counters: a.counters,
             small: usage[0],
             large: usage[1],
-            memory: self.core.upstream.vmm_memory_kind(),
-            leaked: self.core.arena_leaked,
+            memory: self.core.upstream().vmm_memory_kind(),
+            leaked: self.core.arena_leaked(),
         })
     }
 }

@@ -26,7 +26,7 @@ impl Pool {
         // never handed out, so no queued work uses them).
         let g = self.arena().granule();
         for at in self.arena().stuck() {
-            if self.core.upstream.vmm_unalias(at, g).is_ok() {
+            if self.core.upstream_mut().vmm_unalias(at, g).is_ok() {
                 self.arena().unstick(at);
             }
         }
@@ -64,7 +64,7 @@ impl Pool {
                     // home back too (idle: its users' streams were waited for above, and a
                     // home under a loan has no other alias). A home whose unmap fails stays
                     // free in its range for a later pass.
-                    if self.core.upstream.vmm_unalias(at, g).is_err() {
+                    if self.core.upstream_mut().vmm_unalias(at, g).is_err() {
                         break;
                     }
                     let home = self.arena().end_loan(at, StreamKey::LEGACY);
@@ -103,7 +103,7 @@ impl Pool {
     /// unmapped it but would not release its memory (leaked: counted and reported, never
     /// handed out again).
     fn unmap_allocation(&mut self, at: usize, g: usize) -> Option<usize> {
-        let leaked = match self.core.upstream.vmm_unmap(at, g) {
+        let leaked = match self.core.upstream_mut().vmm_unmap(at, g) {
             Ok(()) => None,
             Err(f) if f.unmapped >= g => Some(f.error),
             Err(_) => return None,
@@ -111,13 +111,13 @@ impl Pool {
         self.arena().unmapped(at, g);
         self.sub_reserved(g);
         let Some(error) = leaked else { return Some(g) };
-        self.core.arena_leaked += g;
+        self.core.book_arena_leak(g);
         static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
             crate::error::warn(&format!(
                 "gpupool: warning: device {}: the driver unmapped a granule of the arena but would not release its memory ({error}); \
                  it is lost until the process ends (the status report counts such memory as leaked; this is said once)",
-                self.core.device
+                self.core.device()
             ));
         }
         Some(0)
@@ -133,7 +133,7 @@ impl Pool {
             }
             if !synced.contains(&s) {
                 let allowed = self.device_sync_allowed();
-                if self.core.streams.synchronize(&mut *self.core.upstream, s, allowed).is_err() {
+                if self.core.synchronize_stream(s, allowed).is_err() {
                     failed.push(s);
                     return false;
                 }
@@ -154,8 +154,8 @@ impl Pool {
         }
         let a = self.arena_ref();
         for (base, len) in a.reservations() {
-            if self.core.upstream.vmm_unreserve(base, len).is_ok() {
-                crate::owners::remove(base, self.core.device, self.core.shard);
+            if self.core.upstream_mut().vmm_unreserve(base, len).is_ok() {
+                self.core.unindex_range(base);
             }
         }
     }

@@ -255,7 +255,7 @@ impl Pool {
             Hold::Unfenced => self.free(ptr, FreeOn::Unordered),
             // Kept only when freed on its allocation stream: free it there, recording only
             // if that stream is known alive (its user may have destroyed it since the free).
-            _ => match self.core.live.get(&ptr).map(|l| (l.handle, l.block.stream)) {
+            _ => match self.core.live(ptr).map(|l| (l.handle, l.block.stream)) {
                 Some((h, key)) => self.free_later(ptr, h, key, false, current),
                 None => self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY)),
             },
@@ -267,6 +267,6 @@ impl Pool {
     pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
         let kept = self.caches.kept();
         let n = kept.len();
-        kept.iter().filter_map(|p| self.core.live.get(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
+        kept.iter().filter_map(|&p| self.core.live(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
 }

@@ -7,7 +7,7 @@
 use super::{PoolId, PrivatePool, IMPLICIT_POOL_TAG};
 use crate::block::Block;
 use crate::error::{Error, Result};
-use crate::pool::{Pending, Pool};
+use crate::pool::Pool;
 use crate::stream::{StreamHandle, StreamKey};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,7 +70,7 @@ impl Pool {
         self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
-        self.core.upstream.set_capture_relaxed(true);
+        self.core.upstream_mut().set_capture_relaxed(true);
         Ok(())
     }
 
@@ -90,12 +90,12 @@ impl Pool {
     /// Stop routing to `id` (the latest route to it). Allocations go to the main cache again.
     pub fn end_allocate_to_pool(&mut self, id: PoolId) -> Result<()> {
         let Some(i) = self.graphs.routes.iter().rposition(|r| r.id == id) else {
-            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.core.device)));
+            return Err(Error::InvalidArgument(format!("no allocation to private pool {id:?} is in progress on device {}", self.core.device())));
         };
         self.graphs.routes.remove(i);
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
         if self.graphs.routes.is_empty() {
-            self.core.upstream.set_capture_relaxed(false);
+            self.core.upstream_mut().set_capture_relaxed(false);
             self.replay_capture_deferred();
             self.release_unused_private_pools();
         }
@@ -109,7 +109,7 @@ impl Pool {
             let mut events = Vec::new();
             let mut uncovered = false;
             for &h in &extra {
-                match self.core.streams.record_on(&mut *self.core.upstream, h) {
+                match self.core.record_on(h) {
                     Ok(ev) => events.push(ev),
                     Err(_) => uncovered = true,
                 }
@@ -119,7 +119,7 @@ impl Pool {
                 // or, where none may be made now, hold the free for the next replay.
                 if self.wait_for_device().is_err() {
                     for ev in events {
-                        self.core.streams.recycle(ev);
+                        self.core.recycle_event(ev);
                     }
                     self.graphs.capture_deferred.push((block, extra));
                     continue;
@@ -128,7 +128,7 @@ impl Pool {
             if events.is_empty() {
                 let _ = self.put_block(block, None);
             } else {
-                self.core.pending.push(Pending { block, events });
+                self.core.defer(block, events);
             }
         }
     }
@@ -148,7 +148,7 @@ impl Pool {
                 Filter::Capture(cid) => {
                     let cid = *cid;
                     if capture.is_none() {
-                        capture = Some(self.core.upstream.capture_id(stream)?);
+                        capture = Some(self.core.upstream_mut().capture_id(stream)?);
                     }
                     capture == Some(Some(cid))
                 }
@@ -175,7 +175,7 @@ impl Pool {
         if !(check || self.graphs.has_routes()) || crate::stream::is_legacy(stream) {
             return false;
         }
-        let capture = self.core.upstream.capture_id(stream).ok().flatten();
+        let capture = self.core.upstream_mut().capture_id(stream).ok().flatten();
         if !self.graphs.has_routes() {
             self.graphs.note_capture(stream, capture);
         }
@@ -184,7 +184,7 @@ impl Pool {
 
     /// The capture sequence `stream` takes part in, if it is capturing.
     pub fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
-        self.core.upstream.capture_id(stream)
+        self.core.upstream_mut().capture_id(stream)
     }
 
     /// The pool's identity for `stream`.
@@ -203,7 +203,7 @@ impl Pool {
                     return self.malloc_private(size, stream, id);
                 }
             }
-            let capture = self.core.upstream.capture_id(stream)?;
+            let capture = self.core.upstream_mut().capture_id(stream)?;
             if !self.graphs.has_routes() {
                 self.graphs.note_capture(stream, capture);
             }
