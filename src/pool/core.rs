@@ -79,8 +79,9 @@ impl std::ops::DerefMut for PoolStrategy {
 }
 
 /// The core allocator (module docs). Its fields are its own: the pool's layers reach them
-/// through the methods below, so an operation that needs two of them at once (the stream
-/// tracker and the upstream, the strategy and the live map) is one place, here.
+/// through its methods, so an operation that needs two of them at once (a stream wait
+/// through the upstream, a decommit and its holes, a release and the address index) is one
+/// place, here (`core/streams.rs`, `core/books.rs`).
 pub(super) struct Core {
     device: i32,
     /// `PoolOptions::shard`: the address index (`crate::owners`) names it.

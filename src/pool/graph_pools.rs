@@ -282,9 +282,8 @@ impl Pool {
         if let Some(seg) = pool.strategy.put(block) {
             // Split never returns segments from `put`; kept for the contract's sake.
             pool.reserved -= seg.size;
-            self.core.upstream_mut().deallocate(seg.base, seg.size, crate::stream::STREAM_LEGACY)?;
+            self.core.deallocate(seg, crate::stream::STREAM_LEGACY)?;
             self.sub_reserved(seg.size);
-            self.core.unindex_range(seg.base);
         }
         self.destroy_if_unused(id).map(|_| ())
     }
@@ -315,9 +314,9 @@ impl Pool {
         for base in segments {
             let len = p.strategy.segment_len(base).expect("private pools are split pools, which know their segments");
             // Every queued use finished (synchronised above): release on the legacy stream.
-            match self.core.upstream_mut().deallocate(base, len, crate::stream::STREAM_LEGACY) {
-                Ok(()) => {
-                    self.core.unindex_range(base);
+            let seg = Segment { base, size: len, stream: StreamKey::LEGACY };
+            match self.core.deallocate(seg, crate::stream::STREAM_LEGACY) {
+                Ok(_) => {
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.sub_reserved(len);
                     self.rec.c.upstream_frees += 1;

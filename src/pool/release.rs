@@ -69,9 +69,8 @@ impl Pool {
             for (s, l) in runs {
                 // A failure says how many pages from `s` went back all the same: exactly
                 // those are booked decommitted, the rest stay backed.
-                let l = self.core.upstream_mut().decommit(s, l).map_or_else(|f| f.unmapped, |()| l);
+                let l = self.core.decommit(b.segment, s, l);
                 if l > 0 {
-                    self.core.holes_mut().mark_decommitted(b.segment, s, l);
                     self.sub_reserved(l);
                     self.rec.c.decommits += 1;
                     self.trace(0, Action::PageDecommit, s, l);
@@ -94,7 +93,7 @@ impl Pool {
                 };
                 match res {
                     Ok(()) => {
-                        self.core.holes_mut().mark_committed(block.segment, s, l);
+                        self.core.book_committed(block.segment, s, l);
                         self.add_reserved(l);
                         self.rec.c.commits += 1;
                         self.rec.c.commit_bytes += l as u64;
@@ -195,14 +194,8 @@ impl Pool {
     /// stream of the free in progress (never a stored handle, which may be dead).
     /// Returns the bytes of memory (committed pages) that went back.
     pub(super) fn give_to_upstream(&mut self, seg: Segment, h: StreamHandle) -> Result<usize> {
-        // Unbooked first: once released, the address may be given to another device's pool.
-        self.core.unindex_range(seg.base);
-        if let Err(e) = self.core.upstream_mut().deallocate(seg.base, seg.size, h) {
-            self.core.index_range(seg.base, seg.size);
-            return Err(e);
-        }
+        let committed = self.core.deallocate(seg, h)?;
         self.trace(h, Action::UpstreamFree, seg.base, seg.size);
-        let committed = seg.size - self.core.holes_mut().remove_segment(seg.base);
         self.sub_reserved(committed);
         self.rec.c.upstream_frees += 1;
         Ok(committed)

@@ -4,9 +4,10 @@
 
 use super::{Core, Live, Pending};
 use crate::block::{Block, Segment};
+use crate::error::Result;
 use crate::pages::Holes;
 use crate::strategy::ReleaseOrder;
-use crate::stream::StreamKey;
+use crate::stream::{StreamHandle, StreamKey};
 use crate::upstream::EventHandle;
 
 /// The live map: blocks handed out, by address.
@@ -16,6 +17,8 @@ impl Core {
         self.live.get(&ptr)
     }
 
+    /// For its owner and its `record_stream` streams: its block, whose address keys the
+    /// map, must not change.
     #[inline]
     pub fn live_mut(&mut self, ptr: usize) -> Option<&mut Live> {
         self.live.get_mut(&ptr)
@@ -110,8 +113,9 @@ impl Core {
 
     /// The segments a release may give back now: those refused before (retried first) and
     /// then the strategy's wholly free ones (`want` bytes of them, in `order`; all if
-    /// None), leaving cached those of a stream whose work cannot be proven done without a
-    /// device-wide wait where none may be made (`device_wait` false).
+    /// None). Those of a stream whose work cannot be proven done without a device-wide wait
+    /// where none may be made (`device_wait` false) stay where they are: refused ones in
+    /// the core, free ones in the strategy.
     pub fn releasable_segments(&mut self, want: Option<usize>, order: ReleaseOrder, device_wait: bool) -> Vec<Segment> {
         let mut segs = Vec::new();
         let mut releasable = self.streams.release_gate(device_wait);
@@ -135,8 +139,33 @@ impl Core {
         &self.holes
     }
 
-    #[inline]
-    pub fn holes_mut(&mut self) -> &mut Holes {
-        &mut self.holes
+    /// Decommit `[start, start + len)` inside cached `segment`'s free block (its stream's
+    /// work done). Returns the bytes that went back: on a driver failure, those it says it
+    /// unmapped all the same; exactly those are booked as holes.
+    pub fn decommit(&mut self, segment: usize, start: usize, len: usize) -> usize {
+        let len = self.upstream.decommit(start, len).map_or_else(|f| f.unmapped, |()| len);
+        if len > 0 {
+            self.holes.mark_decommitted(segment, start, len);
+        }
+        len
+    }
+
+    /// Book `[start, start + len)` of `segment` committed again (the caller committed it,
+    /// through the pool's budget).
+    pub fn book_committed(&mut self, segment: usize, start: usize, len: usize) {
+        self.holes.mark_committed(segment, start, len);
+    }
+
+    /// Give `seg` back to the upstream, ordered on `stream`, out of the address index
+    /// first (once released, the address may be given to another device's pool) and back
+    /// in it if the upstream refuses. Returns the bytes of memory that went back: the
+    /// segment less its decommitted pages.
+    pub fn deallocate(&mut self, seg: Segment, stream: StreamHandle) -> Result<usize> {
+        self.unindex_range(seg.base);
+        if let Err(e) = self.upstream.deallocate(seg.base, seg.size, stream) {
+            self.index_range(seg.base, seg.size);
+            return Err(e);
+        }
+        Ok(seg.size - self.holes.remove_segment(seg.base))
     }
 }
