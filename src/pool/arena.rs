@@ -195,39 +195,34 @@ impl Grower for ArenaGrowth {
 impl Pool {
     /// The arena of an arena pool. The arena's pool side runs only for arena pools
     /// (`Pool::grow` picks `ArenaGrowth` where `Core::is_arena`; exports and releases ask
-    /// `Pool::arena_if_any` first).
+    /// `Core::arena` first).
     fn arena(&mut self) -> &mut ArenaStrategy {
         self.core.arena_mut().expect("the arena's pool side runs for arena pools only")
     }
 
     fn arena_ref(&self) -> &ArenaStrategy {
-        self.arena_if_any().expect("the arena's pool side runs for arena pools only")
+        self.core.arena().expect("the arena's pool side runs for arena pools only")
     }
 
     /// The arena's granule (0 for other pools): what out-of-memory reports name as the
     /// unit of mapping.
     pub(super) fn arena_granule(&self) -> usize {
-        self.arena_if_any().map_or(0, |a| a.granule())
+        self.core.arena().map_or(0, |a| a.granule())
     }
 
     /// The bytes of the arena's large range (any block must fit there), for an
     /// out-of-memory report where no address space was left.
     pub(super) fn arena_large_range(&self) -> Option<usize> {
-        self.arena_if_any().map(|a| a.reservations()[1].1)
+        self.core.arena().map(|a| a.reservations()[1].1)
     }
 
     /// Whether `rounded` bytes can never fit this arena: over the device's memory as the
     /// arena read it at start (no bound where the driver would not say), or over the range
     /// any block must fit in. False for other pools.
     pub(super) fn arena_never_fits(&self, rounded: usize) -> bool {
-        let Some(arena) = self.arena_if_any() else { return false };
+        let Some(arena) = self.core.arena() else { return false };
         let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
         rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)
-    }
-
-    /// The arena, where this pool is an arena pool.
-    fn arena_if_any(&self) -> Option<&ArenaStrategy> {
-        self.core.arena()
     }
 
     /// Run `f` on the arena with the reuse gate of a request on `stream` (`key`): free

@@ -89,7 +89,7 @@ impl Pool {
     /// How many granules an export of `size` bytes at `ptr` names (`None`: not an arena
     /// pool, whose export is CUDA's segment handle).
     pub(in crate::pool) fn arena_export_granules(&self, ptr: usize, size: usize) -> Option<usize> {
-        let a = self.arena_if_any()?;
+        let a = self.core.arena()?;
         let (first, end) = a.export_extent(ptr, size);
         Some((end - first) / a.granule())
     }

@@ -8,18 +8,18 @@ use crate::strategy::arena::ArenaCounters;
 impl Pool {
     /// The arena's counters, for arena pools.
     pub fn arena_counters(&self) -> Option<ArenaCounters> {
-        self.arena_if_any().map(|a| a.counters)
+        self.core.arena().map(|a| a.counters)
     }
 
     /// The arena's (mapped, free) bytes in its small and large ranges, for arena pools.
     pub fn arena_space_usage(&self) -> Option<[(usize, usize); 2]> {
-        self.arena_if_any().map(|a| a.space_usage())
+        self.core.arena().map(|a| a.space_usage())
     }
 
     /// The arena's figures for the reports (`None` for other pools); a device's reports add
     /// its shards' up.
     pub fn arena_figures(&self) -> Option<ArenaFigures> {
-        let a = self.arena_if_any()?;
+        let a = self.core.arena()?;
         let usage = a.space_usage();
         Some(ArenaFigures {
             granule: a.granule(),

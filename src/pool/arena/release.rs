@@ -145,7 +145,7 @@ impl Pool {
 
     /// Pool teardown: give the address space back when nothing in it is live any more.
     pub(in crate::pool) fn arena_teardown(&mut self) {
-        let Some(a) = self.arena_if_any() else { return };
+        let Some(a) = self.core.arena() else { return };
         if a.mapped_bytes() != 0 {
             return; // live blocks keep their memory and addresses until the process ends
         }
