@@ -13,7 +13,12 @@ Timed per send, from the put to the answer:
   fresh:  a new state dict each send, the previous one freed first (SENDS times).
 Prints one JSON line: the median seconds of each kind, and under gpupool the consumer's
 import figures (driver calls of the kinds an import makes, kept and reused imports) and
-both processes' live memory at the end.
+both processes' live memory at the end. `cold_parts` splits the cold send: the producer's
+pickling (`pickle_s`: where its exports are made), the consumer's unpickling (`loads_s`:
+where it imports) and its sums (`sums_s`); under gpupool also the seconds the consumer's
+imports spent in each kind of driver call and how many allocations it imported
+(`imports`). Each send is pickled by the producer before it goes on the queue, so that the
+parts can be told apart.
 """
 import json
 import os
@@ -31,6 +36,7 @@ elif which not in ("native", "gpupool"):
     raise SystemExit(f"unknown allocator {which!r}")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from multiprocessing.reduction import ForkingPickler  # noqa: E402
 
 GPUPOOL = which.startswith("gpupool")
 HIDDEN, FFN, LAYERS, VOCAB = 2048, 5632, 16, 32000
@@ -71,17 +77,34 @@ def import_figures():
             "kept": j.get("ipc_imports_kept"), "reuses": j.get("ipc_import_reuses")}
 
 
+def import_costs():
+    """The seconds this process's imports spent in each kind of driver call so far, and
+    how many allocations they imported (`gpupool.share.ahead_costs`)."""
+    import gpupool.share
+    costs = dict(gpupool.share.ahead_costs().get("imports") or {})
+    return {"imports": costs.pop("count", None), "import_s": {k: round(v, 4) for k, v in costs.items()}}
+
+
 def consumer(q, back):
     install()
     torch.empty(1, device="cuda")
     back.put("ready")
+    cold = True
     while True:
-        msg = q.get()
-        if msg is None:
+        pickled = q.get()
+        if pickled is None:
             break
+        t0 = time.perf_counter()
+        msg = ForkingPickler.loads(pickled)
+        t1 = time.perf_counter()
         s = sums(msg)
+        t2 = time.perf_counter()
         del msg
-        back.put(s)
+        parts = {"loads_s": round(t1 - t0, 4), "sums_s": round(t2 - t1, 4)}
+        if cold and GPUPOOL:
+            parts.update(import_costs())
+        cold = False
+        back.put((s, parts))
     torch.cuda.synchronize()
     back.put({"figures": import_figures(), "allocated": torch.cuda.memory_allocated()})
 
@@ -94,18 +117,23 @@ def main():
     p.start()
     assert back.get(timeout=300) == "ready"
 
-    def send(sd, want):
+    def send(sd, want, parts=None):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        q.put(sd)
-        got = back.get(timeout=300)
+        pickled = bytes(ForkingPickler.dumps(sd))
+        tp = time.perf_counter()
+        q.put(pickled)
+        got, consumer_parts = back.get(timeout=300)
         dt = time.perf_counter() - t
         assert got == want, "the consumer's sums differ from the producer's"
+        if parts is not None:
+            parts.update({"pickle_s": round(tp - t, 4), **consumer_parts})
         return dt
 
     sd = make(0)
     want = sums(sd)
-    cold = send(sd, want)
+    cold_parts = {}
+    cold = send(sd, want, cold_parts)
     resend = [send(sd, want) for _ in range(sends)]
     fresh = []
     for i in range(sends):
@@ -121,7 +149,7 @@ def main():
     print(json.dumps({
         "allocator": which, "tensors": len(shapes()), "sends": sends,
         "bytes": sum(2 * torch.Size(s).numel() for _, s in shapes()),
-        "cold_s": round(cold, 4), "resend_s": round(statistics.median(resend), 4),
+        "cold_s": round(cold, 4), "cold_parts": cold_parts, "resend_s": round(statistics.median(resend), 4),
         "fresh_s": round(statistics.median(fresh), 4),
         "resend_range_s": [round(min(resend), 4), round(max(resend), 4)],
         "fresh_range_s": [round(min(fresh), 4), round(max(fresh), 4)],
