@@ -143,6 +143,36 @@ enum gpupool_status gpupool_ipc_open(const void *desc,
 // open on it (`GPUPOOL_STATUS_BUSY`).
 enum gpupool_status gpupool_ipc_close(void *ptr, int device);
 
+// The live block `ptr` as a handle in PyTorch's own format (`shareIpcHandle`), for the
+// allocator class to return: a receiver on PyTorch's allocator opens it, and a gpupool
+// receiver (`gpupool_ipc_open_torch`) opens gpupool's descriptor carried behind it
+// (`src/share/torch_format.rs`). `*out_offset` receives where the block starts in what
+// the handle maps (PyTorch's `ShareableHandle::offset`). Blocks that share granules are
+// exported. Lengths as `gpupool_ipc_export`.
+//
+// # Safety
+// As `gpupool_ipc_export`; `out_offset` NULL or writable.
+enum gpupool_status gpupool_ipc_export_torch(void *ptr,
+                                             void *buf,
+                                             size_t buf_len,
+                                             size_t *out_len,
+                                             size_t *out_offset);
+
+// Open a handle `shareIpcHandle` made (`handle`, `len` bytes) on `device`: gpupool's (as
+// `gpupool_ipc_open` with descriptors fetched from the exporter, or handed by its thread
+// where that is refused), or PyTorch's own from a process on PyTorch's allocator (a
+// `cudaMalloc` segment through CUDA's IPC; an expandable segment by copying the sender's
+// descriptors with `pidfd_getfd`). `*out_base` receives the address PyTorch adds the
+// storage's offset to; `*out_block` what `gpupool_ipc_close` takes to close it.
+//
+// # Safety
+// `handle` must point to `len` readable bytes; `out_base`, `out_block` NULL or writable.
+enum gpupool_status gpupool_ipc_open_torch(const void *handle,
+                                           size_t len,
+                                           int device,
+                                           void **out_base,
+                                           void **out_block);
+
 // Take a hold for one send of a block to another process: `*out_fd` receives this
 // process's holds file descriptor (send a copy of it with the block's; it stays open
 // until the process ends: do not close it) and `*out_slot` the send's slot, held until

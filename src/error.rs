@@ -134,6 +134,11 @@ pub enum Error {
     Busy(String),
     /// The pool stopped handing out memory (see `Status::Stopped`); the text says why.
     Stopped(String),
+    /// This process may not copy file descriptors out of exporter `pid` (`pidfd_getfd`
+    /// refused: a container's seccomp profile, Yama's `ptrace_scope`, an old kernel). The
+    /// sharing layer takes such imports through the exporter's handover socket instead;
+    /// C callers see `GPUPOOL_STATUS_INVALID_ARGUMENT` with the text.
+    FetchRefused { pid: u32, detail: String },
 }
 
 impl Error {
@@ -151,6 +156,7 @@ impl Error {
             Error::Internal(_) => Status::Internal,
             Error::Busy(_) => Status::Busy,
             Error::Stopped(_) => Status::Stopped,
+            Error::FetchRefused { .. } => Status::InvalidArgument,
         }
     }
 }
@@ -260,6 +266,7 @@ impl fmt::Display for Error {
             Error::Internal(msg) => write!(f, "gpupool: internal error: {msg}"),
             Error::Busy(msg) => write!(f, "gpupool: {msg}"),
             Error::Stopped(msg) => write!(f, "gpupool: {msg}"),
+            Error::FetchRefused { detail, .. } => write!(f, "gpupool: invalid argument: {detail}"),
         }
     }
 }

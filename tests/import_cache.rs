@@ -24,7 +24,7 @@ const MIB: usize = 1 << 20;
 /// Where a descriptor's fields are (`upstream::shared`): the record's descriptor number,
 /// and the first granule's offset.
 const RECORD_FD_AT: usize = 64;
-const HEADER_BYTES: usize = 88;
+const HEADER_BYTES: usize = gpupool::upstream::shared::HEADER_BYTES;
 
 fn malloc(size: usize, d: i32) -> *mut c_void {
     let mut p = null_mut();
@@ -270,4 +270,24 @@ fn a_second_close_of_a_kept_import_is_refused() {
     assert!(q == p && reads(q, 3 * MIB, 0x7E));
     close(q, im);
     free(a, ex);
+}
+
+#[test]
+fn a_failed_import_by_pid_keeps_none_of_the_exporters_descriptors_open() {
+    let _one = one_at_a_time();
+    let (ex, im) = (1, 2);
+    common::host_device_256mib(ex, c"arena");
+    common::host_device_256mib(im, c"arena");
+    let a = malloc(3 * MIB, ex);
+    let desc = export(a);
+    free(a, ex);
+    // Nothing kept of this exporter: its opening would be new.
+    let mut released = 0;
+    assert_eq!(unsafe { gpupool_reclaim(im, &mut released) }, Status::Ok, "{}", last());
+    let count = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let before = count();
+    for _ in 0..3 {
+        assert!(open(&desc, im).unwrap_err().contains("no longer exports"));
+    }
+    assert_eq!(count(), before, "the exporter's pidfd and record are closed with the failed import");
 }

@@ -34,7 +34,7 @@ LIBRARY_FUNCTIONS = [
     "gpupool_reclaim", "gpupool_set_limit", "gpupool_record_stream", "gpupool_torch_base_alloc",
     "gpupool_snapshot_json", "gpupool_torch_pool_begin", "gpupool_torch_pool_end", "gpupool_torch_pool_release",
     "gpupool_torch_pool_create", "gpupool_torch_pool_use_count", "gpupool_torch_pool_empty",
-    "gpupool_ipc_export_flags", "gpupool_ipc_open", "gpupool_ipc_close", "gpupool_torch_block_size",
+    "gpupool_ipc_export_torch", "gpupool_ipc_open_torch", "gpupool_ipc_close", "gpupool_torch_block_size",
 ]
 
 

@@ -8,6 +8,7 @@ use super::boundary::call;
 use crate::error::{Error, Status};
 use crate::registry;
 use crate::share::descriptor::AnyDescriptor;
+use crate::share::torch_format;
 use crate::upstream::shared::MAX_DESCRIPTOR_BYTES;
 use std::ffi::{c_int, c_void};
 
@@ -84,16 +85,23 @@ unsafe fn export(ptr: *mut c_void, share_granules: bool, buf: *mut c_void, buf_l
         return Err(Error::NullArgument("ptr"));
     }
     let p = ptr as usize;
-    let unknown = || {
-        let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
-        Error::InvalidPointer { ptr: p, device: -1, why }
-    };
     if buf.is_null() && buf_len == 0 {
-        *out_len = registry::with_owner_of(p, |pool| pool.ipc_export_len(p)).unwrap_or_else(|| Err(unknown()))?;
+        *out_len = registry::with_owner_of(p, |pool| pool.ipc_export_len(p)).unwrap_or_else(|| Err(not_ours(p)))?;
         return Ok(());
     }
-    let bytes = registry::with_owner_of(p, |pool| pool.ipc_export(p, share_granules)).unwrap_or_else(|| Err(unknown()))?;
-    hand_out(&bytes, buf, buf_len, out_len, "the IPC descriptor")
+    hand_out(&exported(p, share_granules)?, buf, buf_len, out_len, "the IPC descriptor")
+}
+
+fn not_ours(p: usize) -> Error {
+    let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
+    Error::InvalidPointer { ptr: p, device: -1, why }
+}
+
+/// The descriptor of the live block at `p`, on whichever device's pool holds it.
+fn exported(p: usize, share_granules: bool) -> crate::error::Result<Vec<u8>> {
+    // An importer that may not copy this process's descriptors asks its handover thread.
+    let handover = crate::share::handover::export_tag();
+    registry::with_owner_of(p, |pool| pool.ipc_export_via(p, share_granules, handover)).unwrap_or_else(|| Err(not_ours(p)))
 }
 
 /// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
@@ -181,5 +189,63 @@ pub extern "C" fn gpupool_ipc_close(ptr: *mut c_void, device: c_int) -> Status {
             return Err(Error::NullArgument("ptr"));
         }
         registry::with_pool(device, |pool| pool.ipc_close(ptr as usize))
+    })
+}
+
+/// The live block `ptr` as a handle in PyTorch's own format (`shareIpcHandle`), for the
+/// allocator class to return: a receiver on PyTorch's allocator opens it, and a gpupool
+/// receiver (`gpupool_ipc_open_torch`) opens gpupool's descriptor carried behind it
+/// (`src/share/torch_format.rs`). `*out_offset` receives where the block starts in what
+/// the handle maps (PyTorch's `ShareableHandle::offset`). Blocks that share granules are
+/// exported. Lengths as `gpupool_ipc_export`.
+///
+/// # Safety
+/// As `gpupool_ipc_export`; `out_offset` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_export_torch(ptr: *mut c_void, buf: *mut c_void, buf_len: usize, out_len: *mut usize, out_offset: *mut usize) -> Status {
+    call(|| {
+        if out_len.is_null() {
+            return Err(Error::NullArgument("out_len"));
+        }
+        if out_offset.is_null() {
+            return Err(Error::NullArgument("out_offset"));
+        }
+        if ptr.is_null() {
+            return Err(Error::NullArgument("ptr"));
+        }
+        let raw = exported(ptr as usize, true)?;
+        let h = torch_format::encode(&AnyDescriptor::decode(&raw)?, &raw);
+        *out_offset = h.offset as usize;
+        hand_out(&h.bytes, buf, buf_len, out_len, "the PyTorch handle")
+    })
+}
+
+/// Open a handle `shareIpcHandle` made (`handle`, `len` bytes) on `device`: gpupool's (as
+/// `gpupool_ipc_open` with descriptors fetched from the exporter, or handed by its thread
+/// where that is refused), or PyTorch's own from a process on PyTorch's allocator (a
+/// `cudaMalloc` segment through CUDA's IPC; an expandable segment by copying the sender's
+/// descriptors with `pidfd_getfd`). `*out_base` receives the address PyTorch adds the
+/// storage's offset to; `*out_block` what `gpupool_ipc_close` takes to close it.
+///
+/// # Safety
+/// `handle` must point to `len` readable bytes; `out_base`, `out_block` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_ipc_open_torch(handle: *const c_void, len: usize, device: c_int, out_base: *mut *mut c_void, out_block: *mut *mut c_void) -> Status {
+    call(|| {
+        if out_base.is_null() || out_block.is_null() {
+            return Err(Error::NullArgument(if out_base.is_null() { "out_base" } else { "out_block" }));
+        }
+        *out_base = std::ptr::null_mut();
+        *out_block = std::ptr::null_mut();
+        if handle.is_null() {
+            return Err(Error::NullArgument("handle"));
+        }
+        if len > MAX_DESCRIPTOR_BYTES + 4096 {
+            return Err(Error::InvalidArgument(format!("IPC handle: {len} bytes is longer than any handle")));
+        }
+        let (base, block) = crate::share::descriptor::open_torch(std::slice::from_raw_parts(handle as *const u8, len), device)?;
+        *out_base = base as *mut c_void;
+        *out_block = block as *mut c_void;
+        Ok(())
     })
 }

@@ -98,7 +98,7 @@ pub struct ImportCache {
 impl ImportCache {
     /// The open exporter of `d` and the serial of that opening, opened now where the kept
     /// one is not `d`'s, has exited, or no longer holds its record (`Exporter::same_record`):
-    /// then the runs of the earlier opening are stale.
+    /// then the runs of the earlier opening are stale. A new opening is kept by `insert`.
     pub fn exporter(&mut self, d: &Descriptor) -> crate::error::Result<(Arc<Exporter>, Serial)> {
         let key = (d.pid, d.start_time);
         if let Some((e, serial)) = self.exporters.get(&key) {
@@ -107,9 +107,10 @@ impl ImportCache {
             }
             self.exporters.remove(&key);
         }
+        // Kept only once an import through it succeeds (`insert`): an exporter whose every
+        // import fails holds none of this process's descriptors (its pidfd and record).
         let e = Arc::new(Exporter::open(d)?);
         self.next_serial += 1;
-        self.exporters.insert(key, (e.clone(), self.next_serial));
         Ok((e, self.next_serial))
     }
 

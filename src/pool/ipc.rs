@@ -24,6 +24,13 @@ impl Pool {
     /// granules. Without it such a block is refused and free memory in its granules is set
     /// aside while it lives.
     pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
+        self.ipc_export_via(ptr, share_granules, 0)
+    }
+
+    /// `ipc_export`, naming `handover`, the random part of this process's handover socket
+    /// name (`share::handover`), in an arena block's descriptor: an importer that may not
+    /// copy this process's descriptors asks for them there.
+    pub fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64) -> Result<Vec<u8>> {
         self.running()?;
         self.not_paused()?;
         let device = self.core.device();
@@ -78,7 +85,7 @@ impl Pool {
             return Ok(d.encode());
         }
         let (addr, block_size) = (l.block.addr, l.block.size);
-        self.arena_export(ptr, size, (addr, block_size), share_granules)
+        self.arena_export(ptr, size, (addr, block_size), share_granules, handover)
     }
 
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing

@@ -71,10 +71,6 @@ fn random<const N: usize>() -> Result<[u8; N]> {
     Ok(out)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Ready this process for handovers, early (at start-up), so that none of this lands in a
 /// handover's time: the open-file limit raised to its hard limit (a block arrives with a
 /// descriptor per allocation under it), and the table of open files grown once to
@@ -117,13 +113,74 @@ fn grow_fd_table() {
 
 /// The length of this process's tickets (starting its descriptor thread).
 pub fn ticket_len() -> Result<usize> {
-    Ok(KEY_BYTES + server::name()?.len())
+    Ok(KEY_BYTES + server::name()?.0.len())
+}
+
+/// The abstract socket name of process `pid`'s descriptor thread, whose name's random part
+/// is `tag` (it keeps another local process from binding a name the sender will want).
+fn socket_name(pid: u32, tag: u64) -> Vec<u8> {
+    format!("gpupool-handover-{pid}-{tag:016x}").into_bytes()
+}
+
+/// The random part of this process's socket name, starting its descriptor thread; `0`
+/// where it cannot serve (a `fork()` child, a thread that could not start): what an arena
+/// export names so that an importer refused `pidfd_getfd` can ask this process instead.
+pub fn export_tag() -> u64 {
+    server::name().map_or(0, |(_, tag)| tag)
+}
+
+/// The first bytes of a request for an export's descriptors (`take_export`), before its
+/// record slot and token. A random handover key that begins so is looked up as a handover
+/// first, and a token is 64 random bits: the two cannot be mistaken for each other.
+const EXPORT_KEY: &[u8; 4] = b"GPXR";
+
+fn export_key(slot: u32, token: u64) -> [u8; KEY_BYTES] {
+    let mut key = [0u8; KEY_BYTES];
+    key[..4].copy_from_slice(EXPORT_KEY);
+    key[4..8].copy_from_slice(&slot.to_le_bytes());
+    key[8..].copy_from_slice(&token.to_le_bytes());
+    key
+}
+
+fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
+    (key[..4] == EXPORT_KEY[..]).then(|| {
+        (u32::from_le_bytes(key[4..8].try_into().expect("4 bytes")), u64::from_le_bytes(key[8..].try_into().expect("8 bytes")))
+    })
+}
+
+/// This process's copies of the descriptors behind the arena export `d`, asked of its
+/// exporter's descriptor thread: each of the exporter's numbers once, in the order the
+/// descriptor first names it (`Descriptor::per_granule` takes that list). The exporter
+/// answers only while it records the export (its token live), and only to a peer of its
+/// own user: the route for an importer that may not copy them with `pidfd_getfd` (a
+/// container's seccomp profile, Yama), which needs no ptrace right.
+pub fn take_export(d: &crate::upstream::shared::Descriptor) -> Result<Vec<OwnedFd>> {
+    if d.handover == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "IPC import: process {} exported the block without a handover socket (a fork() child, or its descriptor \
+             thread could not start), and this process may not copy its descriptors: pass them yourself, received \
+             over a Unix socket",
+            d.pid
+        )));
+    }
+    prepare(false)?;
+    on_fork_once();
+    let name = socket_name(d.pid, d.handover);
+    match taker::take_from(&name, &export_key(d.record.slot, d.record.token)) {
+        Ok((fds, _)) => Ok(fds),
+        Err(taker::Exchange::Unknown) => Err(Error::InvalidArgument(format!(
+            "IPC import: process {} no longer exports this block (the descriptor is stale: the block was freed, or its \
+             memory released, after the export)",
+            d.pid
+        ))),
+        Err(e) => Err(e.into_error(&name)),
+    }
 }
 
 /// A new handover of this process, empty: its ticket (the key, then the socket name).
 pub fn offer() -> Result<Vec<u8>> {
     prepare(false)?;
-    let name = server::name()?;
+    let (name, _) = server::name()?;
     let key = random::<KEY_BYTES>()?;
     let mut waiting = WAITING.lock().map_err(|_| Error::Internal("handover: the table's lock is poisoned".into()))?;
     waiting.get_or_insert_with(HashMap::new).insert(key, Handover { fds: Vec::new(), sends: 0 });

@@ -7,7 +7,8 @@
 //! - `holds.rs`: the holds file, where an importer says it still uses a block, so that its
 //!   exporter keeps it (the frameworks' routes);
 //! - `handover.rs` and `handover/`: handing file descriptors to the process that unpickles a
-//!   message.
+//!   message, and to an importer that may not copy an exporter's descriptors itself;
+//! - `torch_format.rs`: PyTorch's own handle formats, with gpupool's descriptor behind them.
 //!
 //! The parts below live in the layer they belong to: the pool checks and exports a block
 //! and maps an import (`pool/ipc.rs`, the arena's export `pool/arena/export.rs`, the kept
@@ -22,3 +23,4 @@ pub mod descriptor;
 pub mod handover;
 pub mod holds;
 pub mod spans;
+pub mod torch_format;

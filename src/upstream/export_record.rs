@@ -175,6 +175,33 @@ impl ExportRecord {
         })
     }
 
+    /// Copies of the descriptors export (`slot`, `token`) shares, each of its numbers once in
+    /// the order its granule list first names it; `None` where the export is not live. Made under the record's lock:
+    /// an exported descriptor closes only after its exports are cleared, so the copies
+    /// are the export's. The exporter's descriptor thread hands them to an importer that may
+    /// not copy them itself (`share::handover::take_export`).
+    pub fn handed(slot: u32, token: u64) -> Option<Vec<std::os::fd::OwnedFd>> {
+        use std::os::fd::FromRawFd;
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        let r = g.as_ref().filter(|r| r.pid == std::process::id())?;
+        let shared = r.live.get(slot as usize)?.as_ref()?;
+        if token == 0 || r.slot_word(slot, 0).load(Ordering::Acquire) != token {
+            return None;
+        }
+        let mut seen = rustc_hash::FxHashSet::default();
+        let numbers: Vec<i32> = shared.iter().map(|&(fd, _)| fd).filter(|&fd| seen.insert(fd)).collect();
+        let mut out = Vec::with_capacity(numbers.len());
+        for fd in numbers {
+            // SAFETY: F_DUPFD_CLOEXEC of a descriptor the record keeps open; the copy is ours.
+            let c = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            if c < 0 {
+                return None;
+            }
+            out.push(unsafe { std::os::fd::OwnedFd::from_raw_fd(c) });
+        }
+        Some(out)
+    }
+
     /// End the export in `slot`; a slot already free stays as it is (an export that lists
     /// a granule twice is found twice when that granule goes, and its slot must go back to
     /// the free list once).

@@ -117,13 +117,17 @@ pub struct Descriptor {
     /// names that granule, so an importer can map a granule once for every block of it
     /// that it holds (`gpupool_ipc_open_dlpack`).
     pub origin: u64,
+    /// The random part of the exporter's handover socket name (`share::handover`; 0: it
+    /// has none): where an importer that may not copy the exporter's descriptors itself
+    /// (`Error::FetchRefused`) asks the exporter for them.
+    pub handover: u64,
     pub granules: Vec<SharedGranule>,
 }
 
-const MAGIC: &[u8; 8] = b"GPPIPC05";
+const MAGIC: &[u8; 8] = b"GPPIPC06";
 /// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
-/// count, start time, record descriptor + slot, token, origin.
-pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8 + 8;
+/// count, start time, record descriptor + slot, token, origin, handover.
+pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8 + 8 + 8;
 /// Per granule: descriptor number, offset, file device, file inode.
 pub const GRANULE_BYTES: usize = 32;
 /// A block of more granules than this is refused (16 TiB of 2 MiB granules), so a
@@ -168,6 +172,7 @@ impl Descriptor {
         b.extend_from_slice(&self.record.slot.to_le_bytes());
         b.extend_from_slice(&self.record.token.to_le_bytes());
         b.extend_from_slice(&self.origin.to_le_bytes());
+        b.extend_from_slice(&self.handover.to_le_bytes());
         for g in &self.granules {
             for v in [g.fd as u32 as u64, g.offset, g.file.dev, g.file.ino] {
                 b.extend_from_slice(&v.to_le_bytes());
@@ -189,6 +194,7 @@ impl Descriptor {
         let (granule, offset, size, count, start_time) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48), u64_at(56));
         let record = RecordRef { fd: u32_at(64) as i32, slot: u32_at(68), token: u64_at(72) };
         let origin = u64_at(80);
+        let handover = u64_at(88);
         if kind != KIND_CUDA && kind != KIND_HOST {
             return Err(bad(&format!("unknown memory kind {kind}")));
         }
@@ -211,7 +217,7 @@ impl Descriptor {
                 Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8), file: FileId { dev: u64_at(at + 16), ino: u64_at(at + 24) } })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, origin, granules })
+        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, origin, handover, granules })
     }
 }
 
@@ -483,10 +489,23 @@ impl<'a> FdSource<'a> {
 
 fn fetch_error(pid: u32, what: &str) -> Error {
     let e = std::io::Error::last_os_error();
-    Error::InvalidArgument(format!(
-        "IPC import: {what} of process {pid} failed: {e} (where this process may not ptrace the exporter, \
-         pass the descriptors yourself, received over a Unix socket)"
-    ))
+    match e.raw_os_error() {
+        Some(libc::ESRCH) => Error::InvalidArgument(format!(
+            "IPC import: {what} of process {pid} failed: the exporter has exited, and its blocks are no longer shared"
+        )),
+        Some(libc::EBADF) => Error::InvalidArgument(format!(
+            "IPC import: {what} of process {pid} failed: the exporter no longer holds that descriptor (the block was \
+             freed or its memory released after the export: a stale descriptor)"
+        )),
+        Some(libc::EPERM | libc::EACCES | libc::ENOSYS) => Error::FetchRefused {
+            pid,
+            detail: format!(
+                "IPC import: {what} of process {pid} was refused: {e} (a container's seccomp profile or Yama's \
+                 ptrace_scope forbids copying another process's descriptors)"
+            ),
+        },
+        _ => Error::InvalidArgument(format!("IPC import: {what} of process {pid} failed: {e}")),
+    }
 }
 
 #[cfg(test)]

@@ -22,10 +22,10 @@
 // Implementation: the functions of libgpupool.so come in as addresses (gpupool_torch_-
 // allocator_install) so that this library can never reach another copy of the pool than
 // the one Python loaded. Out of memory throws c10::OutOfMemoryError (torch.OutOfMemoryError)
-// with the pool's report after telling PyTorch's observers. Sharing goes through the
-// library's descriptors (gpupool_ipc_export / gpupool_ipc_open, fds fetched with
-// pidfd_getfd); a handle from PyTorch's own allocator (cudaIpcGetMemHandle) opens with CUDA's
-// IPC, as PyTorch's allocator would open it.
+// with the pool's report after telling PyTorch's observers. Sharing speaks PyTorch's own
+// handle formats (gpupool_ipc_export_torch / gpupool_ipc_open_torch; the library's Note
+// [PyTorch's handle formats]): a receiver on PyTorch's allocator opens what this class
+// sends, and this class opens what PyTorch's allocator sends.
 //
 // Limitations: allocated_bytes counts the pool's blocks; a small block (up to 1 MiB) is
 // counted as its request in 512-byte units, the split and arena pools' unit (the binned
@@ -106,8 +106,8 @@ struct Library {
   int (*pool_create)(int, uint64_t, uint64_t);
   int (*pool_use_count)(int, uint64_t, uint64_t, int64_t *);
   int (*pool_empty)(int, uint64_t, uint64_t, size_t *);
-  int (*ipc_export_flags)(void *, uint32_t, void *, size_t, size_t *);
-  int (*ipc_open)(const void *, size_t, int, const int *, size_t, void **);
+  int (*ipc_export_torch)(void *, void *, size_t, size_t *, size_t *);
+  int (*ipc_open_torch)(const void *, size_t, int, void **, void **);
   int (*ipc_close)(void *, int);
   size_t (*block_size)(void *);
 };
@@ -117,10 +117,8 @@ Library lib;
 
 constexpr int kOk = 0;
 constexpr int kOutOfMemory = 5;                 // GPUPOOL_STATUS_OUT_OF_MEMORY
-constexpr uint32_t kShareGranules = 1;          // GPUPOOL_IPC_SHARE_GRANULES
 constexpr size_t kRound = 512;                  // the split and arena pools' block unit
 constexpr size_t kSmallSize = 1 << 20;          // PyTorch's small pool: blocks up to 1 MiB
-constexpr char kHandleMagic[] = "gpupool-ipc1";  // starts a handle this class made
 
 std::string last_error(int status) {
   std::string s(lib.last_error(nullptr, 0) + 1, '\0');
@@ -772,21 +770,25 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
   // -- sharing between processes --------------------------------------------------------
 
-  // The block at `ptr` (getBaseAllocation's base) as the library's descriptor, after a
-  // header naming this format and the exporting process.
+  // The block at `ptr` (getBaseAllocation's base) in PyTorch's own handle format, with the
+  // library's descriptor behind it (src/share/torch_format.rs): a receiver on PyTorch's
+  // allocator opens the first, a gpupool receiver the second.
   cca::ShareableHandle shareIpcHandle(void *ptr) override {
     if (auto f = foreign_of(ptr)) return f->shareIpcHandle(ptr);
-    size_t n = 0;
-    check(lib.ipc_export_flags(ptr, kShareGranules, nullptr, 0, &n));
-    std::string handle(kHandleMagic, sizeof kHandleMagic - 1);
-    size_t head = handle.size();
-    handle.resize(head + n);
-    check(lib.ipc_export_flags(ptr, kShareGranules, &handle[head], n, &n));
-    handle.resize(head + n);
-    return {0, handle};
+    std::string handle(512, '\0');
+    size_t n = 0, offset = 0;
+    int status = lib.ipc_export_torch(ptr, &handle[0], handle.size(), &n, &offset);
+    if (status != kOk && n > handle.size()) {
+      handle.resize(n);
+      status = lib.ipc_export_torch(ptr, &handle[0], handle.size(), &n, &offset);
+    }
+    check(status);
+    handle.resize(n);
+    return {static_cast<ptrdiff_t>(offset), handle};
   }
 
-  // A storage's memory from another process, mapped once while any storage here uses it.
+  // A storage's memory from another process (whichever allocator sent it), mapped once
+  // while any storage here uses it.
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     c10::DeviceIndex device = c10::cuda::current_device();
     std::lock_guard<std::mutex> g(ipc_mu_);
@@ -795,18 +797,12 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
       if (auto alive = it->second.lock()) return alive;
       imports_.erase(it);
     }
-    std::shared_ptr<void> mapped;
-    const size_t magic = sizeof kHandleMagic - 1;
-    if (handle.size() > magic && handle.compare(0, magic, kHandleMagic) == 0) {
-      void *p = nullptr;
-      check(lib.ipc_open(handle.data() + magic, handle.size() - magic, device, nullptr, 0, &p));
-      mapped = std::shared_ptr<void>(p, [device](void *q) {
-        int status = lib.ipc_close(q, device);
-        if (status != kOk) TORCH_WARN("gpupool: closing an imported block failed: ", last_error(status));
-      });
-    } else {
-      mapped = open_cuda_ipc(handle, device);
-    }
+    void *base = nullptr, *block = nullptr;
+    check(lib.ipc_open_torch(handle.data(), handle.size(), device, &base, &block));
+    std::shared_ptr<void> mapped(base, [device, block](void *) {
+      int status = lib.ipc_close(block, device);
+      if (status != kOk) TORCH_WARN("gpupool: closing an imported block failed: ", last_error(status));
+    });
     if (imports_.size() >= sweep_at_) {
       // Forget the imports no storage uses any more (their memory went with them).
       for (auto i = imports_.begin(); i != imports_.end();) i = i->second.expired() ? imports_.erase(i) : std::next(i);
@@ -972,30 +968,6 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
   // A handle PyTorch's own allocator made: a CUDA IPC handle of a cudaMalloc allocation (a
   // version byte and 'c' before it, or the bare 64 bytes older versions sent).
-  static std::shared_ptr<void> open_cuda_ipc(const std::string &handle, c10::DeviceIndex device) {
-    constexpr size_t n = sizeof(cudaIpcMemHandle_t);
-    const char *raw = nullptr;
-    if (handle.size() == n) raw = handle.data();
-    if (handle.size() == n + 2 && handle[1] == 'c') raw = handle.data() + 2;
-    TORCH_CHECK(raw != nullptr, "gpupool: this CUDA memory was shared by an allocator gpupool cannot open (a ",
-                handle.size(), "-byte handle",
-                handle.size() > 1 && handle[1] == 'e' ? " of PyTorch's expandable segments" : "",
-                "); gpupool opens its own handles and PyTorch's cudaMalloc handles: turn expandable segments off in the "
-                "sending process, or install gpupool there too");
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, raw, n);
-    void *p = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
-    return std::shared_ptr<void>(p, [device](void *q) {
-      c10::cuda::CUDAGuard guard(device);
-      cudaError_t err = cudaIpcCloseMemHandle(q);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        TORCH_WARN("gpupool: cudaIpcCloseMemHandle failed: ", cudaGetErrorString(err));
-      }
-    });
-  }
-
   std::vector<std::unique_ptr<Books>> books_;
   std::mutex setup_mu_;
   std::atomic<bool> initialized_{false};

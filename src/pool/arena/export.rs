@@ -11,7 +11,7 @@ use crate::upstream::shared::{granules_digest, own_start_time, raise_fd_limit, D
 impl Pool {
     /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
     /// `size` bytes (`Pool::ipc_export` gives the rest).
-    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool) -> Result<Vec<u8>> {
+    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool, handover: u64) -> Result<Vec<u8>> {
         let g = self.arena_ref().granule();
         // The granules' shareable handles and the record come before the guard that keeps
         // the granules to the block, so a failed export (a driver call, the record) leaves
@@ -76,6 +76,7 @@ impl Pool {
             offset: (ptr - first) as u64,
             size: size as u64,
             origin: first as u64,
+            handover,
             granules,
         };
         Ok(d.encode())

@@ -18,6 +18,7 @@
 
 use super::{wire, KEY_BYTES, WAITING};
 use crate::error::{Error, Result};
+use crate::upstream::export_record::ExportRecord;
 use crate::upstream::shared::FileId;
 use rustix::event::{PollFd, PollFlags};
 use std::io::Read;
@@ -35,8 +36,9 @@ const MAX_TAKERS: usize = 1024;
 /// How long the listener rests after `accept` failed for a reason other than "none waiting".
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
-/// This process's socket name (abstract), once its thread listens; or why it could not.
-static SERVER: OnceLock<std::result::Result<Vec<u8>, String>> = OnceLock::new();
+/// This process's socket name (abstract) and its random part, once its thread listens; or
+/// why it could not.
+static SERVER: OnceLock<std::result::Result<(Vec<u8>, u64), String>> = OnceLock::new();
 /// The process that started the server: a `fork()` child has no thread serving its copy
 /// of the socket, so it offers nothing (`spawn` children start their own).
 static SERVER_PID: OnceLock<u32> = OnceLock::new();
@@ -49,8 +51,8 @@ static SERVING: AtomicBool = AtomicBool::new(false);
 /// file, so a number reused for something else is never closed.
 pub(super) static SERVER_FDS: Mutex<Vec<(RawFd, FileId)>> = Mutex::new(Vec::new());
 
-/// The listening socket's name, starting its thread the first time.
-pub(super) fn name() -> Result<&'static [u8]> {
+/// The listening socket's name and its random part, starting its thread the first time.
+pub(super) fn name() -> Result<(&'static [u8], u64)> {
     let pid = std::process::id();
     if *SERVER_PID.get_or_init(|| pid) != pid {
         return Err(Error::Stopped(
@@ -61,8 +63,8 @@ pub(super) fn name() -> Result<&'static [u8]> {
     }
     super::on_fork_once();
     let started = SERVER.get_or_init(|| {
-        let tag = super::random::<8>().map_err(|e| e.to_string())?;
-        let name = format!("gpupool-handover-{}-{}", std::process::id(), super::hex(&tag)).into_bytes();
+        let tag = u64::from_le_bytes(super::random::<8>().map_err(|e| e.to_string())?);
+        let name = super::socket_name(std::process::id(), tag);
         let addr = SocketAddr::from_abstract_name(&name).map_err(|e| e.to_string())?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| format!("cannot listen: {e}"))?;
         listener.set_nonblocking(true).map_err(|e| format!("cannot listen: {e}"))?;
@@ -79,10 +81,10 @@ pub(super) fn name() -> Result<&'static [u8]> {
             SERVING.store(false, Ordering::SeqCst);
             return Err(format!("cannot start its thread: {e}"));
         }
-        Ok(name)
+        Ok((name, tag))
     });
     match started {
-        Ok(name) if SERVING.load(Ordering::SeqCst) => Ok(name),
+        Ok((name, tag)) if SERVING.load(Ordering::SeqCst) => Ok((name, *tag)),
         Ok(_) => Err(Error::Internal("handover: the descriptor thread stopped".into())),
         Err(why) => Err(Error::Internal(format!("handover: the descriptor server is not running: {why}"))),
     }
@@ -248,7 +250,15 @@ fn serve(listener: UnixListener) {
 /// writes block (each up to `REQUEST_DEADLINE`, the write timeout), then reads go back to
 /// not waiting.
 fn answer(conn: &UnixStream, key: &[u8; KEY_BYTES]) -> std::io::Result<()> {
-    let found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(key)));
+    let mut found = WAITING.lock().ok().and_then(|mut w| w.as_mut().and_then(|w| w.remove(key)));
+    if found.is_none() {
+        // A standing export's descriptors, asked for by an importer that may not copy them
+        // itself (`super::take_export`): copies made under the export record's lock, so
+        // they are the export's while its token is live.
+        if let Some((slot, token)) = super::export_of_key(key) {
+            found = ExportRecord::handed(slot, token).map(|fds| super::Handover { fds, sends: 0 });
+        }
+    }
     conn.set_nonblocking(false)?;
     // The sender's copies close after, whether or not they arrived: a handover goes once.
     match &found {

@@ -202,6 +202,7 @@ mod tests {
             offset: 0,
             size: 1,
             origin: 0,
+            handover: 0,
             granules,
         }
     }

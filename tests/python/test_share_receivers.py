@@ -1,0 +1,119 @@
+"""What gpupool's allocator class sends, opened by receivers as deployments run them (GPU):
+a process that never imports gpupool (a rollout engine on PyTorch's own allocator), through
+a `torch.multiprocessing` queue and through `reduce_tensor` / `rebuild_cuda_tensor` called
+directly (vLLM's and SGLang's weight updates); and both ends inside a container-like
+seccomp filter (`no_ptrace.py`: `kcmp` and `pidfd_getfd` refused), where gpupool receivers
+must still open everything and a receiver on PyTorch's allocator opens what PyTorch's own
+would (CUDA IPC handles; expandable segments need `pidfd_getfd`)."""
+import pathlib
+import sys
+
+import pytest
+
+from conftest import ok, run_script
+
+HERE = pathlib.Path(__file__).parent
+
+SENDER = r'''
+import os, sys, time
+import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import reduce_tensor
+
+
+def receive(inq, outq, route, gpupool_receiver):
+    # Runs in a spawned process: this module's top level imports no gpupool.
+    try:
+        if gpupool_receiver:
+            import gpupool
+            gpupool.torch.install(compiled=True)
+        torch.cuda.init()
+        while True:
+            msg = inq.get()
+            if msg == "stop":
+                outq.put(("stopped", None, None, None))
+                return
+            ts = [fn(*args) for fn, args in msg] if route == "reduce" else msg
+            sums = [float(t.double().sum()) for t in ts]
+            for t in ts:
+                t.add_(1)
+            torch.cuda.synchronize()
+            outq.put(("ok", sums, "gpupool" in sys.modules, None))
+            del ts, msg
+    except Exception as e:
+        outq.put(("error", repr(e), "gpupool" in sys.modules, None))
+
+
+def kind(t):
+    h = t.untyped_storage()._share_cuda_()[1]
+    return "gpupool-only" if h.startswith(b"gpupool-ipc1") else chr(h[1])
+
+
+if __name__ == "__main__":
+    route, receiver = sys.argv[1], sys.argv[2]
+    import gpupool
+    gpupool.torch.install(compiled=True)
+    assert gpupool.torch.route() == "allocator", gpupool.torch.route()
+    ctx = mp.get_context("spawn")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=receive, args=(inq, outq, route, receiver == "gpupool"))
+    p.start()
+    torch.manual_seed(0)
+    # 4 KB to 200 MB of float32, and a view that starts 16 KB into its storage.
+    ts = [(torch.arange(n, device="cuda", dtype=torch.float32) % 97) for n in (1000, 300_000, 5_000_000, 50_000_000)]
+    base = torch.randint(0, 50, (1 << 20,), device="cuda").float()
+    ts.append(base[4096:])
+    print("formats", [kind(t) for t in ts], flush=True)
+    for rnd in range(3):
+        before = [t.clone() for t in ts]
+        expected = [float(t.double().sum()) for t in ts]
+        msg = [reduce_tensor(t) for t in ts] if route == "reduce" else ts
+        inq.put(msg)
+        del msg
+        status, sums, imported, _ = outq.get(timeout=180)
+        assert status == "ok", sums
+        assert imported == (receiver == "gpupool"), ("receiver imported gpupool", imported)
+        assert sums == expected, (sums, expected)
+        torch.cuda.synchronize()
+        for t, b in zip(ts, before):
+            assert torch.equal(t, b + 1), "the receiver's writes are the sender's memory"
+    inq.put("stop")
+    assert outq.get(timeout=60)[0] == "stopped"
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    print("received", route, receiver, os.environ.get("GPUPOOL_POOL", "arena"), flush=True)
+'''
+
+
+def _run(tmp_path, route, receiver, pool, confined):
+    script = tmp_path / "sender.py"
+    script.write_text(SENDER)
+    args = [str(script), route, receiver]
+    if confined:
+        return run_script(HERE / "no_ptrace.py", [sys.executable, *args], env={"GPUPOOL_POOL": pool}, timeout=600)
+    return run_script(script, [route, receiver], env={"GPUPOOL_POOL": pool}, timeout=600)
+
+
+@pytest.mark.parametrize("route", ["queue", "reduce"])
+@pytest.mark.parametrize("pool", ["arena", "split"])
+def test_a_receiver_on_pytorchs_own_allocator_opens_what_gpupool_sends(torch_gpu, library, tmp_path, route, pool):
+    out = ok(_run(tmp_path, route, "stock", pool, confined=False))
+    assert f"received {route} stock {pool}" in out, out
+
+
+@pytest.mark.parametrize("pool", ["arena", "split"])
+def test_gpupool_to_gpupool_works_where_pidfd_getfd_and_kcmp_are_refused(torch_gpu, library, tmp_path, pool):
+    out = ok(_run(tmp_path, "queue", "gpupool", pool, confined=True))
+    assert f"received queue gpupool {pool}" in out, out
+
+
+def test_a_stock_receiver_in_a_container_opens_cuda_ipc_handles(torch_gpu, library, tmp_path):
+    out = ok(_run(tmp_path, "reduce", "stock", "split", confined=True))
+    assert "received reduce stock split" in out, out
+
+
+def test_a_stock_receiver_in_a_container_fails_on_arena_memory_as_on_expandable_segments(torch_gpu, library, tmp_path):
+    # PyTorch's receiver copies an expandable segment's descriptors with pidfd_getfd, which
+    # the filter refuses: its own error, as for PyTorch's own expandable segments there.
+    p = _run(tmp_path, "reduce", "stock", "arena", confined=True)
+    assert p.returncode != 0 and "pidfd_getfd" in p.stdout + p.stderr, (p.stdout, p.stderr)
