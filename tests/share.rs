@@ -432,3 +432,27 @@ fn without_holds_a_new_block_at_a_freed_blocks_place_shows_its_own_memory() {
     drop_tensor(tx);
     assert_eq!(unsafe { gpupool_free(z, d, null_mut()) }, Status::Ok, "{}", last());
 }
+
+#[test]
+fn a_collect_over_many_outstanding_sends_costs_each_send_the_same() {
+    // 100,000 sends held, all let go: asking about each once must not scan the slots found
+    // released before it (which made such a collect take most of a second).
+    let n = 100_000;
+    let mut slots = Vec::with_capacity(n);
+    let mut fd = -1;
+    for _ in 0..n {
+        let mut slot = 0;
+        assert_eq!(unsafe { gpupool_share_hold(&mut fd, &mut slot) }, Status::Ok, "{}", last());
+        slots.push(slot);
+    }
+    for &s in &slots {
+        assert_eq!(gpupool_share_release(fd, s), Status::Ok, "{}", last());
+    }
+    let t = std::time::Instant::now();
+    assert!(slots.iter().all(|&s| !held(s)), "every send was let go");
+    let took = t.elapsed();
+    assert!(took < std::time::Duration::from_millis(50), "collecting {n} sends took {took:?}");
+    // Each slot found released is free once: asking again is refused.
+    let mut h = -1;
+    assert_eq!(unsafe { gpupool_share_held(slots[0], &mut h) }, Status::InvalidArgument);
+}

@@ -73,6 +73,9 @@ struct Own {
     /// Slots given back by importers, and the first slot never used.
     free: Vec<u32>,
     next: u32,
+    /// One bit per slot below `next`: set while the slot is on `free`, so asking about a
+    /// slot costs the same however many are free (a collect asks about every send).
+    is_free: Vec<u64>,
     /// Slots held now (an importer has not let go).
     held: usize,
 }
@@ -105,7 +108,7 @@ fn create() -> Result<Own> {
     let map = Mapping::of(fd, FILE_BYTES).inspect_err(|_| unsafe {
         libc::close(fd);
     })?;
-    Ok(Own { fd, map, free: Vec::new(), next: 0, held: 0 })
+    Ok(Own { fd, map, free: Vec::new(), next: 0, is_free: Vec::new(), held: 0 })
 }
 
 /// Take a slot of this process's holds file for one send, marked held. Returns the file's
@@ -118,9 +121,15 @@ pub fn hold() -> Result<(i32, u32)> {
     }
     let o = own.as_mut().expect("created above");
     let slot = match o.free.pop() {
-        Some(s) => s,
+        Some(s) => {
+            o.is_free[s as usize / 64] &= !(1 << (s % 64));
+            s
+        }
         None if o.next < SLOTS => {
             o.next += 1;
+            if o.is_free.len() * 64 < o.next as usize {
+                o.is_free.push(0);
+            }
             o.next - 1
         }
         None => {
@@ -141,13 +150,14 @@ pub fn held(slot: u32) -> Result<bool> {
     let Some(o) = own.as_mut() else {
         return Err(Error::InvalidArgument(format!("holds: slot {slot} was never handed out (no holds file in this process)")));
     };
-    if slot >= o.next || o.free.contains(&slot) {
+    if slot >= o.next || o.is_free[slot as usize / 64] & (1 << (slot % 64)) != 0 {
         return Err(Error::InvalidArgument(format!("holds: slot {slot} is not held (never handed out, or already found released)")));
     }
     if o.map.slot(slot)?.load(Ordering::Acquire) != 0 {
         return Ok(true);
     }
     o.free.push(slot);
+    o.is_free[slot as usize / 64] |= 1 << (slot % 64);
     o.held -= 1;
     Ok(false)
 }
