@@ -268,6 +268,9 @@ fn a_second_close_of_a_kept_import_is_refused() {
     assert_eq!((figure(im, "ipc_imports"), figure(im, "ipc_imports_kept")), (0, 1));
     let q = open(&desc, im).unwrap();
     assert!(q == p && reads(q, 3 * MIB, 0x7E));
+    // An address inside the open block is not a block closed already: it is refused as such.
+    assert_eq!(gpupool_ipc_close((q + 4096) as *mut c_void, im), Status::InvalidPointer);
+    assert!(last().contains("inside") && last().contains("gpupool_ipc_open returned"), "{}", last());
     close(q, im);
     free(a, ex);
 }

@@ -225,9 +225,10 @@ impl ImportCache {
         }
     }
 
-    /// Whether `ptr` lies in a run mapped here (open or kept).
-    pub fn covers(&self, ptr: usize) -> bool {
-        self.runs.values().any(|r| ptr >= r.base && ptr < r.base + r.granules.len() * r.granule as usize)
+    /// Whether `ptr` lies in a run mapped here: `Some(true)` where a block is open over
+    /// that run, `Some(false)` where it is kept idle, `None` where no run holds it.
+    pub fn covers(&self, ptr: usize) -> Option<bool> {
+        self.runs.values().find(|r| ptr >= r.base && ptr < r.base + r.granules.len() * r.granule as usize).map(|r| r.users > 0)
     }
 
     /// Runs mapped (open or idle).

@@ -226,11 +226,17 @@ impl Pool {
             }
             return Ok(());
         }
-        if self.imports.covers(ptr) {
-            // A kept run's address no block is open at any more: closed already. The
-            // upstream must not unmap it behind the cache's books.
-            let why = BadPointer::Refused("IPC close: the block at this address was closed already".into());
-            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why });
+        if let Some(open) = self.imports.covers(ptr) {
+            // An address in a run the cache keeps, which no open block starts at: inside
+            // an open block, or a block closed already. The upstream must not unmap it
+            // behind the cache's books.
+            let why = if open {
+                "IPC close: the address lies inside another process's memory open here, not at a block's start; pass the \
+                 address gpupool_ipc_open returned"
+            } else {
+                "IPC close: the block at this address was closed already"
+            };
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(why.into()) });
         }
         if self.core.upstream_mut().vmm_unimport(ptr)? || self.core.upstream_mut().legacy_ipc_close(ptr)? {
             return Ok(());
