@@ -279,3 +279,37 @@ fn a_tag_allocated_first_on_its_device_pauses_when_every_device_is_asked() {
     assert!(holds(p, 4 * MIB, 9));
     free(p, d);
 }
+
+#[test]
+fn a_sent_block_refuses_the_pause_naming_it_and_the_remedy_until_it_is_freed() {
+    let d = 41;
+    host(d);
+    begin(c"sent");
+    let a = malloc(3 * MIB, d).unwrap();
+    end();
+    let mut desc = vec![0u8; 4096];
+    let mut len = 0;
+    let st = unsafe { gpupool_ipc_export_flags(a as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    let e = pause(d, c"sent", false).expect_err("a block another process may map");
+    assert!(e.contains(&format!("{a:#x}")) && e.contains("freed here"), "{e}");
+    free(a, d);
+    assert!(pause(d, c"sent", false).is_ok(), "the export ended with its block");
+    resume(d, c"sent").unwrap();
+}
+
+#[test]
+fn reconfiguring_while_a_tag_is_paused_with_its_blocks_freed_says_to_resume_it() {
+    let d = 42;
+    host(d);
+    begin(c"asleep");
+    let a = malloc(3 * MIB, d).unwrap();
+    end();
+    pause(d, c"asleep", false).unwrap();
+    free(a, d);
+    let st = unsafe { gpupool_configure(d, c"split".as_ptr(), c"host".as_ptr()) };
+    assert_eq!(st, Status::Busy);
+    assert!(last().contains("`asleep` is paused") && last().contains("resume it first"), "{}", last());
+    resume(d, c"asleep").unwrap();
+    assert_eq!(unsafe { gpupool_configure(d, c"arena".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
+}

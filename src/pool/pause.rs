@@ -21,7 +21,7 @@ pub(super) struct Paused {
     /// Device bytes released (and given back to the device's budget).
     bytes: usize,
     /// Frees made while paused, done by the resume.
-    frees: Vec<usize>,
+    frees: rustc_hash::FxHashSet<usize>,
 }
 
 impl Pool {
@@ -41,9 +41,14 @@ impl Pool {
             )));
         }
         let exported = self.arena_exports_live();
-        if exported > 0 {
+        if !exported.is_empty() {
+            let some: Vec<String> = exported.iter().take(4).map(|a| format!("{a:#x}")).collect();
             return Err(Error::InvalidArgument(format!(
-                "pause `{name}`: {exported} of its blocks are exported to other processes; close their imports and end the exports first"
+                "pause `{name}`: {} of its blocks ({}{}) were sent to other processes, which may still map their memory; an \
+                 export ends when its block is freed here: free what was sent (or send copies) before pausing",
+                exported.len(),
+                some.join(", "),
+                if exported.len() > some.len() { ", ..." } else { "" }
             )));
         }
         let reserved_before = self.rec.c.reserved;
@@ -60,7 +65,7 @@ impl Pool {
         let bytes = self.core.upstream().vmm_paused_bytes();
         if r.is_ok() || self.core.upstream().vmm_is_paused() {
             self.limits.budget().released(bytes);
-            self.paused = Some(Paused { name: name.to_string(), bytes, frees: Vec::new() });
+            self.paused = Some(Paused { name: name.to_string(), bytes, frees: Default::default() });
         }
         r.map(|b| b + given_back)
     }
@@ -102,6 +107,12 @@ impl Pool {
         self.paused.is_some()
     }
 
+    /// The tag this pool is paused under and how many of its blocks were freed meanwhile
+    /// (their frees are done by the resume); `None`: not paused.
+    pub fn paused_frees(&self) -> Option<(&str, usize)> {
+        self.paused.as_ref().map(|p| (p.name.as_str(), p.frees.len()))
+    }
+
     /// Device bytes this pool's pause released (0: not paused).
     pub fn paused_bytes(&self) -> usize {
         self.paused.as_ref().map_or(0, |p| p.bytes)
@@ -138,7 +149,7 @@ impl Pool {
             });
         }
         if let Some(p) = self.paused.as_mut() {
-            p.frees.push(ptr);
+            p.frees.insert(ptr);
         }
         Ok(())
     }

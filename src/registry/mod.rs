@@ -331,10 +331,19 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
             p.flush_thread_caches(None);
             p.drop_kept_imports_all();
             if p.live_count() > 0 {
-                return Err(Error::Busy(format!(
-                    "cannot reconfigure device {device}: {} allocation(s) are still live; free them first",
-                    p.live_count()
-                )));
+                let live = p.live_count();
+                return Err(Error::Busy(match p.paused_frees() {
+                    Some((tag, freed)) if freed == live => format!(
+                        "cannot reconfigure device {device}: memory tagged `{tag}` is paused, and its {freed} freed \
+                         allocation(s) are given back when it resumes; resume it first"
+                    ),
+                    Some((tag, freed)) => format!(
+                        "cannot reconfigure device {device}: {} allocation(s) are still live, and memory tagged `{tag}` is \
+                         paused ({freed} more freed, given back when it resumes); free them and resume it first",
+                        live - freed
+                    ),
+                    None => format!("cannot reconfigure device {device}: {live} allocation(s) are still live; free them first"),
+                }));
             }
             if p.ipc_imports() > 0 {
                 return Err(Error::Busy(format!(

@@ -82,8 +82,9 @@ impl Pool {
         Ok(d.encode())
     }
 
-    /// Blocks of this arena another process may still map (their exports are recorded).
-    pub(in crate::pool) fn arena_exports_live(&mut self) -> usize {
+    /// Blocks of this arena another process may still map (their exports are recorded),
+    /// by address.
+    pub(in crate::pool) fn arena_exports_live(&mut self) -> Vec<usize> {
         self.arena().exported_blocks()
     }
 
