@@ -280,22 +280,49 @@ fn a_tag_allocated_first_on_its_device_pauses_when_every_device_is_asked() {
     free(p, d);
 }
 
+/// The RL trainer's loop: weights under a tag sent to another process, which copies them and
+/// closes its import; the trainer pauses, resumes and sends again, a hundred times. Device 43
+/// sends, device 44 receives (the host upstream maps this same process's memory as another's).
 #[test]
-fn a_sent_block_refuses_the_pause_naming_it_and_the_remedy_until_it_is_freed() {
-    let d = 41;
+fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_intact() {
+    use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_open};
+    let (d, r) = (43, 44);
     host(d);
-    begin(c"sent");
-    let a = malloc(3 * MIB, d).unwrap();
+    host(r);
+    begin(c"weights");
+    let w = malloc(5 * MIB, d).unwrap();
     end();
-    let mut desc = vec![0u8; 4096];
-    let mut len = 0;
-    let st = unsafe { gpupool_ipc_export_flags(a as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
-    assert_eq!(st, Status::Ok, "{}", last());
-    let e = pause(d, c"sent", false).expect_err("a block another process may map");
-    assert!(e.contains(&format!("{a:#x}")) && e.contains("freed here"), "{e}");
-    free(a, d);
-    assert!(pause(d, c"sent", false).is_ok(), "the export ended with its block");
-    resume(d, c"sent").unwrap();
+    let export = || {
+        let mut desc = vec![0u8; 4096];
+        let mut len = 0;
+        let st = unsafe { gpupool_ipc_export_flags(w as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+        assert_eq!(st, Status::Ok, "{}", last());
+        desc.truncate(len);
+        desc
+    };
+    let mut free_after_first = 0;
+    for cycle in 0..100u8 {
+        fill(w, 5 * MIB, cycle);
+        let desc = export();
+        let mut p = null_mut();
+        let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut p) };
+        assert_eq!(st, Status::Ok, "{}", last());
+        assert!(holds(p as usize, 5 * MIB, cycle), "cycle {cycle}: the receiver sees the weights");
+        assert_eq!(gpupool_ipc_close(p, r), Status::Ok, "{}", last());
+        assert_eq!(figure_after(r, "{", "ipc_imports_kept"), 0, "a tag's memory is not kept mapped by its receiver");
+        assert!(pause(d, c"weights", true).unwrap() > 0, "cycle {cycle}: a sent tag pauses once its receiver let go");
+        // What was sent before the pause names memory given back: refused.
+        let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut p) };
+        assert_ne!(st, Status::Ok);
+        assert!(last().contains("no longer exports"), "{}", last());
+        resume(d, c"weights").unwrap();
+        assert!(holds(w, 5 * MIB, cycle), "cycle {cycle}: the weights resumed intact");
+        if cycle == 0 {
+            free_after_first = device_free(d);
+        }
+        assert_eq!(device_free(d), free_after_first, "cycle {cycle}: memory stays flat");
+    }
+    free(w, d);
 }
 
 #[test]

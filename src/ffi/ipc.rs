@@ -9,7 +9,7 @@ use crate::error::{Error, Status};
 use crate::registry;
 use crate::share::descriptor::AnyDescriptor;
 use crate::share::torch_format;
-use crate::upstream::shared::MAX_DESCRIPTOR_BYTES;
+use crate::upstream::shared::{FLAG_UNKEPT, MAX_DESCRIPTOR_BYTES};
 use std::ffi::{c_int, c_void};
 
 /// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
@@ -101,7 +101,12 @@ fn not_ours(p: usize) -> Error {
 fn exported(p: usize, share_granules: bool) -> crate::error::Result<Vec<u8>> {
     // An importer that may not copy this process's descriptors asks its handover thread.
     let handover = crate::share::handover::export_tag();
-    registry::with_owner_of(p, |pool| pool.ipc_export_via(p, share_granules, handover)).unwrap_or_else(|| Err(not_ours(p)))
+    registry::with_owner_of(p, |pool| {
+        // A tag's memory may be paused: its importers map it only while open.
+        let flags = if registry::is_tag_shard(pool.shard()) { FLAG_UNKEPT } else { 0 };
+        pool.ipc_export_via(p, share_granules, handover, flags)
+    })
+    .unwrap_or_else(|| Err(not_ours(p)))
 }
 
 /// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one

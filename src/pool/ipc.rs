@@ -13,7 +13,7 @@
 use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{own_start_time, Descriptor, FdSource, KIND_CUDA};
+use crate::upstream::shared::{own_start_time, Descriptor, FdSource, FLAG_UNKEPT, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -24,13 +24,14 @@ impl Pool {
     /// granules. Without it such a block is refused and free memory in its granules is set
     /// aside while it lives.
     pub fn ipc_export(&mut self, ptr: usize, share_granules: bool) -> Result<Vec<u8>> {
-        self.ipc_export_via(ptr, share_granules, 0)
+        self.ipc_export_via(ptr, share_granules, 0, 0)
     }
 
-    /// `ipc_export`, naming `handover`, the random part of this process's handover socket
-    /// name (`share::handover`), in an arena block's descriptor: an importer that may not
-    /// copy this process's descriptors asks for them there.
-    pub fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64) -> Result<Vec<u8>> {
+    /// `ipc_export`, naming in an arena block's descriptor `handover`, the random part of
+    /// this process's handover socket name (`share::handover`: an importer that may not
+    /// copy this process's descriptors asks for them there), and `flags`
+    /// (`shared::FLAG_*`).
+    pub fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64, flags: u32) -> Result<Vec<u8>> {
         self.running()?;
         self.not_paused()?;
         let device = self.core.device();
@@ -85,7 +86,7 @@ impl Pool {
             return Ok(d.encode());
         }
         let (addr, block_size) = (l.block.addr, l.block.size);
-        self.arena_export(ptr, size, (addr, block_size), share_granules, handover)
+        self.arena_export(ptr, size, (addr, block_size), share_granules, (handover, flags))
     }
 
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
@@ -118,6 +119,10 @@ impl Pool {
         self.check_kind(d)?;
         let (exporter, serial) = self.imports.exporter(d)?;
         let source = FdSource::fetch_via(exporter.clone(), d)?;
+        if d.flags & FLAG_UNKEPT != 0 {
+            // Memory its exporter may pause: mapped for this open alone, unmapped at its close.
+            return self.core.upstream_mut().vmm_import(d, &source);
+        }
         // Read before anything is mapped: a release after it moves the count past what
         // the run records, and the run is not trusted again.
         let releases = exporter.releases().ok_or_else(|| {

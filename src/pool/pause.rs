@@ -40,17 +40,11 @@ impl Pool {
                 self.core.strategy().name()
             )));
         }
-        let exported = self.arena_exports_live();
-        if !exported.is_empty() {
-            let some: Vec<String> = exported.iter().take(4).map(|a| format!("{a:#x}")).collect();
-            return Err(Error::InvalidArgument(format!(
-                "pause `{name}`: {} of its blocks ({}{}) were sent to other processes, which may still map their memory; an \
-                 export ends when its block is freed here: free what was sent (or send copies) before pausing",
-                exported.len(),
-                some.join(", "),
-                if exported.len() > some.len() { ", ..." } else { "" }
-            )));
-        }
+        // Blocks sent to other processes end their exports as their memory is released
+        // (the upstream clears them first): a descriptor sent before the pause is refused
+        // after it. A receiver that still maps the memory keeps the old allocation alive
+        // and sees it, not the resumed contents; gpupool receivers map a tag's memory only
+        // while open (`shared::FLAG_UNKEPT`).
         let reserved_before = self.rec.c.reserved;
         self.flush_thread_caches(None);
         self.finish_pending(true);

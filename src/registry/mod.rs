@@ -314,6 +314,11 @@ pub fn with_owner_of<R>(ptr: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> O
     g.as_mut().filter(|p| p.owns(ptr)).map(f)
 }
 
+/// Whether pool shard `shard` is a tag's (`tags.rs`): its memory may be paused.
+pub fn is_tag_shard(shard: u16) -> bool {
+    shard as usize >= SHARDS
+}
+
 /// The device whose pool has `ptr` live, if any.
 pub fn find_owner(ptr: usize) -> Option<i32> {
     with_owner_of(ptr, |p| Ok(p.device())).and_then(|r| r.ok())

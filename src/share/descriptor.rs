@@ -145,6 +145,7 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
         size: segment_size * theirs.len() as u64,
         origin: 0,
         handover: 0,
+        flags: 0,
         granules,
     };
     let raw: Vec<c_int> = mine.iter().map(|f| f.as_raw_fd()).collect();

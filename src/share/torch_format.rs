@@ -200,6 +200,7 @@ mod tests {
             size: 1,
             origin: 0,
             handover: 0,
+            flags: 0,
             granules: granules.iter().map(|&(fd, o)| SharedGranule { fd, offset: o * G, file: FileId { dev: 1, ino: fd as u64 } }).collect(),
         }
     }

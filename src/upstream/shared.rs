@@ -94,6 +94,11 @@ pub fn own_start_time() -> u64 {
     c.1
 }
 
+/// A descriptor flag: the block's memory may be paused (it is a tag's), so an importer
+/// unmaps it when closed instead of keeping it for the exporter's next message: a receiver
+/// that let go holds none of the memory a pause gives back.
+pub const FLAG_UNKEPT: u32 = 1;
+
 /// Which memory a descriptor describes (an importer maps only its own kind).
 pub const KIND_CUDA: u32 = 1;
 pub const KIND_HOST: u32 = 2;
@@ -121,11 +126,13 @@ pub struct Descriptor {
     /// has none): where an importer that may not copy the exporter's descriptors itself
     /// (`Error::FetchRefused`) asks the exporter for them.
     pub handover: u64,
+    /// `FLAG_*` bits.
+    pub flags: u32,
     pub granules: Vec<SharedGranule>,
 }
 
 const MAGIC: &[u8; 8] = b"GPPIPC06";
-/// Bytes before the granules: magic, kind, pid, device, reserved, granule, offset, size,
+/// Bytes before the granules: magic, kind, pid, device, flags, granule, offset, size,
 /// count, start time, record descriptor + slot, token, origin, handover.
 pub const HEADER_BYTES: usize = 8 + 4 * 4 + 8 * 5 + 4 * 2 + 8 + 8 + 8;
 /// Per granule: descriptor number, offset, file device, file inode.
@@ -162,7 +169,7 @@ impl Descriptor {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(self.encoded_len());
         b.extend_from_slice(MAGIC);
-        for v in [self.kind, self.pid, self.device as u32, 0] {
+        for v in [self.kind, self.pid, self.device as u32, self.flags] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         for v in [self.granule, self.offset, self.size, self.granules.len() as u64, self.start_time] {
@@ -190,7 +197,7 @@ impl Descriptor {
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let (kind, pid, device) = (u32_at(8), u32_at(12), u32_at(16) as i32);
+        let (kind, pid, device, flags) = (u32_at(8), u32_at(12), u32_at(16) as i32, u32_at(20));
         let (granule, offset, size, count, start_time) = (u64_at(24), u64_at(32), u64_at(40), u64_at(48), u64_at(56));
         let record = RecordRef { fd: u32_at(64) as i32, slot: u32_at(68), token: u64_at(72) };
         let origin = u64_at(80);
@@ -217,7 +224,7 @@ impl Descriptor {
                 Ok(SharedGranule { fd: fd as i32, offset: u64_at(at + 8), file: FileId { dev: u64_at(at + 16), ino: u64_at(at + 24) } })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, origin, handover, granules })
+        Ok(Descriptor { kind, pid, start_time, record, device, granule, offset, size, origin, handover, flags, granules })
     }
 }
 

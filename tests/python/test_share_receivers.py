@@ -117,3 +117,69 @@ def test_a_stock_receiver_in_a_container_fails_on_arena_memory_as_on_expandable_
     # the filter refuses: its own error, as for PyTorch's own expandable segments there.
     p = _run(tmp_path, "reduce", "stock", "arena", confined=True)
     assert p.returncode != 0 and "pidfd_getfd" in p.stdout + p.stderr, (p.stdout, p.stderr)
+
+
+SLEEP = r'''
+import sys
+import torch
+import torch.multiprocessing as mp
+
+
+def receive(inq, outq, gpupool_receiver):
+    if gpupool_receiver:
+        import gpupool
+        gpupool.torch.install(compiled=True)
+    torch.cuda.init()
+    while True:
+        msg = inq.get()
+        if msg == "stop":
+            return
+        copies = [t.clone() for t in msg]   # the rollout engine's copy of the weights
+        torch.cuda.synchronize()
+        sums = [float(c.double().sum()) for c in copies]
+        del msg
+        outq.put(sums)
+
+
+if __name__ == "__main__":
+    receiver, cycles = sys.argv[1], int(sys.argv[2])
+    import gpupool
+    gpupool.torch.install(compiled=True)
+    ctx = mp.get_context("spawn")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=receive, args=(inq, outq, receiver == "gpupool"))
+    p.start()
+    with gpupool.tag("weights"):
+        ws = [torch.full((n,), 0.0, device="cuda") for n in (1000, 3_000_000, 40_000_000)]
+    free_seen = []
+    for cycle in range(cycles):
+        for i, w in enumerate(ws):
+            w.fill_(float(cycle * 3 + i))
+        expected = [float(w.double().sum()) for w in ws]
+        inq.put(ws)
+        assert outq.get(timeout=120) == expected, cycle
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        released = gpupool.pause("weights")
+        assert released > 0, released
+        free_seen.append(torch.cuda.mem_get_info()[0])
+        gpupool.resume("weights")
+        for i, w in enumerate(ws):
+            assert float(w.double().sum()) == expected[i], ("contents after resume", cycle)
+    inq.put("stop")
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    # Paused, the device's free memory is the same each cycle once the first is done (a
+    # receiver that kept the old memory alive would lower it cycle after cycle).
+    spread = max(free_seen[1:]) - min(free_seen[1:])
+    print("sleep after send", receiver, cycles, "free spread MiB", spread >> 20, flush=True)
+    assert spread <= 64 << 20, free_seen
+'''
+
+
+@pytest.mark.parametrize("receiver", ["gpupool", "stock"])
+def test_send_receiver_copies_pause_resume_send_again(torch_gpu, library, tmp_path, receiver):
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEP)
+    out = ok(run_script(script, [receiver, "100"], timeout=600))
+    assert f"sleep after send {receiver} 100" in out, out

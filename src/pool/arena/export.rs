@@ -11,7 +11,7 @@ use crate::upstream::shared::{granules_digest, own_start_time, raise_fd_limit, D
 impl Pool {
     /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
     /// `size` bytes (`Pool::ipc_export` gives the rest).
-    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool, handover: u64) -> Result<Vec<u8>> {
+    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool, (handover, flags): (u64, u32)) -> Result<Vec<u8>> {
         let g = self.arena_ref().granule();
         // The granules' shareable handles and the record come before the guard that keeps
         // the granules to the block, so a failed export (a driver call, the record) leaves
@@ -77,15 +77,10 @@ impl Pool {
             size: size as u64,
             origin: first as u64,
             handover,
+            flags,
             granules,
         };
         Ok(d.encode())
-    }
-
-    /// Blocks of this arena another process may still map (their exports are recorded),
-    /// by address.
-    pub(in crate::pool) fn arena_exports_live(&mut self) -> Vec<usize> {
-        self.arena().exported_blocks()
     }
 
     /// How many granules an export of `size` bytes at `ptr` names (`None`: not an arena

@@ -125,18 +125,6 @@ impl ArenaStrategy {
         recs.iter().find(|(_, d)| *d == digest).map(|(at, _)| *at)
     }
 
-    /// Live blocks with an export still recorded (another process may map their granules),
-    /// in address order.
-    pub fn exported_blocks(&mut self) -> Vec<usize> {
-        self.exports.records.retain(|_, recs| {
-            recs.retain(|(at, _)| ExportRecord::is_live(*at));
-            !recs.is_empty()
-        });
-        let mut out: Vec<usize> = self.exports.records.keys().copied().collect();
-        out.sort_unstable();
-        out
-    }
-
     /// The guards of exported block `addr` go back as free memory (it was freed), and its
     /// exports end.
     pub(super) fn unguard(&mut self, addr: usize) {

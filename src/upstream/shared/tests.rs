@@ -15,6 +15,7 @@ fn desc() -> Descriptor {
         size: 3 << 20,
         origin: 0x7f00_0000_0000,
         handover: 0x1234_5678_9abc_def0,
+        flags: FLAG_UNKEPT,
         granules: vec![
             SharedGranule { fd: 9, offset: 0, file: FileId { dev: 3, ino: 40 } },
             SharedGranule { fd: 12, offset: 0, file: FileId { dev: 3, ino: 41 } },
@@ -57,7 +58,7 @@ fn a_descriptor_round_trips_and_damage_is_refused() {
 fn exported(g: SharedGranule) -> Descriptor {
     let pid = std::process::id();
     let record = ExportRecord::add(&[g]).unwrap();
-    Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, handover: 0, granules: vec![g] }
+    Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, handover: 0, flags: 0, granules: vec![g] }
 }
 
 #[test]

@@ -203,6 +203,7 @@ mod tests {
             size: 1,
             origin: 0,
             handover: 0,
+            flags: 0,
             granules,
         }
     }
