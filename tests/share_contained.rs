@@ -144,6 +144,6 @@ fn the_refusal_is_named_where_the_exporter_has_no_handover_thread() {
     let mut d = gpupool::upstream::shared::Descriptor::decode(&export(a)).unwrap();
     d.handover = 0;
     let e = open(&d.encode(), 2).expect_err("no route to the descriptors");
-    assert!(e.contains("without a handover socket") && e.contains("pass them yourself"), "{e}");
+    assert!(e.contains("was refused") && e.contains("without a handover socket") && e.contains("pass the descriptors yourself"), "{e}");
     free(a, 1);
 }

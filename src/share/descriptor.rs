@@ -41,8 +41,8 @@ impl AnyDescriptor {
             AnyDescriptor::Arena(d) if fds.is_none() => match registry::with_pool(device, |pool| pool.ipc_import(d, None)) {
                 // No right to copy the exporter's descriptors (a container, Yama): its
                 // handover thread hands them over instead, checked against its record.
-                Err(Error::FetchRefused { .. }) => {
-                    let handed = super::handover::take_export(d)?;
+                Err(Error::FetchRefused { detail, .. }) => {
+                    let handed = super::handover::take_export(d, &detail)?;
                     let raw: Vec<c_int> = handed.iter().map(|f| f.as_raw_fd()).collect();
                     // The mapping keeps the memory: the copies close on return.
                     registry::with_pool(device, |pool| pool.ipc_import(d, Some(&raw)))

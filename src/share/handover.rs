@@ -154,12 +154,13 @@ fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
 /// answers only while it records the export (its token live), and only to a peer of its
 /// own user: the route for an importer that may not copy them with `pidfd_getfd` (a
 /// container's seccomp profile, Yama), which needs no ptrace right.
-pub fn take_export(d: &crate::upstream::shared::Descriptor) -> Result<Vec<OwnedFd>> {
+/// `refused` says why this process may not copy them itself, for the error where the
+/// thread does not hand them over either.
+pub fn take_export(d: &crate::upstream::shared::Descriptor, refused: &str) -> Result<Vec<OwnedFd>> {
     if d.handover == 0 {
         return Err(Error::InvalidArgument(format!(
-            "IPC import: process {} exported the block without a handover socket (a fork() child, or its descriptor \
-             thread could not start), and this process may not copy its descriptors: pass them yourself, received \
-             over a Unix socket",
+            "{refused}; process {} exported the block without a handover socket (a fork() child, or its descriptor \
+             thread could not start): pass the descriptors yourself, received over a Unix socket",
             d.pid
         )));
     }
@@ -173,7 +174,11 @@ pub fn take_export(d: &crate::upstream::shared::Descriptor) -> Result<Vec<OwnedF
              memory released, after the export)",
             d.pid
         ))),
-        Err(e) => Err(e.into_error(&name)),
+        Err(e) => Err(Error::InvalidArgument(format!(
+            "{refused}; nor did its handover thread hand them over ({}; it answers processes of its own user only): pass \
+             the descriptors yourself, received over a Unix socket",
+            e.into_error(&name).to_string().trim_start_matches("gpupool: invalid argument: ")
+        ))),
     }
 }
 
