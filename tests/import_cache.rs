@@ -4,7 +4,7 @@
 //! same process, which the host upstream maps as another's).
 
 use gpupool::ffi::core::{gpupool_free, gpupool_malloc, gpupool_reclaim};
-use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_export_flags, gpupool_ipc_open, GPUPOOL_IPC_SHARE_GRANULES};
+use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
 use gpupool::Status;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -41,24 +41,15 @@ fn export(p: *mut c_void) -> Vec<u8> {
 }
 
 fn export_flags(p: *mut c_void, flags: u32) -> Vec<u8> {
-    let mut desc = vec![0u8; 1 << 16];
-    let mut len = 0;
-    let st = unsafe { gpupool_ipc_export_flags(p, flags, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
-    assert_eq!(st, Status::Ok, "{}", last());
-    desc.truncate(len);
-    desc
+    common::ipc_export(p as usize, flags)
 }
 
 fn open(desc: &[u8], d: i32) -> Result<usize, String> {
-    let mut p = null_mut();
-    match unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), d, std::ptr::null(), 0, &mut p) } {
-        Status::Ok => Ok(p as usize),
-        _ => Err(last()),
-    }
+    common::ipc_open_by_pid(desc, d)
 }
 
 fn close(p: usize, d: i32) {
-    assert_eq!(gpupool_ipc_close(p as *mut c_void, d), Status::Ok, "{}", last());
+    common::ipc_close(p, d)
 }
 
 /// The number after `"key":` in `device`'s JSON report.

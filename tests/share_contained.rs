@@ -7,7 +7,7 @@
 //! another's).
 
 use gpupool::ffi::core::{gpupool_free, gpupool_malloc};
-use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_export_flags, gpupool_ipc_open, GPUPOOL_IPC_SHARE_GRANULES};
+use gpupool::ffi::ipc::GPUPOOL_IPC_SHARE_GRANULES;
 use gpupool::Status;
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -77,25 +77,10 @@ fn free(p: usize, d: i32) {
 }
 
 fn export(p: usize) -> Vec<u8> {
-    let mut desc = vec![0u8; 1 << 16];
-    let mut len = 0;
-    let st = unsafe { gpupool_ipc_export_flags(p as *mut c_void, GPUPOOL_IPC_SHARE_GRANULES, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
-    assert_eq!(st, Status::Ok, "{}", last());
-    desc.truncate(len);
-    desc
+    common::ipc_export(p, GPUPOOL_IPC_SHARE_GRANULES)
 }
 
-fn open(desc: &[u8], d: i32) -> Result<usize, String> {
-    let mut p = null_mut();
-    match unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), d, std::ptr::null(), 0, &mut p) } {
-        Status::Ok => Ok(p as usize),
-        _ => Err(last()),
-    }
-}
-
-fn close(p: usize, d: i32) {
-    assert_eq!(gpupool_ipc_close(p as *mut c_void, d), Status::Ok, "{}", last());
-}
+use common::{ipc_close as close, ipc_open_by_pid as open};
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

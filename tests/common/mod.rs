@@ -116,3 +116,27 @@ pub fn memory_status(device: i32) -> String {
     unsafe { gpupool_memory_status(device, buf.as_mut_ptr() as *mut std::ffi::c_char, buf.len()) };
     std::ffi::CStr::from_bytes_until_nul(&buf).unwrap().to_str().unwrap().to_string()
 }
+
+/// The IPC descriptor of the live block `p` (`gpupool_ipc_export_flags` with `flags`).
+pub fn ipc_export(p: usize, flags: u32) -> Vec<u8> {
+    let mut desc = vec![0u8; 1 << 16];
+    let mut len = 0;
+    let st = unsafe { gpupool::ffi::ipc::gpupool_ipc_export_flags(p as *mut std::ffi::c_void, flags, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+    assert_eq!(st, gpupool::Status::Ok, "{}", last_error());
+    desc.truncate(len);
+    desc
+}
+
+/// Open `desc` on device `d` fetching the exporter's descriptors itself; the error text.
+pub fn ipc_open_by_pid(desc: &[u8], d: i32) -> Result<usize, String> {
+    let mut p = std::ptr::null_mut();
+    match unsafe { gpupool::ffi::ipc::gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), d, std::ptr::null(), 0, &mut p) } {
+        gpupool::Status::Ok => Ok(p as usize),
+        _ => Err(last_error()),
+    }
+}
+
+/// Close what `ipc_open_by_pid` opened.
+pub fn ipc_close(p: usize, d: i32) {
+    assert_eq!(gpupool::ffi::ipc::gpupool_ipc_close(p as *mut std::ffi::c_void, d), gpupool::Status::Ok, "{}", last_error());
+}
