@@ -150,10 +150,11 @@ fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
 
 /// This process's copies of the descriptors behind the arena export `d`, asked of its
 /// exporter's descriptor thread: each of the exporter's numbers once, in the order the
-/// descriptor first names it (`Descriptor::per_granule` takes that list). The exporter
-/// answers only while it records the export (its token live), and only to a peer of its
-/// own user: the route for an importer that may not copy them with `pidfd_getfd` (a
-/// container's seccomp profile, Yama), which needs no ptrace right.
+/// descriptor first names it (`Descriptor::per_granule` takes that list), after `d` was
+/// checked against the exporter's record, which comes with them (`shared::check_handed`).
+/// The exporter answers only while it records the export (its token live), and only to a
+/// peer of its own user: the route for an importer that may not copy them with
+/// `pidfd_getfd` (a container's seccomp profile, Yama), which needs no ptrace right.
 /// `refused` says why this process may not copy them itself, for the error where the
 /// thread does not hand them over either.
 pub fn take_export(d: &crate::upstream::shared::Descriptor, refused: &str) -> Result<Vec<OwnedFd>> {
@@ -164,11 +165,16 @@ pub fn take_export(d: &crate::upstream::shared::Descriptor, refused: &str) -> Re
             d.pid
         )));
     }
+    crate::upstream::shared::still_the_exporter(d)?;
     prepare(false)?;
     on_fork_once();
     let name = socket_name(d.pid, d.handover);
     match taker::take_from(&name, &export_key(d.record.slot, d.record.token)) {
-        Ok((fds, _)) => Ok(fds),
+        Ok((mut fds, _)) if !fds.is_empty() => {
+            crate::upstream::shared::check_handed(d, fds.remove(0))?;
+            Ok(fds)
+        }
+        Ok(_) => Err(Error::InvalidArgument(format!("IPC import: process {} handed over no export record", d.pid))),
         Err(taker::Exchange::Unknown) => Err(Error::InvalidArgument(format!(
             "IPC import: process {} no longer exports this block (the descriptor is stale: the block was freed, or its \
              memory released, after the export)",

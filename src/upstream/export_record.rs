@@ -175,8 +175,10 @@ impl ExportRecord {
         })
     }
 
-    /// Copies of the descriptors export (`slot`, `token`) shares, each of its numbers once in
-    /// the order its granule list first names it; `None` where the export is not live. Made under the record's lock:
+    /// A copy of this record's descriptor, then copies of the descriptors export (`slot`,
+    /// `token`) shares, each of its numbers once in the order its granule list first names
+    /// it; `None` where the export is not live. The importer checks the descriptor it holds
+    /// against the record (`shared::check_handed`) as one that fetched by pid would. Made under the record's lock:
     /// an exported descriptor closes only after its exports are cleared, so the copies
     /// are the export's. The exporter's descriptor thread hands them to an importer that may
     /// not copy them itself (`share::handover::take_export`).
@@ -190,8 +192,8 @@ impl ExportRecord {
         }
         let mut seen = rustc_hash::FxHashSet::default();
         let numbers: Vec<i32> = shared.iter().map(|&(fd, _)| fd).filter(|&fd| seen.insert(fd)).collect();
-        let mut out = Vec::with_capacity(numbers.len());
-        for fd in numbers {
+        let mut out = Vec::with_capacity(numbers.len() + 1);
+        for fd in std::iter::once(r.fd.raw()).chain(numbers) {
             // SAFETY: F_DUPFD_CLOEXEC of a descriptor the record keeps open; the copy is ours.
             let c = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
             if c < 0 {

@@ -345,14 +345,7 @@ impl Exporter {
         }
         let pidfd = Fd(pidfd as i32);
         // Read after the pidfd pins the process: if it is the exporter, it stays so.
-        let now = start_time_of(pid);
-        if now != d.start_time {
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: process {pid} is not the exporter (it started at tick {now}, the exporter at {}): \
-                 the exporter is gone and its pid was reused; its blocks are no longer shared",
-                d.start_time
-            )));
-        }
+        still_the_exporter(d)?;
         // SAFETY: as above; the result is a new descriptor this process owns.
         let record = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.raw(), d.record.fd, 0) };
         if record < 0 {
@@ -491,6 +484,46 @@ impl<'a> FdSource<'a> {
             )));
         }
         Ok((fd, guard))
+    }
+}
+
+/// The process holding `d`'s pid is its exporter: it started when the exporter did (else
+/// the exporter is gone and its pid was reused: refused, saying so).
+pub fn still_the_exporter(d: &Descriptor) -> Result<()> {
+    let now = start_time_of(d.pid);
+    if now != d.start_time {
+        return Err(Error::InvalidArgument(format!(
+            "IPC import: process {} is not the exporter (it started at tick {now}, the exporter at {}): the exporter is \
+             gone and its pid was reused; its blocks are no longer shared",
+            d.pid, d.start_time
+        )));
+    }
+    Ok(())
+}
+
+/// The checks an importer that fetches by pid makes (`Exporter::open` and
+/// `FdSource::fetch_via`), for descriptors its exporter's handover thread handed over
+/// instead (`share::handover::take_export`): the process holding the pid is the exporter
+/// (its start time), `record` is that exporter's export record, and the record still holds
+/// the descriptor's token beside the digest of its granule list (an altered descriptor is
+/// refused).
+pub fn check_handed(d: &Descriptor, record: std::os::fd::OwnedFd) -> Result<()> {
+    use std::os::fd::IntoRawFd;
+    still_the_exporter(d)?;
+    let record = Fd(record.into_raw_fd());
+    ExportRecord::check(&record, d.pid, d.start_time)?;
+    let pid = d.pid;
+    match ExportRecord::entry_at(&record, d.record.slot) {
+        Some((token, _)) if token != d.record.token || token == 0 => Err(Error::InvalidArgument(format!(
+            "IPC import: process {pid} no longer exports this block (the descriptor is stale: the block was freed, or its \
+             memory released, after the export)"
+        ))),
+        Some((_, digest)) if digest != granules_digest(&d.granules) => Err(Error::InvalidArgument(format!(
+            "IPC import: the descriptor's granules are not the ones process {pid} exported under its token (a forged or \
+             altered descriptor)"
+        ))),
+        Some(_) => Ok(()),
+        None => Err(Error::InvalidArgument(format!("IPC import: the export record of process {pid} cannot be read"))),
     }
 }
 

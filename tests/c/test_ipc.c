@@ -293,12 +293,12 @@ int main(int argc, char **argv) {
   uint64_t huge = UINT64_MAX - 100;
   memcpy(wrapped + 40, &huge, sizeof huge); /* the size field */
   CHECK_STATUS(gpupool_ipc_open(wrapped, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
-  /* A forged descriptor (granule 0's file inode changed: bytes 104..112) names a file
+  /* A forged descriptor (granule 0's file device changed: bytes 112..120) names a file
    * nobody exported as that granule: refused, fetched (its granules no longer match the
    * digest the exporter recorded under its token) or passed in (the file is not it). */
   unsigned char forged[4096];
   memcpy(forged, desc[0], desc_len[0]);
-  forged[104] ^= 0x5a;
+  forged[112] ^= 0x5a;
   CHECK_STATUS(gpupool_ipc_open(forged, desc_len[0], dev, NULL, 0, &p), GPUPOOL_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(last_error(), "forged or altered") != NULL || strstr(last_error(), "pidfd") != NULL, "forged: %s", last_error());
   CHECK(p == NULL, "a refused open leaves *out_ptr NULL");
