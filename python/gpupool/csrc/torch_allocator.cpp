@@ -966,8 +966,6 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
 
-  // A handle PyTorch's own allocator made: a CUDA IPC handle of a cudaMalloc allocation (a
-  // version byte and 'c' before it, or the bare 64 bytes older versions sent).
   std::vector<std::unique_ptr<Books>> books_;
   std::mutex setup_mu_;
   std::atomic<bool> initialized_{false};
