@@ -46,14 +46,16 @@ def receive(inq, outq, route, gpupool_receiver):
 
 def kind(t):
     h = t.untyped_storage()._share_cuda_()[1]
-    return "gpupool-only" if h.startswith(b"gpupool-ipc1") else chr(h[1])
+    return "gpupool-only" if h.startswith(b"gpupool-ipc1") else chr(h[1]) if len(h) > 64 else "bare"
 
 
 if __name__ == "__main__":
     route, receiver = sys.argv[1], sys.argv[2]
-    import gpupool
-    gpupool.torch.install(compiled=True)
-    assert gpupool.torch.route() == "allocator", gpupool.torch.route()
+    sender = sys.argv[3] if len(sys.argv) > 3 else "gpupool"
+    if sender == "gpupool":
+        import gpupool
+        gpupool.torch.install(compiled=True)
+        assert gpupool.torch.route() == "allocator", gpupool.torch.route()
     ctx = mp.get_context("spawn")
     inq, outq = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=receive, args=(inq, outq, route, receiver == "gpupool"))
@@ -81,7 +83,7 @@ if __name__ == "__main__":
     assert outq.get(timeout=60)[0] == "stopped"
     p.join(60)
     assert p.exitcode == 0, p.exitcode
-    print("received", route, receiver, os.environ.get("GPUPOOL_POOL", "arena"), flush=True)
+    print("received", route, receiver, os.environ.get("GPUPOOL_POOL", "arena"), "from", sender, flush=True)
 '''
 
 
@@ -92,6 +94,16 @@ def _run(tmp_path, route, receiver, pool, confined):
     if confined:
         return run_script(HERE / "no_ptrace.py", [sys.executable, *args], env={"GPUPOOL_POOL": pool}, timeout=600)
     return run_script(script, [route, receiver], env={"GPUPOOL_POOL": pool}, timeout=600)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_gpupool_receiver_opens_what_pytorchs_own_allocator_sends(torch_gpu, library, tmp_path, expandable):
+    script = tmp_path / "sender.py"
+    script.write_text(SENDER)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if expandable else {}
+    out = ok(run_script(script, ["queue", "gpupool", "stock"], env=env, timeout=600))
+    assert "received queue gpupool arena from stock" in out, out
+    assert ("'e'" in out.split("formats", 1)[1].splitlines()[0]) == expandable, out
 
 
 @pytest.mark.parametrize("route", ["queue", "reduce"])
