@@ -6,9 +6,8 @@
 use crate::error::{Error, Result};
 use crate::registry;
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::Descriptor;
+use crate::upstream::shared::{Descriptor, FileId, SharedGranule, KIND_CUDA};
 use super::torch_format::{self, Parsed};
-use crate::upstream::shared::{FileId, SharedGranule, KIND_CUDA};
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, FromRawFd};
 
@@ -123,7 +122,7 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
                 "IPC import: pidfd_getfd of descriptor {fd} of process {pid} failed: {}. The sender is on PyTorch's \
                  expandable segments, whose receivers copy its descriptors (a container without CAP_SYS_PTRACE refuses \
                  that, for PyTorch's own receivers too): turn expandable segments off in the sender, or install gpupool \
-                 there, whose handles reach a container's receivers",
+                 in both processes (gpupool's handles reach gpupool receivers in containers)",
                 std::io::Error::last_os_error()
             )));
         }
