@@ -286,8 +286,22 @@ def tag(name):
         _check(lib().gpupool_tag_end())
 
 
-def _names(tags):
-    return [tags] if isinstance(tags, str) else list(tags)
+def _names(tags, what, device):
+    """The tag names `tags` gives (a name or several), each one this process named: checked
+    before any is acted on, so a bad name changes nothing. Returns them with the bytes each
+    has paused now."""
+    if isinstance(tags, str):
+        names = [tags]
+    else:
+        try:
+            names = list(tags)
+        except TypeError:
+            raise TypeError(f"gpupool.{what}: tags are a tag name or a list of names, not {type(tags).__name__}") from None
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"gpupool.{what}: a tag name is a str, not {type(name).__name__} ({name!r})")
+    # paused_bytes raises, naming it, for a tag this process never named.
+    return [(name, paused_bytes(name, device)) for name in names]
 
 
 def _stream_handle(stream):
@@ -311,7 +325,9 @@ def pause(tags, backup=True, device=-1, stream=None):
     (stream-ordered, no device-wide synchronize); contents are copied to page-locked host
     memory where `backup` says (True, False, or a dict of tag -> bool: weights kept, KV
     caches discarded). Returns the device bytes given back. Until `resume`, allocating under
-    a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume."""
+    a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume.
+    All or nothing: every name is checked before any tag pauses, and a pause that fails
+    midway resumes the tags this call paused (the error says which)."""
     # A stream belongs to one device: with every device asked and no stream named, the
     # current device waits for PyTorch's current stream and the others (a paused device
     # counts as done) for their legacy streams; no other device's context is touched.
@@ -322,13 +338,33 @@ def pause(tags, backup=True, device=-1, stream=None):
         if t is not None and t.cuda.is_initialized():
             targets = [(t.cuda.current_device(), t.cuda.current_stream().cuda_stream), (-1, 0)]
     total = 0
-    for name in _names(tags):
+    done = []
+    for name, before in _names(tags, "pause", device):
         keep = backup.get(name, True) if isinstance(backup, dict) else bool(backup)
-        for d, handle in targets:
-            n = ctypes.c_size_t(0)
-            _check(lib().gpupool_tag_pause(d, name.encode(), handle, int(keep), ctypes.byref(n)))
-            total += n.value
+        try:
+            for d, handle in targets:
+                n = ctypes.c_size_t(0)
+                _check(lib().gpupool_tag_pause(d, name.encode(), handle, int(keep), ctypes.byref(n)))
+                total += n.value
+        except GpupoolError as e:
+            # All or nothing: what this call paused before the failure is resumed.
+            undone = [t for t in done + ([name] if before == 0 else []) if _resume_quietly(t, device)]
+            raise GpupoolError(e.status, f"{e} (pausing {name!r}; "
+                               f"{'resumed ' + ', '.join(map(repr, undone)) if undone else 'nothing else was paused'})") from None
+        if before == 0:
+            done.append(name)
     return total
+
+
+def _resume_quietly(name, device):
+    """Resume tag `name` after a failed pause; whether it had paused memory to resume."""
+    try:
+        if paused_bytes(name, device) == 0:
+            return False
+        resume(name, device)
+        return True
+    except GpupoolError:
+        return False
 
 
 def resume(tags, device=-1):
@@ -337,7 +373,7 @@ def resume(tags, device=-1):
     addresses go on. Out of memory leaves a tag paused (free memory, then resume again).
     Returns the bytes mapped."""
     total = 0
-    for name in _names(tags):
+    for name, _ in _names(tags, "resume", device):
         n = ctypes.c_size_t(0)
         _check(lib().gpupool_tag_resume(device, name.encode(), ctypes.byref(n)))
         total += n.value

@@ -51,6 +51,31 @@ def test_tags_pause_and_resume_through_python_on_host(library):
     """, env={"GPUPOOL_UPSTREAM": "host"}))
 
 
+def test_a_bad_name_among_several_pauses_nothing_and_says_which_on_host(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        p = ctypes.c_void_p()
+        with gpupool.tag("w"):
+            assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        try:
+            gpupool.pause(["w", "nosuch"])
+            raise SystemExit("paused with an unknown name")
+        except gpupool.GpupoolError as e:
+            assert '"nosuch"' in str(e) and "never named" in str(e), e
+        assert gpupool.paused_bytes("w") == 0, "a refused call paused nothing"
+        for bad, says in ((None, "not NoneType"), (["w", 5], "is a str, not int")):
+            try:
+                gpupool.pause(bad)
+                raise SystemExit(f"paused {bad!r}")
+            except TypeError as e:
+                assert says in str(e) and "gpupool.pause" in str(e), e
+        assert gpupool.pause("w") > 0 and gpupool.resume(["w"]) > 0
+        print("all or nothing")
+    """))
+    assert "all or nothing" in out
+
+
 def test_pause_returns_the_memory_and_resume_restores_tensors_bit_exact(torch_gpu, library):
     out = ok(run_py(TORCH + textwrap.dedent("""
         torch.manual_seed(0)
