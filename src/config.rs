@@ -439,7 +439,16 @@ impl Config {
         }
         if let Some(v) = get("GPUPOOL_ARENA_VA") {
             if !v.trim().is_empty() {
-                c.arena_va = Some(positive_size("GPUPOOL_ARENA_VA", &v, "a size greater than zero: bytes or a size with unit (512GiB)")?);
+                // Less than one granule (the arena's mapping unit on every GPU) fits no block
+                // at all: refused here, not as an out-of-memory error at the first malloc.
+                let accepted = "a size of at least 2MiB, the arena's mapping unit: bytes or a size with unit (512GiB)";
+                c.arena_va = Some(positive_size("GPUPOOL_ARENA_VA", &v, accepted).and_then(|b| {
+                    if b >= 2 << 20 {
+                        Ok(b)
+                    } else {
+                        Err(Error::InvalidConfig { var: "GPUPOOL_ARENA_VA", value: v.to_string(), accepted })
+                    }
+                })?);
             }
         }
         if let Some(v) = get("GPUPOOL_DECAY") {

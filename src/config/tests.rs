@@ -75,6 +75,9 @@ fn malformed_values_name_variable_value_and_accepted() {
     }
     assert!(cfg(&[("GPUPOOL_ARENA_VA", "-3")]).is_err());
     assert!(cfg(&[("GPUPOOL_ARENA_VA", "0")]).is_err());
+    let e = cfg(&[("GPUPOOL_ARENA_VA", "1KB")]).unwrap_err().to_string();
+    assert!(e.contains("GPUPOOL_ARENA_VA") && e.contains("\"1KB\"") && e.contains("at least 2MiB"), "{e}");
+    assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "2MiB")]).unwrap().arena_va, Some(2 << 20));
     assert_eq!(cfg(&[("GPUPOOL_ARENA_VA", "64GiB")]).unwrap().arena_va, Some(64 << 30));
     assert_eq!(cfg(&[("GPUPOOL_POOL", "arena")]).unwrap().pool, PoolKind::Arena);
     assert_eq!(cfg(&[]).unwrap().pool, PoolKind::Arena, "the arena is the default");
