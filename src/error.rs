@@ -128,6 +128,9 @@ pub enum Error {
     InvalidDevice { device: i32, detail: String },
     OutOfMemory(Box<OomReport>),
     InvalidConfig { var: &'static str, value: String, accepted: &'static str },
+    /// A well-formed setting that cannot be used (a trace path whose file cannot be
+    /// created): the value, then why.
+    UnusableConfig { var: &'static str, value: String, why: String },
     NoDriver(String),
     Cuda { call: &'static str, code: u32, name: String },
     Internal(String),
@@ -150,7 +153,7 @@ impl Error {
             Error::InvalidPointer { .. } => Status::InvalidPointer,
             Error::InvalidDevice { .. } => Status::InvalidDevice,
             Error::OutOfMemory(_) => Status::OutOfMemory,
-            Error::InvalidConfig { .. } => Status::InvalidConfig,
+            Error::InvalidConfig { .. } | Error::UnusableConfig { .. } => Status::InvalidConfig,
             Error::NoDriver(_) => Status::NoDriver,
             Error::Cuda { .. } => Status::CudaError,
             Error::Internal(_) => Status::Internal,
@@ -261,6 +264,7 @@ impl fmt::Display for Error {
             Error::InvalidConfig { var, value, accepted } => {
                 write!(f, "gpupool: invalid value {value:?} for {var}; accepted: {accepted}")
             }
+            Error::UnusableConfig { var, value, why } => write!(f, "gpupool: {var}={value:?} cannot be used: {why}"),
             Error::NoDriver(msg) => write!(f, "gpupool: no CUDA driver: {msg}"),
             Error::Cuda { call, code, name } => write!(f, "gpupool: CUDA driver call {call} failed: {name} ({code})"),
             Error::Internal(msg) => write!(f, "gpupool: internal error: {msg}"),

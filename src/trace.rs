@@ -91,10 +91,10 @@ thread_local! {
 impl Tracer {
     /// Open `path` (truncating) and start the writer thread.
     pub fn open(path: &Path) -> Result<Tracer> {
-        let file = std::fs::File::create(path).map_err(|e| Error::InvalidConfig {
+        let file = std::fs::File::create(path).map_err(|e| Error::UnusableConfig {
             var: "GPUPOOL_TRACE",
-            value: format!("{} ({e})", path.display()),
-            accepted: "a path to a file that can be created and written",
+            value: path.display().to_string(),
+            why: format!("{e}; it must name a file that can be created and written"),
         })?;
         let (tx, rx) = channel::<Row>();
         let writer = std::thread::Builder::new()

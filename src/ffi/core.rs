@@ -104,6 +104,13 @@ pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize
     call(|| {
         let mut total = 0;
         let mut first_err = None;
+        // Every device: with settings no pool can be made under, say so (as `stats` does)
+        // rather than report nothing released.
+        if device == -1 {
+            if let Some(e) = registry::settings_error() {
+                return Err(e);
+            }
+        }
         let devices = if device == -1 { registry::existing_devices() } else { vec![device] };
         for d in devices {
             match registry::reclaim(d)? {

@@ -115,6 +115,33 @@ def test_memory_status_shows_a_malformed_configuration(library):
     assert "ok" in out
 
 
+def test_reclaim_and_a_trace_path_that_cannot_be_written_say_the_real_cause(library):
+    # A malformed setting: reclaiming every device raises it, as stats does, instead of
+    # reporting nothing released.
+    out = ok(run_py("""
+        import gpupool
+        try:
+            gpupool.reclaim()
+            raise SystemExit("reclaim passed under a malformed setting")
+        except gpupool.GpupoolError as e:
+            assert e.status == 6 and "GPUPOOL_POOL" in str(e) and '"bogus"' in str(e), e
+        print("reclaim says")
+    """, env={"GPUPOOL_POOL": "bogus", "GPUPOOL_UPSTREAM": "host"}))
+    assert "reclaim says" in out
+    # A trace path in a folder that does not exist: the path quoted alone, the OS's reason after.
+    out = ok(run_py("""
+        import gpupool
+        try:
+            gpupool.stats(0)
+            raise SystemExit("a pool was made with an unwritable trace")
+        except gpupool.GpupoolError as e:
+            assert e.status == 6, e
+            assert 'GPUPOOL_TRACE="/nonexistent-gpupool/t.csv" cannot be used: No such file' in str(e), e
+        print("trace says")
+    """, env={"GPUPOOL_TRACE": "/nonexistent-gpupool/t.csv", "GPUPOOL_UPSTREAM": "host"}))
+    assert "trace says" in out
+
+
 def test_missing_library_says_what_it_looked_for():
     p = run_py("import gpupool; gpupool.lib()", env={"GPUPOOL_LIBRARY": "/nonexistent/libgpupool.so"})
     assert p.returncode != 0
