@@ -92,7 +92,7 @@ pub enum LimitSpec {
 
 impl LimitSpec {
     pub const ACCEPTED: &'static str =
-        "bytes (1073741824), a size with unit (512MiB, 8GiB, 8GB, 100KB; B/KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024), or a percentage of device memory (50%)";
+        "bytes (1073741824), a size with unit (512MiB, 8GiB, 8GB, 8G, 100KB; K/M/G/T and KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024), or a percentage of device memory (50%)";
 
     /// Resolve against the device total (needed only for percentages).
     pub fn resolve(self, device_total: usize) -> usize {

@@ -40,6 +40,9 @@ fn malformed_values_name_variable_value_and_accepted() {
     assert!(msg.contains("GPUPOOL_POOL") && msg.contains("fancy") && msg.contains("split | binned | none | arena"), "{msg}");
     let e = cfg(&[("GPUPOOL_MEMORY_LIMIT", "lots")]).unwrap_err();
     assert!(e.to_string().contains("GPUPOOL_MEMORY_LIMIT") && e.to_string().contains("50%"));
+    // A bare unit letter is decimal, as its two-letter form, and the message says so.
+    assert!(e.to_string().contains("K/M/G/T and KB/MB/GB/TB are powers of 1000"), "{e}");
+    assert_eq!(parse_size("8G"), parse_size("8GB"));
     assert!(cfg(&[("GPUPOOL_UPSTREAM", "tpu")]).is_err());
     assert!(cfg(&[("GPUPOOL_DEBUG", "3")]).is_err());
     assert!(cfg(&[("GPUPOOL_UNSAFE_IGNORE_STREAMS", "maybe")]).is_err());
