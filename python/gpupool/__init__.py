@@ -12,7 +12,9 @@ PyTorch and CuPy call the library's C functions directly.
 import contextlib
 import ctypes
 import json
+import operator
 import os
+import sys
 import pathlib
 
 __version__ = "0.1.0"   # the library's own (gpupool_version()) is checked to match
@@ -208,13 +210,32 @@ def reclaim(device=-1):
 def set_limit(limit, device=0):
     """Cap the device pool's reserved memory: bytes, '8GiB', '512MB' or '50%'; 0 = no limit.
     Strings are parsed by the library, exactly as GPUPOOL_MEMORY_LIMIT is."""
-    if isinstance(limit, int):
-        # ctypes would wrap these silently: -5 to 16 EiB, 2**70 to some other number.
-        if limit < 0 or limit >= 1 << 64:
-            raise ValueError(f"gpupool: a limit is a number of bytes from 0 (no limit) to 2**64 - 1, not {limit}")
-        _check(lib().gpupool_set_limit(device, limit))
-    else:
-        _check(lib().gpupool_set_limit_str(device, str(limit).encode()))
+    if isinstance(limit, str):
+        _check(lib().gpupool_set_limit_str(device, limit.encode()))
+        return
+    try:
+        limit = operator.index(limit)  # an int, or an integer type such as numpy's
+    except TypeError:
+        raise TypeError(f"gpupool.set_limit: a limit is bytes (an integer) or a string such as '8GiB' or '50%' "
+                        f"(0 for no limit), not {type(limit).__name__}") from None
+    # ctypes would wrap these silently: -5 to 16 EiB, 2**70 to some other number.
+    if limit < 0 or limit >= 1 << 64:
+        raise ValueError(f"gpupool: a limit is a number of bytes from 0 (no limit) to 2**64 - 1, not {limit}")
+    _check(lib().gpupool_set_limit(device, limit))
+
+
+def _framework(name, what):
+    """Import framework `name` for `what` (an install call), saying what is missing if it is not
+    installed rather than failing with a bare ModuleNotFoundError."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        pip = {"torch": "torch", "cupy": "cupy-cuda13x (or the CuPy build for your CUDA)"}[name]
+        raise ModuleNotFoundError(f"{what} needs {name}, which is not installed in this Python "
+                                  f"({sys.executable}): pip install {pip}", name=name) from None
 
 
 def get_limit(device=0):

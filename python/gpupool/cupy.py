@@ -32,7 +32,7 @@ import ctypes
 import itertools
 import weakref
 
-from . import _check, _fn_address, lib
+from . import _check, _fn_address, _framework, lib
 from . import share as _share
 
 
@@ -195,7 +195,7 @@ def install(pinned=True, typed_oom=False):
     `__cause__`) unless `typed_oom=True`, which then installs `python_allocator()` (one
     Python call per allocation) instead of the C path; where CuPy does, `typed_oom` keeps
     the C path, which already raises the typed error. See the module notes."""
-    import cupy
+    cupy = _framework("cupy", "gpupool.cupy.install()")
     alloc = allocator()
     if typed_oom and not c_allocator_raises_typed():
         alloc = python_allocator()

@@ -28,7 +28,7 @@ switches inductor to its plain CUDA graphs (`torch._inductor.config.triton.cudag
 
 import warnings
 
-from . import _fn_address, _torch_allocator, library_path, lib, share
+from . import _fn_address, _framework, _torch_allocator, library_path, lib, share
 
 # (setter names across PyTorch versions, gpupool function)
 _HOOKS = [
@@ -116,7 +116,7 @@ def install(compile_graphs=True, compiled=None):
     route. `compile_graphs`: route torch.compile's CUDA graphs through torch.cuda.graph (see
     the module notes). `route()` says which route was taken."""
     global _ROUTE
-    import torch
+    torch = _framework("torch", "gpupool.torch.install()")
     lib()
     if _install_class(compiled):
         _ROUTE = "allocator"

@@ -142,6 +142,31 @@ def test_reclaim_and_a_trace_path_that_cannot_be_written_say_the_real_cause(libr
     assert "trace says" in out
 
 
+def test_a_limit_of_the_wrong_type_and_installs_without_the_framework_say_what_is_wrong(library):
+    out = ok(run_py("""
+        import sys, gpupool, gpupool.torch, gpupool.cupy
+        gpupool.configure(0, pool="arena", upstream="host")
+        for bad in (None, 1.5, [1]):
+            try:
+                gpupool.set_limit(bad)
+                raise SystemExit(f"{bad!r} accepted")
+            except TypeError as e:
+                assert "gpupool.set_limit" in str(e) and type(bad).__name__ in str(e), e
+        assert gpupool.get_limit() == 0, "a refused limit changes nothing"
+        # A framework that is not installed (hidden from this interpreter): its install says so.
+        sys.modules["torch"] = None
+        sys.modules["cupy"] = None
+        for install, name in ((gpupool.torch.install, "torch"), (gpupool.cupy.install, "cupy")):
+            try:
+                install()
+                raise SystemExit(f"installed without {name}")
+            except ModuleNotFoundError as e:
+                assert f"needs {name}" in str(e) and "pip install" in str(e), e
+        print("says why")
+    """))
+    assert "says why" in out
+
+
 def test_missing_library_says_what_it_looked_for():
     p = run_py("import gpupool; gpupool.lib()", env={"GPUPOOL_LIBRARY": "/nonexistent/libgpupool.so"})
     assert p.returncode != 0
