@@ -48,6 +48,11 @@ export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 cc -Wall -Wextra -Werror examples-c/quickstart.c $(pkg-config --cflags --libs gpupool) -o build/quickstart_pc
 LD_LIBRARY_PATH="$prefix/lib" ./build/quickstart_pc > build/quickstart_pc.txt
 grep -q "pattern round trip host -> pool memory -> host: OK" build/quickstart_pc.txt
+# The README's C snippet, as pasted, compiles warning-free and runs (on the host upstream).
+awk '/^```c$/{on=1; next} /^```$/{on=0} on' README.md > build/readme_snippet.c
+cc -Wall -Wextra -Werror build/readme_snippet.c $(pkg-config --cflags --libs gpupool) -o build/readme_snippet
+LD_LIBRARY_PATH="$prefix/lib" GPUPOOL_UPSTREAM=host ./build/readme_snippet
+echo "README's C snippet OK"
 # The .pc file is relocatable: the same prefix moved elsewhere still compiles.
 mv "$prefix" "$tmp/moved"
 PKG_CONFIG_PATH="$tmp/moved/lib/pkgconfig" cc -Wall -Wextra -Werror examples-c/quickstart.c \
