@@ -94,7 +94,7 @@ impl Tracer {
         let file = std::fs::File::create(path).map_err(|e| Error::UnusableConfig {
             var: "GPUPOOL_TRACE",
             value: path.display().to_string(),
-            why: format!("{e}; it must name a file that can be created and written"),
+            why: format!("{e}; accepted: a path to a file that can be created and written"),
         })?;
         let (tx, rx) = channel::<Row>();
         let writer = std::thread::Builder::new()
