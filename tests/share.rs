@@ -436,7 +436,7 @@ fn without_holds_a_new_block_at_a_freed_blocks_place_shows_its_own_memory() {
 #[test]
 fn a_collect_over_many_outstanding_sends_costs_each_send_the_same() {
     // 100,000 sends held, all let go: asking about each once must not scan the slots found
-    // released before it (which made such a collect take most of a second).
+    // released before it (which made such a collect quadratic in the sends outstanding).
     let n = 100_000;
     let mut slots = Vec::with_capacity(n);
     let mut fd = -1;
