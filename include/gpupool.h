@@ -171,6 +171,15 @@ enum gpupool_status gpupool_get_limit(int device, size_t *out_bytes);
 // `buf` must be NULL or point to `len` writable bytes.
 size_t gpupool_memory_status(int device, char *buf, size_t len);
 
+// Where process `pid` (0: this process) answers status requests when it runs with
+// `GPUPOOL_STATUS_SOCKET=1`, for a reader of the same user (Note [The status socket]).
+// snprintf convention, as `gpupool_memory_status`. A reader should check that the peer's
+// credentials (`SO_PEERCRED`) are `pid`'s and its own user's before trusting the answer.
+//
+// # Safety
+// `buf` must be NULL or point to `len` writable bytes.
+size_t gpupool_status_socket_path(int pid, char *buf, size_t len);
+
 // The same numbers as JSON: one object for a device, an array for -1. Same buffer
 // convention as `gpupool_memory_status`. Beyond the `gpupool_stats` fields each object
 // has `driver_calls` (calls made by kind, and `total`), `arena` for arena pools (mapped

@@ -96,6 +96,7 @@ def lib():
             ("gpupool_set_limit_str", c_int, [c_int, cp]),
             ("gpupool_get_limit", c_int, [c_int, ctypes.POINTER(c_size)]),
             ("gpupool_memory_status", c_size, [c_int, cp, c_size]),
+            ("gpupool_status_socket_path", c_size, [c_int, cp, c_size]),
             ("gpupool_stats_json", c_size, [c_int, cp, c_size]),
             ("gpupool_status_str", cp, [c_int]),
             ("gpupool_last_error", c_size, [cp, c_size]),
@@ -417,11 +418,9 @@ def drop_backup(tag_name, device=-1):
 
 
 def _socket_path(pid):
-    """Where process `pid` answers status requests (GPUPOOL_STATUS_SOCKET=1; the same rule
-    as the library's status_socket.rs)."""
-    d = os.environ.get("XDG_RUNTIME_DIR")
-    d = d if d and os.path.isdir(d) else "/tmp"
-    return os.path.join(d, f"gpupool-{pid}.sock")
+    """Where process `pid` answers status requests (GPUPOOL_STATUS_SOCKET=1): the library's
+    rule (Note [The status socket] in status_socket.rs)."""
+    return _text(lib().gpupool_status_socket_path, pid)
 
 
 def _fn_address(name):

@@ -210,6 +210,21 @@ pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, 
     })
 }
 
+/// Where process `pid` (0: this process) answers status requests when it runs with
+/// `GPUPOOL_STATUS_SOCKET=1`, for a reader of the same user (Note [The status socket]).
+/// snprintf convention, as `gpupool_memory_status`. A reader should check that the peer's
+/// credentials (`SO_PEERCRED`) are `pid`'s and its own user's before trusting the answer.
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_status_socket_path(pid: c_int, buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || {
+        let pid = if pid <= 0 { std::process::id() } else { pid as u32 };
+        write_str(&crate::status_socket::path_for(pid).to_string_lossy(), buf, len)
+    })
+}
+
 /// The same numbers as JSON: one object for a device, an array for -1. Same buffer
 /// convention as `gpupool_memory_status`. Beyond the `gpupool_stats` fields each object
 /// has `driver_calls` (calls made by kind, and `total`), `arena` for arena pools (mapped

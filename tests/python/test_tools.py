@@ -8,17 +8,14 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import INSTALLED, ROOT, ok, run_py
+from conftest import INSTALLED, ROOT, _env, ok, run_py
 
 TRACE = ROOT / "tests" / "data" / "torch_mlp_trace.csv"
 
 
-def cli(*args, env=None):
-    e = dict(os.environ)
-    if not INSTALLED:
-        e["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + e.get("PYTHONPATH", "")
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "gpupool", *args], capture_output=True, text=True, env=e, timeout=120)
+def cli(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "gpupool", *args], capture_output=True, text=True, env=_env(env),
+                          timeout=120, **kw)
 
 
 def check_snapshot_books(snap):
@@ -110,30 +107,126 @@ def test_status_of_a_trace_and_bad_input():
     assert cli("status").returncode != 0
 
 
-def test_status_of_a_running_process(library, tmp_path):
-    e = dict(os.environ, GPUPOOL_STATUS_SOCKET="1", XDG_RUNTIME_DIR=str(tmp_path))
-    if not INSTALLED:
-        e["PYTHONPATH"] = str(ROOT / "python")
-        e["GPUPOOL_LIBRARY"] = library
-    child = subprocess.Popen([sys.executable, "-c", """
+SERVER = """
 import ctypes, gpupool, sys
 gpupool.configure(0, pool="split", upstream="host")
 p = ctypes.c_void_p()
 assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
 print("ready", flush=True)
 sys.stdin.readline()
-"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=e)
+"""
+
+
+def serving(tmp_path):
+    """A process with its status socket on, under XDG_RUNTIME_DIR=tmp_path."""
+    return subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=_env({"GPUPOOL_STATUS_SOCKET": "1", "XDG_RUNTIME_DIR": str(tmp_path)}))
+
+
+def stop(child):
+    child.stdin.write("\n")
+    child.stdin.close()
+    child.wait(timeout=30)
+    return child.stderr.read()
+
+
+def test_status_of_a_running_process(library, tmp_path):
+    tmp_path.chmod(0o700)
+    child = serving(tmp_path)
     try:
         assert child.stdout.readline().strip() == "ready"
+        sock = tmp_path / "gpupool" / f"{child.pid}.sock"
+        assert (sock.parent.stat().st_mode & 0o777, sock.stat().st_mode & 0o777) == (0o700, 0o600)
         r = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
         assert r.returncode == 0, r.stderr
         assert "3.00 MiB in use" in r.stdout, r.stdout
     finally:
-        child.stdin.write("\n")
-        child.stdin.close()
-        child.wait(timeout=30)
+        stop(child)
     gone = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
     assert gone.returncode != 0 and "GPUPOOL_STATUS_SOCKET=1" in gone.stderr
+
+
+def test_status_socket_refuses_a_place_another_user_prepared(library, tmp_path):
+    """Someone who makes the socket's directory first (another user, or a directory open to
+    all) keeps the socket off, with the reason on stderr, instead of receiving it."""
+    squat = tmp_path / "gpupool"
+    squat.mkdir()
+    if os.geteuid() == 0:
+        os.chown(squat, 65534, 65534)
+        why = "belongs to uid 65534, not to this user"
+    else:
+        squat.chmod(0o777)
+        why = "is open to other users (mode 777)"
+    child = serving(tmp_path)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert not (squat / f"{child.pid}.sock").exists()
+    finally:
+        err = stop(child)
+    assert "the status socket is off" in err and why in err, err
+
+
+def test_status_reader_refuses_an_answer_from_another_process(library, tmp_path):
+    """A socket at process P's place served by someone else: the reader checks the peer's
+    credentials and does not print what it says."""
+    import socket
+    import threading
+
+    (tmp_path / "gpupool").mkdir(mode=0o700)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(tmp_path / "gpupool" / f"{other.pid}.sock"))
+        srv.listen(1)
+
+        def answer():
+            c, _ = srv.accept()
+            try:
+                c.sendall(b"forged report: 0 bytes in use\n")
+            except OSError:  # the reader hung up unanswered, as it should
+                pass
+            c.close()
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        r = cli("status", "--pid", str(other.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+        assert r.returncode != 0 and "forged" not in r.stdout, (r.stdout, r.stderr)
+        assert f"served by process {os.getpid()}" in r.stderr and f"not by process {other.pid}" in r.stderr, r.stderr
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_status_socket_answers_no_other_user(library):
+    """The server checks the reader's credentials: another user who reaches the socket (its
+    directory opened after the start, as a misconfigured host might) gets no report."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="gpupool-status-"))  # under /tmp: others can reach it
+    child = serving(tmp_path)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sock = tmp_path / "gpupool" / f"{child.pid}.sock"
+        for p in (tmp_path, sock.parent, sock):
+            p.chmod(0o777)
+        r = subprocess.run([sys.executable, "-c", f"""
+import os, socket
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+s.connect({str(sock)!r})
+print("got", len(s.recv(65536)))
+"""], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "got 0", (r.stdout, r.stderr)
+        same = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
+        assert same.returncode == 0 and "3.00 MiB in use" in same.stdout, same.stderr
+    finally:
+        stop(child)
+        shutil.rmtree(tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["split", "binned", "arena"])
