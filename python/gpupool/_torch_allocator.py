@@ -68,16 +68,39 @@ def _name(torch, source):
     return "gpupool_torch_allocator_" + h.hexdigest()[:16]
 
 
-def _build_directory(torch, cpp_extension, name):
+def _build_directory(torch, name):
     """The folder torch.utils.cpp_extension would choose for `name` (TORCH_EXTENSIONS_DIR, else
-    its per-Python, per-CUDA folder under the cache root), chosen here so that the library's
-    path is known before the build."""
+    its per-Python, per-CUDA folder under the user's cache), chosen here so that the library's
+    path is known before the build, and without importing cpp_extension (a fifth of a second,
+    setuptools with it) where the library is built already."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:
         cu = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
         py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(cpp_extension.get_default_build_root(), f"{py}_{cu}")
+        from torch import _appdirs
+        cache = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+        root = os.path.join(cache, f"{py}_{cu}")
     return os.path.join(root, name)
+
+
+# Members of PyTorch's CUDAAllocator interface that only some PyTorch versions declare: the
+# class defines each where the installed headers declare it (-D<macro>), so one source
+# builds against every supported version.
+OPTIONAL_MEMBERS = {
+    "attachOomRejectionObserver": "GPUPOOL_TORCH_OOM_REJECTION_OBSERVER",
+}
+
+READY = "built"  # the marker a finished build leaves beside the library
+
+
+def _interface_flags(torch):
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "c10", "cuda", "CUDACachingAllocator.h")
+    try:
+        with open(header) as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [f"-D{macro}" for member, macro in OPTIONAL_MEMBERS.items() if f" {member}(" in text]
 
 
 def _cuda_runtime(cpp_extension):
@@ -127,20 +150,21 @@ def _short(e):
 def build():
     """Path of the class's library, built first where needed (with a one-line notice on
     stderr). Raises RuntimeError saying why it cannot be built."""
+    import torch
+    source = SOURCE.read_text()
+    name = _name(torch, source)
+    d = _build_directory(torch, name)
+    so = os.path.join(d, name + ".so")
+    ready = os.path.join(d, READY)
+    # Built before: use it without a compiler or ninja (deployments often have neither).
+    # The marker is written (atomically) only after a build finished, so with it the
+    # library is complete, whatever the build's own locking leaves in the folder.
+    if os.path.isfile(ready) and os.path.isfile(so):
+        return so
     try:
-        import torch
         from torch.utils import cpp_extension
     except Exception as e:  # cpp_extension needs setuptools, for one
         raise RuntimeError(f"torch.utils.cpp_extension cannot be imported ({_short(e)})") from e
-    source = SOURCE.read_text()
-    name = _name(torch, source)
-    d = _build_directory(torch, cpp_extension, name)
-    so = os.path.join(d, name + ".so")
-    # Built before: use it without a compiler or ninja (deployments often have neither).
-    # The library is written only while the build holds the folder's lock file, so without
-    # that file it is complete.
-    if os.path.isfile(so) and not os.path.exists(os.path.join(d, "lock")):
-        return so
     compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs on Linux
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
@@ -160,9 +184,16 @@ def build():
         print(f"gpupool: compiling its PyTorch allocator once (about a minute; cached in {d})", file=sys.stderr,
               flush=True)
         torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-        cpp_extension.load(name=name, sources=[src], extra_cflags=["-O2"], extra_include_paths=[include],
+        # Several processes may get here at once: cpp_extension.load serializes the build
+        # (its lock), and each writes the same marker after it.
+        cpp_extension.load(name=name, sources=[src], extra_cflags=["-O2", *_interface_flags(torch)],
+                           extra_include_paths=[include],
                            extra_ldflags=[f"-L{torch_lib}", "-ltorch_cuda", "-lc10_cuda", cudart],
                            build_directory=d, is_python_module=False, with_cuda=False, verbose=False)
+        tmp = f"{ready}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(torch.__version__ + "\n")
+        os.replace(tmp, ready)
         return so
     except Exception as e:
         raise RuntimeError(f"building {name} in {d} failed: {_short(e)}") from e

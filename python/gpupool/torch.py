@@ -26,6 +26,8 @@ switches inductor to its plain CUDA graphs (`torch._inductor.config.triton.cudag
 = False`), which capture through `torch.cuda.graph`.
 """
 
+import importlib.abc
+import sys
 import warnings
 
 from . import _fn_address, _framework, _torch_allocator, library_path, lib, share
@@ -68,14 +70,62 @@ def allocator():
     return alloc
 
 
+_INDUCTOR_CONFIG = "torch._inductor.config"
+
+
+def _plain_cuda_graphs(config):
+    config.triton.cudagraph_trees = False
+
+
+class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `then(module)` right after module `name` is first imported, through the loader
+    that would have imported it (every other method and attribute is that loader's)."""
+
+    def __init__(self, name, then):
+        self.name, self.then, self.inner = name, then, None
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name or self.inner is not None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                self.inner = spec.loader
+                spec.loader = self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.inner
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        self.inner.exec_module(module)
+        self.then(module)
+
+    def __getattr__(self, attr):
+        if self.inner is None:
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+
 def use_plain_cuda_graphs_in_compile():
     """Make torch.compile(mode="reduce-overhead") capture with torch.cuda.graph instead of
-    CUDA-graph trees (which checkpoint private pools, which gpupool refuses)."""
-    try:
-        import torch._inductor.config as inductor_config
-    except Exception:  # inductor unavailable: nothing to configure
-        return False
-    inductor_config.triton.cudagraph_trees = False
+    CUDA-graph trees (which checkpoint private pools, which gpupool refuses). Importing
+    inductor's configuration costs seconds (it imports much of inductor), which a process
+    that never compiles should not pay: where it is not imported yet, the setting is made
+    the moment it is."""
+    config = sys.modules.get(_INDUCTOR_CONFIG)
+    if config is not None:
+        _plain_cuda_graphs(config)
+    elif not any(isinstance(f, _OnImport) and f.name == _INDUCTOR_CONFIG for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport(_INDUCTOR_CONFIG, _plain_cuda_graphs))
     return True
 
 

@@ -111,6 +111,16 @@ def need(what):
 
 
 @pytest.fixture
+def torch_importable():
+    """Skip unless torch imports (a GPU is not needed)."""
+    if "torch-cpu" not in _cache:
+        _cache["torch-cpu"] = _probe("import torch")
+    good, why = _cache["torch-cpu"]
+    if not good:
+        pytest.skip(f"torch is not importable here ({why})")
+
+
+@pytest.fixture
 def torch_gpu():
     need("torch")
 

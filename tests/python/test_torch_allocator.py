@@ -432,3 +432,52 @@ def test_timm_resnet_trains_with_cudnn_benchmark(torch_gpu):
     except ImportError:
         pytest.skip("timm is not installed")
     assert "timm" in ok(run_py(TIMM, timeout=600))
+
+
+def _class_built(env=None):
+    """Build the allocator class (where needed) or skip saying why it cannot be."""
+    p = run_py("import gpupool._torch_allocator as t; print('AT', t.build())", env=env, timeout=600)
+    if p.returncode != 0:
+        pytest.skip(f"gpupool's PyTorch allocator class cannot be built here: {p.stderr.strip().splitlines()[-1:]}")
+    return p.stdout.split("AT ")[1].strip()
+
+
+def test_install_of_a_built_class_loads_no_build_machinery_or_inductor(library, torch_importable):
+    """A process after the first build: install() takes the built library without importing
+    cpp_extension (setuptools with it), and defers inductor's configuration (seconds to
+    import) to the moment the program imports it, which then captures with plain graphs."""
+    _class_built()
+    out = ok(run_py("""
+        import sys, gpupool, torch
+        gpupool.torch.install()
+        assert gpupool.torch.route() == "allocator", gpupool.torch.route()
+        heavy = [m for m in ("torch.utils.cpp_extension", "setuptools", "torch._inductor.config") if m in sys.modules]
+        assert not heavy, heavy
+        import torch._inductor.config as ic
+        assert ic.triton.cudagraph_trees is False
+        assert type(ic.__loader__).__name__ == "SourceFileLoader", ic.__loader__  # the module's own loader
+        print("ok")
+    """))
+    assert out.strip() == "ok"
+
+
+def test_first_builds_started_at_once_agree(library, torch_importable, tmp_path):
+    """Processes that all find no built class (an empty extension cache) and start together:
+    one build, every process installs the same library, and the next process loads it."""
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    import subprocess
+    import sys
+
+    from conftest import _env
+    code = "import gpupool, torch; gpupool.torch.install(compiled=True); " \
+           "import gpupool._torch_allocator as t; print('AT', t.build())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=_env(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    if any(p.returncode for p in procs) and all("could not be installed" in e for _, e in outs):
+        pytest.skip(f"gpupool's PyTorch allocator class cannot be built here: {outs[0][1].strip()[-300:]}")
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e
+    paths = {o.split("AT ")[1].strip() for o, _ in outs}
+    assert len(paths) == 1 and next(iter(paths)).startswith(str(tmp_path)), paths
+    assert _class_built(env) == next(iter(paths))

@@ -639,6 +639,14 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     oom_observers_.push_back(std::move(observer));
   }
 
+#ifdef GPUPOOL_TORCH_OOM_REJECTION_OBSERVER
+  // Called by PyTorch's allocator when its throw_on_cudamalloc_oom policy rejects a request
+  // before asking the driver. gpupool has no such policy (its limit is the one refusal, and
+  // that is an out-of-memory, reported to the out-of-memory observers), so these observers
+  // are accepted and never called.
+  void attachOomRejectionObserver(cca::OomRejectionObserver) override {}
+#endif
+
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> g(setup_mu_);
     std::vector<std::unique_lock<std::mutex>> locks;
