@@ -26,8 +26,9 @@ const NOT_VARIABLES: &[&str] = &[
     "GPUPOOL_ARENA",
     "GPUPOOL_WITH_RMM",
     "GPUPOOL_EXAMPLE_CUDA",
-    // The PyTorch allocator class's C++ macro.
+    // The PyTorch allocator class's C++ macros (the second set by its build).
     "GPUPOOL_TORCH_EXPORT",
+    "GPUPOOL_TORCH_OOM_REJECTION_OBSERVER",
     // CMake variables set by CMakeLists.txt itself.
     "GPUPOOL_LIB",
     "GPUPOOL_TOP_LEVEL",

@@ -340,3 +340,35 @@ fn reconfiguring_while_a_tag_is_paused_with_its_blocks_freed_says_to_resume_it()
     resume(d, c"asleep").unwrap();
     assert_eq!(unsafe { gpupool_configure(d, c"arena".as_ptr(), c"host".as_ptr()) }, Status::Ok, "{}", last());
 }
+
+/// The arena's chunks on device `d` (physical allocations of several granules), over
+/// every pool of the device.
+fn chunks(d: i32) -> u64 {
+    figure_after(d, "\"arena\"", "chunks")
+}
+
+#[test]
+fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
+    // What PyTorch's expandable-segment handle describes, so that a receiver on PyTorch's
+    // own allocator opens every tagged block (Note [PyTorch's handle formats]). A growth of
+    // an odd number of granules past the chunking threshold: untagged it is mapped as
+    // chunks and a granule, allocations of mixed sizes; tagged, granule by granule. Each
+    // case on a device of its own, each the first growth there (chunking stops once half
+    // the device is reserved).
+    let sizes = [4000, (68 << 20) + 1];
+    let (t, u) = (45, 46);
+    host(t);
+    host(u);
+    begin(c"weights");
+    let tagged: Vec<usize> = sizes.iter().map(|&n| malloc(n, t).unwrap()).collect();
+    end();
+    let untagged: Vec<usize> = sizes.iter().map(|&n| malloc(n, u).unwrap()).collect();
+    assert_eq!(chunks(t), 0, "{}", common::device_json(t));
+    assert!(chunks(u) > 0, "{}", common::device_json(u));
+    for p in tagged {
+        free(p, t);
+    }
+    for p in untagged {
+        free(p, u);
+    }
+}

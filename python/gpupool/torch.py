@@ -129,6 +129,40 @@ def use_plain_cuda_graphs_in_compile():
     return True
 
 
+# PyTorch's allocator settings (`PYTORCH_CUDA_ALLOC_CONF`, newer PyTorch also reads
+# `PYTORCH_ALLOC_CONF`) configure the allocator gpupool replaces, so under gpupool they do
+# nothing. A user who brings them hears once which gpupool setting does that job. The
+# `pinned_*` keys configure PyTorch's pinned host allocator, which gpupool leaves in place:
+# they still apply.
+_ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_ALLOC_CONF_EQUIVALENTS = {
+    "expandable_segments": "gpupool's default strategy, GPUPOOL_POOL=arena, maps memory on demand as expandable "
+                           "segments do (GPUPOOL_POOL=split: PyTorch's segment layout)",
+    "max_split_size_mb": "none needed: the arena stitches scattered free memory instead of splitting segments",
+    "garbage_collection_threshold": "GPUPOOL_DECAY (cached memory above the recent peak goes back)",
+    "per_process_memory_fraction": "GPUPOOL_MEMORY_LIMIT=<percent>% or gpupool.set_limit('<percent>%', device)",
+    "backend": "GPUPOOL_UPSTREAM=async for memory from cudaMallocAsync's pools",
+}
+
+
+def alloc_conf_warning(environ=None):
+    """The one warning for PyTorch allocator settings in `environ` (default: os.environ)
+    that gpupool replaces, naming each with its gpupool equivalent; None where there are none."""
+    import os
+    environ = os.environ if environ is None else environ
+    notes = []
+    for var in _ALLOC_CONF_VARIABLES:
+        for item in environ.get(var, "").split(","):
+            key = item.split(":", 1)[0].strip()
+            if not key or key.startswith("pinned_"):
+                continue
+            notes.append(f"{var} {item.strip()!r}: {_ALLOC_CONF_EQUIVALENTS.get(key, 'no gpupool equivalent')}")
+    if not notes:
+        return None
+    return ("gpupool: PyTorch's allocator settings do not apply to gpupool's pool, which replaces that allocator; "
+            "they are ignored. Their gpupool equivalents: " + "; ".join(notes) + ".")
+
+
 def _install_class(compiled):
     """True once the allocator class is PyTorch's allocator; False where it cannot be built
     and the caller may fall back (warned once)."""
@@ -168,6 +202,9 @@ def install(compile_graphs=True, compiled=None):
     global _ROUTE
     torch = _framework("torch", "gpupool.torch.install()")
     lib()
+    ignored = alloc_conf_warning()
+    if ignored:
+        warnings.warn(ignored, RuntimeWarning, stacklevel=2)
     if _install_class(compiled):
         _ROUTE = "allocator"
         m = torch.cuda.memory

@@ -216,6 +216,14 @@ fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
     let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
     opts.budget = Some(lock(&s.budget).get_or_insert_with(Default::default).clone());
     opts.shard = shard as u16;
+    if shard >= SHARDS {
+        // A tag's memory is mapped granule by granule: allocations of one size, so every
+        // tagged block has PyTorch's expandable-segment form and a receiver on PyTorch's
+        // own allocator opens it (Note [PyTorch's handle formats]). Tags hold what is
+        // sent to other processes (weights) and allocate it once, so more allocations
+        // cost at growth, not each step.
+        opts.arena_chunk = 0;
+    }
     let pool = Pool::new(device, up, &opts)?;
     if shard == 0 {
         // The unsafe test mode must reuse across streams at once (its test shows the

@@ -481,3 +481,36 @@ def test_first_builds_started_at_once_agree(library, torch_importable, tmp_path)
     paths = {o.split("AT ")[1].strip() for o, _ in outs}
     assert len(paths) == 1 and next(iter(paths)).startswith(str(tmp_path)), paths
     assert _class_built(env) == next(iter(paths))
+
+
+def test_pytorch_allocator_settings_are_named_with_their_gpupool_equivalents(library):
+    # The message alone (no torch needed): every key gpupool replaces, once, with its
+    # equivalent; PyTorch's pinned-memory keys still apply and are not named.
+    out = ok(run_py("""
+        import gpupool.torch as gt
+        assert gt.alloc_conf_warning({}) is None
+        assert gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True"}) is None
+        m = gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
+                                   "PYTORCH_ALLOC_CONF": "per_process_memory_fraction:0.5,roundup_power2_divisions:4"})
+        for part in ("'expandable_segments:True': gpupool's default strategy, GPUPOOL_POOL=arena",
+                     "'max_split_size_mb:128': none needed",
+                     "'per_process_memory_fraction:0.5': GPUPOOL_MEMORY_LIMIT=<percent>%",
+                     "'roundup_power2_divisions:4': no gpupool equivalent", "they are ignored"):
+            assert part in m, (part, m)
+        print("ok")
+    """))
+    assert out.strip() == "ok"
+
+
+def test_install_warns_once_about_pytorch_allocator_settings(library, torch_importable):
+    _class_built()
+    p = run_py("""
+        import warnings, gpupool, torch
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            gpupool.torch.install()
+        ours = [str(x.message) for x in w if "PyTorch's allocator settings" in str(x.message)]
+        assert len(ours) == 1 and "garbage_collection_threshold:0.6" in ours[0], [str(x.message) for x in w]
+        print("ok")
+    """, env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"})
+    assert ok(p).strip() == "ok"
