@@ -95,6 +95,11 @@ esac
 echo "repaired $(basename "$repaired")"
 "$pkg/venv/bin/python" -m pip install -q --disable-pip-version-check "$repaired"
 set +e
+# The README's Python quick start, as pasted, against the installed wheel (no GPU needed).
+awk '/python-quickstart/{want=1} want && /^```python$/{on=1; next} on && /^```$/{exit} on' README.md > "$pkg/quickstart.py"
+(cd "$pkg" && "$pkg/venv/bin/python" quickstart.py | grep -q "0 bytes in use") \
+  || { echo "error: the README's Python quick start failed" >&2; exit 1; }
+echo "README's Python quick start OK"
 (cd "$pkg" && GPUPOOL_TEST_INSTALLED=1 "$pkg/venv/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$tmp/pt-whl" "$OLDPWD/tests/python")
 rc=$?
 set -e
