@@ -28,7 +28,8 @@
 //!
 //! Limitations. An arena block over allocations of different sizes (a chunk and granules
 //! beside it) has no `e` form: it goes in gpupool's format alone, which only gpupool
-//! receivers open (`OLD_MAGIC`). Host-upstream memory has none either. A PyTorch receiver
+//! receivers open (`OLD_MAGIC`). A tag's memory never has such blocks: the registry maps
+//! it granule by granule, since tags hold what is sent (weights) and allocate it once. Host-upstream memory has none either. A PyTorch receiver
 //! of `e` copies the sender's descriptors with `pidfd_getfd`, which containers without
 //! CAP_SYS_PTRACE refuse (as for PyTorch's own expandable segments); `c` needs no such
 //! right. The version byte is the lowest that knows both types.
