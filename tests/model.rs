@@ -162,7 +162,7 @@ fn long_random_sequences_match_the_model() {
         let mut seed = 1u64;
         while done < total {
             let n = (total - done).min(10_000);
-            if let Err(e) = run(kind, seeded_ops(seed * 0x9E37_79B9_7F4A_7C15, n)) {
+            if let Err(e) = run(kind, seeded_ops(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), n)) {
                 panic!("{kind:?}: seed {seed}, {n} operations: {e}");
             }
             done += n;

@@ -454,9 +454,20 @@ pub fn reclaim(device: i32) -> Result<Option<Result<usize>>> {
 }
 
 /// Cap `device`'s reserved bytes at `bytes` (0 = none); every shard releases cached memory
-/// while the device is above it.
+/// while the device is above it. A cap above the device's memory is refused, as a share
+/// over 100 % is: it would cap nothing, and is more likely a unit slip than a wish.
 pub fn set_limit(device: i32, bytes: usize) -> Result<()> {
-    with_pool(device, |p| p.set_limit(bytes))?;
+    with_pool(device, |p| {
+        let total = p.mem_info()?.1;
+        if bytes > total {
+            return Err(Error::InvalidArgument(format!(
+                "limit of {bytes} bytes ({}) is more than device {device}'s memory ({}); 0 means no limit",
+                crate::error::human_bytes(bytes),
+                crate::error::human_bytes(total)
+            )));
+        }
+        p.set_limit(bytes)
+    })?;
     let mut first = None;
     for_each_shard(device, |p| {
         if let Err(e) = p.release_over_limit() {
