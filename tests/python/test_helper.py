@@ -519,8 +519,14 @@ def test_an_integer_limit_out_of_range_is_refused_not_wrapped(library):
                 raise SystemExit(f"{bad} accepted: limit now {gpupool.get_limit()}")
             except ValueError as e:
                 assert str(bad) in str(e) and "2**64 - 1" in str(e), e
-        gpupool.set_limit(1 << 40)
-        assert gpupool.get_limit() == 1 << 40
+        try:
+            gpupool.set_limit(1 << 40)  # over the host device's 16 GiB: caps nothing
+            raise SystemExit("a limit above the device's memory was accepted")
+        except gpupool.GpupoolError as e:
+            assert "more than device 0's memory" in str(e), e
+        assert gpupool.get_limit() == 0
+        gpupool.set_limit(1 << 30)
+        assert gpupool.get_limit() == 1 << 30
         gpupool.set_limit(0)
         assert gpupool.get_limit() == 0
         print("ok")
