@@ -55,6 +55,30 @@ fn runs(homes: &[(usize, usize, bool)], pick: impl Fn(bool) -> bool) -> Vec<(usi
     out
 }
 
+/// A resume maps and copies at most this many bytes at a time: the copy of one batch runs
+/// while the next is created and mapped.
+const RESUME_BATCH: usize = 64 << 20;
+
+/// The released `homes` in batches a resume maps together: consecutive homes of one size,
+/// address-adjacent, up to `RESUME_BATCH` bytes (one home at least), each as (address,
+/// bytes, bytes per allocation, offset in the host buffer).
+fn resume_batches(homes: &[(usize, usize, bool)]) -> Vec<(usize, usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut offset = 0;
+    let mut joinable = false; // the previous home was released and closed no batch
+    for &(base, len, released) in homes {
+        if released {
+            match out.last_mut() {
+                Some(b) if joinable && b.0 + b.1 == base && b.2 == len && b.1 + len <= RESUME_BATCH => b.1 += len,
+                _ => out.push((base, len, len, offset)),
+            }
+        }
+        joinable = released;
+        offset += len;
+    }
+    out
+}
+
 impl CudaVmm {
     /// Bytes of device memory a pause released and a resume has not mapped again.
     pub fn paused_bytes(&self) -> usize {
@@ -235,8 +259,8 @@ impl CudaVmm {
     }
 
     /// Map new memory where a pause released it, at the homes and aliases, and copy the
-    /// backup back. Each allocation's copy is queued as soon as it is mapped, so the copies
-    /// run while the next allocations are created. All or nothing for the memory: a refusal
+    /// backup back. Each batch's copy is queued as soon as it is mapped, so the copies run
+    /// while the next batches are created. All or nothing for the memory: a refusal
     /// (out of memory) unmaps what this call mapped and the memory stays paused, for a later
     /// resume. An alias the driver will not map again keeps the pause (its homes mapped),
     /// and the next resume tries the rest.
@@ -260,21 +284,18 @@ impl CudaVmm {
         };
         let mut made: Vec<(usize, usize)> = Vec::new();
         let mut failure: Option<AllocError> = None;
-        let mut offset = 0;
-        for &(base, len, released) in &p.homes {
-            let at = offset;
-            offset += len;
-            if !released {
-                continue;
-            }
-            // One allocation of the home's size, as a chunk is mapped (all or nothing).
-            if let Err(f) = self.map_chunk(base, len, calls) {
+        for (base, len, piece, at) in resume_batches(&p.homes) {
+            // The batch's allocations, one grant for all of them, one copy: a tag mapped
+            // granule by granule costs a create and a map per granule, not a grant and a
+            // copy too. All or nothing within the batch.
+            if let Err(f) = self.map_pieces(base, len, piece, calls) {
                 failure = Some(f);
                 break;
             }
-            made.push((base, len));
+            made.extend((base..base + len).step_by(piece).map(|b| (b, piece)));
             if let Some((host, stream)) = copy {
-                // SAFETY: the buffer holds every home's contents in order; `base` is mapped.
+                // SAFETY: the buffer holds every home's contents in order; the batch is
+                // mapped and its homes are consecutive there.
                 let r = unsafe { sys::cuMemcpyHtoDAsync_v2(base as sys::CUdeviceptr, host.add(at).cast(), len, stream) };
                 if r != sys::CUresult::CUDA_SUCCESS {
                     failure = Some(AllocError::Other(cuda_error("cuMemcpyHtoDAsync", r)));
@@ -351,7 +372,7 @@ fn midway(step: &str, e: Error) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::{resume_batches, runs, RESUME_BATCH};
 
     #[test]
     fn adjacent_allocations_copy_as_one_run_with_buffer_offsets() {
@@ -359,4 +380,27 @@ mod tests {
         assert_eq!(runs(&homes, |_| true), vec![(0x1000, 0x200, 0), (0x2000, 0x100, 0x200)]);
         assert_eq!(runs(&homes, |r| r), vec![(0x1000, 0x100, 0), (0x2000, 0x100, 0x200)]);
     }
+
+    const G: usize = 2 << 20;
+
+    #[test]
+    fn resume_batches_join_adjacent_released_homes_of_one_size_up_to_the_batch() {
+        // Granules at 0..40 (adjacent), one not released at 40, a chunk at 50, granules at 60..62.
+        let mut homes: Vec<(usize, usize, bool)> = (0..40).map(|i| (i * G, G, true)).collect();
+        homes.push((40 * G, G, false));
+        homes.push((50 * G, 8 * G, true));
+        homes.extend((58..60).map(|i| (i * G, G, true)));
+        let b = resume_batches(&homes);
+        let per = RESUME_BATCH / G;
+        assert_eq!(b[0], (0, RESUME_BATCH, G, 0));
+        assert_eq!(b[1], (per * G, (40 - per) * G, G, per * G));
+        // The unreleased home breaks the run but its bytes still count in the offsets.
+        assert_eq!(b[2], (50 * G, 8 * G, 8 * G, 41 * G));
+        // Adjacent to the chunk but of another size: a batch of its own.
+        assert_eq!(b[3], (58 * G, 2 * G, G, 49 * G));
+        assert_eq!(b.len(), 4);
+        let covered: usize = b.iter().map(|x| x.1).sum();
+        assert_eq!(covered, homes.iter().filter(|h| h.2).map(|h| h.1).sum::<usize>());
+    }
 }
+
