@@ -88,17 +88,28 @@ def main(argv=None):
     from . import __version__
     ap.add_argument("--version", action="version", version=f"gpupool {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("status", help="status report of a running process (--pid) or of a trace")
-    st.add_argument("trace", nargs="?")
-    st.add_argument("--pid", type=int)
-    pl = sub.add_parser("plot", help="memory over time from a trace, as SVG")
-    pl.add_argument("trace")
-    pl.add_argument("-o", "--output", default="timeline.svg")
-    pl.add_argument("--title")
-    sn = sub.add_parser("snapshot", help="a trace in PyTorch's memory snapshot format (pickle)")
-    sn.add_argument("trace")
-    sn.add_argument("-o", "--output", default="snapshot.pickle")
-    sub.add_parser("build-torch", help="compile the PyTorch allocator class for the installed PyTorch")
+    st = sub.add_parser("status", help="status report of a running process (--pid) or of a trace",
+                        description="The status report of a running process's pools (it must run with "
+                                    "GPUPOOL_STATUS_SOCKET=1, as the same user), or the state at the end of a "
+                                    "GPUPOOL_TRACE file and its peaks. Give exactly one of --pid and TRACE.")
+    st.add_argument("trace", nargs="?", metavar="TRACE", help="a GPUPOOL_TRACE CSV file")
+    st.add_argument("--pid", type=int, help="the process to ask")
+    pl = sub.add_parser("plot", help="memory over time from a trace, as SVG",
+                        description="Reserved and allocated memory over time, per stream, with segments as "
+                                    "bands, from a GPUPOOL_TRACE file, as an SVG image.")
+    pl.add_argument("trace", metavar="TRACE", help="a GPUPOOL_TRACE CSV file")
+    pl.add_argument("-o", "--output", default="timeline.svg", help="the SVG to write (default: %(default)s)")
+    pl.add_argument("--title", help="the image's title (default: the trace's name)")
+    sn = sub.add_parser("snapshot", help="a trace in PyTorch's memory snapshot format (pickle)",
+                        description="A GPUPOOL_TRACE file as a PyTorch memory snapshot (its events and the "
+                                    "memory at the end), for pytorch.org/memory_viz and torch.cuda._memory_viz.")
+    sn.add_argument("trace", metavar="TRACE", help="a GPUPOOL_TRACE CSV file")
+    sn.add_argument("-o", "--output", default="snapshot.pickle", help="the pickle to write (default: %(default)s)")
+    sub.add_parser("build-torch", help="compile the PyTorch allocator class for the installed PyTorch",
+                   description="Compile gpupool's PyTorch allocator class against the installed PyTorch now, "
+                               "into PyTorch's extension cache, so that later processes load it without a "
+                               "compiler (for images whose first process should not compile). Needs a C++ "
+                               "compiler, ninja and the CUDA runtime's headers.")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "status":

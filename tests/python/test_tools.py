@@ -289,3 +289,10 @@ def test_usage_names_the_command_as_invoked(tmp_path):
         r = subprocess.run([str(s), "status"], capture_output=True, text=True, env=e, timeout=120)
         assert r.returncode != 0, (s, r.stdout)
         assert "usage: gpupool " in r.stderr and "python -m" not in r.stderr, (s, r.stderr)
+
+
+@pytest.mark.parametrize("cmd,words", [("status", "GPUPOOL_STATUS_SOCKET=1"), ("plot", "SVG image"),
+                                       ("snapshot", "memory_viz"), ("build-torch", "extension cache")])
+def test_every_command_says_what_it_does(cmd, words):
+    r = cli(cmd, "-h")
+    assert r.returncode == 0 and words in " ".join(r.stdout.split()), r.stdout
