@@ -11,8 +11,8 @@
 //! nobody else may stand in for the process: a reader trusts what the socket says.
 //!
 //! Approach: the socket lives in a directory private to the user, `$XDG_RUNTIME_DIR/gpupool`
-//! (systemd makes `XDG_RUNTIME_DIR` per user, mode 0700) or else `/tmp/gpupool-<uid>`, as
-//! `<pid>.sock`. A name under `/tmp` can be taken first by anyone, so the directory is
+//! (systemd makes `XDG_RUNTIME_DIR` per user, mode 0700; used only when it is the user's
+//! and closed to others' writes) or else `/tmp/gpupool-<uid>`, as `<pid>.sock`. A name under `/tmp` can be taken first by anyone, so the directory is
 //! used only when it is a real directory (no link), owned by this user and closed to
 //! everyone else; otherwise the listener does not start and says why. Both ends check the
 //! other's kernel-reported credentials (`SO_PEERCRED`): the server answers only its own
@@ -39,17 +39,42 @@ fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// The directory that holds this user's status sockets (not checked; see `private_directory`).
-pub fn directory() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_absolute() && d.is_dir()) {
+/// The directory that holds the status sockets of user `uid`'s processes (not checked;
+/// see `private_directory`): `$XDG_RUNTIME_DIR/gpupool` where that variable names a directory
+/// of `uid`'s that no one else may write (as systemd makes it; `su` and `sudo -E` keep
+/// another user's, and some images set it to `/tmp`), else `/tmp/gpupool-<uid>`.
+pub fn directory_of(uid: u32) -> PathBuf {
+    let private_runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| {
+        d.is_absolute() && std::fs::symlink_metadata(d).is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o022 == 0)
+    });
+    match private_runtime_dir {
         Some(d) => d.join("gpupool"),
-        None => PathBuf::from(format!("/tmp/gpupool-{}", euid())),
+        None => PathBuf::from(format!("/tmp/gpupool-{uid}")),
     }
 }
 
-/// Where process `pid`'s status socket is, for a reader of the same user.
+/// This user's directory (`directory_of`).
+pub fn directory() -> PathBuf {
+    directory_of(euid())
+}
+
+/// Where process `pid`'s status socket is, for a reader: the place `pid` itself would
+/// choose when the reader shares its environment, else the fallback for `pid`'s user (a
+/// reader started without `XDG_RUNTIME_DIR`, or root reading another user's process);
+/// both ends check each other's credentials, so trying a second place is safe.
 pub fn path_for(pid: u32) -> PathBuf {
-    directory().join(format!("{pid}.sock"))
+    let name = format!("{pid}.sock");
+    let owner = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()).unwrap_or_else(|_| euid());
+    let first = directory_of(owner).join(&name);
+    if first.exists() {
+        return first;
+    }
+    let fallback = PathBuf::from(format!("/tmp/gpupool-{owner}")).join(&name);
+    if fallback.exists() {
+        fallback
+    } else {
+        first
+    }
 }
 
 /// `dir`, created mode 0700 where it is missing, once it is known to be a real directory
@@ -117,7 +142,7 @@ fn may_read(conn: &UnixStream) -> bool {
 }
 
 extern "C" fn remove_at_exit() {
-    let _ = std::fs::remove_file(path_for(std::process::id()));
+    let _ = std::fs::remove_file(directory().join(format!("{}.sock", std::process::id())));
 }
 
 /// Start the listener once per process (when configured); `report` writes the answer. Failures are reported once on

@@ -74,3 +74,27 @@ fn a_directory_open_to_others_a_link_or_another_users_is_refused_and_nothing_lis
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn xdg_runtime_dir_is_used_only_where_it_is_the_users_own_and_closed_to_others() {
+    use gpupool::status_socket::directory_of;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let root = scratch("xdg");
+    let mine = root.join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o700)).unwrap();
+    // The one test of this binary that sets the variable; the others never read it.
+    std::env::set_var("XDG_RUNTIME_DIR", &mine);
+    assert_eq!(directory_of(me), mine.join("gpupool"));
+    // A shared, world-writable directory (some images set XDG_RUNTIME_DIR=/tmp).
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    assert_eq!(directory_of(me), PathBuf::from(format!("/tmp/gpupool-{me}")));
+    // Another user's (`su` and `sudo -E` keep it): theirs is not ours to fill.
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o700)).unwrap();
+    assert_eq!(directory_of(me + 1), PathBuf::from(format!("/tmp/gpupool-{}", me + 1)));
+    std::env::set_var("XDG_RUNTIME_DIR", "relative/dir");
+    assert_eq!(directory_of(me), PathBuf::from(format!("/tmp/gpupool-{me}")));
+    std::env::remove_var("XDG_RUNTIME_DIR");
+    std::fs::remove_dir_all(&root).unwrap();
+}

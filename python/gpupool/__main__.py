@@ -29,11 +29,11 @@ def _status_of_pid(pid):
     except OSError as e:
         raise SystemExit(f"gpupool: cannot reach process {pid}'s status socket {path}: {e.strerror or e}\n"
                          "(start that process with GPUPOOL_STATUS_SOCKET=1)")
-    # Whoever answers must be the process asked for, of this user: a socket in that place
-    # from anyone else is not its report (Note [The status socket]).
-    peer_pid, peer_uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                             struct.calcsize("3i")))
-    if peer_pid != pid or peer_uid != os.geteuid():
+    # Whoever answers must be the process asked for, of this user (root reads anyone's): a
+    # socket in that place from anyone else is not its report (Note [The status socket]).
+    peer_pid, peer_uid, _ = struct.unpack("iII", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("iII")))
+    if peer_pid != pid or (peer_uid != os.geteuid() and os.geteuid() != 0):
         raise SystemExit(f"gpupool: {path} is served by process {peer_pid} of uid {peer_uid}, not by process {pid} "
                          f"of this user (uid {os.geteuid()}): its answer is not read")
     chunks = []

@@ -62,7 +62,11 @@ def _name(torch, source):
     """The extension's name, keyed by what the binary depends on: a change of the source or of
     PyTorch builds a new one beside the old instead of loading a stale one."""
     h = hashlib.sha256()
-    for part in (source, torch.__version__, str(getattr(torch.version, "git_version", ""))):
+    # Also the C++ ABI and the installation's place: one cache serves several environments
+    # (a pip and a conda PyTorch of one version are different binaries).
+    abi = str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))
+    for part in (source, torch.__version__, str(getattr(torch.version, "git_version", "")), abi,
+                 os.path.dirname(os.path.realpath(torch.__file__))):
         h.update(part.encode())
         h.update(b"\0")
     return "gpupool_torch_allocator_" + h.hexdigest()[:16]
@@ -91,6 +95,23 @@ OPTIONAL_MEMBERS = {
 }
 
 READY = "built"  # the marker a finished build leaves beside the library
+
+
+def _stamp(path):
+    """What the marker records of a finished library: its size and modification time."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{st.st_size} {st.st_mtime_ns}\n"
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _interface_flags(torch):
@@ -157,9 +178,10 @@ def build():
     so = os.path.join(d, name + ".so")
     ready = os.path.join(d, READY)
     # Built before: use it without a compiler or ninja (deployments often have neither).
-    # The marker is written (atomically) only after a build finished, so with it the
-    # library is complete, whatever the build's own locking leaves in the folder.
-    if os.path.isfile(ready) and os.path.isfile(so):
+    # The marker is written (atomically) only after a build finished and names the
+    # library's size and time, so a library it matches is complete, whatever the build's
+    # own locking leaves in the folder (a rebuild in progress rewrites the library first).
+    if _stamp(so) is not None and _read(ready) == _stamp(so):
         return so
     try:
         from torch.utils import cpp_extension
@@ -192,7 +214,7 @@ def build():
                            build_directory=d, is_python_module=False, with_cuda=False, verbose=False)
         tmp = f"{ready}.{os.getpid()}"
         with open(tmp, "w") as f:
-            f.write(torch.__version__ + "\n")
+            f.write(_stamp(so))
         os.replace(tmp, ready)
         return so
     except Exception as e:

@@ -26,6 +26,7 @@ switches inductor to its plain CUDA graphs (`torch._inductor.config.triton.cudag
 = False`), which capture through `torch.cuda.graph`.
 """
 
+import importlib
 import importlib.abc
 import sys
 import warnings
@@ -77,41 +78,51 @@ def _plain_cuda_graphs(config):
     config.triton.cudagraph_trees = False
 
 
-class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _OnImport(importlib.abc.MetaPathFinder):
     """Runs `then(module)` right after module `name` is first imported, through the loader
-    that would have imported it (every other method and attribute is that loader's)."""
+    that would have imported it. Each spec found gets a loader of its own (`_Then`), so a
+    probe (`importlib.util.find_spec`) that imports nothing uses nothing up."""
 
     def __init__(self, name, then):
-        self.name, self.then, self.inner = name, then, None
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != self.name or self.inner is not None:
+        if name != self.name:
             return None
-        for finder in sys.meta_path:
+        for finder in list(sys.meta_path):
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None:
-                self.inner = spec.loader
-                spec.loader = self
+                spec.loader = _Then(spec.loader, self)
                 return spec
         return None
+
+    def remove(self):
+        # A new list, not an edit of the old one: another thread's import may be walking
+        # it, and an element removed under it would skip the finder after it.
+        sys.meta_path = [f for f in sys.meta_path if f is not self]
+
+
+class _Then(importlib.abc.Loader):
+    """`inner`, then the hook's `then`; every other attribute is `inner`'s."""
+
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.inner
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
         self.inner.exec_module(module)
-        self.then(module)
+        self.hook.remove()
+        try:
+            self.hook.then(module)
+        except Exception as e:  # a PyTorch without the setting: the import itself must not fail
+            warnings.warn(f"gpupool: could not configure {self.hook.name} ({e})", RuntimeWarning, stacklevel=2)
 
     def __getattr__(self, attr):
-        if self.inner is None:
-            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
 
@@ -121,11 +132,11 @@ def use_plain_cuda_graphs_in_compile():
     inductor's configuration costs seconds (it imports much of inductor), which a process
     that never compiles should not pay: where it is not imported yet, the setting is made
     the moment it is."""
-    config = sys.modules.get(_INDUCTOR_CONFIG)
-    if config is not None:
-        _plain_cuda_graphs(config)
+    if _INDUCTOR_CONFIG in sys.modules:
+        # import_module waits for a module another thread is still executing.
+        _plain_cuda_graphs(importlib.import_module(_INDUCTOR_CONFIG))
     elif not any(isinstance(f, _OnImport) and f.name == _INDUCTOR_CONFIG for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport(_INDUCTOR_CONFIG, _plain_cuda_graphs))
+        sys.meta_path = [_OnImport(_INDUCTOR_CONFIG, _plain_cuda_graphs), *sys.meta_path]
     return True
 
 
@@ -143,6 +154,23 @@ _ALLOC_CONF_EQUIVALENTS = {
     "per_process_memory_fraction": "GPUPOOL_MEMORY_LIMIT=<percent>% or gpupool.set_limit('<percent>%', device)",
     "backend": "GPUPOOL_UPSTREAM=async for memory from cudaMallocAsync's pools",
 }
+# Values that ask for what PyTorch does anyway: nothing is lost under gpupool.
+_ALLOC_CONF_DEFAULTS = {("backend", "native"), ("expandable_segments", "false")}
+
+
+def _alloc_conf_items(text):
+    """`text`'s key:value items, split at the commas outside brackets (PyTorch's
+    `roundup_power2_divisions:[256:1,512:2]` is one item)."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(text + ","):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth = max(depth - 1, 0)
+        elif c == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    return [x for x in items if x]
 
 
 def alloc_conf_warning(environ=None):
@@ -152,11 +180,11 @@ def alloc_conf_warning(environ=None):
     environ = os.environ if environ is None else environ
     notes = []
     for var in _ALLOC_CONF_VARIABLES:
-        for item in environ.get(var, "").split(","):
-            key = item.split(":", 1)[0].strip()
-            if not key or key.startswith("pinned_"):
+        for item in _alloc_conf_items(environ.get(var, "")):
+            key, _, value = (part.strip() for part in item.partition(":"))
+            if key.startswith("pinned_") or (key, value.lower()) in _ALLOC_CONF_DEFAULTS:
                 continue
-            notes.append(f"{var} {item.strip()!r}: {_ALLOC_CONF_EQUIVALENTS.get(key, 'no gpupool equivalent')}")
+            notes.append(f"{var} {item!r}: {_ALLOC_CONF_EQUIVALENTS.get(key, 'no gpupool equivalent')}")
     if not notes:
         return None
     return ("gpupool: PyTorch's allocator settings do not apply to gpupool's pool, which replaces that allocator; "

@@ -9,9 +9,23 @@
 use super::{Budget, PoolOptions};
 use crate::config::LimitSpec;
 use crate::decay::Decay;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::upstream::Upstream;
 use std::sync::Arc;
+
+/// Refuse a limit of `bytes` above the device's `total` memory, as a share over 100 % is:
+/// it would cap nothing and is more likely a unit slip than a wish. Managed memory
+/// (`upstream` "managed") may exceed the device, so any limit stands there; 0 is no limit.
+pub fn within_device(bytes: usize, total: usize, upstream: &str, what: &str) -> Result<()> {
+    if bytes == 0 || bytes <= total || upstream == "managed" {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{what}: a limit of {bytes} bytes ({}) is more than the device's memory ({}); 0 means no limit",
+        crate::error::human_bytes(bytes),
+        crate::error::human_bytes(total)
+    )))
+}
 
 /// The limit layer (module docs).
 pub(super) struct Limits {
@@ -26,7 +40,10 @@ impl Limits {
     pub fn new(opts: &PoolOptions, upstream: &mut dyn Upstream) -> Result<Limits> {
         let limit = match opts.limit {
             None => 0,
-            Some(LimitSpec::Bytes(b)) => b,
+            Some(LimitSpec::Bytes(b)) => {
+                within_device(b, upstream.mem_info()?.1, upstream.name(), "GPUPOOL_MEMORY_LIMIT")?;
+                b
+            }
             Some(spec @ LimitSpec::Percent(_)) => spec.resolve(upstream.mem_info()?.1),
         };
         let budget = opts.budget.clone().unwrap_or_default();

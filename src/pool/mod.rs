@@ -36,6 +36,7 @@ use crate::upstream::Upstream;
 use attached_caches::AttachedCaches;
 use self::core::{Core, Live};
 use limits::Limits;
+pub use limits::within_device;
 use recorder::Recorder;
 pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 

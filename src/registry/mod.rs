@@ -454,17 +454,12 @@ pub fn reclaim(device: i32) -> Result<Option<Result<usize>>> {
 }
 
 /// Cap `device`'s reserved bytes at `bytes` (0 = none); every shard releases cached memory
-/// while the device is above it. A cap above the device's memory is refused, as a share
-/// over 100 % is: it would cap nothing, and is more likely a unit slip than a wish.
+/// while the device is above it. A cap above the device's memory is refused
+/// (`limits::within_device`).
 pub fn set_limit(device: i32, bytes: usize) -> Result<()> {
     with_pool(device, |p| {
-        let total = p.mem_info()?.1;
-        if bytes > total {
-            return Err(Error::InvalidArgument(format!(
-                "limit of {bytes} bytes ({}) is more than device {device}'s memory ({}); 0 means no limit",
-                crate::error::human_bytes(bytes),
-                crate::error::human_bytes(total)
-            )));
+        if bytes != 0 {
+            crate::pool::within_device(bytes, p.mem_info()?.1, p.upstream_name(), &format!("device {device}"))?;
         }
         p.set_limit(bytes)
     })?;

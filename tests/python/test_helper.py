@@ -523,7 +523,7 @@ def test_an_integer_limit_out_of_range_is_refused_not_wrapped(library):
             gpupool.set_limit(1 << 40)  # over the host device's 16 GiB: caps nothing
             raise SystemExit("a limit above the device's memory was accepted")
         except gpupool.GpupoolError as e:
-            assert "more than device 0's memory" in str(e), e
+            assert "device 0: a limit of 1099511627776 bytes" in str(e) and "more than the device's memory" in str(e), e
         assert gpupool.get_limit() == 0
         gpupool.set_limit(1 << 30)
         assert gpupool.get_limit() == 1 << 30
@@ -531,6 +531,19 @@ def test_an_integer_limit_out_of_range_is_refused_not_wrapped(library):
         assert gpupool.get_limit() == 0
         print("ok")
     """))
+    assert "ok" in out
+
+
+def test_a_limit_setting_above_the_device_is_refused_naming_the_variable(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        p = ctypes.c_void_p()
+        st = gpupool.lib().gpupool_malloc(ctypes.byref(p), 1 << 20, 0, None)
+        assert st != 0 and not p.value, st
+        err = gpupool._last_error()
+        assert "GPUPOOL_MEMORY_LIMIT: a limit of" in err and "more than the device's memory" in err, err
+        print("ok")
+    """, env={"GPUPOOL_UPSTREAM": "host", "GPUPOOL_MEMORY_LIMIT": "4TiB"}))
     assert "ok" in out
 
 

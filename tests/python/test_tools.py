@@ -222,6 +222,7 @@ s.connect({str(sock)!r})
 print("got", len(s.recv(65536)))
 """], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == "got 0", (r.stdout, r.stderr)
+        tmp_path.chmod(0o700)  # private again: the reader looks there only then
         same = cli("status", "--pid", str(child.pid), env={"XDG_RUNTIME_DIR": str(tmp_path)})
         assert same.returncode == 0 and "3.00 MiB in use" in same.stdout, same.stderr
     finally:

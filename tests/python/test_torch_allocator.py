@@ -453,6 +453,8 @@ def test_install_of_a_built_class_loads_no_build_machinery_or_inductor(library, 
         assert gpupool.torch.route() == "allocator", gpupool.torch.route()
         heavy = [m for m in ("torch.utils.cpp_extension", "setuptools", "torch._inductor.config") if m in sys.modules]
         assert not heavy, heavy
+        import importlib.util
+        assert importlib.util.find_spec("torch._inductor.config") is not None  # a probe first
         import torch._inductor.config as ic
         assert ic.triton.cudagraph_trees is False
         assert type(ic.__loader__).__name__ == "SourceFileLoader", ic.__loader__  # the module's own loader
@@ -490,6 +492,9 @@ def test_pytorch_allocator_settings_are_named_with_their_gpupool_equivalents(lib
         import gpupool.torch as gt
         assert gt.alloc_conf_warning({}) is None
         assert gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True"}) is None
+        assert gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "backend:native, expandable_segments:False,"}) is None
+        b = gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,512:2,>:8]"})
+        assert b.count("no gpupool equivalent") == 1 and "'roundup_power2_divisions:[256:1,512:2,>:8]'" in b, b
         m = gt.alloc_conf_warning({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128",
                                    "PYTORCH_ALLOC_CONF": "per_process_memory_fraction:0.5,roundup_power2_divisions:4"})
         for part in ("'expandable_segments:True': gpupool's default strategy, GPUPOOL_POOL=arena",
