@@ -2,8 +2,10 @@
 //! modules of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
 //! the trace; the upstreams (driver layer); blocks; strategies and the stream tracker; the
 //! device pool; process-level services; the registry; the thread caches and sharing between
-//! processes; the front end; the C boundary. A `use crate::X` (or a `crate::X::` path outside comments) against the order
-//! fails this test, and so does a module missing from the table.
+//! processes; the front end; the C boundary. A `use crate::X` (or a `crate::X::` path outside
+//! comments, braced groups `crate::{X, Y}` included, or a `super::` chain that climbs to the
+//! crate root and goes down into X) against the order fails this test, and so does a module
+//! missing from the table.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -46,6 +48,73 @@ fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
+/// The module path of a file under `src/` (`pool/arena/figures.rs` -> pool, arena, figures;
+/// a `mod.rs` is its folder's module).
+fn module_path(rel: &str) -> Vec<String> {
+    let mut parts: Vec<String> = rel.trim_end_matches(".rs").split('/').map(String::from).collect();
+    if parts.last().is_some_and(|p| p == "mod") {
+        parts.pop();
+    }
+    parts
+}
+
+fn ident(s: &str) -> String {
+    s.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+}
+
+/// The top-level modules a line of code names through `crate::` paths (braced groups
+/// included: `crate::{a, b::c as d}`) and through `super::` chains that climb to the crate
+/// root from `here` (`super::super::front::free` in `pool/core.rs` names `front`).
+fn top_modules_named(code: &str, here: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        out.extend(names_at(&rest[i + 7..]));
+        rest = &rest[i + 7..];
+    }
+    let mut rest = code;
+    while let Some(i) = rest.find("super::") {
+        // A whole chain only: the text before it must not continue a path.
+        let before = rest[..i].chars().last();
+        let chain_start = !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+        let mut tail = &rest[i..];
+        let mut ups = 0;
+        while let Some(t) = tail.strip_prefix("super::") {
+            ups += 1;
+            tail = t;
+        }
+        if chain_start && ups >= here.len() {
+            // Climbs to the crate root: what follows is a top-level module.
+            out.extend(names_at(tail));
+        }
+        rest = &rest[i + 7 * ups..];
+    }
+    out
+}
+
+/// The first segments a path continues with: one name, or each item of a braced group.
+fn names_at(after: &str) -> Vec<String> {
+    let after = after.trim_start();
+    let names: Vec<String> = match after.strip_prefix('{') {
+        Some(group) => group[..group.find('}').unwrap_or(group.len())].split(',').map(|item| ident(item.trim())).collect(),
+        None => vec![ident(after)],
+    };
+    names.into_iter().filter(|n| !n.is_empty() && n != "self").collect()
+}
+
+#[test]
+fn the_checks_see_braced_imports_and_super_chains_to_the_root() {
+    let here = module_path("pool/core.rs");
+    assert_eq!(here, ["pool", "core"]);
+    assert_eq!(module_path("registry/mod.rs"), ["registry"]);
+    assert_eq!(top_modules_named("use crate::{ffi as _x};", &here), ["ffi"]);
+    assert_eq!(top_modules_named("use crate::{error::Error, front};", &here), ["error", "front"]);
+    assert_eq!(top_modules_named("    super::super::front::free(p);", &here), ["front"]);
+    assert_eq!(top_modules_named("use super::super::{front, ffi};", &here), ["front", "ffi"]);
+    assert!(top_modules_named("use super::Pool;", &here).is_empty(), "a sibling in the same module");
+    assert_eq!(top_modules_named("let x = crate::upstream::Kind;", &here), ["upstream"]);
+}
+
 #[test]
 fn modules_import_only_lower_layers() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -64,13 +133,11 @@ fn modules_import_only_lower_layers() {
             continue;
         };
         let text = std::fs::read_to_string(&f).unwrap();
+        let here = module_path(&rel);
         for (n, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap();
-            let mut rest = code;
-            while let Some(i) = rest.find("crate::") {
-                let name: String = rest[i + 7..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-                rest = &rest[i + 7..];
-                if name == module || name.is_empty() {
+            for name in top_modules_named(code, &here) {
+                if name == module {
                     continue;
                 }
                 match rank.get(name.as_str()) {
