@@ -5,7 +5,9 @@
 //! processes; the front end; the C boundary. A `use crate::X` (or a `crate::X::` path outside
 //! comments, braced groups `crate::{X, Y}` included, or a `super::` chain that climbs to the
 //! crate root and goes down into X) against the order fails this test, and so does a module
-//! missing from the table.
+//! missing from the table. Within the layers, no two files may depend on each other in a
+//! circle (`no_circle_between_files`: every `use` tree and path, a file's own ancestors
+//! excepted, which declare it).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -179,4 +181,185 @@ fn socket_writes_raise_no_sigpipe() {
         }
     }
     assert!(bad.is_empty(), "socket writes that may raise SIGPIPE (use crate::socket::send_all):\n{}", bad.join("\n"));
+}
+
+/// `text` without comments and string literals (paths inside them are no dependency).
+fn code_only(text: &str) -> String {
+    let (b, mut out, mut i) = (text.as_bytes(), String::with_capacity(text.len()), 0);
+    while i < b.len() {
+        if b[i..].starts_with(b"//") {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        } else if b[i..].starts_with(b"/*") {
+            i += 2;
+            while i < b.len() && !b[i..].starts_with(b"*/") {
+                i += 1;
+            }
+            i += 2;
+        } else if b[i] == b'"' && (i == 0 || b[i - 1] != b'\'') {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push_str("\"\"");
+        } else {
+            out.push(b[i] as char);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The paths a `use` tree names (`a::{b, c::{d as e}}` -> a::b, a::c::d).
+fn expand_use(tree: &str) -> Vec<String> {
+    let tree = tree.trim();
+    let Some(open) = tree.find('{') else {
+        return vec![tree.split(" as ").next().unwrap_or("").trim().to_string()];
+    };
+    let (prefix, inner) = (&tree[..open], &tree[open + 1..tree.rfind('}').unwrap_or(tree.len())]);
+    let (mut items, mut depth, mut cur) = (Vec::new(), 0, String::new());
+    for c in inner.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            _ => {}
+        }
+        if c == ',' && depth == 0 {
+            items.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(c);
+        }
+    }
+    items.push(cur);
+    items.iter().filter(|i| !i.trim().is_empty()).flat_map(|i| expand_use(i)).map(|p| format!("{prefix}{p}")).collect()
+}
+
+/// Every path a file's code names from the crate root or relative to its own module.
+fn named_paths(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("use ") {
+        let starts_word = i == 0 || !rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_');
+        let end = rest[i..].find(';').map_or(rest.len(), |e| i + e);
+        if starts_word {
+            let tree: String = rest[i + 4..end].split_whitespace().collect::<Vec<_>>().join(" ");
+            out.extend(expand_use(&tree));
+        }
+        rest = &rest[(i + 4).min(end)..];
+    }
+    for start in ["crate::", "super::", "self::"] {
+        let mut rest = code;
+        while let Some(i) = rest.find(start) {
+            let continues = rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+            let path: String = rest[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':').collect();
+            if !continues {
+                out.push(path.clone());
+            }
+            rest = &rest[i + path.len().max(start.len())..];
+        }
+    }
+    out
+}
+
+/// The module file a path from module `here` leads into (the longest module it names), if
+/// it starts from the crate root, `super` or `self`.
+fn resolve(here: &[String], path: &str, modules: &std::collections::BTreeSet<Vec<String>>) -> Option<Vec<String>> {
+    let segs: Vec<&str> = path.split("::").map(str::trim).filter(|s| !s.is_empty()).collect();
+    let mut cur: Vec<String> = here.to_vec();
+    let mut rest = &segs[..];
+    match rest.first() {
+        Some(&"crate") => {
+            cur.clear();
+            rest = &rest[1..];
+        }
+        Some(&"super") | Some(&"self") => {
+            while rest.first() == Some(&"super") {
+                cur.pop();
+                rest = &rest[1..];
+            }
+            if rest.first() == Some(&"self") {
+                rest = &rest[1..];
+            }
+        }
+        _ => return None,
+    }
+    (0..=rest.len()).rev().map(|n| cur.iter().cloned().chain(rest[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>()).find(|m| modules.contains(m))
+}
+
+#[test]
+fn no_circle_between_files() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all = Vec::new();
+    files(&src, &mut all);
+    let mut code: BTreeMap<Vec<String>, (String, String)> = BTreeMap::new();
+    for f in all {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if rel == "lib.rs" || rel.starts_with("bin/") {
+            continue;
+        }
+        code.insert(module_path(&rel), (rel.clone(), code_only(&std::fs::read_to_string(&f).unwrap())));
+    }
+    let modules: BTreeSet<Vec<String>> = code.keys().cloned().collect();
+    // A file depends on the files its paths lead into, but not on its own module's
+    // ancestors (a submodule uses its parent's types; the parent declares it).
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (m, (_, text)) in &code {
+        for p in named_paths(text) {
+            if let Some(to) = resolve(m, &p, &modules) {
+                if &to != m && !m.starts_with(&to) {
+                    edges.entry(m.clone()).or_default().insert(to);
+                }
+            }
+        }
+    }
+    // Depth-first search for a back edge; report the circle it closes.
+    fn visit(
+        v: &Vec<String>,
+        edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        state: &mut BTreeMap<Vec<String>, u8>,
+        stack: &mut Vec<Vec<String>>,
+        found: &mut Vec<String>,
+    ) {
+        state.insert(v.clone(), 1);
+        stack.push(v.clone());
+        for w in edges.get(v).into_iter().flatten() {
+            match state.get(w) {
+                None => visit(w, edges, state, stack, found),
+                Some(1) => {
+                    let at = stack.iter().position(|x| x == w).unwrap();
+                    let mut circle: Vec<String> = stack[at..].iter().map(|x| x.join("/")).collect();
+                    circle.push(w.join("/"));
+                    found.push(circle.join(" -> "));
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        state.insert(v.clone(), 2);
+    }
+    let (mut state, mut found) = (BTreeMap::new(), Vec::new());
+    for m in &modules {
+        if !state.contains_key(m) {
+            visit(m, &edges, &mut state, &mut Vec::new(), &mut found);
+        }
+    }
+    assert!(found.is_empty(), "files that depend on each other in a circle:\n{}", found.join("\n"));
+    // The reading sees what it must: a known dependency of each kind is among the edges.
+    let has = |from: &str, to: &str| {
+        edges.get(&module_path(from)).is_some_and(|s| s.contains(&module_path(to)))
+    };
+    assert!(has("pool/arena.rs", "pool/growth.rs"), "a braced `use super::growth::{{...}}`");
+    assert!(has("upstream/export_record.rs", "upstream/shared/identity.rs"), "a path into a child module");
+}
+
+#[test]
+fn the_circle_check_reads_use_trees_and_paths() {
+    assert_eq!(expand_use("super::{growth::{Attempt, Grower as G}, Pool}"), ["super::growth::Attempt", "super::growth::Grower", "super::Pool"]);
+    assert_eq!(code_only("let s = \"crate::ffi\"; // crate::front\nx"), "let s = \"\"; \nx");
+    let p = named_paths("use crate::{a::b, c};\nfn f() { super::super::d::e(); }");
+    assert!(p.contains(&"crate::a::b".to_string()) && p.contains(&"crate::c".to_string()), "{p:?}");
+    assert!(p.contains(&"super::super::d::e".to_string()), "{p:?}");
 }

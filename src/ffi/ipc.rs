@@ -248,7 +248,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_torch(handle: *const c_void, len: usiz
         if len > MAX_DESCRIPTOR_BYTES + 4096 {
             return Err(Error::InvalidArgument(format!("IPC handle: {len} bytes is longer than any handle")));
         }
-        let (base, block) = crate::share::descriptor::open_torch(std::slice::from_raw_parts(handle as *const u8, len), device)?;
+        let (base, block) = torch_format::open(std::slice::from_raw_parts(handle as *const u8, len), device)?;
         *out_base = base as *mut c_void;
         *out_block = block as *mut c_void;
         Ok(())

@@ -13,7 +13,7 @@ mod release;
 
 pub use figures::ArenaFigures;
 
-use super::grow::{Attempt, Grower, Request, Stage};
+use super::growth::{Attempt, Grower, Request, Stage};
 use super::{Pool, PoolOptions};
 use crate::error::{Error, Result};
 use crate::block::Block;

@@ -48,6 +48,7 @@ mod core;
 mod free;
 mod graph_pools;
 mod grow;
+mod growth;
 mod import_cache;
 mod ipc;
 mod limits;

@@ -19,7 +19,7 @@
 //! neither rewrite tokens nor truncate the file under the exporter (which would kill it with
 //! SIGBUS on its next write).
 
-use super::shared::{granules_digest, start_time_of, Fd, SharedGranule};
+use super::shared::identity::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
