@@ -75,7 +75,7 @@ def _name(torch, source):
 def _build_directory(torch, name):
     """The folder torch.utils.cpp_extension would choose for `name` (TORCH_EXTENSIONS_DIR, else
     its per-Python, per-CUDA folder under the user's cache), chosen here so that the library's
-    path is known before the build, and without importing cpp_extension (a fifth of a second,
+    path is known before the build, and without importing cpp_extension (which brings
     setuptools with it) where the library is built already."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not root:

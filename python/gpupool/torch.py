@@ -129,8 +129,8 @@ class _Then(importlib.abc.Loader):
 def use_plain_cuda_graphs_in_compile():
     """Make torch.compile(mode="reduce-overhead") capture with torch.cuda.graph instead of
     CUDA-graph trees (which checkpoint private pools, which gpupool refuses). Importing
-    inductor's configuration costs seconds (it imports much of inductor), which a process
-    that never compiles should not pay: where it is not imported yet, the setting is made
+    inductor's configuration imports much of inductor, which a process that never
+    compiles should not pay for: where it is not imported yet, the setting is made
     the moment it is."""
     if _INDUCTOR_CONFIG in sys.modules:
         # import_module waits for a module another thread is still executing.
