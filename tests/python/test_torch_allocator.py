@@ -463,6 +463,36 @@ def test_install_of_a_built_class_loads_no_build_machinery_or_inductor(library, 
     assert out.strip() == "ok"
 
 
+def test_install_leaves_cuda_unstarted_until_the_first_cuda_work(library, torch_importable):
+    """install() starts neither PyTorch's CUDA nor the driver (the class learns the devices
+    when PyTorch starts CUDA, as PyTorch's own allocator does): a process that installs
+    gpupool pays CUDA's start where a native one does, at its first CUDA work."""
+    _class_built()
+    out = ok(run_py("""
+        import json, sys, torch
+        def driver_loaded():
+            with open("/proc/self/maps") as f:
+                return "libcuda.so" in f.read()
+        before = driver_loaded()
+        import gpupool
+        gpupool.torch.install()
+        print(json.dumps({"route": gpupool.torch.route(), "before": before, "after": driver_loaded(),
+                          "started": torch.cuda.is_initialized(), "gpu": torch.cuda.is_available()}))
+        if torch.cuda.is_available():
+            x = torch.ones(1 << 20, device="cuda")
+            assert torch.cuda.memory_allocated() >= 4 << 20, torch.cuda.memory_allocated()
+            assert gpupool.stats()["used_bytes"] >= 4 << 20  # the tensor is the pool's
+            assert int(x.sum().item()) == 1 << 20
+            print("first tensor ok")
+    """))
+    state = json.loads(out.splitlines()[0])
+    assert state["route"] == "allocator"
+    assert state["started"] is False, state
+    assert state["after"] == state["before"], f"install() loaded the CUDA driver: {state}"
+    if state["gpu"]:
+        assert out.splitlines()[1] == "first tensor ok"
+
+
 def test_first_builds_started_at_once_agree(library, torch_importable, tmp_path):
     """Processes that all find no built class (an empty extension cache) and start together:
     one build, every process installs the same library, and the next process loads it."""

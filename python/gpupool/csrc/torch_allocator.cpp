@@ -39,6 +39,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAMacros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/ApproximateClock.h>
@@ -50,6 +51,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -275,13 +277,35 @@ struct ForeignPool {
 
 void deleter(void *ptr);
 
+// Every device's books, made when PyTorch starts CUDA (`init`), not when the class is
+// installed. Entries are made once, under the set-up lock, and never move: readers take no
+// lock and see the first `size()` of them, published after they were made.
+class DeviceBooks {
+ public:
+  size_t size() const { return count_.load(std::memory_order_acquire); }
+  std::unique_ptr<Books> &operator[](size_t d) { return books_[d]; }
+  std::unique_ptr<Books> *begin() { return books_.data(); }
+  std::unique_ptr<Books> *end() { return books_.data() + size(); }
+
+  // Books for devices up to `n` (the caller holds the set-up lock).
+  void grow(size_t n) {
+    n = std::min(n, books_.size());
+    size_t have = size();
+    for (size_t d = have; d < n; ++d) books_[d] = std::make_unique<Books>();
+    if (n > have) count_.store(n, std::memory_order_release);
+  }
+
+ private:
+  std::array<std::unique_ptr<Books>, C10_COMPILE_TIME_MAX_GPUS> books_;
+  std::atomic<size_t> count_{0};
+};
+
 class GpupoolAllocator final : public cca::CUDAAllocator {
  public:
-  GpupoolAllocator() {
-    int n = static_cast<int>(c10::cuda::device_count());
-    books_.reserve(std::max(n, 1));
-    for (int d = 0; d < std::max(n, 1); ++d) books_.push_back(std::make_unique<Books>());
-  }
+  // No device is counted here: counting starts the CUDA driver (a third of a second), which
+  // PyTorch starts only at the process's first CUDA work and then calls `init` with the
+  // count. Installing the class costs no more than loading it.
+  GpupoolAllocator() = default;
 
   // -- allocation ---------------------------------------------------------------------
 
@@ -404,7 +428,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
   void init(int device_count) override {
     std::lock_guard<std::mutex> g(setup_mu_);
-    while (static_cast<int>(books_.size()) < device_count) books_.push_back(std::make_unique<Books>());
+    books_.grow(static_cast<size_t>(std::max(device_count, 0)));
     initialized_ = true;
   }
 
@@ -822,6 +846,12 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
 
  private:
   Books &books(c10::DeviceIndex device) {
+    if (C10_UNLIKELY(device >= 0 && static_cast<size_t>(device) >= books_.size() && !initialized_)) {
+      // Asked before PyTorch started CUDA (a setting made ahead of the first tensor): count
+      // the devices now, as PyTorch's own allocator would have at its start.
+      std::lock_guard<std::mutex> g(setup_mu_);
+      books_.grow(static_cast<size_t>(c10::cuda::device_count()));
+    }
     TORCH_CHECK(device >= 0 && static_cast<size_t>(device) < books_.size(), "gpupool: device ", static_cast<int>(device),
                 " is not one of the ", books_.size(), " devices PyTorch sees");
     return *books_[device];
@@ -974,7 +1004,7 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
 
-  std::vector<std::unique_ptr<Books>> books_;
+  DeviceBooks books_;
   std::mutex setup_mu_;
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
@@ -1026,9 +1056,10 @@ GPUPOOL_TORCH_EXPORT int gpupool_torch_allocator_install(void *const *fns, int n
     }
     if (cca::get() != instance) {
       // PyTorch keeps this shared pointer; it deletes nothing (see `instance`).
+      // PyTorch refuses the swap once its CUDA is started, and starting it calls `init` on
+      // the allocator installed then: this one.
       torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
           std::shared_ptr<cca::CUDAAllocator>(instance, [](cca::CUDAAllocator *) {}));
-      instance->init(static_cast<int>(c10::cuda::device_count()));
     }
     return 0;
   } catch (const std::exception &e) {
