@@ -18,6 +18,38 @@ pub const MAX_TAGS: usize = 16;
 /// The longest tag name, in bytes.
 pub const MAX_NAME: usize = 64;
 
+// Note [A tag's granule]
+//
+// Rationale. A tag holds what a process sends to others and puts to sleep: a trainer's
+// weights, an engine's KV cache. Both cost per physical allocation, not per byte: an
+// export makes one shareable descriptor per allocation, a receiver imports, maps and
+// grants each, and a pause and a resume unmap, release, create and map each. At the
+// device's 2 MiB granularity a 2 GB state dict is a thousand allocations, and its first
+// send costs several times what CUDA's IPC handles of PyTorch's segments cost. A
+// receiver on PyTorch's own allocator opens an arena block only where its memory is
+// allocations of one size (PyTorch's expandable segment, Note [PyTorch's handle formats]).
+//
+// Approach. A tag's pool is an arena whose granule is `TAG_GRANULE`, a power-of-two
+// multiple of the device's: every allocation under a tag is that size, so every tagged
+// block has PyTorch's form, and a tag's memory is a sixteenth as many allocations as at
+// 2 MiB. Blocks are still carved at 512 B from that memory, so blocks pack as they do in
+// the default pool; what a larger granule costs is the unused part of the last granule
+// of each of the tag's ranges (small, large), at most two granules a tag and device.
+//
+// Implementation. `crate::registry` (`create`) gives a tag shard `PoolOptions::
+// arena_granule` and no chunks; the arena asks its upstream for that granule
+// (`VirtualMemory::vmm_set_granule`), which then creates, maps, aliases, pauses and
+// exports in that unit. Exports still list the device's granularity
+// (`vmm_device_granule`): a granule of the tag is several consecutive entries of one
+// descriptor, so every importer, whatever its own pools' granule, maps it whole.
+//
+// Limitations. A tag that holds little still maps a whole granule per range in use;
+// 32 MiB is PyTorch's 20 MiB segment rounded to a power of two (the arena's granules are).
+// Untagged arena blocks over mixed allocations keep gpupool's own format (docs/ipc.md).
+
+/// The granule of a tag's pool (Note [A tag's granule]).
+pub const TAG_GRANULE: usize = 32 << 20;
+
 static NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 thread_local! {

@@ -17,6 +17,9 @@ use common::last_error as last;
 
 const MIB: usize = 1 << 20;
 
+/// Every allocation under a tag is this size (Note [A tag's granule]).
+use gpupool::tags::TAG_GRANULE;
+
 /// The environment every test here reads: devices on the host upstream (a device no test
 /// configures gets it from here), before the first call reads the configuration.
 fn host_env() {
@@ -162,24 +165,25 @@ fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its
 fn stitched_blocks_resume_with_their_aliases() {
     let d = 21;
     host(d);
+    let g = TAG_GRANULE;
     begin(c"stitched");
     // Scattered free granules, then a request no run of them serves: a stitch.
-    let singles: Vec<usize> = (0..8).map(|_| malloc(2 * MIB, d).unwrap()).collect();
+    let singles: Vec<usize> = (0..6).map(|_| malloc(g, d).unwrap()).collect();
     for &p in singles.iter().step_by(2) {
         free(p, d);
     }
-    let big = malloc(8 * MIB, d).unwrap();
+    let big = malloc(3 * g, d).unwrap();
     end();
     assert!(figure_after(d, "\"arena\"", "stitches_made") > 0, "no stitch: {}", common::device_json(d));
-    fill(big, 8 * MIB, 40);
+    fill(big, 3 * g, 40);
     for (i, &p) in singles.iter().enumerate().skip(1).step_by(2) {
-        fill(p, 2 * MIB, 50 + i as u8);
+        fill(p, g, 50 + i as u8);
     }
     pause(d, c"stitched", true).unwrap();
     resume(d, c"stitched").unwrap();
-    assert!(holds(big, 8 * MIB, 40), "the stitched block lost its contents");
+    assert!(holds(big, 3 * g, 40), "the stitched block lost its contents");
     for (i, &p) in singles.iter().enumerate().skip(1).step_by(2) {
-        assert!(holds(p, 2 * MIB, 50 + i as u8));
+        assert!(holds(p, g, 50 + i as u8));
         free(p, d);
     }
     free(big, d);
@@ -208,11 +212,11 @@ fn a_hundred_switches_keep_memory_and_address_space_flat() {
         resume(d, c"trainer").unwrap();
         assert!(holds(model, 4 * MIB, 3), "step {step}");
         if step == 0 {
-            // The first rollout pause gave its memory back: from here on each step ends
-            // where this one does.
-            assert_eq!(device_free(d), free_at_start + 8 * MIB as u64);
+            // The first rollout pause gave its memory (a granule) back: from here on each
+            // step ends where this one does.
+            assert_eq!(device_free(d), free_at_start + TAG_GRANULE as u64);
         }
-        assert_eq!(device_free(d), free_at_start + 8 * MIB as u64, "step {step}");
+        assert_eq!(device_free(d), free_at_start + TAG_GRANULE as u64, "step {step}");
         assert_eq!(figure_after(d, "{", "total_bytes"), reserved_at_start, "step {step}");
     }
     resume(d, c"rollout").unwrap();
@@ -365,6 +369,23 @@ fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
     let untagged: Vec<usize> = sizes.iter().map(|&n| malloc(n, u).unwrap()).collect();
     assert_eq!(chunks(t), 0, "{}", common::device_json(t));
     assert!(chunks(u) > 0, "{}", common::device_json(u));
+    // Allocations of the tag's granule: one in the small range, three under 68 MiB.
+    assert_eq!(figure_after(t, "\"arena\"", "granule"), TAG_GRANULE as u64);
+    assert_eq!(figure_after(t, "\"arena\"", "granules_mapped"), 4, "{}", common::device_json(t));
+    // An export lists the device's granularity, so that any importer maps it: each of the
+    // tag's granules is consecutive entries of one allocation.
+    let mut desc = vec![0u8; 1 << 16];
+    let mut len = 0;
+    let st = unsafe { gpupool_ipc_export_flags(tagged[1] as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    let d = gpupool::upstream::shared::Descriptor::decode(&desc[..len]).unwrap();
+    let device_granule = gpupool::upstream::host::HOST_PAGE as u64;
+    assert_eq!(d.granule, device_granule);
+    assert_eq!(d.granules.len() as u64, 3 * TAG_GRANULE as u64 / device_granule);
+    for (i, e) in d.granules.iter().enumerate() {
+        let first = &d.granules[i - i % (TAG_GRANULE / device_granule as usize)];
+        assert_eq!(e.offset - first.offset, (i % (TAG_GRANULE / device_granule as usize)) as u64 * device_granule, "entry {i}");
+    }
     for p in tagged {
         free(p, t);
     }

@@ -2,7 +2,10 @@
 
 usage: state_dict_send.py ALLOCATOR [SENDS]
 ALLOCATOR: native | expandable | gpupool (gpupool's allocator class, both processes) |
-           gpupool-split (the same with GPUPOOL_POOL=split)
+           gpupool-split (the same with GPUPOOL_POOL=split) |
+           gpupool-tag (the producer allocates its state dicts under a tag) |
+           gpupool-tag-native (the same, to a consumer on PyTorch's own allocator, which
+           never imports gpupool: a rollout engine)
 
 What RL trainers do to feed rollout workers: the producer puts a state dict on a queue (147
 bf16 CUDA tensors, 1.8 GB, the shapes of a 16-layer LLM with hidden size 2048), the consumer
@@ -32,18 +35,20 @@ if which == "expandable":
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 elif which == "gpupool-split":
     os.environ["GPUPOOL_POOL"] = "split"
-elif which not in ("native", "gpupool"):
+elif which not in ("native", "gpupool", "gpupool-tag", "gpupool-tag-native"):
     raise SystemExit(f"unknown allocator {which!r}")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from multiprocessing.reduction import ForkingPickler  # noqa: E402
 
 GPUPOOL = which.startswith("gpupool")
+TAGGED = which.startswith("gpupool-tag")
+CONSUMER_GPUPOOL = GPUPOOL and which != "gpupool-tag-native"
 HIDDEN, FFN, LAYERS, VOCAB = 2048, 5632, 16, 32000
 
 
-def install():
-    if GPUPOOL:
+def install(consumer=False):
+    if CONSUMER_GPUPOOL if consumer else GPUPOOL:
         import gpupool
         gpupool.torch.install(compiled=True)
 
@@ -59,6 +64,11 @@ def shapes():
 
 def make(seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
+    if TAGGED:
+        import gpupool
+        with gpupool.tag("weights"):
+            return {k: torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+                    for k, s in shapes()}
     return {k: torch.randn(s, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16) for k, s in shapes()}
 
 
@@ -66,8 +76,8 @@ def sums(sd):
     return [float(t.float().sum().item()) for t in sd.values()]
 
 
-def import_figures():
-    if not GPUPOOL:
+def import_figures(consumer=False):
+    if not (CONSUMER_GPUPOOL if consumer else GPUPOOL):
         return None
     import gpupool
     j = gpupool.stats_json(0)
@@ -86,7 +96,7 @@ def import_costs():
 
 
 def consumer(q, back):
-    install()
+    install(consumer=True)
     torch.empty(1, device="cuda")
     back.put("ready")
     cold = True
@@ -101,12 +111,13 @@ def consumer(q, back):
         t2 = time.perf_counter()
         del msg
         parts = {"loads_s": round(t1 - t0, 4), "sums_s": round(t2 - t1, 4)}
-        if cold and GPUPOOL:
+        if cold and CONSUMER_GPUPOOL:
             parts.update(import_costs())
         cold = False
         back.put((s, parts))
     torch.cuda.synchronize()
-    back.put({"figures": import_figures(), "allocated": torch.cuda.memory_allocated()})
+    back.put({"figures": import_figures(consumer=True), "allocated": torch.cuda.memory_allocated(),
+              "gpupool_loaded": "gpupool" in sys.modules})
 
 
 def main():

@@ -43,9 +43,12 @@ enum GrowFail {
 /// `opts` gives the address space (`arena_va`), the chunk sizes and piece ends.
 pub(super) fn build(up: &mut dyn Upstream, opts: &PoolOptions) -> std::result::Result<Box<ArenaStrategy>, String> {
     let va_bytes = opts.arena_va;
-    let g = up.vmm_granule();
+    let mut g = up.vmm_granule();
     if g == 0 {
         return Err(format!("arena unavailable: the {} upstream or its device has no virtual memory management; using split", up.name()));
+    }
+    if opts.arena_granule > g {
+        g = up.vmm_set_granule(opts.arena_granule);
     }
     let total = up.mem_info().map(|m| m.1).unwrap_or(0).max(g);
     let round = |n: usize| n.div_ceil(g) * g;

@@ -43,6 +43,9 @@ pub struct PoolOptions {
     pub arena_chunk_from: usize,
     /// `GPUPOOL_ARENA_PIECE_ENDS`: new stitches may end in pieces of granules partly in use.
     pub arena_piece_ends: bool,
+    /// The arena's granule, each allocation it maps (0: the device's granularity): a tag's
+    /// pool maps larger ones (Note [A tag's granule], `crate::registry`).
+    pub arena_granule: usize,
     /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
     pub budget: Option<std::sync::Arc<Budget>>,
     /// Which shard of its device this pool is (0 for a device that is not sharded): the
@@ -69,6 +72,7 @@ impl Default for PoolOptions {
             arena_chunk: crate::strategy::arena::CHUNK_MAX,
             arena_chunk_from: crate::strategy::arena::CHUNK_FROM,
             arena_piece_ends: false,
+            arena_granule: 0,
             budget: None,
             shard: 0,
         }

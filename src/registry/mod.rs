@@ -203,6 +203,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         arena_chunk: cfg.arena_chunk,
         arena_chunk_from: cfg.arena_chunk_from,
         arena_piece_ends: cfg.arena_piece_ends,
+        arena_granule: 0,
         budget: None,
         shard: 0,
     })
@@ -217,12 +218,10 @@ fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
     opts.budget = Some(lock(&s.budget).get_or_insert_with(Default::default).clone());
     opts.shard = shard as u16;
     if shard >= SHARDS {
-        // A tag's memory is mapped granule by granule: allocations of one size, so every
-        // tagged block has PyTorch's expandable-segment form and a receiver on PyTorch's
-        // own allocator opens it (Note [PyTorch's handle formats]). Tags hold what is
-        // sent to other processes (weights) and allocate it once, so more allocations
-        // cost at growth, not each step.
+        // A tag's memory is allocations of one size, TAG_GRANULE each (Note [A tag's
+        // granule]).
         opts.arena_chunk = 0;
+        opts.arena_granule = crate::tags::TAG_GRANULE;
     }
     let pool = Pool::new(device, up, &opts)?;
     if shard == 0 {

@@ -243,6 +243,14 @@ impl VirtualMemory for HostUpstream {
         self.vmm.granule()
     }
 
+    fn vmm_set_granule(&mut self, bytes: usize) -> usize {
+        self.vmm.set_granule(bytes)
+    }
+
+    fn vmm_device_granule(&self) -> usize {
+        self.vmm.device_granule()
+    }
+
     fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
         self.calls.address_reserve += 1;
         self.vmm.reserve(len)

@@ -25,7 +25,10 @@ use std::collections::BTreeMap;
 mod pause;
 
 pub struct HostVmm {
+    /// Bytes of each mapping (`set_granule`: a multiple of the device's).
     granule: usize,
+    /// The granularity exports list and imports map in.
+    device_granule: usize,
     /// The "physical memory": created on first use.
     fd: Option<libc::c_int>,
     file_len: usize,
@@ -55,6 +58,7 @@ impl HostVmm {
     pub fn new(granule: usize) -> HostVmm {
         HostVmm {
             granule,
+            device_granule: granule,
             fd: None,
             file_len: 0,
             spare_offsets: Vec::new(),
@@ -69,6 +73,20 @@ impl HostVmm {
     }
 
     pub fn granule(&self) -> usize {
+        self.granule
+    }
+
+    pub fn device_granule(&self) -> usize {
+        self.device_granule
+    }
+
+    /// Make each mapping `bytes` (a power-of-two multiple of the device granule; anything
+    /// else keeps the granule). Only while nothing is reserved.
+    pub fn set_granule(&mut self, bytes: usize) -> usize {
+        let g = self.device_granule;
+        if bytes.is_power_of_two() && bytes >= g && bytes % g == 0 && self.reservations.is_empty() {
+            self.granule = bytes;
+        }
         self.granule
     }
 
@@ -380,7 +398,8 @@ impl HostVmm {
     /// Map the granules of `d` (offsets in the files behind the descriptors `fds` yields)
     /// side by side in a new reservation; returns the block's address there. All or nothing.
     pub fn import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
-        let g = self.granule;
+        // Exports list the device granule whatever the exporter's granule.
+        let g = self.device_granule;
         if d.granule != g as u64 {
             return Err(Error::InvalidArgument(format!("IPC import: the exporter's granule is {} bytes, this upstream's {g}", d.granule)));
         }
@@ -437,7 +456,7 @@ impl HostVmm {
         self.imports.remove(&base);
         self.reservations.remove(&base);
         // SAFETY: the whole range `import` mapped.
-        unsafe { libc::munmap(base as *mut libc::c_void, n * self.granule) };
+        unsafe { libc::munmap(base as *mut libc::c_void, n * self.device_granule) };
         Some(n)
     }
 
@@ -447,7 +466,7 @@ impl HostVmm {
 
     /// Address space the mapped imports hold.
     pub fn import_bytes(&self) -> usize {
-        self.imports.values().map(|&(n, _)| n * self.granule).sum()
+        self.imports.values().map(|&(n, _)| n * self.device_granule).sum()
     }
 }
 

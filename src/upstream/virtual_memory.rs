@@ -14,6 +14,19 @@ pub trait VirtualMemory: Memory {
     fn vmm_granule(&mut self) -> usize {
         0
     }
+    /// Make the granule (each allocation `vmm_map_new` creates, and the alignment of what
+    /// is reserved) `bytes`: a power-of-two multiple of the device's granularity, larger
+    /// allocations for fewer driver calls per byte (a tag's memory, Note [A tag's
+    /// granule]). Only before anything is reserved; returns the granule in use (the
+    /// device's where `bytes` is not such a multiple, or the upstream keeps its own).
+    fn vmm_set_granule(&mut self, _bytes: usize) -> usize {
+        self.vmm_granule()
+    }
+    /// The device's granularity: what exports list their memory in, whatever the granule,
+    /// so that every importer (whose granule is the device's) maps them. 0: the granule.
+    fn vmm_device_granule(&self) -> usize {
+        0
+    }
     /// Reserve `len` (granule multiple) bytes of address space, nothing mapped.
     fn vmm_reserve(&mut self, _len: usize) -> Result<usize> {
         Err(Error::Internal("this upstream has no virtual memory API".into()))

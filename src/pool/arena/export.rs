@@ -26,18 +26,19 @@ impl Pool {
         // from whatever its number names later (`shared.rs`, "Trust").
         // (The granules of one allocation share its descriptor: one fstat for them.)
         let mut last: Option<(i32, FileId)> = None;
-        let granules = (first..end)
-            .step_by(g)
-            .map(|a| {
-                let s = self.core.upstream_mut().vmm_export(a)?;
-                let file = match last {
-                    Some((fd, file)) if fd == s.fd => file,
-                    _ => FileId::of(s.fd)?,
-                };
-                last = Some((s.fd, file));
-                Ok(SharedGranule { file, ..s })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // Entries of the device's granularity, which importers map in: a granule larger
+        // than that (a tag's, Note [A tag's granule]) is several consecutive ones.
+        let listed = self.listed_granule();
+        let mut granules = Vec::with_capacity((end - first) / listed);
+        for a in (first..end).step_by(g) {
+            let s = self.core.upstream_mut().vmm_export(a)?;
+            let file = match last {
+                Some((fd, file)) if fd == s.fd => file,
+                _ => FileId::of(s.fd)?,
+            };
+            last = Some((s.fd, file));
+            granules.extend((0..g / listed).map(|k| SharedGranule { file, offset: s.offset + (k * listed) as u64, ..s }));
+        }
         // A block exported before with the same granules keeps its export: one record
         // slot, one descriptor, however often it is sent.
         let digest = granules_digest(&granules);
@@ -72,7 +73,7 @@ impl Pool {
             start_time: own_start_time(),
             record,
             device: self.core.device(),
-            granule: g as u64,
+            granule: listed as u64,
             offset: (ptr - first) as u64,
             size: size as u64,
             origin: first as u64,
@@ -88,6 +89,16 @@ impl Pool {
     pub(in crate::pool) fn arena_export_granules(&self, ptr: usize, size: usize) -> Option<usize> {
         let a = self.core.arena()?;
         let (first, end) = a.export_extent(ptr, size);
-        Some((end - first) / a.granule())
+        Some((end - first) / self.listed_granule())
+    }
+
+    /// The granule exports list: the device's granularity (the arena's granule where the
+    /// upstream does not say).
+    fn listed_granule(&self) -> usize {
+        let g = self.arena_ref().granule();
+        match self.core.upstream().vmm_device_granule() {
+            d if d == 0 || d > g || g % d != 0 => g,
+            d => d,
+        }
     }
 }

@@ -60,7 +60,11 @@ pub fn granularity(prop: &sys::CUmemAllocationProp, which: sys::CUmemAllocationG
 
 pub struct CudaVmm {
     prop: sys::CUmemAllocationProp,
+    /// Bytes of each allocation `map_new` makes: the device's granularity, or a multiple
+    /// of it (`set_granule`).
     granule: usize,
+    /// The device's granularity.
+    device_granule: usize,
     /// Who may read and write arena memory: the device, then its peers.
     access: Vec<sys::CUmemAccessDesc>,
     /// Physical allocations mapped: base -> (handle, bytes: a granule or a chunk).
@@ -154,6 +158,7 @@ impl CudaVmm {
         Ok(Some(CudaVmm {
             prop,
             granule: g,
+            device_granule: g,
             access,
             handles: BTreeMap::new(),
             aliases: FxHashMap::default(),
@@ -167,6 +172,20 @@ impl CudaVmm {
     }
 
     pub fn granule(&self) -> usize {
+        self.granule
+    }
+
+    pub fn device_granule(&self) -> usize {
+        self.device_granule
+    }
+
+    /// Make each allocation `bytes` (a power-of-two multiple of the device's granularity;
+    /// anything else keeps the granule). Only while nothing is reserved or mapped.
+    pub fn set_granule(&mut self, bytes: usize) -> usize {
+        let g = self.device_granule;
+        if bytes.is_power_of_two() && bytes >= g && bytes % g == 0 && self.handles.is_empty() && self.imports.is_empty() {
+            self.granule = bytes;
+        }
         self.granule
     }
 

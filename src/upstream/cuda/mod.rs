@@ -176,6 +176,15 @@ impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.granule())
     }
 
+    fn vmm_set_granule(&mut self, bytes: usize) -> usize {
+        let _ = self.vmm_granule();
+        self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.set_granule(bytes))
+    }
+
+    fn vmm_device_granule(&self) -> usize {
+        self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.device_granule())
+    }
+
     fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
         let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;

@@ -32,7 +32,8 @@ impl CudaVmm {
     /// granule by granule from offset 0) side by side in a new range, readable and writable
     /// by the device and its peers; returns the block's address there. All or nothing.
     pub fn import(&mut self, d: &Descriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
-        let granule = self.granule;
+        // Exports list the device's granularity whatever the exporter's granule.
+        let granule = self.device_granule;
         if d.granule != granule as u64 {
             return Err(Error::InvalidArgument(format!(
                 "IPC import: the exporter's granule is {} bytes, this device's {granule}",
