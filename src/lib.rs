@@ -29,6 +29,8 @@
 //! - `share`: sharing blocks between processes above the device pool (received
 //!   descriptors, spans mapped once, the holds file, the descriptor handover).
 //! - `status_socket`: the status report for other processes (`GPUPOOL_STATUS_SOCKET`).
+//! - `tags`: tag names and each thread's current tag (a tag's memory is a pool of its own,
+//!   which pauses and resumes apart: `registry/tags.rs`, `docs/tags.md`).
 //! - `ffi`: every `extern "C"` function.
 
 pub mod block;

@@ -2,7 +2,7 @@
 //! upstream's simulated VMM: several streams, limits, reclaims, cache decay, and blocks long
 //! enough to be mapped in chunks; no block handed out twice, every block's contents intact,
 //! an out-of-memory error only where the cap leaves no room, and everything back at the end.
-//! `GPUPOOL_ARENA_MODEL_OPS` sets the length of the first two runs.
+//! `GPUPOOL_ARENA_MODEL_OPS` sets the length of the runs of small blocks (at least 2,000).
 
 mod common;
 mod arena_support;
@@ -19,14 +19,14 @@ use gpupool::{Pool, PoolOptions};
 /// reclaims; the full invariant scan every 256 operations, every block's contents checked.
 #[test]
 fn long_randomized_run_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let ops = model_ops();
     randomized_run(ops, 0);
 }
 
 /// The same with cache decay, which releases granules on its own between operations.
 #[test]
 fn long_randomized_run_with_decay_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let ops = model_ops();
     randomized_run(ops / 2, 512);
 }
 
@@ -41,9 +41,15 @@ fn long_randomized_run_with_chunks_matches_the_model() {
 /// (`GPUPOOL_ARENA_PIECE_ENDS`): every block's contents stay intact beside them.
 #[test]
 fn long_randomized_run_with_piece_ends_matches_the_model() {
-    let ops: usize = std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let ops = model_ops();
     randomized_run_of(ops, 0, 256 * MIB, 40 * MIB, true);
     randomized_run_of(20_000, 0, 1 << 30, 200 * MIB, true);
+}
+
+/// `GPUPOOL_ARENA_MODEL_OPS` (default 200,000), and never fewer than 2,000: a shorter run
+/// would reach no stitch, loan or release, and pass on nothing.
+fn model_ops() -> usize {
+    std::env::var("GPUPOOL_ARENA_MODEL_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000).max(2_000)
 }
 
 fn randomized_run(ops: usize, decay_window: usize) {
@@ -130,6 +136,9 @@ fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: 
     p.reclaim().unwrap();
     assert_eq!(p.stats().total_bytes, 0);
     p.check_invariants().unwrap();
-    let pieces = p.arena_counters().unwrap().stitch_pieces;
+    let counters = p.arena_counters().unwrap();
+    let pieces = counters.stitch_pieces;
     assert_eq!(pieces > 0, arena_piece_ends, "{pieces} stitch ends in pieces of granules");
+    // The run reached what it is for: stitches made and granules released.
+    assert!(counters.stitches_made > 0 && counters.granules_unmapped > 0, "{ops} operations made no stitch or release: {counters:?}");
 }

@@ -126,28 +126,40 @@ fn stats_exact(kind: PoolKind) {
     assert_eq!(st.n_upstream_allocs - st.n_upstream_frees > 0, caches(kind));
 }
 
+/// Whether freed neighbours merge into one free block: the splitting pools (`split`, and
+/// the arena, which carves and merges at 512 B) do; `binned` keeps freed blocks in their
+/// size's bin and `none` caches nothing.
+fn coalesces(kind: PoolKind) -> bool {
+    matches!(kind, PoolKind::Split | PoolKind::Arena)
+}
+
 fn coalescing(kind: PoolKind) {
-    if kind != PoolKind::Split {
-        return;
-    }
     let mut p = host_pool(kind, 1 << 30);
-    // Two neighbours cut from one small segment.
+    // Two neighbours cut from one piece of memory (where the pool cuts at all).
     let a = p.malloc(256 * 1024, LEGACY).unwrap();
     let b = p.malloc(256 * 1024, LEGACY).unwrap();
-    assert_eq!(b, a + 256 * 1024, "split cuts consecutive blocks from one segment");
+    if coalesces(kind) {
+        assert_eq!(b, a + 256 * 1024, "{kind:?} cuts consecutive blocks from one piece of memory");
+    }
     let guard = p.malloc(512, LEGACY).unwrap();
     p.free(a, LEGACY).unwrap();
     p.free(b, LEGACY).unwrap();
     let ups = p.stats().n_upstream_allocs;
-    // Only the merged pair (512 KiB at `a`) fits best: the tail after `guard` is larger.
     let c = p.malloc(512 * 1024, LEGACY).unwrap();
-    assert_eq!(c, a, "freed neighbours must coalesce into one block");
-    assert_eq!(p.stats().n_upstream_allocs, ups);
-    // Everything freed: one free block per segment remains.
+    if coalesces(kind) {
+        // Only the merged pair (512 KiB at `a`) fits best: the tail after `guard` is larger.
+        assert_eq!(c, a, "{kind:?}: freed neighbours must coalesce into one block");
+        assert_eq!(p.stats().n_upstream_allocs, ups, "{kind:?}: the merged pair serves without new memory");
+    } else {
+        // The two halves serve no request of their sum: new memory.
+        assert!(p.stats().n_upstream_allocs > ups, "{kind:?} merged freed blocks it should keep apart");
+        assert!(c < a || c >= b + 256 * 1024, "{kind:?} handed out {c:#x} over the freed halves at {a:#x}");
+    }
+    // Everything freed: the memory goes back whole.
     p.free(c, LEGACY).unwrap();
     p.free(guard, LEGACY).unwrap();
     p.reclaim().unwrap();
-    assert_eq!(p.stats().total_bytes, 0, "a fully coalesced segment is released whole");
+    assert_eq!(p.stats().total_bytes, 0, "{kind:?}: everything freed and reclaimed, nothing stays reserved");
 }
 
 fn limits(kind: PoolKind) {

@@ -199,6 +199,10 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, only: &
 const KINDS: [PoolKind; 4] = [PoolKind::Split, PoolKind::Binned, PoolKind::None, PoolKind::Arena];
 
 /// Operations of the long runs, per strategy: `GPUPOOL_FAULT_OPS` (CI sets 400,000).
+/// The shortest run (`GPUPOOL_FAULT_OPS`) in which `binned` must have failed at every step
+/// of the page calls (at 100,000 a step is still missed for some seeds).
+const BINNED_ALL_STEPS_FROM: usize = 400_000;
+
 fn fault_ops() -> usize {
     std::env::var("GPUPOOL_FAULT_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000)
 }
@@ -231,26 +235,27 @@ fn seeded_random_faults_lose_nothing() {
 /// Only the arena's virtual memory calls fail (at random steps inside them), often, so
 /// failures land on every path that maps, aliases, unmaps, removes aliases, exports,
 /// imports and closes imports; after every operation the books agree with what is mapped
-/// and reserved (`churn`). `GPUPOOL_FAULT_OPS` operations; in a run of 100,000 or more
-/// (CI's), every step of every call (`STEPS`) must have failed at least once.
+/// and reserved (`churn`). `GPUPOOL_FAULT_OPS` operations (at least 20,000), in which
+/// every step of every call (`STEPS`) must have failed at least once.
 #[test]
 fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
-    let ops = fault_ops();
+    // Below 20,000 operations the imports' maps may escape failure.
+    let ops = fault_ops().max(20_000);
     let mut total = 0;
     let mut hits: BTreeMap<&'static str, u64> = BTreeMap::new();
     for (seed, random) in [(11u64, 3u64), (13, 4), (17, 6), (19, 10)] {
-        let c = churn(PoolKind::Arena, 0, random, seed * 7919, ops.max(4_000) / 4, VMM_CALLS, false);
+        let c = churn(PoolKind::Arena, 0, random, seed * 7919, ops / 4, VMM_CALLS, false);
         total += c.faults;
         for (k, v) in c.hits {
             *hits.entry(k).or_default() += v;
         }
     }
-    println!("Arena: {} operations, {total} virtual memory calls failed, books exact throughout; by step:", ops.max(4_000));
+    println!("Arena: {ops} operations, {total} virtual memory calls failed, books exact throughout; by step:");
     for step in STEPS {
         println!("  {step:<36} {}", hits.get(step).copied().unwrap_or(0));
     }
     let missed: Vec<&&str> = STEPS.iter().filter(|s| !hits.contains_key(**s)).collect();
-    assert!(missed.is_empty() || ops < 100_000, "no failure was injected at {missed:?}");
+    assert!(missed.is_empty(), "no failure was injected at {missed:?}");
     assert!(total > 100, "the schedule injected almost nothing ({total})");
 }
 
@@ -261,8 +266,10 @@ fn arena_books_stay_exact_when_virtual_memory_calls_fail() {
 /// handed out over a decommitted page, and once the faults stop all memory goes back
 /// (`churn`). `GPUPOOL_FAULT_OPS / 2` operations a strategy (at least 4,000). `split` must
 /// have had every step of the page calls (`PAGE_STEPS`) fail; `binned` decommits rarely (a
-/// free block of it is a whole segment, released whole where it can be), so only in a run
-/// of 100,000 or more (CI's). `none` caches nothing: it never commits or decommits a page.
+/// free block of it is a whole segment, released whole where it can be), so its every step
+/// fails only in a long run: it is held to that at `BINNED_ALL_STEPS_FROM` operations or
+/// more (`scripts/test.sh` runs 400,000). `none` caches nothing: it never commits or
+/// decommits a page.
 #[test]
 fn segment_pool_books_stay_exact_when_page_calls_fail() {
     let ops = (fault_ops() / 2).max(4_000);
@@ -285,7 +292,7 @@ fn segment_pool_books_stay_exact_when_page_calls_fail() {
             continue;
         }
         let missed: Vec<&&str> = PAGE_STEPS.iter().filter(|t| !hits.contains_key(**t)).collect();
-        assert!(missed.is_empty() || (kind == PoolKind::Binned && fault_ops() < 100_000), "{kind:?}: no failure was injected at {missed:?}");
+        assert!(missed.is_empty() || (kind == PoolKind::Binned && fault_ops() < BINNED_ALL_STEPS_FROM), "{kind:?}: no failure was injected at {missed:?}");
         assert!(pages.1 > 0 && total > 100, "{kind:?}: the churn decommitted nothing, or injected almost nothing ({total})");
     }
 }

@@ -7,21 +7,19 @@
 // std::bad_alloc for out-of-memory, std::runtime_error for anything else. PyTorch turns both
 // into a plain Python RuntimeError: only c10::OutOfMemoryError, whose constructor lives in
 // libc10, becomes torch.OutOfMemoryError, and this library is built without PyTorch. So
-// gpupool.torch installs by default a shim compiled against the installed PyTorch instead
-// (python/gpupool/_torch_oom.py); this function is the path it falls back to.
+// gpupool.torch installs by default an allocator class compiled against the installed
+// PyTorch (python/gpupool/csrc/torch_allocator.cpp), which throws PyTorch's own error; this
+// function serves the plug-in route that install() falls back to.
 #include <cstddef>
 #include <new>
 #include <stdexcept>
 #include <string>
 
-extern "C" {
-int gpupool_malloc(void **out_ptr, size_t size, int device, void *stream);
-size_t gpupool_last_error(char *buf, size_t len);
-}
+// The library's declarations and status codes, as C programs see them (the header is
+// generated from the Rust sources and checked fresh by tests/header.rs).
+#include "gpupool.h"
 
 namespace {
-
-const int kOutOfMemory = 5;  // GPUPOOL_STATUS_OUT_OF_MEMORY
 
 class OutOfMemory : public std::bad_alloc {
  public:
@@ -55,8 +53,8 @@ std::string oom_text(std::string s) {
 extern "C" void *gpupool_torch_malloc_or_throw(size_t size, int device, void *stream) {
   void *p = nullptr;
   int st = gpupool_malloc(&p, size, device, stream);
-  if (st == 0) return p;
-  if (st == kOutOfMemory) throw OutOfMemory(oom_text(last_error()));
+  if (st == GPUPOOL_STATUS_OK) return p;
+  if (st == GPUPOOL_STATUS_OUT_OF_MEMORY) throw OutOfMemory(oom_text(last_error()));
   throw std::runtime_error(last_error());
 }
 

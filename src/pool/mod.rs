@@ -8,8 +8,8 @@
 //! recording on the side (recorder.rs: counters, trace, leak records)
 //! ```
 //!
-//! `Pool` holds the core and the layers as fields and nothing else of its own but whether
-//! it stopped. Its operations are where the layers meet, so they are `Pool` methods, grouped
+//! `Pool` holds the core and the layers as fields, and of its own only whether it stopped
+//! and whether it is paused (a tag's pool, `pause.rs`). Its operations are where the layers meet, so they are `Pool` methods, grouped
 //! by concern: allocation and the pool's lifetime here; frees (one entry point,
 //! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
 //! and the out-of-memory escalation in `grow.rs`, the arena's driver calls in `arena.rs`;
