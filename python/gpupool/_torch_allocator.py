@@ -28,14 +28,10 @@ _ACCEPTED = "0 | 1 (also true/false, yes/no, on/off)"  # as the library's own bo
 
 SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "torch_allocator.cpp"
 
-# The library functions the class calls, in the order of its `Library` struct.
-LIBRARY_FUNCTIONS = [
-    "gpupool_malloc", "gpupool_free", "gpupool_last_error", "gpupool_get_stats", "gpupool_reset_peak_stats",
-    "gpupool_reclaim", "gpupool_set_limit", "gpupool_record_stream", "gpupool_torch_base_alloc",
-    "gpupool_snapshot_json", "gpupool_torch_pool_begin", "gpupool_torch_pool_end", "gpupool_torch_pool_release",
-    "gpupool_torch_pool_create", "gpupool_torch_pool_use_count", "gpupool_torch_pool_empty",
-    "gpupool_ipc_export_torch", "gpupool_ipc_open_torch", "gpupool_ipc_close", "gpupool_torch_block_size",
-]
+# The library's C headers (`include/` of the repository, shipped in the package): the class
+# takes its declarations, stats struct and status codes from them, so a signature that
+# changed in the library stops the class's build.
+HEADERS = pathlib.Path(__file__).resolve().parent / "csrc" / "include"
 
 
 def wanted(compiled):
@@ -58,14 +54,19 @@ def wanted(compiled):
     return bool(compiled), bool(compiled)
 
 
+def _headers_text():
+    return "".join(p.read_text() for p in sorted(HEADERS.glob("*.h")))
+
+
 def _name(torch, source):
-    """The extension's name, keyed by what the binary depends on: a change of the source or of
-    PyTorch builds a new one beside the old instead of loading a stale one."""
+    """The extension's name, keyed by what the binary depends on: a change of the source, of
+    the library's headers or of PyTorch builds a new one beside the old instead of loading a
+    stale one."""
     h = hashlib.sha256()
     # Also the C++ ABI and the installation's place: one cache serves several environments
     # (a pip and a conda PyTorch of one version are different binaries).
     abi = str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))
-    for part in (source, torch.__version__, str(getattr(torch.version, "git_version", "")), abi,
+    for part in (source, _headers_text(), torch.__version__, str(getattr(torch.version, "git_version", "")), abi,
                  os.path.dirname(os.path.realpath(torch.__file__))):
         h.update(part.encode())
         h.update(b"\0")
@@ -147,16 +148,20 @@ def _cuda_runtime(cpp_extension):
 
 def _install(path):
     so = ctypes.CDLL(path)
-    count = so.gpupool_torch_allocator_functions
-    count.restype = ctypes.c_int
-    if count() != len(LIBRARY_FUNCTIONS):
-        raise OSError(f"{path} takes {count()} library functions, this package gives {len(LIBRARY_FUNCTIONS)}")
+    names = so.gpupool_torch_allocator_function_names
+    names.restype = ctypes.c_char_p
+    # The class says which library functions it takes, in its order.
+    wanted = [n for n in names().decode().split(",") if n]
     install = so.gpupool_torch_allocator_install
     install.restype = ctypes.c_int
     install.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    fns = (ctypes.c_void_p * len(LIBRARY_FUNCTIONS))(*[_fn_address(n) for n in LIBRARY_FUNCTIONS])
+    try:
+        fns = (ctypes.c_void_p * len(wanted))(*[_fn_address(n) for n in wanted])
+    except AttributeError as e:
+        raise OSError(f"{path} calls a library function the loaded libgpupool.so does not export ({e}): "
+                      "the class and the library are of different versions") from e
     err = ctypes.create_string_buffer(4096)
-    if install(fns, len(LIBRARY_FUNCTIONS), err, len(err)) != 0:
+    if install(fns, len(wanted), err, len(err)) != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
     return path
 
@@ -209,7 +214,7 @@ def build():
         # Several processes may get here at once: cpp_extension.load serializes the build
         # (its lock), and each writes the same marker after it.
         cpp_extension.load(name=name, sources=[src], extra_cflags=["-O2", *_interface_flags(torch)],
-                           extra_include_paths=[include],
+                           extra_include_paths=[include, str(HEADERS)],
                            extra_ldflags=[f"-L{torch_lib}", "-ltorch_cuda", "-lc10_cuda", cudart],
                            build_directory=d, is_python_module=False, with_cuda=False, verbose=False)
         tmp = f"{ready}.{os.getpid()}"

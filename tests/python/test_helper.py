@@ -285,9 +285,17 @@ def test_the_pytorch_allocator_source_ships_with_the_package():
         assert t.SOURCE.is_file(), t.SOURCE
         text = t.SOURCE.read_text()
         assert "gpupool_torch_allocator_install" in text
-        struct = text[text.index("struct Library {"):text.index("};", text.index("struct Library {"))]
-        slots = [l for l in struct.splitlines() if "(*" in l]
-        assert len(slots) == len(t.LIBRARY_FUNCTIONS), (len(slots), len(t.LIBRARY_FUNCTIONS))
+        # The headers it includes ship beside it, and declare every function it takes,
+        # which the library exports.
+        import re, gpupool
+        headers = "".join(p.read_text() for p in t.HEADERS.glob("*.h"))
+        assert "typedef struct gpupool_stats" in headers, list(t.HEADERS.glob("*"))
+        table = text[text.index("#define GPUPOOL_LIBRARY_FUNCTIONS(X)"):text.index("struct Library {")]
+        names = re.findall(r"X\\(\\w+, (gpupool_\\w+)\\)", table)
+        assert len(names) >= 20, names
+        for n in names:
+            assert re.search(rf"\\b{n}\\(", headers), f"{n} is not declared in the shipped headers"
+            assert gpupool._fn_address(n), n
         print("ok")
     """))
 
@@ -578,3 +586,68 @@ def test_out_of_memory_reports_name_the_arenas_granule_and_its_address_space(lib
         print("ok va")
     """, env={"GPUPOOL_ARENA_VA": "8MiB"}))
     assert "ok va" in out
+
+
+def _c_prototypes():
+    """name -> (return type, [parameter types]) of every function the C headers declare."""
+    import re
+    from conftest import ROOT
+    text = "".join(p.read_text() for p in sorted((ROOT / "include").glob("*.h")))
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    protos = {}
+    for ret, name, params in re.findall(r"([A-Za-z_][\w \*]*?[\s\*])(gpupool_\w+)\s*\(([^;{]*?)\)\s*(?:GPUPOOL_DEPRECATED\([^)]*\)\s*)?;", text):
+        ps = [" ".join(p.split()) for p in params.split(",") if p.strip() and p.strip() != "void"]
+        protos[name] = (" ".join(ret.split()), ps)
+    return protos
+
+
+def _c_kind(decl):
+    """The same for a C declaration (`const char *buf`, `size_t len`, `enum gpupool_status`)."""
+    if "*" in decl:
+        return "pointer"
+    words = [w for w in decl.replace("const ", "").split()]
+    base = " ".join(words[:2]) if words[0] == "enum" else words[0]
+    return {"int": "int", "enum gpupool_status": "int", "size_t": "c_ulong", "uint32_t": "c_uint", "uint64_t": "c_ulong",
+            "int64_t": "c_long", "double": "c_double", "void": "void", "bool": "c_bool"}.get(base, base)
+
+
+def test_python_signatures_match_the_c_headers(library):
+    """Every function Python declares through ctypes has the parameters and return type the
+    library's header gives it (count, and scalar or pointer kind), and Python's stats struct
+    has the header's fields: the library changes in one place, and this says where Python
+    did not follow."""
+    import ctypes
+    out = ok(run_py("""
+        import ctypes, json, gpupool
+        L = gpupool.lib()
+        def kind(t):
+            if t is None:
+                return "void"
+            if t in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(t, (ctypes._Pointer, ctypes._CFuncPtr)):
+                return "pointer"
+            return t.__name__
+        sigs = {n: [kind(f.restype), [kind(a) for a in f.argtypes]] for n, f in vars(L).items()
+                if n.startswith("gpupool_") and getattr(f, "argtypes", None) is not None}
+        fields = [(n, ctypes.sizeof(t)) for n, t in gpupool.Stats._fields_]
+        print(json.dumps({"sigs": sigs, "fields": fields}))
+    """))
+    import json
+    got = json.loads(out.strip().splitlines()[-1])
+    protos = _c_prototypes()
+    assert len(got["sigs"]) >= 40, sorted(got["sigs"])
+    c_int = "c_int"
+    for name, (ret, args) in got["sigs"].items():
+        assert name in protos, f"{name}: declared in Python, not in include/*.h"
+        c_ret, c_params = protos[name]
+        want = [c_int if _c_kind(p) == "int" else _c_kind(p) for p in c_params]
+        assert len(args) == len(want), f"{name}: Python passes {len(args)} arguments, the header takes {len(want)}: {c_params}"
+        for i, (a, w) in enumerate(zip(args, want)):
+            assert a == w, f"{name}: argument {i} is {a} in Python, {c_params[i]!r} in the header"
+        r = _c_kind(c_ret)
+        assert ret == (c_int if r == "int" else r), f"{name}: returns {ret} in Python, {c_ret!r} in the header"
+    import re
+    from conftest import ROOT
+    header = (ROOT / "include" / "gpupool.h").read_text()
+    body = header[header.index("typedef struct gpupool_stats {"):header.index("} gpupool_stats;")]
+    c_fields = re.findall(r"^\s*(uint32_t|uint64_t)\s+(\w+);", body, flags=re.M)
+    assert [(n, 4 if t == "uint32_t" else 8) for t, n in c_fields] == [tuple(f) for f in got["fields"]]

@@ -48,6 +48,10 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <cuda_runtime_api.h>
+
+// The library's C API (declarations, the stats struct, status codes), as C programs see
+// it: generated from its Rust sources.
+#include "gpupool.h"
 #include <unistd.h>
 
 #include <algorithm>
@@ -81,44 +85,50 @@ using c10::CachingDeviceAllocator::TraceEntry;
 
 // ---- libgpupool.so, as Python loaded it -------------------------------------------------
 
-// Mirrors gpupool_stats (include/gpupool.h), layout version 2.
-struct PoolStats {
-  uint32_t struct_size, version;
-  uint64_t used_bytes, free_bytes, total_bytes, n_free_blocks, n_live_blocks, requested_bytes, peak_used_bytes,
-      peak_total_bytes, n_allocs, n_frees, n_upstream_allocs, n_upstream_frees, n_ooms, n_reclaims, reclaimed_bytes,
-      n_invalid_frees, limit_bytes, largest_free_block, device_free_bytes, device_total_bytes, n_cross_stream_reuses,
-      n_deferred_frees, peak_requested_bytes;
-};
+// The library's functions this class calls, as (member, C function): Python hands their
+// addresses over in this order (`gpupool_torch_allocator_function_names` says it), and
+// each member has the type the library's header declares, so a changed signature stops
+// the build instead of calling the wrong thing.
+#define GPUPOOL_LIBRARY_FUNCTIONS(X)                                                                      \
+  X(malloc, gpupool_malloc)                                                                                \
+  X(free, gpupool_free)                                                                                    \
+  X(last_error, gpupool_last_error)                                                                        \
+  X(get_stats, gpupool_get_stats)                                                                          \
+  X(reset_peak_stats, gpupool_reset_peak_stats)                                                            \
+  X(reclaim, gpupool_reclaim)                                                                              \
+  X(set_limit, gpupool_set_limit)                                                                          \
+  X(record_stream, gpupool_record_stream)                                                                  \
+  X(base_alloc, gpupool_torch_base_alloc)                                                                  \
+  X(snapshot_json, gpupool_snapshot_json)                                                                  \
+  X(pool_begin, gpupool_torch_pool_begin)                                                                  \
+  X(pool_end, gpupool_torch_pool_end)                                                                      \
+  X(pool_release, gpupool_torch_pool_release)                                                              \
+  X(pool_create, gpupool_torch_pool_create)                                                                \
+  X(pool_use_count, gpupool_torch_pool_use_count)                                                          \
+  X(pool_empty, gpupool_torch_pool_empty)                                                                  \
+  X(ipc_export_torch, gpupool_ipc_export_torch)                                                            \
+  X(ipc_open_torch, gpupool_ipc_open_torch)                                                                \
+  X(ipc_close, gpupool_ipc_close)                                                                          \
+  X(block_size, gpupool_torch_block_size)
 
-// The library's functions this class calls; filled in, in this order, by the install call.
 struct Library {
-  int (*malloc)(void **, size_t, int, void *);
-  int (*free)(void *, int, void *);
-  size_t (*last_error)(char *, size_t);
-  int (*get_stats)(int, PoolStats *);
-  int (*reset_peak_stats)(int);
-  int (*reclaim)(int, size_t *);
-  int (*set_limit)(int, size_t);
-  int (*record_stream)(void *, void *);
-  void *(*base_alloc)(void *, size_t *);
-  size_t (*snapshot_json)(int, char *, size_t);
-  int (*pool_begin)(int, uint64_t, uint64_t, const void *);
-  int (*pool_end)(int, uint64_t, uint64_t);
-  int (*pool_release)(int, uint64_t, uint64_t);
-  int (*pool_create)(int, uint64_t, uint64_t);
-  int (*pool_use_count)(int, uint64_t, uint64_t, int64_t *);
-  int (*pool_empty)(int, uint64_t, uint64_t, size_t *);
-  int (*ipc_export_torch)(void *, void *, size_t, size_t *, size_t *);
-  int (*ipc_open_torch)(const void *, size_t, int, void **, void **);
-  int (*ipc_close)(void *, int);
-  size_t (*block_size)(void *);
+#define GPUPOOL_MEMBER(member, function) decltype(&::function) member;
+  GPUPOOL_LIBRARY_FUNCTIONS(GPUPOOL_MEMBER)
+#undef GPUPOOL_MEMBER
 };
 constexpr size_t kLibraryFunctions = sizeof(Library) / sizeof(void *);
 
+// The C names, comma-separated, in the members' order.
+#define GPUPOOL_NAME(member, function) #function ","
+constexpr const char kLibraryFunctionNames[] = GPUPOOL_LIBRARY_FUNCTIONS(GPUPOOL_NAME);
+#undef GPUPOOL_NAME
+
+using PoolStats = gpupool_stats;
+
 Library lib;
 
-constexpr int kOk = 0;
-constexpr int kOutOfMemory = 5;                 // GPUPOOL_STATUS_OUT_OF_MEMORY
+constexpr int kOk = GPUPOOL_STATUS_OK;
+constexpr int kOutOfMemory = GPUPOOL_STATUS_OUT_OF_MEMORY;
 constexpr size_t kRound = 512;                  // the split and arena pools' block unit
 constexpr size_t kSmallSize = 1 << 20;          // PyTorch's small pool: blocks up to 1 MiB
 
@@ -1040,11 +1050,11 @@ void deleter(void *ptr) { instance->free(ptr); }
 
 #define GPUPOOL_TORCH_EXPORT extern "C" __attribute__((visibility("default")))
 
-// The number of library functions the install call takes (the build checks it).
-GPUPOOL_TORCH_EXPORT int gpupool_torch_allocator_functions() noexcept { return static_cast<int>(kLibraryFunctions); }
+// The library functions the install call takes, by C name, comma-separated, in order.
+GPUPOOL_TORCH_EXPORT const char *gpupool_torch_allocator_function_names() noexcept { return kLibraryFunctionNames; }
 
 // Make this class PyTorch's CUDA allocator, over the library functions `fns` (`n` of them,
-// in the order of `Library`). 0 on success; otherwise `err` (of `err_len` bytes) says why.
+// in the order `gpupool_torch_allocator_function_names` gives). 0 on success; otherwise `err` (of `err_len` bytes) says why.
 GPUPOOL_TORCH_EXPORT int gpupool_torch_allocator_install(void *const *fns, int n, char *err, size_t err_len) noexcept {
   try {
     TORCH_CHECK(n == static_cast<int>(kLibraryFunctions), "gpupool: the allocator takes ", kLibraryFunctions,
