@@ -20,7 +20,7 @@
 //! registry would make the walk go back up into them.
 
 use crate::error::{BadPointer, Error, Result};
-use crate::pool::{owner_of, FreeOn, Kind, Pool, ThreadCache, FENCE_BATCH, FENCE_BYTES};
+use crate::pool::{owner_of, FreeOn, WordSet, Pool, ThreadCache, FENCE_BATCH, FENCE_BYTES};
 use crate::registry;
 use crate::stream::STREAM_LEGACY;
 use crate::thread_cache::{self, fast_path_stream, fast_stream};
@@ -41,7 +41,7 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
         let shard = registry::shard_for(device, stream)?;
         return allocate(device, shard, stream, |pool| pool.malloc(size, stream));
     }
-    malloc_kind(device, size, stream, Kind::Ordered)
+    malloc_kind(device, size, stream, WordSet::Ordered)
 }
 
 /// Allocate for a caller that names no stream (CuPy): a fenced block this thread kept,
@@ -56,7 +56,7 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     if crate::pool::routes_active() || crate::process::in_child() {
         return allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
-    malloc_kind(device, size, STREAM_LEGACY, Kind::Unordered)
+    malloc_kind(device, size, STREAM_LEGACY, WordSet::Unordered)
 }
 
 /// The tag this thread allocates under (`crate::tags`), unless a private pool routes
@@ -106,7 +106,7 @@ pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut attempt: impl F
 /// An allocation that may take the thread's fast path: a block this thread kept, else a
 /// locked allocation that attaches the thread's cache to the pool (making one the first
 /// time) and, where the thread's sizes repeat, lets the cache remember the new block.
-fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<usize> {
+fn malloc_kind(device: i32, size: usize, stream: usize, kind: WordSet) -> Result<usize> {
     let shard = thread_cache::route(device, stream)?;
     if let Some(p) = thread_cache::reuse(device, shard, kind, size, stream) {
         return Ok(p);
@@ -129,7 +129,7 @@ fn malloc_kind(device: i32, size: usize, stream: usize, kind: Kind) -> Result<us
 /// The locked part of an allocation, on the owner thread under the shard's lock: attach
 /// this thread's cache (making one if needed: the second value), let the magazine fence
 /// and reuse, else allocate from the pool and remember the block.
-fn malloc_attached(pool: &mut Pool, kind: Kind, size: usize, stream: usize, mine: Option<&ThreadCache>) -> (Result<usize>, Option<Arc<ThreadCache>>) {
+fn malloc_attached(pool: &mut Pool, kind: WordSet, size: usize, stream: usize, mine: Option<&ThreadCache>) -> (Result<usize>, Option<Arc<ThreadCache>>) {
     let current = mine.map(|c| (c.pool_id, c.id));
     let Some((id, fresh)) = pool.attach_thread(current, stream) else {
         return (pool.malloc(size, stream), None);
@@ -147,7 +147,7 @@ fn malloc_attached(pool: &mut Pool, kind: Kind, size: usize, stream: usize, mine
     for (p, hold) in back {
         pool.release_kept(p, hold, Some(stream));
     }
-    if kind == Kind::Unordered {
+    if kind == WordSet::Unordered {
         // SAFETY: the owner thread (we run inside its allocation call).
         let unfenced = unsafe { &mut *cache.unfenced.get() };
         // A fence that fails leaves them unfenced (not reusable), for the next allocation's.
@@ -174,8 +174,8 @@ fn malloc_attached(pool: &mut Pool, kind: Kind, size: usize, stream: usize, mine
         }
     }
     let words_repeat = match kind {
-        Kind::Ordered => cache.ordered.repeats(size),
-        Kind::Unordered => cache.unordered.repeats(size),
+        WordSet::Ordered => cache.ordered.repeats(size),
+        WordSet::Unordered => cache.unordered.repeats(size),
     };
     if !words_repeat {
         return (pool.malloc(size, stream), fresh);

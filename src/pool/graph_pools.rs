@@ -6,14 +6,17 @@
 //! map, the limits and the counters); `graph_pools/routes.rs` decides which allocations go
 //! to them and what a capture in progress forbids.
 //!
-//! Why: a captured graph bakes the addresses of the blocks it was given into its kernels and
-//! uses them at every replay, long after the capture freed them. Such memory must not go
-//! back to eager code while the graph lives, must be reusable by later captures that share
-//! the pool (PyTorch's `pool=` argument, `make_graphed_callables`), and must go back to the
-//! driver when the last user releases the pool. PyTorch's own allocator keeps one private
-//! pool per `MempoolId_t` for the same reasons.
+//! Note [Graph pools]
 //!
-//! How:
+//! Rationale. A captured graph bakes the addresses of the blocks it was given into its
+//! kernels and uses them at every replay, long after the capture freed them. Such memory
+//! must not go back to eager code while the graph lives, must be reusable by later
+//! captures that share the pool (PyTorch's `pool=` argument, `make_graphed_callables`),
+//! and must go back to the driver when the last user releases the pool. PyTorch's own
+//! allocator keeps one private pool per `MempoolId_t` for the same reasons, and its
+//! `MemPool` is the same mechanism opened to user code.
+//!
+//! Approach.
 //! - A *route* says which allocations go to which private pool while it is active
 //!   (`begin_allocate_to_pool` .. `end_allocate_to_pool`): those of streams in one capture
 //!   sequence, of one stream, or those a caller's predicate accepts (PyTorch passes one).
@@ -29,6 +32,21 @@
 //!   (`Pool::cover_by_device_sync`).
 //! - While any route is active the upstream makes its calls in relaxed capture mode, and
 //!   frees on a capturing stream record no event (`StreamTracker::on_free_capturing`).
+//!
+//! Implementation. `PrivatePools` (this file): the pools, their books and memory;
+//! `graph_pools/routes.rs`: the routes, captures nobody announced (CuPy's own
+//! `begin_capture`), frees held past a capture; the entry points: `ffi/graph.rs` (C, CuPy),
+//! `ffi/torch.rs` (PyTorch's plug-in route) and the allocator class's `beginAllocateToPool`
+//! family (`python/gpupool/csrc/torch_allocator.cpp`). Tests: `tests/graph_pools.rs` (host),
+//! `tests/python/test_graphs.py` and the class's graph and MemPool tests (GPU).
+//!
+//! Limitations.
+//! - Private pools are `cuMemAlloc` segments cut by `split`, whatever the device's strategy:
+//!   they fragment as PyTorch's private pools do, and their blocks are shared only through
+//!   CUDA's IPC handles (gpupool's export refuses them, saying so).
+//! - Tags step aside while any route is active (allocations under a tag during a capture
+//!   are the graph's), so a graph's memory is not paused with a tag (`docs/tags.md`).
+//! - Giving a released pool's memory back synchronises the device once.
 
 mod routes;
 

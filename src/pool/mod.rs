@@ -38,7 +38,7 @@ use self::core::{Core, Live};
 use limits::Limits;
 pub use limits::within_device;
 use recorder::Recorder;
-pub use attached_caches::{owner_of, Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
+pub use attached_caches::{owner_of, Hold, WordSet, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
 mod attached_caches;

@@ -74,7 +74,7 @@ pub struct Choice {
     pub upstream: UpstreamKind,
 }
 
-/// `Slot::stream_shards` before shard 0 was made.
+/// `DevicePools::stream_shards` before shard 0 was made.
 const NOT_MADE: usize = usize::MAX;
 
 /// A shard's lock and pool on cache lines of its own: one thread's updates of its shard's
@@ -89,7 +89,9 @@ impl std::ops::Deref for Shard {
     }
 }
 
-struct Slot {
+/// A device's pools (its shards, then one per tag), its override of the configuration, its
+/// budget and its streams' placement.
+struct DevicePools {
     shards: [Shard; POOLS],
     choice: Mutex<Option<Choice>>,
     /// Stream shards of the pool as made (0: one pool for every stream; `NOT_MADE`).
@@ -99,7 +101,7 @@ struct Slot {
     streams: StreamShards,
 }
 
-impl Slot {
+impl DevicePools {
     /// Set the device's stream-shard count; answers of `shard_for` remembered before are
     /// stale from now on (`route::placement_epoch`).
     fn set_stream_shards(&self, n: usize) {
@@ -111,14 +113,14 @@ impl Slot {
 #[allow(clippy::declare_interior_mutable_const)]
 const NO_POOL: Shard = Shard(Mutex::new(None));
 #[allow(clippy::declare_interior_mutable_const)]
-const EMPTY_SLOT: Slot = Slot {
+const NO_POOLS: DevicePools = DevicePools {
     shards: [NO_POOL; POOLS],
     choice: Mutex::new(None),
     stream_shards: AtomicUsize::new(NOT_MADE),
     budget: Mutex::new(None),
     streams: StreamShards::new(),
 };
-static SLOTS: [Slot; MAX_DEVICES] = [EMPTY_SLOT; MAX_DEVICES];
+static DEVICES: [DevicePools; MAX_DEVICES] = [NO_POOLS; MAX_DEVICES];
 static PINNED: PoolLock<Option<Pool>> = Mutex::new(None);
 /// The environment's configuration (`config::get`).
 pub fn config() -> Result<&'static Config> {
@@ -166,7 +168,7 @@ fn lock_or_stop(
 /// installed): from then on a call pays two relaxed loads for them, not the checks.
 static CHECKED: AtomicBool = AtomicBool::new(false);
 
-fn slot(device: i32) -> Result<&'static Slot> {
+fn device_pools(device: i32) -> Result<&'static DevicePools> {
     if !CHECKED.load(Ordering::Acquire) || crate::process::in_child() {
         crate::fork::check(lock_all_for_fork)?;
         // A malformed environment variable fails every call that reaches a pool, frees and
@@ -177,7 +179,7 @@ fn slot(device: i32) -> Result<&'static Slot> {
     if device < 0 || device as usize >= MAX_DEVICES {
         return Err(Error::InvalidDevice { device, detail: format!("device ids are 0..{}", MAX_DEVICES - 1) });
     }
-    Ok(&SLOTS[device as usize])
+    Ok(&DEVICES[device as usize])
 }
 
 fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
@@ -210,7 +212,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
 }
 
 /// Make shard `shard` of `device`'s pool (shard 0 first: it fixes the device's shard count).
-fn create(device: i32, shard: usize, s: &Slot) -> Result<Pool> {
+fn create(device: i32, shard: usize, s: &DevicePools) -> Result<Pool> {
     let cfg = config()?;
     let c = lock(&s.choice).unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
     let mut opts = options(cfg, c.pool)?; // configuration errors (a bad trace path) come first
@@ -254,7 +256,7 @@ impl std::ops::DerefMut for PoolGuard {
 /// Lock shard `shard` of `device`'s pool, creating it on first use (a tag's pool after
 /// shard 0, which holds the device's settings and makes the device known to the reports).
 pub fn lock_shard(device: i32, shard: usize) -> Result<PoolGuard> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     if shard >= SHARDS && s.stream_shards.load(Ordering::Acquire) == NOT_MADE {
         drop(lock_shard(device, 0)?);
     }
@@ -270,7 +272,7 @@ pub fn lock_shard(device: i32, shard: usize) -> Result<PoolGuard> {
 /// (`StreamShards::allocating`).
 pub fn lock_stream_shard(device: i32, shard: usize, stream: usize) -> Result<PoolGuard> {
     let g = lock_shard(device, shard)?;
-    let s = &SLOTS[device as usize];
+    let s = &DEVICES[device as usize];
     let n = s.stream_shards.load(Ordering::Acquire);
     if shard != 0 && shard < SHARDS && n != 0 && n != NOT_MADE {
         s.streams.allocating(stream, shard, n);
@@ -291,14 +293,14 @@ pub fn with_pool<R>(device: i32, f: impl FnOnce(&mut Pool) -> Result<R>) -> Resu
 
 /// Run `f` on shard 0 of `device`'s pool only if it exists.
 pub fn with_existing<R>(device: i32, f: impl FnOnce(&mut Pool) -> R) -> Result<Option<R>> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     let mut g = lock_pool(&s.shards[0]);
     Ok(g.as_mut().map(f))
 }
 
 /// Run `f` on every existing shard of `device`'s pool in turn (one lock at a time).
 pub fn for_each_shard(device: i32, mut f: impl FnMut(&mut Pool)) -> Result<()> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     for m in &s.shards {
         if let Some(p) = lock_pool(m).as_mut() {
             f(p);
@@ -309,14 +311,14 @@ pub fn for_each_shard(device: i32, mut f: impl FnMut(&mut Pool)) -> Result<()> {
 
 /// Devices whose pools exist.
 pub fn existing_devices() -> Vec<i32> {
-    (0..MAX_DEVICES as i32).filter(|&d| lock_pool(&SLOTS[d as usize].shards[0]).is_some()).collect()
+    (0..MAX_DEVICES as i32).filter(|&d| lock_pool(&DEVICES[d as usize].shards[0]).is_some()).collect()
 }
 
 /// Run `f` on the pool (any device, any shard) that has `ptr` live; `None` if none has.
 pub fn with_owner_of<R>(ptr: usize, f: impl FnOnce(&mut Pool) -> Result<R>) -> Option<Result<R>> {
     // The range index names the one pool to ask (no lock on the others).
     let o = crate::owners::lookup(ptr)?;
-    let m = SLOTS.get(usize::try_from(o.device).ok()?)?.shards.get(o.shard as usize)?;
+    let m = DEVICES.get(usize::try_from(o.device).ok()?)?.shards.get(o.shard as usize)?;
     let mut g = lock_pool(m);
     g.as_mut().filter(|p| p.owns(ptr)).map(f)
 }
@@ -332,7 +334,7 @@ pub fn find_owner(ptr: usize) -> Option<i32> {
 }
 
 /// Every shard lock of `device`, in index order (`configure`, `install`).
-fn lock_device(s: &'static Slot) -> Vec<MutexGuard<'static, Option<Pool>>> {
+fn lock_device(s: &'static DevicePools) -> Vec<MutexGuard<'static, Option<Pool>>> {
     s.shards.iter().map(|m| lock_pool(m)).collect()
 }
 
@@ -378,7 +380,7 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
 /// pool has no live allocations; its cached memory is released first. A failure (no
 /// driver, bad device) leaves the current pool in place.
 pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamKind>) -> Result<()> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     let cfg = config()?;
     let mut shards = lock_device(s);
     ensure_idle(&mut shards, device)?;
@@ -411,7 +413,7 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
 /// tests with instrumented upstreams (RMM's `set_per_device_resource` plays this part).
 /// One upstream serves one pool: such a device is not sharded.
 pub fn install(device: i32, kind: PoolKind, upstream: Box<dyn upstream::Upstream>) -> Result<()> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     let cfg = config()?;
     let mut shards = lock_device(s);
     ensure_idle(&mut shards, device)?;
@@ -495,7 +497,7 @@ fn print_leak_summary() {
 /// `fork()` support (`fork.rs`): hold every pool lock across the fork, so that the child's
 /// copies are not caught in the middle of an update by a thread that does not exist there.
 pub(crate) fn lock_all_for_fork() -> Vec<MutexGuard<'static, Option<Pool>>> {
-    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = SLOTS.iter().flat_map(|s| s.shards.iter().map(|m| lock_pool(m))).collect();
+    let mut guards: Vec<MutexGuard<'static, Option<Pool>>> = DEVICES.iter().flat_map(|s| s.shards.iter().map(|m| lock_pool(m))).collect();
     guards.push(lock_pool(&PINNED));
     guards
 }

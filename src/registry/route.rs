@@ -3,7 +3,7 @@
 //! shards' cache when one runs out of memory (the retry itself is the front end's,
 //! `crate::front::allocate`).
 
-use super::{lock_pool, slot, with_pool, Error, PoolGuard, Result, MAX_DEVICES, NOT_MADE, SLOTS};
+use super::{lock_pool, device_pools, with_pool, Error, PoolGuard, Result, MAX_DEVICES, NOT_MADE, DEVICES};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Bumped whenever a placement that `shard_for` may have returned changes: a device's
@@ -31,7 +31,7 @@ fn user_stream(stream: usize) -> bool {
 /// The shard that serves allocations on `stream` on `device` (making shard 0 first if
 /// needed: it fixes the shard count).
 pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     if !user_stream(stream) {
         return Ok(0);
     }
@@ -49,7 +49,7 @@ pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
 
 /// Whether `device`'s pool is made (read without a lock).
 pub fn pool_made(device: i32) -> bool {
-    device >= 0 && (device as usize) < MAX_DEVICES && SLOTS[device as usize].stream_shards.load(Ordering::Acquire) != NOT_MADE
+    device >= 0 && (device as usize) < MAX_DEVICES && DEVICES[device as usize].stream_shards.load(Ordering::Acquire) != NOT_MADE
 }
 
 /// The shard that serves `stream` if that stream ever allocated on `device` (no pool made,
@@ -58,7 +58,7 @@ pub fn shard_placed(device: i32, stream: usize) -> Option<usize> {
     if device < 0 || device as usize >= MAX_DEVICES {
         return None;
     }
-    let s = &SLOTS[device as usize];
+    let s = &DEVICES[device as usize];
     match s.stream_shards.load(Ordering::Acquire) {
         NOT_MADE => None,
         0 => Some(0),
@@ -82,7 +82,7 @@ pub fn counted_twice<R>(again: &Result<R>) -> bool {
 /// Shard `except` of `device` is out of memory: every other shard gives back the cached
 /// memory it can, each under its own lock. Returns the bytes that went back.
 pub fn release_other_shards(device: i32, except: usize) -> usize {
-    let Ok(s) = slot(device) else { return 0 };
+    let Ok(s) = device_pools(device) else { return 0 };
     if s.stream_shards.load(Ordering::Acquire) == NOT_MADE {
         return 0;
     }
@@ -105,7 +105,7 @@ pub fn release_other_shards(device: i32, except: usize) -> usize {
 /// pointer no shard has live goes to the shard whose memory it points into, else shard 0,
 /// which judges it (double, interior or unknown). `Ok(None)`: the device has no pool.
 pub fn lock_holder(device: i32, ptr: usize, stream: usize) -> Result<Option<PoolGuard>> {
-    let s = slot(device)?;
+    let s = device_pools(device)?;
     if let Some(k) = shard_placed(device, stream) {
         let g = lock_pool(&s.shards[k]);
         if g.as_ref().is_some_and(|p| p.owns(ptr)) {

@@ -2,7 +2,7 @@
 //! own on each device, after the device's shards, made when the first allocation under
 //! the tag reaches that device; pausing and resuming a tag pause and resume those pools.
 
-use super::{existing_devices, lock_pool, slot, Result, SHARDS};
+use super::{device_pools, existing_devices, lock_pool, Result, SHARDS};
 use crate::error::Error;
 use crate::pool::Pool;
 
@@ -28,7 +28,7 @@ fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result
     let devices = if device < 0 { existing_devices() } else { vec![device] };
     let mut total = 0;
     for d in devices {
-        let s = slot(d)?;
+        let s = device_pools(d)?;
         if let Some(p) = lock_pool(&s.shards[tag_shard(tag)]).as_mut() {
             total += f(p)?;
         }

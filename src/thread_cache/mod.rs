@@ -53,7 +53,7 @@
 
 // The words a thread and its device's pool share live in the pool layer (the pool must
 // claim and empty them under its lock); this module owns the thread-local side.
-pub use crate::pool::{Hold, Kind, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
+pub use crate::pool::{Hold, WordSet, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
 use crate::error::Result;
 use crate::registry::{self, MAX_DEVICES};
@@ -78,8 +78,8 @@ impl Drop for Mine {
 
 thread_local! {
     static MINE: Mine = const { Mine(RefCell::new(Vec::new())) };
-    /// This thread's last answer of `registry::shard_for` (`Route`).
-    static ROUTE: Cell<Route> = const { Cell::new(Route::NONE) };
+    /// This thread's last answer of `registry::shard_for` (`Placement`).
+    static PLACEMENT: Cell<Placement> = const { Cell::new(Placement::NONE) };
 }
 
 /// The shard that served this thread's last call on (`device`, `stream`), valid while the
@@ -90,22 +90,22 @@ thread_local! {
 /// moved), and each change bumps the epoch. A stale answer could only misplace an
 /// allocation, never lose a block: frees find their pool through the address index.
 #[derive(Clone, Copy)]
-struct Route {
+struct Placement {
     device: i32,
     stream: usize,
     epoch: u32,
     shard: u32,
 }
 
-impl Route {
-    const NONE: Route = Route { device: -1, stream: 0, epoch: 0, shard: 0 };
+impl Placement {
+    const NONE: Placement = Placement { device: -1, stream: 0, epoch: 0, shard: 0 };
 }
 
 /// `registry::shard_for(device, stream)`, remembered for the thread's next call.
 pub fn route(device: i32, stream: usize) -> Result<usize> {
     let epoch = registry::placement_epoch();
-    let last = ROUTE.try_with(Cell::get).unwrap_or(Route::NONE);
-    // `Route::NONE` names device -1: a bad device id must reach the registry's check.
+    let last = PLACEMENT.try_with(Cell::get).unwrap_or(Placement::NONE);
+    // `Placement::NONE` names device -1: a bad device id must reach the registry's check.
     if device >= 0 && last.device == device && last.stream == stream && last.epoch == epoch {
         return Ok(last.shard as usize);
     }
@@ -113,14 +113,14 @@ pub fn route(device: i32, stream: usize) -> Result<usize> {
     // call ask again.
     let shard = registry::shard_for(device, stream)?;
     if !crate::pool::routes_active() {
-        let _ = ROUTE.try_with(|r| r.set(Route { device, stream, epoch, shard: shard as u32 }));
+        let _ = PLACEMENT.try_with(|r| r.set(Placement { device, stream, epoch, shard: shard as u32 }));
     }
     Ok(shard)
 }
 
 /// `registry::shard_placed(device, stream)`, from the remembered route when it matches.
 fn placed(device: i32, stream: usize) -> Option<usize> {
-    let last = ROUTE.try_with(Cell::get).unwrap_or(Route::NONE);
+    let last = PLACEMENT.try_with(Cell::get).unwrap_or(Placement::NONE);
     if last.device == device && last.stream == stream && last.epoch == registry::placement_epoch() {
         return Some(last.shard as usize);
     }
@@ -140,7 +140,7 @@ fn with_mine<R>(device: i32, stream: usize, f: impl FnOnce(&ThreadCache) -> Opti
 
 /// A block this thread kept for (`kind`, `size`, `stream`) in its cache for `shard` of
 /// `device`, handed out again: the allocation's hit, with no lock.
-pub fn reuse(device: i32, shard: usize, kind: Kind, size: usize, stream: usize) -> Option<usize> {
+pub fn reuse(device: i32, shard: usize, kind: WordSet, size: usize, stream: usize) -> Option<usize> {
     let idx = cache_index(device, shard);
     MINE.try_with(|m| m.0.borrow().get(idx).and_then(|c| c.as_deref()).and_then(|c| c.reuse(kind, size, fast_stream(stream))))
         .ok()
@@ -202,12 +202,12 @@ pub fn fast_path_stream(stream: usize) -> bool {
 pub fn try_free(device: i32, ptr: usize, stream: usize) -> bool {
     fast_path_stream(stream)
         && !crate::process::in_child()
-        && with_mine(device, stream, |c| c.keep(Kind::Ordered, ptr, fast_stream(stream)).then_some(())).is_some()
+        && with_mine(device, stream, |c| c.keep(WordSet::Ordered, ptr, fast_stream(stream)).then_some(())).is_some()
 }
 
 /// Fast stream-less free (CuPy): keep `ptr` as UNFENCED if this thread allocated it so.
 pub fn try_free_unordered(device: i32, ptr: usize) -> bool {
-    !crate::process::in_child() && with_mine(device, STREAM_LEGACY, |c| c.keep(Kind::Unordered, ptr, STREAM_LEGACY).then_some(())).is_some()
+    !crate::process::in_child() && with_mine(device, STREAM_LEGACY, |c| c.keep(WordSet::Unordered, ptr, STREAM_LEGACY).then_some(())).is_some()
 }
 
 /// A block this thread kept on `device` for `size` bytes, handed out again (tests).
@@ -215,7 +215,7 @@ pub fn try_malloc(device: i32, size: usize, stream: usize) -> Option<usize> {
     if !fast_path_stream(stream) {
         return None;
     }
-    with_mine(device, stream, |c| c.reuse(Kind::Ordered, size, fast_stream(stream)))
+    with_mine(device, stream, |c| c.reuse(WordSet::Ordered, size, fast_stream(stream)))
 }
 
 /// The (pool id, cache id) of this thread's cache for `device`'s shard 0, if it has one.

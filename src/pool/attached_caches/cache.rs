@@ -10,7 +10,7 @@ use std::sync::Arc;
 /// Which word set a block lives in: frees naming a stream (ordered on it), or CuPy's
 /// stream-less frees (the magazine). `Live::owner` records it with the cache id.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Kind {
+pub enum WordSet {
     Ordered,
     Unordered,
 }
@@ -86,10 +86,10 @@ impl ThreadCache {
     /// Pool side: `ptr` (of word set `kind`) is being freed or detached through the pool.
     /// Clears HANDED(ptr) (`Some(Hold::Handed)`); another hold means the owner freed it
     /// already: the caller reports a double free and changes nothing.
-    pub fn claim(&self, kind: Kind, ptr: usize) -> Option<Hold> {
+    pub fn claim(&self, kind: WordSet, ptr: usize) -> Option<Hold> {
         match kind {
-            Kind::Ordered => self.ordered.claim(ptr),
-            Kind::Unordered => self.unordered.claim(ptr),
+            WordSet::Ordered => self.ordered.claim(ptr),
+            WordSet::Unordered => self.unordered.claim(ptr),
         }
     }
 
@@ -104,30 +104,30 @@ impl ThreadCache {
     }
 
     /// Pool side: every block in this cache, with its word set and hold.
-    pub fn held(&self) -> impl Iterator<Item = (Kind, usize, Hold)> + '_ {
-        let o = self.ordered.held().map(|(p, h)| (Kind::Ordered, p, h));
-        o.chain(self.unordered.held().map(|(p, h)| (Kind::Unordered, p, h)))
+    pub fn held(&self) -> impl Iterator<Item = (WordSet, usize, Hold)> + '_ {
+        let o = self.ordered.held().map(|(p, h)| (WordSet::Ordered, p, h));
+        o.chain(self.unordered.held().map(|(p, h)| (WordSet::Unordered, p, h)))
     }
 
     /// `stream`: the normalised stream handle (`thread_cache::fast_stream`).
     // Inlined into the thread cache's malloc: this is the whole of a cached allocation.
     #[inline]
-    pub(crate) fn reuse(&self, kind: Kind, size: usize, stream: usize) -> Option<usize> {
+    pub(crate) fn reuse(&self, kind: WordSet, size: usize, stream: usize) -> Option<usize> {
         if self.stopped.load(Ordering::Relaxed) {
             return None; // the locked path reports why
         }
         let p = match kind {
-            Kind::Ordered => self.ordered.reuse(size, stream),
-            Kind::Unordered => self.unordered.reuse(size, stream),
+            WordSet::Ordered => self.ordered.reuse(size, stream),
+            WordSet::Unordered => self.unordered.reuse(size, stream),
         }?;
         bump(&self.fast_allocs);
         Some(p)
     }
 
-    pub(crate) fn keep(&self, kind: Kind, ptr: usize, stream: usize) -> bool {
+    pub(crate) fn keep(&self, kind: WordSet, ptr: usize, stream: usize) -> bool {
         let kept = match kind {
-            Kind::Ordered => self.ordered.keep(ptr, REUSABLE, stream).is_some(),
-            Kind::Unordered => {
+            WordSet::Ordered => self.ordered.keep(ptr, REUSABLE, stream).is_some(),
+            WordSet::Unordered => {
                 // SAFETY: owner thread only.
                 let unfenced = unsafe { &mut *self.unfenced.get() };
                 if unfenced.1 >= FENCE_BYTES {
@@ -149,10 +149,10 @@ impl ThreadCache {
         kept
     }
 
-    pub(crate) fn remember(&self, kind: Kind, ptr: usize, size: usize, stream: usize) {
+    pub(crate) fn remember(&self, kind: WordSet, ptr: usize, size: usize, stream: usize) {
         match kind {
-            Kind::Ordered => self.ordered.remember(ptr, size, stream),
-            Kind::Unordered => self.unordered.remember(ptr, size, stream),
+            WordSet::Ordered => self.ordered.remember(ptr, size, stream),
+            WordSet::Unordered => self.unordered.remember(ptr, size, stream),
         }
     }
 }
@@ -170,47 +170,47 @@ mod tests {
     #[test]
     fn keep_reuse_and_claim() {
         let c = cache();
-        c.remember(Kind::Ordered, 0x1000, 100, 1);
-        assert!(c.keep(Kind::Ordered, 0x1000, 1));
-        assert!(!c.keep(Kind::Ordered, 0x1000, 1), "a kept block is not HANDED any more");
-        assert_eq!(c.reuse(Kind::Ordered, 99, 1), None, "sizes must match exactly");
-        assert_eq!(c.reuse(Kind::Ordered, 100, 1), Some(0x1000));
+        c.remember(WordSet::Ordered, 0x1000, 100, 1);
+        assert!(c.keep(WordSet::Ordered, 0x1000, 1));
+        assert!(!c.keep(WordSet::Ordered, 0x1000, 1), "a kept block is not HANDED any more");
+        assert_eq!(c.reuse(WordSet::Ordered, 99, 1), None, "sizes must match exactly");
+        assert_eq!(c.reuse(WordSet::Ordered, 100, 1), Some(0x1000));
         assert_eq!(c.fast_counts(), (1, 1));
-        assert_eq!(c.claim(Kind::Ordered, 0x1000), Some(Hold::Handed));
-        assert!(!c.keep(Kind::Ordered, 0x1000, 1), "claimed by the pool: the owner takes the locked path");
-        c.remember(Kind::Ordered, 0x2000, 8, 1);
-        assert!(c.keep(Kind::Ordered, 0x2000, 1));
-        assert_eq!(c.claim(Kind::Ordered, 0x2000), Some(Hold::Reusable), "a free of a kept block is a double free");
+        assert_eq!(c.claim(WordSet::Ordered, 0x1000), Some(Hold::Handed));
+        assert!(!c.keep(WordSet::Ordered, 0x1000, 1), "claimed by the pool: the owner takes the locked path");
+        c.remember(WordSet::Ordered, 0x2000, 8, 1);
+        assert!(c.keep(WordSet::Ordered, 0x2000, 1));
+        assert_eq!(c.claim(WordSet::Ordered, 0x2000), Some(Hold::Reusable), "a free of a kept block is a double free");
         assert_eq!(c.take_kept(false), vec![(0x2000, Hold::Reusable)]);
-        assert_eq!(c.reuse(Kind::Ordered, 8, 1), None);
+        assert_eq!(c.reuse(WordSet::Ordered, 8, 1), None);
         assert_eq!(c.held().count(), 0);
     }
 
     #[test]
     fn unordered_frees_wait_for_a_fence() {
         let c = cache();
-        c.remember(Kind::Unordered, 0x4000, 64, 1);
-        assert!(!c.keep(Kind::Ordered, 0x4000, 1), "word sets are separate");
-        assert!(c.keep(Kind::Unordered, 0x4000, 1));
-        assert_eq!(c.reuse(Kind::Unordered, 64, 1), None, "not before a fence");
-        assert_eq!(c.claim(Kind::Unordered, 0x4000), Some(Hold::Unfenced));
+        c.remember(WordSet::Unordered, 0x4000, 64, 1);
+        assert!(!c.keep(WordSet::Ordered, 0x4000, 1), "word sets are separate");
+        assert!(c.keep(WordSet::Unordered, 0x4000, 1));
+        assert_eq!(c.reuse(WordSet::Unordered, 64, 1), None, "not before a fence");
+        assert_eq!(c.claim(WordSet::Unordered, 0x4000), Some(Hold::Unfenced));
         c.unordered.fenced();
-        assert_eq!(c.reuse(Kind::Unordered, 64, 1), Some(0x4000));
+        assert_eq!(c.reuse(WordSet::Unordered, 64, 1), Some(0x4000));
     }
 
     #[test]
     fn remember_replaces_oldest_handed_never_kept() {
         let c = cache();
         for i in 1..=WORDS + 2 {
-            c.remember(Kind::Ordered, i * 0x1000, 1, 1);
+            c.remember(WordSet::Ordered, i * 0x1000, 1, 1);
         }
         let held: Vec<usize> = c.held().map(|(_, p, _)| p).collect();
         assert_eq!(held.len(), WORDS);
         assert!(!held.contains(&0x1000) && !held.contains(&0x2000), "{held:x?}");
         for &p in &held {
-            assert!(c.keep(Kind::Ordered, p, 1));
+            assert!(c.keep(WordSet::Ordered, p, 1));
         }
-        c.remember(Kind::Ordered, 0x9000, 1, 1);
+        c.remember(WordSet::Ordered, 0x9000, 1, 1);
         assert!(c.held().all(|(_, p, h)| p != 0x9000 && h == Hold::Reusable), "kept blocks are not overwritten");
     }
 }

@@ -12,7 +12,7 @@ use crate::stream::StreamHandle;
 mod cache;
 mod words;
 
-pub use cache::{Kind, ThreadCache};
+pub use cache::{WordSet, ThreadCache};
 pub use words::Hold;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -37,18 +37,18 @@ pub const NO_OWNER: u32 = u32::MAX;
 const UNORDERED_BIT: u32 = 1 << 31;
 
 /// The `Live::owner` value for cache `id`'s word set `kind`.
-pub fn owner_of(id: u32, kind: Kind) -> u32 {
+pub fn owner_of(id: u32, kind: WordSet) -> u32 {
     match kind {
-        Kind::Ordered => id,
-        Kind::Unordered => id | UNORDERED_BIT,
+        WordSet::Ordered => id,
+        WordSet::Unordered => id | UNORDERED_BIT,
     }
 }
 
-fn split_owner(owner: u32) -> (u32, Kind) {
+fn split_owner(owner: u32) -> (u32, WordSet) {
     if owner & UNORDERED_BIT != 0 {
-        (owner & !UNORDERED_BIT, Kind::Unordered)
+        (owner & !UNORDERED_BIT, WordSet::Unordered)
     } else {
-        (owner, Kind::Ordered)
+        (owner, WordSet::Ordered)
     }
 }
 
