@@ -26,9 +26,13 @@ const NOT_VARIABLES: &[&str] = &[
     "GPUPOOL_ARENA",
     "GPUPOOL_WITH_RMM",
     "GPUPOOL_EXAMPLE_CUDA",
-    // The PyTorch allocator class's C++ macros (the second set by its build).
+    // The PyTorch allocator class's C++ macros (the second set by its build; the last three
+    // write its function table).
     "GPUPOOL_TORCH_EXPORT",
     "GPUPOOL_TORCH_OOM_REJECTION_OBSERVER",
+    "GPUPOOL_LIBRARY_FUNCTIONS",
+    "GPUPOOL_MEMBER",
+    "GPUPOOL_NAME",
     // CMake variables set by CMakeLists.txt itself.
     "GPUPOOL_LIB",
     "GPUPOOL_TOP_LEVEL",

@@ -153,3 +153,30 @@ fn a_descriptor_altered_or_naming_a_reused_pid_is_refused_on_the_handed_route_to
     close(p, 2);
     free(a, 1);
 }
+
+#[test]
+fn a_tag_received_through_the_handover_thread_refuses_to_pause_until_the_receiver_lets_go() {
+    use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_resume};
+    let _g = setup();
+    assert_eq!(unsafe { gpupool_tag_begin(c"contained-weights".as_ptr()) }, Status::Ok, "{}", last());
+    let w = malloc(5 * MIB, 1);
+    assert_eq!(gpupool_tag_end(), Status::Ok);
+    unsafe { std::ptr::write_bytes(w as *mut u8, 0x3c, 5 * MIB) };
+    let p = open(&export(w), 2).unwrap_or_else(|e| panic!("import of a tag's block: {e}"));
+    let pause = || {
+        let mut n = 0;
+        let st = unsafe { gpupool_tag_pause(1, c"contained-weights".as_ptr(), null_mut(), 1, &mut n) };
+        (st, last())
+    };
+    // The import came through the handover thread: it is counted all the same.
+    let (st, why) = pause();
+    assert_eq!(st, Status::Busy, "{why}");
+    assert!(why.contains(&format!("{w:#x}")) && why.contains(&format!("process {}", std::process::id())), "{why}");
+    close(p, 2);
+    let (st, why) = pause();
+    assert_eq!(st, Status::Ok, "the receiver let go: {why}");
+    let mut n = 0;
+    assert_eq!(unsafe { gpupool_tag_resume(1, c"contained-weights".as_ptr(), &mut n) }, Status::Ok, "{}", last());
+    assert_eq!(unsafe { *(w as *const u8).add(5 * MIB - 1) }, 0x3c);
+    free(w, 1);
+}

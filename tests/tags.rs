@@ -312,6 +312,18 @@ fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_int
         let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut p) };
         assert_eq!(st, Status::Ok, "{}", last());
         assert!(holds(p as usize, 5 * MIB, cycle), "cycle {cycle}: the receiver sees the weights");
+        if cycle == 0 {
+            // While the receiver maps it, the pause refuses, naming the block and the
+            // receiving process, and changes nothing.
+            let mut n = 0;
+            let st = unsafe { gpupool_tag_pause(d, c"weights".as_ptr(), null_mut(), 1, &mut n) };
+            assert_eq!(st, Status::Busy, "a pause while the receiver maps the block: {}", last());
+            let why = last();
+            assert!(why.contains(&format!("{w:#x}")) && why.contains(&format!("process {}", std::process::id())), "{why}");
+            assert!(why.contains("let go"), "{why}");
+            assert_eq!(paused_bytes(d, c"weights"), 0);
+            assert!(holds(p as usize, 5 * MIB, cycle) && holds(w, 5 * MIB, cycle));
+        }
         assert_eq!(gpupool_ipc_close(p, r), Status::Ok, "{}", last());
         assert_eq!(figure_after(r, "{", "ipc_imports_kept"), 0, "a tag's memory is not kept mapped by its receiver");
         assert!(pause(d, c"weights", true).unwrap() > 0, "cycle {cycle}: a sent tag pauses once its receiver let go");

@@ -93,9 +93,22 @@ pub struct ImportCache {
     clock: u64,
     /// Opens served by a kept run, with no driver call.
     reuses: u64,
+    /// Imports not kept (memory their exporter may pause), each counted as open in its
+    /// exporter's opens file until closed (`shared::OpenMark`): address -> mark.
+    open_marks: FxHashMap<usize, crate::upstream::shared::OpenMark>,
 }
 
 impl ImportCache {
+    /// Keep `mark` while the import at `ptr` is open.
+    pub fn keep_open_mark(&mut self, ptr: usize, mark: crate::upstream::shared::OpenMark) {
+        self.open_marks.insert(ptr, mark);
+    }
+
+    /// The import at `ptr` closed: its exporter's count drops.
+    pub fn forget_open_mark(&mut self, ptr: usize) {
+        self.open_marks.remove(&ptr);
+    }
+
     /// The open exporter of `d` and the serial of that opening, opened now where the kept
     /// one is not `d`'s, has exited, or no longer holds its record (`Exporter::same_record`):
     /// then the runs of the earlier opening are stale. A new opening is kept by `insert`.

@@ -13,7 +13,7 @@
 use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{own_start_time, Descriptor, FdSource, FLAG_UNKEPT, KIND_CUDA};
+use crate::upstream::shared::{own_start_time, Descriptor, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -120,8 +120,15 @@ impl Pool {
         let (exporter, serial) = self.imports.exporter(d)?;
         let source = FdSource::fetch_via(exporter.clone(), d)?;
         if d.flags & FLAG_UNKEPT != 0 {
-            // Memory its exporter may pause: mapped for this open alone, unmapped at its close.
-            return self.core.upstream_mut().vmm_import(d, &source);
+            // Memory its exporter may pause: mapped for this open alone, unmapped at its
+            // close, and counted as open in the exporter's opens file meanwhile, so that its
+            // pause refuses while this process maps it.
+            let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
+            match exporter.mark_open(d.record) {
+                Ok(mark) => self.note_open(ptr, mark),
+                Err(e) => crate::error::warn(&format!("{e}: process {}'s pause will not see this import", d.pid)),
+            }
+            return Ok(ptr);
         }
         // Read before anything is mapped: a release after it moves the count past what
         // the run records, and the run is not trusted again.
@@ -243,11 +250,20 @@ impl Pool {
             };
             return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(why.into()) });
         }
-        if self.core.upstream_mut().vmm_unimport(ptr)? || self.core.upstream_mut().legacy_ipc_close(ptr)? {
+        if self.core.upstream_mut().vmm_unimport(ptr)? {
+            self.imports.forget_open_mark(ptr);
+            return Ok(());
+        }
+        if self.core.upstream_mut().legacy_ipc_close(ptr)? {
             return Ok(());
         }
         let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
         Err(Error::InvalidPointer { ptr, device: self.core.device(), why })
+    }
+
+    /// Count the open import at `ptr` in its exporter's opens file until it is closed.
+    pub fn note_open(&mut self, ptr: usize, mark: OpenMark) {
+        self.imports.keep_open_mark(ptr, mark);
     }
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).

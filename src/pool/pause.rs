@@ -13,6 +13,7 @@ use super::{FreeOn, Pool};
 use crate::error::{Error, Result};
 use crate::stream::{StreamHandle, STREAM_LEGACY};
 use crate::upstream::AllocError;
+use crate::upstream::export_record::ExportRecord;
 
 /// A paused pool's state.
 pub(super) struct Paused {
@@ -42,9 +43,11 @@ impl Pool {
         }
         // Blocks sent to other processes end their exports as their memory is released
         // (the upstream clears them first): a descriptor sent before the pause is refused
-        // after it. A receiver that still maps the memory keeps the old allocation alive
-        // and sees it, not the resumed contents; gpupool receivers map a tag's memory only
-        // while open (`shared::FLAG_UNKEPT`).
+        // after it. A receiver that still maps the memory would keep the old allocation
+        // alive (the device gets nothing back) and see it, not the resumed contents: gpupool
+        // receivers map a tag's memory only while open (`shared::FLAG_UNKEPT`) and count
+        // their open imports in this process's opens file, which the pause reads first.
+        self.refuse_while_receivers_map(name)?;
         let reserved_before = self.rec.c.reserved;
         self.flush_thread_caches(None);
         self.finish_pending(true);
@@ -62,6 +65,41 @@ impl Pool {
             self.paused = Some(Paused { name: name.to_string(), bytes, frees: Default::default() });
         }
         r.map(|b| b + given_back)
+    }
+
+    /// Refused (naming the blocks and the processes) while another process still maps a
+    /// block of this pool that it imported through gpupool (`ExportRecord::opens`). A
+    /// receiver that exited without closing counts no more. Receivers on PyTorch's own
+    /// allocator keep no count: they are not seen here.
+    fn refuse_while_receivers_map(&mut self, name: &str) -> Result<()> {
+        let Some(arena) = self.core.arena() else { return Ok(()) };
+        let alive = |pid: u32| {
+            // SAFETY: signal 0 only checks that the process exists.
+            unsafe { libc::kill(pid as libc::pid_t, 0) == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM) }
+        };
+        let mut held: Vec<(usize, u32, u32)> = arena
+            .exports()
+            .into_iter()
+            .filter_map(|(addr, at)| ExportRecord::opens(at).filter(|&(_, pid)| alive(pid)).map(|(n, pid)| (addr, n, pid)))
+            .collect();
+        if held.is_empty() {
+            return Ok(());
+        }
+        held.sort_unstable();
+        let mut pids: Vec<u32> = held.iter().map(|h| h.2).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let shown: Vec<String> = held.iter().take(8).map(|(a, n, pid)| format!("{a:#x} ({n} open, last by process {pid})")).collect();
+        Err(Error::Busy(format!(
+            "pause `{name}`: {} of its blocks are still mapped by the process(es) they were sent to ({}): {}{}; pausing \
+             now would give the device nothing back and leave the receivers reading memory the resume no longer \
+             updates. Have the receivers let go first (drop every tensor made from the blocks; PyTorch's sender then \
+             runs torch.cuda.ipc_collect()), then pause again",
+            held.len(),
+            pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", "),
+            shown.join(", "),
+            if held.len() > shown.len() { ", ..." } else { "" }
+        )))
     }
 
     /// Map this pool's memory again at the same addresses and restore its backup (module

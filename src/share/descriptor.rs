@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::registry;
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::Descriptor;
+use crate::upstream::shared::{Descriptor, OpenMark, FLAG_UNKEPT};
 use std::ffi::c_int;
 use std::os::fd::AsRawFd;
 
@@ -40,10 +40,18 @@ impl AnyDescriptor {
                 // No right to copy the exporter's descriptors (a container, Yama): its
                 // handover thread hands them over instead, checked against its record.
                 Err(Error::FetchRefused { detail, .. }) => {
-                    let handed = super::handover::take_export(d, &detail)?;
+                    let (handed, opens) = super::handover::take_export(d, &detail)?;
                     let raw: Vec<c_int> = handed.iter().map(|f| f.as_raw_fd()).collect();
                     // The mapping keeps the memory: the copies close on return.
-                    registry::with_pool(device, |pool| pool.ipc_import(d, Some(&raw)))
+                    let ptr = registry::with_pool(device, |pool| pool.ipc_import(d, Some(&raw)))?;
+                    if let (true, Some(opens)) = (d.flags & FLAG_UNKEPT != 0, opens) {
+                        // Memory its exporter may pause: counted as open there until closed.
+                        match OpenMark::new(opens.as_raw_fd(), d.record.slot) {
+                            Ok(mark) => registry::with_pool(device, |pool| Ok(pool.note_open(ptr, mark)))?,
+                            Err(e) => crate::error::warn(&format!("{e}: process {}'s pause will not see this import", d.pid)),
+                        }
+                    }
+                    Ok(ptr)
                 }
                 other => other,
             },

@@ -3,7 +3,8 @@
 //! (`RecordRef`).
 //!
 //! Layout of the record (a sealed `memfd`, read by importers with `pread`):
-//! - a header: magic, pid, start time, and the release count: how many times a granule
+//! - a header: magic, pid, start time, the release count, and the number of the opens file
+//!   (below). The release count: how many times a granule
 //!   that may have been exported has been released (the upstream says so for every granule
 //!   with a shareable descriptor; the host upstream's stand-in, for every granule). An importer that keeps another process's
 //!   memory mapped between messages (`pool::import_cache`) trusts its mappings only while
@@ -18,11 +19,18 @@
 //! against writes, growth and shrinking: an importer holding a copy of the descriptor can
 //! neither rewrite tokens nor truncate the file under the exporter (which would kill it with
 //! SIGBUS on its next write).
+//!
+//! Beside it, the *opens file* (a `memfd` sealed against growth and shrinking only): per
+//! slot, how many imports of the export are open now and the pid of the last process that
+//! opened one. An importer of memory its exporter may pause (`shared::FLAG_UNKEPT`, a tag's)
+//! adds one while its import is open (`shared::OpenMark`), so that a pause of that memory
+//! refuses while a receiver still maps it (`ExportRecord::opens`), instead of releasing
+//! memory the receiver keeps alive and sees stale after the resume.
 
 use super::shared::identity::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Where a descriptor's export is recorded: the exporter's record descriptor, the slot, the
 /// token.
@@ -37,6 +45,9 @@ pub struct RecordRef {
 /// upstream.
 pub struct ExportRecord {
     fd: Fd,
+    /// The opens file (module docs) and its mapping: `OPENS_WORDS` u32 words per slot.
+    opens: Fd,
+    opens_map: *mut AtomicU32,
     /// The file mapped shared and writable (`RECORD_BYTES`), made before the seals.
     map: *mut AtomicU64,
     /// The pid the record was made by: a forked child makes its own.
@@ -52,10 +63,14 @@ pub struct ExportRecord {
 // SAFETY: the mapping is only reached through the `RECORD` mutex.
 unsafe impl Send for ExportRecord {}
 
-const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE2");
-/// Header words: magic, pid, start time, release count.
-const HEADER_WORDS: usize = 4;
+const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE3");
+/// Header words: magic, pid, start time, release count, the opens file's number.
+const HEADER_WORDS: usize = 5;
 const RELEASES_WORD: usize = 3;
+const OPENS_FD_WORD: usize = 4;
+/// Words (u32) per slot of the opens file: open imports, the last opener's pid.
+pub const OPENS_WORDS: usize = 2;
+pub const OPENS_BYTES: usize = 4 * OPENS_WORDS * RECORD_SLOTS as usize;
 const RECORD_HEADER: usize = 8 * HEADER_WORDS;
 /// Words per slot: token, digest.
 const SLOT_WORDS: usize = 2;
@@ -95,12 +110,56 @@ impl ExportRecord {
                 libc::fcntl(fd.raw(), libc::F_ADD_SEALS, size_seals | libc::F_SEAL_SEAL);
             }
         }
+        let (opens, opens_map) = Self::create_opens()?;
         let pid = std::process::id();
-        let r = ExportRecord { fd, map: map.cast(), pid, live: Vec::new(), by_granule: FxHashMap::default(), free: Vec::new() };
-        for (i, v) in [RECORD_MAGIC, pid as u64, start_time_of(pid), 0].into_iter().enumerate() {
+        let opens_fd = opens.raw() as u64;
+        let r = ExportRecord { fd, opens, opens_map, map: map.cast(), pid, live: Vec::new(), by_granule: FxHashMap::default(), free: Vec::new() };
+        for (i, v) in [RECORD_MAGIC, pid as u64, start_time_of(pid), 0, opens_fd].into_iter().enumerate() {
             r.word(i).store(v, Ordering::Release);
         }
         Ok(r)
+    }
+
+    /// The opens file, mapped: importers write it, so it is sealed against growth and
+    /// shrinking only (a truncation would kill the exporter with SIGBUS on its next read).
+    fn create_opens() -> Result<(Fd, *mut AtomicU32)> {
+        let os = |what: &str| Error::InvalidArgument(format!("IPC export: {what} failed: {}", std::io::Error::last_os_error()));
+        // SAFETY: a NUL-terminated name; valid flags.
+        let fd = unsafe { libc::memfd_create(c"gpupool-opens".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(os("memfd_create (opens)"));
+        }
+        let fd = Fd(fd);
+        // SAFETY: our own file; a shared mapping of all of it once sized.
+        unsafe {
+            if libc::ftruncate(fd.raw(), OPENS_BYTES as libc::off_t) != 0 {
+                return Err(os("sizing the opens file"));
+            }
+            let map = libc::mmap(std::ptr::null_mut(), OPENS_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.raw(), 0);
+            if map == libc::MAP_FAILED {
+                return Err(os("mapping the opens file"));
+            }
+            libc::fcntl(fd.raw(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL);
+            Ok((fd, map.cast()))
+        }
+    }
+
+    fn opens_word(&self, slot: u32, k: usize) -> &AtomicU32 {
+        debug_assert!(slot < RECORD_SLOTS && k < OPENS_WORDS);
+        // SAFETY: within the mapping, which lives as long as `self`; 4-byte aligned.
+        unsafe { &*self.opens_map.add(OPENS_WORDS * slot as usize + k) }
+    }
+
+    /// How many imports of export `at` are open in other processes now, and the pid of the
+    /// last process that opened one (`None`: the export is not live, or none is open).
+    pub fn opens(at: RecordRef) -> Option<(u32, u32)> {
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        let r = g.as_ref().filter(|r| r.pid == std::process::id() && r.fd.raw() == at.fd && at.slot < RECORD_SLOTS)?;
+        if r.slot_word(at.slot, 0).load(Ordering::Acquire) != at.token {
+            return None;
+        }
+        let n = r.opens_word(at.slot, 0).load(Ordering::Acquire);
+        (n > 0).then(|| (n, r.opens_word(at.slot, 1).load(Ordering::Acquire)))
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -192,8 +251,9 @@ impl ExportRecord {
         }
         let mut seen = rustc_hash::FxHashSet::default();
         let numbers: Vec<i32> = shared.iter().map(|&(fd, _)| fd).filter(|&fd| seen.insert(fd)).collect();
-        let mut out = Vec::with_capacity(numbers.len() + 1);
-        for fd in std::iter::once(r.fd.raw()).chain(numbers) {
+        let mut out = Vec::with_capacity(numbers.len() + 2);
+        // The record first, the opens file last (`handover::take_export` takes both off).
+        for fd in std::iter::once(r.fd.raw()).chain(numbers).chain(std::iter::once(r.opens.raw())) {
             // SAFETY: F_DUPFD_CLOEXEC of a descriptor the record keeps open; the copy is ours.
             let c = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
             if c < 0 {
@@ -210,6 +270,8 @@ impl ExportRecord {
     fn clear(&mut self, slot: u32) {
         let Some(shared) = self.live[slot as usize].take() else { return };
         self.slot_word(slot, 0).store(0, Ordering::Release);
+        // The slot's next export starts with no open import.
+        self.opens_word(slot, 0).store(0, Ordering::Release);
         for k in shared {
             if let std::collections::hash_map::Entry::Occupied(mut e) = self.by_granule.entry(k) {
                 e.get_mut().retain(|&s| s != slot);
@@ -272,6 +334,11 @@ impl ExportRecord {
             return None;
         }
         Self::read_words::<2>(fd, RECORD_HEADER + 8 * SLOT_WORDS * slot as usize).map(|[t, d]| (t, d))
+    }
+
+    /// The exporter's number of its opens file, read from the record `fd`.
+    pub(super) fn opens_fd_at(fd: &Fd) -> Option<i32> {
+        Self::read_words::<1>(fd, 8 * OPENS_FD_WORD).and_then(|[v]| i32::try_from(v).ok())
     }
 
     /// The release count of the record `fd` (None where unreadable).

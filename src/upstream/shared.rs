@@ -46,6 +46,8 @@ use super::export_record::{ExportRecord, RecordRef};
 use crate::error::{Error, Result};
 
 pub mod identity;
+mod open_mark;
+pub use open_mark::OpenMark;
 pub use identity::{granules_digest, own_start_time, start_time_of, FileId, Fd, SharedGranule};
 
 /// A descriptor flag: the block's memory may be paused (it is a tag's), so an importer
@@ -299,6 +301,18 @@ impl Exporter {
         }
         let again = Fd(again as i32);
         FileId::of(again.raw()).is_ok_and(|f| f == self.record_file)
+    }
+
+    /// Count an open import of export `at` in the exporter's opens file (`OpenMark`).
+    pub fn mark_open(&self, at: RecordRef) -> Result<OpenMark> {
+        let theirs = ExportRecord::opens_fd_at(&self.record)
+            .ok_or_else(|| Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", self.pid)))?;
+        // SAFETY: as in `open`; the result is a new descriptor this process owns.
+        let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, self.pidfd.raw(), theirs, 0) };
+        if mine < 0 {
+            return Err(fetch_error(self.pid, &format!("pidfd_getfd of its opens file (descriptor {theirs})")));
+        }
+        OpenMark::new(Fd(mine as i32).raw(), at.slot)
     }
 
     /// Whether `d` comes from this exporter (same process, same record).

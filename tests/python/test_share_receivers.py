@@ -142,10 +142,23 @@ def receive(inq, outq, gpupool_receiver):
         import gpupool
         gpupool.torch.install(compiled=True)
     torch.cuda.init()
+    held = None
     while True:
         msg = inq.get()
         if msg == "stop":
             return
+        if msg == "drop":
+            # The rollout engine lets go of the weights it kept.
+            held = None
+            import gc
+            gc.collect()
+            torch.cuda.synchronize()
+            outq.put("dropped")
+            continue
+        if isinstance(msg, tuple) and msg[0] == "hold":
+            held = msg[1]   # kept mapped: the sender's pause must refuse
+            outq.put(__import__("os").getpid())
+            continue
         copies = [t.clone() for t in msg]   # the rollout engine's copy of the weights
         torch.cuda.synchronize()
         sums = [float(c.double().sum()) for c in copies]
@@ -178,6 +191,24 @@ if __name__ == "__main__":
         gpupool.resume("weights")
         for i, w in enumerate(ws):
             assert float(w.double().sum()) == expected[i], ("contents after resume", cycle)
+    if receiver == "gpupool":
+        # A receiver that keeps the weights mapped: the pause refuses, naming the receiving
+        # process, and pauses nothing; once it lets go, the pause goes through.
+        inq.put(("hold", ws))
+        holder = outq.get(timeout=120)
+        torch.cuda.synchronize()
+        try:
+            gpupool.pause("weights")
+            raise AssertionError("a pause while the receiver maps the weights went through")
+        except gpupool.GpupoolError as e:
+            assert f"process {holder}" in str(e) and "let go" in str(e), str(e)
+        assert gpupool.paused_bytes("weights") == 0
+        inq.put("drop")
+        assert outq.get(timeout=120) == "dropped"
+        torch.cuda.ipc_collect()
+        assert gpupool.pause("weights") > 0
+        gpupool.resume("weights")
+        print("pause refused while held", flush=True)
     inq.put("stop")
     p.join(60)
     assert p.exitcode == 0, p.exitcode
@@ -195,3 +226,5 @@ def test_send_receiver_copies_pause_resume_send_again(torch_gpu, library, tmp_pa
     script.write_text(SLEEP)
     out = ok(run_script(script, [receiver, "100"], timeout=600))
     assert f"sleep after send {receiver} 100" in out, out
+    if receiver == "gpupool":
+        assert "pause refused while held" in out, out

@@ -125,6 +125,11 @@ impl ArenaStrategy {
         recs.iter().find(|(_, d)| *d == digest).map(|(at, _)| *at)
     }
 
+    /// Every export still booked: (block address, where it is recorded).
+    pub fn exports(&self) -> Vec<(usize, RecordRef)> {
+        self.exports.records.iter().flat_map(|(&addr, recs)| recs.iter().map(move |&(at, _)| (addr, at))).collect()
+    }
+
     /// The guards of exported block `addr` go back as free memory (it was freed), and its
     /// exports end.
     pub(super) fn unguard(&mut self, addr: usize) {
