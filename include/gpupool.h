@@ -353,6 +353,17 @@ enum gpupool_status gpupool_tag_paused_bytes(int device,
 // `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL or writable.
 enum gpupool_status gpupool_tag_drop_backup(int device, const char *name, size_t *out_bytes);
 
+// Page-lock now the host memory tag `name`'s next pause with a backup copies into on
+// `device` (-1: every device), as large as the tag's memory is now: the first pause then
+// copies at once instead of page-locking first (seconds for gigabytes). It is kept as
+// after a pause, until `gpupool_tag_drop_backup`; a tag that grew afterwards gets a larger
+// buffer at its next pause. Allocations under the tag wait while it runs. `*out_bytes`
+// (optional) receives the buffer's size.
+//
+// # Safety
+// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL or writable.
+enum gpupool_status gpupool_tag_prepare_backup(int device, const char *name, size_t *out_bytes);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -405,3 +405,34 @@ fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
         free(p, u);
     }
 }
+
+#[test]
+fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
+    use gpupool::ffi::tags::gpupool_tag_prepare_backup;
+    let d = 47;
+    host(d);
+    let prepare = |name: &CStr| {
+        let mut n = 0;
+        match unsafe { gpupool_tag_prepare_backup(d, name.as_ptr(), &mut n) } {
+            Status::Ok => Ok(n),
+            _ => Err(last()),
+        }
+    };
+    begin(c"prepared");
+    let w = malloc(40 * MIB, d).unwrap();
+    end();
+    fill(w, 40 * MIB, 9);
+    let mapped = figure_after(d, "\"prepared\"", "total_bytes") as usize;
+    let n = prepare(c"prepared").unwrap();
+    assert!(n >= mapped && mapped >= 40 * MIB, "prepared {n} bytes for {mapped} mapped");
+    assert_eq!(prepare(c"prepared").unwrap(), n, "a second request keeps the buffer");
+    pause(d, c"prepared", true).unwrap();
+    assert!(prepare(c"prepared").unwrap_err().contains("paused"), "{}", last());
+    resume(d, c"prepared").unwrap();
+    assert!(holds(w, 40 * MIB, 9), "the weights came back through the prepared buffer");
+    let mut dropped = 0;
+    assert_eq!(unsafe { gpupool_tag_drop_backup(d, c"prepared".as_ptr(), &mut dropped) }, Status::Ok, "{}", last());
+    assert_eq!(dropped, n, "the buffer the first pause used is the prepared one");
+    assert!(prepare(c"never-named-here").unwrap_err().contains("never named"), "{}", last());
+    free(w, d);
+}

@@ -2,7 +2,7 @@
 beside torch_memory_saver and the machine's own host-copy bandwidth, one process each.
 
     python3 bench/frameworks/pause_resume.py GB ROUNDS        # every contender in turn
-    python3 bench/frameworks/pause_resume.py GB ROUNDS WHO    # one: copy | gpupool | tms
+    python3 bench/frameworks/pause_resume.py GB ROUNDS WHO    # one: copy | gpupool | gpupool-prepared | tms
 
 The weights are bf16 tensors of an LLM's shapes (attention and MLP matrices, norms) adding
 up to GB gigabytes, allocated under a tag; each round pauses them with a backup to
@@ -11,7 +11,8 @@ copies one buffer of the same size to and from page-locked host memory: the band
 pause and a resume can at most reach. Reported: seconds and GB/s of each pause and resume
 (the first round apart: it page-locks the host buffer, which later rounds reuse), the
 share of the weights' device memory the pause gave back (cudaMemGetInfo), and gpupool's
-driver calls in one pause and resume.
+driver calls in one pause and resume. `gpupool-prepared` page-locks the host buffer ahead
+(`gpupool.prepare_backup`, timed apart as `prepare_s`), so its first pause copies at once.
 """
 import json
 import os
@@ -56,7 +57,7 @@ def run_one(who, gb, rounds):
             res["pause_s"].append(t1 - t0)
             res["resume_s"].append(t2 - t1)
         return res
-    if who == "gpupool":
+    if who.startswith("gpupool"):
         import gpupool
         gpupool.torch.install(compiled=True)
         region = lambda: gpupool.tag("weights")
@@ -80,12 +81,16 @@ def run_one(who, gb, rounds):
             res["retain_cpu_backup"] = True
         except Exception as e:  # older releases have no such switch
             res["retain_cpu_backup"] = f"unavailable: {e}"
+    if who == "gpupool-prepared":
+        t = time.perf_counter()
+        res["prepared_bytes"] = gpupool.prepare_backup("weights")
+        res["prepare_s"] = time.perf_counter() - t
     want = checksums(torch, ws)
     size = sum(w.numel() * 2 for w in ws)
     res["bytes"] = size
     for _ in range(rounds + 1):
         torch.cuda.synchronize()
-        if who == "gpupool":
+        if who.startswith("gpupool"):
             c0 = calls()
         free0 = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
@@ -99,7 +104,7 @@ def run_one(who, gb, rounds):
         res["pause_s"].append(t1 - t0)
         res["resume_s"].append(t2 - t1)
         res["returned"].append((free1 - free0) / size)
-        if who == "gpupool":
+        if who.startswith("gpupool"):
             c1 = calls()
             res["calls"] = {k: c1[k] - c0[k] for k in ("mem_create", "mem_map", "mem_unmap", "set_access", "total") if c1[k] != c0[k]}
         got = checksums(torch, ws)
@@ -131,7 +136,7 @@ def main():
         print(json.dumps(run_one(sys.argv[3], gb, rounds)))
         return
     results = []
-    for who in ("copy", "gpupool", "tms"):
+    for who in ("copy", "gpupool", "gpupool-prepared", "tms"):
         p = subprocess.run([sys.executable, __file__, str(gb), str(rounds), who], capture_output=True, text=True)
         line = (p.stdout.strip().splitlines() or [""])[-1]
         try:

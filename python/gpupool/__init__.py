@@ -91,6 +91,7 @@ def lib():
             ("gpupool_tag_resume", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_tag_paused_bytes", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_tag_drop_backup", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
+            ("gpupool_tag_prepare_backup", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_reset_peak_stats", c_int, [c_int]),
             ("gpupool_set_limit", c_int, [c_int, c_size]),
             ("gpupool_set_limit_str", c_int, [c_int, cp]),
@@ -406,6 +407,20 @@ def paused_bytes(tag_name, device=-1):
     """Device bytes tag `tag_name` has paused."""
     n = ctypes.c_size_t(0)
     _check(lib().gpupool_tag_paused_bytes(device, tag_name.encode(), ctypes.byref(n)))
+    return n.value
+
+
+def prepare_backup(tag_name, device=-1):
+    """Page-lock now the host memory the first pause of `tag_name` with a backup copies into,
+    as large as the tag's memory: that pause then runs at copy speed instead of spending
+    seconds page-locking first. Returns the buffer's bytes. It runs while the GIL is
+    released, so a thread can do it while the program works
+    (`threading.Thread(target=gpupool.prepare_backup, args=("weights",)).start()`);
+    allocations under the tag wait meanwhile. Kept until `drop_backup`."""
+    if not isinstance(tag_name, str):
+        raise TypeError(f"gpupool.prepare_backup: a tag is a name (str), not {type(tag_name).__name__}")
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_tag_prepare_backup(device, tag_name.encode(), ctypes.byref(n)))
     return n.value
 
 

@@ -100,3 +100,21 @@ pub unsafe extern "C" fn gpupool_tag_drop_backup(device: c_int, name: *const c_c
         Ok(())
     })
 }
+
+/// Page-lock now the host memory tag `name`'s next pause with a backup copies into on
+/// `device` (-1: every device), as large as the tag's memory is now: the first pause then
+/// copies at once instead of page-locking first (seconds for gigabytes). It is kept as
+/// after a pause, until `gpupool_tag_drop_backup`; a tag that grew afterwards gets a larger
+/// buffer at its next pause. Allocations under the tag wait while it runs. `*out_bytes`
+/// (optional) receives the buffer's size.
+///
+/// # Safety
+/// `name` must be NULL (rejected) or a NUL-terminated string; `out_bytes` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_prepare_backup(device: c_int, name: *const c_char, out_bytes: *mut usize) -> Status {
+    call(|| {
+        let n = registry::tag_backup_prepare(device, tag_name(name)?)?;
+        put(out_bytes, n);
+        Ok(())
+    })
+}

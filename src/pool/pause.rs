@@ -150,6 +150,14 @@ impl Pool {
         self.paused.as_ref().map_or(0, |p| p.bytes)
     }
 
+    /// Make the host memory the next pause's backup copies into now, as large as this
+    /// pool's memory (`VirtualMemory::vmm_prepare_backup`); returns its bytes.
+    pub fn prepare_pause_backup(&mut self) -> Result<usize> {
+        self.running()?;
+        self.not_paused()?;
+        self.core.upstream_mut().vmm_prepare_backup()
+    }
+
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
     pub fn drop_pause_backup(&mut self) -> usize {
         self.core.upstream_mut().vmm_drop_backup()

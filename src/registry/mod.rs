@@ -44,7 +44,7 @@ mod streams;
 mod tags;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
-pub use tags::{pause_tag, resume_tag, tag_backup_drop, tag_paused_bytes, tag_shard};
+pub use tags::{pause_tag, resume_tag, tag_backup_drop, tag_backup_prepare, tag_paused_bytes, tag_shard};
 pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};

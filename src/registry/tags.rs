@@ -53,6 +53,12 @@ pub fn tag_paused_bytes(device: i32, name: &str) -> Result<usize> {
     each_tag_pool(device, name, |p| Ok(p.paused_bytes()))
 }
 
+/// Make the host memory tag `name`'s next pause with a backup copies into now, on `device`
+/// (< 0: every device), as large as the tag's memory; returns its bytes.
+pub fn tag_backup_prepare(device: i32, name: &str) -> Result<usize> {
+    each_tag_pool(device, name, |p| p.prepare_pause_backup())
+}
+
 /// Give back the host memory kept for tag `name`'s next backup on `device` (< 0: every
 /// device); returns its bytes.
 pub fn tag_backup_drop(device: i32, name: &str) -> Result<usize> {

@@ -307,6 +307,14 @@ impl VirtualMemory for HostUpstream {
         self.vmm.is_paused()
     }
 
+    fn vmm_prepare_backup(&mut self) -> Result<usize> {
+        self.vmm.prepare_backup()
+    }
+
+    fn vmm_drop_backup(&mut self) -> usize {
+        self.vmm.drop_backup()
+    }
+
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         let g = self.vmm.granule();
         let mut i = 0;

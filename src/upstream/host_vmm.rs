@@ -48,6 +48,8 @@ pub struct HostVmm {
     imports: BTreeMap<usize, (usize, usize)>,
     /// What a pause released (`host_vmm/pause.rs`), until the resume.
     paused: Option<pause::HostPaused>,
+    /// The backup buffer kept between pauses (`prepare_backup`, a resume).
+    kept_backup: Option<Vec<u8>>,
 }
 
 fn os_error(what: &str) -> Error {
@@ -69,6 +71,7 @@ impl HostVmm {
             reservations: FxHashMap::default(),
             imports: BTreeMap::new(),
             paused: None,
+            kept_backup: None,
         }
     }
 

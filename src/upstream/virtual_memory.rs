@@ -86,6 +86,12 @@ pub trait VirtualMemory: Memory {
             self.name()
         )))
     }
+    /// Make the host buffer a pause with a backup copies into now, as large as what is
+    /// mapped (page-locking gigabytes takes seconds, which the first pause would otherwise
+    /// pay); it is kept, as after a pause, until `vmm_drop_backup`. Returns its bytes.
+    fn vmm_prepare_backup(&mut self) -> Result<usize> {
+        Ok(0)
+    }
     /// Map new memory where `vmm_pause` released it, at the same addresses, and copy the
     /// backup back. All or nothing: refused, the memory stays paused. Returns the bytes.
     fn vmm_resume(&mut self) -> std::result::Result<usize, AllocError> {

@@ -248,6 +248,12 @@ impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
         self.vmm.as_ref().and_then(|v| v.as_ref()).is_some_and(|v| v.is_paused())
     }
 
+    fn vmm_prepare_backup(&mut self) -> Result<usize> {
+        let _g = self.enter()?;
+        let (vmm, _) = self.vmm_parts()?;
+        vmm.prepare_backup()
+    }
+
     fn vmm_drop_backup(&mut self) -> usize {
         let Ok(_g) = self.enter() else { return 0 };
         self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.drop_backup())

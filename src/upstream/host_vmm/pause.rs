@@ -36,7 +36,10 @@ impl HostVmm {
         let mut homes: Vec<usize> = self.mapped.keys().copied().collect();
         homes.sort_unstable();
         let backup = backup.then(|| {
-            let mut b = Vec::with_capacity(homes.len() * g);
+            // The kept buffer where it is large enough (as the GPU's page-locked one).
+            let mut b = self.kept_backup.take().filter(|b| b.capacity() >= homes.len() * g).unwrap_or_default();
+            b.clear();
+            b.reserve_exact(homes.len() * g);
             for &h in &homes {
                 // SAFETY: a mapped granule of ours, readable.
                 b.extend_from_slice(unsafe { std::slice::from_raw_parts(h as *const u8, g) });
@@ -76,7 +79,27 @@ impl HostVmm {
                 unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(i * g), h as *mut u8, g) };
             }
         }
+        // Kept for the next pause, as the GPU keeps its page-locked buffer.
+        self.kept_backup = p.backup;
         Ok(p.homes.len() * g)
+    }
+
+    /// The kept buffer made as large as what is mapped now; returns its bytes.
+    pub fn prepare_backup(&mut self) -> Result<usize> {
+        if self.paused.is_some() {
+            return Err(Error::InvalidArgument("prepare_backup: this memory is paused; resume it first".into()));
+        }
+        let want = self.mapped.len() * self.granule;
+        let b = self.kept_backup.get_or_insert_with(Vec::new);
+        if b.capacity() < want {
+            b.reserve_exact(want - b.len());
+        }
+        Ok(b.capacity())
+    }
+
+    /// Give the kept buffer back; returns its bytes.
+    pub fn drop_backup(&mut self) -> usize {
+        self.kept_backup.take().map_or(0, |b| b.capacity())
     }
 
     /// New pages under every home of `p` (over any left mapped) and the aliases again.

@@ -114,6 +114,21 @@ impl CudaVmm {
         Ok(p.cast())
     }
 
+    /// Make the kept host buffer as large as what is mapped now (`VirtualMemory::
+    /// vmm_prepare_backup`); returns its bytes. Refused while paused (the buffer may hold
+    /// the contents).
+    pub fn prepare_backup(&mut self) -> Result<usize> {
+        if self.paused.is_some() {
+            return Err(Error::InvalidArgument("prepare_backup: this memory is paused; resume it first".into()));
+        }
+        let total: usize = self.handles.values().map(|&(_, l)| l).sum();
+        if total == 0 {
+            return Ok(self.backup.as_ref().map_or(0, |b| b.len));
+        }
+        self.host_buffer(total)?;
+        Ok(self.backup.as_ref().map_or(0, |b| b.len))
+    }
+
     /// Give the kept host buffer back; returns its bytes.
     pub fn drop_backup(&mut self) -> usize {
         if self.paused.as_ref().is_some_and(|p| p.backed_up) {
