@@ -423,10 +423,14 @@ fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
     end();
     fill(w, 40 * MIB, 9);
     let mapped = figure_after(d, "\"prepared\"", "total_bytes") as usize;
+    let host_allocs = || figure_after(d, "\"driver_calls\"", "host_alloc");
+    assert_eq!(host_allocs(), 0);
     let n = prepare(c"prepared").unwrap();
     assert!(n >= mapped && mapped >= 40 * MIB, "prepared {n} bytes for {mapped} mapped");
     assert_eq!(prepare(c"prepared").unwrap(), n, "a second request keeps the buffer");
+    assert_eq!(host_allocs(), 1);
     pause(d, c"prepared", true).unwrap();
+    assert_eq!(host_allocs(), 1, "the first pause allocated a buffer of its own");
     assert!(prepare(c"prepared").unwrap_err().contains("paused"), "{}", last());
     resume(d, c"prepared").unwrap();
     assert!(holds(w, 40 * MIB, 9), "the weights came back through the prepared buffer");
@@ -434,5 +438,129 @@ fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
     assert_eq!(unsafe { gpupool_tag_drop_backup(d, c"prepared".as_ptr(), &mut dropped) }, Status::Ok, "{}", last());
     assert_eq!(dropped, n, "the buffer the first pause used is the prepared one");
     assert!(prepare(c"never-named-here").unwrap_err().contains("never named"), "{}", last());
+    free(w, d);
+}
+
+/// Receivers' open imports, as the pause counts them (`upstream::opens_file`): through
+/// descriptors passed in, across an export slot reused by another block, and over every
+/// device at once.
+#[test]
+fn a_pause_counts_every_open_import_and_refuses_on_no_device_when_one_is_open() {
+    use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_descriptor_fds, gpupool_ipc_open};
+    let (d, e, r) = (48, 49, 50);
+    host(d);
+    host(e);
+    host(r);
+    let export = |p: usize| common::ipc_export(p, 1);
+    let open = |desc: &[u8]| {
+        let mut p = null_mut();
+        assert_eq!(unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut p) }, Status::Ok, "{}", last());
+        p
+    };
+    let close = |p: *mut c_void| assert_eq!(gpupool_ipc_close(p, r), Status::Ok, "{}", last());
+    let busy = |dev: i32| {
+        let mut n = 0;
+        let st = unsafe { gpupool_tag_pause(dev, c"counted".as_ptr(), null_mut(), 1, &mut n) };
+        (st == Status::Busy).then(last)
+    };
+    begin(c"counted");
+    let a = malloc(3 * MIB, d).unwrap();
+    let on_e = malloc(3 * MIB, e).unwrap();
+    end();
+
+    // Opened with the exporter's descriptors passed in (this process's numbers are its own).
+    let desc = export(a);
+    let mut n = 0;
+    let mut fds = vec![0i32; 64];
+    assert_eq!(unsafe { gpupool_ipc_descriptor_fds(desc.as_ptr().cast(), desc.len(), fds.as_mut_ptr(), fds.len(), &mut n) }, Status::Ok);
+    let mut p = null_mut();
+    let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, fds.as_ptr(), n, &mut p) };
+    assert_eq!(st, Status::Ok, "{}", last());
+    assert!(busy(d).is_some(), "an import given its descriptors is not counted");
+    close(p);
+
+    // A late close of an ended export does not take away the open of the block that took
+    // its slot next.
+    let old = open(&desc);
+    free(a, d);
+    begin(c"counted");
+    let b = malloc(3 * MIB, d).unwrap();
+    end();
+    let new = open(&export(b));
+    close(old);
+    let why = busy(d).expect("the pause went through while the new block is open");
+    assert!(why.contains(&format!("{b:#x}")), "{why}");
+
+    // Over every device: one device's open import refuses the pause everywhere, and none
+    // is paused.
+    close(new);
+    let there = open(&export(on_e));
+    assert!(busy(-1).is_some(), "a pause of every device went through while a block of one is open");
+    assert_eq!(paused_bytes(-1, c"counted"), 0, "a refused pause paused a device");
+    close(there);
+    assert!(pause(-1, c"counted", true).unwrap() > 0);
+    resume(-1, c"counted").unwrap();
+    free(b, d);
+    free(on_e, e);
+}
+
+/// The receiver of `a_receiver_that_exited_without_closing_counts_no_more`, run by it as a
+/// process of its own (`--ignored`): opens the descriptor in `TAGS_TEST_RECEIVE` (hex),
+/// writes its pid to the file `TAGS_TEST_OPENED` names, and exits when its input closes,
+/// without closing the import.
+#[test]
+#[ignore]
+fn receiver_process() {
+    use std::io::BufRead;
+    let (Ok(hex), Ok(opened)) = (std::env::var("TAGS_TEST_RECEIVE"), std::env::var("TAGS_TEST_OPENED")) else { return };
+    let desc: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    host(60);
+    common::ipc_open_by_pid(&desc, 60).unwrap();
+    std::fs::write(format!("{opened}.tmp"), std::process::id().to_string()).unwrap();
+    std::fs::rename(format!("{opened}.tmp"), &opened).unwrap();
+    let _ = std::io::stdin().lock().lines().next();
+    std::process::exit(0); // the import stays open: the process is gone with it
+}
+
+#[test]
+fn a_receiver_that_exited_without_closing_counts_no_more() {
+    use std::process::{Command, Stdio};
+    let d = 51;
+    host(d);
+    begin(c"left-open");
+    let w = malloc(3 * MIB, d).unwrap();
+    end();
+    let desc = common::ipc_export(w, 1);
+    let hex: String = desc.iter().map(|b| format!("{b:02x}")).collect();
+    let opened = std::env::temp_dir().join(format!("gpupool-tags-opened-{}", std::process::id()));
+    let _ = std::fs::remove_file(&opened);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "receiver_process", "--ignored", "--test-threads=1"])
+        .env("TAGS_TEST_RECEIVE", hex)
+        .env("TAGS_TEST_OPENED", &opened)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let pid: u32 = loop {
+        if let Ok(text) = std::fs::read_to_string(&opened) {
+            break text.trim().parse().unwrap();
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the receiver ended without opening the block: {status}");
+        }
+        assert!(started.elapsed().as_secs() < 60, "the receiver did not open the block in a minute");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_file(&opened);
+    let mut n = 0;
+    let st = unsafe { gpupool_tag_pause(d, c"left-open".as_ptr(), null_mut(), 1, &mut n) };
+    assert_eq!(st, Status::Busy, "the receiver maps the block: {}", last());
+    assert!(last().contains(&format!("process {pid}")), "{}", last());
+    drop(child.stdin.take()); // the receiver exits, its import still open
+    assert!(child.wait().unwrap().success());
+    assert!(pause(d, c"left-open", true).unwrap() > 0, "an exited receiver still counts");
+    resume(d, c"left-open").unwrap();
     free(w, d);
 }

@@ -13,7 +13,7 @@
 use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{own_start_time, Descriptor, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
+use crate::upstream::shared::{own_start_time, Descriptor, Exporter, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -111,9 +111,32 @@ impl Pool {
     /// Fetched descriptors go through the cache of kept imports (`import_cache.rs`): a block
     /// whose memory is still mapped from an earlier message is served with no driver call.
     pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
+        self.ipc_import_marked(d, fds, None)
+    }
+
+    /// `ipc_import`, with the mark of an import of memory its exporter may pause where the
+    /// caller has one (taken with the opens file its handover thread sent).
+    pub fn ipc_import_marked(&mut self, d: &Descriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
         if fds.is_some() {
             let source = self.import_source(d, fds)?;
-            return self.core.upstream_mut().vmm_import(d, &source);
+            // Memory its exporter may pause: counted as open there before it is mapped
+            // (`upstream::opens_file`), by pid where the caller brought no mark. Where the
+            // exporter's files may not be fetched (a container) and no mark came, the
+            // import is not counted (docs/tags.md).
+            let mark = match mark {
+                Some(m) => Some(m),
+                None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d).and_then(|e| e.mark_open(d.record)) {
+                    Ok(m) => Some(m),
+                    Err(e) if e.to_string().contains(OpenMark::PAUSING) => return Err(e),
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
+            if let Some(m) = mark {
+                self.note_open(ptr, m);
+            }
+            return Ok(ptr);
         }
         self.running()?;
         self.check_kind(d)?;
@@ -121,13 +144,12 @@ impl Pool {
         let source = FdSource::fetch_via(exporter.clone(), d)?;
         if d.flags & FLAG_UNKEPT != 0 {
             // Memory its exporter may pause: mapped for this open alone, unmapped at its
-            // close, and counted as open in the exporter's opens file meanwhile, so that its
-            // pause refuses while this process maps it.
+            // close, and counted as open in the exporter's opens file from before it is
+            // mapped until then, so that its pause refuses while this process maps it (and
+            // this import is refused while the exporter pauses).
+            let mark = exporter.mark_open(d.record)?;
             let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
-            match exporter.mark_open(d.record) {
-                Ok(mark) => self.note_open(ptr, mark),
-                Err(e) => crate::error::warn(&format!("{e}: process {}'s pause will not see this import", d.pid)),
-            }
+            self.note_open(ptr, mark);
             return Ok(ptr);
         }
         // Read before anything is mapped: a release after it moves the count past what

@@ -47,7 +47,17 @@ impl Pool {
         // alive (the device gets nothing back) and see it, not the resumed contents: gpupool
         // receivers map a tag's memory only while open (`shared::FLAG_UNKEPT`) and count
         // their open imports in this process's opens file, which the pause reads first.
-        self.refuse_while_receivers_map(name)?;
+        self.close_exports_for_pause(name)?;
+        let r = self.pause_closed(name, stream, backup);
+        if self.paused.is_none() {
+            // Nothing was released: imports of its exports may open again.
+            self.reopen_exports();
+        }
+        r
+    }
+
+    /// The pause once no import of this pool's exports is open or may open.
+    fn pause_closed(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
         let reserved_before = self.rec.c.reserved;
         self.flush_thread_caches(None);
         self.finish_pending(true);
@@ -67,26 +77,21 @@ impl Pool {
         r.map(|b| b + given_back)
     }
 
-    /// Refused (naming the blocks and the processes) while another process still maps a
-    /// block of this pool that it imported through gpupool (`ExportRecord::opens`). A
-    /// receiver that exited without closing counts no more. Receivers on PyTorch's own
-    /// allocator keep no count: they are not seen here.
-    fn refuse_while_receivers_map(&mut self, name: &str) -> Result<()> {
+    /// Before a pause: every export of this pool's blocks marked closing in this process's
+    /// opens file, so that no import of them opens meanwhile; refused (naming the blocks and
+    /// the processes), with nothing changed, while another process still has one open
+    /// through gpupool (`upstream::opens_file`; a receiver that exited counts no more).
+    /// Receivers on PyTorch's own allocator keep no count: they are not seen here.
+    pub fn close_exports_for_pause(&mut self, name: &str) -> Result<()> {
         let Some(arena) = self.core.arena() else { return Ok(()) };
-        let alive = |pid: u32| {
-            // SAFETY: signal 0 only checks that the process exists.
-            unsafe { libc::kill(pid as libc::pid_t, 0) == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM) }
-        };
-        let mut held: Vec<(usize, u32, u32)> = arena
-            .exports()
-            .into_iter()
-            .filter_map(|(addr, at)| ExportRecord::opens(at).filter(|&(_, pid)| alive(pid)).map(|(n, pid)| (addr, n, pid)))
-            .collect();
-        if held.is_empty() {
-            return Ok(());
-        }
+        let exports = arena.exports();
+        let ats: Vec<_> = exports.iter().map(|e| e.1).collect();
+        let Err(open) = ExportRecord::close_for_pause(&ats) else { return Ok(()) };
+        let mut held: Vec<(usize, u32, u32)> =
+            open.iter().filter_map(|&(at, n, pid)| exports.iter().find(|e| e.1 == at).map(|e| (e.0, n, pid))).collect();
         held.sort_unstable();
-        let mut pids: Vec<u32> = held.iter().map(|h| h.2).collect();
+        held.dedup_by_key(|h| h.0);
+        let mut pids: Vec<u32> = held.iter().map(|h| h.2).filter(|&p| p != 0).collect();
         pids.sort_unstable();
         pids.dedup();
         let shown: Vec<String> = held.iter().take(8).map(|(a, n, pid)| format!("{a:#x} ({n} open, last by process {pid})")).collect();
@@ -100,6 +105,15 @@ impl Pool {
             shown.join(", "),
             if held.len() > shown.len() { ", ..." } else { "" }
         )))
+    }
+
+    /// Imports of this pool's exports may open again (a pause that did not go ahead, or a
+    /// resume).
+    pub fn reopen_exports(&mut self) {
+        if let Some(arena) = self.core.arena() {
+            let ats: Vec<_> = arena.exports().into_iter().map(|e| e.1).collect();
+            ExportRecord::reopen(&ats);
+        }
     }
 
     /// Map this pool's memory again at the same addresses and restore its backup (module
@@ -126,6 +140,8 @@ impl Pool {
             }
         }
         let p = self.paused.take().expect("checked above");
+        // Exports the pause did not end (a pause that failed midway) may be opened again.
+        self.reopen_exports();
         // Their memory is back and no queued work uses it (the pause waited, the resume's
         // copies finished): freed on the legacy stream, which every stream may follow.
         for ptr in p.frees {
@@ -155,6 +171,13 @@ impl Pool {
     pub fn prepare_pause_backup(&mut self) -> Result<usize> {
         self.running()?;
         self.not_paused()?;
+        if !self.core.is_arena() {
+            return Err(Error::InvalidArgument(format!(
+                "prepare_backup: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
+                self.core.device(),
+                self.core.strategy().name()
+            )));
+        }
         self.core.upstream_mut().vmm_prepare_backup()
     }
 

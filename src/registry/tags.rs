@@ -40,7 +40,39 @@ fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result
 /// given back to the driver. A device where the tag is paused already counts as done, so
 /// a pause over several devices that failed on one can be asked again.
 pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result<usize> {
-    each_tag_pool(device, name, |p| if p.is_paused() { Ok(0) } else { p.pause(name, stream, backup) })
+    if device < 0 {
+        // Over every device, a receiver still mapping the tag's memory on any refuses the
+        // pause before any device pauses: each device's exports are marked closing first,
+        // and those marks are undone where one refuses.
+        let mut closed = Vec::new();
+        let checked = each_tag_pool(device, name, |p| {
+            if !p.is_paused() {
+                p.close_exports_for_pause(name)?;
+                closed.push(p.device());
+            }
+            Ok(0)
+        });
+        if let Err(e) = checked {
+            for d in closed {
+                let _ = each_tag_pool(d, name, |p| {
+                    p.reopen_exports();
+                    Ok(0)
+                });
+            }
+            return Err(e);
+        }
+    }
+    let paused = each_tag_pool(device, name, |p| if p.is_paused() { Ok(0) } else { p.pause(name, stream, backup) });
+    if paused.is_err() && device < 0 {
+        // The devices not paused take imports of the tag's blocks again.
+        let _ = each_tag_pool(device, name, |p| {
+            if !p.is_paused() {
+                p.reopen_exports();
+            }
+            Ok(0)
+        });
+    }
+    paused
 }
 
 /// Resume tag `name` on `device` (< 0: every device): `Pool::resume`.

@@ -42,16 +42,14 @@ impl AnyDescriptor {
                 Err(Error::FetchRefused { detail, .. }) => {
                     let (handed, opens) = super::handover::take_export(d, &detail)?;
                     let raw: Vec<c_int> = handed.iter().map(|f| f.as_raw_fd()).collect();
+                    // Memory its exporter may pause: counted as open there, with the opens
+                    // file its handover thread sent, from before it is mapped until closed.
+                    let mark = match (d.flags & FLAG_UNKEPT != 0, opens) {
+                        (true, Some(opens)) => Some(OpenMark::new(opens.as_raw_fd(), d.record.slot, d.pid)?),
+                        _ => None,
+                    };
                     // The mapping keeps the memory: the copies close on return.
-                    let ptr = registry::with_pool(device, |pool| pool.ipc_import(d, Some(&raw)))?;
-                    if let (true, Some(opens)) = (d.flags & FLAG_UNKEPT != 0, opens) {
-                        // Memory its exporter may pause: counted as open there until closed.
-                        match OpenMark::new(opens.as_raw_fd(), d.record.slot) {
-                            Ok(mark) => registry::with_pool(device, |pool| Ok(pool.note_open(ptr, mark)))?,
-                            Err(e) => crate::error::warn(&format!("{e}: process {}'s pause will not see this import", d.pid)),
-                        }
-                    }
-                    Ok(ptr)
+                    registry::with_pool(device, |pool| pool.ipc_import_marked(d, Some(&raw), mark))
                 }
                 other => other,
             },

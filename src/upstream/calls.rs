@@ -31,11 +31,13 @@ pub struct DriverCalls {
     pub capture_info: u64,
     /// `cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle` (IPC of arena memory).
     pub shareable: u64,
+    /// `cuMemHostAlloc` of a tag's backup buffer (page-locking: the slow part of a first pause).
+    pub host_alloc: u64,
 }
 
 impl DriverCalls {
     /// Every counter with its JSON / report name.
-    pub fn fields(&self) -> [(&'static str, u64); 16] {
+    pub fn fields(&self) -> [(&'static str, u64); 17] {
         [
             ("malloc", self.malloc),
             ("free", self.free),
@@ -53,6 +55,7 @@ impl DriverCalls {
             ("stream_id", self.stream_id),
             ("capture_info", self.capture_info),
             ("shareable", self.shareable),
+            ("host_alloc", self.host_alloc),
         ]
     }
 
@@ -75,6 +78,7 @@ impl DriverCalls {
             stream_id,
             capture_info,
             shareable,
+            host_alloc,
         } = *o;
         self.malloc += malloc;
         self.free += free;
@@ -92,6 +96,7 @@ impl DriverCalls {
         self.stream_id += stream_id;
         self.capture_info += capture_info;
         self.shareable += shareable;
+        self.host_alloc += host_alloc;
     }
 
     pub fn total(&self) -> u64 {

@@ -30,7 +30,8 @@
 use super::shared::identity::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use super::opens_file;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a descriptor's export is recorded: the exporter's record descriptor, the slot, the
 /// token.
@@ -45,9 +46,9 @@ pub struct RecordRef {
 /// upstream.
 pub struct ExportRecord {
     fd: Fd,
-    /// The opens file (module docs) and its mapping: `OPENS_WORDS` u32 words per slot.
+    /// The opens file (module docs, `opens_file`) and its mapping.
     opens: Fd,
-    opens_map: *mut AtomicU32,
+    opens_map: *mut u8,
     /// The file mapped shared and writable (`RECORD_BYTES`), made before the seals.
     map: *mut AtomicU64,
     /// The pid the record was made by: a forked child makes its own.
@@ -68,9 +69,8 @@ const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE3");
 const HEADER_WORDS: usize = 5;
 const RELEASES_WORD: usize = 3;
 const OPENS_FD_WORD: usize = 4;
-/// Words (u32) per slot of the opens file: open imports, the last opener's pid.
-pub const OPENS_WORDS: usize = 2;
-pub const OPENS_BYTES: usize = 4 * OPENS_WORDS * RECORD_SLOTS as usize;
+/// Bytes of the opens file: a slot of `opens_file` per record slot.
+pub const OPENS_BYTES: usize = super::opens_file::SLOT_BYTES * RECORD_SLOTS as usize;
 const RECORD_HEADER: usize = 8 * HEADER_WORDS;
 /// Words per slot: token, digest.
 const SLOT_WORDS: usize = 2;
@@ -122,7 +122,7 @@ impl ExportRecord {
 
     /// The opens file, mapped: importers write it, so it is sealed against growth and
     /// shrinking only (a truncation would kill the exporter with SIGBUS on its next read).
-    fn create_opens() -> Result<(Fd, *mut AtomicU32)> {
+    fn create_opens() -> Result<(Fd, *mut u8)> {
         let os = |what: &str| Error::InvalidArgument(format!("IPC export: {what} failed: {}", std::io::Error::last_os_error()));
         // SAFETY: a NUL-terminated name; valid flags.
         let fd = unsafe { libc::memfd_create(c"gpupool-opens".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -144,22 +144,54 @@ impl ExportRecord {
         }
     }
 
-    fn opens_word(&self, slot: u32, k: usize) -> &AtomicU32 {
-        debug_assert!(slot < RECORD_SLOTS && k < OPENS_WORDS);
-        // SAFETY: within the mapping, which lives as long as `self`; 4-byte aligned.
-        unsafe { &*self.opens_map.add(OPENS_WORDS * slot as usize + k) }
+    fn opens_slot(&self, slot: u32) -> opens_file::Slot<'_> {
+        // SAFETY: the mapping of the whole opens file, which lives as long as `self`.
+        unsafe { opens_file::Slot::at(self.opens_map, OPENS_BYTES, slot) }.expect("a record slot has an opens slot")
     }
 
-    /// How many imports of export `at` are open in other processes now, and the pid of the
-    /// last process that opened one (`None`: the export is not live, or none is open).
-    pub fn opens(at: RecordRef) -> Option<(u32, u32)> {
+    /// The live exports among `ats` (of this process's record).
+    fn live_among<'a>(&'a self, ats: &'a [RecordRef]) -> impl Iterator<Item = RecordRef> + 'a {
+        ats.iter().copied().filter(move |at| {
+            self.pid == std::process::id() && self.fd.raw() == at.fd && at.slot < RECORD_SLOTS
+                && self.slot_word(at.slot, 0).load(Ordering::Acquire) == at.token
+        })
+    }
+
+    /// Before a pause of the memory exports `ats` share: mark each closing, so that no
+    /// import opens meanwhile; refused, changing nothing, where another process still has
+    /// one open (a count whose lock a live process holds, `opens_file`): then the open ones,
+    /// as (export, open count, the last opener's pid).
+    pub fn close_for_pause(ats: &[RecordRef]) -> std::result::Result<(), Vec<(RecordRef, u32, u32)>> {
         let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
-        let r = g.as_ref().filter(|r| r.pid == std::process::id() && r.fd.raw() == at.fd && at.slot < RECORD_SLOTS)?;
-        if r.slot_word(at.slot, 0).load(Ordering::Acquire) != at.token {
-            return None;
+        let Some(r) = g.as_ref() else { return Ok(()) };
+        let mut closed = Vec::new();
+        let mut open = Vec::new();
+        for at in r.live_among(ats) {
+            let slot = r.opens_slot(at.slot);
+            if slot.close_for_pause(|| opens_file::locked(r.opens.raw(), at.slot)) {
+                closed.push(at);
+            } else {
+                let (n, pid) = slot.opens();
+                open.push((at, n, pid));
+            }
         }
-        let n = r.opens_word(at.slot, 0).load(Ordering::Acquire);
-        (n > 0).then(|| (n, r.opens_word(at.slot, 1).load(Ordering::Acquire)))
+        if open.is_empty() {
+            return Ok(());
+        }
+        for at in closed {
+            r.opens_slot(at.slot).reopen();
+        }
+        Err(open)
+    }
+
+    /// The pause that `close_for_pause` prepared for did not go ahead: imports of `ats`
+    /// may open again.
+    pub fn reopen(ats: &[RecordRef]) {
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = g.as_ref() else { return };
+        for at in r.live_among(ats) {
+            r.opens_slot(at.slot).reopen();
+        }
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -270,8 +302,8 @@ impl ExportRecord {
     fn clear(&mut self, slot: u32) {
         let Some(shared) = self.live[slot as usize].take() else { return };
         self.slot_word(slot, 0).store(0, Ordering::Release);
-        // The slot's next export starts with no open import.
-        self.opens_word(slot, 0).store(0, Ordering::Release);
+        // The slot's next export starts with no open import, in a new generation.
+        self.opens_slot(slot).reset();
         for k in shared {
             if let std::collections::hash_map::Entry::Occupied(mut e) = self.by_granule.entry(k) {
                 e.get_mut().retain(|&s| s != slot);

@@ -234,7 +234,7 @@ impl Memory for HostUpstream {
     }
 
     fn driver_calls(&self) -> DriverCalls {
-        self.calls
+        DriverCalls { host_alloc: self.vmm.backup_allocs, ..self.calls }
     }
 }
 

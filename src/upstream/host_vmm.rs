@@ -48,8 +48,10 @@ pub struct HostVmm {
     imports: BTreeMap<usize, (usize, usize)>,
     /// What a pause released (`host_vmm/pause.rs`), until the resume.
     paused: Option<pause::HostPaused>,
-    /// The backup buffer kept between pauses (`prepare_backup`, a resume).
+    /// The backup buffer kept between pauses (`prepare_backup`, a resume), and how many
+    /// times one was allocated (the stand-in's count of `cuMemHostAlloc`).
     kept_backup: Option<Vec<u8>>,
+    pub backup_allocs: u64,
 }
 
 fn os_error(what: &str) -> Error {
@@ -72,6 +74,7 @@ impl HostVmm {
             imports: BTreeMap::new(),
             paused: None,
             kept_backup: None,
+            backup_allocs: 0,
         }
     }
 

@@ -40,6 +40,7 @@ pub mod host;
 pub mod host_vmm;
 pub mod ipc;
 pub mod legacy_descriptor;
+pub mod opens_file;
 pub mod shared;
 pub mod sim;
 pub mod stream_id;

@@ -312,7 +312,7 @@ impl Exporter {
         if mine < 0 {
             return Err(fetch_error(self.pid, &format!("pidfd_getfd of its opens file (descriptor {theirs})")));
         }
-        OpenMark::new(Fd(mine as i32).raw(), at.slot)
+        OpenMark::new(Fd(mine as i32).raw(), at.slot, self.pid)
     }
 
     /// Whether `d` comes from this exporter (same process, same record).

@@ -250,8 +250,8 @@ impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
 
     fn vmm_prepare_backup(&mut self) -> Result<usize> {
         let _g = self.enter()?;
-        let (vmm, _) = self.vmm_parts()?;
-        vmm.prepare_backup()
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.prepare_backup(calls)
     }
 
     fn vmm_drop_backup(&mut self) -> usize {

@@ -37,7 +37,11 @@ impl HostVmm {
         homes.sort_unstable();
         let backup = backup.then(|| {
             // The kept buffer where it is large enough (as the GPU's page-locked one).
-            let mut b = self.kept_backup.take().filter(|b| b.capacity() >= homes.len() * g).unwrap_or_default();
+            let kept = self.kept_backup.take().filter(|b| b.capacity() >= homes.len() * g);
+            let mut b = kept.unwrap_or_else(|| {
+                self.backup_allocs += 1;
+                Vec::new()
+            });
             b.clear();
             b.reserve_exact(homes.len() * g);
             for &h in &homes {
@@ -92,6 +96,7 @@ impl HostVmm {
         let want = self.mapped.len() * self.granule;
         let b = self.kept_backup.get_or_insert_with(Vec::new);
         if b.capacity() < want {
+            self.backup_allocs += 1;
             b.reserve_exact(want - b.len());
         }
         Ok(b.capacity())

@@ -1,21 +1,27 @@
-//! An importer's mark in its exporter's opens file (`upstream::export_record`, module docs):
-//! one more open import of an export while the mark lives, so that the exporter's pause of
-//! that memory refuses, naming this process, until the import is closed.
+//! An importer's mark in its exporter's opens file (`upstream::opens_file` says the
+//! protocol): one more open import of an export while the mark lives, taken before the
+//! import maps, so that the exporter's pause of that memory refuses, naming this process,
+//! until the import is closed.
 //!
-//! Each exporter's opens file is mapped once in this process and kept while any mark or
-//! later import may use it: a mapping per import would cost an `mmap` and a `munmap`
-//! (a TLB shootdown over every thread of the process) on each open and close.
+//! Each exporter's opens file is mapped once in this process, with an open file
+//! description of its own that holds this process's locks on the slots it has imports of:
+//! a mapping per import would cost an `mmap` and a `munmap` (a TLB shootdown over every
+//! thread of the process) on each open and close.
 
-use super::super::export_record::{OPENS_BYTES, OPENS_WORDS};
-use super::identity::FileId;
+use super::super::export_record::OPENS_BYTES;
+use super::super::opens_file::{self, Slot};
+use super::identity::{Fd, FileId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// An exporter's opens file, mapped shared.
+/// An exporter's opens file, mapped shared, and this process's locks on its slots.
 struct OpensFile {
-    base: *mut AtomicU32,
+    base: *mut u8,
+    /// This process's own open file description of the file, which holds the locks.
+    own: Fd,
+    /// Slot -> this process's marks on it (the lock is held while any is).
+    marks: Mutex<HashMap<u32, u32>>,
 }
 
 // SAFETY: the mapping is reached only through atomics and lives as long as the value.
@@ -29,62 +35,113 @@ impl Drop for OpensFile {
     }
 }
 
+impl OpensFile {
+    fn slot(&self, slot: u32) -> Option<Slot<'_>> {
+        // SAFETY: the mapping of the whole file, which lives as long as `self`.
+        unsafe { Slot::at(self.base, OPENS_BYTES, slot) }
+    }
+}
+
 /// The opens files mapped here, by file (a memfd's identity is unique while it exists).
 static MAPPED: Mutex<Option<HashMap<(u64, u64), Arc<OpensFile>>>> = Mutex::new(None);
 
 /// The mapping of the opens file `fd` (this process's descriptor of it), made once.
 fn map(fd: i32) -> Result<Arc<OpensFile>> {
+    let bad = |why: String| Error::InvalidArgument(format!("IPC import: the exporter's opens file {why}"));
     let file = FileId::of(fd)?;
-    let file = (file.dev, file.ino);
     let mut g = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
     let files = g.get_or_insert_with(HashMap::new);
-    if let Some(f) = files.get(&file) {
+    // Files no mark uses any more go (their exporters' imports were all closed).
+    files.retain(|_, f| Arc::strong_count(f) > 1);
+    if let Some(f) = files.get(&(file.dev, file.ino)) {
         return Ok(f.clone());
     }
-    // SAFETY: a shared mapping of the exporter's file, which is sealed against shrinking
-    // (no SIGBUS) and has this size.
+    // A file of another size, or one that may shrink, would kill this process with SIGBUS.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat and fcntl on a descriptor of ours.
+    let (sized, seals) = unsafe { (libc::fstat(fd, &mut st) == 0, libc::fcntl(fd, libc::F_GET_SEALS)) };
+    if !sized || st.st_size as usize != OPENS_BYTES || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(bad("is not one (its size or seals differ)".into()));
+    }
+    // Its own open file description, for locks that are this process's alone.
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
+    // SAFETY: a NUL-terminated path.
+    let own = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if own < 0 {
+        return Err(bad(format!("cannot be opened again: {}", std::io::Error::last_os_error())));
+    }
+    let own = Fd(own);
+    // SAFETY: a shared mapping of the file, which has this size and may not shrink.
     let base = unsafe { libc::mmap(std::ptr::null_mut(), OPENS_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
     if base == libc::MAP_FAILED {
-        return Err(Error::InvalidArgument(format!("IPC import: the exporter's opens file cannot be mapped: {}", std::io::Error::last_os_error())));
+        return Err(bad(format!("cannot be mapped: {}", std::io::Error::last_os_error())));
     }
-    // Files no mark uses any more go (their exporters' marks were all dropped).
-    files.retain(|_, f| Arc::strong_count(f) > 1);
-    let f = Arc::new(OpensFile { base: base.cast() });
-    files.insert(file, f.clone());
+    let f = Arc::new(OpensFile { base: base.cast(), own, marks: Mutex::new(HashMap::new()) });
+    files.insert((file.dev, file.ino), f.clone());
     Ok(f)
 }
 
 /// One open import counted in an exporter's opens file; the count drops with the mark.
 pub struct OpenMark {
     file: Arc<OpensFile>,
-    /// The slot's first word.
-    at: usize,
+    slot: u32,
+    generation: u32,
 }
 
 impl OpenMark {
     /// Count an open import of export slot `slot` in the opens file `fd` (this process's
-    /// descriptor of it; the caller closes it).
-    pub fn new(fd: i32, slot: u32) -> Result<OpenMark> {
-        let at = OPENS_WORDS * slot as usize;
-        if 4 * (at + OPENS_WORDS) > OPENS_BYTES {
+    /// descriptor of it; the caller closes it). Refused while the exporter pauses the
+    /// memory (`OpenMark::PAUSING` in the message).
+    pub fn new(fd: i32, slot: u32, exporter: u32) -> Result<OpenMark> {
+        let file = map(fd)?;
+        if file.slot(slot).is_none() {
             return Err(Error::InvalidArgument(format!("IPC import: export slot {slot} lies outside the opens file")));
         }
-        let mark = OpenMark { file: map(fd)?, at };
-        mark.word(0).fetch_add(1, Ordering::AcqRel);
-        mark.word(1).store(std::process::id(), Ordering::Release);
-        Ok(mark)
+        // The lock first: a count the exporter sees always has a live holder.
+        {
+            let mut marks = file.marks.lock().unwrap_or_else(|e| e.into_inner());
+            let n = marks.entry(slot).or_insert(0);
+            if *n == 0 && !opens_file::hold(file.own.raw(), slot, true) {
+                marks.remove(&slot);
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: locking slot {slot} of the exporter's opens file failed: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            *marks.get_mut(&slot).expect("inserted above") += 1;
+        }
+        let counted = file.slot(slot).and_then(|s| s.open());
+        let Some(generation) = counted else {
+            release(&file, slot);
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: process {exporter} {}",
+                Self::PAUSING
+            )));
+        };
+        Ok(OpenMark { file, slot, generation })
     }
 
-    fn word(&self, k: usize) -> &AtomicU32 {
-        // SAFETY: within the mapping `file` holds (checked in `new`); 4-byte aligned.
-        unsafe { &*self.file.base.add(self.at + k) }
+    /// What the refusal of an import of memory being paused says.
+    pub const PAUSING: &'static str = "is pausing this memory (a tag's pause): open it again after the resume";
+}
+
+/// One mark of `slot` in `file` went: the lock goes with the last.
+fn release(file: &OpensFile, slot: u32) {
+    let mut marks = file.marks.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = marks.get_mut(&slot) {
+        *n -= 1;
+        if *n == 0 {
+            marks.remove(&slot);
+            opens_file::hold(file.own.raw(), slot, false);
+        }
     }
 }
 
 impl Drop for OpenMark {
     fn drop(&mut self) {
-        // Never below zero: the exporter clears the slot when the export ends, and a close
-        // after that must not take an open away from the slot's next export.
-        let _ = self.word(0).fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if let Some(s) = self.file.slot(self.slot) {
+            s.close(self.generation);
+        }
+        release(&self.file, self.slot);
     }
 }

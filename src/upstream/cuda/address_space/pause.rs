@@ -99,12 +99,13 @@ impl CudaVmm {
     }
 
     /// A host buffer of at least `len` bytes (the kept one when it is large enough).
-    fn host_buffer(&mut self, len: usize) -> Result<*mut u8> {
+    fn host_buffer(&mut self, len: usize, calls: &mut DriverCalls) -> Result<*mut u8> {
         if self.backup.as_ref().is_some_and(|b| b.len >= len) {
             return Ok(self.backup.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr));
         }
         self.drop_backup();
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        calls.host_alloc += 1;
         let r = unsafe { sys::cuMemHostAlloc(&mut p, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) };
         if r != sys::CUresult::CUDA_SUCCESS {
             // Nothing was unmapped yet: the pause is refused and nothing changed.
@@ -117,7 +118,7 @@ impl CudaVmm {
     /// Make the kept host buffer as large as what is mapped now (`VirtualMemory::
     /// vmm_prepare_backup`); returns its bytes. Refused while paused (the buffer may hold
     /// the contents).
-    pub fn prepare_backup(&mut self) -> Result<usize> {
+    pub fn prepare_backup(&mut self, calls: &mut DriverCalls) -> Result<usize> {
         if self.paused.is_some() {
             return Err(Error::InvalidArgument("prepare_backup: this memory is paused; resume it first".into()));
         }
@@ -125,7 +126,7 @@ impl CudaVmm {
         if total == 0 {
             return Ok(self.backup.as_ref().map_or(0, |b| b.len));
         }
-        self.host_buffer(total)?;
+        self.host_buffer(total, calls)?;
         Ok(self.backup.as_ref().map_or(0, |b| b.len))
     }
 
@@ -160,7 +161,7 @@ impl CudaVmm {
         // later copies do.
         let mut copied: Vec<(usize, sys::CUevent)> = Vec::new();
         if backup && total > 0 {
-            let host = self.host_buffer(total)?;
+            let host = self.host_buffer(total, calls)?;
             let stream = self.copy_stream()?;
             let queued = self.queue_copies(host, stream, after, &homes, &mut copied, calls);
             if let Err(e) = queued {
