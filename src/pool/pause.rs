@@ -32,15 +32,7 @@ impl Pool {
     /// granules back, then copy what is mapped to host memory where `backup` asks and
     /// release it. Returns the device bytes released, cached ones included.
     pub fn pause(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
-        self.running()?;
-        self.not_paused()?;
-        if !self.core.is_arena() {
-            return Err(Error::InvalidArgument(format!(
-                "pause `{name}`: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
-                self.core.device(),
-                self.core.strategy().name()
-            )));
-        }
+        self.ready_to_pause(&format!("pause `{name}`"))?;
         // Blocks sent to other processes end their exports as their memory is released
         // (the upstream clears them first): a descriptor sent before the pause is refused
         // after it. A receiver that still maps the memory would keep the old allocation
@@ -169,16 +161,22 @@ impl Pool {
     /// Make the host memory the next pause's backup copies into now, as large as this
     /// pool's memory (`VirtualMemory::vmm_prepare_backup`); returns its bytes.
     pub fn prepare_pause_backup(&mut self) -> Result<usize> {
+        self.ready_to_pause("prepare_backup")?;
+        self.core.upstream_mut().vmm_prepare_backup()
+    }
+
+    /// Refused (`what` names the call) where this pool stopped, is paused, or cannot pause.
+    fn ready_to_pause(&self, what: &str) -> Result<()> {
         self.running()?;
         self.not_paused()?;
         if !self.core.is_arena() {
             return Err(Error::InvalidArgument(format!(
-                "prepare_backup: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
+                "{what}: device {}'s pool is `{}`; pausing needs the `arena` strategy, which maps memory with the virtual memory API",
                 self.core.device(),
                 self.core.strategy().name()
             )));
         }
-        self.core.upstream_mut().vmm_prepare_backup()
+        Ok(())
     }
 
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
