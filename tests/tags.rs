@@ -498,7 +498,20 @@ fn a_pause_counts_every_open_import_and_refuses_on_no_device_when_one_is_open() 
     assert!(busy(-1).is_some(), "a pause of every device went through while a block of one is open");
     assert_eq!(paused_bytes(-1, c"counted"), 0, "a refused pause paused a device");
     close(there);
+    let sent = export(b);
+    let mut theirs = vec![0i32; 64];
+    let mut k = 0;
+    assert_eq!(unsafe { gpupool_ipc_descriptor_fds(sent.as_ptr().cast(), sent.len(), theirs.as_mut_ptr(), theirs.len(), &mut k) }, Status::Ok);
     assert!(pause(-1, c"counted", true).unwrap() > 0);
+    // What was sent before the pause names released memory: refused, descriptors passed
+    // in or not, and counted nowhere.
+    let mut q = null_mut();
+    let st = unsafe { gpupool_ipc_open(sent.as_ptr().cast(), sent.len(), r, theirs.as_ptr(), k, &mut q) };
+    assert_ne!(st, Status::Ok, "an import of paused memory was mapped");
+    assert!(last().contains("no longer exports"), "{}", last());
+    resume(-1, c"counted").unwrap();
+    // No count was left behind: the pause goes through (and is resumed).
+    assert!(busy(d).is_none(), "a refused import left a count behind");
     resume(-1, c"counted").unwrap();
     free(b, d);
     free(on_e, e);

@@ -125,9 +125,17 @@ impl Pool {
             // import is not counted (docs/tags.md).
             let mark = match mark {
                 Some(m) => Some(m),
-                None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d).and_then(|e| e.mark_open(d.record)) {
-                    Ok(m) => Some(m),
-                    Err(e) if e.to_string().contains(OpenMark::PAUSING) => return Err(e),
+                None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d) {
+                    // Counted, then checked: the export is still live (a pause in between
+                    // ended it, and the descriptors passed in name released memory).
+                    Ok(e) => match e.mark_open(d.record) {
+                        Ok(m) => {
+                            e.still_exports(d.record, &d.granules)?;
+                            Some(m)
+                        }
+                        Err(err) if err.to_string().contains(OpenMark::PAUSING) => return Err(err),
+                        Err(_) => None,
+                    },
                     Err(_) => None,
                 },
                 None => None,

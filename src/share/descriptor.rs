@@ -40,14 +40,22 @@ impl AnyDescriptor {
                 // No right to copy the exporter's descriptors (a container, Yama): its
                 // handover thread hands them over instead, checked against its record.
                 Err(Error::FetchRefused { detail, .. }) => {
-                    let (handed, opens) = super::handover::take_export(d, &detail)?;
+                    let (handed, opens, record) = super::handover::take_export(d, &detail)?;
                     let raw: Vec<c_int> = handed.iter().map(|f| f.as_raw_fd()).collect();
                     // Memory its exporter may pause: counted as open there, with the opens
-                    // file its handover thread sent, from before it is mapped until closed.
+                    // file its handover thread sent, from before it is mapped until closed;
+                    // the export must still be live once counted (a pause in between ended it).
                     let mark = match (d.flags & FLAG_UNKEPT != 0, opens) {
-                        (true, Some(opens)) => Some(OpenMark::new(opens.as_raw_fd(), d.record.slot, d.pid)?),
+                        (true, Some(opens)) => match OpenMark::new(opens.as_raw_fd(), d.record.slot, d.pid) {
+                            Ok(m) => Some(m),
+                            Err(e) if e.to_string().contains(OpenMark::PAUSING) => return Err(e),
+                            Err(_) => None,
+                        },
                         _ => None,
                     };
+                    if mark.is_some() {
+                        crate::upstream::shared::still_handed(d, &record)?;
+                    }
                     // The mapping keeps the memory: the copies close on return.
                     registry::with_pool(device, |pool| pool.ipc_import_marked(d, Some(&raw), mark))
                 }

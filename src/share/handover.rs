@@ -152,13 +152,17 @@ fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
 /// exporter's descriptor thread: each of the exporter's numbers once, in the order the
 /// descriptor first names it (`Descriptor::per_granule` takes that list), after `d` was
 /// checked against the exporter's record, which comes with them (`shared::check_handed`),
-/// and the exporter's opens file, where an import of the block is counted while open.
+/// the exporter's opens file, where an import of the block is counted while open, and the
+/// record (to check again once the import is counted).
 /// The exporter answers only while it records the export (its token live), and only to a
 /// peer of its own user: the route for an importer that may not copy them with
 /// `pidfd_getfd` (a container's seccomp profile, Yama), which needs no ptrace right.
 /// `refused` says why this process may not copy them itself, for the error where the
 /// thread does not hand them over either.
-pub fn take_export(d: &crate::upstream::shared::Descriptor, refused: &str) -> Result<(Vec<OwnedFd>, Option<OwnedFd>)> {
+pub fn take_export(
+    d: &crate::upstream::shared::Descriptor,
+    refused: &str,
+) -> Result<(Vec<OwnedFd>, Option<OwnedFd>, crate::upstream::shared::Fd)> {
     if d.handover == 0 {
         return Err(Error::InvalidArgument(format!(
             "{refused}; process {} exported the block without a handover socket (a fork() child, or its descriptor \
@@ -172,10 +176,10 @@ pub fn take_export(d: &crate::upstream::shared::Descriptor, refused: &str) -> Re
     let name = socket_name(d.pid, d.handover);
     match taker::take_from(&name, &export_key(d.record.slot, d.record.token)) {
         Ok((mut fds, _)) if fds.len() >= 2 => {
-            crate::upstream::shared::check_handed(d, fds.remove(0))?;
+            let record = crate::upstream::shared::check_handed(d, fds.remove(0))?;
             // The exporter's opens file comes last (`ExportRecord::handed`).
             let opens = fds.pop();
-            Ok((fds, opens))
+            Ok((fds, opens, record))
         }
         Ok(_) => Err(Error::InvalidArgument(format!("IPC import: process {} handed over no export record", d.pid))),
         Err(taker::Exchange::Unknown) => Err(Error::InvalidArgument(format!(

@@ -14,6 +14,15 @@
 //! - A pause sets "closing" on each of its exports' slots whose count is zero (or whose
 //!   lock no process holds any more), and refuses, undoing those it set, where a live count
 //!   remains; the slot's export ends with the pause's release, which clears the bit.
+//! - An importer checks, once counted, that the export is still live: a pause that ran
+//!   between its check of the descriptor and its count ended the export (and moved the slot
+//!   to a new generation), and the import is refused.
+//!
+//! Limitations: a `fork()` child of a receiver shares the description its locks are held
+//! through, so a receiver that dies while such a child lives still counts until the child
+//! exits. A pause over every device marks all devices' exports closing before any pauses,
+//! but locks one device at a time: a block exported and opened meanwhile can still refuse a
+//! later device's pause after earlier ones paused (the Python wrapper resumes those).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -56,14 +65,17 @@ impl<'a> Slot<'a> {
     /// Importer: one more open import; returns the generation it counts in, or `None`
     /// while the exporter is pausing the memory.
     pub fn open(&self) -> Option<u32> {
-        self.pid.store(std::process::id() as u64, Ordering::Release);
         let mut s = self.state.load(Ordering::Acquire);
         loop {
             if s & CLOSING != 0 {
                 return None;
             }
             match self.state.compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some((s >> 32) as u32),
+                Ok(_) => {
+                    // Named after it counts: a refused opener never names itself.
+                    self.pid.store(std::process::id() as u64, Ordering::Release);
+                    return Some((s >> 32) as u32);
+                }
                 Err(now) => s = now,
             }
         }

@@ -443,11 +443,17 @@ pub fn still_the_exporter(d: &Descriptor) -> Result<()> {
 /// (its start time), `record` is that exporter's export record, and the record still holds
 /// the descriptor's token beside the digest of its granule list (an altered descriptor is
 /// refused).
-pub fn check_handed(d: &Descriptor, record: std::os::fd::OwnedFd) -> Result<()> {
+pub fn check_handed(d: &Descriptor, record: std::os::fd::OwnedFd) -> Result<Fd> {
     use std::os::fd::IntoRawFd;
     still_the_exporter(d)?;
     let record = Fd(record.into_raw_fd());
     ExportRecord::check(&record, d.pid, d.start_time)?;
+    still_handed(d, &record)?;
+    Ok(record)
+}
+
+/// The exporter's record `record` (checked by `check_handed`) still holds export `d`.
+pub fn still_handed(d: &Descriptor, record: &Fd) -> Result<()> {
     let pid = d.pid;
     match ExportRecord::entry_at(&record, d.record.slot) {
         Some((token, _)) if token != d.record.token || token == 0 => Err(Error::InvalidArgument(format!(

@@ -39,7 +39,7 @@ impl HostVmm {
             // The kept buffer where it is large enough (as the GPU's page-locked one).
             let kept = self.kept_backup.take().filter(|b| b.capacity() >= homes.len() * g);
             let mut b = kept.unwrap_or_else(|| {
-                self.backup_allocs += 1;
+                self.backup_allocs += u64::from(!homes.is_empty());
                 Vec::new()
             });
             b.clear();
