@@ -64,6 +64,14 @@ fn pause(d: i32, tag: &CStr, backup: bool) -> Result<usize, String> {
     }
 }
 
+/// The refusal of a pause (with a backup) while a receiver maps the tag's memory, or
+/// `None` where the pause was not refused as busy.
+fn busy_refusal(d: i32, tag: &CStr) -> Option<String> {
+    let mut n = 0;
+    let st = unsafe { gpupool_tag_pause(d, tag.as_ptr(), null_mut(), 1, &mut n) };
+    (st == Status::Busy).then(last)
+}
+
 fn resume(d: i32, tag: &CStr) -> Result<usize, String> {
     let mut n = 0;
     match unsafe { gpupool_tag_resume(d, tag.as_ptr(), &mut n) } {
@@ -315,10 +323,7 @@ fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_int
         if cycle == 0 {
             // While the receiver maps it, the pause refuses, naming the block and the
             // receiving process, and changes nothing.
-            let mut n = 0;
-            let st = unsafe { gpupool_tag_pause(d, c"weights".as_ptr(), null_mut(), 1, &mut n) };
-            assert_eq!(st, Status::Busy, "a pause while the receiver maps the block: {}", last());
-            let why = last();
+            let why = busy_refusal(d, c"weights").unwrap_or_else(|| panic!("a pause while the receiver maps the block: {}", last()));
             assert!(why.contains(&format!("{w:#x}")) && why.contains(&format!("process {}", std::process::id())), "{why}");
             assert!(why.contains("let go"), "{why}");
             assert_eq!(paused_bytes(d, c"weights"), 0);
@@ -458,11 +463,7 @@ fn a_pause_counts_every_open_import_and_refuses_on_no_device_when_one_is_open() 
         p
     };
     let close = |p: *mut c_void| assert_eq!(gpupool_ipc_close(p, r), Status::Ok, "{}", last());
-    let busy = |dev: i32| {
-        let mut n = 0;
-        let st = unsafe { gpupool_tag_pause(dev, c"counted".as_ptr(), null_mut(), 1, &mut n) };
-        (st == Status::Busy).then(last)
-    };
+    let busy = |dev: i32| busy_refusal(dev, c"counted");
     begin(c"counted");
     let a = malloc(3 * MIB, d).unwrap();
     let on_e = malloc(3 * MIB, e).unwrap();
@@ -567,10 +568,8 @@ fn a_receiver_that_exited_without_closing_counts_no_more() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     let _ = std::fs::remove_file(&opened);
-    let mut n = 0;
-    let st = unsafe { gpupool_tag_pause(d, c"left-open".as_ptr(), null_mut(), 1, &mut n) };
-    assert_eq!(st, Status::Busy, "the receiver maps the block: {}", last());
-    assert!(last().contains(&format!("process {pid}")), "{}", last());
+    let why = busy_refusal(d, c"left-open").unwrap_or_else(|| panic!("the receiver maps the block: {}", last()));
+    assert!(why.contains(&format!("process {pid}")), "{why}");
     drop(child.stdin.take()); // the receiver exits, its import still open
     assert!(child.wait().unwrap().success());
     assert!(pause(d, c"left-open", true).unwrap() > 0, "an exited receiver still counts");
