@@ -310,6 +310,17 @@ enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
 // `name` must be NULL (rejected) or a NUL-terminated string.
 enum gpupool_status gpupool_tag_begin(const char *name);
 
+// Choose what tag `name`'s memory is made of (Note [A tag's memory]): `"pausable"` (the
+// default: virtual memory that `gpupool_tag_pause` gives back at kept addresses, sent as
+// PyTorch's expandable segments) or `"cuda-ipc"` (`cuMemAlloc` segments, sent as CUDA IPC
+// handles that any receiver opens in any container, even without ptrace rights; a pause of
+// the tag is refused). Call it before the tag's first allocation: `GPUPOOL_STATUS_BUSY`,
+// with nothing changed, while the tag holds memory on a device.
+//
+// # Safety
+// `name` and `memory` must be NULL (rejected) or NUL-terminated strings.
+enum gpupool_status gpupool_tag_place(const char *name, const char *memory);
+
 // End this thread's innermost `gpupool_tag_begin`.
 enum gpupool_status gpupool_tag_end(void);
 

@@ -10,6 +10,7 @@
 
 use crate::error::{Error, Result};
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
 /// Tags a process may name.
@@ -50,7 +51,80 @@ pub const MAX_NAME: usize = 64;
 /// The granule of a tag's pool (Note [A tag's granule]).
 pub const TAG_GRANULE: usize = 32 << 20;
 
+/// What memory a tag's pool is made of (`gpupool_tag_place`, Note [A tag's memory]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum TagMemory {
+    /// Virtual memory mapped by an arena (the default): a pause gives it back and keeps its
+    /// addresses; it is sent as PyTorch's expandable segments.
+    Pausable = 0,
+    /// `cuMemAlloc` segments under the `split` strategy: sent as CUDA's IPC handles, which
+    /// any receiver opens, in any container; it cannot be paused.
+    CudaIpc = 1,
+}
+
+impl TagMemory {
+    pub const ACCEPTED: &'static str = "pausable | cuda-ipc";
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pausable" => Some(TagMemory::Pausable),
+            "cuda-ipc" => Some(TagMemory::CudaIpc),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TagMemory::Pausable => "pausable",
+            TagMemory::CudaIpc => "cuda-ipc",
+        }
+    }
+}
+
+// Note [A tag's memory]
+//
+// Rationale. An RL trainer sends its weights to rollout engines. An engine on PyTorch's
+// own allocator opens a tag's virtual memory (PyTorch's expandable-segment form) only by
+// copying the sender's descriptors with `pidfd_getfd`, which a container without
+// CAP_SYS_PTRACE refuses, as it does for PyTorch's own expandable segments. CUDA's IPC
+// handles of `cuMemAlloc` memory need no such right, but memory from `cuMemAlloc` cannot
+// be given back at a kept address, so it cannot be paused.
+//
+// Approach. The caller chooses per tag, before the tag's first allocation on a device:
+// pausable (the arena over virtual memory, the default) or cuda-ipc (the `split` strategy
+// over `cuMemAlloc`, whose blocks the allocator class sends as CUDA IPC handles). A
+// trainer keeps its weights in a pausable tag and copies what it sends into a cuda-ipc
+// tag (a bucket), which it frees, rather than pauses, before it sleeps.
+//
+// Implementation. The choice is a byte per tag here; the registry reads it when it makes
+// the tag's pool on a device (`registry::create`) and refuses a change while a pool of the
+// tag holds memory (`registry::place_tag`). A pause of a cuda-ipc tag is refused naming
+// the choice.
+//
+// Limitations. A device whose upstream is the host (tests, the demo) makes a cuda-ipc
+// tag's pool a `split` pool over host memory: the same books, no CUDA handles.
+
 static NAMES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Each tag's `TagMemory`, by index.
+static MEMORY: [AtomicU8; MAX_TAGS] = [const { AtomicU8::new(TagMemory::Pausable as u8) }; MAX_TAGS];
+
+/// What tag `index`'s memory is made of.
+pub fn memory(index: usize) -> TagMemory {
+    match MEMORY.get(index).map(|m| m.load(Ordering::Acquire)) {
+        Some(1) => TagMemory::CudaIpc,
+        _ => TagMemory::Pausable,
+    }
+}
+
+/// Tag `index`'s memory is made of `kind` from its next pool on (`registry::place_tag`
+/// checks that none holds memory).
+pub fn set_memory(index: usize, kind: TagMemory) {
+    if let Some(m) = MEMORY.get(index) {
+        m.store(kind as u8, Ordering::Release);
+    }
+}
 
 thread_local! {
     /// This thread's tag: its index + 1, or 0 for none (one load on the allocation path).

@@ -576,3 +576,57 @@ fn a_receiver_that_exited_without_closing_counts_no_more() {
     resume(d, c"left-open").unwrap();
     free(w, d);
 }
+
+/// Note [A tag's memory]: a tag placed as cuda-ipc is a `split` pool of segments, sent in
+/// PyTorch's CUDA-IPC form; its pause is refused naming the choice; the choice is refused
+/// while the tag holds memory and taken once it holds none.
+#[test]
+fn a_tag_placed_as_cuda_ipc_is_segments_that_send_as_cuda_ipc_handles_and_never_pause() {
+    use gpupool::ffi::ipc::gpupool_ipc_export_torch;
+    use gpupool::ffi::tags::gpupool_tag_place;
+    let d = 26;
+    host(d);
+    let place = |memory: &CStr| match unsafe { gpupool_tag_place(c"bucket".as_ptr(), memory.as_ptr()) } {
+        Status::Ok => Ok(()),
+        st => Err((st, last())),
+    };
+    let e = place(c"cudaipc").unwrap_err();
+    assert_eq!(e.0, Status::InvalidArgument);
+    assert!(e.1.contains("pausable | cuda-ipc"), "{}", e.1);
+    assert_eq!(unsafe { gpupool_tag_place(c"bucket".as_ptr(), std::ptr::null()) }, Status::NullArgument);
+    place(c"cuda-ipc").unwrap();
+
+    begin(c"bucket");
+    let p = malloc(3 * MIB, d).unwrap();
+    end();
+    let j = common::device_json(d);
+    let at = j.find("\"bucket\":").expect("the tag's report");
+    assert!(j[at..].starts_with("\"bucket\":{\"memory\":\"cuda-ipc\""), "{j}");
+    assert!(j.contains("\"strategy\":\"split\""), "the tag's pool is segments: {j}");
+    // Host memory has no CUDA IPC handle: the export takes that route and says so (on a
+    // GPU it is PyTorch's `c` form, tests/python/test_share_receivers.py).
+    let mut buf = vec![0u8; 4096];
+    let (mut len, mut offset) = (0, 0);
+    let st = unsafe { gpupool_ipc_export_torch(p as *mut c_void, buf.as_mut_ptr().cast(), buf.len(), &mut len, &mut offset) };
+    assert_eq!(st, Status::InvalidArgument);
+    assert!(last().contains("CUDA's IPC handles"), "{}", last());
+
+    let e = pause(d, c"bucket", true).unwrap_err();
+    assert!(e.contains("cuda-ipc") && e.contains("free"), "{e}");
+    let e = place(c"pausable").unwrap_err();
+    assert_eq!(e.0, Status::Busy);
+    assert!(e.1.contains("device 26") && e.1.contains("1 live"), "{}", e.1);
+    assert!(common::device_json(d).contains("\"memory\":\"cuda-ipc\""), "the refusal changed nothing");
+
+    free(p, d);
+    place(c"pausable").unwrap();
+    begin(c"bucket");
+    let q = malloc(3 * MIB, d).unwrap();
+    end();
+    assert!(common::device_json(d).contains("\"bucket\":{\"memory\":\"pausable\""));
+    fill(q, 3 * MIB, 5);
+    pause(d, c"bucket", true).unwrap();
+    resume(d, c"bucket").unwrap();
+    assert!(holds(q, 3 * MIB, 5));
+    free(q, d);
+}

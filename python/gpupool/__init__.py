@@ -87,6 +87,7 @@ def lib():
             ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
             ("gpupool_tag_begin", c_int, [cp]),
             ("gpupool_tag_end", c_int, []),
+            ("gpupool_tag_place", c_int, [cp, cp]),
             ("gpupool_tag_pause", c_int, [c_int, cp, vp, c_int, ctypes.POINTER(c_size)]),
             ("gpupool_tag_resume", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_tag_paused_bytes", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
@@ -307,6 +308,18 @@ def tag(name):
         yield
     finally:
         _check(lib().gpupool_tag_end())
+
+
+def place_tag(name, memory):
+    """Choose what tag `name`'s memory is made of, before its first allocation (docs/tags.md,
+    "A tag's memory"): "pausable" (the default: `pause` gives it back at kept addresses; sent
+    as PyTorch's expandable segments) or "cuda-ipc" (`cudaMalloc` segments, sent as CUDA IPC
+    handles that any receiver opens in any container; `pause` refuses it). Raises, changing
+    nothing, while the tag holds memory."""
+    if not isinstance(name, str) or not isinstance(memory, str):
+        raise TypeError(f"gpupool.place_tag: a tag name and a memory kind are str, not {type(name).__name__} "
+                        f"and {type(memory).__name__}")
+    _check(lib().gpupool_tag_place(name.encode(), memory.encode()))
 
 
 def _names(tags, what, device):

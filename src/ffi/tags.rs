@@ -31,6 +31,30 @@ pub unsafe extern "C" fn gpupool_tag_begin(name: *const c_char) -> Status {
     call(|| crate::tags::begin(tag_name(name)?))
 }
 
+/// Choose what tag `name`'s memory is made of (Note [A tag's memory]): `"pausable"` (the
+/// default: virtual memory that `gpupool_tag_pause` gives back at kept addresses, sent as
+/// PyTorch's expandable segments) or `"cuda-ipc"` (`cuMemAlloc` segments, sent as CUDA IPC
+/// handles that any receiver opens in any container, even without ptrace rights; a pause of
+/// the tag is refused). Call it before the tag's first allocation: `GPUPOOL_STATUS_BUSY`,
+/// with nothing changed, while the tag holds memory on a device.
+///
+/// # Safety
+/// `name` and `memory` must be NULL (rejected) or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_place(name: *const c_char, memory: *const c_char) -> Status {
+    call(|| {
+        let name = tag_name(name)?;
+        let memory = opt_str(memory, "memory")?.ok_or(Error::NullArgument("memory"))?;
+        let kind = crate::tags::TagMemory::parse(memory).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "tag {name:?}: memory {memory:?} is not one gpupool makes; accepted: {}",
+                crate::tags::TagMemory::ACCEPTED
+            ))
+        })?;
+        registry::place_tag(name, kind)
+    })
+}
+
 /// End this thread's innermost `gpupool_tag_begin`.
 #[no_mangle]
 pub extern "C" fn gpupool_tag_end() -> Status {

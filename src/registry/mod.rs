@@ -44,7 +44,7 @@ mod streams;
 mod tags;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
-pub use tags::{pause_tag, resume_tag, tag_backup_drop, tag_backup_prepare, tag_paused_bytes, tag_shard};
+pub use tags::{pause_tag, place_tag, resume_tag, tag_backup_drop, tag_backup_prepare, tag_paused_bytes, tag_shard};
 pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
@@ -214,12 +214,20 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
 /// Make shard `shard` of `device`'s pool (shard 0 first: it fixes the device's shard count).
 fn create(device: i32, shard: usize, s: &DevicePools) -> Result<Pool> {
     let cfg = config()?;
-    let c = lock(&s.choice).unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let mut c = lock(&s.choice).unwrap_or(Choice { pool: cfg.pool, upstream: cfg.upstream });
+    let tag_memory = shard.checked_sub(SHARDS).map(crate::tags::memory);
+    if tag_memory == Some(crate::tags::TagMemory::CudaIpc) {
+        // Note [A tag's memory]: `cuMemAlloc` segments (host memory on a host device).
+        c.pool = PoolKind::Split;
+        if c.upstream != UpstreamKind::Host {
+            c.upstream = UpstreamKind::Device;
+        }
+    }
     let mut opts = options(cfg, c.pool)?; // configuration errors (a bad trace path) come first
     let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
     opts.budget = Some(lock(&s.budget).get_or_insert_with(Default::default).clone());
     opts.shard = shard as u16;
-    if shard >= SHARDS {
+    if tag_memory == Some(crate::tags::TagMemory::Pausable) {
         // A tag's memory is allocations of one size, TAG_GRANULE each (Note [A tag's
         // granule]).
         opts.arena_chunk = 0;

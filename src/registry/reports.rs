@@ -194,8 +194,12 @@ pub fn stats_json(device: i32) -> Result<String> {
         .filter_map(|p| {
             let name = p.tag.as_ref()?.replace('\\', "\\\\").replace('"', "\\\"");
             Some(format!(
-                "\"{name}\":{{\"used_bytes\":{},\"total_bytes\":{},\"paused_bytes\":{},\"n_live_blocks\":{}}}",
-                p.stats.used_bytes, p.stats.total_bytes, p.paused, p.stats.n_live_blocks
+                "\"{name}\":{{\"memory\":\"{}\",\"used_bytes\":{},\"total_bytes\":{},\"paused_bytes\":{},\"n_live_blocks\":{}}}",
+                crate::tags::memory(p.shard as usize - super::SHARDS).name(),
+                p.stats.used_bytes,
+                p.stats.total_bytes,
+                p.paused,
+                p.stats.n_live_blocks
             ))
         })
         .collect();

@@ -5,6 +5,7 @@
 use super::{device_pools, existing_devices, lock_pool, Result, SHARDS};
 use crate::error::Error;
 use crate::pool::Pool;
+use crate::tags::TagMemory;
 
 /// The index of tag `tag`'s pool among a device's pools.
 pub fn tag_shard(tag: usize) -> usize {
@@ -36,10 +37,55 @@ fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result
     Ok(total)
 }
 
+/// Make tag `name`'s memory of `kind` (Note [A tag's memory]), naming the tag now if it is
+/// new. Refused, with nothing changed, while a pool of the tag holds memory on any device
+/// (live, paused or cached by threads); pools of the tag that hold none are dropped, so
+/// that its next allocation on each device makes a pool of `kind`.
+pub fn place_tag(name: &str, kind: TagMemory) -> Result<()> {
+    let tag = crate::tags::index_of(name)?;
+    if crate::tags::memory(tag) == kind {
+        return Ok(());
+    }
+    let devices = existing_devices();
+    for &d in &devices {
+        let s = device_pools(d)?;
+        if let Some(p) = lock_pool(&s.shards[tag_shard(tag)]).as_mut() {
+            p.flush_thread_caches(None);
+            let live = p.live_count();
+            if live > 0 || p.is_paused() {
+                return Err(Error::Busy(format!(
+                    "place tag {name:?} as {}: its memory on device {d} is {} already ({live} live allocation(s)); a tag's                      memory is chosen before its first allocation: free what is under it{} first",
+                    kind.name(),
+                    crate::tags::memory(tag).name(),
+                    if p.is_paused() { " and resume it" } else { "" }
+                )));
+            }
+        }
+    }
+    crate::tags::set_memory(tag, kind);
+    for d in devices {
+        let s = device_pools(d)?;
+        let mut g = lock_pool(&s.shards[tag_shard(tag)]);
+        if g.as_ref().is_some_and(|p| p.live_count() == 0) {
+            // Dropping the idle pool gives its cached memory back.
+            *g = None;
+        }
+    }
+    Ok(())
+}
+
 /// Pause tag `name` on `device` (< 0: every device): `Pool::pause`. Returns the bytes
 /// given back to the driver. A device where the tag is paused already counts as done, so
 /// a pause over several devices that failed on one can be asked again.
 pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result<usize> {
+    if crate::tags::lookup(name).is_some_and(|t| crate::tags::memory(t) == TagMemory::CudaIpc) {
+        return Err(Error::InvalidArgument(format!(
+            "pause `{name}`: the tag's memory is placed as cuda-ipc (gpupool.place_tag / gpupool_tag_place), \
+             `cuMemAlloc` segments that any receiver opens but that cannot be given back at a kept address; free \
+             what is under it to give its memory back (gpupool.empty_cache), or keep what must sleep under a \
+             pausable tag"
+        )));
+    }
     if device < 0 {
         // Over every device, a receiver still mapping the tag's memory on any refuses the
         // pause before any device pauses: each device's exports are marked closing first,

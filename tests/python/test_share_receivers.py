@@ -15,7 +15,7 @@ from conftest import ok, run_script
 HERE = pathlib.Path(__file__).parent
 
 SENDER = r'''
-import os, sys, time
+import contextlib, os, sys, time
 import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.reductions import reduce_tensor
@@ -52,7 +52,7 @@ def kind(t):
 if __name__ == "__main__":
     route, receiver = sys.argv[1], sys.argv[2]
     sender = sys.argv[3] if len(sys.argv) > 3 else "gpupool"
-    if sender == "gpupool":
+    if sender.startswith("gpupool"):
         import gpupool
         gpupool.torch.install(compiled=True)
         assert gpupool.torch.route() == "allocator", gpupool.torch.route()
@@ -61,10 +61,17 @@ if __name__ == "__main__":
     p = ctx.Process(target=receive, args=(inq, outq, route, receiver == "gpupool"))
     p.start()
     torch.manual_seed(0)
-    # 4 KB to 200 MB of float32, and a view that starts 16 KB into its storage.
-    ts = [(torch.arange(n, device="cuda", dtype=torch.float32) % 97) for n in (1000, 300_000, 5_000_000, 50_000_000)]
-    base = torch.randint(0, 50, (1 << 20,), device="cuda").float()
-    ts.append(base[4096:])
+    # gpupool-cuda-ipc: what is sent lies under a tag placed as cuda-ipc (docs/tags.md).
+    if sender == "gpupool-cuda-ipc":
+        gpupool.place_tag("bucket", "cuda-ipc")
+    where = gpupool.tag("bucket") if sender == "gpupool-cuda-ipc" else contextlib.nullcontext()
+    with where:
+        # 4 KB to 200 MB of float32, and a view that starts 16 KB into its storage.
+        ts = [(torch.arange(n, device="cuda", dtype=torch.float32) % 97) for n in (1000, 300_000, 5_000_000, 50_000_000)]
+        base = torch.randint(0, 50, (1 << 20,), device="cuda").float()
+        ts.append(base[4096:])
+    if sender == "gpupool-cuda-ipc":
+        assert gpupool.stats_json(0)["tags"]["bucket"]["memory"] == "cuda-ipc"
     print("formats", [kind(t) for t in ts], flush=True)
     for rnd in range(3):
         before = [t.clone() for t in ts]
@@ -87,13 +94,13 @@ if __name__ == "__main__":
 '''
 
 
-def _run(tmp_path, route, receiver, pool, confined):
+def _run(tmp_path, route, receiver, pool, confined, sender="gpupool"):
     script = tmp_path / "sender.py"
     script.write_text(SENDER)
-    args = [str(script), route, receiver]
+    args = [str(script), route, receiver, sender]
     if confined:
         return run_script(HERE / "no_ptrace.py", [sys.executable, *args], env={"GPUPOOL_POOL": pool}, timeout=600)
-    return run_script(script, [route, receiver], env={"GPUPOOL_POOL": pool}, timeout=600)
+    return run_script(script, args[1:], env={"GPUPOOL_POOL": pool}, timeout=600)
 
 
 @pytest.mark.parametrize("expandable", [False, True])
@@ -122,6 +129,14 @@ def test_gpupool_to_gpupool_works_where_pidfd_getfd_and_kcmp_are_refused(torch_g
 def test_a_stock_receiver_in_a_container_opens_cuda_ipc_handles(torch_gpu, library, tmp_path):
     out = ok(_run(tmp_path, "reduce", "stock", "split", confined=True))
     assert "received reduce stock split" in out, out
+
+
+@pytest.mark.parametrize("route", ["queue", "reduce"])
+def test_a_stock_receiver_in_a_container_opens_a_tag_placed_as_cuda_ipc(torch_gpu, library, tmp_path, route):
+    # The arena stays the device's pool; only the tag's memory is cudaMalloc segments.
+    out = ok(_run(tmp_path, route, "stock", "arena", confined=True, sender="gpupool-cuda-ipc"))
+    assert f"received {route} stock arena from gpupool-cuda-ipc" in out, out
+    assert "formats ['c', 'c', 'c', 'c', 'c']" in out, out
 
 
 def test_a_stock_receiver_in_a_container_fails_on_arena_memory_as_on_expandable_segments(torch_gpu, library, tmp_path):

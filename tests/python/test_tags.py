@@ -76,6 +76,37 @@ def test_a_bad_name_among_several_pauses_nothing_and_says_which_on_host(library)
     assert "all or nothing" in out
 
 
+def test_a_tag_placed_as_cuda_ipc_refuses_a_pause_and_a_new_place_while_it_holds_memory_on_host(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        for args, error in (((5, "cuda-ipc"), TypeError), (("bucket", "cuda"), gpupool.GpupoolError)):
+            try:
+                gpupool.place_tag(*args)
+                raise SystemExit(f"placed {args!r}")
+            except error as e:
+                assert "place_tag" in str(e) or "pausable | cuda-ipc" in str(e), e
+        gpupool.place_tag("bucket", "cuda-ipc")
+        p = ctypes.c_void_p()
+        with gpupool.tag("bucket"):
+            assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        assert gpupool.stats_json(0)["tags"]["bucket"]["memory"] == "cuda-ipc"
+        for call, says in ((lambda: gpupool.pause("bucket"), "cuda-ipc"), (lambda: gpupool.place_tag("bucket", "pausable"), "1 live")):
+            try:
+                call()
+                raise SystemExit("a cuda-ipc tag holding memory paused or changed")
+            except gpupool.GpupoolError as e:
+                assert says in str(e), e
+        assert gpupool.lib().gpupool_free(p, 0, None) == 0
+        gpupool.place_tag("bucket", "pausable")
+        with gpupool.tag("bucket"):
+            assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 3 << 20, 0, None) == 0
+        assert gpupool.pause("bucket") > 0 and gpupool.resume("bucket") > 0
+        print("placed")
+    """))
+    assert "placed" in out
+
+
 def test_pause_returns_the_memory_and_resume_restores_tensors_bit_exact(torch_gpu, library):
     out = ok(run_py(TORCH + textwrap.dedent("""
         torch.manual_seed(0)
