@@ -321,6 +321,15 @@ enum gpupool_status gpupool_tag_begin(const char *name);
 // `name` and `memory` must be NULL (rejected) or NUL-terminated strings.
 enum gpupool_status gpupool_tag_place(const char *name, const char *memory);
 
+// Writes every tag this process named, one a line (`name` TAB `memory` NEWLINE, memory
+// `pausable` or `cuda-ipc`), into `buf` as `snprintf` does (at most `len - 1` bytes and a
+// NUL; NULL or 0 writes nothing) and returns the length of the whole list: a pause of
+// everything pauses each pausable tag in it (Python's `gpupool.pause()` does).
+//
+// # Safety
+// `buf` must be NULL or point to `len` writable bytes.
+size_t gpupool_tag_names(char *buf, size_t len);
+
 // End this thread's innermost `gpupool_tag_begin`.
 enum gpupool_status gpupool_tag_end(void);
 

@@ -168,6 +168,11 @@ pub fn lookup(name: &str) -> Option<usize> {
     names().iter().position(|t| t == name)
 }
 
+/// Every tag this process named, in the order named, with what its memory is made of.
+pub fn all() -> Vec<(String, TagMemory)> {
+    names().iter().enumerate().map(|(i, n)| (n.clone(), memory(i))).collect()
+}
+
 /// The name of tag `index`.
 pub fn name(index: usize) -> Option<String> {
     names().get(index).cloned()

@@ -595,6 +595,11 @@ fn a_tag_placed_as_cuda_ipc_is_segments_that_send_as_cuda_ipc_handles_and_never_
     assert!(e.1.contains("pausable | cuda-ipc"), "{}", e.1);
     assert_eq!(unsafe { gpupool_tag_place(c"bucket".as_ptr(), std::ptr::null()) }, Status::NullArgument);
     place(c"cuda-ipc").unwrap();
+    let n = unsafe { gpupool::ffi::tags::gpupool_tag_names(null_mut(), 0) };
+    let mut names = vec![0 as std::ffi::c_char; n + 1];
+    assert_eq!(unsafe { gpupool::ffi::tags::gpupool_tag_names(names.as_mut_ptr(), names.len()) }, n);
+    let names = unsafe { CStr::from_ptr(names.as_ptr()) }.to_str().unwrap().to_owned();
+    assert!(names.lines().any(|l| l == "bucket\tcuda-ipc"), "{names}");
 
     begin(c"bucket");
     let p = malloc(3 * MIB, d).unwrap();

@@ -88,6 +88,7 @@ def lib():
             ("gpupool_tag_begin", c_int, [cp]),
             ("gpupool_tag_end", c_int, []),
             ("gpupool_tag_place", c_int, [cp, cp]),
+            ("gpupool_tag_names", c_size, [ctypes.c_char_p, c_size]),
             ("gpupool_tag_pause", c_int, [c_int, cp, vp, c_int, ctypes.POINTER(c_size)]),
             ("gpupool_tag_resume", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
             ("gpupool_tag_paused_bytes", c_int, [c_int, cp, ctypes.POINTER(c_size)]),
@@ -322,6 +323,16 @@ def place_tag(name, memory):
     _check(lib().gpupool_tag_place(name.encode(), memory.encode()))
 
 
+def named_tags():
+    """Every tag this process named, in the order named: {name: memory} ("pausable" or
+    "cuda-ipc", `place_tag`)."""
+    n = lib().gpupool_tag_names(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    lib().gpupool_tag_names(buf, n + 1)
+    lines = buf.value.decode().splitlines()
+    return dict(line.split("\t", 1) for line in lines)
+
+
 def _names(tags, what, device):
     """The tag names `tags` gives (a name or several), each one this process named: checked
     before any is acted on, so a bad name changes nothing. Returns them with the bytes each
@@ -355,8 +366,9 @@ def _stream_handle(stream):
     return int(stream)
 
 
-def pause(tags, backup=True, device=-1, stream=None):
-    """Give the device memory of `tags` (a name or several) back to the driver, keeping every
+def pause(tags=None, backup=True, device=-1, stream=None):
+    """Give the device memory of `tags` (a name or several; None: every pausable tag this
+    process named, then every pool's cached free memory) back to the driver, keeping every
     address: work queued on `stream` (default: PyTorch's current stream) finishes first
     (stream-ordered, no device-wide synchronize); contents are copied to page-locked host
     memory where `backup` says (True, False, or a dict of tag -> bool: weights kept, KV
@@ -364,6 +376,9 @@ def pause(tags, backup=True, device=-1, stream=None):
     a paused tag or sharing its blocks raises, and frees of its blocks wait for the resume.
     All or nothing: every name is checked before any tag pauses, and a pause that fails
     midway resumes the tags this call paused (the error says which)."""
+    everything = tags is None
+    if everything:
+        tags = [name for name, memory in named_tags().items() if memory == "pausable"]
     # A stream belongs to one device: with every device asked and no stream named, the
     # current device waits for PyTorch's current stream and the others (a paused device
     # counts as done) for their legacy streams; no other device's context is touched.
@@ -389,6 +404,8 @@ def pause(tags, backup=True, device=-1, stream=None):
                                f"{'resumed ' + ', '.join(map(repr, undone)) if undone else 'nothing else was paused'})") from None
         if before == 0:
             done.append(name)
+    if everything:
+        total += reclaim(device)
     return total
 
 
@@ -403,11 +420,13 @@ def _resume_quietly(name, device):
         return False
 
 
-def resume(tags, device=-1):
-    """Map device memory for paused `tags` again at the same addresses and restore their
-    backups; tensors, CUDA graphs captured before the pause and other holders of those
-    addresses go on. Out of memory leaves a tag paused (free memory, then resume again).
-    Returns the bytes mapped."""
+def resume(tags=None, device=-1):
+    """Map device memory for paused `tags` (a name or several; None: every paused tag) again
+    at the same addresses and restore their backups; tensors, CUDA graphs captured before
+    the pause and other holders of those addresses go on. Out of memory leaves a tag paused
+    (free memory, then resume again). Returns the bytes mapped."""
+    if tags is None:
+        tags = [name for name, memory in named_tags().items() if memory == "pausable"]
     total = 0
     for name, _ in _names(tags, "resume", device):
         n = ctypes.c_size_t(0)

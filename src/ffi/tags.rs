@@ -1,7 +1,7 @@
 //! Tags and pausing (`docs/tags.md`): allocate under a tag, give a tag's device memory
 //! back while its addresses stay reserved, and get it back at the same addresses.
 
-use super::boundary::{call, opt_str};
+use super::boundary::{call, call_value, opt_str, write_str};
 use crate::error::{Error, Status};
 use crate::registry;
 use std::ffi::{c_char, c_int, c_void};
@@ -52,6 +52,21 @@ pub unsafe extern "C" fn gpupool_tag_place(name: *const c_char, memory: *const c
             ))
         })?;
         registry::place_tag(name, kind)
+    })
+}
+
+/// Writes every tag this process named, one a line (`name` TAB `memory` NEWLINE, memory
+/// `pausable` or `cuda-ipc`), into `buf` as `snprintf` does (at most `len - 1` bytes and a
+/// NUL; NULL or 0 writes nothing) and returns the length of the whole list: a pause of
+/// everything pauses each pausable tag in it (Python's `gpupool.pause()` does).
+///
+/// # Safety
+/// `buf` must be NULL or point to `len` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_tag_names(buf: *mut c_char, len: usize) -> usize {
+    call_value(0, || {
+        let list: String = crate::tags::all().into_iter().map(|(n, m)| format!("{n}\t{}\n", m.name())).collect();
+        write_str(&list, buf, len)
     })
 }
 

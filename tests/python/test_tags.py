@@ -64,7 +64,7 @@ def test_a_bad_name_among_several_pauses_nothing_and_says_which_on_host(library)
         except gpupool.GpupoolError as e:
             assert '"nosuch"' in str(e) and "never named" in str(e), e
         assert gpupool.paused_bytes("w") == 0, "a refused call paused nothing"
-        for bad, says in ((None, "not NoneType"), (["w", 5], "is a str, not int")):
+        for bad, says in ((7, "not int"), (["w", 5], "is a str, not int")):
             try:
                 gpupool.pause(bad)
                 raise SystemExit(f"paused {bad!r}")
@@ -105,6 +105,41 @@ def test_a_tag_placed_as_cuda_ipc_refuses_a_pause_and_a_new_place_while_it_holds
         print("placed")
     """))
     assert "placed" in out
+
+
+def test_a_pause_naming_no_tags_pauses_every_pausable_tag_and_gives_the_cache_back_on_host(library):
+    out = ok(run_py("""
+        import ctypes, gpupool
+        gpupool.configure(0, pool="arena", upstream="host")
+        L = gpupool.lib()
+        def malloc(n):
+            p = ctypes.c_void_p()
+            assert L.gpupool_malloc(ctypes.byref(p), n, 0, None) == 0, gpupool._last_error()
+            return p.value
+        gpupool.place_tag("sent", "cuda-ipc")
+        with gpupool.tag("weights"):
+            w = malloc(6 << 20)
+        with gpupool.tag("kv"):
+            kv = malloc(4 << 20)
+        with gpupool.tag("sent"):
+            sent = malloc(1 << 20)
+        assert gpupool.named_tags() == {"weights": "pausable", "kv": "pausable", "sent": "cuda-ipc"}, gpupool.named_tags()
+        cached = malloc(8 << 20)
+        assert L.gpupool_free(cached, 0, None) == 0
+        free = gpupool.stats_json(0)["device_free_bytes"]
+        ctypes.memset(w, 0x5a, 6 << 20)
+        released = gpupool.pause(backup={"kv": False})
+        tagged = gpupool.paused_bytes("weights") + gpupool.paused_bytes("kv")
+        assert gpupool.paused_bytes("weights") >= 6 << 20 and gpupool.paused_bytes("kv") >= 4 << 20
+        assert gpupool.paused_bytes("sent") == 0, "a cuda-ipc tag is not paused"
+        assert released >= tagged + (8 << 20), ("the cached 8 MiB went back too", released, tagged)
+        assert gpupool.stats_json(0)["device_free_bytes"] - free == released, "the device got it all back"
+        assert gpupool.resume() >= 10 << 20
+        assert gpupool.paused_bytes("weights") == gpupool.paused_bytes("kv") == 0
+        assert ctypes.string_at(w, 6 << 20) == b"\\x5a" * (6 << 20), "weights lost their contents"
+        print("everything paused")
+    """))
+    assert "everything paused" in out
 
 
 def test_pause_returns_the_memory_and_resume_restores_tensors_bit_exact(torch_gpu, library):
