@@ -304,7 +304,9 @@ enum gpupool_status gpupool_pinned_reclaim(size_t *out_released);
 
 // From now on this thread's allocations (every device, every route: C, PyTorch, CuPy)
 // come from tag `name`'s own memory, until the matching `gpupool_tag_end`. Tags nest.
-// While a CUDA graph's private pool routes allocations, the graph's pool serves them.
+// A private pool made meanwhile (`gpupool_begin_allocate_to_pool`, a PyTorch graph or
+// `MemPool`) lives in the tag's memory and pauses with it; one made outside every tag
+// serves what its route takes, outside the tag.
 //
 // # Safety
 // `name` must be NULL (rejected) or a NUL-terminated string.

@@ -32,12 +32,14 @@ pub fn malloc(device: i32, size: usize, stream: usize) -> Result<usize> {
     if size == 0 {
         return empty(device, stream);
     }
-    if let Some(tag) = tagged() {
+    if crate::pool::routes_active() {
+        return malloc_while_routed(device, size, stream);
+    }
+    if let Some(tag) = crate::tags::current() {
         return allocate(device, registry::tag_shard(tag), stream, |pool| pool.malloc(size, stream));
     }
-    // The per-thread default stream, and every stream while a private pool routes
-    // allocations (the pool decides where they go), take the locked path.
-    if !fast_path_stream(stream) || crate::pool::routes_active() || crate::process::in_child() {
+    // The per-thread default stream takes the locked path.
+    if !fast_path_stream(stream) || crate::process::in_child() {
         let shard = registry::shard_for(device, stream)?;
         return allocate(device, shard, stream, |pool| pool.malloc(size, stream));
     }
@@ -50,27 +52,51 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
     if size == 0 {
         return empty(device, STREAM_LEGACY);
     }
-    if let Some(tag) = tagged() {
+    if crate::pool::routes_active() {
+        return malloc_while_routed(device, size, STREAM_LEGACY);
+    }
+    if let Some(tag) = crate::tags::current() {
         return allocate(device, registry::tag_shard(tag), STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
-    if crate::pool::routes_active() || crate::process::in_child() {
+    if crate::process::in_child() {
         return allocate(device, 0, STREAM_LEGACY, |pool| pool.malloc(size, STREAM_LEGACY));
     }
     malloc_kind(device, size, STREAM_LEGACY, WordSet::Unordered)
 }
 
-/// The tag this thread allocates under (`crate::tags`), unless a private pool routes
-/// allocations (a CUDA graph's memory is the graph's, in shard 0): its own pool serves it,
-/// without the thread cache (a tag's blocks are few and long-lived: weights, caches).
-#[inline]
-fn tagged() -> Option<usize> {
-    crate::tags::current().filter(|_| !crate::pool::routes_active())
+/// An allocation while a private pool routes allocations somewhere in the process (a CUDA
+/// graph capture, a `MemPool` scope; the thread caches step aside). A route takes it first:
+/// a tag's pool's routes (this thread's tag's first: a capture begun under a tag), then
+/// shard 0's (one begun outside every tag), so that a capture's memory is the graph's
+/// whichever tag the allocating thread is under; else the thread's tag's pool or its
+/// stream's shard serves it as at any other time. A tag (`crate::tags`) has a pool of its
+/// own, served without the thread cache (a tag's blocks are few and long-lived: weights,
+/// caches).
+fn malloc_while_routed(device: i32, size: usize, stream: usize) -> Result<usize> {
+    if let Some(p) = routed_elsewhere(device, size, stream)? {
+        return Ok(p);
+    }
+    let tag = crate::tags::current().map(registry::tag_shard);
+    match tag {
+        Some(shard) => {
+            if let Some(p) = allocate(device, 0, stream, |pool| pool.malloc_if_routed(size, stream))? {
+                return Ok(p);
+            }
+            allocate(device, shard, stream, |pool| pool.malloc(size, stream))
+        }
+        None => allocate(device, registry::shard_for(device, stream)?, stream, |pool| pool.malloc(size, stream)),
+    }
 }
 
-/// Allocate on shard 0 for a caller whose capture the pool must detect itself (CuPy on a
-/// user stream: a capture it detects starts a private pool, which lives there).
+/// Allocate for a caller whose capture the pool must detect itself (CuPy on a user stream:
+/// a capture it detects and nobody announced starts a private pool, which lives in shard 0).
 pub fn malloc_detecting_capture(device: i32, size: usize, stream: usize) -> Result<usize> {
-    if let Some(tag) = tagged() {
+    if crate::pool::routes_active() {
+        if let Some(p) = routed_elsewhere(device, size, stream)? {
+            return Ok(p);
+        }
+    }
+    if let Some(tag) = crate::tags::current() {
         // Under a tag, the tag's pool serves it unless the stream is capturing (the graph's
         // private pool in shard 0 does then).
         let served = allocate(device, registry::tag_shard(tag), stream, |pool| match pool.capture_of(stream)? {
@@ -82,6 +108,17 @@ pub fn malloc_detecting_capture(device: i32, size: usize, stream: usize) -> Resu
         }
     }
     allocate(device, 0, stream, |pool| pool.malloc_detecting_capture(size, stream))
+}
+
+/// An allocation a tag's pool's route takes (`malloc_while_routed`'s first step).
+fn routed_elsewhere(device: i32, size: usize, stream: usize) -> Result<Option<usize>> {
+    let tag = crate::tags::current().map(registry::tag_shard);
+    for shard in registry::routed_tag_shards(device, tag) {
+        if let Some(p) = allocate(device, shard, stream, |pool| pool.malloc_if_routed(size, stream))? {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
 }
 
 /// Run the allocation `attempt` on `shard` of `device`. Out of memory there while other

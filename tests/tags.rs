@@ -635,3 +635,52 @@ fn a_tag_placed_as_cuda_ipc_is_segments_that_send_as_cuda_ipc_handles_and_never_
     assert!(holds(q, 3 * MIB, 5));
     free(q, d);
 }
+
+/// Note [Graph pools under a tag]: a private pool (a CUDA graph's, a `MemPool`'s) begun
+/// under a tag lives in the tag's pool; its memory pauses and resumes with the tag, at the
+/// same addresses, with its contents; the pause is refused while its route is active; its
+/// release gives the memory back. A route begun outside every tag keeps its allocations
+/// out of the tag even from a thread under it.
+#[test]
+fn a_private_pool_begun_under_a_tag_is_the_tags_memory_and_pauses_with_it() {
+    use gpupool::ffi::graph::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
+    let d = 27;
+    host(d);
+    let tag_figure = |key: &str| figure_after(d, "\"engine\":", key);
+    begin(c"engine");
+    let weights = malloc(MIB, d).unwrap();
+    assert_eq!(unsafe { gpupool_begin_allocate_to_pool(d, 11, null_mut()) }, Status::Ok, "{}", last());
+    end();
+    // Outside the tag now: the route (the legacy stream's) still takes it, into the tag.
+    let reserved_before = tag_figure("total_bytes");
+    let graph = malloc(3 * MIB, d).unwrap();
+    assert_eq!(tag_figure("n_live_blocks"), 2, "the routed block is the tag's");
+    assert!(tag_figure("total_bytes") >= reserved_before + TAG_GRANULE as u64, "a segment of the tag's granule");
+    let e = busy_refusal(d, c"engine").expect("a pause with a route active is refused");
+    assert!(e.contains("capture or MemPool"), "{e}");
+    assert_eq!(gpupool_end_allocate_to_pool(d, 11), Status::Ok, "{}", last());
+
+    fill(graph, 3 * MIB, 31);
+    let free_before = device_free(d);
+    let released = pause(d, c"engine", true).unwrap();
+    assert!(released >= 2 * TAG_GRANULE, "the weights' granule and the graph's segment: {released}");
+    assert!(device_free(d) >= free_before + 2 * TAG_GRANULE as u64);
+    resume(d, c"engine").unwrap();
+    assert!(holds(graph, 3 * MIB, 31), "the graph's memory came back at its address with its contents");
+
+    free(graph, d);
+    let reserved = tag_figure("total_bytes");
+    assert_eq!(gpupool_release_pool(d, 11), Status::Ok, "{}", last());
+    assert_eq!(tag_figure("total_bytes"), reserved - TAG_GRANULE as u64, "the released pool's segment went back");
+
+    // A route begun outside every tag: a tagged allocation it takes is the graph's.
+    assert_eq!(unsafe { gpupool_begin_allocate_to_pool(d, 12, null_mut()) }, Status::Ok, "{}", last());
+    begin(c"engine");
+    let outside = malloc(MIB, d).unwrap();
+    end();
+    assert_eq!(gpupool_end_allocate_to_pool(d, 12), Status::Ok, "{}", last());
+    assert_eq!(tag_figure("n_live_blocks"), 1, "only the weights are the tag's");
+    free(outside, d);
+    assert_eq!(gpupool_release_pool(d, 12), Status::Ok, "{}", last());
+    free(weights, d);
+}

@@ -44,12 +44,11 @@ use std::ffi::{c_int, c_void};
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool_id: u64, stream: *mut c_void) -> Status {
     call(|| {
-        registry::with_pool(device, |p| {
-            let filter = match p.capture_of(stream as usize)? {
+        registry::begin_route(device, (pool_id, C_POOL_TAG), |p| {
+            Ok(match p.capture_of(stream as usize)? {
                 Some(cid) => Filter::Capture(cid),
                 None => Filter::Stream(p.stream_key(stream as usize)?),
-            };
-            p.begin_allocate_to_pool((pool_id, C_POOL_TAG), filter)
+            })
         })
     })
 }
@@ -57,7 +56,7 @@ pub unsafe extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool_id: 
 /// Stop routing allocations to `pool_id` (the latest `gpupool_begin_allocate_to_pool` for it).
 #[no_mangle]
 pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool_id: u64) -> Status {
-    call(|| registry::with_pool(device, |p| p.end_allocate_to_pool((pool_id, C_POOL_TAG))))
+    call(|| registry::end_route(device, (pool_id, C_POOL_TAG)))
 }
 
 /// One user of `pool_id` is done (its graph was destroyed). When no use is left and none
@@ -65,7 +64,7 @@ pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool_id: u64) -> S
 /// synchronisation. Unknown ids succeed and do nothing.
 #[no_mangle]
 pub extern "C" fn gpupool_release_pool(device: c_int, pool_id: u64) -> Status {
-    call(|| registry::with_existing(device, |p| p.release_pool((pool_id, C_POOL_TAG)).map(|_| ())).and_then(|r| r.unwrap_or(Ok(()))))
+    call(|| registry::release_private_pool(device, (pool_id, C_POOL_TAG)).map(|_| ()))
 }
 
 /// Release the memory kept for a capture nobody announced (CuPy's `Stream.begin_capture`
@@ -76,6 +75,6 @@ pub extern "C" fn gpupool_release_capture(device: c_int, capture_id: u64) -> Sta
         if capture_id == 0 {
             return Err(Error::InvalidArgument("capture id 0 names no capture".into()));
         }
-        registry::with_existing(device, |p| p.release_pool((capture_id, IMPLICIT_POOL_TAG)).map(|_| ())).and_then(|r| r.unwrap_or(Ok(())))
+        registry::release_private_pool(device, (capture_id, IMPLICIT_POOL_TAG)).map(|_| ())
     })
 }

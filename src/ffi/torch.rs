@@ -178,7 +178,7 @@ pub extern "C" fn gpupool_torch_pool_release(device: c_int, id_first: u64, id_se
 /// (made if new), as `torch.cuda.MemPool`'s constructor asks; a release drops it.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_pool_create(device: c_int, id_first: u64, id_second: u64) -> Status {
-    call(|| registry::with_pool(device, |p| p.create_or_incref_pool((id_first, id_second))))
+    call(|| registry::create_private_pool(device, (id_first, id_second)))
 }
 
 /// `getPoolUseCount(int device, MempoolId_t id)`: `*out_uses` receives the uses of the
@@ -192,7 +192,7 @@ pub unsafe extern "C" fn gpupool_torch_pool_use_count(device: c_int, id_first: u
         if out_uses.is_null() {
             return Err(Error::NullArgument("out_uses"));
         }
-        *out_uses = registry::with_existing(device, |p| p.pool_use_count((id_first, id_second)))?.unwrap_or(0);
+        *out_uses = registry::private_pool_uses(device, (id_first, id_second))?;
         Ok(())
     })
 }
@@ -205,7 +205,7 @@ pub unsafe extern "C" fn gpupool_torch_pool_use_count(device: c_int, id_first: u
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_pool_empty(device: c_int, id_first: u64, id_second: u64, out_released: *mut usize) -> Status {
     call(|| {
-        let n = registry::with_existing(device, |p| p.empty_private_pool((id_first, id_second)))?.unwrap_or(Ok(0))?;
+        let n = registry::empty_private_pool(device, (id_first, id_second))?;
         if !out_released.is_null() {
             *out_released = n;
         }
@@ -222,13 +222,13 @@ unsafe fn begin_route(device: c_int, id: (u64, u64), filter: *const c_void) -> R
         return Err(Error::Internal("could not copy PyTorch's allocation filter".into()));
     }
     let cb = Callback { call: gpupool_torch_filter_call, ctx, drop: Some(gpupool_torch_filter_drop) };
-    registry::with_pool(device, |p| p.begin_allocate_to_pool(id, Filter::Callback(cb)))
+    registry::begin_route(device, id, |_| Ok(Filter::Callback(cb)))
 }
 
 fn end_route(device: c_int, id: (u64, u64)) -> Result<()> {
-    registry::with_pool(device, |p| p.end_allocate_to_pool(id))
+    registry::end_route(device, id)
 }
 
 fn release(device: c_int, id: (u64, u64)) -> Result<()> {
-    registry::with_existing(device, |p| p.release_pool(id).map(|_| ())).and_then(|r| r.unwrap_or(Ok(())))
+    registry::release_private_pool(device, id).map(|_| ())
 }

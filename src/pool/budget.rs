@@ -2,7 +2,8 @@
 //! of that figure, and the limit on it. Every shard of a device's pool (`crate::registry`)
 //! holds the same `Budget` in its limit layer (`limits.rs`), so the limit caps the device,
 //! not each shard. It also carries what else the shards share of the device: whether their
-//! growths' driver calls contend (`contention.rs`).
+//! growths' driver calls contend (`contention.rs`), and how many routes to private pools
+//! are active in any of them (Note [Graph pools under a tag]).
 //!
 //! Why atomics and not a lock: the budget changes only when memory comes from or goes back
 //! to the upstream (a driver call anyway), never on a cached allocation, so its cache line
@@ -22,9 +23,28 @@ pub struct Budget {
     /// a shard made later must not undo `gpupool_set_limit`.
     limit_initialised: AtomicBool,
     contention: super::contention::DriverContention,
+    /// Routes to private pools active in the device's pools.
+    routes: AtomicUsize,
 }
 
 impl Budget {
+    /// A route began in one of the device's pools.
+    pub fn route_began(&self) {
+        self.routes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// `n` routes of the device's pools ended.
+    pub fn routes_ended(&self, n: usize) {
+        let _ = self.routes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r.saturating_sub(n)));
+    }
+
+    /// Whether a route is active in any of the device's pools: a capture may run, so each
+    /// of them behaves as one may (no device-wide wait; frees ask whether their stream
+    /// captures).
+    pub fn routes_active(&self) -> bool {
+        self.routes.load(Ordering::Acquire) != 0
+    }
+
     /// Set the configured limit, once per device: later calls (later shards) leave it.
     pub fn init_limit(&self, bytes: usize) {
         if !self.limit_initialised.swap(true, Ordering::AcqRel) {

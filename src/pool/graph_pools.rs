@@ -41,12 +41,46 @@
 //! `tests/python/test_graphs.py` and the class's graph and MemPool tests (GPU).
 //!
 //! Limitations.
-//! - Private pools are `cuMemAlloc` segments cut by `split`, whatever the device's strategy:
-//!   they fragment as PyTorch's private pools do, and their blocks are shared only through
-//!   CUDA's IPC handles (gpupool's export refuses them, saying so).
-//! - Tags step aside while any route is active (allocations under a tag during a capture
-//!   are the graph's), so a graph's memory is not paused with a tag (`docs/tags.md`).
+//! - Private pools are `cuMemAlloc` segments cut by `split`, whatever the device's strategy
+//!   (a tag's are mapped memory: Note [Graph pools under a tag]): they fragment as
+//!   PyTorch's private pools do, and their blocks are shared only through CUDA's IPC
+//!   handles (gpupool's export refuses them, saying so).
 //! - Giving a released pool's memory back synchronises the device once.
+//!
+//! Note [Graph pools under a tag]
+//!
+//! Rationale. A serving engine captures a decode graph per batch size and keeps workspaces
+//! in `MemPool`s: gigabytes that a sleeping engine must give back too, and that its graphs
+//! find at the same addresses when it wakes (torch_memory_saver and vLLM's sleep mode
+//! release them). Private pools of `cuMemAlloc` segments cannot be given back at a kept
+//! address.
+//!
+//! Approach. A private pool made while its thread allocates under a tag (a
+//! `torch.cuda.graph` or `use_mem_pool` block inside `with gpupool.tag(...)`, or
+//! `gpupool_begin_allocate_to_pool` between `gpupool_tag_begin` and `_end`) lives in the
+//! tag's pool, and its segments are mapped virtual memory of the tag's arena upstream, in
+//! allocations of the tag's granule, each in an address range of its own. A pause of the
+//! tag releases them with the rest of its memory (the upstream pauses every allocation it
+//! mapped) and the resume maps them again, so the captured graphs replay. Every later call
+//! about the pool (a route's end, a release, a use count) finds its home, wherever the
+//! caller's thread is then. While a route is active anywhere, an allocation asks the tags'
+//! routes first, then shard 0's, then goes where it would at any other time: a capture
+//! begun outside every tag keeps its memory out of tags, whichever tag the allocating
+//! thread is under. And while any route is active on a device, every pool of that device
+//! acts as a capture may run (`upstream::capture_routes`): relaxed driver calls, frees that
+//! ask whether their stream captures, no device-wide wait.
+//!
+//! Implementation. `crate::registry` (`private_pools.rs`) finds a private pool's home and
+//! keeps which tag pools route allocations; `crate::front` (`malloc_while_routed`) asks
+//! them; `PrivatePools::mapped` and `private_segment` here make the segments;
+//! `Core::deallocate_private` gives them back. Tests: `tests/tags.rs` (host),
+//! `tests/python/test_tags.py` (GPU: graphs and a `MemPool` under a tag paused and resumed).
+//!
+//! Limitations. A pause refuses while a route into the tag is active (a capture or a
+//! `use_mem_pool` block in progress). A private pool keeps the home it was made in: a
+//! `MemPool` made outside a tag and used inside one stays outside it (make it under the
+//! tag). A capture CuPy starts itself (`Stream.begin_capture` without gpupool's helper)
+//! keeps its memory in shard 0. Each private segment is at least a tag granule (32 MiB).
 
 mod routes;
 
@@ -94,6 +128,9 @@ impl PrivatePool {
 /// A device pool's private pools and routes.
 #[derive(Default)]
 pub struct PrivatePools {
+    /// Private segments are mapped virtual memory of the pool's arena upstream (a tag's
+    /// pool: Note [Graph pools under a tag]) rather than `cuMemAlloc` memory.
+    mapped: bool,
     pools: FxHashMap<PoolId, PrivatePool>,
     routes: Vec<Route>,
     /// Main-pool frees held while a route is active because a stream they were used on
@@ -108,6 +145,10 @@ pub struct PrivatePools {
 }
 
 impl PrivatePools {
+    /// Private pools of `cuMemAlloc` segments, or (`mapped`) of mapped virtual memory.
+    pub fn new(mapped: bool) -> Self {
+        PrivatePools { mapped, ..Default::default() }
+    }
     pub fn has_routes(&self) -> bool {
         !self.routes.is_empty()
     }
@@ -173,7 +214,49 @@ impl PrivatePools {
     }
 }
 
+/// A private pool's new segment of `len` bytes: `cuMemAlloc` memory, or where private
+/// pools are mapped (a tag's pool) an address range of its own over one physical
+/// allocation, which the pool's pause releases and its resume maps again as it does the
+/// arena's memory (`VirtualMemory::vmm_pause` covers every allocation it mapped).
+fn private_segment(up: &mut dyn crate::upstream::Upstream, mapped: bool, len: usize, on: StreamHandle) -> std::result::Result<usize, AllocError> {
+    if !mapped {
+        return up.allocate(len, on);
+    }
+    let base = up.vmm_reserve(len).map_err(AllocError::Other)?;
+    if let Err(e) = up.vmm_map_chunk(base, len) {
+        let _ = up.vmm_unreserve(base, len);
+        return Err(e);
+    }
+    Ok(base)
+}
+
 impl Pool {
+    /// Whether private pool `id` lives in this pool (the registry finds a pool's home).
+    pub fn holds_private_pool(&self, id: PoolId) -> bool {
+        self.graphs.pools.contains_key(&id)
+    }
+
+    /// Whether a route of this pool sends allocations to one of its private pools now.
+    pub fn routes_allocations(&self) -> bool {
+        self.graphs.has_routes()
+    }
+
+    /// An allocation a route of this pool takes, from its private pool; `None` (nothing
+    /// allocated) where no route takes it.
+    pub fn malloc_if_routed(&mut self, size: usize, stream: StreamHandle) -> Result<Option<usize>> {
+        self.running()?;
+        if size == 0 || !self.graphs.has_routes() {
+            return Ok(None);
+        }
+        match self.route(stream)? {
+            Some(id) => {
+                self.not_paused()?;
+                self.malloc_private(size, stream, id).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Keep a private block out of reuse until its pool goes (see `quarantined`).
     pub(super) fn quarantine_private(&mut self, block: Block, id: PoolId) -> Result<()> {
         let Some(pool) = self.graphs.pools.get_mut(&id) else {
@@ -269,10 +352,14 @@ impl Pool {
                 let _ = self.release_cached(None);
             }
             for want in if seg_size == rounded { vec![rounded] } else { vec![seg_size, rounded] } {
+                // Mapped segments are whole allocations of the arena's granule, as the rest
+                // of a tag's memory is (Note [A tag's granule]).
+                let want = if self.graphs.mapped { want.next_multiple_of(self.arena_granule().max(1)) } else { want };
                 // A stream-ordered upstream (cuMemAllocAsync) would put the allocation into the
                 // graph being captured: allocate on the legacy stream, outside any capture.
                 let on = if self.core.upstream().stream_ordered() { crate::stream::STREAM_LEGACY } else { stream };
-                let Some(got) = self.within_budget(want, |up| up.allocate(want, on)) else {
+                let mapped = self.graphs.mapped;
+                let Some(got) = self.within_budget(want, |up| private_segment(up, mapped, want, on)) else {
                     by_limit = want == rounded;
                     continue;
                 };
@@ -300,7 +387,7 @@ impl Pool {
         if let Some(seg) = pool.strategy.put(block) {
             // Split never returns segments from `put`; kept for the contract's sake.
             pool.reserved -= seg.size;
-            self.core.deallocate(seg, crate::stream::STREAM_LEGACY)?;
+            self.core.deallocate_private(seg, self.graphs.mapped)?;
             self.sub_reserved(seg.size);
         }
         self.destroy_if_unused(id).map(|_| ())
@@ -333,7 +420,7 @@ impl Pool {
             let len = p.strategy.segment_len(base).expect("private pools are split pools, which know their segments");
             // Every queued use finished (synchronised above): release on the legacy stream.
             let seg = Segment { base, size: len, stream: StreamKey::LEGACY };
-            match self.core.deallocate(seg, crate::stream::STREAM_LEGACY) {
+            match self.core.deallocate_private(seg, self.graphs.mapped) {
                 Ok(_) => {
                     self.trace(0, Action::UpstreamFree, base, len);
                     self.sub_reserved(len);

@@ -74,7 +74,9 @@ impl Pool {
     /// May the pool wait for the whole device now? The graph-pool layer says
     /// (`PrivatePools::device_sync_allowed`).
     pub(super) fn device_sync_allowed(&self) -> bool {
-        self.graphs.device_sync_allowed()
+        // Another pool of the device may route a capture (a tag's: Note [Graph pools under
+        // a tag]) that a device-wide wait would invalidate.
+        self.graphs.device_sync_allowed() && !self.limits.budget().routes_active()
     }
 
     /// Under memory pressure (the upstream or the limit refused new memory): blocks freed

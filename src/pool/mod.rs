@@ -100,11 +100,14 @@ pub struct Pool {
 impl Pool {
     pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Result<Pool> {
         let limits = Limits::new(opts, &mut *upstream)?;
+        let core = Core::new(device, upstream, opts);
+        // Only an arena's upstream maps virtual memory (an arena that fell back has none).
+        let graphs = graph_pools::PrivatePools::new(opts.private_pools_mapped && core.is_arena());
         Ok(Pool {
-            core: Core::new(device, upstream, opts),
+            core,
             limits,
             rec: Recorder::new(opts),
-            graphs: Default::default(),
+            graphs,
             caches: AttachedCaches::new(opts, device),
             imports: Default::default(),
             stopped: None,
@@ -363,7 +366,8 @@ impl Drop for Pool {
         // Routes of a pool that goes away end with it (the thread caches' bypass counts them).
         let routes = self.graphs.route_count();
         if routes > 0 {
-            graph_pools::forget_routes(routes);
+            graph_pools::forget_routes(self.core.device(), routes);
+            self.limits.budget().routes_ended(routes);
         }
         if self.stopped.is_some() {
             return; // books not vouched for: give nothing back (see `stop`)

@@ -46,6 +46,10 @@ pub struct PoolOptions {
     /// The arena's granule, each allocation it maps (0: the device's granularity): a tag's
     /// pool maps larger ones (Note [A tag's granule], `crate::registry`).
     pub arena_granule: usize,
+    /// Private pools (CUDA graphs, `MemPool`s) map virtual memory from the arena's
+    /// upstream, which a pause releases with the rest (a tag's pool, Note [Graph pools
+    /// under a tag]); otherwise they are `cuMemAlloc` segments.
+    pub private_pools_mapped: bool,
     /// The device's budget, shared by its shards (`crate::registry`); `None`: this pool's own.
     pub budget: Option<std::sync::Arc<Budget>>,
     /// Which shard of its device this pool is (0 for a device that is not sharded): the
@@ -73,6 +77,7 @@ impl Default for PoolOptions {
             arena_chunk_from: crate::strategy::arena::CHUNK_FROM,
             arena_piece_ends: false,
             arena_granule: 0,
+            private_pools_mapped: false,
             budget: None,
             shard: 0,
         }

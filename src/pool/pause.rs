@@ -176,6 +176,14 @@ impl Pool {
                 self.core.strategy().name()
             )));
         }
+        if self.graphs.has_routes() {
+            // Its pause would release memory a capture in progress is being given.
+            return Err(Error::Busy(format!(
+                "{what}: a CUDA graph capture or MemPool scope begun under the tag routes allocations into it on \
+                 device {}; end it (leave the `torch.cuda.graph` / `use_mem_pool` block) first",
+                self.core.device()
+            )));
+        }
         Ok(())
     }
 

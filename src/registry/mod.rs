@@ -38,6 +38,7 @@
 //! make (a spinning waiter burns a core for as long as a driver call takes, and spin locks
 //! collapse when threads outnumber cores).
 
+mod private_pools;
 mod reports;
 mod route;
 mod streams;
@@ -45,6 +46,7 @@ mod tags;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
 pub use tags::{pause_tag, place_tag, resume_tag, tag_backup_drop, tag_backup_prepare, tag_paused_bytes, tag_shard};
+pub use private_pools::{begin_route, create_private_pool, empty_private_pool, end_route, private_pool_uses, release_private_pool, routed_tag_shards};
 pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
@@ -99,6 +101,9 @@ struct DevicePools {
     /// The budget the device's shards share (made with shard 0).
     budget: Mutex<Option<Arc<Budget>>>,
     streams: StreamShards,
+    /// Tags whose pool on this device routes allocations to a private pool now (bit per
+    /// tag index; `private_pools.rs`).
+    routed_tags: std::sync::atomic::AtomicU32,
 }
 
 impl DevicePools {
@@ -119,6 +124,7 @@ const NO_POOLS: DevicePools = DevicePools {
     stream_shards: AtomicUsize::new(NOT_MADE),
     budget: Mutex::new(None),
     streams: StreamShards::new(),
+    routed_tags: std::sync::atomic::AtomicU32::new(0),
 };
 static DEVICES: [DevicePools; MAX_DEVICES] = [NO_POOLS; MAX_DEVICES];
 static PINNED: PoolLock<Option<Pool>> = Mutex::new(None);
@@ -206,6 +212,7 @@ fn options(cfg: &Config, kind: PoolKind) -> Result<PoolOptions> {
         arena_chunk_from: cfg.arena_chunk_from,
         arena_piece_ends: cfg.arena_piece_ends,
         arena_granule: 0,
+        private_pools_mapped: false,
         budget: None,
         shard: 0,
     })
@@ -232,6 +239,8 @@ fn create(device: i32, shard: usize, s: &DevicePools) -> Result<Pool> {
         // granule]).
         opts.arena_chunk = 0;
         opts.arena_granule = crate::tags::TAG_GRANULE;
+        // Its CUDA graphs' and MemPools' memory pauses with it (Note [Graph pools under a tag]).
+        opts.private_pools_mapped = true;
     }
     let pool = Pool::new(device, up, &opts)?;
     if shard == 0 {
@@ -404,6 +413,7 @@ pub fn configure(device: i32, pool: Option<PoolKind>, upstream: Option<UpstreamK
                 **g = None;
             }
             *shards[0] = Some(fresh);
+            s.routed_tags.store(0, Ordering::Release);
             Ok(())
         }
         Err(e) => {
@@ -431,6 +441,7 @@ pub fn install(device: i32, kind: PoolKind, upstream: Box<dyn upstream::Upstream
         **g = None;
     }
     *shards[0] = Some(fresh);
+    s.routed_tags.store(0, Ordering::Release);
     *lock(&s.budget) = Some(budget);
     s.set_stream_shards(0);
     Ok(())

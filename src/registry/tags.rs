@@ -52,7 +52,7 @@ pub fn place_tag(name: &str, kind: TagMemory) -> Result<()> {
         if let Some(p) = lock_pool(&s.shards[tag_shard(tag)]).as_mut() {
             p.flush_thread_caches(None);
             let live = p.live_count();
-            if live > 0 || p.is_paused() {
+            if live > 0 || p.is_paused() || p.routes_allocations() {
                 return Err(Error::Busy(format!(
                     "place tag {name:?} as {}: its memory on device {d} is {} already ({live} live allocation(s)); a tag's                      memory is chosen before its first allocation: free what is under it{} first",
                     kind.name(),

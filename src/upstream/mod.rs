@@ -33,6 +33,7 @@
 //! `Memory` (here), `VirtualMemory`, `Ipc` and `Events`. `Upstream` is all four.
 
 pub mod calls;
+pub mod capture_routes;
 pub mod cuda;
 pub mod events;
 pub mod export_record;

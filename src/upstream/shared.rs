@@ -455,7 +455,7 @@ pub fn check_handed(d: &Descriptor, record: std::os::fd::OwnedFd) -> Result<Fd> 
 /// The exporter's record `record` (checked by `check_handed`) still holds export `d`.
 pub fn still_handed(d: &Descriptor, record: &Fd) -> Result<()> {
     let pid = d.pid;
-    match ExportRecord::entry_at(&record, d.record.slot) {
+    match ExportRecord::entry_at(record, d.record.slot) {
         Some((token, _)) if token != d.record.token || token == 0 => Err(Error::InvalidArgument(format!(
             "IPC import: process {pid} no longer exports this block (the descriptor is stale: the block was freed, or its \
              memory released, after the export)"

@@ -172,6 +172,109 @@ def test_pause_returns_the_memory_and_resume_restores_tensors_bit_exact(torch_gp
     assert "returned" in out
 
 
+ENGINE = TORCH + textwrap.dedent("""
+    import time
+    # A serving engine in small: weights (backed up), a KV cache (not), decode graphs
+    # captured for several batch sizes and a MemPool workspace, each made under a tag.
+    torch.manual_seed(0)
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    gpupool.reclaim()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free                       # the CUDA context, with nothing allocated
+    HIDDEN = 4096
+    with gpupool.tag("weights"):
+        w1 = torch.randn(HIDDEN, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16) / 64
+        w2 = torch.randn(4 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) / 64
+        static_in = {b: torch.randn(b, HIDDEN, device="cuda", dtype=torch.bfloat16) for b in (1, 8, 32, 128)}
+    with gpupool.tag("kv"):
+        kv = torch.zeros(1 << 29, device="cuda", dtype=torch.bfloat16)          # 1 GiB
+    with gpupool.tag("workspace"):
+        ws_pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(ws_pool):
+            ws = torch.ones(1 << 27, device="cuda")                             # 512 MiB
+    def decode(x):
+        h = torch.relu(x @ w1)
+        return (h @ w2).float().softmax(-1) + ws[: HIDDEN].sum()
+    graphs, outs = {}, {}
+    with gpupool.tag("graphs"):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for b in static_in:
+                decode(static_in[b])                            # warm-up: cuBLAS's workspace
+        torch.cuda.synchronize()
+        for b in static_in:
+            graphs[b] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[b]):
+                outs[b] = decode(static_in[b])
+    def run_all():
+        for b in static_in:
+            graphs[b].replay()
+        torch.cuda.synchronize()
+        return {b: outs[b].clone() for b in static_in}
+    before = run_all()
+    torch.cuda.synchronize()
+    tags = gpupool.stats_json(0)["tags"]
+    assert tags["graphs"]["n_live_blocks"] > 0, ("the graphs' memory is the tag's", tags)
+    assert tags["workspace"]["n_live_blocks"] == 1, ("the MemPool's memory is the tag's", tags)
+    allocated = torch.cuda.max_memory_allocated()
+""")
+
+
+def test_a_serving_engine_pauses_everything_and_its_graphs_replay_after_resume(torch_gpu, library):
+    out = ok(run_py(ENGINE + textwrap.dedent("""
+        held = []
+        t0 = time.perf_counter()
+        for cycle in range(100):
+            gpupool.pause(backup={"kv": False, "graphs": False})
+            free, _ = torch.cuda.mem_get_info()
+            held.append(total - free - context)
+            gpupool.resume()
+            if cycle in (0, 99):
+                after = run_all()
+                for b in static_in:
+                    assert torch.equal(after[b], before[b]), f"batch {b}: the graph's output changed after a resume"
+        dt = time.perf_counter() - t0
+        worst = max(held)
+        print(f"engine allocated {allocated >> 20} MiB; held while paused {min(held) >> 20}-{worst >> 20} MiB "
+              f"({100 * worst / allocated:.2f} %) beyond the context's {context >> 20} MiB; "
+              f"100 pause/resume cycles in {dt:.1f} s", flush=True)
+        assert worst <= 0.01 * allocated, (worst, allocated)
+        assert max(held) - min(held) <= 64 << 20, ("memory while paused stays flat", held[:3], held[-3:])
+        print("engine slept")
+    """)))
+    assert "engine slept" in out
+
+
+def test_a_pause_is_refused_while_a_capture_under_the_tag_is_in_progress(torch_gpu, library):
+    out = ok(run_py(TORCH + textwrap.dedent("""
+        x = torch.randn(1024, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with gpupool.tag("graphs"):
+            with torch.cuda.graph(g):
+                y = x * 2
+                try:
+                    gpupool.pause("graphs")
+                    raise SystemExit("paused during a capture into the tag")
+                except gpupool.GpupoolError as e:
+                    assert "capture or MemPool" in str(e), e
+        g.replay()
+        assert torch.equal(y, x * 2)
+        gpupool.pause("graphs", backup=False)
+        gpupool.resume("graphs")
+        x.fill_(3)
+        g.replay()
+        assert torch.equal(y, x * 2), "the graph replays into its resumed memory"
+        held = gpupool.stats_json(0)["tags"]["graphs"]["total_bytes"]
+        del g, y
+        gpupool.reclaim()
+        left = gpupool.stats_json(0)["tags"]["graphs"]["total_bytes"]
+        assert left <= held - (32 << 20), ("a destroyed graph's memory went back", held, left)
+        print("refused")
+    """)))
+    assert "refused" in out
+
+
 def test_a_graph_captured_before_the_pause_replays_after_resume(torch_gpu, library):
     ok(run_py(TORCH + textwrap.dedent("""
         with gpupool.tag("weights"):
@@ -275,3 +378,29 @@ def test_cupy_arrays_under_a_tag_pause_and_resume(cupy_gpu, library):
         assert bool((b == 3).all())
         print("ok")
     """))
+
+
+def test_a_cupy_graph_captured_under_a_tag_pauses_with_it_and_replays(cupy_gpu, library):
+    out = ok(run_py("""
+        import gpupool, cupy
+        gpupool.cupy.install()
+        with gpupool.tag("cupy-graphs"):
+            x = cupy.arange(1 << 22, dtype=cupy.float32)
+            with gpupool.cupy.capture() as g:
+                y = x * 2 + 1          # allocated during the capture: the tag's, in the graph's pool
+                z = cupy.sqrt(y)
+        cupy.cuda.Device().synchronize()
+        assert gpupool.stats_json(0)["tags"]["cupy-graphs"]["n_live_blocks"] >= 3
+        free0, _ = cupy.cuda.runtime.memGetInfo()
+        gpupool.pause("cupy-graphs", stream=0)
+        free1, _ = cupy.cuda.runtime.memGetInfo()
+        assert free1 - free0 >= 48 << 20, ("the tag's and the graph's memory went back", free1 - free0)
+        gpupool.resume("cupy-graphs")
+        for i in range(3):
+            x[:] = i
+            g.launch()
+            cupy.cuda.Device().synchronize()
+            assert bool((z == cupy.sqrt(cupy.float32(2 * i + 1))).all()), i
+        print("replayed", free1 - free0)
+    """))
+    assert "replayed" in out

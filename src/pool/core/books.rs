@@ -168,4 +168,23 @@ impl Core {
         }
         Ok(seg.size - self.holes.remove_segment(seg.base))
     }
+
+    /// Give a private pool's segment back (every use of it finished): `deallocate`, or for a
+    /// mapped one (`graph_pools::private_segment`) its allocation unmapped and its address
+    /// range freed.
+    pub fn deallocate_private(&mut self, seg: Segment, mapped: bool) -> Result<usize> {
+        if !mapped {
+            return self.deallocate(seg, crate::stream::STREAM_LEGACY);
+        }
+        self.unindex_range(seg.base);
+        if let Err(f) = self.upstream.vmm_unmap(seg.base, seg.size) {
+            if f.unmapped == 0 {
+                self.index_range(seg.base, seg.size);
+            }
+            return Err(f.error);
+        }
+        // The range is unmapped: a refused free of it costs address space only.
+        let _ = self.upstream.vmm_unreserve(seg.base, seg.size);
+        Ok(seg.size - self.holes.remove_segment(seg.base))
+    }
 }

@@ -9,6 +9,7 @@ use crate::block::Block;
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::stream::{StreamHandle, StreamKey};
+use crate::upstream::capture_routes;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -20,9 +21,11 @@ pub fn routes_active() -> bool {
     ACTIVE_ROUTES.load(Ordering::Relaxed) != 0
 }
 
-/// `n` routes ended with their pool (dropped or reconfigured).
-pub(in crate::pool) fn forget_routes(n: usize) {
+/// `n` routes of `device` ended with their pool (dropped or reconfigured; the pool's
+/// budget counts them apart).
+pub(in crate::pool) fn forget_routes(device: i32, n: usize) {
     ACTIVE_ROUTES.fetch_sub(n, Ordering::AcqRel);
+    capture_routes::ended(device, n);
 }
 
 /// A caller's predicate over stream handles (PyTorch's `std::function<bool(cudaStream_t)>`,
@@ -70,6 +73,8 @@ impl Pool {
         self.graphs.pools.entry(id).or_insert_with(|| PrivatePool::new(0)).uses += 1;
         self.graphs.routes.push(Route { id, filter });
         ACTIVE_ROUTES.fetch_add(1, Ordering::AcqRel);
+        self.limits.budget().route_began();
+        capture_routes::began(self.core.device());
         self.core.upstream_mut().set_capture_relaxed(true);
         Ok(())
     }
@@ -94,12 +99,22 @@ impl Pool {
         };
         self.graphs.routes.remove(i);
         ACTIVE_ROUTES.fetch_sub(1, Ordering::AcqRel);
+        self.limits.budget().routes_ended(1);
+        capture_routes::ended(self.core.device(), 1);
         if self.graphs.routes.is_empty() {
             self.core.upstream_mut().set_capture_relaxed(false);
+        }
+        self.settle_after_captures();
+        Ok(())
+    }
+
+    /// Once no route is active on the device (in any of its pools): frees held past a
+    /// capture get their events, and private pools nobody uses go back.
+    pub fn settle_after_captures(&mut self) {
+        if !self.limits.budget().routes_active() {
             self.replay_capture_deferred();
             self.release_unused_private_pools();
         }
-        Ok(())
     }
 
     /// Frees held past a capture (`defer_past_capture`), now that no route is active: their
@@ -172,7 +187,8 @@ impl Pool {
     /// Whether `stream` is capturing a graph, asked only while routes are active (or when
     /// the caller asks, `check`): frees there must not record events.
     pub(in crate::pool) fn capturing(&mut self, stream: StreamHandle, check: bool) -> bool {
-        if !(check || self.graphs.has_routes()) || crate::stream::is_legacy(stream) {
+        let routed = self.graphs.has_routes() || self.limits.budget().routes_active();
+        if !(check || routed) || crate::stream::is_legacy(stream) {
             return false;
         }
         let capture = self.core.upstream_mut().capture_id(stream).ok().flatten();

@@ -69,6 +69,8 @@ pub struct CudaUpstream<K: MemKind> {
     relaxed: bool,
     /// Other processes' `cuMemAlloc` allocations mapped here (`legacy_ipc_open`).
     legacy: legacy_ipc::LegacyImports,
+    /// The device's ordinal (`capture_routes` counts by it).
+    ordinal: i32,
 }
 
 // SAFETY: the context and event handles are plain driver handles, valid from any thread;
@@ -77,7 +79,7 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false, legacy: Default::default() };
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false, legacy: Default::default(), ordinal: device };
         {
             let _g = up.ctx.enter()?;
             up.kind.init(up.ctx.device)?;
@@ -87,11 +89,13 @@ impl<K: MemKind> CudaUpstream<K> {
 }
 
 impl<K: MemKind> CudaUpstream<K> {
-    /// Make the device's context current (and, while private pools route allocations,
-    /// this thread's capture mode relaxed) for the duration of one driver call.
+    /// Make the device's context current (and, while private pools route allocations on
+    /// the device, in any of its pools, this thread's capture mode relaxed) for the
+    /// duration of one driver call.
     fn enter(&self) -> Result<(driver::RelaxedCapture, driver::CtxGuard)> {
         let g = self.ctx.enter()?;
-        Ok((driver::RelaxedCapture::enter(self.relaxed), g))
+        let relaxed = self.relaxed || crate::upstream::capture_routes::active(self.ordinal);
+        Ok((driver::RelaxedCapture::enter(relaxed), g))
     }
 
     /// The probed VMM API and the call counters (separate borrows of self).

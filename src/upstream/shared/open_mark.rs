@@ -42,8 +42,11 @@ impl OpensFile {
     }
 }
 
-/// The opens files mapped here, by file (a memfd's identity is unique while it exists).
-static MAPPED: Mutex<Option<HashMap<(u64, u64), Arc<OpensFile>>>> = Mutex::new(None);
+/// An opens file's identity: its device and inode (a memfd's is unique while it exists).
+type FileKey = (u64, u64);
+
+/// The opens files mapped here, by file.
+static MAPPED: Mutex<Option<HashMap<FileKey, Arc<OpensFile>>>> = Mutex::new(None);
 
 /// The mapping of the opens file `fd` (this process's descriptor of it), made once.
 fn map(fd: i32) -> Result<Arc<OpensFile>> {
