@@ -25,25 +25,49 @@ HIDDEN, LAYERS, BATCHES = 4096, 8, (1, 8, 32, 128)
 KV_BYTES, WORKSPACE_BYTES = 4 << 30, 512 << 20
 
 
+def decode_with(layers, x, ws):
+    for w1, w2 in layers:
+        x = x + __import__("torch").relu(x @ w1) @ w2
+    return x.float().softmax(-1) + ws[:HIDDEN]
+
+
+def context_bytes(torch, release):
+    """The process's device memory with the engine's kernels and libraries loaded and
+    nothing allocated: a decode of every batch size on two streams, then everything freed,
+    cuBLAS's workspaces included, and the cache given back (`release`)."""
+    layer = [(torch.zeros(HIDDEN, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16),
+              torch.zeros(4 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16))]
+    ws = torch.zeros(HIDDEN, device="cuda")
+    side = torch.cuda.Stream()
+    for s in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(s):
+            for b in BATCHES:
+                decode_with(layer, torch.zeros(b, HIDDEN, device="cuda", dtype=torch.bfloat16), ws)
+    torch.cuda.synchronize()
+    del layer, ws
+    torch._C._cuda_clearCublasWorkspaces()
+    release()
+    free, total = torch.cuda.mem_get_info()
+    return total - free, total
+
+
 def run_one(who, cycles):
     import torch
-    torch.manual_seed(0)
-    torch.empty(1, device="cuda")
-    torch.cuda.synchronize()
     if who == "gpupool":
         import gpupool
         gpupool.torch.install(compiled=True)
-        gpupool.reclaim()
         region = lambda tag, backup: gpupool.tag(tag)
         pause = lambda: gpupool.pause(backup={"kv": False, "graphs": False})
         resume = lambda: gpupool.resume()
+        release = gpupool.reclaim
     else:
         from torch_memory_saver import torch_memory_saver as tms
         region = lambda tag, backup: tms.region(tag=tag, enable_cpu_backup=backup)
         pause = lambda: tms.pause()
         resume = lambda: tms.resume()
-    free, total = torch.cuda.mem_get_info()
-    context = total - free
+        release = torch.cuda.empty_cache
+    torch.manual_seed(0)
+    context, total = context_bytes(torch, release)
     with region("weights", True):
         layers = [(torch.randn(HIDDEN, 4 * HIDDEN, device="cuda", dtype=torch.bfloat16) / 64,
                    torch.randn(4 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) / 128) for _ in range(LAYERS)]
@@ -59,10 +83,7 @@ def run_one(who, cycles):
         with region("workspace", True):
             ws = torch.ones(WORKSPACE_BYTES // 4, device="cuda")
 
-    def decode(x):
-        for w1, w2 in layers:
-            x = x + torch.relu(x @ w1) @ w2
-        return x.float().softmax(-1) + ws[:HIDDEN]
+    decode = lambda x: decode_with(layers, x, ws)
 
     graphs, outs = {}, {}
     with region("graphs", False):
@@ -96,6 +117,10 @@ def run_one(who, cycles):
         t1 = time.perf_counter()
         free, _ = torch.cuda.mem_get_info()
         res["held_paused"].append(total - free - context)
+        if who == "gpupool":
+            # What gpupool itself still maps (the rest is the driver's and libraries').
+            j = gpupool.stats_json(0)
+            res.setdefault("gpupool_mapped_paused", []).append(j["total_bytes"] - sum(t["paused_bytes"] for t in j["tags"].values()))
         t2 = time.perf_counter()
         resume()
         torch.cuda.synchronize()
@@ -127,6 +152,8 @@ def main():
         r = run_one(sys.argv[2], cycles)
         r["held_paused_range"] = [min(r["held_paused"]), max(r["held_paused"])]
         r["held_paused"] = r["held_paused"][:3]
+        if "gpupool_mapped_paused" in r:
+            r["gpupool_mapped_paused"] = max(r["gpupool_mapped_paused"])
         print(json.dumps(r))
         return
     results = []
@@ -146,6 +173,7 @@ def main():
             results.append(json.loads(line))
         except ValueError:
             results.append({"who": who, "error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+            print(p.stderr[-3000:], file=sys.stderr)
         print(who, p.returncode, line[:400], file=sys.stderr)
     table(results)
 
