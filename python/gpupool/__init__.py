@@ -85,6 +85,7 @@ def lib():
             ("gpupool_free", c_int, [vp, c_int, vp]),
             ("gpupool_get_stats", c_int, [c_int, ctypes.POINTER(Stats)]),
             ("gpupool_reclaim", c_int, [c_int, ctypes.POINTER(c_size)]),
+            ("gpupool_enable_peer_access", c_int, [c_int, c_int, ctypes.POINTER(c_size)]),
             ("gpupool_tag_begin", c_int, [cp]),
             ("gpupool_tag_end", c_int, []),
             ("gpupool_tag_place", c_int, [cp, cp]),
@@ -208,6 +209,16 @@ def reclaim(device=-1):
     """Return cached memory to the driver; returns the bytes released."""
     n = ctypes.c_size_t(0)
     _check(lib().gpupool_reclaim(device, ctypes.byref(n)))
+    return n.value
+
+
+def enable_peer_access(device, peer):
+    """Let GPU `peer` read and write the memory gpupool maps on GPU `device`, now and from
+    now on (gpupool grants a peer only once asked, as PyTorch's expandable segments do;
+    PyTorch's peer copies ask by themselves; -1 for either: every GPU, every peer). Returns
+    the access grants made now."""
+    n = ctypes.c_size_t(0)
+    _check(lib().gpupool_enable_peer_access(int(device), int(peer), ctypes.byref(n)))
     return n.value
 
 

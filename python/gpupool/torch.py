@@ -31,7 +31,7 @@ import importlib.abc
 import sys
 import warnings
 
-from . import _fn_address, _framework, _torch_allocator, library_path, lib, share
+from . import _check, _fn_address, _framework, _torch_allocator, library_path, lib, share
 
 # (setter names across PyTorch versions, gpupool function)
 _HOOKS = [
@@ -68,6 +68,10 @@ def allocator():
             raise RuntimeError(f"gpupool: this PyTorch ({torch.__version__}) has none of {setters} on "
                                "CUDAPluggableAllocator; gpupool needs PyTorch 2.3 or newer")
         setter(_fn_address(fn))
+    # PyTorch's plug-in class has no peer-access hook: its peer copies would find arena
+    # memory not granted to the peer. Every peer that can is granted, as before grants were
+    # made on demand (recorded only: no CUDA work here).
+    _check(lib().gpupool_enable_peer_access(-1, -1, None))
     return alloc
 
 

@@ -94,6 +94,29 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> Status {
     call(|| registry::reset_peaks(device))
 }
 
+/// Let device `peer` read and write the memory gpupool maps on device `device`, what is
+/// mapped now and everything mapped from now on. Arena memory is granted to its own device
+/// and to the peers enabled so (PyTorch's allocator class calls this from its
+/// `enablePeerAccess` hook, before PyTorch's first peer copy); C and CuPy programs that read
+/// one device's memory from another call it first (after `cudaDeviceEnablePeerAccess`).
+/// -1 for either: every device, every peer that can (what the allocator grants without
+/// being asked, PyTorch's plug-in route uses it). `*out_grants` (optional) receives the
+/// access grants made now. `GPUPOOL_STATUS_INVALID_DEVICE` for a bad id;
+/// `GPUPOOL_STATUS_INVALID_ARGUMENT` where `peer` cannot access `device`.
+///
+/// # Safety
+/// `out_grants` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpupool_enable_peer_access(device: c_int, peer: c_int, out_grants: *mut usize) -> Status {
+    call(|| {
+        let n = registry::enable_peer_access(device, peer)?;
+        if !out_grants.is_null() {
+            *out_grants = n;
+        }
+        Ok(())
+    })
+}
+
 /// Return every wholly free cached segment of `device` (-1: all devices) to the upstream.
 /// `*out_released` (optional) receives the bytes released.
 ///

@@ -187,6 +187,13 @@ impl Pool {
         Ok(())
     }
 
+    /// Let device `peer` access this pool's memory from now on, what is mapped now included
+    /// (Note [Peer access on demand]); returns the grants made.
+    pub fn enable_peer(&mut self, peer: i32) -> Result<usize> {
+        self.running()?;
+        self.core.upstream_mut().vmm_enable_peer(peer)
+    }
+
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
     pub fn drop_pause_backup(&mut self) -> usize {
         self.core.upstream_mut().vmm_drop_backup()

@@ -459,6 +459,45 @@ pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     f(g.as_mut().expect("pinned pool created above"))
 }
 
+/// Let device `peer` read and write what `owner`'s pools map, now and from now on (Note
+/// [Peer access on demand] in `upstream/peers.rs`); -1 for either: every device, every
+/// peer that can (the grants of every peer, as before grants were made on demand).
+/// Recorded for pools made later, and granted by every pool of `owner` that exists.
+/// Returns the grants made.
+pub fn enable_peer_access(owner: i32, peer: i32) -> Result<usize> {
+    let limit = MAX_DEVICES.min(upstream::peers::MAX_PEER_DEVICES) as i32;
+    for (id, what) in [(owner, "device"), (peer, "peer")] {
+        if id < -1 || id >= limit {
+            return Err(Error::InvalidDevice { device: id, detail: format!("{what} ids are 0..{} (-1: every one)", limit - 1) });
+        }
+    }
+    let owners = if owner == -1 { existing_devices() } else { vec![owner] };
+    for &o in &owners {
+        device_pools(o)?;
+    }
+    if peer == owner && owner >= 0 {
+        return Ok(0); // a device is its own peer already
+    }
+    upstream::peers::enable(owner, peer);
+    let (mut total, mut first) = (0, None);
+    for o in owners {
+        if o == peer {
+            continue;
+        }
+        for m in &DEVICES[o as usize].shards {
+            if let Some(p) = lock_pool(m).as_mut() {
+                match p.enable_peer(peer) {
+                    Ok(n) => total += n,
+                    Err(e) => {
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+        }
+    }
+    first.map_or(Ok(total), Err)
+}
+
 /// Give every wholly free cached segment of `device` back (every shard). `None`: no pool.
 pub fn reclaim(device: i32) -> Result<Option<Result<usize>>> {
     let mut total: Option<Result<usize>> = None;

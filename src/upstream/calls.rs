@@ -33,6 +33,9 @@ pub struct DriverCalls {
     pub shareable: u64,
     /// `cuMemHostAlloc` of a tag's backup buffer (page-locking: the slow part of a first pause).
     pub host_alloc: u64,
+    /// Peer devices granted access, summed over grants (a grant to the device and two peers
+    /// counts 2; Note [Peer access on demand]). Not a call: out of `fields` and `total`.
+    pub peer_grants: u64,
 }
 
 impl DriverCalls {
@@ -79,6 +82,7 @@ impl DriverCalls {
             capture_info,
             shareable,
             host_alloc,
+            peer_grants,
         } = *o;
         self.malloc += malloc;
         self.free += free;
@@ -97,6 +101,7 @@ impl DriverCalls {
         self.capture_info += capture_info;
         self.shareable += shareable;
         self.host_alloc += host_alloc;
+        self.peer_grants += peer_grants;
     }
 
     pub fn total(&self) -> u64 {
@@ -115,7 +120,7 @@ impl DriverCalls {
         for (name, n) in self.fields() {
             let _ = write!(o, "\"{name}\":{n},");
         }
-        let _ = write!(o, "\"total\":{}}}", self.total());
+        let _ = write!(o, "\"total\":{},\"peer_grants\":{}}}", self.total(), self.peer_grants);
         o
     }
 

@@ -37,6 +37,10 @@ pub struct HostUpstream {
     decommitted: BTreeSet<usize>,
     vmm: HostVmm,
     calls: DriverCalls,
+    /// The simulated device (-1: one of its own) and the peers enabled for its memory
+    /// (Note [Peer access on demand]): every grant counts them as a GPU's would.
+    device: i32,
+    peers: Vec<i32>,
     /// Segments handed out, by address: a release must name one exactly, and dropping the
     /// upstream releases what is left, as destroying a CUDA context releases its memory.
     segments: rustc_hash::FxHashMap<usize, usize>,
@@ -45,7 +49,7 @@ pub struct HostUpstream {
 impl HostUpstream {
     /// A simulated device of its own, of `capacity` bytes.
     pub fn new(capacity: usize) -> Self {
-        Self::sharing(capacity, Arc::default())
+        Self::sharing(capacity, Arc::default(), -1)
     }
 
     /// Simulated device `device` of this process (`capacity` bytes): every upstream made
@@ -61,10 +65,10 @@ impl HostUpstream {
                 s
             }
         };
-        Self::sharing(capacity, shared)
+        Self::sharing(capacity, shared, device)
     }
 
-    fn sharing(capacity: usize, device_allocated: Arc<AtomicUsize>) -> Self {
+    fn sharing(capacity: usize, device_allocated: Arc<AtomicUsize>, device: i32) -> Self {
         HostUpstream {
             capacity,
             device_allocated,
@@ -72,6 +76,8 @@ impl HostUpstream {
             decommitted: BTreeSet::new(),
             vmm: HostVmm::new(HOST_PAGE),
             calls: DriverCalls::default(),
+            device,
+            peers: crate::upstream::peers::enabled(device),
             segments: Default::default(),
         }
     }
@@ -135,6 +141,12 @@ fn protect(addr: usize, len: usize, prot: libc::c_int) -> Result<()> {
 }
 
 impl HostUpstream {
+    /// One access grant, to the device and its enabled peers.
+    fn granted(&mut self) {
+        self.calls.set_access += 1;
+        self.calls.peer_grants += self.peers.len() as u64;
+    }
+
     /// New memory under `[addr, addr + len)`: granule by granule, or one chunk.
     fn map(&mut self, addr: usize, len: usize, chunk: bool) -> std::result::Result<(), AllocError> {
         let n = if chunk { 1 } else { (len / self.vmm.granule()) as u64 };
@@ -147,8 +159,8 @@ impl HostUpstream {
             self.give(len);
             return Err(e.into());
         }
-        (self.calls.mem_create, self.calls.mem_map, self.calls.set_access) =
-            (self.calls.mem_create + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        (self.calls.mem_create, self.calls.mem_map) = (self.calls.mem_create + n, self.calls.mem_map + n);
+        self.granted();
         Ok(())
     }
 }
@@ -293,10 +305,32 @@ impl VirtualMemory for HostUpstream {
         if !self.take(bytes) {
             return Err(AllocError::OutOfMemory);
         }
-        self.vmm.resume().map_err(|e| {
+        let r = self.vmm.resume().map_err(|e| {
             self.give(bytes);
             AllocError::from(e)
-        })
+        });
+        if r.is_ok() {
+            self.granted();
+        }
+        r
+    }
+
+    fn vmm_enable_peer(&mut self, peer: i32) -> Result<usize> {
+        // (-1, every peer: a simulated device knows none.)
+        if peer == -1 || peer == self.device || self.peers.contains(&peer) {
+            return Ok(0);
+        }
+        if self.device < 0 || !(0..crate::upstream::peers::MAX_PEER_DEVICES as i32).contains(&peer) {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "peer access: device {peer} cannot access device {}'s memory (no such simulated device)",
+                self.device
+            )));
+        }
+        let runs = self.vmm.mapped_runs();
+        self.calls.set_access += runs as u64;
+        self.calls.peer_grants += runs as u64;
+        self.peers.push(peer);
+        Ok(runs)
     }
 
     fn vmm_paused_bytes(&self) -> usize {
@@ -336,7 +370,7 @@ impl VirtualMemory for HostUpstream {
             self.calls.mem_map += 1;
             i += n;
         }
-        self.calls.set_access += 1;
+        self.granted();
         Ok(())
     }
 
@@ -366,8 +400,9 @@ impl Ipc for HostUpstream {
     fn vmm_import(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource) -> Result<usize> {
         let ptr = self.vmm.import(d, fds)?;
         let n = d.granules.len() as u64;
-        (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map, self.calls.set_access) =
-            (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n, self.calls.set_access + 1);
+        (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map) =
+            (self.calls.address_reserve + 1, self.calls.shareable + n, self.calls.mem_map + n);
+        self.granted();
         Ok(ptr)
     }
 

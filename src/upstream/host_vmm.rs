@@ -82,6 +82,24 @@ impl HostVmm {
         self.granule
     }
 
+    /// Runs of contiguous mappings (homes, aliases, imports): the grants a peer enabled
+    /// now gets, one per run, as on a GPU (Note [Peer access on demand]).
+    pub fn mapped_runs(&self) -> usize {
+        let mut all: Vec<(usize, usize)> = self.mapped.keys().map(|&a| (a, self.granule)).collect();
+        all.extend(self.aliases.keys().map(|&a| (a, self.granule)));
+        all.extend(self.imports.iter().map(|(&b, &(n, _))| (b, n * self.device_granule)));
+        all.sort_unstable();
+        let mut runs = 0;
+        let mut end = usize::MAX;
+        for (a, l) in all {
+            if a != end {
+                runs += 1;
+            }
+            end = a + l;
+        }
+        runs
+    }
+
     pub fn device_granule(&self) -> usize {
         self.device_granule
     }

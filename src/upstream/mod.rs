@@ -42,6 +42,7 @@ pub mod host_vmm;
 pub mod ipc;
 pub mod legacy_descriptor;
 pub mod opens_file;
+pub mod peers;
 pub mod shared;
 pub mod sim;
 pub mod stream_id;

@@ -110,4 +110,10 @@ pub trait VirtualMemory: Memory {
     fn vmm_drop_backup(&mut self) -> usize {
         0
     }
+    /// Let device `peer` access this upstream's memory from now on, granting it what is
+    /// mapped now (Note [Peer access on demand] in `upstream/peers.rs`); returns the grants
+    /// made. Upstreams without peers grant nothing.
+    fn vmm_enable_peer(&mut self, _peer: i32) -> Result<usize> {
+        Ok(0)
+    }
 }

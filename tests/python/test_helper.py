@@ -651,3 +651,25 @@ def test_python_signatures_match_the_c_headers(library):
     body = header[header.index("typedef struct gpupool_stats {"):header.index("} gpupool_stats;")]
     c_fields = re.findall(r"^\s*(uint32_t|uint64_t)\s+(\w+);", body, flags=re.M)
     assert [(n, 4 if t == "uint32_t" else 8) for t, n in c_fields] == [tuple(f) for f in got["fields"]]
+
+
+def test_every_peer_enabled_at_once_is_what_later_pools_grant_on_host(library):
+    # What PyTorch's plug-in route asks for (it has no peer-access hook): -1, -1 records
+    # every peer of every device; a pool made later grants them with each grant.
+    out = ok(run_py("""
+        import ctypes, gpupool
+        assert gpupool.enable_peer_access(-1, -1) == 0, "nothing was mapped yet"
+        gpupool.configure(3, pool="arena", upstream="host")
+        p = ctypes.c_void_p()
+        assert gpupool.lib().gpupool_malloc(ctypes.byref(p), 5 << 20, 3, None) == 0
+        calls = gpupool.stats_json(3)["driver_calls"]
+        assert calls["set_access"] >= 1 and calls["peer_grants"] == 63 * calls["set_access"], calls
+        for bad in ((3, 64), (-2, 0)):
+            try:
+                gpupool.enable_peer_access(*bad)
+                raise SystemExit(f"enabled {bad}")
+            except gpupool.GpupoolError as e:
+                assert str(bad[0] if bad[0] < 0 else bad[1]) in str(e), e
+        print("peers", calls["peer_grants"])
+    """))
+    assert out.startswith("peers")

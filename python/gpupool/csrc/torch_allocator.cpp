@@ -109,7 +109,8 @@ using c10::CachingDeviceAllocator::TraceEntry;
   X(ipc_export_torch, gpupool_ipc_export_torch)                                                            \
   X(ipc_open_torch, gpupool_ipc_open_torch)                                                                \
   X(ipc_close, gpupool_ipc_close)                                                                          \
-  X(block_size, gpupool_torch_block_size)
+  X(block_size, gpupool_torch_block_size)                                                                  \
+  X(enable_peer_access, gpupool_enable_peer_access)
 
 struct Library {
 #define GPUPOOL_MEMBER(member, function) decltype(&::function) member;
@@ -802,6 +803,8 @@ class GpupoolAllocator final : public cca::CUDAAllocator {
     } else {
       C10_CUDA_CHECK(err);
     }
+    // gpupool grants a peer its arena memory only once asked (Note [Peer access on demand]).
+    check(lib.enable_peer_access(dev_to_access, dev, nullptr));
   }
 
   cudaError_t memcpyAsync(void *dst, int dstDevice, const void *src, int srcDevice, size_t count, cudaStream_t stream,

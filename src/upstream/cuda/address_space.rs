@@ -9,9 +9,10 @@
 //! into a handle is refused), so aliases, releases and exports here take whole allocations,
 //! and an alias or an import of a chunk is one `cuMemMap`.
 //!
-//! Access is granted to the owning device and to every device that can access it as a
-//! peer, so peer copies and NCCL over NVLink see arena memory as they see `cuMemAlloc`
-//! memory. Called with the device's primary context current (`CudaUpstream` does that).
+//! Access is granted to the owning device and to the peers enabled for it (Note [Peer
+//! access on demand] in `upstream/peers.rs`); enabling a peer grants it what is mapped
+//! then (`enable_peer`). Called with the device's primary context current (`CudaUpstream`
+//! does that).
 //!
 //! Granules are created shareable as POSIX file descriptors where the device supports it,
 //! so another process can map them (`crate::upstream::shared`): `export` hands out a
@@ -65,8 +66,10 @@ pub struct CudaVmm {
     granule: usize,
     /// The device's granularity.
     device_granule: usize,
-    /// Who may read and write arena memory: the device, then its peers.
+    /// Who may read and write arena memory: the device, then the peers enabled for it.
     access: Vec<sys::CUmemAccessDesc>,
+    /// Devices that can access this device's memory as peers (`cuDeviceCanAccessPeer`).
+    possible_peers: Vec<sys::CUdevice>,
     /// Physical allocations mapped: base -> (handle, bytes: a granule or a chunk).
     handles: BTreeMap<usize, (sys::CUmemGenericAllocationHandle, usize)>,
     /// Alias address (every granule of an alias) -> the home granule whose memory it shows.
@@ -147,19 +150,25 @@ impl CudaVmm {
         let mut access = vec![sys::CUmemAccessDesc { location: prop.location, flags: rw }];
         let mut n = 0;
         check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        let mut possible_peers = Vec::new();
         for peer in (0..n).filter(|&d| d != device) {
             let mut can = 0;
             if unsafe { sys::cuDeviceCanAccessPeer(&mut can, peer, device) } == sys::CUresult::CUDA_SUCCESS && can != 0 {
-                let mut loc = prop.location;
-                loc.id = peer;
-                access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
+                possible_peers.push(peer);
             }
+        }
+        // Peers enabled before this upstream was made (a pool made later on the device).
+        for peer in crate::upstream::peers::enabled(device).into_iter().filter(|p| possible_peers.contains(p)) {
+            let mut loc = prop.location;
+            loc.id = peer;
+            access.push(sys::CUmemAccessDesc { location: loc, flags: rw });
         }
         Ok(Some(CudaVmm {
             prop,
             granule: g,
             device_granule: g,
             access,
+            possible_peers,
             handles: BTreeMap::new(),
             aliases: FxHashMap::default(),
             alias_maps: BTreeMap::new(),
@@ -218,6 +227,7 @@ impl CudaVmm {
     /// access list (1: the device alone).
     fn grant(&self, addr: usize, len: usize, who: usize, calls: &mut DriverCalls) -> sys::CUresult {
         calls.set_access += 1;
+        calls.peer_grants += who.saturating_sub(1) as u64;
         unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, self.access.as_ptr(), who) }
     }
 
@@ -230,6 +240,55 @@ impl CudaVmm {
         }
         self.access.truncate(1);
         self.grant(addr, len, 1, calls)
+    }
+
+    /// Let `peer` (-1: every possible peer) read and write this device's memory from now on
+    /// (Note [Peer access on demand]): every mapping made from now on grants it, and what is mapped now (this
+    /// device's allocations, their aliases, other processes' memory mapped here) is granted
+    /// it at once, contiguous mappings in one call. Returns the grants made. A device that
+    /// cannot access this one as a peer is refused, saying so; a grant the driver refuses
+    /// leaves the peer out (the grants made stay: they are harmless).
+    pub fn enable_peer(&mut self, peer: sys::CUdevice, calls: &mut DriverCalls) -> Result<usize> {
+        if peer == -1 {
+            // Every device that can be a peer of this one.
+            let mut n = 0;
+            for p in self.possible_peers.clone() {
+                n += self.enable_peer(p, calls)?;
+            }
+            return Ok(n);
+        }
+        let device = self.prop.location.id;
+        if peer == device || self.access.iter().any(|a| a.location.id == peer) {
+            return Ok(0);
+        }
+        if !self.possible_peers.contains(&peer) {
+            return Err(Error::InvalidArgument(format!(
+                "peer access: device {peer} cannot access device {device}'s memory (cuDeviceCanAccessPeer says no)"
+            )));
+        }
+        let mut desc = self.access[0];
+        desc.location.id = peer;
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let mapped = self.handles.iter().map(|(&b, &(_, l))| (b, l)).chain(self.alias_maps.iter().map(|(&b, &l)| (b, l)));
+        let imported = self.imports.iter().filter(|(_, i)| i.2.is_empty()).map(|(&b, i)| (b, i.0));
+        let mut all: Vec<(usize, usize)> = mapped.chain(imported).collect();
+        all.sort_unstable();
+        for (b, l) in all {
+            match ranges.last_mut() {
+                Some(last) if last.0 + last.1 == b => last.1 += l,
+                _ => ranges.push((b, l)),
+            }
+        }
+        for &(addr, len) in &ranges {
+            calls.set_access += 1;
+            calls.peer_grants += 1;
+            let r = unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, &desc, 1) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(cuda_error("cuMemSetAccess (granting a peer)", r));
+            }
+        }
+        self.access.push(desc);
+        Ok(ranges.len())
     }
 
     /// The allocation mapped at `addr` (any address in it): (base, handle, bytes).

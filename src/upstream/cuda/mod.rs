@@ -258,6 +258,15 @@ impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
         vmm.prepare_backup(calls)
     }
 
+    fn vmm_enable_peer(&mut self, peer: i32) -> Result<usize> {
+        if self.vmm.as_ref().and_then(|v| v.as_ref()).is_none() {
+            return Ok(0); // no arena here: `cuMemAlloc` memory needs no grant
+        }
+        let _g = self.enter()?;
+        let (vmm, calls) = self.vmm_parts()?;
+        vmm.enable_peer(peer, calls)
+    }
+
     fn vmm_drop_backup(&mut self) -> usize {
         let Ok(_g) = self.enter() else { return 0 };
         self.vmm.as_mut().and_then(|v| v.as_mut()).map_or(0, |v| v.drop_backup())
