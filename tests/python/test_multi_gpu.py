@@ -1,7 +1,8 @@
 """Two GPUs through gpupool (skipped with fewer than two): peer copies and a torchrun DDP job
-with NCCL, on the split pool and on the arena. The arena's mappings grant access to every
-peer the driver allows (`upstream/cuda/address_space.rs`); without that grant a copy kernel or
-an NCCL kernel on the other device faults on arena memory, which these tests would catch."""
+with NCCL, on the split pool and on the arena. The arena's mappings grant a peer access once
+it is enabled (Note [Peer access on demand]: PyTorch's copies enable it through the
+allocator class's hook); without that grant a copy kernel or an NCCL kernel on the other
+device faults on arena memory, which these tests would catch."""
 import os
 import subprocess
 import sys
@@ -48,14 +49,16 @@ def test_peer_copies_both_ways_keep_the_data(two_gpus, pool):
     for dev in (0, 1):
         s = gpupool.stats_json(dev)
         s = s[0] if isinstance(s, list) else s
-        print("POOL", dev, s["strategy"], s["n_allocs"])
+        print("POOL", dev, s["strategy"], s["n_allocs"], s["driver_calls"]["peer_grants"])
     """
     out = ok(run_py(code, env={"GPUPOOL_POOL": pool}))
     pools = [l.split() for l in out.splitlines() if l.startswith("POOL")]
     assert len(pools) == 2, out
-    for _, dev, strategy, n_allocs in pools:
+    for _, dev, strategy, n_allocs, peer_grants in pools:
         assert strategy == pool, out          # the arena did not fall back to split
         assert int(n_allocs) > 0, out          # gpupool served both devices
+        if pool == "arena":
+            assert int(peer_grants) > 0, out  # the copies enabled the peer, which was granted
 
 
 DDP = """
