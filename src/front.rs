@@ -68,10 +68,10 @@ pub fn malloc_unordered(device: i32, size: usize) -> Result<usize> {
 /// graph capture, a `MemPool` scope; the thread caches step aside). A route takes it first:
 /// a tag's pool's routes (this thread's tag's first: a capture begun under a tag), then
 /// shard 0's (one begun outside every tag), so that a capture's memory is the graph's
-/// whichever tag the allocating thread is under; else the thread's tag's pool or its
-/// stream's shard serves it as at any other time. A tag (`crate::tags`) has a pool of its
-/// own, served without the thread cache (a tag's blocks are few and long-lived: weights,
-/// caches).
+/// whichever tag the allocating thread is under; else the thread's tag's pool serves it,
+/// or shard 0 an untagged one (`registry::shard_for` names it while routes are active). A
+/// tag (`crate::tags`) has a pool of its own, served without the thread cache (a tag's
+/// blocks are few and long-lived: weights, caches).
 fn malloc_while_routed(device: i32, size: usize, stream: usize) -> Result<usize> {
     if let Some(p) = routed_elsewhere(device, size, stream)? {
         return Ok(p);
@@ -88,8 +88,9 @@ fn malloc_while_routed(device: i32, size: usize, stream: usize) -> Result<usize>
     }
 }
 
-/// Allocate for a caller whose capture the pool must detect itself (CuPy on a user stream:
-/// a capture it detects and nobody announced starts a private pool, which lives in shard 0).
+/// Allocate for a caller whose capture the pool must detect itself (CuPy on a user stream):
+/// a route takes it first (`routed_elsewhere`, then shard 0's); a capture it detects that
+/// nobody announced starts a private pool in shard 0, outside tags.
 pub fn malloc_detecting_capture(device: i32, size: usize, stream: usize) -> Result<usize> {
     if crate::pool::routes_active() {
         if let Some(p) = routed_elsewhere(device, size, stream)? {

@@ -539,3 +539,36 @@ fn peaks_start_again_from_what_is_held_now() {
     assert_eq!(s.peak_requested_bytes, s.requested_bytes);
     p.free(b, T).unwrap();
 }
+
+/// Two pools of one device (a tag's pool holding a capture's route, and shard 0 without
+/// one) share a budget. A free in shard 0 on the capturing stream during that capture must
+/// not keep the capture noted as one nobody announced once it ended: shard 0's released
+/// graph pool goes back.
+#[test]
+fn a_capture_announced_in_another_pool_of_the_device_is_not_noted_past_its_end() {
+    let dev = Arc::new(Mutex::new(Device::default()));
+    let budget = Arc::new(gpupool::pool::Budget::default());
+    let make = || {
+        let up = CaptureUpstream { host: HostUpstream::new(1 << 30), dev: dev.clone(), next_event: 0 };
+        let opts = PoolOptions { kind: PoolKind::Split, check_invariants: true, event_batch: 1, budget: Some(budget.clone()), ..Default::default() };
+        Pool::new(0, Box::new(up), &opts).unwrap()
+    };
+    let (mut tag, mut shard0) = (make(), make());
+    begin_capture(&dev, S, 1);
+    shard0.begin_allocate_to_pool((1, 0), Filter::Capture(1)).unwrap();
+    let g = shard0.malloc(MIB, S).unwrap();
+    shard0.free(g, S).unwrap();
+    end_capture(&dev, S);
+    shard0.end_allocate_to_pool((1, 0)).unwrap();
+    let eager = shard0.malloc(MIB, S).unwrap();
+    begin_capture(&dev, S, 7);
+    tag.begin_allocate_to_pool((7, 0), Filter::Capture(7)).unwrap();
+    assert!(budget.routes_active());
+    shard0.free(eager, S).unwrap(); // an eager block freed on the capturing stream
+    end_capture(&dev, S);
+    tag.end_allocate_to_pool((7, 0)).unwrap();
+    shard0.settle_after_captures();
+    assert!(!budget.routes_active());
+    assert!(shard0.release_pool((1, 0)).unwrap() > 0, "shard 0's released graph pool went back");
+    assert!(forbidden(&dev).is_empty(), "{:?}", forbidden(&dev));
+}

@@ -684,3 +684,40 @@ fn a_private_pool_begun_under_a_tag_is_the_tags_memory_and_pauses_with_it() {
     assert_eq!(gpupool_release_pool(d, 12), Status::Ok, "{}", last());
     free(weights, d);
 }
+
+/// A graph made under a tag keeps the tag's memory: placing the tag elsewhere is refused
+/// while the graph's pool lives, naming it; a graph released while its tag sleeps goes
+/// back at the resume, without an error.
+#[test]
+fn a_tags_graph_pool_blocks_a_new_place_and_is_released_after_a_pause() {
+    use gpupool::ffi::graph::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
+    use gpupool::ffi::tags::gpupool_tag_place;
+    let d = 28;
+    host(d);
+    let tag_figure = |key: &str| figure_after(d, "\"sleeper\":", key);
+    begin(c"sleeper");
+    let w = malloc(MIB, d).unwrap();
+    assert_eq!(unsafe { gpupool_begin_allocate_to_pool(d, 51, null_mut()) }, Status::Ok, "{}", last());
+    let g = malloc(3 * MIB, d).unwrap();
+    free(g, d);
+    assert_eq!(gpupool_end_allocate_to_pool(d, 51), Status::Ok, "{}", last());
+    end();
+    free(w, d);
+    // Nothing live, but the graph (one use of pool 51) still holds its memory.
+    let st = unsafe { gpupool_tag_place(c"sleeper".as_ptr(), c"cuda-ipc".as_ptr()) };
+    assert_eq!(st, Status::Busy);
+    assert!(last().contains("CUDA graph or MemPool"), "{}", last());
+    assert!(common::device_json(d).contains("\"sleeper\":{\"memory\":\"pausable\""), "nothing changed");
+
+    let w = malloc(MIB, d).unwrap(); // the tag's weights, outside the tag: untagged
+    begin(c"sleeper");
+    let kept = malloc(MIB, d).unwrap();
+    end();
+    pause(d, c"sleeper", true).unwrap();
+    assert_eq!(gpupool_release_pool(d, 51), Status::Ok, "a graph destroyed during the sleep: {}", last());
+    let reserved = tag_figure("total_bytes");
+    resume(d, c"sleeper").unwrap();
+    assert_eq!(tag_figure("total_bytes"), reserved - TAG_GRANULE as u64, "the released graph's memory went at the resume");
+    free(kept, d);
+    free(w, d);
+}

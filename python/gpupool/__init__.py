@@ -338,8 +338,12 @@ def named_tags():
     """Every tag this process named, in the order named: {name: memory} ("pausable" or
     "cuda-ipc", `place_tag`)."""
     n = lib().gpupool_tag_names(None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    lib().gpupool_tag_names(buf, n + 1)
+    while True:
+        buf = ctypes.create_string_buffer(n + 1)
+        need = lib().gpupool_tag_names(buf, n + 1)
+        if need <= n:
+            break
+        n = need                          # a tag was named meanwhile
     lines = buf.value.decode().splitlines()
     return dict(line.split("\t", 1) for line in lines)
 
@@ -416,7 +420,10 @@ def pause(tags=None, backup=True, device=-1, stream=None):
         if before == 0:
             done.append(name)
     if everything:
-        total += reclaim(device)
+        try:
+            total += reclaim(device)
+        except GpupoolError as e:
+            raise GpupoolError(e.status, f"{e} (every tag is paused; only the cached memory was not given back)") from None
     return total
 
 

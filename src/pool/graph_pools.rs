@@ -41,10 +41,10 @@
 //! `tests/python/test_graphs.py` and the class's graph and MemPool tests (GPU).
 //!
 //! Limitations.
-//! - Private pools are `cuMemAlloc` segments cut by `split`, whatever the device's strategy
-//!   (a tag's are mapped memory: Note [Graph pools under a tag]): they fragment as
-//!   PyTorch's private pools do, and their blocks are shared only through CUDA's IPC
-//!   handles (gpupool's export refuses them, saying so).
+//! - Private pools are cut by `split`, whatever the device's strategy, so they fragment as
+//!   PyTorch's private pools do. Outside tags they are `cuMemAlloc` segments, whose blocks
+//!   are shared only through CUDA's IPC handles; a tag's are mapped memory (Note [Graph
+//!   pools under a tag]), which gpupool's export refuses, saying so.
 //! - Giving a released pool's memory back synchronises the device once.
 //!
 //! Note [Graph pools under a tag]
@@ -77,10 +77,17 @@
 //! `tests/python/test_tags.py` (GPU: graphs and a `MemPool` under a tag paused and resumed).
 //!
 //! Limitations. A pause refuses while a route into the tag is active (a capture or a
-//! `use_mem_pool` block in progress). A private pool keeps the home it was made in: a
-//! `MemPool` made outside a tag and used inside one stays outside it (make it under the
-//! tag). A capture CuPy starts itself (`Stream.begin_capture` without gpupool's helper)
+//! `use_mem_pool` block in progress) and while its stream captures; a private pool released
+//! while its tag is paused goes at the resume. A private pool keeps the home it was made
+//! in: a `MemPool` made outside a tag and used inside one stays outside it (make it under
+//! the tag). A capture CuPy starts itself (`Stream.begin_capture` without gpupool's helper)
 //! keeps its memory in shard 0. Each private segment is at least a tag granule (32 MiB).
+//! The tags' routes are asked before shard 0's whatever their order: a `use_mem_pool` of a
+//! pool made outside tags, nested inside a capture begun under a tag, serves the capture's
+//! pool. Relaxed capture mode is per device, while CUDA's global mode spans the process: a
+//! tag's pool growing on one device during a global-mode capture on another may still
+//! invalidate that capture (PyTorch captures in global mode by default on the capturing
+//! device).
 
 mod routes;
 
@@ -398,8 +405,9 @@ impl Pool {
     fn destroy_if_unused(&mut self, id: PoolId) -> Result<usize> {
         let Some(p) = self.graphs.pools.get(&id) else { return Ok(0) };
         // While any route is active a capture may be running, which a device-wide
-        // synchronisation would invalidate: the last route's end releases the pool.
-        if p.uses > 0 || p.live > 0 || !self.device_sync_allowed() {
+        // synchronisation would invalidate: the last route's end releases the pool. While
+        // the pool is paused its segments are unmapped already: the resume releases it.
+        if p.uses > 0 || p.live > 0 || !self.device_sync_allowed() || self.is_paused() {
             return Ok(0);
         }
         if p.reserved > 0 {

@@ -33,6 +33,12 @@ impl Pool {
     /// release it. Returns the device bytes released, cached ones included.
     pub fn pause(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
         self.ready_to_pause(&format!("pause `{name}`"))?;
+        if !crate::stream::is_legacy(stream) && self.core.upstream_mut().capture_id(stream)?.is_some() {
+            // Its wait for `stream` would be an event recorded into the graph.
+            return Err(Error::Busy(format!(
+                "pause `{name}`: stream {stream:#x} is capturing a CUDA graph; pause outside the capture"
+            )));
+        }
         // Blocks sent to other processes end their exports as their memory is released
         // (the upstream clears them first): a descriptor sent before the pause is refused
         // after it. A receiver that still maps the memory would keep the old allocation
@@ -139,6 +145,8 @@ impl Pool {
         for ptr in p.frees {
             let _ = self.free(ptr, FreeOn::Stream(STREAM_LEGACY));
         }
+        // Private pools released while paused (a graph destroyed during the sleep) go now.
+        self.settle_after_captures();
         Ok(bytes)
     }
 

@@ -6,8 +6,9 @@
 //! So a device's pool is `1 + GPUPOOL_STREAM_SHARDS` independent pools
 //! (`Pool`, each with its own strategy, books, stream events and upstream instance):
 //! - shard 0 serves the legacy stream, the per-thread default stream, callers that name
-//!   no stream (CuPy) and everything about private pools (CUDA graphs, `MemPool`s: while
-//!   one routes allocations, every allocation goes to shard 0), and holds the settings;
+//!   no stream (CuPy) and the private pools (CUDA graphs, `MemPool`s) made outside tags
+//!   (while one routes allocations, every untagged allocation goes to shard 0; a tag's
+//!   pool holds those made under the tag: `private_pools.rs`), and holds the settings;
 //! - each user stream is placed on one of shards `1..=n` the first time it allocates
 //!   (`streams.rs`, round robin) and allocates there from then on, unless it finds another
 //!   live stream allocating there too and an idle shard to move to;

@@ -37,36 +37,65 @@ fn each_tag_pool(device: i32, name: &str, mut f: impl FnMut(&mut Pool) -> Result
     Ok(total)
 }
 
+/// Why tag `name`'s pool `p` on `device` cannot be replaced by one of other memory, if
+/// it cannot: it holds memory (live, paused), a private pool (a graph or `MemPool` made under
+/// the tag, which keeps its memory), or a route into one is active.
+fn not_replaceable(p: &mut Pool, name: &str, device: i32) -> Option<String> {
+    p.flush_thread_caches(None);
+    let live = p.live_count();
+    let private_pools = p.private_pool_summary().0;
+    if p.is_paused() {
+        Some(format!("its memory on device {device} is paused; resume it and free what is under it first"))
+    } else if live > 0 {
+        Some(format!("{live} live allocation(s) under it on device {device}; free them first"))
+    } else if p.routes_allocations() || private_pools > 0 {
+        Some(format!(
+            "{private_pools} CUDA graph or MemPool pool(s) made under it hold memory on device {device}; destroy \
+             them (the graphs, the MemPools) first"
+        ))
+    } else {
+        let _ = name;
+        None
+    }
+}
+
 /// Make tag `name`'s memory of `kind` (Note [A tag's memory]), naming the tag now if it is
 /// new. Refused, with nothing changed, while a pool of the tag holds memory on any device
-/// (live, paused or cached by threads); pools of the tag that hold none are dropped, so
-/// that its next allocation on each device makes a pool of `kind`.
+/// (`not_replaceable`); pools of the tag that hold none are dropped, so that its next
+/// allocation on each device makes a pool of `kind`. An allocation under the tag that
+/// races with this call is either in a pool of `kind` or makes the call refuse, its choice
+/// undone.
 pub fn place_tag(name: &str, kind: TagMemory) -> Result<()> {
     let tag = crate::tags::index_of(name)?;
-    if crate::tags::memory(tag) == kind {
+    let old = crate::tags::memory(tag);
+    if old == kind {
         return Ok(());
     }
+    let refuse = |why: String| {
+        Error::Busy(format!(
+            "place tag {name:?} as {}: its memory is {} already and is chosen before its first allocation; {why}",
+            kind.name(),
+            old.name()
+        ))
+    };
     let devices = existing_devices();
     for &d in &devices {
         let s = device_pools(d)?;
-        if let Some(p) = lock_pool(&s.shards[tag_shard(tag)]).as_mut() {
-            p.flush_thread_caches(None);
-            let live = p.live_count();
-            if live > 0 || p.is_paused() || p.routes_allocations() {
-                return Err(Error::Busy(format!(
-                    "place tag {name:?} as {}: its memory on device {d} is {} already ({live} live allocation(s)); a tag's                      memory is chosen before its first allocation: free what is under it{} first",
-                    kind.name(),
-                    crate::tags::memory(tag).name(),
-                    if p.is_paused() { " and resume it" } else { "" }
-                )));
-            }
+        if let Some(why) = lock_pool(&s.shards[tag_shard(tag)]).as_mut().and_then(|p| not_replaceable(p, name, d)) {
+            return Err(refuse(why));
         }
     }
     crate::tags::set_memory(tag, kind);
+    // Each pool is checked again under the lock that drops it: an allocation made since
+    // the check above keeps it, and the choice is undone.
     for d in devices {
         let s = device_pools(d)?;
         let mut g = lock_pool(&s.shards[tag_shard(tag)]);
-        if g.as_ref().is_some_and(|p| p.live_count() == 0) {
+        if let Some(p) = g.as_mut() {
+            if let Some(why) = not_replaceable(p, name, d) {
+                crate::tags::set_memory(tag, old);
+                return Err(refuse(why));
+            }
             // Dropping the idle pool gives its cached memory back.
             *g = None;
         }

@@ -192,7 +192,9 @@ impl Pool {
             return false;
         }
         let capture = self.core.upstream_mut().capture_id(stream).ok().flatten();
-        if !self.graphs.has_routes() {
+        if !routed {
+            // A capture nobody announced (a route on the device announces its own, which
+            // must not be kept here past its end).
             self.graphs.note_capture(stream, capture);
         }
         capture.is_some()
