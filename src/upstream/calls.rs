@@ -114,13 +114,13 @@ impl DriverCalls {
         self.malloc + self.free + self.mem_create + self.mem_release + self.mem_map + self.mem_unmap + self.set_access
     }
 
-    /// `{"malloc":1,...,"total":N}`
+    /// `{"malloc":1,...,"peer_grants":G,"total":N}` (`peer_grants` is no call: not in `total`)
     pub fn json(&self) -> String {
         let mut o = String::from("{");
         for (name, n) in self.fields() {
             let _ = write!(o, "\"{name}\":{n},");
         }
-        let _ = write!(o, "\"total\":{},\"peer_grants\":{}}}", self.total(), self.peer_grants);
+        let _ = write!(o, "\"peer_grants\":{},\"total\":{}}}", self.peer_grants, self.total());
         o
     }
 
@@ -144,7 +144,7 @@ mod tests {
         let c = DriverCalls { malloc: 2, mem_map: 3, event_record: 4, ..Default::default() };
         assert_eq!(c.total(), 9);
         assert_eq!(c.memory_calls(), 5);
-        assert!(c.json().starts_with("{\"malloc\":2,") && c.json().ends_with("\"total\":9}"), "{}", c.json());
+        assert!(c.json().starts_with("{\"malloc\":2,") && c.json().ends_with("\"peer_grants\":0,\"total\":9}"), "{}", c.json());
         assert_eq!(c.text(), "malloc 2, mem_map 3, event_record 4");
         assert_eq!(DriverCalls::default().text(), "none");
     }
