@@ -5,10 +5,9 @@
 //! it; a device with no peer enabled never grants one. `peer_grants` counts the peers
 //! granted, grant by grant, as on a GPU.
 
-use gpupool::ffi::core::{gpupool_enable_peer_access, gpupool_free, gpupool_malloc};
+use gpupool::ffi::core::gpupool_enable_peer_access;
 use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_resume};
 use gpupool::Status;
-use std::ffi::c_void;
 use std::ptr::null_mut;
 
 mod common;
@@ -18,15 +17,7 @@ fn host(d: i32) {
     common::host_device_256mib(d, c"arena");
 }
 
-fn malloc(size: usize, d: i32) -> usize {
-    let mut p = null_mut();
-    assert_eq!(unsafe { gpupool_malloc(&mut p, size, d, null_mut()) }, Status::Ok, "{}", last());
-    p as usize
-}
-
-fn free(p: usize, d: i32) {
-    assert_eq!(unsafe { gpupool_free(p as *mut c_void, d, null_mut()) }, Status::Ok, "{}", last());
-}
+use common::{free_on as free, malloc_on as malloc};
 
 /// `device`'s figure `key` under `driver_calls` (every pool of the device added up).
 fn calls(d: i32, key: &str) -> u64 {

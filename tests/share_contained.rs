@@ -6,10 +6,8 @@
 //! exports, device 2 imports (the host upstream maps this same process's memory as
 //! another's).
 
-use gpupool::ffi::core::{gpupool_free, gpupool_malloc};
 use gpupool::ffi::ipc::GPUPOOL_IPC_SHARE_GRANULES;
 use gpupool::Status;
-use std::ffi::c_void;
 use std::ptr::null_mut;
 
 mod common;
@@ -66,15 +64,7 @@ fn setup() -> std::sync::MutexGuard<'static, ()> {
     g
 }
 
-fn malloc(size: usize, d: i32) -> usize {
-    let mut p = null_mut();
-    assert_eq!(unsafe { gpupool_malloc(&mut p, size, d, null_mut()) }, Status::Ok, "{}", last());
-    p as usize
-}
-
-fn free(p: usize, d: i32) {
-    assert_eq!(unsafe { gpupool_free(p as *mut c_void, d, null_mut()) }, Status::Ok, "{}", last());
-}
+use common::{free_on as free, malloc_on as malloc};
 
 fn export(p: usize) -> Vec<u8> {
     common::ipc_export(p, GPUPOOL_IPC_SHARE_GRANULES)

@@ -99,6 +99,20 @@ pub fn host_device_256mib(device: i32, pool: &std::ffi::CStr) {
     assert_eq!(st, gpupool::Status::Ok, "{}", last_error());
 }
 
+/// `size` bytes on `device` on the legacy stream, through the C API (asserted to succeed).
+pub fn malloc_on(size: usize, device: i32) -> usize {
+    let mut p = std::ptr::null_mut();
+    let st = unsafe { gpupool::ffi::core::gpupool_malloc(&mut p, size, device, std::ptr::null_mut()) };
+    assert_eq!(st, gpupool::Status::Ok, "{}", last_error());
+    p as usize
+}
+
+/// Free what `malloc_on` gave, through the C API (asserted to succeed).
+pub fn free_on(p: usize, device: i32) {
+    let st = unsafe { gpupool::ffi::core::gpupool_free(p as *mut std::ffi::c_void, device, std::ptr::null_mut()) };
+    assert_eq!(st, gpupool::Status::Ok, "{}", last_error());
+}
+
 /// `device`'s statistics as JSON, through the C API.
 pub fn device_json(device: i32) -> String {
     use gpupool::ffi::core::gpupool_stats_json;
