@@ -107,3 +107,20 @@ fn bad_devices_are_refused_naming_them_and_change_nothing() {
     assert_eq!(calls(d, "peer_grants"), 0);
     free(p, d);
 }
+
+#[test]
+fn a_peer_enabled_while_a_tag_sleeps_is_granted_the_tags_memory_at_the_resume() {
+    let (d, peer) = (54, 55);
+    host(d);
+    let tag = c"asleep";
+    assert_eq!(unsafe { gpupool_tag_begin(tag.as_ptr()) }, Status::Ok, "{}", last());
+    let t = malloc(4 * MIB, d);
+    assert_eq!(gpupool_tag_end(), Status::Ok);
+    let mut n = 0;
+    assert_eq!(unsafe { gpupool_tag_pause(d, tag.as_ptr(), null_mut(), 1, &mut n) }, Status::Ok, "{}", last());
+    enable(d, peer).unwrap();
+    let before = calls(d, "peer_grants");
+    assert_eq!(unsafe { gpupool_tag_resume(d, tag.as_ptr(), &mut n) }, Status::Ok, "{}", last());
+    assert!(calls(d, "peer_grants") > before, "the resume granted the peer enabled during the sleep");
+    free(t, d);
+}

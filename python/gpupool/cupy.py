@@ -203,6 +203,10 @@ def install(pinned=True, typed_oom=False):
     if pinned:
         cupy.cuda.set_pinned_memory_allocator(pinned_malloc)
     _name_share_in_ipc_errors()
+    # CuPy enables peer access itself, with no hook an allocator sees: every peer is granted
+    # gpupool's memory, as `cudaMalloc` memory is readable by every enabled peer (docs/arena.md,
+    # "Peers"; recorded only, no CUDA work here).
+    _check(lib().gpupool_enable_peer_access(-1, -1, None))
     return alloc
 
 

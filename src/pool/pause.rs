@@ -197,8 +197,8 @@ impl Pool {
 
     /// Let device `peer` access this pool's memory from now on, what is mapped now included
     /// (Note [Peer access on demand]); returns the grants made.
+    /// (A stopped pool grants too: granting what is mapped changes none of its books.)
     pub fn enable_peer(&mut self, peer: i32) -> Result<usize> {
-        self.running()?;
         self.core.upstream_mut().vmm_enable_peer(peer)
     }
 

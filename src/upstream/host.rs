@@ -326,11 +326,11 @@ impl VirtualMemory for HostUpstream {
                 self.device
             )));
         }
-        let runs = self.vmm.mapped_runs();
-        self.calls.set_access += runs as u64;
-        self.calls.peer_grants += runs as u64;
+        let grants = self.vmm.mappings();
+        self.calls.set_access += grants as u64;
+        self.calls.peer_grants += grants as u64;
         self.peers.push(peer);
-        Ok(runs)
+        Ok(grants)
     }
 
     fn vmm_paused_bytes(&self) -> usize {

@@ -82,22 +82,12 @@ impl HostVmm {
         self.granule
     }
 
-    /// Runs of contiguous mappings (homes, aliases, imports): the grants a peer enabled
-    /// now gets, one per run, as on a GPU (Note [Peer access on demand]).
-    pub fn mapped_runs(&self) -> usize {
-        let mut all: Vec<(usize, usize)> = self.mapped.keys().map(|&a| (a, self.granule)).collect();
-        all.extend(self.aliases.keys().map(|&a| (a, self.granule)));
-        all.extend(self.imports.iter().map(|(&b, &(n, _))| (b, n * self.device_granule)));
-        all.sort_unstable();
-        let mut runs = 0;
-        let mut end = usize::MAX;
-        for (a, l) in all {
-            if a != end {
-                runs += 1;
-            }
-            end = a + l;
-        }
-        runs
+    /// The mappings a peer enabled now is granted, one grant each as on a GPU (Note [Peer
+    /// access on demand]): the granules mapped at home, their aliases (none while paused:
+    /// the resume grants them), and the imports.
+    pub fn mappings(&self) -> usize {
+        let aliases = if self.paused.is_some() { 0 } else { self.aliases.len() };
+        self.mapped.len() + aliases + self.imports.len()
     }
 
     pub fn device_granule(&self) -> usize {

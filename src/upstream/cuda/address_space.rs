@@ -232,30 +232,47 @@ impl CudaVmm {
     }
 
     /// Grant access to `[addr, addr + len)`. A peer the driver refuses (peer access not
-    /// possible after all) is dropped for good and the grant retried for the device alone.
+    /// possible after all) is dropped for good, saying so once, and the grant retried for the
+    /// device alone.
     fn set_access(&mut self, addr: usize, len: usize, calls: &mut DriverCalls) -> sys::CUresult {
         let r = self.grant(addr, len, self.access.len(), calls);
         if r == sys::CUresult::CUDA_SUCCESS || self.access.len() == 1 {
             return r;
         }
+        let dropped: Vec<String> = self.access[1..].iter().map(|a| a.location.id.to_string()).collect();
+        crate::error::warn(&format!(
+            "device {}: the driver refused access for peer device(s) {} ({}); their access to this device's \
+             memory is given up, and later mappings grant the device alone",
+            self.access[0].location.id,
+            dropped.join(", "),
+            cuda_error("cuMemSetAccess", r)
+        ));
         self.access.truncate(1);
         self.grant(addr, len, 1, calls)
     }
 
     /// Let `peer` (-1: every possible peer) read and write this device's memory from now on
-    /// (Note [Peer access on demand]): every mapping made from now on grants it, and what is mapped now (this
-    /// device's allocations, their aliases, other processes' memory mapped here) is granted
-    /// it at once, contiguous mappings in one call. Returns the grants made. A device that
-    /// cannot access this one as a peer is refused, saying so; a grant the driver refuses
-    /// leaves the peer out (the grants made stay: they are harmless).
+    /// (Note [Peer access on demand]): every mapping made from now on grants it, and what is
+    /// mapped now is granted it at once, one call per mapping, each inside one address
+    /// reservation as `cuMemSetAccess` needs: this device's allocations, their aliases (not
+    /// while paused: the resume maps and grants them), and other processes' memory mapped
+    /// here whole. Returns the grants made. A device that cannot access this one as a peer
+    /// is refused, saying so. A grant the driver refuses is returned as the error; the peer
+    /// stays enabled for the mappings to come (the grants made stay: they are harmless).
     pub fn enable_peer(&mut self, peer: sys::CUdevice, calls: &mut DriverCalls) -> Result<usize> {
         if peer == -1 {
-            // Every device that can be a peer of this one.
-            let mut n = 0;
+            // Every device that can be a peer of this one; the first refusal is returned
+            // once every peer was tried.
+            let (mut n, mut first) = (0, None);
             for p in self.possible_peers.clone() {
-                n += self.enable_peer(p, calls)?;
+                match self.enable_peer(p, calls) {
+                    Ok(k) => n += k,
+                    Err(e) => {
+                        first.get_or_insert(e);
+                    }
+                }
             }
-            return Ok(n);
+            return first.map_or(Ok(n), Err);
         }
         let device = self.prop.location.id;
         if peer == device || self.access.iter().any(|a| a.location.id == peer) {
@@ -268,26 +285,23 @@ impl CudaVmm {
         }
         let mut desc = self.access[0];
         desc.location.id = peer;
-        let mut ranges: Vec<(usize, usize)> = Vec::new();
-        let mapped = self.handles.iter().map(|(&b, &(_, l))| (b, l)).chain(self.alias_maps.iter().map(|(&b, &l)| (b, l)));
-        let imported = self.imports.iter().filter(|(_, i)| i.2.is_empty()).map(|(&b, i)| (b, i.0));
-        let mut all: Vec<(usize, usize)> = mapped.chain(imported).collect();
-        all.sort_unstable();
-        for (b, l) in all {
-            match ranges.last_mut() {
-                Some(last) if last.0 + last.1 == b => last.1 += l,
-                _ => ranges.push((b, l)),
-            }
+        self.access.push(desc);
+        let mut ranges: Vec<(usize, usize)> = self.handles.iter().map(|(&b, &(_, l))| (b, l)).collect();
+        if self.paused.is_none() {
+            ranges.extend(self.alias_maps.iter().map(|(&b, &l)| (b, l)));
         }
+        ranges.extend(self.imports.iter().filter(|(_, i)| i.2.iter().sum::<usize>() == i.0).map(|(&b, i)| (b, i.0)));
         for &(addr, len) in &ranges {
             calls.set_access += 1;
             calls.peer_grants += 1;
             let r = unsafe { sys::cuMemSetAccess(addr as sys::CUdeviceptr, len, &desc, 1) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(cuda_error("cuMemSetAccess (granting a peer)", r));
+                return Err(Error::Internal(format!(
+                    "peer access: granting device {peer} device {device}'s memory at {addr:#x}+{len:#x}: {}",
+                    cuda_error("cuMemSetAccess", r)
+                )));
             }
         }
-        self.access.push(desc);
         Ok(ranges.len())
     }
 
