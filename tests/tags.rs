@@ -721,3 +721,44 @@ fn a_tags_graph_pool_blocks_a_new_place_and_is_released_after_a_pause() {
     free(kept, d);
     free(w, d);
 }
+
+/// The tensors of one message under a tag lie in the tag's few allocations: a receiver maps
+/// each allocation once while blocks over it are open (Note [Keeping imports mapped]), each
+/// block still counted apart for the sender's pause, and unmaps it at the last close.
+#[test]
+fn blocks_of_one_message_share_one_mapping_of_a_tags_allocation_while_open() {
+    let (d, r) = (31, 32);
+    host(d);
+    host(r);
+    begin(c"message");
+    let blocks: Vec<usize> = (0..4u8).map(|_| malloc(3 * MIB, d).unwrap()).collect();
+    end();
+    for (i, &b) in blocks.iter().enumerate() {
+        fill(b, 3 * MIB, 40 + i as u8);
+    }
+    let descs: Vec<Vec<u8>> = blocks.iter().map(|&b| common::ipc_export(b, 1)).collect();
+    let maps = || figure_after(r, "\"driver_calls\"", "mem_map");
+    let before = maps();
+    let first = common::ipc_open_by_pid(&descs[0], r).unwrap();
+    let one_import = maps() - before;
+    assert!(one_import > 0);
+    let mut opened = vec![first];
+    opened.extend(descs[1..].iter().map(|desc| common::ipc_open_by_pid(desc, r).unwrap()));
+    assert_eq!(maps() - before, one_import, "the other blocks of the allocation were served by its mapping");
+    for (i, &p) in opened.iter().enumerate() {
+        assert!(holds(p, 3 * MIB, 40 + i as u8), "block {i} reads the sender's memory");
+    }
+    for &p in &opened[..3] {
+        common::ipc_close(p, r);
+    }
+    let why = busy_refusal(d, c"message").expect("one block is still open");
+    assert!(why.contains(&format!("{:#x}", blocks[3])), "{why}");
+    let unmaps = figure_after(r, "\"driver_calls\"", "mem_unmap");
+    common::ipc_close(opened[3], r);
+    assert!(figure_after(r, "\"driver_calls\"", "mem_unmap") > unmaps, "the last close unmapped the allocation");
+    pause(d, c"message", true).unwrap();
+    resume(d, c"message").unwrap();
+    for &b in &blocks {
+        free(b, d);
+    }
+}

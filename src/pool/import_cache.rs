@@ -36,6 +36,12 @@
 //! upstream's unimport, which waits for the device first (`CudaVmm::unimport`): that wait
 //! is paid when a run goes, not on every close.
 //!
+//! Memory its exporter may pause (a tag's: `FLAG_UNKEPT`) is never kept idle, so that a
+//! pause gives the device its memory back once the receivers let go: its runs are unmapped
+//! at their last close. While one is open, another block of the same message whose
+//! allocations it maps is served from it (a message's tensors share a tag's few
+//! allocations), each open still counted in the exporter's opens file on its own.
+//!
 //! Limitations. A kept run holds the exporter's physical memory while the exporter keeps it
 //! too; once the exporter releases any exported granule, every idle run of that exporter
 //! is dropped at the next import or close here (not only the runs over the released
@@ -76,6 +82,9 @@ struct Run {
     users: usize,
     /// When it was last opened (the cache's clock).
     last_use: u64,
+    /// Kept mapped once idle; otherwise (memory its exporter may pause) unmapped when its
+    /// last open closes, and shared only by blocks open at the same time.
+    kept: bool,
 }
 
 /// The runs and exporters a pool keeps (module docs).
@@ -93,20 +102,25 @@ pub struct ImportCache {
     clock: u64,
     /// Opens served by a kept run, with no driver call.
     reuses: u64,
-    /// Imports not kept (memory their exporter may pause), each counted as open in its
-    /// exporter's opens file until closed (`shared::OpenMark`): address -> mark.
-    open_marks: FxHashMap<usize, crate::upstream::shared::OpenMark>,
+    /// Imports not kept (memory their exporter may pause), each open counted as open in its
+    /// exporter's opens file until closed (`shared::OpenMark`): address -> a mark per open.
+    open_marks: FxHashMap<usize, Vec<crate::upstream::shared::OpenMark>>,
 }
 
 impl ImportCache {
     /// Keep `mark` while the import at `ptr` is open.
     pub fn keep_open_mark(&mut self, ptr: usize, mark: crate::upstream::shared::OpenMark) {
-        self.open_marks.insert(ptr, mark);
+        self.open_marks.entry(ptr).or_default().push(mark);
     }
 
-    /// The import at `ptr` closed: its exporter's count drops.
+    /// One open of the import at `ptr` closed: its exporter's count drops by one.
     pub fn forget_open_mark(&mut self, ptr: usize) {
-        self.open_marks.remove(&ptr);
+        if let Some(marks) = self.open_marks.get_mut(&ptr) {
+            marks.pop();
+            if marks.is_empty() {
+                self.open_marks.remove(&ptr);
+            }
+        }
     }
 
     /// The open exporter of `d` and the serial of that opening, opened now where the kept
@@ -127,10 +141,13 @@ impl ImportCache {
         Ok((e, self.next_serial))
     }
 
-    /// A kept run of the exporter's opening `serial` that maps `d` as mapped when the
-    /// exporter's release count was `releases` (the count now): its address for `d`, opened
-    /// once more.
-    pub fn open_kept(&mut self, d: &Descriptor, releases: u64, serial: Serial) -> Option<usize> {
+    /// A run of the exporter's opening `serial` that maps `d` as mapped when the exporter's
+    /// release count was `releases` (the count now): its address for `d`, opened once more.
+    /// `kept`: runs kept idle may serve; otherwise (memory its exporter may pause) only a run
+    /// open now, mapped for memory of that kind, does, and not where `d`'s block address is
+    /// open already (an export that ended and one that took its place: a close names an
+    /// address, and each open's count in its exporter's opens file must go with its own).
+    pub fn open_kept(&mut self, d: &Descriptor, releases: u64, serial: Serial, kept: bool) -> Option<usize> {
         let ex = (d.pid, d.start_time);
         let n = d.granules.len() as u64;
         let found = self
@@ -142,7 +159,10 @@ impl ImportCache {
             .find(|k| {
                 let r = &self.runs[k];
                 let skip = (d.origin - r.origin) / r.granule;
+                let at = r.base + (d.origin - r.origin) as usize + d.offset as usize;
                 r.releases == releases
+                    && r.kept == kept
+                    && (kept || (r.users > 0 && !self.open.contains_key(&at)))
                     && r.serial == serial
                     && r.granule == d.granule
                     && (d.origin - r.origin) % r.granule == 0
@@ -164,8 +184,8 @@ impl ImportCache {
 
     /// The upstream mapped `d` at `ptr` (the block's address; its run starts at the
     /// descriptor's first granule), with the exporter's release count `releases` read
-    /// before: kept as an open run.
-    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial) {
+    /// before: an open run, kept idle after its last close where `kept`.
+    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial, kept: bool) {
         self.clock += 1;
         let ex = (d.pid, d.start_time);
         // The opening just used is the current one (dropping the exporter's last stale run
@@ -181,6 +201,7 @@ impl ImportCache {
             releases,
             users: 1,
             last_use: self.clock,
+            kept,
         };
         self.by_origin.entry((ex, d.origin)).or_default().push(ptr);
         self.runs.insert(ptr, run);
@@ -188,9 +209,10 @@ impl ImportCache {
         e.1 += 1;
     }
 
-    /// Close one open of `ptr`: `None` where the cache did not hand it out, else whether
-    /// its run is idle now.
-    pub fn close(&mut self, ptr: usize) -> Option<bool> {
+    /// Close one open of `ptr`: `None` where the cache did not hand it out, else its run
+    /// (the key that unmaps it) where that run is idle now and not to be kept, and whether
+    /// it is idle at all.
+    pub fn close(&mut self, ptr: usize) -> Option<(bool, Option<usize>)> {
         let (key, opens) = self.open.get_mut(&ptr)?;
         let key = *key;
         *opens -= 1;
@@ -199,7 +221,8 @@ impl ImportCache {
         }
         let r = self.runs.get_mut(&key).expect("open runs are kept");
         r.users -= 1;
-        Some(r.users == 0)
+        let idle = r.users == 0;
+        Some((idle, (idle && !r.kept).then_some(key)))
     }
 
     /// The idle runs to drop now (their run keys, for the upstream's unimport): those whose

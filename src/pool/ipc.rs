@@ -150,27 +150,30 @@ impl Pool {
         self.check_kind(d)?;
         let (exporter, serial) = self.imports.exporter(d)?;
         let source = FdSource::fetch_via(exporter.clone(), d)?;
-        if d.flags & FLAG_UNKEPT != 0 {
-            // Memory its exporter may pause: mapped for this open alone, unmapped at its
-            // close, and counted as open in the exporter's opens file from before it is
-            // mapped until then, so that its pause refuses while this process maps it (and
-            // this import is refused while the exporter pauses).
-            let mark = exporter.mark_open(d.record)?;
-            let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
-            self.note_open(ptr, mark);
-            return Ok(ptr);
-        }
+        // Memory its exporter may pause: counted as open in the exporter's opens file from
+        // before it is mapped until its close, so that a pause refuses while this process
+        // maps it (and this import is refused while the exporter pauses); mapped only while
+        // some block over it is open (the run goes at the last close), blocks open at the
+        // same time over the same allocations sharing one mapping (a message's tensors).
+        let kept = d.flags & FLAG_UNKEPT == 0;
+        let mark = if kept { None } else { Some(exporter.mark_open(d.record)?) };
         // Read before anything is mapped: a release after it moves the count past what
         // the run records, and the run is not trusted again.
         let releases = exporter.releases().ok_or_else(|| {
             Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid))
         })?;
         self.drop_kept_imports(false);
-        if let Some(ptr) = self.imports.open_kept(d, releases, serial) {
-            return Ok(ptr);
+        let ptr = match self.imports.open_kept(d, releases, serial, kept) {
+            Some(ptr) => ptr,
+            None => {
+                let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
+                self.imports.insert(d, ptr, releases, exporter, serial, kept);
+                ptr
+            }
+        };
+        if let Some(m) = mark {
+            self.note_open(ptr, m);
         }
-        let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
-        self.imports.insert(d, ptr, releases, exporter, serial);
         Ok(ptr)
     }
 
@@ -261,9 +264,19 @@ impl Pool {
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        if let Some(idle) = self.imports.close(ptr) {
-            // Kept mapped for the exporter's next message; what may not serve again goes.
-            if idle {
+        if let Some((idle, unkept)) = self.imports.close(ptr) {
+            if let Some(key) = unkept {
+                // Memory its exporter may pause: unmapped at its last close, before its
+                // count drops. A run the upstream fails to unmap stays (idle), and goes once
+                // its exporter's release count moves (`drop_kept_imports`).
+                match self.core.upstream_mut().vmm_unimport(key) {
+                    Ok(_) => self.imports.dropped(key),
+                    Err(e) => crate::error::warn(&format!("unmapping the import at {key:#x} failed: {e}; it stays mapped")),
+                }
+            }
+            self.imports.forget_open_mark(ptr);
+            if idle && unkept.is_none() {
+                // Kept mapped for the exporter's next message; what may not serve again goes.
                 self.drop_kept_imports(false);
             }
             return Ok(());
