@@ -270,3 +270,34 @@ fn a_failed_close_keeps_its_exporters_hold() {
     assert!(held(slot), "a failed close released its exporter's hold");
     fail_only(&s, &[], 0, None);
 }
+
+/// The close of a tagged import fails (its unmap): the block stays open, mapped and
+/// counted in its exporter's opens file, so the sender's pause refuses; the close asked
+/// again unmaps it, and the pause goes through.
+#[test]
+fn a_failed_close_of_a_tagged_import_keeps_it_open_and_counted() {
+    use gpupool::ffi::ipc::gpupool_ipc_close;
+    use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_resume};
+    use gpupool::Status;
+    use std::ptr::null_mut;
+    let (d, r) = (44, 45);
+    common::host_device_256mib(d, c"arena");
+    let s = faulty_arena_device(r);
+    assert_eq!(unsafe { gpupool_tag_begin(c"closing".as_ptr()) }, Status::Ok);
+    let a = common::malloc_on(3 * MIB, d);
+    assert_eq!(gpupool_tag_end(), Status::Ok);
+    let p = common::ipc_open_by_pid(&common::ipc_export(a, 1), r).unwrap();
+    let pause = || {
+        let mut n = 0;
+        unsafe { gpupool_tag_pause(d, c"closing".as_ptr(), null_mut(), 1, &mut n) }
+    };
+    fail_only(&s, &["close"], 1, None);
+    assert_ne!(gpupool_ipc_close(p as *mut std::ffi::c_void, r), Status::Ok, "the unmap failed");
+    fail_only(&s, &[], 0, None);
+    assert_eq!(pause(), Status::Busy, "a block whose close failed is still mapped: {}", common::last_error());
+    assert_eq!(gpupool_ipc_close(p as *mut std::ffi::c_void, r), Status::Ok, "{}", common::last_error());
+    assert_eq!(pause(), Status::Ok, "{}", common::last_error());
+    let mut n = 0;
+    assert_eq!(unsafe { gpupool_tag_resume(d, c"closing".as_ptr(), &mut n) }, Status::Ok);
+    common::free_on(a, d);
+}

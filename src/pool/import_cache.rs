@@ -209,10 +209,17 @@ impl ImportCache {
         e.1 += 1;
     }
 
-    /// Close one open of `ptr`: `None` where the cache did not hand it out, else its run
-    /// (the key that unmaps it) where that run is idle now and not to be kept, and whether
-    /// it is idle at all.
-    pub fn close(&mut self, ptr: usize) -> Option<(bool, Option<usize>)> {
+    /// The run (its key) that a close of `ptr` leaves idle and that is not kept: it must be
+    /// unmapped before that close is booked (a refused unmap leaves the open as it was).
+    pub fn last_close_unmaps(&self, ptr: usize) -> Option<usize> {
+        let &(key, _) = self.open.get(&ptr)?;
+        let r = &self.runs[&key];
+        (!r.kept && r.users == 1).then_some(key)
+    }
+
+    /// Close one open of `ptr`: `None` where the cache did not hand it out, else whether
+    /// its run is idle now.
+    pub fn close(&mut self, ptr: usize) -> Option<bool> {
         let (key, opens) = self.open.get_mut(&ptr)?;
         let key = *key;
         *opens -= 1;
@@ -221,8 +228,7 @@ impl ImportCache {
         }
         let r = self.runs.get_mut(&key).expect("open runs are kept");
         r.users -= 1;
-        let idle = r.users == 0;
-        Some((idle, (idle && !r.kept).then_some(key)))
+        Some(r.users == 0)
     }
 
     /// The idle runs to drop now (their run keys, for the upstream's unimport): those whose

@@ -156,7 +156,16 @@ impl Pool {
         // some block over it is open (the run goes at the last close), blocks open at the
         // same time over the same allocations sharing one mapping (a message's tensors).
         let kept = d.flags & FLAG_UNKEPT == 0;
-        let mark = if kept { None } else { Some(exporter.mark_open(d.record)?) };
+        let mark = if kept {
+            None
+        } else {
+            // Counted, then checked: the export is still live (one that ended before the
+            // count would not be seen by its exporter's pause, and an open run may serve it
+            // without a fetch that checks again).
+            let m = exporter.mark_open(d.record)?;
+            exporter.still_exports(d.record, &d.granules)?;
+            Some(m)
+        };
         // Read before anything is mapped: a release after it moves the count past what
         // the run records, and the run is not trusted again.
         let releases = exporter.releases().ok_or_else(|| {
@@ -264,18 +273,19 @@ impl Pool {
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        if let Some((idle, unkept)) = self.imports.close(ptr) {
-            if let Some(key) = unkept {
-                // Memory its exporter may pause: unmapped at its last close, before its
-                // count drops. A run the upstream fails to unmap stays (idle), and goes once
-                // its exporter's release count moves (`drop_kept_imports`).
-                match self.core.upstream_mut().vmm_unimport(key) {
-                    Ok(_) => self.imports.dropped(key),
-                    Err(e) => crate::error::warn(&format!("unmapping the import at {key:#x} failed: {e}; it stays mapped")),
-                }
-            }
+        if let Some(key) = self.imports.last_close_unmaps(ptr) {
+            // Memory its exporter may pause: unmapped at its last close, before that close
+            // is booked and its count drops. Refused, the block stays open (and counted):
+            // the caller may close it again.
+            self.core.upstream_mut().vmm_unimport(key)?;
+            self.imports.close(ptr);
+            self.imports.dropped(key);
             self.imports.forget_open_mark(ptr);
-            if idle && unkept.is_none() {
+            return Ok(());
+        }
+        if let Some(idle) = self.imports.close(ptr) {
+            self.imports.forget_open_mark(ptr);
+            if idle {
                 // Kept mapped for the exporter's next message; what may not serve again goes.
                 self.drop_kept_imports(false);
             }
