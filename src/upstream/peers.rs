@@ -2,9 +2,9 @@
 //!
 //! Rationale. Arena memory is mapped with the virtual memory API, where a device reads
 //! another device's memory only once granted (`cuMemSetAccess`), mapping by mapping. Granting
-//! every peer on every mapping made each growth, stitch and resume pay for every GPU of the
-//! node whether any used the memory or not: on two H200s a resume of 40 GB took 1.4x the
-//! copy. PyTorch's expandable segments grant a peer only once peer access is enabled for it.
+//! every peer on every mapping makes each growth, stitch and resume pay for every GPU of the
+//! node whether any uses the memory or not (docs/benchmarks.md has a resume on two GPUs).
+//! PyTorch's expandable segments grant a peer only once peer access is enabled for it.
 //!
 //! Approach. A device's memory is granted to the device itself and to the peers enabled for
 //! it: by PyTorch's allocator hook `enablePeerAccess` (which PyTorch calls before its first
