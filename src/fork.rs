@@ -7,7 +7,7 @@
 //! has only the forking thread. So:
 //! - before the fork (`pthread_atfork` prepare), the forking thread takes every pool lock,
 //!   so no other thread is in the middle of an update when memory is copied, and then the
-//!   close-on-exec window's lock (`crate::upstream::shared::new_fd_cloexec`), so no child
+//!   close-on-exec window's lock (`crate::share::protocol::new_fd_cloexec`), so no child
 //!   starts holding an exported descriptor that is not yet close-on-exec; after it (parent
 //!   and child handlers) the locks are released again;
 //! - in the child every entry point then fails with `Status::Stopped` saying why (those
@@ -22,7 +22,7 @@
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::process::in_child;
-use crate::upstream::shared::hold_cloexec_window;
+use crate::share::protocol::hold_cloexec_window;
 use std::cell::RefCell;
 use std::sync::{MutexGuard, Once, OnceLock};
 

@@ -68,7 +68,7 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     assert!(x == a && y > x && y < a + 128 * MIB, "both carved from the first chunk");
     let granules = 128 * MIB / G;
     let len = p.ipc_export_len(x).unwrap();
-    assert_eq!(len, gpupool::upstream::shared::HEADER_BYTES + granules * gpupool::upstream::shared::GRANULE_BYTES, "the whole chunk is listed");
+    assert_eq!(len, gpupool::share::protocol::HEADER_BYTES + granules * gpupool::share::protocol::GRANULE_BYTES, "the whole chunk is listed");
     // The importer maps the chunk whole and would see `y` too: a strict export is refused,
     // one that shares granules goes.
     let e = p.ipc_export(x, false).unwrap_err().to_string();
@@ -77,7 +77,7 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     // `y` starts past the chunk's first granule: its descriptor says so, and an importer
     // maps the chunk and finds `y` at that offset.
     stamp(y, 4 * MIB, 4);
-    let dy = gpupool::upstream::shared::Descriptor::decode(&p.ipc_export(y, true).unwrap()).unwrap();
+    let dy = gpupool::share::protocol::GranuleDescriptor::decode(&p.ipc_export(y, true).unwrap()).unwrap();
     assert_eq!((dy.offset as usize, dy.granules.len()), (y - a, granules));
     let fds: Vec<i32> = dy.granules.iter().map(|s| s.fd).collect();
     let at = p.ipc_import(&dy, Some(&fds)).unwrap();
@@ -86,7 +86,7 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     p.free(y, 0).unwrap();
     stamp(x, 4 * MIB, 3);
     let desc = p.ipc_export(x, false).unwrap();
-    let d = gpupool::upstream::shared::Descriptor::decode(&desc).unwrap();
+    let d = gpupool::share::protocol::GranuleDescriptor::decode(&desc).unwrap();
     assert_eq!((d.granules.len(), d.offset), (granules, 0));
     // The rest of the chunk is set aside while `x` lives: a new block goes elsewhere.
     let z = p.malloc(4 * MIB, 0).unwrap();

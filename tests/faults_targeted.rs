@@ -14,7 +14,7 @@ use faults_support::*;
 use gpupool::config::PoolKind;
 use gpupool::error::Error;
 use gpupool::upstream::host::HOST_PAGE;
-use gpupool::upstream::shared::Descriptor;
+use gpupool::share::protocol::GranuleDescriptor;
 use std::collections::HashSet;
 
 /// A decommit of a free block's pages failing at each page (its unmap, or the release of
@@ -103,7 +103,7 @@ fn a_failed_export_leaves_the_block_usable_and_unexported() {
     p.free(c, 0).unwrap();
     // Usable: it exports once the driver works, and the export sets the free memory aside.
     let before = arena_state(&p);
-    let d = Descriptor::decode(&p.ipc_export(a, false).unwrap()).unwrap();
+    let d = GranuleDescriptor::decode(&p.ipc_export(a, false).unwrap()).unwrap();
     assert_ne!(arena_state(&p), before, "an export sets its granules' free memory aside (what the checks above look for)");
     let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
     let q = p.ipc_import(&d, Some(&fds)).unwrap();
@@ -156,7 +156,7 @@ fn a_failed_import_leaves_nothing_mapped_or_reserved() {
     let (mut p, s) = faulty_arena();
     let b = p.malloc(5 * MIB, 0xA00).unwrap();
     stamp(b, 5 * MIB, 3);
-    let d = Descriptor::decode(&p.ipc_export(b, false).unwrap()).unwrap();
+    let d = GranuleDescriptor::decode(&p.ipc_export(b, false).unwrap()).unwrap();
     let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
     let n = d.granules.len();
     assert!(n >= 3);

@@ -1,10 +1,10 @@
 //! The close-on-exec window of exported descriptors: the driver's export hands out a
 //! descriptor without close-on-exec, and gpupool marks it so right after
-//! (`gpupool::upstream::shared::new_fd_cloexec`). A `fork()` in another thread in between
+//! (`gpupool::share::protocol::new_fd_cloexec`). A `fork()` in another thread in between
 //! waits (the fork handlers take the window's lock), so a child never holds such a
 //! descriptor unmarked, and a program it execs never inherits it.
 
-use gpupool::upstream::shared::new_fd_cloexec;
+use gpupool::share::protocol::new_fd_cloexec;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! Another process's memory kept mapped between its messages (`src/pool/import_cache.rs`),
+//! Another process's memory kept mapped between its messages (`src/share/import_cache.rs`),
 //! and the exporter's record behind it, on the host upstream through the C API: device 1
 //! exports, device 2 imports by fetching the exporter's descriptors (`pidfd_getfd` on this
 //! same process, which the host upstream maps as another's).
@@ -21,10 +21,10 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 }
 
 const MIB: usize = 1 << 20;
-/// Where a descriptor's fields are (`upstream::shared`): the record's descriptor number,
+/// Where a descriptor's fields are (`share::protocol`): the record's descriptor number,
 /// and the first granule's offset.
 const RECORD_FD_AT: usize = 64;
-const HEADER_BYTES: usize = gpupool::upstream::shared::HEADER_BYTES;
+const HEADER_BYTES: usize = gpupool::share::protocol::HEADER_BYTES;
 
 fn malloc(size: usize, d: i32) -> *mut c_void {
     let mut p = null_mut();

@@ -1,15 +1,17 @@
 //! The layers import one way (docs/internals.md): each module of `src/` may use only
-//! modules of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
-//! the trace; the upstreams (driver layer); blocks; strategies and the stream tracker; the
-//! device pool; process-level services; the registry; the thread caches and sharing between
-//! processes; the front end; the C boundary. A `use crate::X` (or a `crate::X::` path outside
-//! comments, braced groups `crate::{X, Y}` included, or a `super::` chain that climbs to the
-//! crate root and goes down into X) against the order fails this test, and so does a module
-//! missing from the table. Within the layers, no two files may depend on each other in a
-//! circle (`no_circle_between_files`: every `use` tree and path, a file's own ancestors
-//! excepted, which declare it).
+//! layers of lower rank. Ranks, lowest first: leaf utilities; configuration and reports;
+//! the trace; what passes between processes (`share::protocol`); the upstreams (driver
+//! layer); an importer's kept mappings (`share::import_cache`); blocks; strategies and the
+//! stream tracker; the device pool; process-level services; the registry; the thread caches
+//! and sharing between processes; the front end; the C boundary. A module's layer is the
+//! longest entry of `RANKS` it lies in. Every path a file's code names (`use` trees with
+//! braced groups, `crate::` paths in expressions, `super::` chains however far they climb)
+//! is resolved to the module it leads into; one into a layer of equal or higher rank fails
+//! this test, and so does a module missing from the table or a `crate::` path that leads
+//! into no module (a crate-root re-export would hide the layer). Within the layers, no two
+//! files may depend on each other in a circle (`no_circle_between_files`: every `use` tree
+//! and path, a file's own ancestors excepted, which declare it).
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 const RANKS: &[(&str, u32)] = &[
@@ -19,25 +21,41 @@ const RANKS: &[(&str, u32)] = &[
     ("owners", 0),
     ("process", 0),
     ("socket", 0),
-    ("config", 1),
-    ("stats", 1),
-    ("debug", 1),
-    ("trace", 2),
-    ("upstream", 3),
-    ("block", 4),
-    ("strategy", 5),
-    ("stream", 5),
-    ("pool", 6),
-    ("fork", 7),
-    ("status_socket", 7),
-    ("tags", 7),
-    ("replay", 7),
-    ("registry", 8),
-    ("thread_cache", 9),
-    ("share", 9),
-    ("front", 10),
-    ("ffi", 11),
+    ("config", 10),
+    ("stats", 10),
+    ("debug", 10),
+    ("trace", 20),
+    // What passes between processes (descriptors' bytes, the export record): below the
+    // driver layer, which hands out and maps what it describes.
+    ("share::protocol", 25),
+    ("upstream", 30),
+    // The device pool's sharing books: an importer's kept mappings, an exporter's exports
+    // by block.
+    ("share::import_cache", 35),
+    ("share::exports", 35),
+    ("block", 40),
+    ("strategy", 50),
+    ("stream", 50),
+    ("pool", 60),
+    ("fork", 70),
+    ("status_socket", 70),
+    ("tags", 70),
+    ("replay", 70),
+    ("registry", 80),
+    ("thread_cache", 90),
+    ("share", 90),
+    ("front", 100),
+    ("ffi", 110),
 ];
+
+/// The layer a module belongs to: the longest entry of `RANKS` it lies in
+/// (`share/protocol/record.rs` -> `share::protocol`, `share/holds.rs` -> `share`).
+fn layer_of(module: &[String]) -> Option<(String, u32)> {
+    (1..=module.len()).rev().find_map(|n| {
+        let key = module[..n].join("::");
+        RANKS.iter().find(|(k, _)| *k == key).map(|&(k, r)| (k.to_string(), r))
+    })
+}
 
 fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {
@@ -60,93 +78,76 @@ fn module_path(rel: &str) -> Vec<String> {
     parts
 }
 
-fn ident(s: &str) -> String {
-    s.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
-}
-
-/// The top-level modules a line of code names through `crate::` paths (braced groups
-/// included: `crate::{a, b::c as d}`) and through `super::` chains that climb to the crate
-/// root from `here` (`super::super::front::free` in `pool/core.rs` names `front`).
-fn top_modules_named(code: &str, here: &[String]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = code;
-    while let Some(i) = rest.find("crate::") {
-        out.extend(names_at(&rest[i + 7..]));
-        rest = &rest[i + 7..];
-    }
-    let mut rest = code;
-    while let Some(i) = rest.find("super::") {
-        // A whole chain only: the text before it must not continue a path.
-        let before = rest[..i].chars().last();
-        let chain_start = !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
-        let mut tail = &rest[i..];
-        let mut ups = 0;
-        while let Some(t) = tail.strip_prefix("super::") {
-            ups += 1;
-            tail = t;
-        }
-        if chain_start && ups >= here.len() {
-            // Climbs to the crate root: what follows is a top-level module.
-            out.extend(names_at(tail));
-        }
-        rest = &rest[i + 7 * ups..];
-    }
-    out
-}
-
-/// The first segments a path continues with: one name, or each item of a braced group.
-fn names_at(after: &str) -> Vec<String> {
-    let after = after.trim_start();
-    let names: Vec<String> = match after.strip_prefix('{') {
-        Some(group) => group[..group.find('}').unwrap_or(group.len())].split(',').map(|item| ident(item.trim())).collect(),
-        None => vec![ident(after)],
-    };
-    names.into_iter().filter(|n| !n.is_empty() && n != "self").collect()
-}
-
 #[test]
-fn the_checks_see_braced_imports_and_super_chains_to_the_root() {
+fn the_checks_see_braced_imports_and_super_chains() {
     let here = module_path("pool/core.rs");
     assert_eq!(here, ["pool", "core"]);
     assert_eq!(module_path("registry/mod.rs"), ["registry"]);
-    assert_eq!(top_modules_named("use crate::{ffi as _x};", &here), ["ffi"]);
-    assert_eq!(top_modules_named("use crate::{error::Error, front};", &here), ["error", "front"]);
-    assert_eq!(top_modules_named("    super::super::front::free(p);", &here), ["front"]);
-    assert_eq!(top_modules_named("use super::super::{front, ffi};", &here), ["front", "ffi"]);
-    assert!(top_modules_named("use super::Pool;", &here).is_empty(), "a sibling in the same module");
-    assert_eq!(top_modules_named("let x = crate::upstream::Kind;", &here), ["upstream"]);
+    let modules: std::collections::BTreeSet<Vec<String>> = [
+        vec!["ffi"], vec!["front"], vec!["pool"], vec!["pool", "core"], vec!["pool", "growth"], vec!["upstream"],
+        vec!["share"], vec!["share", "protocol"], vec!["share", "protocol", "record"],
+    ]
+    .into_iter()
+    .map(|m| m.into_iter().map(String::from).collect())
+    .collect();
+    let layers = |code: &str, here: &[String]| -> Vec<String> {
+        named_paths(&code_only(code))
+            .iter()
+            .filter_map(|p| resolve(here, p, &modules))
+            .filter_map(|m| layer_of(&m).map(|l| l.0))
+            .fold(Vec::new(), |mut v, l| {
+                if v.last() != Some(&l) {
+                    v.push(l);
+                }
+                v
+            })
+    };
+    assert_eq!(layers("use crate::{ffi as _x};", &here), ["ffi"]);
+    assert_eq!(layers("use crate::{upstream::Kind, front};", &here), ["upstream", "front"]);
+    assert_eq!(layers("fn f() { super::super::front::free(p); }", &here), ["front"]);
+    assert_eq!(layers("use super::super::{front, ffi};", &here), ["front", "ffi"]);
+    assert_eq!(layers("use super::growth::Grower;", &here), ["pool"], "a sibling in the same layer");
+    assert_eq!(layers("let x = crate::share::protocol::record::RecordRef;", &here), ["share::protocol"]);
+    let record = module_path("share/protocol/record.rs");
+    assert_eq!(layer_of(&record).unwrap(), ("share::protocol".to_string(), 25));
+    assert_eq!(layers("use super::super::holds::Holds;", &record), ["share"], "a climb out of a sub-layer");
+    assert_eq!(layer_of(&module_path("share/holds.rs")).unwrap().0, "share");
 }
 
 #[test]
 fn modules_import_only_lower_layers() {
+    use std::collections::BTreeSet;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let rank: BTreeMap<&str, u32> = RANKS.iter().copied().collect();
     let mut all = Vec::new();
     files(&src, &mut all);
-    let mut bad = Vec::new();
+    let mut code = Vec::new();
     for f in all {
         let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
         if rel == "lib.rs" || rel.starts_with("bin/") {
             continue; // the crate root declares every module; binaries sit on top
         }
-        let module = rel.split(['/', '.']).next().unwrap().to_string();
-        let Some(&mine) = rank.get(module.as_str()) else {
-            bad.push(format!("{rel}: module `{module}` has no rank in tests/layering.rs"));
+        code.push((rel.clone(), module_path(&rel), code_only(&std::fs::read_to_string(&f).unwrap())));
+    }
+    let modules: BTreeSet<Vec<String>> = code.iter().map(|c| c.1.clone()).collect();
+    let mut bad = Vec::new();
+    for (rel, here, text) in &code {
+        let Some((mine, my_rank)) = layer_of(here) else {
+            bad.push(format!("{rel}: module `{}` has no rank in tests/layering.rs", here.join("::")));
             continue;
         };
-        let text = std::fs::read_to_string(&f).unwrap();
-        let here = module_path(&rel);
-        for (n, line) in text.lines().enumerate() {
-            let code = line.split("//").next().unwrap();
-            for name in top_modules_named(code, &here) {
-                if name == module {
-                    continue;
+        for path in named_paths(text) {
+            let Some(to) = resolve(here, &path, &modules) else {
+                if path.starts_with("crate::") {
+                    // The crate root's re-exports would hide which layer a name is from.
+                    bad.push(format!("{rel}: `{path}` names no module under the crate root"));
                 }
-                match rank.get(name.as_str()) {
-                    Some(&r) if r < mine => {}
-                    Some(&r) => bad.push(format!("{rel}:{}: `{module}` (rank {mine}) uses `{name}` (rank {r})", n + 1)),
-                    None => bad.push(format!("{rel}:{}: uses `{name}`, which has no rank", n + 1)),
-                }
+                continue;
+            };
+            match layer_of(&to) {
+                Some((theirs, _)) if theirs == mine => {}
+                Some((_, r)) if r < my_rank => {}
+                Some((theirs, r)) => bad.push(format!("{rel}: `{mine}` (rank {my_rank}) uses `{theirs}` (rank {r}) through `{path}`")),
+                None => bad.push(format!("{rel}: `{path}` leads into `{}`, which has no rank", to.join("::"))),
             }
         }
     }
@@ -352,7 +353,7 @@ fn no_circle_between_files() {
         edges.get(&module_path(from)).is_some_and(|s| s.contains(&module_path(to)))
     };
     assert!(has("pool/arena.rs", "pool/growth.rs"), "a braced `use super::growth::{{...}}`");
-    assert!(has("upstream/export_record.rs", "upstream/shared/identity.rs"), "a path into a child module");
+    assert!(has("share/protocol/exporter.rs", "share/protocol/identity.rs"), "a path into a sibling module");
 }
 
 #[test]

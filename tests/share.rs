@@ -69,7 +69,7 @@ fn a_small_block_is_shared_held_and_let_go_through_its_dlpack_deleter() {
     // framework route exports it.
     let mut len = 0;
     assert_eq!(unsafe { gpupool_ipc_export(b, null_mut(), 0, &mut len) }, Status::Ok, "asking the length exports nothing");
-    assert_eq!(len, gpupool::upstream::shared::HEADER_BYTES + gpupool::upstream::shared::GRANULE_BYTES);
+    assert_eq!(len, gpupool::share::protocol::HEADER_BYTES + gpupool::share::protocol::GRANULE_BYTES);
     let strict = export(b, 0);
     assert!(strict.as_ref().is_err_and(|e| e.contains("shares its")), "{strict:?}");
     assert!(export(b, 0x8).is_err_and(|e| e.contains("unknown flags")));

@@ -116,7 +116,7 @@ fn a_stale_descriptor_is_refused_by_the_exporter_and_costs_the_importer_no_descr
 fn the_refusal_is_named_where_the_exporter_has_no_handover_thread() {
     let _g = setup();
     let a = malloc(MIB, 1);
-    let mut d = gpupool::upstream::shared::Descriptor::decode(&export(a)).unwrap();
+    let mut d = gpupool::share::protocol::GranuleDescriptor::decode(&export(a)).unwrap();
     d.handover = 0;
     let e = open(&d.encode(), 2).expect_err("no route to the descriptors");
     assert!(e.contains("was refused") && e.contains("without a handover socket") && e.contains("pass the descriptors yourself"), "{e}");
@@ -128,14 +128,14 @@ fn a_descriptor_altered_or_naming_a_reused_pid_is_refused_on_the_handed_route_to
     let _g = setup();
     let a = malloc(5 * MIB, 1);
     let desc = export(a);
-    let d = gpupool::upstream::shared::Descriptor::decode(&desc).unwrap();
+    let d = gpupool::share::protocol::GranuleDescriptor::decode(&desc).unwrap();
     // A granule's memory offset changed: the digest under the export's token no longer matches.
     let mut altered = d.clone();
     altered.granules[0].offset ^= 1 << 21;
     let e = open(&altered.encode(), 2).expect_err("an altered descriptor");
     assert!(e.contains("forged or altered"), "{e}");
     // Another start time: the process holding the pid is not the exporter.
-    let reused = gpupool::upstream::shared::Descriptor { start_time: d.start_time + 1, ..d.clone() };
+    let reused = gpupool::share::protocol::GranuleDescriptor { start_time: d.start_time + 1, ..d.clone() };
     let e = open(&reused.encode(), 2).expect_err("a reused pid");
     assert!(e.contains("not the exporter"), "{e}");
     // The descriptor as exported still opens.

@@ -395,7 +395,7 @@ fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
     let mut len = 0;
     let st = unsafe { gpupool_ipc_export_flags(tagged[1] as *mut c_void, 1, desc.as_mut_ptr().cast(), desc.len(), &mut len) };
     assert_eq!(st, Status::Ok, "{}", last());
-    let d = gpupool::upstream::shared::Descriptor::decode(&desc[..len]).unwrap();
+    let d = gpupool::share::protocol::GranuleDescriptor::decode(&desc[..len]).unwrap();
     let device_granule = gpupool::upstream::host::HOST_PAGE as u64;
     assert_eq!(d.granule, device_granule);
     assert_eq!(d.granules.len() as u64, 3 * TAG_GRANULE as u64 / device_granule);
@@ -446,7 +446,7 @@ fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
     free(w, d);
 }
 
-/// Receivers' open imports, as the pause counts them (`upstream::opens_file`): through
+/// Receivers' open imports, as the pause counts them (`share::protocol::opens_file`): through
 /// descriptors passed in, across an export slot reused by another block, and over every
 /// device at once.
 #[test]

@@ -803,7 +803,7 @@ def open_cuda_ipc_handle(handle, offset, size, device):
     once in this process however many blocks of it are open (the library counts them)."""
     if len(handle) != 64:
         raise GpupoolError(6, f"gpupool: a CUDA IPC handle is 64 bytes, not {len(handle)}")
-    # The library's segment descriptor (src/upstream/legacy_descriptor.rs): magic, pid, device,
+    # The library's segment descriptor (src/share/protocol/segment_descriptor.rs): magic, pid, device,
     # start time, handle, offset, size. The pid and start time only name the sender in
     # reports; nothing checks them for this kind.
     desc = b"GPPLEG01" + struct.pack("<IiQ", 0, device, 0) + bytes(handle) + struct.pack("<QQ", offset, size)

@@ -1,15 +1,15 @@
 //! Sharing gpupool blocks with other processes: export a block as a byte descriptor, open
 //! it in another process, close it there. Arena blocks (whose memory `cudaIpcGetMemHandle`
-//! refuses) go as their granules' shareable handles (`crate::upstream::shared` gives the
+//! refuses) go as their granules' shareable handles (`crate::share::protocol` gives the
 //! descriptor and how the file descriptors behind it travel); blocks of the segment pools
-//! as CUDA's own IPC handle of their segment (`crate::upstream::legacy_descriptor`).
+//! as CUDA's own IPC handle of their segment (`crate::share::protocol::segment_descriptor`).
 
 use super::boundary::call;
 use crate::error::{Error, Status};
 use crate::registry;
 use crate::share::descriptor::AnyDescriptor;
 use crate::share::torch_format;
-use crate::upstream::shared::{FLAG_UNKEPT, MAX_DESCRIPTOR_BYTES};
+use crate::share::protocol::MAX_DESCRIPTOR_BYTES;
 use std::ffi::{c_int, c_void};
 
 /// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
@@ -86,27 +86,10 @@ unsafe fn export(ptr: *mut c_void, share_granules: bool, buf: *mut c_void, buf_l
     }
     let p = ptr as usize;
     if buf.is_null() && buf_len == 0 {
-        *out_len = registry::with_owner_of(p, |pool| pool.ipc_export_len(p)).unwrap_or_else(|| Err(not_ours(p)))?;
+        *out_len = crate::share::export::export_len(p)?;
         return Ok(());
     }
-    hand_out(&exported(p, share_granules)?, buf, buf_len, out_len, "the IPC descriptor")
-}
-
-fn not_ours(p: usize) -> Error {
-    let why = crate::error::BadPointer::Refused("IPC export: not a block gpupool allocated on any device".into());
-    Error::InvalidPointer { ptr: p, device: -1, why }
-}
-
-/// The descriptor of the live block at `p`, on whichever device's pool holds it.
-fn exported(p: usize, share_granules: bool) -> crate::error::Result<Vec<u8>> {
-    // An importer that may not copy this process's descriptors asks its handover thread.
-    let handover = crate::share::handover::export_tag();
-    registry::with_owner_of(p, |pool| {
-        // A tag's memory may be paused: its importers map it only while open.
-        let flags = if registry::is_tag_shard(pool.shard()) { FLAG_UNKEPT } else { 0 };
-        pool.ipc_export_via(p, share_granules, handover, flags)
-    })
-    .unwrap_or_else(|| Err(not_ours(p)))
+    hand_out(&crate::share::export::export(p, share_granules)?, buf, buf_len, out_len, "the IPC descriptor")
 }
 
 /// The exporter's file descriptor numbers in the descriptor `desc` (`desc_len` bytes), one
@@ -218,8 +201,7 @@ pub unsafe extern "C" fn gpupool_ipc_export_torch(ptr: *mut c_void, buf: *mut c_
         if ptr.is_null() {
             return Err(Error::NullArgument("ptr"));
         }
-        let raw = exported(ptr as usize, true)?;
-        let h = torch_format::encode(&AnyDescriptor::decode(&raw)?, &raw);
+        let h = crate::share::export::export_torch(ptr as usize)?;
         *out_offset = h.offset as usize;
         hand_out(&h.bytes, buf, buf_len, out_len, "the PyTorch handle")
     })

@@ -1,17 +1,13 @@
 //! What the frameworks' process-sharing routes (`gpupool.torch`'s `torch.multiprocessing`
 //! reductions, `gpupool.cupy.share`) need beyond `ipc.rs`: holds that tell an exporter
-//! when its importers let go (`crate::share::holds`), and an import handed out as a DLPack tensor
-//! whose deleter closes it and releases the hold, so the framework's own tensor lifetime
-//! decides when the mapping goes, with no Python code in the deleter (it may run late in
-//! the interpreter's life, or on a thread without the GIL).
+//! when its importers let go (`crate::share::holds`), and an import
+//! (`crate::share::received`) handed out as a DLPack tensor whose deleter closes it.
 
 use super::boundary::call;
 use super::ipc::read_descriptor;
 use crate::error::Error;
-use crate::share::descriptor::AnyDescriptor;
 use crate::share::holds;
-use crate::share::spans::{open_shared, unshare, Hold, SpanUse};
-use crate::registry;
+use crate::share::received::Received;
 use std::ffi::{c_char, c_int, c_void};
 
 /// Take a hold for one send of a block to another process: `*out_fd` receives this
@@ -109,20 +105,13 @@ const DL_CPU: i32 = 1;
 const DL_CUDA: i32 = 2;
 const DL_UINT: u8 = 1;
 
-/// A DLPack tensor over an import, with what its deleter undoes. `managed` comes first, so
-/// the pointer handed out is also this struct's.
+/// A DLPack tensor over an import. `managed` comes first, so the pointer handed out is
+/// also this struct's.
 #[repr(C)]
 struct Imported {
     managed: DlManagedTensor,
     shape: i64,
-    ptr: usize,
-    device: i32,
-    hold: Option<Hold>,
-    /// The span it is mapped through, shared with other blocks in it (`open_shared`).
-    shared: Option<SpanUse>,
-    /// A sender's count to give back once closed (`gpupool_dlpack_give_back_count`): a
-    /// shared-memory object's name and the byte offset of the count in it.
-    count: Option<(Vec<u8>, u64)>,
+    received: Received,
 }
 
 /// Map the block another process exported (`desc`, as `gpupool_ipc_open`, the descriptors
@@ -157,44 +146,18 @@ pub unsafe extern "C" fn gpupool_ipc_open_dlpack(
         }
         let d = read_descriptor(desc, desc_len)?;
         let given: &[c_int] = if n_fds == 0 { &[] } else { std::slice::from_raw_parts(fds, n_fds) };
-        *out_tensor = open_imported(&d, device, given, holds_fd, slot)?.cast();
+        *out_tensor = dlpack(Received::open(&d, device, given, holds_fd, slot)?).cast();
         Ok(())
     })
 }
 
-/// `gpupool_ipc_open_dlpack`'s work once its arguments are read: the import of `d` on
-/// `device` through the descriptors `given` (which stay the caller's), as a DLPack tensor
-/// whose deleter closes it and releases hold `slot` of `holds_fd` (-1: no hold).
-pub(super) fn open_imported(
-    d: &AnyDescriptor,
-    device: c_int,
-    given: &[c_int],
-    holds_fd: c_int,
-    slot: u32,
-) -> crate::error::Result<*mut DlManagedTensor> {
-    // The holds file first: an import that cannot release its hold later must not be made.
-    let hold = if holds_fd >= 0 { Some((holds::map_theirs(holds_fd)?, slot)) } else { None };
-    let opened = (|| {
-        let on_host = registry::with_pool(device, |pool| Ok(pool.upstream_name() == "host"))?;
-        let size = i64::try_from(d.size()).map_err(|_| Error::InvalidArgument("IPC import: size out of range".into()))?;
-        // Last: nothing after it may fail, or the import (or its share of a span) would stay.
-        let (ptr, shared) = open_shared(d, device, given, hold.is_some())?;
-        Ok((on_host, size, ptr, shared))
-    })();
-    let (on_host, size, ptr, shared) = match opened {
-        Ok(o) => o,
-        Err(e) => {
-            // The hold stays the send's (its caller releases it): not one of this import's.
-            if let Some((id, _)) = hold {
-                holds::forget(id);
-            }
-            return Err(e);
-        }
-    };
+/// `received` as a DLPack tensor whose deleter closes it.
+pub(super) fn dlpack(received: Received) -> *mut DlManagedTensor {
+    let (on_host, device) = (received.on_host, received.device);
     let t = Box::into_raw(Box::new(Imported {
         managed: DlManagedTensor {
             dl_tensor: DlTensor {
-                data: ptr as *mut c_void,
+                data: received.ptr as *mut c_void,
                 device: DlDevice { device_type: if on_host { DL_CPU } else { DL_CUDA }, device_id: if on_host { 0 } else { device } },
                 ndim: 1,
                 dtype: DlDataType { code: DL_UINT, bits: 8, lanes: 1 },
@@ -205,77 +168,32 @@ pub(super) fn open_imported(
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_imported),
         },
-        shape: size,
-        ptr,
-        device,
-        hold,
-        shared,
-        count: None,
+        // `Received::open` keeps sizes within i64.
+        shape: received.size as i64,
+        received,
     }));
     // SAFETY: just made; the shape lives in the same box.
     unsafe { (*t).managed.dl_tensor.shape = &mut (*t).shape };
-    Ok(t.cast())
+    t.cast()
 }
 
-/// The deleter of `gpupool_ipc_open_dlpack`'s tensors: close the import, release the hold,
+/// The deleter of `gpupool_ipc_open_dlpack`'s tensors: close the import (`Received::close`),
 /// free the tensor. Errors cannot be returned from here: they are warned about.
-pub(super) unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
+unsafe extern "C" fn delete_imported(t: *mut DlManagedTensor) {
     if t.is_null() {
-        return;
-    }
-    // A fork child has no CUDA and may have been forked while another thread held the
-    // spans' lock (an import made ahead holds it): it closes nothing, and waits for nothing.
-    if crate::process::in_child() {
         return;
     }
     let t = Box::from_raw(t.cast::<Imported>());
-    let (close, holds) = match t.shared {
-        Some(key) => unshare(key, t.hold),
-        None => (Some(t.ptr), t.hold.into_iter().collect()),
-    };
-    let closed = match close {
-        Some(ptr) => call(|| registry::with_pool(t.device, |pool| pool.ipc_close(ptr))),
-        None => crate::error::Status::Ok,
-    };
-    if closed != crate::error::Status::Ok {
-        // The work this process queued on the block may still be running (the wait before
-        // the unmap is what failed): releasing the holds would let the exporter reuse memory
-        // those kernels write. The holds stay, and with them the exporter's blocks.
-        crate::error::warn(&format!(
-            "gpupool: warning: closing the import at {:#x} on device {} when its last tensor went failed: {}; its \
-             exporter's {} hold(s) stay held, so that process does not reuse memory this one may still write",
-            t.ptr,
-            t.device,
-            super::boundary::last_error(),
-            holds.len()
-        ));
-        return;
-    }
-    for (id, slot) in holds {
-        let _ = call(|| holds::release(id, slot));
-    }
-    if let Some((name, offset)) = &t.count {
-        if call(|| holds::give_back_count(name, *offset).map(|_| ())) != crate::error::Status::Ok {
+    let (ptr, device) = (t.received.ptr, t.received.device);
+    super::boundary::call_value((), || {
+        if let Err(f) = t.received.close() {
             crate::error::warn(&format!(
-                "gpupool: warning: giving back the sender's count of the import at {:#x} failed: {}",
-                t.ptr,
-                super::boundary::last_error()
+                "gpupool: warning: closing the import at {ptr:#x} on device {device} when its last tensor went failed: {}; \
+                 its exporter's {} hold(s) stay held, so that process does not reuse memory this one may still write",
+                f.error, f.holds_kept
             ));
         }
-    }
-}
-
-/// Close an import made ahead that no rebuild took, leaving its send's hold held (the
-/// send may still be opened later, as it would have been): the deleter's work without
-/// this tensor's own hold (holds the span kept for tensors gone before are released).
-pub(super) unsafe fn close_keeping_hold(t: *mut DlManagedTensor) {
-    if t.is_null() {
-        return;
-    }
-    if let Some((id, _)) = (*t.cast::<Imported>()).hold.take() {
-        holds::forget(id);
-    }
-    delete_imported(t);
+    });
 }
 
 /// Make `tensor` (a `DLManagedTensor*` from `gpupool_ipc_open_dlpack`, not yet deleted)
@@ -310,7 +228,7 @@ pub unsafe extern "C" fn gpupool_dlpack_give_back_count(
                 name.len()
             )));
         }
-        (*tensor.cast::<Imported>()).count = Some((name.to_vec(), byte_offset));
+        (*tensor.cast::<Imported>()).received.give_back_count_at_close(name.to_vec(), byte_offset);
         Ok(())
     })
 }

@@ -170,6 +170,11 @@ impl Pool {
 
     /// `alive`: a handle of the stream that freed `block`, valid now (None: none is known).
     pub(super) fn put_block(&mut self, block: Block, alive: Option<StreamHandle>) -> Result<()> {
+        if !self.exports.is_empty() {
+            // Before the memory can serve another block: a descriptor of this one must no
+            // longer map it.
+            self.exports.end_block(block.addr);
+        }
         match self.core.strategy_mut().put(block) {
             // Not cached (passthrough): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work

@@ -1,9 +1,9 @@
 //! Sharing blocks with other processes: export a live block as a descriptor, map another
 //! process's descriptor, unmap it again. This file checks the pointer against the pool's
-//! books and picks what goes: an arena block's granules (`crate::upstream::shared` gives
+//! books and picks what goes: an arena block's granules (`crate::share::protocol` gives
 //! the descriptor and the driver calls: `cudaIpcGetMemHandle` refuses memory of the virtual
 //! memory API), or a segment pool's segment handle and offset, through CUDA's own IPC
-//! (`crate::upstream::legacy_descriptor`).
+//! (`crate::share::protocol::segment_descriptor`).
 //!
 //! The contract is CUDA IPC's: the exporter keeps the block allocated while an importer
 //! uses it (a freed block's memory goes to the exporter's next allocation), and the
@@ -12,8 +12,8 @@
 
 use super::{Hold, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
-use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{own_start_time, Descriptor, Exporter, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
+use crate::share::protocol::SegmentDescriptor;
+use crate::share::protocol::{own_start_time, GranuleDescriptor, Exporter, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -30,7 +30,7 @@ impl Pool {
     /// `ipc_export`, naming in an arena block's descriptor `handover`, the random part of
     /// this process's handover socket name (`share::handover`: an importer that may not
     /// copy this process's descriptors asks for them there), and `flags`
-    /// (`shared::FLAG_*`).
+    /// (`protocol::FLAG_*`).
     pub fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64, flags: u32) -> Result<Vec<u8>> {
         self.running()?;
         self.not_paused()?;
@@ -75,14 +75,14 @@ impl Pool {
             // A segment pool's block lies in a `cuMemAlloc` segment: CUDA's own IPC handle
             // of the segment and the block's offset in it.
             let (segment, device) = (l.block.segment, self.core.device());
-            let handle = self.core.upstream_mut().legacy_ipc_export(segment).map_err(|e| {
+            let handle = self.core.upstream_mut().cuda_ipc_export(segment).map_err(|e| {
                 Error::InvalidArgument(format!(
                     "IPC export of {ptr:#x}: device {device}'s pool is `{}`, whose blocks go through CUDA's IPC handles: {e}",
                     self.core.strategy().name()
                 ))
             })?;
             let pid = std::process::id();
-            let d = LegacyDescriptor { pid, device, start_time: own_start_time(), handle, offset: (ptr - segment) as u64, size: size as u64 };
+            let d = SegmentDescriptor { pid, device, start_time: own_start_time(), handle, offset: (ptr - segment) as u64, size: size as u64 };
             return Ok(d.encode());
         }
         let (addr, block_size) = (l.block.addr, l.block.size);
@@ -97,30 +97,30 @@ impl Pool {
         };
         let size = l.requested.max(1);
         Ok(match self.arena_export_granules(ptr, size) {
-            Some(granules) => crate::upstream::shared::HEADER_BYTES + crate::upstream::shared::GRANULE_BYTES * granules,
-            None => crate::upstream::legacy_descriptor::LEGACY_DESCRIPTOR_BYTES,
+            Some(granules) => crate::share::protocol::HEADER_BYTES + crate::share::protocol::GRANULE_BYTES * granules,
+            None => crate::share::protocol::SEGMENT_DESCRIPTOR_BYTES,
         })
     }
 
     /// Map the block another process exported as `d` (decoded by the caller, before
     /// this pool's lock); returns where it starts here. `fds`: this process's copies of
     /// the exporter's descriptors, one per granule in the descriptor's order or each
-    /// exporter number once in the order of its first appearance (`Descriptor::per_granule`);
+    /// exporter number once in the order of its first appearance (`GranuleDescriptor::per_granule`);
     /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time.
     ///
     /// Fetched descriptors go through the cache of kept imports (`import_cache.rs`): a block
     /// whose memory is still mapped from an earlier message is served with no driver call.
-    pub fn ipc_import(&mut self, d: &Descriptor, fds: Option<&[i32]>) -> Result<usize> {
+    pub fn ipc_import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>) -> Result<usize> {
         self.ipc_import_marked(d, fds, None)
     }
 
     /// `ipc_import`, with the mark of an import of memory its exporter may pause where the
     /// caller has one (taken with the opens file its handover thread sent).
-    pub fn ipc_import_marked(&mut self, d: &Descriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+    pub fn ipc_import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
         if fds.is_some() {
             let source = self.import_source(d, fds)?;
             // Memory its exporter may pause: counted as open there before it is mapped
-            // (`upstream::opens_file`), by pid where the caller brought no mark. Where the
+            // (`share::protocol::opens_file`), by pid where the caller brought no mark. Where the
             // exporter's files may not be fetched (a container) and no mark came, the
             // import is not counted (docs/tags.md).
             let mark = match mark {
@@ -211,7 +211,7 @@ impl Pool {
     /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, a
     /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
     /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
-    pub fn ipc_check(&self, d: &Descriptor, fds: &[i32]) -> Result<()> {
+    pub fn ipc_check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
         let source = self.import_source(d, Some(fds))?;
         let Some(fds) = source.given() else {
             return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
@@ -227,7 +227,7 @@ impl Pool {
         Ok(())
     }
 
-    fn import_source<'a>(&self, d: &'a Descriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
+    fn import_source<'a>(&self, d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
         self.running()?;
         self.check_kind(d)?;
         let source = match fds {
@@ -249,7 +249,7 @@ impl Pool {
     }
 
     /// The descriptor is of the memory this pool's upstream maps (else: refused, saying so).
-    fn check_kind(&self, d: &Descriptor) -> Result<()> {
+    fn check_kind(&self, d: &GranuleDescriptor) -> Result<()> {
         let kind = self.core.upstream().vmm_share_kind();
         if d.kind != kind {
             let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
@@ -266,9 +266,9 @@ impl Pool {
 
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
     /// returns where it starts here.
-    pub fn ipc_import_legacy(&mut self, d: &LegacyDescriptor) -> Result<usize> {
+    pub fn ipc_import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
         self.running()?;
-        self.core.upstream_mut().legacy_ipc_open(&d.handle, d.offset as usize)
+        self.core.upstream_mut().cuda_ipc_open(&d.handle, d.offset as usize)
     }
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
@@ -307,7 +307,7 @@ impl Pool {
             self.imports.forget_open_mark(ptr);
             return Ok(());
         }
-        if self.core.upstream_mut().legacy_ipc_close(ptr)? {
+        if self.core.upstream_mut().cuda_ipc_close(ptr)? {
             return Ok(());
         }
         let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
@@ -322,6 +322,6 @@ impl Pool {
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
         // The upstream's imports count the cache's runs, which count once per open block.
-        (self.core.upstream().vmm_imports() + self.imports.opens() + self.core.upstream().legacy_ipc_imports()).saturating_sub(self.imports.runs())
+        (self.core.upstream().vmm_imports() + self.imports.opens() + self.core.upstream().cuda_ipc_imports()).saturating_sub(self.imports.runs())
     }
 }

@@ -49,7 +49,7 @@ mod free;
 mod graph_pools;
 mod grow;
 mod growth;
-mod import_cache;
+
 mod ipc;
 mod limits;
 mod options;
@@ -89,7 +89,10 @@ pub struct Pool {
     /// Threads' fast-path caches for this pool (`attached_caches/`, `crate::thread_cache`).
     caches: AttachedCaches,
     /// Other processes' memory kept mapped between their messages (`import_cache.rs`).
-    imports: import_cache::ImportCache,
+    imports: crate::share::import_cache::ImportCache,
+    /// Where this pool's exported blocks' exports are recorded (`arena/export.rs`), ended
+    /// when a block is freed (`free.rs`).
+    exports: crate::share::exports::BlockExports,
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
     /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
     stopped: Option<String>,
@@ -110,6 +113,7 @@ impl Pool {
             graphs,
             caches: AttachedCaches::new(opts, device),
             imports: Default::default(),
+            exports: Default::default(),
             stopped: None,
             paused: None,
         })

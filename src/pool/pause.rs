@@ -13,7 +13,7 @@ use super::{FreeOn, Pool};
 use crate::error::{Error, Result};
 use crate::stream::{StreamHandle, STREAM_LEGACY};
 use crate::upstream::AllocError;
-use crate::upstream::export_record::ExportRecord;
+use crate::share::protocol::ExportRecord;
 
 /// A paused pool's state.
 pub(super) struct Paused {
@@ -43,7 +43,7 @@ impl Pool {
         // (the upstream clears them first): a descriptor sent before the pause is refused
         // after it. A receiver that still maps the memory would keep the old allocation
         // alive (the device gets nothing back) and see it, not the resumed contents: gpupool
-        // receivers map a tag's memory only while open (`shared::FLAG_UNKEPT`) and count
+        // receivers map a tag's memory only while open (`protocol::FLAG_UNKEPT`) and count
         // their open imports in this process's opens file, which the pause reads first.
         self.close_exports_for_pause(name)?;
         let r = self.pause_closed(name, stream, backup);
@@ -78,11 +78,10 @@ impl Pool {
     /// Before a pause: every export of this pool's blocks marked closing in this process's
     /// opens file, so that no import of them opens meanwhile; refused (naming the blocks and
     /// the processes), with nothing changed, while another process still has one open
-    /// through gpupool (`upstream::opens_file`; a receiver that exited counts no more).
+    /// through gpupool (`share::protocol::opens_file`; a receiver that exited counts no more).
     /// Receivers on PyTorch's own allocator keep no count: they are not seen here.
     pub fn close_exports_for_pause(&mut self, name: &str) -> Result<()> {
-        let Some(arena) = self.core.arena() else { return Ok(()) };
-        let exports = arena.exports();
+        let exports = self.exports.all();
         let ats: Vec<_> = exports.iter().map(|e| e.1).collect();
         let Err(open) = ExportRecord::close_for_pause(&ats) else { return Ok(()) };
         let mut held: Vec<(usize, u32, u32)> =
@@ -108,10 +107,7 @@ impl Pool {
     /// Imports of this pool's exports may open again (a pause that did not go ahead, or a
     /// resume).
     pub fn reopen_exports(&mut self) {
-        if let Some(arena) = self.core.arena() {
-            let ats: Vec<_> = arena.exports().into_iter().map(|e| e.1).collect();
-            ExportRecord::reopen(&ats);
-        }
+        ExportRecord::reopen(&self.exports.records());
     }
 
     /// Map this pool's memory again at the same addresses and restore its backup (module

@@ -1,19 +1,19 @@
 //! A descriptor another process sent, of either kind: an arena block's granules
-//! (`crate::upstream::shared::Descriptor`) or a segment pool's CUDA IPC handle
-//! (`crate::upstream::legacy_descriptor`), told apart by its bytes, and opened on a device
+//! (`crate::share::protocol::GranuleDescriptor`) or a segment pool's CUDA IPC handle
+//! (`crate::share::protocol::segment_descriptor`), told apart by its bytes, and opened on a device
 //! through its pool.
 
 use crate::error::{Error, Result};
 use crate::registry;
-use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{Descriptor, OpenMark, FLAG_UNKEPT};
+use crate::share::protocol::SegmentDescriptor;
+use crate::share::protocol::{GranuleDescriptor, OpenMark, FLAG_UNKEPT};
 use std::ffi::c_int;
 use std::os::fd::AsRawFd;
 
 /// A descriptor of either kind.
 pub enum AnyDescriptor {
-    Arena(Descriptor),
-    Segment(LegacyDescriptor),
+    Arena(GranuleDescriptor),
+    Segment(SegmentDescriptor),
 }
 
 impl AnyDescriptor {
@@ -54,7 +54,7 @@ impl AnyDescriptor {
                         _ => None,
                     };
                     if mark.is_some() {
-                        crate::upstream::shared::still_handed(d, &record)?;
+                        crate::share::protocol::still_handed(d, &record)?;
                     }
                     // The mapping keeps the memory: the copies close on return.
                     registry::with_pool(device, |pool| pool.ipc_import_marked(d, Some(&raw), mark))
@@ -62,7 +62,7 @@ impl AnyDescriptor {
                 other => other,
             },
             AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.ipc_import(d, fds)),
-            AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.ipc_import_legacy(d)),
+            AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.ipc_import_segment(d)),
         }
     }
 
@@ -78,9 +78,9 @@ impl AnyDescriptor {
 impl AnyDescriptor {
     /// The descriptor in `bytes`, of whichever kind its bytes say.
     pub fn decode(bytes: &[u8]) -> Result<AnyDescriptor> {
-        if LegacyDescriptor::is_one(bytes) {
-            return LegacyDescriptor::decode(bytes).map(AnyDescriptor::Segment);
+        if SegmentDescriptor::is_one(bytes) {
+            return SegmentDescriptor::decode(bytes).map(AnyDescriptor::Segment);
         }
-        Descriptor::decode(bytes).map(AnyDescriptor::Arena)
+        GranuleDescriptor::decode(bytes).map(AnyDescriptor::Arena)
     }
 }

@@ -80,7 +80,7 @@ fn random<const N: usize>() -> Result<[u8; N]> {
 /// start-up pays that once. `serve`: also start the descriptor thread (a process that
 /// sends).
 pub fn prepare(serve: bool) -> Result<()> {
-    crate::upstream::shared::raise_fd_limit();
+    crate::share::protocol::raise_fd_limit();
     static TABLE: std::sync::Once = std::sync::Once::new();
     TABLE.call_once(grow_fd_table);
     if serve {
@@ -150,8 +150,8 @@ fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
 
 /// This process's copies of the descriptors behind the arena export `d`, asked of its
 /// exporter's descriptor thread: each of the exporter's numbers once, in the order the
-/// descriptor first names it (`Descriptor::per_granule` takes that list), after `d` was
-/// checked against the exporter's record, which comes with them (`shared::check_handed`),
+/// descriptor first names it (`GranuleDescriptor::per_granule` takes that list), after `d` was
+/// checked against the exporter's record, which comes with them (`protocol::check_handed`),
 /// the exporter's opens file, where an import of the block is counted while open, and the
 /// record (to check again once the import is counted).
 /// The exporter answers only while it records the export (its token live), and only to a
@@ -160,9 +160,9 @@ fn export_of_key(key: &[u8; KEY_BYTES]) -> Option<(u32, u64)> {
 /// `refused` says why this process may not copy them itself, for the error where the
 /// thread does not hand them over either.
 pub fn take_export(
-    d: &crate::upstream::shared::Descriptor,
+    d: &crate::share::protocol::GranuleDescriptor,
     refused: &str,
-) -> Result<(Vec<OwnedFd>, Option<OwnedFd>, crate::upstream::shared::Fd)> {
+) -> Result<(Vec<OwnedFd>, Option<OwnedFd>, crate::share::protocol::Fd)> {
     if d.handover == 0 {
         return Err(Error::InvalidArgument(format!(
             "{refused}; process {} exported the block without a handover socket (a fork() child, or its descriptor \
@@ -170,13 +170,13 @@ pub fn take_export(
             d.pid
         )));
     }
-    crate::upstream::shared::still_the_exporter(d)?;
+    crate::share::protocol::still_the_exporter(d)?;
     prepare(false)?;
     on_fork_once();
     let name = socket_name(d.pid, d.handover);
     match taker::take_from(&name, &export_key(d.record.slot, d.record.token)) {
         Ok((mut fds, _)) if fds.len() >= 2 => {
-            let record = crate::upstream::shared::check_handed(d, fds.remove(0))?;
+            let record = crate::share::protocol::check_handed(d, fds.remove(0))?;
             // The exporter's opens file comes last (`ExportRecord::handed`).
             let opens = fds.pop();
             Ok((fds, opens, record))
@@ -270,7 +270,7 @@ thread_local! {
 enum Held {
     Waiting(MutexGuard<'static, Option<HashMap<[u8; KEY_BYTES], Handover>>>),
     Connections(MutexGuard<'static, Option<taker::Connections>>),
-    ServerFds(MutexGuard<'static, Vec<(RawFd, crate::upstream::shared::FileId)>>),
+    ServerFds(MutexGuard<'static, Vec<(RawFd, crate::share::protocol::FileId)>>),
 }
 
 /// Register the `fork()` handlers, once per process: the forking thread takes the
@@ -314,7 +314,7 @@ extern "C" fn fork_child() {
                 Held::ServerFds(mut g) => {
                     for (fd, key) in g.drain(..) {
                         // Only if the number still names the server's file (never one reused).
-                        if crate::upstream::shared::FileId::of(fd).ok() == Some(key) {
+                        if crate::share::protocol::FileId::of(fd).ok() == Some(key) {
                             // SAFETY: the child's copy of a descriptor only the (absent) server thread used.
                             unsafe { libc::close(fd) };
                         }

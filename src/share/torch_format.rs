@@ -36,8 +36,8 @@
 
 use crate::error::{Error, Result};
 use crate::registry;
-use crate::upstream::legacy_descriptor::LegacyDescriptor;
-use crate::upstream::shared::{Descriptor, FileId, SharedGranule, KIND_CUDA};
+use crate::share::protocol::SegmentDescriptor;
+use crate::share::protocol::{GranuleDescriptor, FileId, SharedGranule, KIND_CUDA};
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, FromRawFd};
 
@@ -90,7 +90,7 @@ pub fn encode(d: &AnyDescriptor, raw: &[u8]) -> Handle {
 }
 
 /// PyTorch's `e` bytes for `d`: its allocations all of one size, else `None`.
-fn expandable(d: &Descriptor) -> Option<Vec<u8>> {
+fn expandable(d: &GranuleDescriptor) -> Option<Vec<u8>> {
     if d.kind != KIND_CUDA {
         return None;
     }
@@ -112,7 +112,7 @@ fn expandable(d: &Descriptor) -> Option<Vec<u8>> {
 
 /// The allocations `d` lists, as (the exporter's descriptor, granules): consecutive
 /// granules of one descriptor at offsets 0, 1, 2, ... granules are one allocation.
-fn allocations(d: &Descriptor) -> Vec<(i32, usize)> {
+fn allocations(d: &GranuleDescriptor) -> Vec<(i32, usize)> {
     let mut out: Vec<(i32, usize)> = Vec::new();
     for g in &d.granules {
         match out.last_mut() {
@@ -196,7 +196,7 @@ pub fn open(handle: &[u8], device: c_int) -> Result<(usize, usize)> {
         }
         Parsed::CudaIpc(h) => {
             // PyTorch's own segment: the storage's offset travels apart; the segment opens whole.
-            let base = registry::with_pool(device, |pool| pool.ipc_import_legacy(&LegacyDescriptor { pid: 0, device, start_time: 0, handle: h, offset: 0, size: 0 }))?;
+            let base = registry::with_pool(device, |pool| pool.ipc_import_segment(&SegmentDescriptor { pid: 0, device, start_time: 0, handle: h, offset: 0, size: 0 }))?;
             Ok((base, base))
         }
         Parsed::Expandable { pid, segment_size, fds } => {
@@ -246,7 +246,7 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
         }
         mine.push(got);
     }
-    let d = Descriptor {
+    let d = GranuleDescriptor {
         kind: KIND_CUDA,
         pid,
         start_time: 0,
@@ -267,13 +267,13 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::upstream::legacy_descriptor::LegacyDescriptor;
-    use crate::upstream::shared::{FileId, SharedGranule};
+    use crate::share::protocol::SegmentDescriptor;
+    use crate::share::protocol::{FileId, SharedGranule};
 
     const G: u64 = 2 << 20;
 
-    fn arena(granules: &[(i32, u64)], offset: u64) -> Descriptor {
-        Descriptor {
+    fn arena(granules: &[(i32, u64)], offset: u64) -> GranuleDescriptor {
+        GranuleDescriptor {
             kind: KIND_CUDA,
             pid: 4242,
             start_time: 1,
@@ -326,7 +326,7 @@ mod tests {
 
     #[test]
     fn a_segment_block_is_cudas_handle_and_its_offset() {
-        let l = LegacyDescriptor { pid: 1, device: 0, start_time: 2, handle: [3; 64], offset: 1536, size: 10 };
+        let l = SegmentDescriptor { pid: 1, device: 0, start_time: 2, handle: [3; 64], offset: 1536, size: 10 };
         let raw = l.encode();
         let (h, prefix) = roundtrip(AnyDescriptor::Segment(l), &raw);
         assert_eq!(h.offset, 1536);

@@ -34,9 +34,8 @@ pub enum ReleaseOrder {
 ///   yet). `addr`/`len` name memory as `home_ranges` does.
 /// - Segments returned by `put` or `drain_free_segments` are no longer referenced by the
 ///   strategy; the pool gives them back to the upstream.
-/// - Strategies never call the upstream and never wait for the device. The one shared
-///   state a strategy reads is the arena's: whether the exports it booked still live, in
-///   the process's export record (`upstream::export_record`, a short process-wide lock).
+/// - Strategies never call the upstream, never wait for the device and share no state
+///   with other pools or processes (a block's exports are the pool's, `share::exports`).
 pub trait Strategy: Send {
     fn name(&self) -> &'static str;
 

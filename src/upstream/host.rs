@@ -389,15 +389,15 @@ impl VirtualMemory for HostUpstream {
 
 impl Ipc for HostUpstream {
     fn vmm_share_kind(&self) -> u32 {
-        super::shared::KIND_HOST
+        crate::share::protocol::KIND_HOST
     }
 
-    fn vmm_export(&mut self, addr: usize) -> Result<super::shared::SharedGranule> {
+    fn vmm_export(&mut self, addr: usize) -> Result<crate::share::protocol::SharedGranule> {
         self.calls.shareable += 1;
         self.vmm.export(addr)
     }
 
-    fn vmm_import(&mut self, d: &super::shared::Descriptor, fds: &super::shared::FdSource) -> Result<usize> {
+    fn vmm_import(&mut self, d: &crate::share::protocol::GranuleDescriptor, fds: &crate::share::protocol::FdSource) -> Result<usize> {
         let ptr = self.vmm.import(d, fds)?;
         let n = d.granules.len() as u64;
         (self.calls.address_reserve, self.calls.shareable, self.calls.mem_map) =

@@ -13,11 +13,11 @@
 //! and unmapping or aliasing part of one is refused as the driver refuses it, so the CPU
 //! tests catch a pool that would cut one.
 //!
-//! Sharing with another process (`crate::upstream::shared`) works as on the GPU: a
+//! Sharing with another process (`crate::share::protocol`) works as on the GPU: a
 //! granule is exported as the file's descriptor and the granule's offset in it, and an
 //! importer maps those offsets of its copy of the descriptor side by side.
 
-use crate::upstream::shared::{Descriptor, FdSource};
+use crate::share::protocol::{GranuleDescriptor, FdSource};
 use crate::upstream::UnmapFail;
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
@@ -316,7 +316,7 @@ impl HostVmm {
             self.unmap_at(a).map_err(fail)?;
             if let Some(fd) = self.fd {
                 // Exports of it end before its offset can back another granule.
-                crate::upstream::export_record::ExportRecord::granule_released(fd, off as u64);
+                crate::share::protocol::ExportRecord::granule_released(fd, off as u64);
             }
             self.release_offset(off);
             if let Some((b, l)) = Self::chunk_of(&self.chunks, a).filter(|&(b, l)| a + self.granule == b + l) {
@@ -401,17 +401,17 @@ impl HostVmm {
 impl HostVmm {
     /// The granule mapped at `addr` (a home or an alias) as another process sees it: the
     /// file's descriptor and the granule's offset in the file.
-    pub fn export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
+    pub fn export(&mut self, addr: usize) -> Result<crate::share::protocol::SharedGranule> {
         let home = self.aliases.get(&addr).copied().unwrap_or(addr);
         let Some(&off) = self.mapped.get(&home) else {
             return Err(Error::Internal(format!("host vmm: export of {addr:#x}, which is not mapped")));
         };
-        Ok(crate::upstream::shared::SharedGranule { fd: self.fd()?, offset: off as u64, ..Default::default() })
+        Ok(crate::share::protocol::SharedGranule { fd: self.fd()?, offset: off as u64, ..Default::default() })
     }
 
     /// Map the granules of `d` (offsets in the files behind the descriptors `fds` yields)
     /// side by side in a new reservation; returns the block's address there. All or nothing.
-    pub fn import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
+    pub fn import(&mut self, d: &GranuleDescriptor, fds: &FdSource) -> Result<usize> {
         // Exports list the device granule whatever the exporter's granule.
         let g = self.device_granule;
         if d.granule != g as u64 {
@@ -492,7 +492,7 @@ impl Drop for HostVmm {
         if let Some(fd) = self.fd.take() {
             // Every export of this file ends before its number can be reused.
             for off in self.mapped.values() {
-                crate::upstream::export_record::ExportRecord::granule_released(fd, *off as u64);
+                crate::share::protocol::ExportRecord::granule_released(fd, *off as u64);
             }
             // SAFETY: our own descriptor.
             unsafe { libc::close(fd) };

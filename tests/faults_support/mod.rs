@@ -9,7 +9,7 @@ use gpupool::config::PoolKind;
 use gpupool::error::Error;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::host::HOST_PAGE;
-use gpupool::upstream::shared::Descriptor;
+use gpupool::share::protocol::GranuleDescriptor;
 use gpupool::{Pool, PoolOptions};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -253,7 +253,7 @@ pub fn export_and_import(p: &mut Pool, s: &Mutex<Schedule>, (a, n, id): (usize, 
     };
     match p.ipc_export(a, false) {
         Ok(bytes) => {
-            let d = Descriptor::decode(&bytes).unwrap_or_else(|e| panic!("operation {i}: the descriptor exported does not decode: {e}"));
+            let d = GranuleDescriptor::decode(&bytes).unwrap_or_else(|e| panic!("operation {i}: the descriptor exported does not decode: {e}"));
             let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
             let injected_before = lock(s).injected;
             match p.ipc_import(&d, Some(&fds)) {

@@ -7,7 +7,7 @@ use gpupool::error::Result;
 use gpupool::stream::StreamHandle;
 use gpupool::upstream::host::HostUpstream;
 use gpupool::upstream::host::HOST_PAGE;
-use gpupool::upstream::shared::{Descriptor, FdSource, SharedGranule};
+use gpupool::share::protocol::{GranuleDescriptor, FdSource, SharedGranule};
 use gpupool::upstream::{AliasFail, AllocError, EventHandle, UnmapFail, Events, Ipc, Memory, VirtualMemory};
 use std::sync::{Arc, Mutex};
 
@@ -76,7 +76,7 @@ impl FaultyUpstream {
 
     /// Import `d` with granule `i`'s descriptor replaced by `fd` (the host's import fails
     /// there and undoes what it did).
-    fn import_with(&mut self, d: &Descriptor, fds: &FdSource, i: usize, fd: i32) -> Result<usize> {
+    fn import_with(&mut self, d: &GranuleDescriptor, fds: &FdSource, i: usize, fd: i32) -> Result<usize> {
         let FdSource::Given(given) = fds else { return Err(injected("import (descriptors fetched)")) };
         let mut mine = given.to_vec();
         mine[i] = fd;
@@ -295,7 +295,7 @@ impl Ipc for FaultyUpstream {
         }
         self.host.vmm_export(addr)
     }
-    fn vmm_import(&mut self, d: &Descriptor, fds: &FdSource) -> Result<usize> {
+    fn vmm_import(&mut self, d: &GranuleDescriptor, fds: &FdSource) -> Result<usize> {
         let n = d.granules.len();
         let file = d.granules[0].file.ino;
         let before = mapped_of_file(file);

@@ -1,12 +1,12 @@
 //! The arena's part of exporting a block to another process (`Pool::ipc_export`, which
 //! checks the pointer first): the block's whole allocations, one shareable descriptor per
-//! allocation, and the export record importers check (`crate::upstream::shared`,
-//! `crate::upstream::export_record`).
+//! allocation, and the export record importers check (`crate::share::protocol`,
+//! `crate::share::protocol::record`).
 
 use crate::error::{BadPointer, Error, Result};
 use crate::pool::Pool;
-use crate::upstream::export_record::ExportRecord;
-use crate::upstream::shared::{granules_digest, own_start_time, raise_fd_limit, Descriptor, FileId, SharedGranule};
+use crate::share::protocol::ExportRecord;
+use crate::share::protocol::{granules_digest, own_start_time, raise_fd_limit, GranuleDescriptor, FileId, SharedGranule};
 
 impl Pool {
     /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
@@ -18,12 +18,12 @@ impl Pool {
         // the arena's books as they were: the block stays usable and unguarded. A refused
         // guard ends the record; a granule's descriptor stays with the upstream until the
         // granule is released, and serves its next export.
-        // Each exported granule keeps a descriptor open (`shared.rs`).
+        // Each exported granule keeps a descriptor open (`crate::share::protocol::fds`).
         raise_fd_limit();
         // Whole allocations: the importer maps a chunk only whole.
         let (first, end) = self.arena_ref().export_extent(ptr, size);
         // Each granule's file identity goes along, so an importer can tell the exported file
-        // from whatever its number names later (`shared.rs`, "Trust").
+        // from whatever its number names later (Note [Sharing between processes], "Trust").
         // (The granules of one allocation share its descriptor: one fstat for them.)
         let mut last: Option<(i32, FileId)> = None;
         // Entries of the device's granularity, which importers map in: a granule larger
@@ -42,7 +42,7 @@ impl Pool {
         // A block exported before with the same granules keeps its export: one record
         // slot, one descriptor, however often it is sent.
         let digest = granules_digest(&granules);
-        let reused = self.arena().export_of(addr, digest);
+        let reused = self.exports.reusable(addr, digest);
         let record = match reused {
             Some(at) => at,
             None => ExportRecord::add(&granules)?,
@@ -65,9 +65,9 @@ impl Pool {
             return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(format!("IPC export: {why}")) });
         }
         if reused.is_none() {
-            self.arena().note_export(addr, record, digest);
+            self.exports.note(addr, record, digest);
         }
-        let d = Descriptor {
+        let d = GranuleDescriptor {
             kind: self.core.upstream().vmm_share_kind(),
             pid: std::process::id(),
             start_time: own_start_time(),

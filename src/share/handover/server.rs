@@ -18,8 +18,8 @@
 
 use super::{wire, KEY_BYTES, WAITING};
 use crate::error::{Error, Result};
-use crate::upstream::export_record::ExportRecord;
-use crate::upstream::shared::FileId;
+use crate::share::protocol::ExportRecord;
+use crate::share::protocol::FileId;
 use rustix::event::{PollFd, PollFlags};
 use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};

@@ -19,8 +19,8 @@ fn memfd(tag: &str) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
-fn identity(fd: RawFd) -> crate::upstream::shared::FileId {
-    crate::upstream::shared::FileId::of(fd).unwrap()
+fn identity(fd: RawFd) -> crate::share::protocol::FileId {
+    crate::share::protocol::FileId::of(fd).unwrap()
 }
 
 #[test]
@@ -100,7 +100,7 @@ fn bad_tickets_and_descriptors_are_refused() {
 #[test]
 fn concurrent_takers_each_get_their_own() {
     let files: Vec<OwnedFd> = (0..8).map(|i| memfd(&format!("c{i}"))).collect();
-    let tickets: Vec<(Vec<u8>, crate::upstream::shared::FileId)> = files
+    let tickets: Vec<(Vec<u8>, crate::share::protocol::FileId)> = files
         .iter()
         .map(|f| {
             let t = offer().unwrap();
@@ -242,7 +242,7 @@ fn a_fork_child_closes_the_servers_files_and_no_number_reused_since() {
     // handed out again): the list says one file, the number holds another.
     let reused = memfd("reused");
     let other = memfd("other");
-    server::SERVER_FDS.lock().unwrap().push((reused.as_raw_fd(), crate::upstream::shared::FileId::of(other.as_raw_fd()).unwrap()));
+    server::SERVER_FDS.lock().unwrap().push((reused.as_raw_fd(), crate::share::protocol::FileId::of(other.as_raw_fd()).unwrap()));
     // SAFETY: the child only asks two descriptors' flags and exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {

@@ -1,10 +1,10 @@
 //! Exported blocks of the arena: another process maps whole granules, so while an exported
-//! block lives the free memory in its granules is set aside (its guards), and its exports
-//! are recorded, to end when the block is freed (`put` calls `unguard`).
+//! block lives the free memory in its granules is set aside (its guards), until the block is
+//! freed (`put` calls `unguard`). Where the exports are recorded is the pool's business
+//! (`crate::share::exports`): a strategy never touches the export record.
 
 use super::{space, ArenaStrategy};
 use crate::block::Block;
-use crate::upstream::export_record::{ExportRecord, RecordRef};
 
 /// The arena's books of exported blocks.
 #[derive(Default)]
@@ -15,16 +15,12 @@ pub(super) struct Exports {
     guarded: rustc_hash::FxHashMap<usize, Vec<(usize, space::Slot)>>,
     /// Bytes those guards hold (free memory set aside: counted as cached).
     pub(super) guard_bytes: usize,
-    /// Exported blocks -> where their exports are recorded, with the digest of the granule
-    /// list each shares (`granules_digest`): a block freed ends them (`put`), so a
-    /// descriptor of it cannot map memory that serves another block.
-    records: rustc_hash::FxHashMap<usize, Vec<(RecordRef, u64)>>,
 }
 
 impl Exports {
-    /// No block is guarded and no export recorded (`put` skips `unguard`).
+    /// No block is guarded (`put` skips `unguard`).
     pub(super) fn is_empty(&self) -> bool {
-        self.guarded.is_empty() && self.records.is_empty()
+        self.guarded.is_empty()
     }
 }
 
@@ -109,33 +105,8 @@ impl ArenaStrategy {
         Ok(())
     }
 
-    /// Block `addr` was exported as `at`, sharing granules of digest `digest`: the export
-    /// ends when the block is freed.
-    pub fn note_export(&mut self, addr: usize, at: RecordRef, digest: u64) {
-        self.exports.records.entry(addr).or_default().push((at, digest));
-    }
-
-    /// The export of live block `addr` that shares granules of digest `digest`, if one is
-    /// still recorded: a block sent again (weights pushed every step) reuses its export, so
-    /// its descriptor is the same bytes and sends never run the record out of slots.
-    pub fn export_of(&mut self, addr: usize, digest: u64) -> Option<RecordRef> {
-        let recs = self.exports.records.get_mut(&addr)?;
-        // Exports whose granules were released meanwhile are over: forget them here too.
-        recs.retain(|(at, _)| ExportRecord::is_live(*at));
-        recs.iter().find(|(_, d)| *d == digest).map(|(at, _)| *at)
-    }
-
-    /// Every export still booked: (block address, where it is recorded).
-    pub fn exports(&self) -> Vec<(usize, RecordRef)> {
-        self.exports.records.iter().flat_map(|(&addr, recs)| recs.iter().map(move |&(at, _)| (addr, at))).collect()
-    }
-
-    /// The guards of exported block `addr` go back as free memory (it was freed), and its
-    /// exports end.
+    /// The guards of exported block `addr` go back as free memory (it was freed).
     pub(super) fn unguard(&mut self, addr: usize) {
-        for (at, _) in self.exports.records.remove(&addr).unwrap_or_default() {
-            ExportRecord::end(at);
-        }
         for (si, slot) in self.exports.guarded.remove(&addr).unwrap_or_default() {
             let n = *self.spaces[si].node(slot);
             self.exports.guard_bytes -= n.size;

@@ -126,7 +126,7 @@ pub struct ArenaStrategy {
     /// their own; the home they show is booked as allocated in its range too (as a loan's
     /// is), so it is neither handed out nor given back while the alias holds its memory.
     stuck: std::collections::BTreeMap<usize, loans::Stuck>,
-    /// Exported blocks: their guards and export records (`export.rs`).
+    /// Exported blocks' guards (`export.rs`).
     exports: Exports,
     /// Allocations of several granules in the large range (`chunks.rs`).
     chunks: chunks::Chunks,

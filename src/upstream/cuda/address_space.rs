@@ -15,7 +15,7 @@
 //! does that).
 //!
 //! Granules are created shareable as POSIX file descriptors where the device supports it,
-//! so another process can map them (`crate::upstream::shared`): `export` hands out a
+//! so another process can map them (`crate::share::protocol`): `export` hands out a
 //! granule's descriptor, kept open until the granule is released, and `import` maps another
 //! process's granules side by side in a range of this process. Where the device also
 //! reports fabric handles (multi-node NVLink), both kinds are asked for at once (as
@@ -29,7 +29,7 @@
 
 use super::driver::{check, cuda_error};
 use crate::error::{Error, Result};
-use crate::upstream::shared::{new_fd_cloexec, SharedGranule};
+use crate::share::protocol::{new_fd_cloexec, SharedGranule};
 use crate::upstream::{AliasFail, AllocError, DriverCalls, UnmapFail};
 use cudarc::driver::sys;
 use rustc_hash::FxHashMap;
@@ -433,7 +433,7 @@ impl CudaVmm {
             if let Some(fd) = self.exported.remove(&p) {
                 // Exports of it end before its descriptor number can be reused (every
                 // export lists its allocations whole, so from offset 0).
-                crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
+                crate::share::protocol::ExportRecord::granule_released(fd, 0);
                 // SAFETY: the descriptor `export` got for this allocation, ours to close.
                 unsafe { libc::close(fd) };
             }
@@ -548,7 +548,7 @@ impl Drop for CudaVmm {
     fn drop(&mut self) {
         self.drop_pause_resources();
         for (_, fd) in self.exported.drain() {
-            crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
+            crate::share::protocol::ExportRecord::granule_released(fd, 0);
             // SAFETY: descriptors `export` got, ours to close; the memory stays mapped.
             unsafe { libc::close(fd) };
         }

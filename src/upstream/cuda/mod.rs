@@ -12,7 +12,7 @@ pub mod address_space;
 pub mod async_;
 pub mod device;
 pub mod driver;
-pub mod legacy_ipc;
+pub mod ipc_handles;
 pub mod managed;
 pub mod pinned;
 pub mod vmm;
@@ -67,8 +67,8 @@ pub struct CudaUpstream<K: MemKind> {
     calls: DriverCalls,
     /// Make calls in relaxed capture mode (`Events::set_capture_relaxed`).
     relaxed: bool,
-    /// Other processes' `cuMemAlloc` allocations mapped here (`legacy_ipc_open`).
-    legacy: legacy_ipc::LegacyImports,
+    /// Other processes' `cuMemAlloc` allocations mapped here (`cuda_ipc_open`).
+    legacy: ipc_handles::LegacyImports,
     /// The device's ordinal (`capture_routes` counts by it).
     ordinal: i32,
 }
@@ -279,16 +279,16 @@ impl<K: MemKind> VirtualMemory for CudaUpstream<K> {
 
 impl<K: MemKind> Ipc for CudaUpstream<K> {
     fn vmm_share_kind(&self) -> u32 {
-        crate::upstream::shared::KIND_CUDA
+        crate::share::protocol::KIND_CUDA
     }
 
-    fn vmm_export(&mut self, addr: usize) -> Result<crate::upstream::shared::SharedGranule> {
+    fn vmm_export(&mut self, addr: usize) -> Result<crate::share::protocol::SharedGranule> {
         let _g = self.enter()?;
         let (vmm, calls) = self.vmm_parts()?;
         vmm.export(addr, calls)
     }
 
-    fn vmm_import(&mut self, d: &crate::upstream::shared::Descriptor, fds: &crate::upstream::shared::FdSource) -> Result<usize> {
+    fn vmm_import(&mut self, d: &crate::share::protocol::GranuleDescriptor, fds: &crate::share::protocol::FdSource) -> Result<usize> {
         if self.vmm_granule() == 0 {
             return Err(crate::error::Error::InvalidArgument(
                 "IPC import: this device has no virtual memory management".into(),
@@ -316,17 +316,17 @@ impl<K: MemKind> Ipc for CudaUpstream<K> {
         self.vmm.as_ref().and_then(|v| v.as_ref()).map_or(0, |v| v.import_bytes())
     }
 
-    fn legacy_ipc_export(&mut self, ptr: usize) -> Result<[u8; 64]> {
+    fn cuda_ipc_export(&mut self, ptr: usize) -> Result<[u8; 64]> {
         let _g = self.enter()?;
-        legacy_ipc::export(ptr, &mut self.calls)
+        ipc_handles::export(ptr, &mut self.calls)
     }
 
-    fn legacy_ipc_open(&mut self, handle: &[u8; 64], offset: usize) -> Result<usize> {
+    fn cuda_ipc_open(&mut self, handle: &[u8; 64], offset: usize) -> Result<usize> {
         let _g = self.enter()?;
         self.legacy.open(handle, offset, &mut self.calls)
     }
 
-    fn legacy_ipc_close(&mut self, ptr: usize) -> Result<bool> {
+    fn cuda_ipc_close(&mut self, ptr: usize) -> Result<bool> {
         if !self.legacy.is_open(ptr) {
             return Ok(false);
         }
@@ -345,7 +345,7 @@ impl<K: MemKind> Ipc for CudaUpstream<K> {
         waited.and(closed)
     }
 
-    fn legacy_ipc_imports(&self) -> usize {
+    fn cuda_ipc_imports(&self) -> usize {
         self.legacy.count()
     }
 }

@@ -62,7 +62,7 @@ impl HostVmm {
             let off = self.mapped[&h];
             self.unmap_at(h)?;
             if let Some(fd) = self.fd {
-                crate::upstream::export_record::ExportRecord::granule_released(fd, off as u64);
+                crate::share::protocol::ExportRecord::granule_released(fd, off as u64);
             }
             self.release_offset(off);
         }

@@ -4,7 +4,7 @@
 use super::super::driver::check;
 use super::{CudaVmm, POSIX_FD};
 use crate::error::{Error, Result};
-use crate::upstream::shared::{Descriptor, FdSource};
+use crate::share::protocol::{GranuleDescriptor, FdSource};
 use crate::upstream::DriverCalls;
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -31,7 +31,7 @@ impl CudaVmm {
     /// Map the allocations of `d` (behind the descriptors `fds` yields; each listed whole,
     /// granule by granule from offset 0) side by side in a new range, readable and writable
     /// by the device and its peers; returns the block's address there. All or nothing.
-    pub fn import(&mut self, d: &Descriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
+    pub fn import(&mut self, d: &GranuleDescriptor, fds: &FdSource, calls: &mut DriverCalls) -> Result<usize> {
         // Exports list the device's granularity whatever the exporter's granule.
         let granule = self.device_granule;
         if d.granule != granule as u64 {
@@ -160,7 +160,7 @@ impl CudaVmm {
 /// The allocations `d` lists, as (first entry, granules): each from offset 0 on, its
 /// granules in order with the same descriptor and file. An entry that starts nowhere (an
 /// allocation listed from its middle) is refused: the driver maps allocations whole.
-pub fn allocations_of(d: &Descriptor) -> Result<Vec<(usize, usize)>> {
+pub fn allocations_of(d: &GranuleDescriptor) -> Result<Vec<(usize, usize)>> {
     let g = d.granule;
     let mut out: Vec<(usize, usize)> = Vec::new();
     for (i, e) in d.granules.iter().enumerate() {
@@ -185,16 +185,16 @@ pub fn allocations_of(d: &Descriptor) -> Result<Vec<(usize, usize)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::upstream::shared::SharedGranule;
-    use crate::upstream::shared::FileId;
+    use crate::share::protocol::SharedGranule;
+    use crate::share::protocol::FileId;
 
     fn entry(fd: i32, offset: u64, ino: u64) -> SharedGranule {
         SharedGranule { fd, offset, file: FileId { dev: 1, ino } }
     }
 
-    fn descriptor(granules: Vec<SharedGranule>) -> Descriptor {
-        Descriptor {
-            kind: crate::upstream::shared::KIND_CUDA,
+    fn descriptor(granules: Vec<SharedGranule>) -> GranuleDescriptor {
+        GranuleDescriptor {
+            kind: crate::share::protocol::KIND_CUDA,
             pid: 1,
             start_time: 0,
             record: Default::default(),

@@ -263,7 +263,7 @@ impl CudaVmm {
             if let Some(fd) = self.exported.remove(&h.0) {
                 // Its exports end (the pool refuses a pause while a block's export is
                 // live; this one's blocks were freed): the new memory is not theirs.
-                crate::upstream::export_record::ExportRecord::granule_released(fd, 0);
+                crate::share::protocol::ExportRecord::granule_released(fd, 0);
                 // SAFETY: the descriptor `export` got for this allocation, ours to close.
                 unsafe { libc::close(fd) };
             }

@@ -1,10 +1,10 @@
-//! Unit tests of `upstream::shared`: the descriptor's bytes, and the importer's checks of
+//! Unit tests of `share::protocol`: the descriptor's bytes, and the importer's checks of
 //! what a descriptor names (pid, file identity, export record).
 
 use super::*;
 
-fn desc() -> Descriptor {
-    Descriptor {
+fn desc() -> GranuleDescriptor {
+    GranuleDescriptor {
         kind: KIND_CUDA,
         pid: 77,
         start_time: 12345,
@@ -28,37 +28,37 @@ fn a_descriptor_round_trips_and_damage_is_refused() {
     let d = desc();
     let b = d.encode();
     assert_eq!(b.len(), d.encoded_len());
-    assert_eq!(Descriptor::decode(&b).unwrap(), d);
-    assert!(Descriptor::decode(&b[..b.len() - 1]).is_err(), "truncated");
+    assert_eq!(GranuleDescriptor::decode(&b).unwrap(), d);
+    assert!(GranuleDescriptor::decode(&b[..b.len() - 1]).is_err(), "truncated");
     let mut wrong = b.clone();
     wrong[0] ^= 1;
-    assert!(Descriptor::decode(&wrong).is_err(), "magic");
+    assert!(GranuleDescriptor::decode(&wrong).is_err(), "magic");
     let mut big = d.clone();
     big.size = 4 << 20; // 4096 + 4 MiB > two granules
-    assert!(Descriptor::decode(&big.encode()).is_err(), "block past its granules");
+    assert!(GranuleDescriptor::decode(&big.encode()).is_err(), "block past its granules");
     let mut odd = d.clone();
     odd.granule = 3 << 20;
-    assert!(Descriptor::decode(&odd.encode()).is_err(), "granule not a power of two");
+    assert!(GranuleDescriptor::decode(&odd.encode()).is_err(), "granule not a power of two");
     let mut kind = d;
     kind.kind = 9;
-    assert!(Descriptor::decode(&kind.encode()).is_err(), "unknown kind");
-    assert!(Descriptor::decode(&[]).is_err());
+    assert!(GranuleDescriptor::decode(&kind.encode()).is_err(), "unknown kind");
+    assert!(GranuleDescriptor::decode(&[]).is_err());
     // Numbers chosen to wrap: offset + size past 2^64 must not read as fitting.
     let mut wrap = desc();
     wrap.offset = 4096;
     wrap.size = u64::MAX - 100;
-    assert!(Descriptor::decode(&wrap.encode()).is_err(), "offset + size wraps");
+    assert!(GranuleDescriptor::decode(&wrap.encode()).is_err(), "offset + size wraps");
     let mut huge = desc();
     huge.granule = 1 << 63;
     huge.size = 1 << 20;
-    assert!(Descriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
+    assert!(GranuleDescriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
 }
 
 /// A descriptor of this process sharing `g`, recorded as a live export.
-fn exported(g: SharedGranule) -> Descriptor {
+fn exported(g: SharedGranule) -> GranuleDescriptor {
     let pid = std::process::id();
     let record = ExportRecord::add(&[g]).unwrap();
-    Descriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, handover: 0, flags: 0, granules: vec![g] }
+    GranuleDescriptor { kind: KIND_HOST, pid, start_time: start_time_of(pid), record, device: 0, granule: 4096, offset: 0, size: 1, origin: 0, handover: 0, flags: 0, granules: vec![g] }
 }
 
 #[test]
@@ -78,10 +78,10 @@ fn an_export_no_longer_recorded_is_not_fetched_from() {
             assert!(FdSource::fetch_from(&d).err().is_some_and(|e| e.to_string().contains("no longer exports")));
             // A forged token in a live slot is refused too.
             let live = exported(g);
-            let forged = Descriptor { record: RecordRef { token: live.record.token ^ 1, ..live.record }, ..live.clone() };
+            let forged = GranuleDescriptor { record: RecordRef { token: live.record.token ^ 1, ..live.record }, ..live.clone() };
             assert!(FdSource::fetch_from(&forged).err().is_some_and(|e| e.to_string().contains("no longer exports")));
             // A record descriptor that is not the exporter's record.
-            let wrong = Descriptor { record: RecordRef { fd: p[0], ..live.record }, ..live };
+            let wrong = GranuleDescriptor { record: RecordRef { fd: p[0], ..live.record }, ..live };
             assert!(FdSource::fetch_from(&wrong).err().is_some_and(|e| e.to_string().contains("not process")));
         }
         Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
@@ -122,7 +122,7 @@ fn stale_forged_and_reused_pid_descriptors_are_refused() {
     assert!(FdSource::Given((&given[..]).into()).get(0, &forged).is_err());
     // A reused pid: the process with it started at another time.
     assert!(start_time_of(pid) > 0, "this process's start time is readable");
-    if let Err(e) = FdSource::fetch_from(&Descriptor { start_time: d.start_time + 1, ..d.clone() }) {
+    if let Err(e) = FdSource::fetch_from(&GranuleDescriptor { start_time: d.start_time + 1, ..d.clone() }) {
         let e = e.to_string();
         assert!(e.contains("not the exporter") || e.contains("pidfd"), "{e}");
     } else {
@@ -194,7 +194,7 @@ fn an_importer_may_pass_one_descriptor_per_allocation_in_the_order_the_granules_
 
 #[test]
 fn a_released_granule_ends_the_exports_that_share_it_and_no_other() {
-    // Descriptor numbers no other test uses: the record is the process's.
+    // GranuleDescriptor numbers no other test uses: the record is the process's.
     let g = |fd: i32, offset: u64| SharedGranule { fd, offset, file: FileId { dev: 0, ino: 0 } };
     let (a, b, c) = (g(900_001, 0), g(900_001, 2 << 20), g(900_002, 0));
     let ab = ExportRecord::add(&[a, b]).unwrap();

@@ -1,5 +1,5 @@
 //! The exporter's record of its live exports (`ExportRecord`), which importers fetching
-//! descriptors by pid check (`upstream::shared` says why), and where one export is recorded
+//! descriptors by pid check (`share::protocol` says why), and where one export is recorded
 //! (`RecordRef`).
 //!
 //! Layout of the record (a sealed `memfd`, read by importers with `pread`):
@@ -7,11 +7,11 @@
 //!   (below). The release count: how many times a granule
 //!   that may have been exported has been released (the upstream says so for every granule
 //!   with a shareable descriptor; the host upstream's stand-in, for every granule). An importer that keeps another process's
-//!   memory mapped between messages (`pool::import_cache`) trusts its mappings only while
+//!   memory mapped between messages (`share::import_cache`) trusts its mappings only while
 //!   this count is the one it saw when it mapped them: an unchanged count means every
 //!   exported file descriptor it fetched still names the allocation it mapped.
 //! - per slot, 16 bytes: the export's random token (0 where free) and the digest of its
-//!   granule list (`shared::granules_digest`). The digest binds a descriptor's granules to
+//!   granule list (`protocol::granules_digest`). The digest binds a descriptor's granules to
 //!   its token: a descriptor whose entries were changed names granules its export never
 //!   shared, and is refused.
 //!
@@ -22,12 +22,12 @@
 //!
 //! Beside it, the *opens file* (a `memfd` sealed against growth and shrinking only): per
 //! slot, how many imports of the export are open now and the pid of the last process that
-//! opened one. An importer of memory its exporter may pause (`shared::FLAG_UNKEPT`, a tag's)
-//! adds one while its import is open (`shared::OpenMark`), so that a pause of that memory
+//! opened one. An importer of memory its exporter may pause (`protocol::FLAG_UNKEPT`, a tag's)
+//! adds one while its import is open (`protocol::OpenMark`), so that a pause of that memory
 //! refuses while a receiver still maps it (`ExportRecord::opens`), instead of releasing
 //! memory the receiver keeps alive and sees stale after the resume.
 
-use super::shared::identity::{granules_digest, start_time_of, Fd, SharedGranule};
+use super::identity::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
 use rustc_hash::FxHashMap;
 use super::opens_file;
@@ -75,7 +75,7 @@ const RECORD_HEADER: usize = 8 * HEADER_WORDS;
 /// Words per slot: token, digest.
 const SLOT_WORDS: usize = 2;
 /// Live exports a process may have at once. A block re-exported with the same granules
-/// reuses its export (`ArenaStrategy::export_of`), so this bounds blocks shared at once, not
+/// reuses its export (`share::exports::BlockExports::reusable`), so this bounds blocks shared at once, not
 /// sends.
 pub const RECORD_SLOTS: u32 = 1 << 16;
 const RECORD_BYTES: usize = RECORD_HEADER + 8 * SLOT_WORDS * RECORD_SLOTS as usize;
@@ -269,7 +269,7 @@ impl ExportRecord {
     /// A copy of this record's descriptor, then copies of the descriptors export (`slot`,
     /// `token`) shares, each of its numbers once in the order its granule list first names
     /// it; `None` where the export is not live. The importer checks the descriptor it holds
-    /// against the record (`shared::check_handed`) as one that fetched by pid would. Made under the record's lock:
+    /// against the record (`protocol::check_handed`) as one that fetched by pid would. Made under the record's lock:
     /// an exported descriptor closes only after its exports are cleared, so the copies
     /// are the export's. The exporter's descriptor thread hands them to an importer that may
     /// not copy them itself (`share::handover::take_export`).

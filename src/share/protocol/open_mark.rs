@@ -1,4 +1,4 @@
-//! An importer's mark in its exporter's opens file (`upstream::opens_file` says the
+//! An importer's mark in its exporter's opens file (`share::protocol::opens_file` says the
 //! protocol): one more open import of an export while the mark lives, taken before the
 //! import maps, so that the exporter's pause of that memory refuses, naming this process,
 //! until the import is closed.
@@ -8,8 +8,8 @@
 //! a mapping per import would cost an `mmap` and a `munmap` (a TLB shootdown over every
 //! thread of the process) on each open and close.
 
-use super::super::export_record::OPENS_BYTES;
-use super::super::opens_file::{self, Slot};
+use super::record::OPENS_BYTES;
+use super::opens_file::{self, Slot};
 use super::identity::{Fd, FileId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;

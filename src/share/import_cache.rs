@@ -50,7 +50,7 @@
 //! reused only for descriptors that lie inside it; blocks across allocations kept in
 //! different runs are mapped again.
 
-use crate::upstream::shared::{Descriptor, Exporter, SharedGranule};
+use crate::share::protocol::{GranuleDescriptor, Exporter, SharedGranule};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -103,13 +103,13 @@ pub struct ImportCache {
     /// Opens served by a kept run, with no driver call.
     reuses: u64,
     /// Imports not kept (memory their exporter may pause), each open counted as open in its
-    /// exporter's opens file until closed (`shared::OpenMark`): address -> a mark per open.
-    open_marks: FxHashMap<usize, Vec<crate::upstream::shared::OpenMark>>,
+    /// exporter's opens file until closed (`protocol::OpenMark`): address -> a mark per open.
+    open_marks: FxHashMap<usize, Vec<crate::share::protocol::OpenMark>>,
 }
 
 impl ImportCache {
     /// Keep `mark` while the import at `ptr` is open.
-    pub fn keep_open_mark(&mut self, ptr: usize, mark: crate::upstream::shared::OpenMark) {
+    pub fn keep_open_mark(&mut self, ptr: usize, mark: crate::share::protocol::OpenMark) {
         self.open_marks.entry(ptr).or_default().push(mark);
     }
 
@@ -126,7 +126,7 @@ impl ImportCache {
     /// The open exporter of `d` and the serial of that opening, opened now where the kept
     /// one is not `d`'s, has exited, or no longer holds its record (`Exporter::same_record`):
     /// then the runs of the earlier opening are stale. A new opening is kept by `insert`.
-    pub fn exporter(&mut self, d: &Descriptor) -> crate::error::Result<(Arc<Exporter>, Serial)> {
+    pub fn exporter(&mut self, d: &GranuleDescriptor) -> crate::error::Result<(Arc<Exporter>, Serial)> {
         let key = (d.pid, d.start_time);
         if let Some((e, serial)) = self.exporters.get(&key) {
             if e.is_of(d) && !e.exited() && e.same_record() {
@@ -147,7 +147,7 @@ impl ImportCache {
     /// open now, mapped for memory of that kind, does, and not where `d`'s block address is
     /// open already (an export that ended and one that took its place: a close names an
     /// address, and each open's count in its exporter's opens file must go with its own).
-    pub fn open_kept(&mut self, d: &Descriptor, releases: u64, serial: Serial, kept: bool) -> Option<usize> {
+    pub fn open_kept(&mut self, d: &GranuleDescriptor, releases: u64, serial: Serial, kept: bool) -> Option<usize> {
         let ex = (d.pid, d.start_time);
         let n = d.granules.len() as u64;
         let found = self
@@ -185,7 +185,7 @@ impl ImportCache {
     /// The upstream mapped `d` at `ptr` (the block's address; its run starts at the
     /// descriptor's first granule), with the exporter's release count `releases` read
     /// before: an open run, kept idle after its last close where `kept`.
-    pub fn insert(&mut self, d: &Descriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial, kept: bool) {
+    pub fn insert(&mut self, d: &GranuleDescriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial, kept: bool) {
         self.clock += 1;
         let ex = (d.pid, d.start_time);
         // The opening just used is the current one (dropping the exporter's last stale run

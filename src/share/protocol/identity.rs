@@ -55,7 +55,7 @@ pub fn own_start_time() -> u64 {
 
 /// A file descriptor this process owns, closed when dropped.
 #[derive(Debug)]
-pub struct Fd(pub(in crate::upstream) i32);
+pub struct Fd(pub(in crate::share::protocol) i32);
 
 impl Fd {
     pub fn raw(&self) -> i32 {

@@ -1,4 +1,4 @@
-//! The opens file beside an exporter's record (`export_record`): per export slot, how many
+//! The opens file beside an exporter's record (`record.rs`): per export slot, how many
 //! imports of the export other processes have open, so that a pause of that memory refuses
 //! while any does (a pause would give the device nothing back and leave the receivers
 //! reading memory the resume no longer updates).
