@@ -34,6 +34,9 @@ const RANKS: &[(&str, u32)] = &[
     ("share::import_cache", 35),
     ("share::exports", 35),
     ("block", 40),
+    // What a thread's fast-path cache shares with the pool it is attached to: the words and
+    // their protocol, which the pool takes blocks back through.
+    ("thread_cache::state", 45),
     ("strategy", 50),
     ("stream", 50),
     ("pool", 60),
@@ -284,7 +287,14 @@ fn resolve(here: &[String], path: &str, modules: &std::collections::BTreeSet<Vec
                 rest = &rest[1..];
             }
         }
-        _ => return None,
+        // A bare path names a child module declared here (`use cuda::CudaUpstream;` in
+        // `upstream/mod.rs`), or something outside the crate.
+        _ => {
+            return (1..=rest.len())
+                .rev()
+                .map(|n| cur.iter().cloned().chain(rest[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>())
+                .find(|m| modules.contains(m));
+        }
     }
     (0..=rest.len()).rev().map(|n| cur.iter().cloned().chain(rest[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>()).find(|m| modules.contains(m))
 }

@@ -2,12 +2,11 @@
 //! stream) and the steps behind it; deferred frees (`record_stream`) and fences; the
 //! live-pointer checks that turn a bad pointer into a clear error.
 
-use super::{Live, Pool, NO_OWNER};
+use super::{Hold, Live, Pool, NO_OWNER};
 use crate::block::Block;
 use crate::error::{BadPointer, Error, Result};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
-use super::Hold;
 
 /// What a free knows about the stream its block was last used on: the argument of
 /// `Pool::free`. A bare stream handle converts to `FreeOn::Stream`.

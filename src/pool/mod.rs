@@ -2,7 +2,7 @@
 //! resource in adaptors. Each part is a type with one job, in its own file:
 //!
 //! ```text
-//! thread caches (attached_caches/)  ->  graph-pool routing (graph_pools.rs)
+//! thread caches (attached_caches.rs)  ->  graph-pool routing (graph_pools.rs)
 //!     ->  limits (limits.rs: budget, decay)  ->  core (core.rs: strategy + upstream
 //!     + stream tracker + live map)  ->  upstream
 //! recording on the side (recorder.rs: counters, trace, leak records)
@@ -14,8 +14,8 @@
 //! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
 //! and the out-of-memory escalation in `grow.rs`, the arena's driver calls in `arena.rs`;
 //! giving memory back in `release.rs`; private pools in `graph_pools.rs`; the thread caches'
-//! blocks in `attached_caches/`; exports to other processes in `ipc.rs`, and their memory
-//! kept mapped here between messages in `import_cache.rs`; reports and
+//! blocks in `attached_caches.rs` (the caches are `crate::thread_cache`'s); exports to other
+//! processes in `ipc.rs` (their books are `crate::share`'s); reports and
 //! snapshots in `reports.rs` and `snapshot.rs`. How a pool is built: `options.rs`; the
 //! budget a device's shards share: `budget.rs`, and whether their growths contend for the
 //! driver: `contention.rs`.
@@ -33,12 +33,11 @@ use crate::trace::Action;
 use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
 use crate::upstream::Upstream;
-use attached_caches::AttachedCaches;
+use crate::thread_cache::state::{AttachedCaches, Hold, NO_OWNER};
 use self::core::{Core, Live};
 use limits::Limits;
 pub use limits::within_device;
 use recorder::Recorder;
-pub use attached_caches::{owner_of, Hold, WordSet, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, NO_OWNER, WORDS};
 
 mod arena;
 mod attached_caches;
@@ -70,6 +69,8 @@ pub use options::PoolOptions;
 /// that much freed memory not yet reusable.
 pub const UNFENCED_MAX_BLOCKS: usize = 32;
 pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
+// A thread's magazine waits for at most half of it (`thread_cache::state::FENCE_BYTES`).
+const _: () = assert!(crate::thread_cache::state::FENCE_BYTES * 2 == UNFENCED_MAX_BYTES);
 
 /// Bytes freed with no record (their stream may be gone) that justify a device-wide wait
 /// before the pool grows, at the least (`find_or_grow`).
@@ -86,7 +87,7 @@ pub struct Pool {
     /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s, and the routes
     /// to them (`graph_pools.rs`).
     graphs: graph_pools::PrivatePools,
-    /// Threads' fast-path caches for this pool (`attached_caches/`, `crate::thread_cache`).
+    /// Threads' fast-path caches for this pool (`attached_caches.rs`, `crate::thread_cache`).
     caches: AttachedCaches,
     /// Other processes' memory kept mapped between their messages (`import_cache.rs`).
     imports: crate::share::import_cache::ImportCache,
@@ -111,7 +112,7 @@ impl Pool {
             limits,
             rec: Recorder::new(opts),
             graphs,
-            caches: AttachedCaches::new(opts, device),
+            caches: AttachedCaches::new(attached_caches::thread_caches_wanted(opts, device)),
             imports: Default::default(),
             exports: Default::default(),
             stopped: None,

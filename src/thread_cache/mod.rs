@@ -53,7 +53,11 @@
 
 // The words a thread and its device's pool share live in the pool layer (the pool must
 // claim and empty them under its lock); this module owns the thread-local side.
-pub use crate::pool::{Hold, WordSet, ThreadCache, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
+mod attach;
+pub mod state;
+
+pub use attach::malloc_attached;
+pub use state::{Hold, ThreadCache, WordSet, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
 use crate::error::Result;
 use crate::registry::{self, MAX_DEVICES};

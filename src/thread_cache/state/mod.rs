@@ -1,24 +1,21 @@
-//! The pool's side of the per-thread fast path (`crate::thread_cache`): which threads'
-//! caches are attached to this pool (`AttachedCaches`), and the pool's operations on them:
-//! attaching a thread, taking kept blocks back, and the figures reports subtract.
+//! The state a thread's cache shares with the pool it is attached to, below the device
+//! pool (which keeps an `AttachedCaches` and offers the operations that need its books,
+//! `pool/attached_caches.rs`): the `ThreadCache` type and its word protocol, the limits of
+//! each word set, and which caches one pool has attached (module docs of `thread_cache`).
 //!
-//! Everything here runs under the device lock. The caches' words are shared with their
-//! owner threads, which change them without the lock, so every read here is a snapshot and
-//! every change a compare-and-swap (see `crate::thread_cache` for the protocol).
+//! The caches' words are shared with their owner threads, which change them without the
+//! pool's lock, so every read from the pool's side is a snapshot and every change a
+//! compare-and-swap.
 
-use super::{FreeOn, Pool, PoolOptions};
-use crate::config::PoolKind;
-use crate::stream::StreamHandle;
 mod cache;
 mod words;
 
-pub use cache::{WordSet, ThreadCache};
+pub use cache::{ThreadCache, WordSet};
 pub use words::Hold;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// `Live::owner` of a block no thread cache may hold.
 /// Blocks one thread can keep eligible for the fast path on one device for legacy-stream
 /// frees. Four covers the temporaries of a typical step (allocate a few, free them in any
 /// order, repeat).
@@ -30,7 +27,8 @@ pub const FENCE_BATCH: usize = 24;
 /// ...or this many bytes of them: half the pool's own bound for its unfenced frees, so a
 /// thread's magazine and the pool's batch together hold at most 1.5× what the pool alone
 /// did before there were thread caches (memory waiting for a fence cannot serve requests).
-pub const FENCE_BYTES: usize = super::UNFENCED_MAX_BYTES / 2;
+/// (`pool::UNFENCED_MAX_BYTES`, which checks this at build time).
+pub const FENCE_BYTES: usize = 32 << 20;
 
 pub const NO_OWNER: u32 = u32::MAX;
 /// `Live::owner` bit: the block lives in the cache's magazine (CuPy's stream-less frees).
@@ -72,17 +70,9 @@ pub struct AttachedCaches {
 }
 
 impl AttachedCaches {
-    /// The caches of device `device`'s pool built with `opts`: enabled where `opts` asks
-    /// for them and nothing needs every operation to reach the pool.
-    pub fn new(opts: &PoolOptions, device: i32) -> Self {
-        // Off where every operation must reach the pool, and in the unsafe test mode (whose
-        // point is a pool that reuses at once, the way the cache never does).
-        let enabled = opts.thread_cache
-            && opts.debug == 0
-            && opts.tracer.is_none()
-            && opts.kind != PoolKind::None
-            && !opts.unsafe_ignore_streams
-            && device >= 0;
+    /// The caches of one pool; `enabled` false: none is ever attached (the pool says when,
+    /// `Pool::thread_caches_wanted`).
+    pub fn new(enabled: bool) -> Self {
         AttachedCaches {
             enabled,
             pool_id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -205,68 +195,3 @@ impl AttachedCaches {
     }
 }
 
-/// The pool's operations on its thread caches, under the device lock.
-impl Pool {
-    /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
-    /// is the (pool id, cache id) the thread already has for this device. Exited threads'
-    /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
-    /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
-    /// fast path here (disabled, or the per-thread default stream).
-    pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
-        if !self.caches.enabled() || stream == crate::stream::STREAM_PER_THREAD {
-            return None; // (the per-thread default stream means another stream on each thread)
-        }
-        if self.caches.has_orphans() {
-            for (p, hold) in self.caches.reap() {
-                self.release_kept(p, hold, Some(stream));
-            }
-        }
-        self.caches.attach(current)
-    }
-
-    /// Thread caches registered with this pool (exited threads' until the next locked
-    /// operation reaps them).
-    pub fn thread_cache_count(&self) -> usize {
-        self.caches.count()
-    }
-
-    /// Blocks freed by their users and kept in thread caches (tests, reports).
-    pub fn kept_blocks(&self) -> usize {
-        self.caches.kept().len()
-    }
-
-    /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,
-    /// reconfiguration). `current`: the stream of the operation in progress, if any (its
-    /// kept blocks record their free there; the others' streams may be gone).
-    pub fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
-        let mut kept = self.caches.reap();
-        kept.extend(self.caches.take_all_kept(false));
-        for (p, hold) in kept {
-            self.release_kept(p, hold, current);
-        }
-    }
-
-    /// Free a block taken out of a thread cache: its user freed it already (counted then).
-    /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
-    /// the operation in progress (alive now), if any.
-    pub fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
-        let counted = self.rec.c.frees;
-        let _ = match hold {
-            Hold::Unfenced => self.free(ptr, FreeOn::Unordered),
-            // Kept only when freed on its allocation stream: free it there, recording only
-            // if that stream is known alive (its user may have destroyed it since the free).
-            _ => match self.core.live(ptr).map(|l| (l.handle, l.block.stream)) {
-                Some((h, key)) => self.free_later(ptr, h, key, false, current),
-                None => self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY)),
-            },
-        };
-        self.rec.c.frees = counted;
-    }
-
-    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
-    pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
-        let kept = self.caches.kept();
-        let n = kept.len();
-        kept.iter().filter_map(|&p| self.core.live(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
-    }
-}

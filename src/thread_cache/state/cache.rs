@@ -161,7 +161,7 @@ impl ThreadCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use super::super::WORDS;
+    use crate::thread_cache::state::WORDS;
 
     fn cache() -> ThreadCache {
         ThreadCache::new(1, 0, Arc::new(AtomicUsize::new(0)), Default::default())
