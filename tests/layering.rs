@@ -28,7 +28,14 @@ const RANKS: &[(&str, u32)] = &[
     // What passes between processes (descriptors' bytes, the export record): below the
     // driver layer, which hands out and maps what it describes.
     ("share::protocol", 25),
+    // The upstreams: the interface (traits, driver-call counts, stream ids, peers) below
+    // the implementations, the one place that chooses among them above both.
     ("upstream", 30),
+    ("upstream::cuda", 31),
+    ("upstream::sim", 31),
+    ("upstream::host_vmm", 32),
+    ("upstream::host", 33),
+    ("upstream::make", 34),
     // The device pool's sharing books: an importer's kept mappings, an exporter's exports
     // by block.
     ("share::import_cache", 35),
@@ -155,6 +162,44 @@ fn modules_import_only_lower_layers() {
         }
     }
     assert!(bad.is_empty(), "layering violations:\n{}", bad.join("\n"));
+}
+
+/// The C boundary marshals and goes through the front end: below it, it may name only the
+/// front end, sharing's entry points (`share`, whose own layers it must not reach into),
+/// the leaves every layer may use (errors, the stats struct it copies out), and the fork
+/// and process guards every entry point runs. Everything it asks of the registry, a pool or
+/// the driver goes through `front`, which holds the rules that span devices.
+const FFI_MAY_USE: &[&str] = &["front", "share", "error", "stats", "fork", "process"];
+
+#[test]
+fn ffi_goes_through_the_front_end() {
+    use std::collections::BTreeSet;
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut all = Vec::new();
+    files(&src, &mut all);
+    let modules: BTreeSet<Vec<String>> = all
+        .iter()
+        .map(|f| module_path(&f.strip_prefix(&src).unwrap().to_string_lossy()))
+        .collect();
+    let mut bad = Vec::new();
+    for f in &all {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if !rel.starts_with("ffi/") {
+            continue;
+        }
+        let here = module_path(&rel);
+        for path in named_paths(&code_only(&std::fs::read_to_string(f).unwrap())) {
+            let Some(to) = resolve(&here, &path, &modules) else { continue };
+            let top = to.first().map(String::as_str).unwrap_or("");
+            let layer = layer_of(&to).map(|l| l.0).unwrap_or_default();
+            // `share`'s lower layers (the protocol, the pool's books) are below the front end.
+            let allowed = top == "ffi" || (FFI_MAY_USE.contains(&top) && (top != "share" || layer == "share"));
+            if !allowed {
+                bad.push(format!("{rel}: `{path}` reaches `{}` past the front end", to.join("::")));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "the C boundary skips the front end:\n{}", bad.join("\n"));
 }
 
 /// Socket writes go through `socket::send_all` (`MSG_NOSIGNAL`): std's `Write` for

@@ -5,12 +5,9 @@
 //! Streams are `CUstream` / `cudaStream_t` values passed as `void *` (NULL = legacy default).
 
 use super::boundary::{call, call_value, last_error, opt_str, write_str};
-use crate::config::{PoolKind, UpstreamKind};
-use crate::error::{BadPointer, Error, Status};
-use crate::front;
-use crate::registry;
+use crate::error::{Error, Status};
+use crate::front::{self, device};
 use crate::stats::{stats_version_of, Stats, STATS_V1_SIZE};
-use crate::upstream::cuda::driver;
 use std::ffi::{c_char, c_int, c_void};
 
 /// Copy `s` into the caller's struct honouring its `struct_size` (0 = version 1's size).
@@ -58,17 +55,6 @@ pub unsafe extern "C" fn gpupool_free(ptr: *mut c_void, device: c_int, stream: *
     call(|| front::free(ptr as usize, device, stream as usize))
 }
 
-/// Mark that `stream` uses the live block `ptr` (any device): shared by the C API and the
-/// PyTorch hook.
-pub(crate) fn record_stream_any(ptr: usize, stream: usize) -> crate::error::Result<()> {
-    if ptr == 0 {
-        return Err(Error::NullArgument("ptr"));
-    }
-    // No device owns it: say what was asked, not a free on device -1.
-    let why = BadPointer::Refused("record_stream: not a block gpupool allocated on any device".into());
-    registry::with_owner_of(ptr, |pool| pool.record_stream(ptr, stream)).unwrap_or(Err(Error::InvalidPointer { ptr, device: -1, why }))
-}
-
 /// Fill `*out` with `device`'s statistics. Set `out->struct_size = sizeof(gpupool_stats)`
 /// first (0 means the version-1 layout); at most that many bytes are written.
 ///
@@ -80,7 +66,7 @@ pub unsafe extern "C" fn gpupool_get_stats(device: c_int, out: *mut Stats) -> St
         if out.is_null() {
             return Err(Error::NullArgument("out"));
         }
-        let s = registry::stats(device)?;
+        let s = device::stats(device)?;
         write_stats(s, out);
         Ok(())
     })
@@ -91,7 +77,7 @@ pub unsafe extern "C" fn gpupool_get_stats(device: c_int, out: *mut Stats) -> St
 /// A device whose pool is not made yet has nothing to reset.
 #[no_mangle]
 pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> Status {
-    call(|| registry::reset_peaks(device))
+    call(|| device::reset_peaks(device))
 }
 
 /// Let device `peer` read and write the memory gpupool maps on device `device`, what is
@@ -109,7 +95,7 @@ pub extern "C" fn gpupool_reset_peak_stats(device: c_int) -> Status {
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_enable_peer_access(device: c_int, peer: c_int, out_grants: *mut usize) -> Status {
     call(|| {
-        let n = registry::enable_peer_access(device, peer)?;
+        let n = device::enable_peer_access(device, peer)?;
         if !out_grants.is_null() {
             *out_grants = n;
         }
@@ -125,29 +111,11 @@ pub unsafe extern "C" fn gpupool_enable_peer_access(device: c_int, peer: c_int, 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize) -> Status {
     call(|| {
-        let mut total = 0;
-        let mut first_err = None;
-        // Every device: with settings no pool can be made under, say so (as `stats` does)
-        // rather than report nothing released.
-        if device == -1 {
-            if let Some(e) = registry::settings_error() {
-                return Err(e);
-            }
-        }
-        let devices = if device == -1 { registry::existing_devices() } else { vec![device] };
-        for d in devices {
-            match registry::reclaim(d)? {
-                Some(Ok(n)) => total += n,
-                Some(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                None => {}
-            }
-        }
+        let total = device::reclaim(device)?;
         if !out_released.is_null() {
             *out_released = total;
         }
-        first_err.map_or(Ok(()), Err)
+        Ok(())
     })
 }
 
@@ -155,7 +123,7 @@ pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize
 /// released at once. Overrides `GPUPOOL_MEMORY_LIMIT` for that device.
 #[no_mangle]
 pub extern "C" fn gpupool_set_limit(device: c_int, bytes: usize) -> Status {
-    call(|| registry::set_limit(device, bytes))
+    call(|| device::set_limit(device, bytes))
 }
 
 /// The same as `gpupool_set_limit` with the limit written as `GPUPOOL_MEMORY_LIMIT` accepts
@@ -168,11 +136,7 @@ pub extern "C" fn gpupool_set_limit(device: c_int, bytes: usize) -> Status {
 pub unsafe extern "C" fn gpupool_set_limit_str(device: c_int, limit: *const c_char) -> Status {
     call(|| {
         let text = opt_str(limit, "limit")?.ok_or(Error::NullArgument("limit"))?;
-        let spec = crate::config::parse_limit(text).ok_or_else(|| {
-            Error::InvalidArgument(format!("limit {text:?}; accepted: {}", crate::config::LimitSpec::ACCEPTED))
-        })?;
-        let total = registry::with_pool(device, |p| Ok(p.mem_info()?.1))?;
-        registry::set_limit(device, spec.resolve(total))
+        device::set_limit_text(device, text)
     })
 }
 
@@ -186,24 +150,17 @@ pub unsafe extern "C" fn gpupool_get_limit(device: c_int, out_bytes: *mut usize)
         if out_bytes.is_null() {
             return Err(Error::NullArgument("out_bytes"));
         }
-        *out_bytes = registry::with_pool(device, |p| Ok(p.limit()))?;
+        *out_bytes = device::limit(device)?;
         Ok(())
     })
 }
 
-fn report(device: c_int, one: impl Fn(i32) -> crate::error::Result<String>, join: (&str, &str, &str)) -> String {
-    if device == -1 {
-        let parts: Vec<String> = registry::existing_devices().into_iter().filter_map(|d| one(d).ok()).collect();
-        format!("{}{}{}", join.0, parts.join(join.1), join.2)
-    } else {
-        match one(device) {
-            Ok(s) => s,
-            Err(e) => {
-                super::boundary::record(&e);
-                e.to_string()
-            }
-        }
+/// A report and the error behind it, if any (recorded as this thread's last error).
+fn reported((text, error): (String, Option<crate::error::Error>)) -> String {
+    if let Some(e) = &error {
+        super::boundary::record(e);
     }
+    text
 }
 
 /// Human-readable report of `device` (-1: every device in use), like CUDA.jl's
@@ -217,19 +174,7 @@ fn report(device: c_int, one: impl Fn(i32) -> crate::error::Result<String>, join
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let mut s = report(device, registry::memory_status, ("", "", ""));
-        if s.is_empty() {
-            // A malformed configuration keeps every pool from being made: "no pool yet"
-            // would hide why.
-            s = match registry::settings_error() {
-                Some(e) => {
-                    super::boundary::record(&e);
-                    format!("{e}\n")
-                }
-                None => "gpupool: no device pool in use yet\n".into(),
-            };
-        }
-        write_str(&s, buf, len)
+        write_str(&reported(device::memory_status(device)), buf, len)
     })
 }
 
@@ -244,7 +189,7 @@ pub unsafe extern "C" fn gpupool_memory_status(device: c_int, buf: *mut c_char, 
 pub unsafe extern "C" fn gpupool_status_socket_path(pid: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
         let pid = if pid <= 0 { std::process::id() } else { pid as u32 };
-        write_str(&crate::status_socket::path_for(pid).to_string_lossy(), buf, len)
+        write_str(&device::status_socket_path(pid).to_string_lossy(), buf, len)
     })
 }
 
@@ -259,8 +204,7 @@ pub unsafe extern "C" fn gpupool_status_socket_path(pid: c_int, buf: *mut c_char
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let s = report(device, registry::stats_json, ("[", ",", "]"));
-        write_str(&s, buf, len)
+        write_str(&reported(device::stats_json(device)), buf, len)
     })
 }
 
@@ -274,8 +218,7 @@ pub unsafe extern "C" fn gpupool_stats_json(device: c_int, buf: *mut c_char, len
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_snapshot_json(device: c_int, buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let s = report(device, registry::snapshot_json, ("[", ",", "]"));
-        write_str(&s, buf, len)
+        write_str(&reported(device::snapshot_json(device)), buf, len)
     })
 }
 
@@ -307,19 +250,7 @@ pub unsafe extern "C" fn gpupool_last_error(buf: *mut c_char, len: usize) -> usi
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_configure(device: c_int, pool: *const c_char, upstream: *const c_char) -> Status {
     call(|| {
-        let pk = match opt_str(pool, "pool")? {
-            None => None,
-            Some(s) => Some(PoolKind::parse(s).ok_or_else(|| {
-                Error::InvalidArgument(format!("pool {s:?} is not one of: {}", PoolKind::ACCEPTED))
-            })?),
-        };
-        let uk = match opt_str(upstream, "upstream")? {
-            None => None,
-            Some(s) => Some(UpstreamKind::parse(s).ok_or_else(|| {
-                Error::InvalidArgument(format!("upstream {s:?} is not one of: {}", UpstreamKind::ACCEPTED))
-            })?),
-        };
-        registry::configure(device, pk, uk)
+        device::configure(device, opt_str(pool, "pool")?, opt_str(upstream, "upstream")?)
     })
 }
 
@@ -330,7 +261,7 @@ pub unsafe extern "C" fn gpupool_configure(device: c_int, pool: *const c_char, u
 /// No requirement beyond the C prototype.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_record_stream(ptr: *mut c_void, stream: *mut c_void) -> Status {
-    call(|| record_stream_any(ptr as usize, stream as usize))
+    call(|| device::record_stream(ptr as usize, stream as usize))
 }
 
 /// `*out_count` receives the number of CUDA devices; `GPUPOOL_STATUS_NO_DRIVER` when
@@ -344,7 +275,7 @@ pub unsafe extern "C" fn gpupool_device_count(out_count: *mut c_int) -> Status {
         if out_count.is_null() {
             return Err(Error::NullArgument("out_count"));
         }
-        *out_count = driver::device_count()?;
+        *out_count = device::device_count()?;
         Ok(())
     })
 }
@@ -363,5 +294,5 @@ pub extern "C" fn gpupool_version() -> *const c_char {
 /// `buf` must be NULL or point to `len` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_report_leaks(buf: *mut c_char, len: usize) -> usize {
-    call_value(0, || write_str(&registry::leak_report(), buf, len))
+    call_value(0, || write_str(&device::leak_report(), buf, len))
 }

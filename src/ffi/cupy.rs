@@ -47,7 +47,6 @@ use super::boundary::call;
 use super::report::call_void;
 use crate::error::Error;
 use crate::front;
-use crate::stream::{is_legacy, STREAM_LEGACY};
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -214,13 +213,7 @@ pub unsafe extern "C" fn gpupool_cupy_malloc(param: *mut c_void, size: usize, de
         discover_stream_getter();
     }
     call(|| {
-        let r = match current_stream() {
-            None => front::malloc_unordered(device, size),
-            // The legacy stream: the same fast path as PyTorch's and the C API's.
-            Some(s) if is_legacy(s) => front::malloc(device, size, STREAM_LEGACY),
-            // Shard 0: a capture it detects starts a private pool, which lives there.
-            Some(s) => front::malloc_detecting_capture(device, size, s),
-        };
+        let r = front::malloc_for_cupy(device, size, current_stream());
         r.map(|a| out = a as *mut c_void).inspect_err(|e| err = Some(e.clone()))
     });
     if let Some(e) = err {
@@ -247,7 +240,7 @@ pub unsafe extern "C" fn gpupool_cupy_free(param: *mut c_void, ptr: *mut c_void,
         }
         // This thread's fast path holds only blocks it allocated on the legacy stream;
         // asked before the stream getter, which the fast path does without.
-        if front::kept_by_thread(p, device, STREAM_LEGACY) {
+        if front::kept_by_thread_on_legacy(p, device) {
             return Ok(());
         }
         // The current stream is alive now: a block booked on it records its free there;

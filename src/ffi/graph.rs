@@ -14,9 +14,8 @@
 //!   pool may use for other threads' work, is off limits to a blocking capturing stream.
 
 use super::boundary::call;
-use crate::error::{Error, Status};
-use crate::pool::{Filter, C_POOL_TAG, IMPLICIT_POOL_TAG};
-use crate::registry;
+use crate::error::Status;
+use crate::front::private_pools;
 use std::ffi::{c_int, c_void};
 
 /// Route allocations on `device` to the private pool `pool_id` until
@@ -44,19 +43,14 @@ use std::ffi::{c_int, c_void};
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_begin_allocate_to_pool(device: c_int, pool_id: u64, stream: *mut c_void) -> Status {
     call(|| {
-        registry::begin_route(device, (pool_id, C_POOL_TAG), |p| {
-            Ok(match p.capture_of(stream as usize)? {
-                Some(cid) => Filter::Capture(cid),
-                None => Filter::Stream(p.stream_key(stream as usize)?),
-            })
-        })
+        private_pools::begin_c_pool(device, pool_id, stream as usize)
     })
 }
 
 /// Stop routing allocations to `pool_id` (the latest `gpupool_begin_allocate_to_pool` for it).
 #[no_mangle]
 pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool_id: u64) -> Status {
-    call(|| registry::end_route(device, (pool_id, C_POOL_TAG)))
+    call(|| private_pools::end_c_pool(device, pool_id))
 }
 
 /// One user of `pool_id` is done (its graph was destroyed). When no use is left and none
@@ -64,17 +58,12 @@ pub extern "C" fn gpupool_end_allocate_to_pool(device: c_int, pool_id: u64) -> S
 /// synchronisation. Unknown ids succeed and do nothing.
 #[no_mangle]
 pub extern "C" fn gpupool_release_pool(device: c_int, pool_id: u64) -> Status {
-    call(|| registry::release_private_pool(device, (pool_id, C_POOL_TAG)).map(|_| ()))
+    call(|| private_pools::release_c_pool(device, pool_id))
 }
 
 /// Release the memory kept for a capture nobody announced (CuPy's `Stream.begin_capture`
 /// without `gpupool.cupy.capture`): `capture_id` is `cuStreamGetCaptureInfo`'s id.
 #[no_mangle]
 pub extern "C" fn gpupool_release_capture(device: c_int, capture_id: u64) -> Status {
-    call(|| {
-        if capture_id == 0 {
-            return Err(Error::InvalidArgument("capture id 0 names no capture".into()));
-        }
-        registry::release_private_pool(device, (capture_id, IMPLICIT_POOL_TAG)).map(|_| ())
-    })
+    call(|| private_pools::release_capture(device, capture_id))
 }

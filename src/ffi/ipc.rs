@@ -6,10 +6,8 @@
 
 use super::boundary::call;
 use crate::error::{Error, Status};
-use crate::registry;
-use crate::share::descriptor::AnyDescriptor;
+use crate::share::descriptor::{self, AnyDescriptor};
 use crate::share::torch_format;
-use crate::share::protocol::MAX_DESCRIPTOR_BYTES;
 use std::ffi::{c_int, c_void};
 
 /// Read the descriptor at `desc` (`len` bytes), refusing a length no descriptor has
@@ -19,7 +17,7 @@ pub(super) unsafe fn read_descriptor(desc: *const c_void, len: usize) -> crate::
     if desc.is_null() {
         return Err(Error::NullArgument("desc"));
     }
-    if len > MAX_DESCRIPTOR_BYTES {
+    if len > descriptor::MAX_BYTES {
         return Err(Error::InvalidArgument(format!("IPC descriptor: {len} bytes is longer than any descriptor")));
     }
     AnyDescriptor::decode(std::slice::from_raw_parts(desc as *const u8, len))
@@ -176,7 +174,7 @@ pub extern "C" fn gpupool_ipc_close(ptr: *mut c_void, device: c_int) -> Status {
         if ptr.is_null() {
             return Err(Error::NullArgument("ptr"));
         }
-        registry::with_pool(device, |pool| pool.ipc_close(ptr as usize))
+        descriptor::close(device, ptr as usize)
     })
 }
 
@@ -227,7 +225,7 @@ pub unsafe extern "C" fn gpupool_ipc_open_torch(handle: *const c_void, len: usiz
         if handle.is_null() {
             return Err(Error::NullArgument("handle"));
         }
-        if len > MAX_DESCRIPTOR_BYTES + 4096 {
+        if len > descriptor::MAX_BYTES + 4096 {
             return Err(Error::InvalidArgument(format!("IPC handle: {len} bytes is longer than any handle")));
         }
         let (base, block) = torch_format::open(std::slice::from_raw_parts(handle as *const u8, len), device)?;

@@ -5,7 +5,7 @@
 use super::boundary::call;
 use super::core::write_stats;
 use crate::error::{Error, Status};
-use crate::registry;
+use crate::front::pinned;
 use crate::stats::Stats;
 use std::ffi::c_void;
 
@@ -20,7 +20,7 @@ pub unsafe extern "C" fn gpupool_pinned_malloc(out_ptr: *mut *mut c_void, size: 
             return Err(Error::NullArgument("out_ptr"));
         }
         *out_ptr = std::ptr::null_mut();
-        *out_ptr = registry::with_pinned(|p| p.malloc(size, stream as usize))? as *mut c_void;
+        *out_ptr = pinned::malloc(size, stream as usize)? as *mut c_void;
         Ok(())
     })
 }
@@ -32,10 +32,7 @@ pub unsafe extern "C" fn gpupool_pinned_malloc(out_ptr: *mut *mut c_void, size: 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_pinned_free(ptr: *mut c_void, stream: *mut c_void) -> Status {
     call(|| {
-        registry::with_pinned(|p| p.free(ptr as usize, stream as usize)).map_err(|e| match e {
-            Error::InvalidPointer { ptr, why, .. } => Error::InvalidPointer { ptr, device: -1, why },
-            other => other,
-        })
+        pinned::free(ptr as usize, stream as usize)
     })
 }
 
@@ -49,7 +46,7 @@ pub unsafe extern "C" fn gpupool_pinned_get_stats(out: *mut Stats) -> Status {
         if out.is_null() {
             return Err(Error::NullArgument("out"));
         }
-        write_stats(registry::with_pinned(|p| Ok(p.stats()))?, out);
+        write_stats(pinned::stats()?, out);
         Ok(())
     })
 }
@@ -61,7 +58,7 @@ pub unsafe extern "C" fn gpupool_pinned_get_stats(out: *mut Stats) -> Status {
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_pinned_reclaim(out_released: *mut usize) -> Status {
     call(|| {
-        let n = registry::with_pinned(|p| p.reclaim())?;
+        let n = pinned::reclaim()?;
         if !out_released.is_null() {
             *out_released = n;
         }

@@ -45,10 +45,10 @@ pub unsafe extern "C" fn gpupool_share_open_ahead(
         let (lens, counts) = if n == 0 { (&[][..], &[][..]) } else { (std::slice::from_raw_parts(desc_lens, n), std::slice::from_raw_parts(n_fds, n)) };
         let mut total_bytes = 0usize;
         for &l in lens {
-            if l > crate::share::protocol::MAX_DESCRIPTOR_BYTES {
+            if l > crate::share::descriptor::MAX_BYTES {
                 return Err(Error::InvalidArgument(format!("IPC descriptor: {l} bytes is longer than any descriptor")));
             }
-            // Each at most MAX_DESCRIPTOR_BYTES; a count that still overflows is refused.
+            // Each at most descriptor::MAX_BYTES; a count that still overflows is refused.
             total_bytes = total_bytes.checked_add(l).ok_or_else(|| Error::InvalidArgument("opening sends ahead: descriptor lengths out of range".into()))?;
         }
         let total_fds = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).ok_or_else(|| Error::InvalidArgument("opening sends ahead: descriptor counts out of range".into()))?;

@@ -3,7 +3,7 @@
 
 use super::boundary::{call, call_value, opt_str, write_str};
 use crate::error::{Error, Status};
-use crate::registry;
+use crate::front::tags;
 use std::ffi::{c_char, c_int, c_void};
 
 /// # Safety
@@ -30,7 +30,7 @@ unsafe fn put(out: *mut usize, v: usize) {
 /// `name` must be NULL (rejected) or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_begin(name: *const c_char) -> Status {
-    call(|| crate::tags::begin(tag_name(name)?))
+    call(|| tags::begin(tag_name(name)?))
 }
 
 /// Choose what tag `name`'s memory is made of (Note [A tag's memory]): `"pausable"` (the
@@ -47,13 +47,7 @@ pub unsafe extern "C" fn gpupool_tag_place(name: *const c_char, memory: *const c
     call(|| {
         let name = tag_name(name)?;
         let memory = opt_str(memory, "memory")?.ok_or(Error::NullArgument("memory"))?;
-        let kind = crate::tags::TagMemory::parse(memory).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "tag {name:?}: memory {memory:?} is not one gpupool makes; accepted: {}",
-                crate::tags::TagMemory::ACCEPTED
-            ))
-        })?;
-        registry::place_tag(name, kind)
+        tags::place(name, memory)
     })
 }
 
@@ -67,15 +61,14 @@ pub unsafe extern "C" fn gpupool_tag_place(name: *const c_char, memory: *const c
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_names(buf: *mut c_char, len: usize) -> usize {
     call_value(0, || {
-        let list: String = crate::tags::all().into_iter().map(|(n, m)| format!("{n}\t{}\n", m.name())).collect();
-        write_str(&list, buf, len)
+        write_str(&tags::names(), buf, len)
     })
 }
 
 /// End this thread's innermost `gpupool_tag_begin`.
 #[no_mangle]
 pub extern "C" fn gpupool_tag_end() -> Status {
-    call(crate::tags::end)
+    call(tags::end)
 }
 
 /// Pause tag `name` on `device` (-1: every device): wait for the work queued on `stream`
@@ -92,7 +85,7 @@ pub extern "C" fn gpupool_tag_end() -> Status {
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_pause(device: c_int, name: *const c_char, stream: *mut c_void, backup: c_int, out_released: *mut usize) -> Status {
     call(|| {
-        let n = registry::pause_tag(device, tag_name(name)?, stream as usize, backup != 0)?;
+        let n = tags::pause(device, tag_name(name)?, stream as usize, backup != 0)?;
         put(out_released, n);
         Ok(())
     })
@@ -107,7 +100,7 @@ pub unsafe extern "C" fn gpupool_tag_pause(device: c_int, name: *const c_char, s
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_resume(device: c_int, name: *const c_char, out_restored: *mut usize) -> Status {
     call(|| {
-        let n = registry::resume_tag(device, tag_name(name)?)?;
+        let n = tags::resume(device, tag_name(name)?)?;
         put(out_restored, n);
         Ok(())
     })
@@ -123,7 +116,7 @@ pub unsafe extern "C" fn gpupool_tag_paused_bytes(device: c_int, name: *const c_
         if out_bytes.is_null() {
             return Err(Error::NullArgument("out_bytes"));
         }
-        *out_bytes = registry::tag_paused_bytes(device, tag_name(name)?)?;
+        *out_bytes = tags::paused_bytes(device, tag_name(name)?)?;
         Ok(())
     })
 }
@@ -136,7 +129,7 @@ pub unsafe extern "C" fn gpupool_tag_paused_bytes(device: c_int, name: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_drop_backup(device: c_int, name: *const c_char, out_bytes: *mut usize) -> Status {
     call(|| {
-        let n = registry::tag_backup_drop(device, tag_name(name)?)?;
+        let n = tags::drop_backup(device, tag_name(name)?)?;
         put(out_bytes, n);
         Ok(())
     })
@@ -154,7 +147,7 @@ pub unsafe extern "C" fn gpupool_tag_drop_backup(device: c_int, name: *const c_c
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_tag_prepare_backup(device: c_int, name: *const c_char, out_bytes: *mut usize) -> Status {
     call(|| {
-        let n = registry::tag_backup_prepare(device, tag_name(name)?)?;
+        let n = tags::prepare_backup(device, tag_name(name)?)?;
         put(out_bytes, n);
         Ok(())
     })

@@ -4,12 +4,10 @@
 //! `allocator._allocator.set_*_fn(address)`.
 
 use super::boundary::{call, call_value};
-use super::core::record_stream_any;
 use super::report::call_void;
-use crate::error::{BadPointer, Error, Result, Status};
-use crate::pool::{Callback, Filter};
-use crate::registry;
-use crate::upstream::cuda::driver;
+use crate::error::{Error, Result, Status};
+use crate::front::device;
+use crate::front::private_pools::{self, Callback};
 use std::ffi::{c_int, c_void};
 
 extern "C-unwind" {
@@ -44,20 +42,14 @@ pub unsafe extern "C" fn gpupool_torch_free(ptr: *mut c_void, size: usize, devic
 #[no_mangle]
 pub extern "C" fn gpupool_torch_init(device_count: c_int) {
     let _ = device_count;
-    call_void("gpupool_torch_init", driver::ensure_driver);
+    call_void("gpupool_torch_init", device::load_driver);
 }
 
 /// `reset()`: `torch.cuda.empty_cache()` → release cached memory of every device.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_reset() {
     call_void("gpupool_torch_reset", || {
-        let mut first = None;
-        for d in registry::existing_devices() {
-            if let Ok(Some(Err(e))) = registry::reclaim(d) {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        device::reclaim(-1).map(|_| ())
     });
 }
 
@@ -66,11 +58,7 @@ pub extern "C" fn gpupool_torch_reset() {
 #[no_mangle]
 pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
     call_void("gpupool_torch_memory_fraction", || {
-        if !(fraction.is_finite() && (0.0..=1.0).contains(&fraction)) {
-            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not within [0, 1]")));
-        }
-        let total = registry::with_pool(device, |p| Ok(p.mem_info()?.1))?;
-        registry::set_limit(device, ((total as f64) * fraction) as usize)
+        device::set_limit_fraction(device, fraction)
     });
 }
 
@@ -80,7 +68,7 @@ pub extern "C" fn gpupool_torch_memory_fraction(fraction: f64, device: c_int) {
 /// No requirement beyond the C prototype.
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    call_void("gpupool_torch_record_stream", || record_stream_any(ptr as usize, stream as usize));
+    call_void("gpupool_torch_record_stream", || device::record_stream(ptr as usize, stream as usize));
 }
 
 /// The size of the block that holds the live allocation `ptr` (what the pool counts in use
@@ -89,7 +77,7 @@ pub unsafe extern "C" fn gpupool_torch_record_stream(ptr: *mut c_void, stream: *
 #[no_mangle]
 pub extern "C" fn gpupool_torch_block_size(ptr: *mut c_void) -> usize {
     let p = ptr as usize;
-    call_value(0, || registry::with_owner_of(p, |pool| pool.block_size(p)).and_then(|r| r.ok()).unwrap_or(0))
+    call_value(0, || device::block_size(p).unwrap_or(0))
 }
 
 /// `void *base_alloc(void *ptr, size_t *size)`: the upstream allocation holding `ptr` (for
@@ -102,8 +90,7 @@ pub unsafe extern "C" fn gpupool_torch_base_alloc(ptr: *mut c_void, size: *mut u
     let mut out = std::ptr::null_mut();
     call_void("gpupool_torch_base_alloc", || {
         let p = ptr as usize;
-        let (base, len) = registry::with_owner_of(p, |pool| pool.segment_of(p))
-            .unwrap_or(Err(Error::InvalidPointer { ptr: p, device: -1, why: BadPointer::Unknown }))?;
+        let (base, len) = device::segment_of(p)?;
         if !size.is_null() {
             *size = len;
         }
@@ -178,7 +165,7 @@ pub extern "C" fn gpupool_torch_pool_release(device: c_int, id_first: u64, id_se
 /// (made if new), as `torch.cuda.MemPool`'s constructor asks; a release drops it.
 #[no_mangle]
 pub extern "C" fn gpupool_torch_pool_create(device: c_int, id_first: u64, id_second: u64) -> Status {
-    call(|| registry::create_private_pool(device, (id_first, id_second)))
+    call(|| private_pools::create(device, (id_first, id_second)))
 }
 
 /// `getPoolUseCount(int device, MempoolId_t id)`: `*out_uses` receives the uses of the
@@ -192,7 +179,7 @@ pub unsafe extern "C" fn gpupool_torch_pool_use_count(device: c_int, id_first: u
         if out_uses.is_null() {
             return Err(Error::NullArgument("out_uses"));
         }
-        *out_uses = registry::private_pool_uses(device, (id_first, id_second))?;
+        *out_uses = private_pools::uses(device, (id_first, id_second))?;
         Ok(())
     })
 }
@@ -205,7 +192,7 @@ pub unsafe extern "C" fn gpupool_torch_pool_use_count(device: c_int, id_first: u
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_torch_pool_empty(device: c_int, id_first: u64, id_second: u64, out_released: *mut usize) -> Status {
     call(|| {
-        let n = registry::empty_private_pool(device, (id_first, id_second))?;
+        let n = private_pools::empty(device, (id_first, id_second))?;
         if !out_released.is_null() {
             *out_released = n;
         }
@@ -222,13 +209,13 @@ unsafe fn begin_route(device: c_int, id: (u64, u64), filter: *const c_void) -> R
         return Err(Error::Internal("could not copy PyTorch's allocation filter".into()));
     }
     let cb = Callback { call: gpupool_torch_filter_call, ctx, drop: Some(gpupool_torch_filter_drop) };
-    registry::begin_route(device, id, |_| Ok(Filter::Callback(cb)))
+    private_pools::begin_filtered(device, id, cb)
 }
 
 fn end_route(device: c_int, id: (u64, u64)) -> Result<()> {
-    registry::end_route(device, id)
+    private_pools::end(device, id)
 }
 
 fn release(device: c_int, id: (u64, u64)) -> Result<()> {
-    registry::release_private_pool(device, id).map(|_| ())
+    private_pools::release(device, id)
 }

@@ -232,7 +232,7 @@ fn create(device: i32, shard: usize, s: &DevicePools) -> Result<Pool> {
         }
     }
     let mut opts = options(cfg, c.pool)?; // configuration errors (a bad trace path) come first
-    let up = upstream::build(c.upstream, device, cfg.host_capacity)?;
+    let up = upstream::make::build(c.upstream, device, cfg.host_capacity)?;
     opts.budget = Some(lock(&s.budget).get_or_insert_with(Default::default).clone());
     opts.shard = shard as u16;
     if tag_memory == Some(crate::tags::TagMemory::Pausable) {
@@ -454,7 +454,7 @@ pub fn with_pinned<R>(f: impl FnOnce(&mut Pool) -> Result<R>) -> Result<R> {
     let mut g = lock_pool(&PINNED);
     if g.is_none() {
         let cfg = config()?;
-        let up = upstream::build_pinned()?;
+        let up = upstream::make::build_pinned()?;
         *g = Some(Pool::new(-1, up, &options(cfg, PoolKind::Split)?)?);
     }
     f(g.as_mut().expect("pinned pool created above"))

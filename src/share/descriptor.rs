@@ -11,6 +11,10 @@ use std::ffi::c_int;
 use std::os::fd::AsRawFd;
 
 /// A descriptor of either kind.
+/// The longest descriptor of either kind (a granule descriptor of the most granules): a
+/// longer length is refused before its bytes are read.
+pub const MAX_BYTES: usize = crate::share::protocol::MAX_DESCRIPTOR_BYTES;
+
 pub enum AnyDescriptor {
     Arena(GranuleDescriptor),
     Segment(SegmentDescriptor),
@@ -83,4 +87,9 @@ impl AnyDescriptor {
         }
         GranuleDescriptor::decode(bytes).map(AnyDescriptor::Arena)
     }
+}
+
+/// Close what `AnyDescriptor::open` returned on `device` (the import at `ptr`).
+pub fn close(device: c_int, ptr: usize) -> Result<()> {
+    registry::with_pool(device, |pool| pool.ipc_close(ptr))
 }

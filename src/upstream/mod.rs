@@ -39,6 +39,7 @@ pub mod events;
 pub mod host;
 pub mod host_vmm;
 pub mod ipc;
+pub mod make;
 pub mod peers;
 pub mod sim;
 pub mod stream_id;
@@ -156,26 +157,3 @@ pub trait Upstream: Memory + VirtualMemory + Ipc + Events {}
 
 impl<T: Memory + VirtualMemory + Ipc + Events + ?Sized> Upstream for T {}
 
-/// Build the upstream for `device`. CUDA kinds check for the driver first and validate the
-/// device id; `host` accepts ids `0..MAX_DEVICES` (simulated devices of `host_capacity`).
-pub fn build(kind: crate::config::UpstreamKind, device: i32, host_capacity: usize) -> Result<Box<dyn Upstream>> {
-    use crate::config::UpstreamKind as K;
-    use cuda::CudaUpstream;
-    // Only here, where a device pool is being made, is the host upstream an alternative.
-    let hint = |e: Error| match e {
-        Error::NoDriver(m) => Error::NoDriver(format!("{m}; without a GPU, GPUPOOL_UPSTREAM=host runs the pool on host memory")),
-        other => other,
-    };
-    Ok(match kind {
-        K::Host => Box::new(host::HostUpstream::for_device(host_capacity, device)),
-        K::Device => Box::new(CudaUpstream::new(device, cuda::device::DeviceMem).map_err(hint)?),
-        K::Managed => Box::new(CudaUpstream::new(device, cuda::managed::ManagedMem).map_err(hint)?),
-        K::Async => Box::new(CudaUpstream::new(device, cuda::async_::AsyncMem).map_err(hint)?),
-        K::Vmm => Box::new(CudaUpstream::new(device, cuda::vmm::VmmMem::new()).map_err(hint)?),
-    })
-}
-
-/// The page-locked host upstream of the pinned pool (events live in device 0's context).
-pub fn build_pinned() -> Result<Box<dyn Upstream>> {
-    Ok(Box::new(cuda::CudaUpstream::new(0, cuda::pinned::PinnedMem)?))
-}

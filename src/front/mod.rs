@@ -1,5 +1,9 @@
-//! The front end: where every allocation and free of the C API, PyTorch's and CuPy's
-//! entries begins, and the one place an allocation that ran out of memory is tried again.
+//! The front end: the library's operations as Rust calls, which the C boundary marshals.
+//! Here, where every allocation and free of the C API, PyTorch's and CuPy's entries begins,
+//! and the one place an allocation that ran out of memory is tried again; beside it, what is
+//! asked of a device beyond that (`device.rs`: reports, limits, reclaim, configuration,
+//! peers, questions about a live block), tags (`tags.rs`), private pools
+//! (`private_pools.rs`) and the pinned pool (`pinned.rs`).
 //!
 //! An allocation walks down and never back up: this thread's cache
 //! (`crate::thread_cache`, no lock), else the shard the registry names
@@ -18,6 +22,11 @@
 //! steps of a locked allocation (attaching the thread's cache, handing back its reusable
 //! blocks, remembering the new block) are the front end's, and a closure run by the
 //! registry would make the walk go back up into them.
+
+pub mod device;
+pub mod pinned;
+pub mod private_pools;
+pub mod tags;
 
 use crate::error::{BadPointer, Error, Result};
 use crate::pool::{FreeOn, Pool};
@@ -195,6 +204,24 @@ pub fn free_unordered(ptr: usize, device: i32) -> Result<()> {
         return Ok(());
     }
     free_in_pool(ptr, device, STREAM_LEGACY, FreeOn::Unordered)
+}
+
+/// CuPy's allocation, on the stream its stream getter names (`None`: it has none, and the
+/// free will name no stream either): the legacy stream takes the same fast path as
+/// PyTorch's and the C API's; any other stream goes to shard 0, where a capture it detects
+/// starts a private pool.
+pub fn malloc_for_cupy(device: i32, size: usize, current: Option<usize>) -> Result<usize> {
+    match current {
+        None => malloc_unordered(device, size),
+        Some(s) if crate::stream::is_legacy(s) => malloc(device, size, STREAM_LEGACY),
+        Some(s) => malloc_detecting_capture(device, size, s),
+    }
+}
+
+/// `kept_by_thread` on the legacy stream: CuPy's frees, whose fast path holds only blocks
+/// allocated there.
+pub fn kept_by_thread_on_legacy(ptr: usize, device: i32) -> bool {
+    kept_by_thread(ptr, device, STREAM_LEGACY)
 }
 
 /// Whether this thread's cache kept `ptr` as freed on `stream` (it allocated the block
