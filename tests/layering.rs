@@ -46,6 +46,16 @@ const RANKS: &[(&str, u32)] = &[
     ("thread_cache::state", 45),
     ("strategy", 50),
     ("stream", 50),
+    // The device pool's layers as types, each below those that use it: the driver
+    // contention and the budget its shards share, the options a pool is built with, the
+    // recorder and the limits, the core allocator; `Pool`, whose operations are where they
+    // meet, above them all.
+    ("pool::contention", 51),
+    ("pool::budget", 52),
+    ("pool::options", 53),
+    ("pool::recorder", 54),
+    ("pool::limits", 54),
+    ("pool::core", 55),
     ("pool", 60),
     ("fork", 70),
     ("status_socket", 70),
@@ -94,8 +104,15 @@ fn the_checks_see_braced_imports_and_super_chains() {
     assert_eq!(here, ["pool", "core"]);
     assert_eq!(module_path("registry/mod.rs"), ["registry"]);
     let modules: std::collections::BTreeSet<Vec<String>> = [
-        vec!["ffi"], vec!["front"], vec!["pool"], vec!["pool", "core"], vec!["pool", "growth"], vec!["upstream"],
-        vec!["share"], vec!["share", "protocol"], vec!["share", "protocol", "record"],
+        vec!["ffi"],
+        vec!["front"],
+        vec!["pool"],
+        vec!["pool", "core"],
+        vec!["pool", "growth"],
+        vec!["upstream"],
+        vec!["share"],
+        vec!["share", "protocol"],
+        vec!["share", "protocol", "record"],
     ]
     .into_iter()
     .map(|m| m.into_iter().map(String::from).collect())
@@ -117,10 +134,25 @@ fn the_checks_see_braced_imports_and_super_chains() {
     assert_eq!(layers("fn f() { super::super::front::free(p); }", &here), ["front"]);
     assert_eq!(layers("use super::super::{front, ffi};", &here), ["front", "ffi"]);
     assert_eq!(layers("use super::growth::Grower;", &here), ["pool"], "a sibling in the same layer");
-    assert_eq!(layers("let x = crate::share::protocol::record::RecordRef;", &here), ["share::protocol"]);
+    assert_eq!(
+        layers("let x = crate::share::protocol::record::RecordRef;", &here),
+        ["share::protocol"]
+    );
     let record = module_path("share/protocol/record.rs");
     assert_eq!(layer_of(&record).unwrap(), ("share::protocol".to_string(), 25));
-    assert_eq!(layers("use super::super::holds::Holds;", &record), ["share"], "a climb out of a sub-layer");
+    assert_eq!(
+        layers("use super::super::holds::Holds;", &record),
+        ["share"],
+        "a climb out of a sub-layer"
+    );
+    let budget = module_path("pool/budget.rs");
+    let scopes = module_scopes(&budget, "pub(in crate::pool) fn f() {}\nmod tests {\n    use super::*;\n}\n");
+    assert_eq!(scopes.len(), 2, "the file's module and its inline test module");
+    assert!(named_paths(&scopes[0].1).is_empty(), "a `pub(in path)` names no dependency: {:?}", scopes[0].1);
+    assert_eq!(scopes[1].0, ["pool", "budget", "tests"]);
+    let budget_modules: std::collections::BTreeSet<Vec<String>> =
+        [vec!["pool".to_string()], vec!["pool".to_string(), "budget".to_string()]].into_iter().collect();
+    assert_eq!(resolve(&scopes[1].0, "super::*", &budget_modules), Some(budget.clone()), "`super` in an inline module is the file");
     assert_eq!(layer_of(&module_path("share/holds.rs")).unwrap().0, "share");
 }
 
@@ -140,24 +172,29 @@ fn modules_import_only_lower_layers() {
     }
     let modules: BTreeSet<Vec<String>> = code.iter().map(|c| c.1.clone()).collect();
     let mut bad = Vec::new();
-    for (rel, here, text) in &code {
-        let Some((mine, my_rank)) = layer_of(here) else {
-            bad.push(format!("{rel}: module `{}` has no rank in tests/layering.rs", here.join("::")));
-            continue;
-        };
-        for path in named_paths(text) {
-            let Some(to) = resolve(here, &path, &modules) else {
-                if path.starts_with("crate::") {
-                    // The crate root's re-exports would hide which layer a name is from.
-                    bad.push(format!("{rel}: `{path}` names no module under the crate root"));
-                }
+    for (rel, file_module, text) in &code {
+        for (here, text) in module_scopes(file_module, text) {
+            let here = &here;
+            let Some((mine, my_rank)) = layer_of(here) else {
+                bad.push(format!("{rel}: module `{}` has no rank in tests/layering.rs", here.join("::")));
                 continue;
             };
-            match layer_of(&to) {
-                Some((theirs, _)) if theirs == mine => {}
-                Some((_, r)) if r < my_rank => {}
-                Some((theirs, r)) => bad.push(format!("{rel}: `{mine}` (rank {my_rank}) uses `{theirs}` (rank {r}) through `{path}`")),
-                None => bad.push(format!("{rel}: `{path}` leads into `{}`, which has no rank", to.join("::"))),
+            for path in named_paths(&text) {
+                let Some(to) = resolve(here, &path, &modules) else {
+                    if path.starts_with("crate::") {
+                        // The crate root's re-exports would hide which layer a name is from.
+                        bad.push(format!("{rel}: `{path}` names no module under the crate root"));
+                    }
+                    continue;
+                };
+                match layer_of(&to) {
+                    Some((theirs, _)) if theirs == mine => {}
+                    Some((_, r)) if r < my_rank => {}
+                    Some((theirs, r)) => bad.push(format!(
+                        "{rel}: `{mine}` (rank {my_rank}) uses `{theirs}` (rank {r}) through `{path}`"
+                    )),
+                    None => bad.push(format!("{rel}: `{path}` leads into `{}`, which has no rank", to.join("::"))),
+                }
             }
         }
     }
@@ -187,15 +224,18 @@ fn ffi_goes_through_the_front_end() {
         if !rel.starts_with("ffi/") {
             continue;
         }
-        let here = module_path(&rel);
-        for path in named_paths(&code_only(&std::fs::read_to_string(f).unwrap())) {
-            let Some(to) = resolve(&here, &path, &modules) else { continue };
-            let top = to.first().map(String::as_str).unwrap_or("");
-            let layer = layer_of(&to).map(|l| l.0).unwrap_or_default();
-            // `share`'s lower layers (the protocol, the pool's books) are below the front end.
-            let allowed = top == "ffi" || (FFI_MAY_USE.contains(&top) && (top != "share" || layer == "share"));
-            if !allowed {
-                bad.push(format!("{rel}: `{path}` reaches `{}` past the front end", to.join("::")));
+        let file_module = module_path(&rel);
+        let code = code_only(&std::fs::read_to_string(f).unwrap());
+        for (here, text) in module_scopes(&file_module, &code) {
+            for path in named_paths(&text) {
+                let Some(to) = resolve(&here, &path, &modules) else { continue };
+                let top = to.first().map(String::as_str).unwrap_or("");
+                let layer = layer_of(&to).map(|l| l.0).unwrap_or_default();
+                // `share`'s lower layers (the protocol, the pool's books) are below the front end.
+                let allowed = top == "ffi" || (FFI_MAY_USE.contains(&top) && (top != "share" || layer == "share"));
+                if !allowed {
+                    bad.push(format!("{rel}: `{path}` reaches `{}` past the front end", to.join("::")));
+                }
             }
         }
     }
@@ -229,7 +269,69 @@ fn socket_writes_raise_no_sigpipe() {
             }
         }
     }
-    assert!(bad.is_empty(), "socket writes that may raise SIGPIPE (use crate::socket::send_all):\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "socket writes that may raise SIGPIPE (use crate::socket::send_all):\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The code of a file (`code_only`) by the module it is in: the file's own module, and each
+/// inline module (`mod tests { ... }`) as a child of it, where `super::` means the file's
+/// module. `pub(in path)` restrictions name no dependency and are dropped.
+fn module_scopes(here: &[String], code: &str) -> Vec<(Vec<String>, String)> {
+    let code = drop_visibility_paths(code);
+    let (b, mut outer, mut inner, mut i) = (code.as_bytes(), String::new(), Vec::new(), 0);
+    while i < b.len() {
+        let at_word = i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_');
+        if at_word && b[i..].starts_with(b"mod ") {
+            let name: String = code[i + 4..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let after = i + 4 + name.len();
+            let open = after + code[after..].len() - code[after..].trim_start().len();
+            if !name.is_empty() && b.get(open) == Some(&b'{') {
+                let (mut depth, mut j) = (0usize, open);
+                while j < b.len() {
+                    match b[j] {
+                        b'{' => depth += 1,
+                        b'}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                    j += 1;
+                }
+                let mut child = here.to_vec();
+                child.push(name);
+                inner.extend(module_scopes(&child, &code[open + 1..j.min(b.len())]));
+                i = j + 1;
+                continue;
+            }
+        }
+        outer.push(b[i] as char);
+        i += 1;
+    }
+    let mut out = vec![(here.to_vec(), outer)];
+    out.extend(inner);
+    out
+}
+
+/// `code` with every `pub(in path)` written `pub`.
+fn drop_visibility_paths(code: &str) -> String {
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code;
+    while let Some(i) = rest.find("pub(in ") {
+        out.push_str(&rest[..i + 3]);
+        rest = &rest[i..];
+        rest = &rest[rest.find(')').map_or(rest.len(), |e| e + 1)..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `text` without comments and string literals (paths inside them are no dependency).
@@ -282,7 +384,12 @@ fn expand_use(tree: &str) -> Vec<String> {
         }
     }
     items.push(cur);
-    items.iter().filter(|i| !i.trim().is_empty()).flat_map(|i| expand_use(i)).map(|p| format!("{prefix}{p}")).collect()
+    items
+        .iter()
+        .filter(|i| !i.trim().is_empty())
+        .flat_map(|i| expand_use(i))
+        .map(|p| format!("{prefix}{p}"))
+        .collect()
 }
 
 /// Every path a file's code names from the crate root or relative to its own module.
@@ -302,7 +409,10 @@ fn named_paths(code: &str) -> Vec<String> {
         let mut rest = code;
         while let Some(i) = rest.find(start) {
             let continues = rest[..i].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':');
-            let path: String = rest[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':').collect();
+            let path: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                .collect();
             if !continues {
                 out.push(path.clone());
             }
@@ -337,11 +447,24 @@ fn resolve(here: &[String], path: &str, modules: &std::collections::BTreeSet<Vec
         _ => {
             return (1..=rest.len())
                 .rev()
-                .map(|n| cur.iter().cloned().chain(rest[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>())
+                .map(|n| {
+                    cur.iter()
+                        .cloned()
+                        .chain(rest[..n].iter().map(|s| s.to_string()))
+                        .collect::<Vec<_>>()
+                })
                 .find(|m| modules.contains(m));
         }
     }
-    (0..=rest.len()).rev().map(|n| cur.iter().cloned().chain(rest[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>()).find(|m| modules.contains(m))
+    (0..=rest.len())
+        .rev()
+        .map(|n| {
+            cur.iter()
+                .cloned()
+                .chain(rest[..n].iter().map(|s| s.to_string()))
+                .collect::<Vec<_>>()
+        })
+        .find(|m| modules.contains(m))
 }
 
 #[test]
@@ -362,11 +485,14 @@ fn no_circle_between_files() {
     // A file depends on the files its paths lead into, but not on its own module's
     // ancestors (a submodule uses its parent's types; the parent declares it).
     let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
-    for (m, (_, text)) in &code {
-        for p in named_paths(text) {
-            if let Some(to) = resolve(m, &p, &modules) {
-                if &to != m && !m.starts_with(&to) {
-                    edges.entry(m.clone()).or_default().insert(to);
+    for (file_module, (_, text)) in &code {
+        for (scope, text) in module_scopes(file_module, text) {
+            let m = file_module;
+            for p in named_paths(&text) {
+                if let Some(to) = resolve(&scope, &p, &modules) {
+                    if &to != m && !m.starts_with(&to) {
+                        edges.entry(m.clone()).or_default().insert(to);
+                    }
                 }
             }
         }
@@ -402,20 +528,31 @@ fn no_circle_between_files() {
             visit(m, &edges, &mut state, &mut Vec::new(), &mut found);
         }
     }
-    assert!(found.is_empty(), "files that depend on each other in a circle:\n{}", found.join("\n"));
+    assert!(
+        found.is_empty(),
+        "files that depend on each other in a circle:\n{}",
+        found.join("\n")
+    );
     // The reading sees what it must: a known dependency of each kind is among the edges.
-    let has = |from: &str, to: &str| {
-        edges.get(&module_path(from)).is_some_and(|s| s.contains(&module_path(to)))
-    };
+    let has = |from: &str, to: &str| edges.get(&module_path(from)).is_some_and(|s| s.contains(&module_path(to)));
     assert!(has("pool/arena.rs", "pool/growth.rs"), "a braced `use super::growth::{{...}}`");
-    assert!(has("share/protocol/exporter.rs", "share/protocol/identity.rs"), "a path into a sibling module");
+    assert!(
+        has("share/protocol/exporter.rs", "share/protocol/identity.rs"),
+        "a path into a sibling module"
+    );
 }
 
 #[test]
 fn the_circle_check_reads_use_trees_and_paths() {
-    assert_eq!(expand_use("super::{growth::{Attempt, Grower as G}, Pool}"), ["super::growth::Attempt", "super::growth::Grower", "super::Pool"]);
+    assert_eq!(
+        expand_use("super::{growth::{Attempt, Grower as G}, Pool}"),
+        ["super::growth::Attempt", "super::growth::Grower", "super::Pool"]
+    );
     assert_eq!(code_only("let s = \"crate::ffi\"; // crate::front\nx"), "let s = \"\"; \nx");
     let p = named_paths("use crate::{a::b, c};\nfn f() { super::super::d::e(); }");
-    assert!(p.contains(&"crate::a::b".to_string()) && p.contains(&"crate::c".to_string()), "{p:?}");
+    assert!(
+        p.contains(&"crate::a::b".to_string()) && p.contains(&"crate::c".to_string()),
+        "{p:?}"
+    );
     assert!(p.contains(&"super::super::d::e".to_string()), "{p:?}");
 }

@@ -21,8 +21,19 @@ use crate::stream::{StreamHandle, StreamKey, StreamTracker};
 use crate::upstream::{EventHandle, Upstream};
 use rustc_hash::FxHashMap;
 
-use super::{PoolId, PoolOptions, UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
+use super::options::PoolOptions;
 
+/// A private pool's id (Note [Graph pools]): PyTorch's `MempoolId_t` pair, or a C pool's
+/// id and tag. A live block records the private pool it came from.
+pub type PoolId = (u64, u64);
+
+/// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait
+/// for one legacy-stream event record, so one record serves many frees, at the price of
+/// that much freed memory not yet reusable.
+pub const UNFENCED_MAX_BLOCKS: usize = 32;
+pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
+
+mod arena_space;
 mod books;
 mod streams;
 
@@ -119,7 +130,7 @@ impl Core {
     /// space here; without VMM it falls back to `split` and says why in `notice`).
     pub fn new(device: i32, mut upstream: Box<dyn Upstream>, opts: &PoolOptions) -> Core {
         let (strategy, notice) = match opts.kind {
-            PoolKind::Arena => match super::arena::build(&mut *upstream, opts) {
+            PoolKind::Arena => match arena_space::build(&mut *upstream, opts) {
                 Ok(a) => {
                     for (base, len) in a.reservations() {
                         crate::owners::add(base, len, device, opts.shard);

@@ -104,8 +104,7 @@ use crate::upstream::AllocError;
 use routes::Route;
 use rustc_hash::FxHashMap;
 
-/// A private pool's id: PyTorch's `MempoolId_t` (a pair), or one of the namespaces below.
-pub type PoolId = (u64, u64);
+pub use super::core::PoolId;
 
 /// Second half of the ids of pools named from C (`gpupool_begin_allocate_to_pool`).
 pub const C_POOL_TAG: u64 = u64::MAX;

@@ -6,7 +6,8 @@
 //! It decides and books; giving memory back is the pool's (`release.rs`), which asks it
 //! how much to give (`excess`, `decay_cap`, `on_malloc`).
 
-use super::{Budget, PoolOptions};
+use super::budget::Budget;
+use super::options::PoolOptions;
 use crate::config::LimitSpec;
 use crate::decay::Decay;
 use crate::error::{Error, Result};

@@ -64,11 +64,7 @@ pub use free::FreeOn;
 pub use graph_pools::{routes_active, Callback, Filter, PoolId, C_POOL_TAG, IMPLICIT_POOL_TAG};
 pub use options::PoolOptions;
 
-/// Batching of fences for stream-less frees (CuPy): at most this many blocks / bytes wait
-/// for one legacy-stream event record, so one record serves many frees, at the price of
-/// that much freed memory not yet reusable.
-pub const UNFENCED_MAX_BLOCKS: usize = 32;
-pub const UNFENCED_MAX_BYTES: usize = 64 << 20;
+pub use self::core::{UNFENCED_MAX_BLOCKS, UNFENCED_MAX_BYTES};
 // A thread's magazine waits for at most half of it (`thread_cache::state::FENCE_BYTES`).
 const _: () = assert!(crate::thread_cache::state::FENCE_BYTES * 2 == UNFENCED_MAX_BYTES);
 

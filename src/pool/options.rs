@@ -2,7 +2,7 @@
 //! thread-cache settings, the shard and its shared budget, and the test switches
 //! (`crate::registry` fills them in from the configuration).
 
-use super::Budget;
+use super::budget::Budget;
 use crate::config::{LimitSpec, PoolKind};
 use crate::trace::Tracer;
 

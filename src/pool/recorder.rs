@@ -6,7 +6,7 @@
 //! The reports that read these figures together with the other layers' are `Pool` methods
 //! (`reports.rs`, `snapshot.rs`).
 
-use super::PoolOptions;
+use super::options::PoolOptions;
 use crate::debug::AllocRecord;
 use crate::stream::StreamHandle;
 use crate::trace::{Action, Tracer};
