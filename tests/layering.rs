@@ -145,6 +145,10 @@ fn the_checks_see_braced_imports_and_super_chains() {
         ["share"],
         "a climb out of a sub-layer"
     );
+    assert_eq!(layers("fn f() { crate :: front :: free(p); }", &here), ["front"], "spaces around `::`");
+    assert_eq!(layers("fn f() { self::super::super::front::free(p); }", &here), ["front"], "`self::super`");
+    assert_eq!(layers("let s = r#\"a\"b\"#; fn f() { crate::ffi::x(); }", &here), ["ffi"], "code after a raw string");
+    assert_eq!(root_aliases("use crate as c;\nuse super::super as up;\nextern crate self as me;\nuse crate::front as f;").len(), 3);
     let budget = module_path("pool/budget.rs");
     let scopes = module_scopes(&budget, "pub(in crate::pool) fn f() {}\nmod tests {\n    use super::*;\n}\n");
     assert_eq!(scopes.len(), 2, "the file's module and its inline test module");
@@ -179,7 +183,13 @@ fn modules_import_only_lower_layers() {
                 bad.push(format!("{rel}: module `{}` has no rank in tests/layering.rs", here.join("::")));
                 continue;
             };
+            for alias in root_aliases(&text) {
+                bad.push(format!("{rel}: `{alias}` renames a module path, which would hide the layer its uses reach"));
+            }
             for path in named_paths(&text) {
+                if path.ends_with("::") {
+                    continue; // the head of a braced group, whose items are paths of their own
+                }
                 let Some(to) = resolve(here, &path, &modules) else {
                     if path.starts_with("crate::") {
                         // The crate root's re-exports would hide which layer a name is from.
@@ -321,6 +331,28 @@ fn module_scopes(here: &[String], code: &str) -> Vec<(Vec<String>, String)> {
     out
 }
 
+/// `use crate as x;`, `use super::super as up;`, `use self as s;` (and `extern crate self as
+/// x;`): a path through such a name would resolve to nothing here, so none is allowed.
+fn root_aliases(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for stmt in code.split(';') {
+        let words: Vec<&str> = stmt.split_whitespace().collect();
+        for (k, w) in words.iter().enumerate() {
+            let target = match *w {
+                "use" => words.get(k + 1),
+                "crate" if k > 0 && words[k - 1] == "extern" => words.get(k + 1),
+                _ => continue,
+            };
+            let Some(target) = target else { continue };
+            let is_root = target.split("::").all(|s| s == "crate" || s == "super" || s == "self");
+            if is_root && words.get(k + 2) == Some(&"as") {
+                out.push(stmt.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
 /// `code` with every `pub(in path)` written `pub`.
 fn drop_visibility_paths(code: &str) -> String {
     let mut out = String::with_capacity(code.len());
@@ -348,6 +380,9 @@ fn code_only(text: &str) -> String {
                 i += 1;
             }
             i += 2;
+        } else if let Some(end) = raw_string_end(b, i) {
+            i = end;
+            out.push_str("\"\"");
         } else if b[i] == b'"' && (i == 0 || b[i - 1] != b'\'') {
             i += 1;
             while i < b.len() && b[i] != b'"' {
@@ -360,7 +395,36 @@ fn code_only(text: &str) -> String {
             i += 1;
         }
     }
-    out
+    // `crate :: a` is the path `crate::a`.
+    let mut tight = String::with_capacity(out.len());
+    for (k, part) in out.split("::").enumerate() {
+        if k > 0 {
+            tight.truncate(tight.trim_end().len());
+            tight.push_str("::");
+            tight.push_str(part.trim_start());
+        } else {
+            tight.push_str(part);
+        }
+    }
+    tight
+}
+
+/// Where the raw string literal (`r"…"`, `r#"…"#`, `br"…"`) starting at `i` ends, if one does.
+fn raw_string_end(b: &[u8], i: usize) -> Option<usize> {
+    let word_start = i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_');
+    let mut j = i + usize::from(b.get(i) == Some(&b'b'));
+    if !word_start || b.get(j) != Some(&b'r') {
+        return None;
+    }
+    j += 1;
+    let hashes = b[j..].iter().take_while(|&&c| c == b'#').count();
+    j += hashes;
+    if b.get(j) != Some(&b'"') {
+        return None;
+    }
+    let close: Vec<u8> = std::iter::once(b'"').chain(std::iter::repeat(b'#').take(hashes)).collect();
+    let at = b[j + 1..].windows(close.len()).position(|w| w == close.as_slice())?;
+    Some(j + 1 + at + close.len())
 }
 
 /// The paths a `use` tree names (`a::{b, c::{d as e}}` -> a::b, a::c::d).
@@ -434,6 +498,10 @@ fn resolve(here: &[String], path: &str, modules: &std::collections::BTreeSet<Vec
             rest = &rest[1..];
         }
         Some(&"super") | Some(&"self") => {
+            // `self::super::…` is the `super` chain.
+            if rest.first() == Some(&"self") && rest.get(1) == Some(&"super") {
+                rest = &rest[1..];
+            }
             while rest.first() == Some(&"super") {
                 cur.pop();
                 rest = &rest[1..];

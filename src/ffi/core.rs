@@ -111,11 +111,11 @@ pub unsafe extern "C" fn gpupool_enable_peer_access(device: c_int, peer: c_int, 
 #[no_mangle]
 pub unsafe extern "C" fn gpupool_reclaim(device: c_int, out_released: *mut usize) -> Status {
     call(|| {
-        let total = device::reclaim(device)?;
+        let (total, first_err) = device::reclaim(device)?;
         if !out_released.is_null() {
             *out_released = total;
         }
-        Ok(())
+        first_err.map_or(Ok(()), Err)
     })
 }
 

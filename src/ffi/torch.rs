@@ -49,7 +49,7 @@ pub extern "C" fn gpupool_torch_init(device_count: c_int) {
 #[no_mangle]
 pub extern "C" fn gpupool_torch_reset() {
     call_void("gpupool_torch_reset", || {
-        device::reclaim(-1).map(|_| ())
+        device::empty_cache()
     });
 }
 

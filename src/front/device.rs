@@ -24,11 +24,11 @@ pub fn enable_peer_access(device: i32, peer: i32) -> Result<usize> {
     registry::enable_peer_access(device, peer)
 }
 
-/// Give every wholly free cached segment of `device` (-1: every device in use) back; the
-/// bytes released, or the first error among the devices (the others are still reclaimed).
-pub fn reclaim(device: i32) -> Result<usize> {
-    // Every device: with settings no pool can be made under, say so rather than report
-    // nothing released.
+/// Give every wholly free cached segment of `device` (-1: every device in use) back: the
+/// bytes released, and the first error of a pool that could not release (the other devices
+/// are still reclaimed, and their bytes counted). `Err`: nothing could be asked (a bad
+/// device; for -1, settings no pool can be made under, said rather than nothing released).
+pub fn reclaim(device: i32) -> Result<(usize, Option<Error>)> {
     if device == -1 {
         if let Some(e) = registry::settings_error() {
             return Err(e);
@@ -45,7 +45,20 @@ pub fn reclaim(device: i32) -> Result<usize> {
             None => {}
         }
     }
-    first_err.map_or(Ok(total), Err)
+    Ok((total, first_err))
+}
+
+/// PyTorch's `empty_cache`: every device in use gives its wholly free cached memory back;
+/// the first error of a pool that could not release. A device that cannot be asked (a
+/// fork child's) is passed over, as no pool of it is in use.
+pub fn empty_cache() -> Result<()> {
+    let mut first = None;
+    for d in registry::existing_devices() {
+        if let Ok(Some(Err(e))) = registry::reclaim(d) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Cap `device`'s reserved bytes (0: no limit).

@@ -29,7 +29,7 @@ impl Pool {
     /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
     /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
     /// fast path here (disabled, or the per-thread default stream).
-    pub fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
+    pub(crate) fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
         if !self.caches.enabled() || stream == crate::stream::STREAM_PER_THREAD {
             return None; // (the per-thread default stream means another stream on each thread)
         }
@@ -55,7 +55,7 @@ impl Pool {
     /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,
     /// reconfiguration). `current`: the stream of the operation in progress, if any (its
     /// kept blocks record their free there; the others' streams may be gone).
-    pub fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
+    pub(crate) fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
         let mut kept = self.caches.reap();
         kept.extend(self.caches.take_all_kept(false));
         for (p, hold) in kept {
@@ -66,7 +66,7 @@ impl Pool {
     /// Free a block taken out of a thread cache: its user freed it already (counted then).
     /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
     /// the operation in progress (alive now), if any.
-    pub fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
+    pub(crate) fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
         let counted = self.rec.c.frees;
         let _ = match hold {
             Hold::Unfenced => self.free(ptr, FreeOn::Unordered),

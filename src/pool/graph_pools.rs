@@ -238,18 +238,18 @@ fn private_segment(up: &mut dyn crate::upstream::Upstream, mapped: bool, len: us
 
 impl Pool {
     /// Whether private pool `id` lives in this pool (the registry finds a pool's home).
-    pub fn holds_private_pool(&self, id: PoolId) -> bool {
+    pub(crate) fn holds_private_pool(&self, id: PoolId) -> bool {
         self.graphs.pools.contains_key(&id)
     }
 
     /// Whether a route of this pool sends allocations to one of its private pools now.
-    pub fn routes_allocations(&self) -> bool {
+    pub(crate) fn routes_allocations(&self) -> bool {
         self.graphs.has_routes()
     }
 
     /// An allocation a route of this pool takes, from its private pool; `None` (nothing
     /// allocated) where no route takes it.
-    pub fn malloc_if_routed(&mut self, size: usize, stream: StreamHandle) -> Result<Option<usize>> {
+    pub(crate) fn malloc_if_routed(&mut self, size: usize, stream: StreamHandle) -> Result<Option<usize>> {
         self.running()?;
         if size == 0 || !self.graphs.has_routes() {
             return Ok(None);
@@ -275,7 +275,7 @@ impl Pool {
 
     /// Release every private pool nobody uses and nothing in it is live (after the last
     /// route ended, or on reclaim). Best effort: a refusal keeps the pool for later.
-    pub fn release_unused_private_pools(&mut self) {
+    pub(crate) fn release_unused_private_pools(&mut self) {
         let ids: Vec<PoolId> = self.graphs.pools.iter().filter(|(_, p)| p.uses <= 0 && p.live == 0).map(|(id, _)| *id).collect();
         for id in ids {
             let _ = self.destroy_if_unused(id);

@@ -31,7 +31,7 @@ impl Pool {
     /// this process's handover socket name (`share::handover`: an importer that may not
     /// copy this process's descriptors asks for them there), and `flags`
     /// (`protocol::FLAG_*`).
-    pub fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64, flags: u32) -> Result<Vec<u8>> {
+    pub(crate) fn ipc_export_via(&mut self, ptr: usize, share_granules: bool, handover: u64, flags: u32) -> Result<Vec<u8>> {
         self.running()?;
         self.not_paused()?;
         let device = self.core.device();
@@ -116,7 +116,7 @@ impl Pool {
 
     /// `ipc_import`, with the mark of an import of memory its exporter may pause where the
     /// caller has one (taken with the opens file its handover thread sent).
-    pub fn ipc_import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+    pub(crate) fn ipc_import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
         if fds.is_some() {
             let source = self.import_source(d, fds)?;
             // Memory its exporter may pause: counted as open there before it is mapped
@@ -199,19 +199,19 @@ impl Pool {
     }
 
     /// Unmap every idle kept import (the pool is about to be replaced).
-    pub fn drop_kept_imports_all(&mut self) {
+    pub(crate) fn drop_kept_imports_all(&mut self) {
         self.drop_kept_imports(true);
     }
 
     /// Idle imports kept mapped for later messages (`import_cache.rs`).
-    pub fn ipc_imports_kept(&self) -> usize {
+    pub(crate) fn ipc_imports_kept(&self) -> usize {
         self.imports.idle()
     }
 
     /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, a
     /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
     /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
-    pub fn ipc_check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
+    pub(crate) fn ipc_check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
         let source = self.import_source(d, Some(fds))?;
         let Some(fds) = source.given() else {
             return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
@@ -266,7 +266,7 @@ impl Pool {
 
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
     /// returns where it starts here.
-    pub fn ipc_import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
+    pub(crate) fn ipc_import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
         self.running()?;
         self.core.upstream_mut().cuda_ipc_open(&d.handle, d.offset as usize)
     }
@@ -315,7 +315,7 @@ impl Pool {
     }
 
     /// Count the open import at `ptr` in its exporter's opens file until it is closed.
-    pub fn note_open(&mut self, ptr: usize, mark: OpenMark) {
+    pub(crate) fn note_open(&mut self, ptr: usize, mark: OpenMark) {
         self.imports.keep_open_mark(ptr, mark);
     }
 

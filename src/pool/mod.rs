@@ -116,7 +116,7 @@ impl Pool {
         })
     }
 
-    pub fn device(&self) -> i32 {
+    pub(crate) fn device(&self) -> i32 {
         self.core.device()
     }
 
@@ -125,16 +125,11 @@ impl Pool {
     /// fail with `Status::Stopped`; reports still work and say why. The memory it holds
     /// stays reserved until the process ends (releasing memory the books may have wrong
     /// could free what a caller still uses).
-    pub fn stop(&mut self, why: &str) {
+    pub(crate) fn stop(&mut self, why: &str) {
         if self.stopped.is_none() {
             self.stopped = Some(why.to_string());
             self.caches.disable();
         }
-    }
-
-    /// Why this pool stopped, if it did.
-    pub fn stopped(&self) -> Option<&str> {
-        self.stopped.as_deref()
     }
 
     pub(super) fn running(&self) -> Result<()> {
@@ -151,7 +146,7 @@ impl Pool {
         self.core.strategy().name()
     }
 
-    pub fn upstream_name(&self) -> &'static str {
+    pub(crate) fn upstream_name(&self) -> &'static str {
         self.core.upstream().name()
     }
 
@@ -191,12 +186,12 @@ impl Pool {
     }
 
     /// Bytes obtained from the upstream so far: new segments, and pages recommitted.
-    pub fn obtained_bytes(&self) -> (u64, u64) {
+    pub(crate) fn obtained_bytes(&self) -> (u64, u64) {
         (self.rec.c.upstream_alloc_bytes, self.rec.c.commit_bytes)
     }
 
     /// Live allocations (blocks kept in thread caches were freed by their users).
-    pub fn live_count(&self) -> usize {
+    pub(crate) fn live_count(&self) -> usize {
         self.core.live_count() - self.caches.kept().len()
     }
 
@@ -214,13 +209,13 @@ impl Pool {
     /// fence could be recorded nor the legacy stream waited for: nothing proves those frees
     /// safe to reuse, so the caller keeps them unfenced (and tries again later).
     #[must_use]
-    pub fn fence_legacy_now(&mut self) -> bool {
+    pub(crate) fn fence_legacy_now(&mut self) -> bool {
         let allowed = self.device_sync_allowed();
         self.core.fence_legacy(allowed)
     }
 
     /// `malloc` for the cache `owner` (`NO_OWNER`: none), which may then hold the block.
-    pub fn malloc_owned(&mut self, size: usize, stream: StreamHandle, owner: u32) -> Result<usize> {
+    pub(crate) fn malloc_owned(&mut self, size: usize, stream: StreamHandle, owner: u32) -> Result<usize> {
         self.running()?;
         self.not_paused()?;
         if size == 0 {
@@ -317,7 +312,7 @@ impl Pool {
     }
 
     /// Release this pool's cached memory while the device is over its limit.
-    pub fn release_over_limit(&mut self) -> Result<()> {
+    pub(crate) fn release_over_limit(&mut self) -> Result<()> {
         self.running()?;
         let excess = self.limits.excess();
         if excess != 0 {
@@ -338,13 +333,13 @@ impl Pool {
     }
 
     /// Which shard of its device this pool is.
-    pub fn shard(&self) -> u16 {
+    pub(crate) fn shard(&self) -> u16 {
         self.core.shard()
     }
 
     /// Take back the out-of-memory this pool last counted: the registry freed other shards'
     /// cache and the retry succeeded, so the caller never saw it.
-    pub fn retract_oom(&mut self) {
+    pub(crate) fn retract_oom(&mut self) {
         self.rec.c.ooms = self.rec.c.ooms.saturating_sub(1);
     }
 

@@ -31,7 +31,7 @@ impl Pool {
     /// events, never for the whole device unless a free's stream is gone), give cached free
     /// granules back, then copy what is mapped to host memory where `backup` asks and
     /// release it. Returns the device bytes released, cached ones included.
-    pub fn pause(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
+    pub(crate) fn pause(&mut self, name: &str, stream: StreamHandle, backup: bool) -> Result<usize> {
         self.ready_to_pause(&format!("pause `{name}`"))?;
         if !crate::stream::is_legacy(stream) && self.core.upstream_mut().capture_id(stream)?.is_some() {
             // Its wait for `stream` would be an event recorded into the graph.
@@ -80,7 +80,7 @@ impl Pool {
     /// the processes), with nothing changed, while another process still has one open
     /// through gpupool (`share::protocol::opens_file`; a receiver that exited counts no more).
     /// Receivers on PyTorch's own allocator keep no count: they are not seen here.
-    pub fn close_exports_for_pause(&mut self, name: &str) -> Result<()> {
+    pub(crate) fn close_exports_for_pause(&mut self, name: &str) -> Result<()> {
         let exports = self.exports.all();
         let ats: Vec<_> = exports.iter().map(|e| e.1).collect();
         let Err(open) = ExportRecord::close_for_pause(&ats) else { return Ok(()) };
@@ -106,14 +106,14 @@ impl Pool {
 
     /// Imports of this pool's exports may open again (a pause that did not go ahead, or a
     /// resume).
-    pub fn reopen_exports(&mut self) {
+    pub(crate) fn reopen_exports(&mut self) {
         ExportRecord::reopen(&self.exports.records());
     }
 
     /// Map this pool's memory again at the same addresses and restore its backup (module
     /// docs). A pool not paused: `Ok(0)`. Out of memory (the device's, or the pool limit):
     /// the memory stays paused, for a later resume.
-    pub fn resume(&mut self) -> Result<usize> {
+    pub(crate) fn resume(&mut self) -> Result<usize> {
         self.running()?;
         let Some(p) = self.paused.as_ref() else { return Ok(0) };
         let (bytes, name) = (p.bytes, p.name.clone());
@@ -147,24 +147,24 @@ impl Pool {
     }
 
     /// Whether this pool is paused.
-    pub fn is_paused(&self) -> bool {
+    pub(crate) fn is_paused(&self) -> bool {
         self.paused.is_some()
     }
 
     /// The tag this pool is paused under and how many of its blocks were freed meanwhile
     /// (their frees are done by the resume); `None`: not paused.
-    pub fn paused_frees(&self) -> Option<(&str, usize)> {
+    pub(crate) fn paused_frees(&self) -> Option<(&str, usize)> {
         self.paused.as_ref().map(|p| (p.name.as_str(), p.frees.len()))
     }
 
     /// Device bytes this pool's pause released (0: not paused).
-    pub fn paused_bytes(&self) -> usize {
+    pub(crate) fn paused_bytes(&self) -> usize {
         self.paused.as_ref().map_or(0, |p| p.bytes)
     }
 
     /// Make the host memory the next pause's backup copies into now, as large as this
     /// pool's memory (`VirtualMemory::vmm_prepare_backup`); returns its bytes.
-    pub fn prepare_pause_backup(&mut self) -> Result<usize> {
+    pub(crate) fn prepare_pause_backup(&mut self) -> Result<usize> {
         self.ready_to_pause("prepare_backup")?;
         self.core.upstream_mut().vmm_prepare_backup()
     }
@@ -194,12 +194,12 @@ impl Pool {
     /// Let device `peer` access this pool's memory from now on, what is mapped now included
     /// (Note [Peer access on demand]); returns the grants made.
     /// (A stopped pool grants too: granting what is mapped changes none of its books.)
-    pub fn enable_peer(&mut self, peer: i32) -> Result<usize> {
+    pub(crate) fn enable_peer(&mut self, peer: i32) -> Result<usize> {
         self.core.upstream_mut().vmm_enable_peer(peer)
     }
 
     /// Give back the host memory kept for the next pause's backup; returns its bytes.
-    pub fn drop_pause_backup(&mut self) -> usize {
+    pub(crate) fn drop_pause_backup(&mut self) -> usize {
         self.core.upstream_mut().vmm_drop_backup()
     }
 

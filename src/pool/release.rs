@@ -118,7 +118,7 @@ impl Pool {
     /// cached segment (and decommittable page) this pool can, as the last stage of its own
     /// escalation would. Returns the bytes that went back. Not a reclaim the user asked
     /// for, so `n_reclaims` does not count it; the bytes count as reclaimed.
-    pub fn release_for_pressure(&mut self) -> usize {
+    pub(crate) fn release_for_pressure(&mut self) -> usize {
         if self.running().is_err() {
             return 0;
         }

@@ -20,7 +20,7 @@ impl Pool {
     }
 
     /// The size of the live block at `ptr` (what the pool counts in use for it).
-    pub fn block_size(&self, ptr: usize) -> Result<usize> {
+    pub(crate) fn block_size(&self, ptr: usize) -> Result<usize> {
         match self.core.live(ptr) {
             Some(l) => Ok(l.block.size),
             None => Err(self.classify_bad_pointer(ptr)),
@@ -28,7 +28,7 @@ impl Pool {
     }
 
     /// The upstream allocation that holds the live block at `ptr`: `(base, size)`.
-    pub fn segment_of(&self, ptr: usize) -> Result<(usize, usize)> {
+    pub(crate) fn segment_of(&self, ptr: usize) -> Result<(usize, usize)> {
         let Some(l) = self.core.live(ptr) else {
             return Err(self.classify_bad_pointer(ptr));
         };
@@ -94,7 +94,7 @@ impl Pool {
 
     /// The status report's lines beyond the numbers: a stop, a notice, private pools, the
     /// arena's figures (`arena`: this pool's, or its device's shards added up).
-    pub fn status_extras(&self, arena: Option<&ArenaFigures>) -> String {
+    pub(crate) fn status_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
         if let Some(why) = &self.stopped {
             out.push_str(&format!("  STOPPED: this pool hands out no more memory after an internal error: {why}\n"));
@@ -137,7 +137,7 @@ impl Pool {
     /// `ipc_imports_kept` (their mappings kept idle for later messages, `import_cache.rs`),
     /// `ipc_import_reuses` (opens served from those) and `ipc_import_address_space` (what
     /// the arena's imports reserve, kept ones included).
-    pub fn json_extras(&self, arena: Option<&ArenaFigures>) -> String {
+    pub(crate) fn json_extras(&self, arena: Option<&ArenaFigures>) -> String {
         let mut out = String::new();
         if let Some(a) = arena {
             out.push_str(&format!(",\"arena\":{}", a.json()));
@@ -171,7 +171,7 @@ impl Pool {
     }
 
     /// Device, strategy and upstream names, as the reports head them.
-    pub fn report_context(&self) -> ReportContext<'static> {
+    pub(crate) fn report_context(&self) -> ReportContext<'static> {
         ReportContext { device: self.core.device(), strategy: self.core.strategy().name(), upstream: self.core.upstream().name() }
     }
 

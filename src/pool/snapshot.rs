@@ -37,15 +37,11 @@ struct Piece {
 }
 
 impl Pool {
-    /// `{"device":D,"strategy":"split","segments":[{"address":A,"total_size":N,"stream":S,
+    /// The `segments` array's items of a device's snapshot (`registry::snapshot_json` joins
+    /// its pools'), comma-separated: `{"address":A,"total_size":N,"stream":S,
     /// "pool_id":[a,b],"is_expandable":false,"blocks":[{"address":A,"size":N,
-    /// "requested_size":R,"state":"active_allocated"},...]},...]}`
-    pub fn snapshot_json(&self) -> String {
-        format!("{{\"device\":{},\"strategy\":\"{}\",\"segments\":[{}]}}", self.core.device(), self.core.strategy().name(), self.snapshot_segments())
-    }
-
-    /// The `segments` array's items, comma-separated (a sharded device joins its shards').
-    pub fn snapshot_segments(&self) -> String {
+    /// "requested_size":R,"state":"active_allocated"},...]}`.
+    pub(crate) fn snapshot_segments(&self) -> String {
         let kept = self.caches.kept();
         let mut pieces: Vec<Piece> = Vec::new();
         for l in self.core.live_blocks() {

@@ -19,7 +19,7 @@
 //! nobody will, so every send not taken is let go.
 
 use super::descriptor::AnyDescriptor;
-use super::received::Received;
+use super::received::{contained, Received};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -207,7 +207,7 @@ impl Batch {
                 Opened::Waiting | Opened::Ready(Err(_)) if failed => {
                     let (fd, slot) = self.holds[i];
                     if fd >= 0 {
-                        let _ = super::holds::map_theirs(fd).and_then(|id| super::holds::release(id, slot));
+                        let _ = contained("releasing a hold", || super::holds::map_theirs(fd).and_then(|id| super::holds::release(id, slot)));
                     }
                 }
                 _ => {}

@@ -81,6 +81,9 @@ impl Received {
     /// sender's count. A close that fails (the wait before the unmap) keeps every hold: the
     /// work this process queued on the block may still be running, and a released hold
     /// would let the sender reuse memory those kernels write. A fork child closes nothing.
+    /// Each step is its own: a panic in one (an internal error) counts as that step's
+    /// failure and the steps after it still run, as they would after an error, since this
+    /// runs where no caller can be told (a tensor's deleter, the end of a batch).
     pub fn close(self) -> std::result::Result<(), CloseFailed> {
         if crate::process::in_child() {
             // No CUDA there, and another thread may have held the spans' lock at the fork.
@@ -91,15 +94,15 @@ impl Received {
             None => (Some(self.ptr), self.hold.into_iter().collect()),
         };
         if let Some(ptr) = close {
-            if let Err(error) = registry::with_pool(self.device, |pool| pool.ipc_close(ptr)) {
+            if let Err(error) = contained("closing an import", || registry::with_pool(self.device, |pool| pool.ipc_close(ptr))) {
                 return Err(CloseFailed { error, holds_kept: holds.len() });
             }
         }
         for (id, slot) in holds {
-            let _ = holds::release(id, slot);
+            let _ = contained("releasing a hold", || holds::release(id, slot));
         }
         if let Some((name, offset)) = &self.count {
-            if let Err(e) = holds::give_back_count(name, *offset) {
+            if let Err(e) = contained("giving back a count", || holds::give_back_count(name, *offset)) {
                 crate::error::warn(&format!(
                     "gpupool: warning: giving back the sender's count of the import at {:#x} failed: {e}",
                     self.ptr
@@ -108,4 +111,9 @@ impl Received {
         }
         Ok(())
     }
+}
+
+/// `step`, with a panic in it turned into an internal error naming `what`.
+pub(super) fn contained<T>(what: &str, step: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).unwrap_or_else(|_| Err(Error::Internal(format!("{what} panicked"))))
 }

@@ -201,7 +201,7 @@ impl Pool {
     }
 
     /// The capture sequence `stream` takes part in, if it is capturing.
-    pub fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
+    pub(crate) fn capture_of(&mut self, stream: StreamHandle) -> Result<Option<u64>> {
         self.core.upstream_mut().capture_id(stream)
     }
 
