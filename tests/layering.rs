@@ -512,26 +512,16 @@ fn resolve(here: &[String], path: &str, modules: &std::collections::BTreeSet<Vec
         }
         // A bare path names a child module declared here (`use cuda::CudaUpstream;` in
         // `upstream/mod.rs`), or something outside the crate.
-        _ => {
-            return (1..=rest.len())
-                .rev()
-                .map(|n| {
-                    cur.iter()
-                        .cloned()
-                        .chain(rest[..n].iter().map(|s| s.to_string()))
-                        .collect::<Vec<_>>()
-                })
-                .find(|m| modules.contains(m));
-        }
+        _ => return longest_module(&cur, rest, 1, modules),
     }
-    (0..=rest.len())
+    longest_module(&cur, rest, 0, modules)
+}
+
+/// The longest module `from` followed by at least `min` of `segs` (as many as lead into one).
+fn longest_module(from: &[String], segs: &[&str], min: usize, modules: &std::collections::BTreeSet<Vec<String>>) -> Option<Vec<String>> {
+    (min..=segs.len())
         .rev()
-        .map(|n| {
-            cur.iter()
-                .cloned()
-                .chain(rest[..n].iter().map(|s| s.to_string()))
-                .collect::<Vec<_>>()
-        })
+        .map(|n| from.iter().cloned().chain(segs[..n].iter().map(|s| s.to_string())).collect::<Vec<_>>())
         .find(|m| modules.contains(m))
 }
 
