@@ -34,8 +34,10 @@ pub const MAX_NAME: usize = 64;
 // multiple of the device's: every allocation under a tag is that size, so every tagged
 // block has PyTorch's form, and a tag's memory is a sixteenth as many allocations as at
 // 2 MiB. Blocks are still carved at 512 B from that memory, so blocks pack as they do in
-// the default pool; what a larger granule costs is the unused part of the last granule
-// of each of the tag's ranges (small, large), at most two granules a tag and device.
+// the default pool; what a larger granule costs is its unused parts: the last granule of
+// each of the tag's ranges (small, large), and, where the tag's shapes keep changing,
+// granules that frees leave partly used, which the arena can neither give back nor
+// stitch (a stitch moves whole free granules).
 //
 // Implementation. `crate::registry` (`create`) gives a tag shard `PoolOptions::
 // arena_granule` and no chunks; the arena asks its upstream for that granule
@@ -44,8 +46,11 @@ pub const MAX_NAME: usize = 64;
 // (`vmm_device_granule`): a granule of the tag is several consecutive entries of one
 // descriptor, so every importer, whatever its own pools' granule, maps it whole.
 //
-// Limitations. A tag that holds little still maps a whole granule per range in use;
-// 32 MiB is PyTorch's 20 MiB segment rounded to a power of two (the arena's granules are).
+// Limitations. A tag that holds little still maps a whole granule per range in use, and
+// one whose shapes churn holds more above its peak than the default pool does (a few
+// granules on the replayed workloads: `tests/replay.rs`, docs/benchmarks.md). 32 MiB is
+// PyTorch's 20 MiB segment rounded to a power of two (the arena's granules are); what
+// goes in a tag is meant to be long-lived and large: weights, KV caches, send buffers.
 // Untagged arena blocks over mixed allocations keep gpupool's own format (docs/ipc.md).
 
 /// The granule of a tag's pool (Note [A tag's granule]).

@@ -564,3 +564,44 @@ fn steps_count_driver_calls_and_new_peaks_as_the_benchmark_does() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--steps \"1,0,1\": expected FIRST,EVERY,WARMUP"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A tag's pool maps its memory in `TAG_GRANULE` allocations (Note [A tag's granule]): what
+/// that costs in memory against the default arena's 2 MiB granules, on the workloads above
+/// (the simulated device maps in the granule a pool asks for). The unused parts of large
+/// granules are the whole cost: the last granule of each range, and granules that churn
+/// leaves partly used, which a stitch cannot move (it moves whole free granules). Printed
+/// as a table (docs/benchmarks.md); bounded here at eight granules, so that a change that
+/// makes it grow with the workload fails.
+#[test]
+fn a_tags_granule_costs_a_few_granules_beyond_the_default_arena() {
+    use gpupool::tags::TAG_GRANULE;
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch_mlp_trace.csv");
+    let work: Vec<(&str, Vec<gpupool::replay::Op>)> = vec![
+        ("PyTorch MLP trace", parse(&std::fs::read_to_string(path).unwrap()).unwrap()),
+        ("token budget, 60 steps", token_budget_loop(60)),
+        ("serving", serving_loop(7)),
+        ("serving, reallocated caches", realloc_serving_loop(3, 400)),
+        ("random churn", churn_loop(11, 35)),
+    ];
+    let tag = PoolOptions { kind: PoolKind::Arena, arena_chunk: 0, arena_granule: TAG_GRANULE, ..Default::default() };
+    let ratio = |r: &Report| r.peak_reserved as f64 / r.peak_used as f64;
+    eprintln!("| workload | peak in use | arena | tag's pool | split | driver calls, arena / tag's pool |");
+    for (name, ops) in &work {
+        let arena = replay(ops, PoolKind::Arena, 80 << 30).unwrap();
+        let tagged = replay_with(ops, &tag, 80 << 30, false).unwrap();
+        let split = replay(ops, PoolKind::Split, 80 << 30).unwrap();
+        eprintln!(
+            "| {name} | {} MiB | {:.3} | {:.3} | {:.3} | {} / {} |",
+            arena.peak_used / MIB,
+            ratio(&arena),
+            ratio(&tagged),
+            ratio(&split),
+            arena.driver_calls,
+            tagged.driver_calls
+        );
+        assert_eq!((tagged.ooms, tagged.unmatched_frees), (0, 0), "{name}");
+        assert_eq!(tagged.peak_used, arena.peak_used, "{name}: the same blocks in use");
+        let extra = tagged.peak_reserved.saturating_sub(arena.peak_reserved);
+        assert!(extra <= 8 * TAG_GRANULE, "{name}: a tag's pool holds {} MiB more than the arena", extra / MIB);
+    }
+}

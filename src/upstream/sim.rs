@@ -26,6 +26,9 @@ pub struct SimUpstream {
     /// bytes, for the driver-call counts (a chunk is one call where a granule is one).
     chunks: std::collections::BTreeMap<usize, usize>,
     alias_chunks: std::collections::BTreeMap<usize, usize>,
+    /// The unit the arena maps in: `SIM_PAGE`, or a power-of-two multiple of it asked for
+    /// (`vmm_set_granule`, a tag's pool), so a replay shows what a tag's granule holds.
+    granule: usize,
 }
 
 impl SimUpstream {
@@ -48,6 +51,7 @@ impl SimUpstream {
             calls: DriverCalls::default(),
             chunks: Default::default(),
             alias_chunks: Default::default(),
+            granule: SIM_PAGE,
         }
     }
 }
@@ -109,12 +113,21 @@ impl Memory for SimUpstream {
 
 impl VirtualMemory for SimUpstream {
     fn vmm_granule(&mut self) -> usize {
+        self.granule
+    }
+    fn vmm_set_granule(&mut self, bytes: usize) -> usize {
+        if bytes > SIM_PAGE && bytes.is_power_of_two() && self.mapped.is_empty() {
+            self.granule = bytes;
+        }
+        self.granule
+    }
+    fn vmm_device_granule(&self) -> usize {
         SIM_PAGE
     }
     fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
         self.calls.address_reserve += 1;
         let base = self.next;
-        self.next += len.div_ceil(SIM_PAGE) * SIM_PAGE + SIM_PAGE;
+        self.next += len.div_ceil(self.granule) * self.granule + self.granule;
         Ok(base)
     }
     fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {
@@ -132,31 +145,31 @@ impl VirtualMemory for SimUpstream {
             self.calls.mem_create += 1;
             return Err(e);
         }
-        if len > SIM_PAGE {
+        if len > self.granule {
             self.chunks.insert(addr, len);
         }
         (self.calls.mem_create, self.calls.mem_map) = (before.mem_create + 1, before.mem_map + 1);
         Ok(())
     }
     fn vmm_map_new(&mut self, addr: usize, len: usize) -> std::result::Result<(), AllocError> {
-        self.calls.mem_create += (len / SIM_PAGE) as u64;
+        self.calls.mem_create += (len / self.granule) as u64;
         if len > self.capacity - self.allocated {
             return Err(AllocError::OutOfMemory);
         }
-        for g in (addr..addr + len).step_by(SIM_PAGE) {
+        for g in (addr..addr + len).step_by(self.granule) {
             assert!(self.mapped.insert(g), "simulated vmm: granule {g:#x} mapped twice");
         }
-        self.calls.mem_map += (len / SIM_PAGE) as u64;
+        self.calls.mem_map += (len / self.granule) as u64;
         self.calls.set_access += 1;
         self.allocated += len;
         Ok(())
     }
     /// Never fails: the replay's device has no driver to refuse.
     fn vmm_unmap(&mut self, addr: usize, len: usize) -> std::result::Result<(), UnmapFail> {
-        for g in (addr..addr + len).step_by(SIM_PAGE) {
+        for g in (addr..addr + len).step_by(self.granule) {
             assert!(self.mapped.remove(&g), "simulated vmm: unmap of unmapped granule {g:#x}");
         }
-        let n = (len / SIM_PAGE - sim_in_chunks(&mut self.chunks, addr, len)) as u64;
+        let n = (len / self.granule - sim_in_chunks(&mut self.chunks, addr, len, self.granule)) as u64;
         self.calls.mem_unmap += n;
         self.calls.mem_release += n;
         self.allocated -= len;
@@ -164,12 +177,12 @@ impl VirtualMemory for SimUpstream {
     }
     fn vmm_alias(&mut self, homes: &[usize], to: usize) -> std::result::Result<(), AliasFail> {
         for (i, &home) in homes.iter().enumerate() {
-            let at = to + i * SIM_PAGE;
+            let at = to + i * self.granule;
             if !self.mapped.contains(&home) || !self.aliases.insert(at) {
                 let error = Error::Internal(format!("simulated vmm: bad alias {home:#x} -> {at:#x}"));
                 return Err(AliasFail { made: i, error });
             }
-            if self.chunks.get(&home).is_some_and(|&l| i + l / SIM_PAGE <= homes.len()) {
+            if self.chunks.get(&home).is_some_and(|&l| i + l / self.granule <= homes.len()) {
                 let l = self.chunks[&home];
                 self.alias_chunks.insert(at, l);
                 self.calls.mem_map += 1;
@@ -181,12 +194,12 @@ impl VirtualMemory for SimUpstream {
         Ok(())
     }
     fn vmm_unalias(&mut self, addr: usize, len: usize) -> Result<()> {
-        for g in (addr..addr + len).step_by(SIM_PAGE) {
+        for g in (addr..addr + len).step_by(self.granule) {
             if !self.aliases.remove(&g) {
                 return Err(Error::Internal(format!("simulated vmm: unalias of {g:#x}, which is no alias")));
             }
         }
-        self.calls.mem_unmap += (len / SIM_PAGE - sim_in_chunks(&mut self.alias_chunks, addr, len)) as u64;
+        self.calls.mem_unmap += (len / self.granule - sim_in_chunks(&mut self.alias_chunks, addr, len, self.granule)) as u64;
         Ok(())
     }
 }
@@ -197,10 +210,10 @@ impl Events for SimUpstream {}
 
 /// Granules of `[addr, addr + len)` beyond the first of each chunk of `chunks` starting
 /// there (a chunk is one call), forgetting those chunks.
-fn sim_in_chunks(chunks: &mut std::collections::BTreeMap<usize, usize>, addr: usize, len: usize) -> usize {
+fn sim_in_chunks(chunks: &mut std::collections::BTreeMap<usize, usize>, addr: usize, len: usize, granule: usize) -> usize {
     let inside: Vec<(usize, usize)> = chunks.range(addr..addr + len).map(|(&b, &l)| (b, l)).collect();
     inside.iter().map(|&(b, l)| {
         chunks.remove(&b);
-        l / SIM_PAGE - 1
+        l / granule - 1
     }).sum()
 }
