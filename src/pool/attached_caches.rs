@@ -6,7 +6,7 @@
 use super::{FreeOn, Pool, PoolOptions};
 use crate::config::PoolKind;
 use crate::stream::StreamHandle;
-use crate::thread_cache::state::{Hold, ThreadCache};
+use crate::thread_cache::state::{WordState, ThreadCache};
 use std::sync::Arc;
 
 /// Whether a pool built with `opts` for `device` attaches thread caches: where `opts` asks
@@ -66,10 +66,10 @@ impl Pool {
     /// Free a block taken out of a thread cache: its user freed it already (counted then).
     /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
     /// the operation in progress (alive now), if any.
-    pub(crate) fn release_kept(&mut self, ptr: usize, hold: Hold, current: Option<StreamHandle>) {
+    pub(crate) fn release_kept(&mut self, ptr: usize, hold: WordState, current: Option<StreamHandle>) {
         let counted = self.rec.c.frees;
         let _ = match hold {
-            Hold::Unfenced => self.free(ptr, FreeOn::Unordered),
+            WordState::Unfenced => self.free(ptr, FreeOn::Unordered),
             // Kept only when freed on its allocation stream: free it there, recording only
             // if that stream is known alive (its user may have destroyed it since the free).
             _ => match self.core.live(ptr).map(|l| (l.handle, l.block.stream)) {

@@ -2,7 +2,7 @@
 //! stream) and the steps behind it; deferred frees (`record_stream`) and fences; the
 //! live-pointer checks that turn a bad pointer into a clear error.
 
-use super::{Hold, Live, Pool, NO_OWNER};
+use super::{WordState, Live, Pool, NO_OWNER};
 use crate::block::Block;
 use crate::error::{BadPointer, Error, Result};
 use crate::stream::{StreamHandle, StreamKey};
@@ -229,7 +229,7 @@ impl Pool {
             self.rec.c.invalid_frees += 1;
             return Err(self.classify_bad_pointer(ptr));
         };
-        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != Hold::Handed) {
+        if live.owner != NO_OWNER && self.caches.claim(live.owner, ptr).is_some_and(|h| h != WordState::Handed) {
             // Its thread freed it already and keeps it for reuse: a double free.
             self.core.insert_live(live);
             self.rec.c.invalid_frees += 1;
@@ -257,7 +257,7 @@ impl Pool {
             return Err(self.classify_bad_pointer(ptr));
         };
         // Its free must now reach the pool (which waits for `stream`): off the fast path.
-        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != Hold::Handed) {
+        if l.owner != NO_OWNER && self.caches.claim(l.owner, ptr).is_some_and(|h| h != WordState::Handed) {
             return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::AlreadyFreed });
         }
         if !l.extra_streams.contains(&stream) {

@@ -10,7 +10,7 @@
 //! importer sees the whole granules under the block, as `cudaIpcOpenMemHandle` shows the
 //! whole `cuMemAlloc` allocation.
 
-use super::{Hold, Pool, NO_OWNER};
+use super::{WordState, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::share::protocol::SegmentDescriptor;
 use crate::share::protocol::{own_start_time, GranuleDescriptor, Exporter, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
@@ -54,7 +54,7 @@ impl Pool {
         let owner = l.owner;
         if owner != NO_OWNER {
             match self.caches.claim(owner, ptr) {
-                Some(Hold::Handed) => {
+                Some(WordState::Handed) => {
                     if let Some(l) = self.core.live_mut(ptr) {
                         l.owner = NO_OWNER;
                     }

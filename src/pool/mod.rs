@@ -33,7 +33,7 @@ use crate::trace::Action;
 use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
 use crate::upstream::Upstream;
-use crate::thread_cache::state::{AttachedCaches, Hold, NO_OWNER};
+use crate::thread_cache::state::{AttachedCaches, WordState, NO_OWNER};
 use self::core::{Core, Live};
 use limits::Limits;
 pub use limits::within_device;

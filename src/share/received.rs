@@ -7,7 +7,7 @@
 
 use super::descriptor::AnyDescriptor;
 use super::holds;
-use super::spans::{open_shared, unshare, Hold, SpanUse};
+use super::spans::{open_shared, unshare, SendHold, SpanUse};
 use crate::error::{Error, Result};
 use crate::registry;
 
@@ -18,7 +18,7 @@ pub struct Received {
     pub size: usize,
     /// On the host upstream: the memory is the CPU's.
     pub on_host: bool,
-    hold: Option<Hold>,
+    hold: Option<SendHold>,
     /// The span it is mapped through, shared with other blocks in it (`open_shared`).
     span: Option<SpanUse>,
     /// A sender's count to give back once closed: a shared-memory object's name and the

@@ -13,7 +13,7 @@ use std::ffi::c_int;
 pub type SpanKey = (u32, u64, i32, u64, usize, u64);
 
 /// An exporter's hold on one of its blocks (`holds`): its holds file and slot.
-pub type Hold = ((u64, u64), u32);
+pub type SendHold = ((u64, u64), u32);
 
 /// A span of another process's allocations mapped here once for every block in it this
 /// process holds: where it starts here, the address its import returned (what closes it),
@@ -25,7 +25,7 @@ struct SharedSpan {
     granule: u64,
     refs: usize,
     held: Vec<u32>,
-    deferred: Vec<Hold>,
+    deferred: Vec<SendHold>,
     /// Every tensor mapped through it came with a hold (what lets a block share a span that
     /// holds more than its own allocations).
     all_held: bool,
@@ -100,7 +100,7 @@ pub type SpanUse = (SpanKey, usize, usize);
 /// One tensor over a shared span is gone, with its hold: with the span's last, the address
 /// to close and the holds to release (this one and those kept for the span); before it,
 /// nothing (the hold is kept for the span, `SHARED` says why).
-pub fn unshare((key, first, count): SpanUse, hold: Option<Hold>) -> (Option<usize>, Vec<Hold>) {
+pub fn unshare((key, first, count): SpanUse, hold: Option<SendHold>) -> (Option<usize>, Vec<SendHold>) {
     let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = shared.as_mut().and_then(|map| map.get_mut(&key)) else { return (None, hold.into_iter().collect()) };
     g.held[first..first + count].iter_mut().for_each(|h| *h -= 1);

@@ -57,7 +57,7 @@ mod attach;
 pub mod state;
 
 pub use attach::malloc_attached;
-pub use state::{Hold, ThreadCache, WordSet, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
+pub use state::{WordState, ThreadCache, WordSet, FENCE_BATCH, FENCE_BYTES, MAGAZINE, WORDS};
 
 use crate::error::Result;
 use crate::registry::{self, MAX_DEVICES};

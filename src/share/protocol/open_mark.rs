@@ -9,7 +9,7 @@
 //! thread of the process) on each open and close.
 
 use super::record::OPENS_BYTES;
-use super::opens_file::{self, Slot};
+use super::opens_file::{self, OpensSlot};
 use super::identity::{Fd, FileId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -36,9 +36,9 @@ impl Drop for OpensFile {
 }
 
 impl OpensFile {
-    fn slot(&self, slot: u32) -> Option<Slot<'_>> {
+    fn slot(&self, slot: u32) -> Option<OpensSlot<'_>> {
         // SAFETY: the mapping of the whole file, which lives as long as `self`.
-        unsafe { Slot::at(self.base, OPENS_BYTES, slot) }
+        unsafe { OpensSlot::at(self.base, OPENS_BYTES, slot) }
     }
 }
 

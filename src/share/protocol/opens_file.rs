@@ -32,23 +32,23 @@ const COUNT: u64 = (1 << 31) - 1;
 const CLOSING: u64 = 1 << 31;
 
 /// One slot's words in a mapping of the file.
-pub struct Slot<'a> {
+pub struct OpensSlot<'a> {
     state: &'a AtomicU64,
     pid: &'a AtomicU64,
 }
 
-impl<'a> Slot<'a> {
+impl<'a> OpensSlot<'a> {
     /// Slot `slot` of the file mapped at `base`, `len` bytes (None past its end).
     ///
     /// # Safety
     /// `base` must be a live shared mapping of `len` bytes, 8-byte aligned.
-    pub unsafe fn at(base: *mut u8, len: usize, slot: u32) -> Option<Slot<'a>> {
+    pub unsafe fn at(base: *mut u8, len: usize, slot: u32) -> Option<OpensSlot<'a>> {
         let off = SLOT_BYTES * slot as usize;
         if off + SLOT_BYTES > len {
             return None;
         }
         let w = base.add(off).cast::<AtomicU64>();
-        Some(Slot { state: &*w, pid: &*w.add(1) })
+        Some(OpensSlot { state: &*w, pid: &*w.add(1) })
     }
 
     /// The slot's export ended: a new generation, nothing open, not closing.

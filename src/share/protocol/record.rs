@@ -144,9 +144,9 @@ impl ExportRecord {
         }
     }
 
-    fn opens_slot(&self, slot: u32) -> opens_file::Slot<'_> {
+    fn opens_slot(&self, slot: u32) -> opens_file::OpensSlot<'_> {
         // SAFETY: the mapping of the whole opens file, which lives as long as `self`.
-        unsafe { opens_file::Slot::at(self.opens_map, OPENS_BYTES, slot) }.expect("a record slot has an opens slot")
+        unsafe { opens_file::OpensSlot::at(self.opens_map, OPENS_BYTES, slot) }.expect("a record slot has an opens slot")
     }
 
     /// The live exports among `ats` (of this process's record).

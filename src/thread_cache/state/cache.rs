@@ -1,7 +1,7 @@
 //! `ThreadCache`: one thread's fast-path state for one device's pool (its two word sets and
 //! counters), with the operations the owner thread and the pool each may perform.
 
-use super::words::{Hold, Words, REUSABLE, UNFENCED};
+use super::words::{WordState, Words, REUSABLE, UNFENCED};
 use super::{FENCE_BYTES, MAGAZINE, WORDS};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -84,9 +84,9 @@ impl ThreadCache {
     }
 
     /// Pool side: `ptr` (of word set `kind`) is being freed or detached through the pool.
-    /// Clears HANDED(ptr) (`Some(Hold::Handed)`); another hold means the owner freed it
+    /// Clears HANDED(ptr) (`Some(WordState::Handed)`); another hold means the owner freed it
     /// already: the caller reports a double free and changes nothing.
-    pub fn claim(&self, kind: WordSet, ptr: usize) -> Option<Hold> {
+    pub fn claim(&self, kind: WordSet, ptr: usize) -> Option<WordState> {
         match kind {
             WordSet::Ordered => self.ordered.claim(ptr),
             WordSet::Unordered => self.unordered.claim(ptr),
@@ -95,16 +95,16 @@ impl ThreadCache {
 
     /// Pool side: empty every kept word (only REUSABLE ones if `reusable_only`); the
     /// caller frees the blocks as their hold says.
-    pub fn take_kept(&self, reusable_only: bool) -> Vec<(usize, Hold)> {
+    pub fn take_kept(&self, reusable_only: bool) -> Vec<(usize, WordState)> {
         let mut out = Vec::new();
-        let pick = |h| !reusable_only || h == Hold::Reusable;
+        let pick = |h| !reusable_only || h == WordState::Reusable;
         self.ordered.take(pick, &mut out);
         self.unordered.take(pick, &mut out);
         out
     }
 
     /// Pool side: every block in this cache, with its word set and hold.
-    pub fn held(&self) -> impl Iterator<Item = (WordSet, usize, Hold)> + '_ {
+    pub fn held(&self) -> impl Iterator<Item = (WordSet, usize, WordState)> + '_ {
         let o = self.ordered.held().map(|(p, h)| (WordSet::Ordered, p, h));
         o.chain(self.unordered.held().map(|(p, h)| (WordSet::Unordered, p, h)))
     }
@@ -176,12 +176,12 @@ mod tests {
         assert_eq!(c.reuse(WordSet::Ordered, 99, 1), None, "sizes must match exactly");
         assert_eq!(c.reuse(WordSet::Ordered, 100, 1), Some(0x1000));
         assert_eq!(c.fast_counts(), (1, 1));
-        assert_eq!(c.claim(WordSet::Ordered, 0x1000), Some(Hold::Handed));
+        assert_eq!(c.claim(WordSet::Ordered, 0x1000), Some(WordState::Handed));
         assert!(!c.keep(WordSet::Ordered, 0x1000, 1), "claimed by the pool: the owner takes the locked path");
         c.remember(WordSet::Ordered, 0x2000, 8, 1);
         assert!(c.keep(WordSet::Ordered, 0x2000, 1));
-        assert_eq!(c.claim(WordSet::Ordered, 0x2000), Some(Hold::Reusable), "a free of a kept block is a double free");
-        assert_eq!(c.take_kept(false), vec![(0x2000, Hold::Reusable)]);
+        assert_eq!(c.claim(WordSet::Ordered, 0x2000), Some(WordState::Reusable), "a free of a kept block is a double free");
+        assert_eq!(c.take_kept(false), vec![(0x2000, WordState::Reusable)]);
         assert_eq!(c.reuse(WordSet::Ordered, 8, 1), None);
         assert_eq!(c.held().count(), 0);
     }
@@ -193,7 +193,7 @@ mod tests {
         assert!(!c.keep(WordSet::Ordered, 0x4000, 1), "word sets are separate");
         assert!(c.keep(WordSet::Unordered, 0x4000, 1));
         assert_eq!(c.reuse(WordSet::Unordered, 64, 1), None, "not before a fence");
-        assert_eq!(c.claim(WordSet::Unordered, 0x4000), Some(Hold::Unfenced));
+        assert_eq!(c.claim(WordSet::Unordered, 0x4000), Some(WordState::Unfenced));
         c.unordered.fenced();
         assert_eq!(c.reuse(WordSet::Unordered, 64, 1), Some(0x4000));
     }
@@ -211,7 +211,7 @@ mod tests {
             assert!(c.keep(WordSet::Ordered, p, 1));
         }
         c.remember(WordSet::Ordered, 0x9000, 1, 1);
-        assert!(c.held().all(|(_, p, h)| p != 0x9000 && h == Hold::Reusable), "kept blocks are not overwritten");
+        assert!(c.held().all(|(_, p, h)| p != 0x9000 && h == WordState::Reusable), "kept blocks are not overwritten");
     }
 }
 

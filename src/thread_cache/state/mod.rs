@@ -11,7 +11,7 @@ mod cache;
 mod words;
 
 pub use cache::{ThreadCache, WordSet};
-pub use words::Hold;
+pub use words::WordState;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -125,7 +125,7 @@ impl AttachedCaches {
 
     /// Clear HANDED(`ptr`) in the cache named by `owner` (a `Live::owner`). `Some(hold)`
     /// other than `Handed`: its thread freed it already (a double free).
-    pub fn claim(&self, owner: u32, ptr: usize) -> Option<Hold> {
+    pub fn claim(&self, owner: u32, ptr: usize) -> Option<WordState> {
         let (id, kind) = split_owner(owner);
         self.get(id).and_then(|c| c.claim(kind, ptr))
     }
@@ -133,7 +133,7 @@ impl AttachedCaches {
     /// Whether `ptr` is kept (freed) in the cache named by `owner`.
     pub fn is_kept(&self, owner: u32, ptr: usize) -> bool {
         let (id, _) = split_owner(owner);
-        self.get(id).is_some_and(|c| c.held().any(|(_, p, h)| p == ptr && h != Hold::Handed))
+        self.get(id).is_some_and(|c| c.held().any(|(_, p, h)| p == ptr && h != WordState::Handed))
     }
 
     fn all(&self) -> impl Iterator<Item = &ThreadCache> {
@@ -143,22 +143,22 @@ impl AttachedCaches {
     /// Whether any thread keeps freed blocks that are reusable now (a few atomic loads per
     /// thread).
     pub fn any_reusable(&self) -> bool {
-        self.all().any(|c| c.held().any(|(_, _, h)| h == Hold::Reusable))
+        self.all().any(|c| c.held().any(|(_, _, h)| h == WordState::Reusable))
     }
 
     /// Every kept (freed) block (reports; the snapshot may be a moment old).
     pub fn kept(&self) -> Vec<usize> {
-        self.all().flat_map(|c| c.held().filter(|(_, _, h)| *h != Hold::Handed).map(|(_, p, _)| p)).collect()
+        self.all().flat_map(|c| c.held().filter(|(_, _, h)| *h != WordState::Handed).map(|(_, p, _)| p)).collect()
     }
 
     /// Every block held by any cache, with its `Live::owner` value (invariant scan).
-    pub fn held(&self) -> Vec<(u32, usize, Hold)> {
+    pub fn held(&self) -> Vec<(u32, usize, WordState)> {
         self.all().flat_map(|c| c.held().map(move |(k, p, h)| (owner_of(c.id(), k), p, h))).collect()
     }
 
     /// Empty every cache's kept words (only the REUSABLE ones if `reusable_only`); the
     /// caller frees the blocks as their hold says.
-    pub fn take_all_kept(&self, reusable_only: bool) -> Vec<(usize, Hold)> {
+    pub fn take_all_kept(&self, reusable_only: bool) -> Vec<(usize, WordState)> {
         self.all().flat_map(|c| c.take_kept(reusable_only)).collect()
     }
 
@@ -168,7 +168,7 @@ impl AttachedCaches {
     }
 
     /// Drop the caches of exited threads; returns their kept blocks for the caller to free.
-    pub fn reap(&mut self) -> Vec<(usize, Hold)> {
+    pub fn reap(&mut self) -> Vec<(usize, WordState)> {
         if !self.has_orphans() {
             return Vec::new();
         }

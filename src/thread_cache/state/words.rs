@@ -13,7 +13,7 @@ const TAGS: usize = REUSABLE | UNFENCED;
 
 /// What a word holds, as the pool sees it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Hold {
+pub enum WordState {
     /// Live, allocated by this thread: its free may be kept.
     Handed,
     /// Freed, reusable by the owner's next allocation of its size.
@@ -22,12 +22,12 @@ pub enum Hold {
     Unfenced,
 }
 
-fn decode(v: usize) -> Option<(usize, Hold)> {
+fn decode(v: usize) -> Option<(usize, WordState)> {
     match (v & !TAGS, v & TAGS) {
         (0, _) => None,
-        (p, 0) => Some((p, Hold::Handed)),
-        (p, REUSABLE) => Some((p, Hold::Reusable)),
-        (p, _) => Some((p, Hold::Unfenced)),
+        (p, 0) => Some((p, WordState::Handed)),
+        (p, REUSABLE) => Some((p, WordState::Reusable)),
+        (p, _) => Some((p, WordState::Unfenced)),
     }
 }
 
@@ -70,9 +70,9 @@ impl<const N: usize> Words<N> {
         }
     }
 
-    /// Pool side: clear HANDED(ptr). `Some(Hold::Handed)`: cleared; another hold: the
+    /// Pool side: clear HANDED(ptr). `Some(WordState::Handed)`: cleared; another hold: the
     /// owner freed it already; `None`: not here.
-    pub(crate) fn claim(&self, ptr: usize) -> Option<Hold> {
+    pub(crate) fn claim(&self, ptr: usize) -> Option<WordState> {
         for w in &self.w {
             let mut cur = w.load(Ordering::Acquire);
             while cur & !TAGS == ptr {
@@ -80,7 +80,7 @@ impl<const N: usize> Words<N> {
                     return decode(cur).map(|h| h.1);
                 }
                 match w.compare_exchange(ptr, EMPTY, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => return Some(Hold::Handed),
+                    Ok(_) => return Some(WordState::Handed),
                     Err(now) => cur = now, // the owner freed it meanwhile: look again
                 }
             }
@@ -89,18 +89,18 @@ impl<const N: usize> Words<N> {
     }
 
     /// Empty every kept word whose hold `pick` selects; returns the blocks.
-    pub(crate) fn take(&self, pick: impl Fn(Hold) -> bool, out: &mut Vec<(usize, Hold)>) {
+    pub(crate) fn take(&self, pick: impl Fn(WordState) -> bool, out: &mut Vec<(usize, WordState)>) {
         for w in &self.w {
             let cur = w.load(Ordering::Acquire);
             if let Some((p, h)) = decode(cur) {
-                if h != Hold::Handed && pick(h) && w.compare_exchange(cur, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                if h != WordState::Handed && pick(h) && w.compare_exchange(cur, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                     out.push((p, h));
                 }
             }
         }
     }
 
-    pub(crate) fn held(&self) -> impl Iterator<Item = (usize, Hold)> + '_ {
+    pub(crate) fn held(&self) -> impl Iterator<Item = (usize, WordState)> + '_ {
         self.w.iter().filter_map(|w| decode(w.load(Ordering::Acquire)))
     }
 
@@ -129,25 +129,25 @@ impl<const N: usize> Words<N> {
     }
 
     /// Owner: take back every REUSABLE word (for the pool to free).
-    pub(crate) fn take_reusable(&self, out: &mut Vec<(usize, Hold)>) {
+    pub(crate) fn take_reusable(&self, out: &mut Vec<(usize, WordState)>) {
         // SAFETY: owner thread only.
         let reusable = unsafe { &mut *self.reusable.get() };
         if *reusable != 0 {
-            self.take(|h| h == Hold::Reusable, out);
+            self.take(|h| h == WordState::Reusable, out);
             *reusable = 0;
         }
     }
 
     /// Owner: take back the UNFENCED words whose requested size is not `size`; returns
     /// their count and bytes.
-    pub(crate) fn take_unfenced_other_than(&self, size: usize, out: &mut Vec<(usize, Hold)>) -> (usize, usize) {
+    pub(crate) fn take_unfenced_other_than(&self, size: usize, out: &mut Vec<(usize, WordState)>) -> (usize, usize) {
         // SAFETY: owner thread only.
         let sizes = unsafe { &*self.sizes.get() };
         let mut taken = (0, 0);
         for (w, &s) in self.w.iter().zip(sizes) {
             let cur = w.load(Ordering::Relaxed);
             if cur & TAGS == UNFENCED && s != size && w.compare_exchange(cur, EMPTY, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-                out.push((cur & !TAGS, Hold::Unfenced));
+                out.push((cur & !TAGS, WordState::Unfenced));
                 taken = (taken.0 + 1, taken.1 + s);
             }
         }

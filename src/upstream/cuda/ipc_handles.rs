@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 /// The mappings of other processes' allocations in this context.
 #[derive(Default)]
-pub struct LegacyImports {
+pub struct IpcHandleImports {
     /// Handle -> (where it is mapped here, opens outstanding).
     by_handle: HashMap<[u8; 64], (usize, u32)>,
     /// Address handed out -> (its allocation's handle, opens of that address outstanding).
@@ -28,7 +28,7 @@ pub fn export(ptr: usize, calls: &mut DriverCalls) -> Result<[u8; 64]> {
     Ok(h.reserved.map(|c| c as u8))
 }
 
-impl LegacyImports {
+impl IpcHandleImports {
     /// Map the allocation behind `handle` (or count one more open of it) and return
     /// `offset` into it.
     pub fn open(&mut self, handle: &[u8; 64], offset: usize, calls: &mut DriverCalls) -> Result<usize> {

@@ -68,7 +68,7 @@ pub struct CudaUpstream<K: MemKind> {
     /// Make calls in relaxed capture mode (`Events::set_capture_relaxed`).
     relaxed: bool,
     /// Other processes' `cuMemAlloc` allocations mapped here (`cuda_ipc_open`).
-    legacy: ipc_handles::LegacyImports,
+    ipc_handle_imports: ipc_handles::IpcHandleImports,
     /// The device's ordinal (`capture_routes` counts by it).
     ordinal: i32,
 }
@@ -79,7 +79,7 @@ unsafe impl<K: MemKind> Send for CudaUpstream<K> {}
 
 impl<K: MemKind> CudaUpstream<K> {
     pub fn new(device: i32, kind: K) -> Result<Self> {
-        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false, legacy: Default::default(), ordinal: device };
+        let mut up = CudaUpstream { ctx: PrimaryContext::retain(device)?, kind, vmm: None, calls: DriverCalls::default(), relaxed: false, ipc_handle_imports: Default::default(), ordinal: device };
         {
             let _g = up.ctx.enter()?;
             up.kind.init(up.ctx.device)?;
@@ -323,11 +323,11 @@ impl<K: MemKind> Ipc for CudaUpstream<K> {
 
     fn cuda_ipc_open(&mut self, handle: &[u8; 64], offset: usize) -> Result<usize> {
         let _g = self.enter()?;
-        self.legacy.open(handle, offset, &mut self.calls)
+        self.ipc_handle_imports.open(handle, offset, &mut self.calls)
     }
 
     fn cuda_ipc_close(&mut self, ptr: usize) -> Result<bool> {
-        if !self.legacy.is_open(ptr) {
+        if !self.ipc_handle_imports.is_open(ptr) {
             return Ok(false);
         }
         let _g = self.enter()?;
@@ -341,12 +341,12 @@ impl<K: MemKind> Ipc for CudaUpstream<K> {
         // Closed whether or not the wait succeeded (a sticky error, a capture in progress):
         // a failed wait must not leave the mapping booked open for good. Its error is the
         // caller's to report.
-        let closed = self.legacy.close(ptr, &mut self.calls);
+        let closed = self.ipc_handle_imports.close(ptr, &mut self.calls);
         waited.and(closed)
     }
 
     fn cuda_ipc_imports(&self) -> usize {
-        self.legacy.count()
+        self.ipc_handle_imports.count()
     }
 }
 
