@@ -305,3 +305,14 @@ pub fn set_last_panic(msg: &str) {
 pub fn last_panic() -> Option<String> {
     LAST_PANIC.lock().ok().and_then(|p| p.clone())
 }
+
+/// The message a panic carried (`catch_unwind`'s payload), for the error that reports it.
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}

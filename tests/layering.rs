@@ -149,6 +149,12 @@ fn the_checks_see_braced_imports_and_super_chains() {
     assert_eq!(layers("fn f() { self::super::super::front::free(p); }", &here), ["front"], "`self::super`");
     assert_eq!(layers("let s = r#\"a\"b\"#; fn f() { crate::ffi::x(); }", &here), ["ffi"], "code after a raw string");
     assert_eq!(root_aliases("use crate as c;\nuse super::super as up;\nextern crate self as me;\nuse crate::front as f;").len(), 3);
+    assert_eq!(layers("fn f() { crate::registry::with_pool::<()>(0); }", &here), Vec::<String>::new(), "no such module in the probe set");
+    assert_eq!(layers("fn f() { crate::front::free::<()>(p); }", &here), ["front"], "a path cut at a turbofish");
+    let scopes = module_scopes(&here, &code_only("mod t { fn g() { let c = '{'; } }\nuse super::super::ffi::x;"));
+    assert!(scopes[0].1.contains("super::super::ffi"), "a brace in a char literal ends no module: {scopes:?}");
+    assert_eq!(root_aliases("use super::super::{self as root};").len(), 1, "a braced alias of a climb");
+    assert_eq!(root_aliases("use crate::{front as f, error::Error};").len(), 0, "aliases of modules are fine");
     let budget = module_path("pool/budget.rs");
     let scopes = module_scopes(&budget, "pub(in crate::pool) fn f() {}\nmod tests {\n    use super::*;\n}\n");
     assert_eq!(scopes.len(), 2, "the file's module and its inline test module");
@@ -187,8 +193,12 @@ fn modules_import_only_lower_layers() {
                 bad.push(format!("{rel}: `{alias}` renames a module path, which would hide the layer its uses reach"));
             }
             for path in named_paths(&text) {
-                if path.ends_with("::") {
-                    continue; // the head of a braced group, whose items are paths of their own
+                // A path cut at a turbofish or a braced group ends in `::`: what it names
+                // is the same without it. The bare root (`crate::{...}`'s head) names
+                // nothing: the group's items are paths of their own.
+                let path = path.trim_end_matches("::").to_string();
+                if path.split("::").all(|s| s == "crate" || s == "super" || s == "self") {
+                    continue;
                 }
                 let Some(to) = resolve(here, &path, &modules) else {
                     if path.starts_with("crate::") {
@@ -334,23 +344,51 @@ fn module_scopes(here: &[String], code: &str) -> Vec<(Vec<String>, String)> {
 /// `use crate as x;`, `use super::super as up;`, `use self as s;` (and `extern crate self as
 /// x;`): a path through such a name would resolve to nothing here, so none is allowed.
 fn root_aliases(code: &str) -> Vec<String> {
+    let is_root = |path: &str| path.split("::").map(str::trim).all(|s| s == "crate" || s == "super" || s == "self");
     let mut out = Vec::new();
     for stmt in code.split(';') {
         let words: Vec<&str> = stmt.split_whitespace().collect();
-        for (k, w) in words.iter().enumerate() {
-            let target = match *w {
-                "use" => words.get(k + 1),
-                "crate" if k > 0 && words[k - 1] == "extern" => words.get(k + 1),
-                _ => continue,
-            };
-            let Some(target) = target else { continue };
-            let is_root = target.split("::").all(|s| s == "crate" || s == "super" || s == "self");
-            if is_root && words.get(k + 2) == Some(&"as") {
+        if let Some(k) = words.windows(2).position(|w| w == ["extern", "crate"]) {
+            if words.get(k + 2).is_some_and(|t| is_root(t)) && words.get(k + 3) == Some(&"as") {
                 out.push(stmt.trim().to_string());
+            }
+        }
+        let Some(u) = stmt.find("use ").filter(|&u| u == 0 || !stmt[..u].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_')) else {
+            continue;
+        };
+        let tree: String = stmt[u + 4..].split_whitespace().collect::<Vec<_>>().join(" ");
+        // Every leaf of the tree with its `as` kept: `super::super::{self as root}` too.
+        for leaf in expand_use_keeping_aliases(&tree) {
+            if let Some((path, _)) = leaf.split_once(" as ") {
+                if is_root(path.trim_end_matches("::self")) || is_root(path) {
+                    out.push(stmt.trim().to_string());
+                }
             }
         }
     }
     out
+}
+
+/// `expand_use`, each leaf keeping its ` as name`.
+fn expand_use_keeping_aliases(tree: &str) -> Vec<String> {
+    let tree = tree.trim();
+    let Some(open) = tree.find('{') else { return vec![tree.to_string()] };
+    let (prefix, inner) = (&tree[..open], &tree[open + 1..tree.rfind('}').unwrap_or(tree.len())]);
+    let (mut items, mut depth, mut cur) = (Vec::new(), 0, String::new());
+    for c in inner.chars() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            _ => {}
+        }
+        if c == ',' && depth == 0 {
+            items.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(c);
+        }
+    }
+    items.push(cur);
+    items.iter().filter(|i| !i.trim().is_empty()).flat_map(|i| expand_use_keeping_aliases(i)).map(|p| format!("{prefix}{p}")).collect()
 }
 
 /// `code` with every `pub(in path)` written `pub`.
@@ -380,6 +418,9 @@ fn code_only(text: &str) -> String {
                 i += 1;
             }
             i += 2;
+        } else if let Some(end) = char_literal_end(b, i) {
+            i = end;
+            out.push_str("' '");
         } else if let Some(end) = raw_string_end(b, i) {
             i = end;
             out.push_str("\"\"");
@@ -407,6 +448,26 @@ fn code_only(text: &str) -> String {
         }
     }
     tight
+}
+
+/// Where the character literal starting at `i` (`'{'`, `'"'`, `'\n'`, `'\u{7d}'`) ends, if
+/// one does (a lifetime `'a` is none: no closing quote follows its name).
+fn char_literal_end(b: &[u8], i: usize) -> Option<usize> {
+    if b.get(i) != Some(&b'\'') {
+        return None;
+    }
+    if b.get(i + 1) == Some(&b'\\') {
+        let close = b[i + 2..].iter().take(12).position(|&c| c == b'\'')?;
+        return Some(i + 2 + close + 1);
+    }
+    // One character, possibly several bytes of UTF-8.
+    let len = match b.get(i + 1)? {
+        c if *c < 0x80 => 1,
+        c if *c >= 0xf0 => 4,
+        c if *c >= 0xe0 => 3,
+        _ => 2,
+    };
+    (b.get(i + 1 + len) == Some(&b'\'')).then_some(i + 2 + len)
 }
 
 /// Where the raw string literal (`r"…"`, `r#"…"#`, `br"…"`) starting at `i` ends, if one does.

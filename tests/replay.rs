@@ -583,7 +583,8 @@ fn a_tags_granule_costs_a_few_granules_beyond_the_default_arena() {
         ("serving, reallocated caches", realloc_serving_loop(3, 400)),
         ("random churn", churn_loop(11, 35)),
     ];
-    let tag = PoolOptions { kind: PoolKind::Arena, arena_chunk: 0, arena_granule: TAG_GRANULE, ..Default::default() };
+    // A tag shard's options, as the registry makes them.
+    let tag = PoolOptions { kind: PoolKind::Arena, arena_chunk: 0, arena_granule: TAG_GRANULE, private_pools_mapped: true, ..Default::default() };
     let ratio = |r: &Report| r.peak_reserved as f64 / r.peak_used as f64;
     eprintln!("| workload | peak in use | arena | tag's pool | split | driver calls, arena / tag's pool |");
     for (name, ops) in &work {
@@ -601,6 +602,13 @@ fn a_tags_granule_costs_a_few_granules_beyond_the_default_arena() {
         );
         assert_eq!((tagged.ooms, tagged.unmatched_frees), (0, 0), "{name}");
         assert_eq!(tagged.peak_used, arena.peak_used, "{name}: the same blocks in use");
+        // The granule was the tag's: it maps in 32 MiB allocations.
+        assert_eq!(tagged.peak_reserved % TAG_GRANULE, 0, "{name}: {} bytes reserved", tagged.peak_reserved);
+        // Fewer allocations, fewer calls, except where the default arena maps its growths
+        // as chunks (the large workload) and a tag's pool does not.
+        if arena.peak_used < 4 << 30 {
+            assert!(tagged.driver_calls < arena.driver_calls, "{name}: {} calls, the arena {}", tagged.driver_calls, arena.driver_calls);
+        }
         let extra = tagged.peak_reserved.saturating_sub(arena.peak_reserved);
         assert!(extra <= 8 * TAG_GRANULE, "{name}: a tag's pool holds {} MiB more than the arena", extra / MIB);
     }

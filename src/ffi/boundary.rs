@@ -20,15 +20,7 @@ pub fn last_error() -> String {
     LAST_ERROR.try_with(|l| l.borrow().clone()).unwrap_or_default()
 }
 
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
-}
+use crate::error::panic_message;
 
 /// Run `f` at the boundary: map its result (or a panic) to a status.
 #[inline]

@@ -37,12 +37,11 @@ pub fn reclaim(device: i32) -> Result<(usize, Option<Error>)> {
     let (mut total, mut first_err) = (0, None);
     let devices = if device == -1 { registry::existing_devices() } else { vec![device] };
     for d in devices {
-        match registry::reclaim(d)? {
-            Some(Ok(n)) => total += n,
-            Some(Err(e)) => {
+        if let Some((n, err)) = registry::reclaim(d)? {
+            total += n;
+            if let Some(e) = err {
                 first_err.get_or_insert(e);
             }
-            None => {}
         }
     }
     Ok((total, first_err))
@@ -54,7 +53,7 @@ pub fn reclaim(device: i32) -> Result<(usize, Option<Error>)> {
 pub fn empty_cache() -> Result<()> {
     let mut first = None;
     for d in registry::existing_devices() {
-        if let Ok(Some(Err(e))) = registry::reclaim(d) {
+        if let Ok(Some((_, Some(e)))) = registry::reclaim(d) {
             first.get_or_insert(e);
         }
     }

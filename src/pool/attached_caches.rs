@@ -34,8 +34,8 @@ impl Pool {
             return None; // (the per-thread default stream means another stream on each thread)
         }
         if self.caches.has_orphans() {
-            for (p, hold) in self.caches.reap() {
-                self.release_kept(p, hold, Some(stream));
+            for (p, state) in self.caches.reap() {
+                self.release_kept(p, state, Some(stream));
             }
         }
         self.caches.attach(current)
@@ -58,17 +58,17 @@ impl Pool {
     pub(crate) fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
         let mut kept = self.caches.reap();
         kept.extend(self.caches.take_all_kept(false));
-        for (p, hold) in kept {
-            self.release_kept(p, hold, current);
+        for (p, state) in kept {
+            self.release_kept(p, state, current);
         }
     }
 
     /// Free a block taken out of a thread cache: its user freed it already (counted then).
     /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
     /// the operation in progress (alive now), if any.
-    pub(crate) fn release_kept(&mut self, ptr: usize, hold: WordState, current: Option<StreamHandle>) {
+    pub(crate) fn release_kept(&mut self, ptr: usize, state: WordState, current: Option<StreamHandle>) {
         let counted = self.rec.c.frees;
-        let _ = match hold {
+        let _ = match state {
             WordState::Unfenced => self.free(ptr, FreeOn::Unordered),
             // Kept only when freed on its allocation stream: free it there, recording only
             // if that stream is known alive (its user may have destroyed it since the free).

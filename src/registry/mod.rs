@@ -499,16 +499,19 @@ pub fn enable_peer_access(owner: i32, peer: i32) -> Result<usize> {
     first.map_or(Ok(total), Err)
 }
 
-/// Give every wholly free cached segment of `device` back (every shard). `None`: no pool.
-pub fn reclaim(device: i32) -> Result<Option<Result<usize>>> {
-    let mut total: Option<Result<usize>> = None;
+/// Give every wholly free cached segment of `device` back (every shard): the bytes the
+/// shards released, and the first error of a shard that could not (the others still
+/// release). `None`: no pool.
+pub fn reclaim(device: i32) -> Result<Option<(usize, Option<Error>)>> {
+    let mut total: Option<(usize, Option<Error>)> = None;
     for_each_shard(device, |p| {
-        let r = p.reclaim();
-        total = Some(match (total.take(), r) {
-            (None, r) => r,
-            (Some(Ok(a)), Ok(b)) => Ok(a + b),
-            (Some(Err(e)), _) | (Some(Ok(_)), Err(e)) => Err(e),
-        });
+        let (bytes, first) = total.get_or_insert((0, None));
+        match p.reclaim() {
+            Ok(n) => *bytes += n,
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
     })?;
     Ok(total)
 }

@@ -73,7 +73,10 @@ impl Received {
     /// as it would have been had it not been opened ahead).
     pub fn keep_hold(&mut self) {
         if let Some((id, _)) = self.hold.take() {
-            holds::forget(id);
+            let _ = contained("keeping a hold", || {
+                holds::forget(id);
+                Ok(())
+            });
         }
     }
 
@@ -89,10 +92,14 @@ impl Received {
             // No CUDA there, and another thread may have held the spans' lock at the fork.
             return Ok(());
         }
-        let (close, holds) = match self.span {
-            Some(key) => unshare(key, self.hold),
-            None => (Some(self.ptr), self.hold.into_iter().collect()),
+        let hold = self.hold;
+        let unshared = match self.span {
+            Some(key) => contained("letting go of a span", || Ok(unshare(key, hold))),
+            None => Ok((Some(self.ptr), hold.into_iter().collect())),
         };
+        // A span whose books could not be read keeps its holds and its mapping: nothing
+        // known safe can be let go.
+        let (close, holds) = unshared.map_err(|error| CloseFailed { error, holds_kept: usize::from(hold.is_some()) })?;
         if let Some(ptr) = close {
             if let Err(error) = contained("closing an import", || registry::with_pool(self.device, |pool| pool.ipc_close(ptr))) {
                 return Err(CloseFailed { error, holds_kept: holds.len() });
@@ -113,7 +120,12 @@ impl Received {
     }
 }
 
-/// `step`, with a panic in it turned into an internal error naming `what`.
+/// `step`, with a panic in it turned into an internal error naming `what` and the panic's
+/// message, which is also warned about: nobody may be there to read the error.
 pub(super) fn contained<T>(what: &str, step: impl FnOnce() -> Result<T>) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).unwrap_or_else(|_| Err(Error::Internal(format!("{what} panicked"))))
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)).unwrap_or_else(|payload| {
+        let e = Error::Internal(format!("{what} panicked: {}", crate::error::panic_message(payload)));
+        crate::error::warn(&format!("gpupool: warning: {e}"));
+        Err(e)
+    })
 }

@@ -27,8 +27,8 @@ pub fn malloc_attached(pool: &mut Pool, kind: WordSet, size: usize, stream: usiz
     // their memory (a thread whose sizes repeat does not get here).
     let mut back = Vec::new();
     cache.ordered.take_reusable(&mut back);
-    for (p, hold) in back {
-        pool.release_kept(p, hold, Some(stream));
+    for (p, state) in back {
+        pool.release_kept(p, state, Some(stream));
     }
     if kind == WordSet::Unordered {
         // SAFETY: the owner thread (we run inside its allocation call).
@@ -52,8 +52,8 @@ pub fn malloc_attached(pool: &mut Pool, kind: WordSet, size: usize, stream: usiz
             let (n, bytes) = cache.unordered.take_unfenced_other_than(size, &mut back);
             *unfenced = (unfenced.0.saturating_sub(n), unfenced.1.saturating_sub(bytes));
         }
-        for (p, hold) in back {
-            pool.release_kept(p, hold, Some(stream));
+        for (p, state) in back {
+            pool.release_kept(p, state, Some(stream));
         }
     }
     let words_repeat = match kind {

@@ -10,6 +10,9 @@ use std::collections::BTreeSet;
 /// Page size of the simulated device: the GPU's mapping granularity.
 pub const SIM_PAGE: usize = 2 << 20;
 
+/// Where the simulated device's addresses begin (high, so they look like a GPU's).
+const SIM_BASE: usize = 1 << 44;
+
 pub struct SimUpstream {
     capacity: usize,
     allocated: usize,
@@ -43,7 +46,7 @@ impl SimUpstream {
         SimUpstream {
             capacity,
             allocated: 0,
-            next: 1 << 44,
+            next: SIM_BASE,
             decommitted: BTreeSet::new(),
             paged,
             mapped: BTreeSet::new(),
@@ -116,7 +119,8 @@ impl VirtualMemory for SimUpstream {
         self.granule
     }
     fn vmm_set_granule(&mut self, bytes: usize) -> usize {
-        if bytes > SIM_PAGE && bytes.is_power_of_two() && self.mapped.is_empty() {
+        // As the real upstreams: only before anything is reserved or mapped.
+        if bytes > SIM_PAGE && bytes.is_power_of_two() && self.next == SIM_BASE && self.allocated == 0 {
             self.granule = bytes;
         }
         self.granule
@@ -126,8 +130,8 @@ impl VirtualMemory for SimUpstream {
     }
     fn vmm_reserve(&mut self, len: usize) -> Result<usize> {
         self.calls.address_reserve += 1;
-        let base = self.next;
-        self.next += len.div_ceil(self.granule) * self.granule + self.granule;
+        let base = self.next.next_multiple_of(self.granule);
+        self.next = base + len.div_ceil(self.granule) * self.granule + self.granule;
         Ok(base)
     }
     fn vmm_unreserve(&mut self, base: usize, len: usize) -> Result<()> {

@@ -84,7 +84,7 @@ impl ThreadCache {
     }
 
     /// Pool side: `ptr` (of word set `kind`) is being freed or detached through the pool.
-    /// Clears HANDED(ptr) (`Some(WordState::Handed)`); another hold means the owner freed it
+    /// Clears HANDED(ptr) (`Some(WordState::Handed)`); another state means the owner freed it
     /// already: the caller reports a double free and changes nothing.
     pub fn claim(&self, kind: WordSet, ptr: usize) -> Option<WordState> {
         match kind {
@@ -94,7 +94,7 @@ impl ThreadCache {
     }
 
     /// Pool side: empty every kept word (only REUSABLE ones if `reusable_only`); the
-    /// caller frees the blocks as their hold says.
+    /// caller frees the blocks as their state says.
     pub fn take_kept(&self, reusable_only: bool) -> Vec<(usize, WordState)> {
         let mut out = Vec::new();
         let pick = |h| !reusable_only || h == WordState::Reusable;
@@ -103,7 +103,7 @@ impl ThreadCache {
         out
     }
 
-    /// Pool side: every block in this cache, with its word set and hold.
+    /// Pool side: every block in this cache, with its word set and state.
     pub fn held(&self) -> impl Iterator<Item = (WordSet, usize, WordState)> + '_ {
         let o = self.ordered.held().map(|(p, h)| (WordSet::Ordered, p, h));
         o.chain(self.unordered.held().map(|(p, h)| (WordSet::Unordered, p, h)))

@@ -123,7 +123,7 @@ impl AttachedCaches {
         self.caches.get(id as usize).and_then(|c| c.as_deref())
     }
 
-    /// Clear HANDED(`ptr`) in the cache named by `owner` (a `Live::owner`). `Some(hold)`
+    /// Clear HANDED(`ptr`) in the cache named by `owner` (a `Live::owner`). `Some(state)`
     /// other than `Handed`: its thread freed it already (a double free).
     pub fn claim(&self, owner: u32, ptr: usize) -> Option<WordState> {
         let (id, kind) = split_owner(owner);
@@ -157,7 +157,7 @@ impl AttachedCaches {
     }
 
     /// Empty every cache's kept words (only the REUSABLE ones if `reusable_only`); the
-    /// caller frees the blocks as their hold says.
+    /// caller frees the blocks as their state says.
     pub fn take_all_kept(&self, reusable_only: bool) -> Vec<(usize, WordState)> {
         self.all().flat_map(|c| c.take_kept(reusable_only)).collect()
     }

@@ -70,7 +70,7 @@ impl<const N: usize> Words<N> {
         }
     }
 
-    /// Pool side: clear HANDED(ptr). `Some(WordState::Handed)`: cleared; another hold: the
+    /// Pool side: clear HANDED(ptr). `Some(WordState::Handed)`: cleared; another state: the
     /// owner freed it already; `None`: not here.
     pub(crate) fn claim(&self, ptr: usize) -> Option<WordState> {
         for w in &self.w {
@@ -88,7 +88,7 @@ impl<const N: usize> Words<N> {
         None
     }
 
-    /// Empty every kept word whose hold `pick` selects; returns the blocks.
+    /// Empty every kept word whose state `pick` selects; returns the blocks.
     pub(crate) fn take(&self, pick: impl Fn(WordState) -> bool, out: &mut Vec<(usize, WordState)>) {
         for w in &self.w {
             let cur = w.load(Ordering::Acquire);
