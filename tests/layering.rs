@@ -40,6 +40,7 @@ const RANKS: &[(&str, u32)] = &[
     // by block.
     ("share::import_cache", 35),
     ("share::exports", 35),
+    ("share::imports", 36),
     ("block", 40),
     // What a thread's fast-path cache shares with the pool it is attached to: the words and
     // their protocol, which the pool takes blocks back through.

@@ -1,9 +1,11 @@
-//! Sharing blocks with other processes: export a live block as a descriptor, map another
-//! process's descriptor, unmap it again. This file checks the pointer against the pool's
-//! books and picks what goes: an arena block's granules (`crate::share::protocol` gives
-//! the descriptor and the driver calls: `cudaIpcGetMemHandle` refuses memory of the virtual
-//! memory API), or a segment pool's segment handle and offset, through CUDA's own IPC
-//! (`crate::share::protocol::segment_descriptor`).
+//! The pool's hooks for sharing blocks with other processes (Note [Sharing between
+//! processes]): export a live block as a descriptor, map another process's descriptor,
+//! unmap it again. For an export this file checks the pointer against the pool's books and
+//! picks what goes: an arena block's granules (`arena/export.rs`: `cudaIpcGetMemHandle`
+//! refuses memory of the virtual memory API), or a segment pool's segment handle and
+//! offset, through CUDA's own IPC (`crate::share::protocol::segment_descriptor`). For an
+//! import or a close it checks that the pool runs and maps that kind of memory, and hands
+//! its upstream and its kept imports to `crate::share::imports`, which decides the calls.
 //!
 //! The contract is CUDA IPC's: the exporter keeps the block allocated while an importer
 //! uses it (a freed block's memory goes to the exporter's next allocation), and the
@@ -13,7 +15,8 @@
 use super::{WordState, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::share::protocol::SegmentDescriptor;
-use crate::share::protocol::{own_start_time, GranuleDescriptor, Exporter, FdSource, OpenMark, FLAG_UNKEPT, KIND_CUDA};
+use crate::share::imports;
+use crate::share::protocol::{own_start_time, GranuleDescriptor, OpenMark, KIND_CUDA};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -108,7 +111,7 @@ impl Pool {
     /// exporter number once in the order of its first appearance (`GranuleDescriptor::per_granule`);
     /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time.
     ///
-    /// Fetched descriptors go through the cache of kept imports (`import_cache.rs`): a block
+    /// Fetched descriptors go through the cache of kept imports (`crate::share::imports`): a block
     /// whose memory is still mapped from an earlier message is served with no driver call.
     pub fn ipc_import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>) -> Result<usize> {
         self.ipc_import_marked(d, fds, None)
@@ -117,85 +120,14 @@ impl Pool {
     /// `ipc_import`, with the mark of an import of memory its exporter may pause where the
     /// caller has one (taken with the opens file its handover thread sent).
     pub(crate) fn ipc_import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
-        if fds.is_some() {
-            let source = self.import_source(d, fds)?;
-            // Memory its exporter may pause: counted as open there before it is mapped
-            // (`share::protocol::opens_file`), by pid where the caller brought no mark. Where the
-            // exporter's files may not be fetched (a container) and no mark came, the
-            // import is not counted (docs/tags.md).
-            let mark = match mark {
-                Some(m) => Some(m),
-                None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d) {
-                    // Counted, then checked: the export is still live (a pause in between
-                    // ended it, and the descriptors passed in name released memory).
-                    Ok(e) => match e.mark_open(d.record) {
-                        Ok(m) => {
-                            e.still_exports(d.record, &d.granules)?;
-                            Some(m)
-                        }
-                        Err(err) if err.to_string().contains(OpenMark::PAUSING) => return Err(err),
-                        Err(_) => None,
-                    },
-                    Err(_) => None,
-                },
-                None => None,
-            };
-            let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
-            if let Some(m) = mark {
-                self.note_open(ptr, m);
-            }
-            return Ok(ptr);
-        }
         self.running()?;
         self.check_kind(d)?;
-        let (exporter, serial) = self.imports.exporter(d)?;
-        let source = FdSource::fetch_via(exporter.clone(), d)?;
-        // Memory its exporter may pause: counted as open in the exporter's opens file from
-        // before it is mapped until its close, so that a pause refuses while this process
-        // maps it (and this import is refused while the exporter pauses); mapped only while
-        // some block over it is open (the run goes at the last close), blocks open at the
-        // same time over the same allocations sharing one mapping (a message's tensors).
-        let kept = d.flags & FLAG_UNKEPT == 0;
-        let mark = if kept {
-            None
-        } else {
-            // Counted, then checked: the export is still live (one that ended before the
-            // count would not be seen by its exporter's pause, and an open run may serve it
-            // without a fetch that checks again).
-            let m = exporter.mark_open(d.record)?;
-            exporter.still_exports(d.record, &d.granules)?;
-            Some(m)
-        };
-        // Read before anything is mapped: a release after it moves the count past what
-        // the run records, and the run is not trusted again.
-        let releases = exporter.releases().ok_or_else(|| {
-            Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid))
-        })?;
-        self.drop_kept_imports(false);
-        let ptr = match self.imports.open_kept(d, releases, serial, kept) {
-            Some(ptr) => ptr,
-            None => {
-                let ptr = self.core.upstream_mut().vmm_import(d, &source)?;
-                self.imports.insert(d, ptr, releases, exporter, serial, kept);
-                ptr
-            }
-        };
-        if let Some(m) = mark {
-            self.note_open(ptr, m);
-        }
-        Ok(ptr)
+        imports::import(&mut self.imports, self.core.upstream_mut(), d, fds, mark)
     }
 
-    /// Unmap the idle kept imports that may not serve again (their exporter released
-    /// memory or exited, or too many are kept), or all of them (`everything`). A run the
-    /// upstream fails to unmap stays kept, to be tried again.
+    /// Unmap the idle kept imports that may not serve again, or all of them (`everything`).
     pub(super) fn drop_kept_imports(&mut self, everything: bool) {
-        for key in self.imports.stale(everything) {
-            match self.core.upstream_mut().vmm_unimport(key) {
-                Ok(_) => self.imports.dropped(key),
-                Err(e) => crate::error::warn(&format!("dropping a kept import at {key:#x} failed: {e}; it stays mapped")),
-            }
-        }
+        imports::drop_stale(&mut self.imports, self.core.upstream_mut(), everything);
     }
 
     /// Unmap every idle kept import (the pool is about to be replaced).
@@ -203,7 +135,7 @@ impl Pool {
         self.drop_kept_imports(true);
     }
 
-    /// Idle imports kept mapped for later messages (`import_cache.rs`).
+    /// Idle imports kept mapped for later messages (`crate::share::import_cache`).
     pub(crate) fn ipc_imports_kept(&self) -> usize {
         self.imports.idle()
     }
@@ -212,40 +144,9 @@ impl Pool {
     /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
     /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
     pub(crate) fn ipc_check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
-        let source = self.import_source(d, Some(fds))?;
-        let Some(fds) = source.given() else {
-            return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
-        };
-        let mut last = None;
-        for (i, g) in d.granules.iter().enumerate() {
-            // A chunk's granules share one descriptor: one check each.
-            if last != Some((fds[i], g.fd, g.file)) {
-                source.get(i, g)?;
-                last = Some((fds[i], g.fd, g.file));
-            }
-        }
-        Ok(())
-    }
-
-    fn import_source<'a>(&self, d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
         self.running()?;
         self.check_kind(d)?;
-        let source = match fds {
-            Some(f) => match d.per_granule(f) {
-                Some(given) => FdSource::Given(given),
-                None => {
-                    return Err(Error::InvalidArgument(format!(
-                        "IPC import: {} descriptors passed for a block of {} granules naming {} of the exporter's \
-                         (pass one per granule, or each of the exporter's once in the order the descriptor first names it)",
-                        f.len(),
-                        d.granules.len(),
-                        d.granules.iter().map(|g| g.fd).collect::<std::collections::HashSet<_>>().len()
-                    )))
-                }
-            },
-            None => FdSource::fetch_from(d)?,
-        };
-        Ok(source)
+        imports::check(d, fds)
     }
 
     /// The descriptor is of the memory this pool's upstream maps (else: refused, saying so).
@@ -273,55 +174,12 @@ impl Pool {
 
     /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
     pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        if let Some(key) = self.imports.last_close_unmaps(ptr) {
-            // Memory its exporter may pause: unmapped at its last close, before that close
-            // is booked and its count drops. Refused, the block stays open (and counted):
-            // the caller may close it again.
-            self.core.upstream_mut().vmm_unimport(key)?;
-            self.imports.close(ptr);
-            self.imports.dropped(key);
-            self.imports.forget_open_mark(ptr);
-            return Ok(());
-        }
-        if let Some(idle) = self.imports.close(ptr) {
-            self.imports.forget_open_mark(ptr);
-            if idle {
-                // Kept mapped for the exporter's next message; what may not serve again goes.
-                self.drop_kept_imports(false);
-            }
-            return Ok(());
-        }
-        if let Some(open) = self.imports.covers(ptr) {
-            // An address in a run the cache keeps, which no open block starts at: inside
-            // an open block, or a block closed already. The upstream must not unmap it
-            // behind the cache's books.
-            let why = if open {
-                "IPC close: the address lies inside another process's memory open here, not at a block's start; pass the \
-                 address gpupool_ipc_open returned"
-            } else {
-                "IPC close: the block at this address was closed already"
-            };
-            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(why.into()) });
-        }
-        if self.core.upstream_mut().vmm_unimport(ptr)? {
-            self.imports.forget_open_mark(ptr);
-            return Ok(());
-        }
-        if self.core.upstream_mut().cuda_ipc_close(ptr)? {
-            return Ok(());
-        }
-        let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
-        Err(Error::InvalidPointer { ptr, device: self.core.device(), why })
-    }
-
-    /// Count the open import at `ptr` in its exporter's opens file until it is closed.
-    pub(crate) fn note_open(&mut self, ptr: usize, mark: OpenMark) {
-        self.imports.keep_open_mark(ptr, mark);
+        let device = self.core.device();
+        imports::close(&mut self.imports, self.core.upstream_mut(), ptr, device)
     }
 
     /// How many blocks of other processes this pool has mapped (`ipc_import`).
     pub fn ipc_imports(&self) -> usize {
-        // The upstream's imports count the cache's runs, which count once per open block.
-        (self.core.upstream().vmm_imports() + self.imports.opens() + self.core.upstream().cuda_ipc_imports()).saturating_sub(self.imports.runs())
+        imports::count(&self.imports, self.core.upstream())
     }
 }

@@ -48,8 +48,10 @@
 //!   (`open_mark.rs`), how an importer gets the sender's descriptors (`exporter.rs`), and
 //!   this process's descriptors for shared memory (`fds.rs`). No driver call is made there.
 //! - the device pool's sharing books, beside the upstream: an exporter's exports by block
-//!   (`exports.rs`: reused by a block sent again, ended when it is freed) and an importer's
-//!   kept mappings (`import_cache.rs`, Note [Keeping imports mapped]).
+//!   (`exports.rs`: reused by a block sent again, ended when it is freed), an importer's
+//!   kept mappings (`import_cache.rs`, Note [Keeping imports mapped]) and what an import
+//!   and a close of another process's block decide (`imports.rs`: the descriptors used,
+//!   the open count, a kept mapping or a new one), the pool's upstream making the calls.
 //! - above the registry: exporting a block of any device (`export.rs`), a received
 //!   descriptor of either kind opened on a device (`descriptor.rs`), PyTorch's formats
 //!   (`torch_format.rs`, Note [PyTorch's handle formats]), the handover thread and its
@@ -59,7 +61,9 @@
 //!   while a message unpickles (`ahead.rs`).
 //!
 //! The rest of the library offers narrow hooks: the pool checks a pointer against its books
-//! and exports or maps a block (`pool/ipc.rs`, the arena's part `pool/arena/export.rs`); the
+//! and exports a block, and for an import checks it runs and maps that memory kind, then
+//! hands its upstream and books to `imports.rs` (`pool/ipc.rs`, the arena's export
+//! `pool/arena/export.rs`); the
 //! arena strategy sets an exported block's granules aside (`strategy/arena/export.rs`)
 //! and never touches the record; the upstreams make the driver calls (`upstream/ipc.rs`,
 //! `upstream/cuda/address_space/import.rs`, `upstream/cuda/ipc_handles.rs`) and count each
@@ -80,6 +84,7 @@ pub mod exports;
 pub mod handover;
 pub mod holds;
 pub mod import_cache;
+pub mod imports;
 pub mod protocol;
 pub mod received;
 pub mod spans;

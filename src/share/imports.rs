@@ -1,0 +1,185 @@
+//! Mapping another process's arena blocks for a device pool, and unmapping them: which
+//! descriptors an import uses (the caller's, or fetched from the exporter), whether it is
+//! counted open for an exporter that may pause the memory, whether a kept mapping serves it
+//! (`import_cache.rs`), and what a close unmaps. The pool checks that it is running and
+//! that the descriptor is of the memory its upstream maps, then hands its upstream here:
+//! the upstream makes the driver calls, this file decides them.
+
+use super::import_cache::ImportCache;
+use super::protocol::{Exporter, FdSource, GranuleDescriptor, OpenMark, FLAG_UNKEPT};
+use crate::error::{BadPointer, Error, Result};
+use crate::upstream::Upstream;
+
+/// This process's copies of the exporter's descriptors for `d`: `fds` (one per granule, or
+/// each exporter number once in the order the descriptor first names it), or, with none
+/// given, fetched from the exporter one at a time.
+pub fn source<'a>(d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
+    Ok(match fds {
+        Some(f) => match d.per_granule(f) {
+            Some(given) => FdSource::Given(given),
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "IPC import: {} descriptors passed for a block of {} granules naming {} of the exporter's \
+                     (pass one per granule, or each of the exporter's once in the order the descriptor first names it)",
+                    f.len(),
+                    d.granules.len(),
+                    d.granules.iter().map(|g| g.fd).collect::<std::collections::HashSet<_>>().len()
+                )))
+            }
+        },
+        None => FdSource::fetch_from(d)?,
+    })
+}
+
+/// The checks an import makes of `d` and the descriptors `fds` (a descriptor for each
+/// granule, each the file the exporter shared), mapping nothing.
+pub fn check(d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
+    let source = source(d, Some(fds))?;
+    let Some(fds) = source.given() else {
+        return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
+    };
+    let mut last = None;
+    for (i, g) in d.granules.iter().enumerate() {
+        // A chunk's granules share one descriptor: one check each.
+        if last != Some((fds[i], g.fd, g.file)) {
+            source.get(i, g)?;
+            last = Some((fds[i], g.fd, g.file));
+        }
+    }
+    Ok(())
+}
+
+/// Map `d` through `up`; returns where the block starts here. `fds` given: mapped as they
+/// are, counted open at the exporter (by `mark`, or by pid) where it may pause the memory.
+/// None: the descriptors are fetched, and the cache of kept imports may serve the block
+/// with no driver call.
+pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+    if fds.is_some() {
+        let source = source(d, fds)?;
+        // Memory its exporter may pause: counted as open there before it is mapped
+        // (`protocol::opens_file`), by pid where the caller brought no mark. Where the
+        // exporter's files may not be fetched (a container) and no mark came, the import
+        // is not counted (docs/tags.md).
+        let mark = match mark {
+            Some(m) => Some(m),
+            None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d) {
+                // Counted, then checked: the export is still live (a pause in between
+                // ended it, and the descriptors passed in name released memory).
+                Ok(e) => match e.mark_open(d.record) {
+                    Ok(m) => {
+                        e.still_exports(d.record, &d.granules)?;
+                        Some(m)
+                    }
+                    Err(err) if err.to_string().contains(OpenMark::PAUSING) => return Err(err),
+                    Err(_) => None,
+                },
+                Err(_) => None,
+            },
+            None => None,
+        };
+        let ptr = up.vmm_import(d, &source)?;
+        if let Some(m) = mark {
+            cache.keep_open_mark(ptr, m);
+        }
+        return Ok(ptr);
+    }
+    let (exporter, serial) = cache.exporter(d)?;
+    let source = FdSource::fetch_via(exporter.clone(), d)?;
+    // Memory its exporter may pause: counted as open in the exporter's opens file from
+    // before it is mapped until its close, so that a pause refuses while this process maps
+    // it (and this import is refused while the exporter pauses); mapped only while some
+    // block over it is open (the run goes at the last close), blocks open at the same time
+    // over the same allocations sharing one mapping (a message's tensors).
+    let kept = d.flags & FLAG_UNKEPT == 0;
+    let mark = if kept {
+        None
+    } else {
+        // Counted, then checked: the export is still live (one that ended before the count
+        // would not be seen by its exporter's pause, and an open run may serve it without
+        // a fetch that checks again).
+        let m = exporter.mark_open(d.record)?;
+        exporter.still_exports(d.record, &d.granules)?;
+        Some(m)
+    };
+    // Read before anything is mapped: a release after it moves the count past what the
+    // run records, and the run is not trusted again.
+    let releases = exporter
+        .releases()
+        .ok_or_else(|| Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid)))?;
+    drop_stale(cache, up, false);
+    let ptr = match cache.open_kept(d, releases, serial, kept) {
+        Some(ptr) => ptr,
+        None => {
+            let ptr = up.vmm_import(d, &source)?;
+            cache.insert(d, ptr, releases, exporter, serial, kept);
+            ptr
+        }
+    };
+    if let Some(m) = mark {
+        cache.keep_open_mark(ptr, m);
+    }
+    Ok(ptr)
+}
+
+/// Unmap the idle kept imports that may not serve again (their exporter released memory
+/// or exited, or too many are kept), or all of them (`everything`). A run the upstream
+/// fails to unmap stays kept, to be tried again.
+pub fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bool) {
+    for key in cache.stale(everything) {
+        match up.vmm_unimport(key) {
+            Ok(_) => cache.dropped(key),
+            Err(e) => crate::error::warn(&format!("dropping a kept import at {key:#x} failed: {e}; it stays mapped")),
+        }
+    }
+}
+
+/// Unmap what an import on `device` returned as `ptr` (that address exactly): an arena
+/// block's (kept for the exporter's next message where it may serve again), or a segment's
+/// (CUDA's own IPC).
+pub fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32) -> Result<()> {
+    if let Some(key) = cache.last_close_unmaps(ptr) {
+        // Memory its exporter may pause: unmapped at its last close, before that close is
+        // booked and its count drops. Refused, the block stays open (and counted): the
+        // caller may close it again.
+        up.vmm_unimport(key)?;
+        cache.close(ptr);
+        cache.dropped(key);
+        cache.forget_open_mark(ptr);
+        return Ok(());
+    }
+    if let Some(idle) = cache.close(ptr) {
+        cache.forget_open_mark(ptr);
+        if idle {
+            // Kept mapped for the exporter's next message; what may not serve again goes.
+            drop_stale(cache, up, false);
+        }
+        return Ok(());
+    }
+    if let Some(open) = cache.covers(ptr) {
+        // An address in a run the cache keeps, which no open block starts at: inside an
+        // open block, or a block closed already. The upstream must not unmap it behind the
+        // cache's books.
+        let why = if open {
+            "IPC close: the address lies inside another process's memory open here, not at a block's start; pass the \
+             address gpupool_ipc_open returned"
+        } else {
+            "IPC close: the block at this address was closed already"
+        };
+        return Err(Error::InvalidPointer { ptr, device, why: BadPointer::Refused(why.into()) });
+    }
+    if up.vmm_unimport(ptr)? {
+        cache.forget_open_mark(ptr);
+        return Ok(());
+    }
+    if up.cuda_ipc_close(ptr)? {
+        return Ok(());
+    }
+    let why = BadPointer::Refused("IPC close: not an address gpupool_ipc_open returned on this device".into());
+    Err(Error::InvalidPointer { ptr, device, why })
+}
+
+/// How many blocks of other processes are mapped through `up` and `cache`.
+pub fn count(cache: &ImportCache, up: &dyn Upstream) -> usize {
+    // The upstream's imports count the cache's runs, which count once per open block.
+    (up.vmm_imports() + cache.opens() + up.cuda_ipc_imports()).saturating_sub(cache.runs())
+}
