@@ -491,31 +491,7 @@ fn raw_string_end(b: &[u8], i: usize) -> Option<usize> {
 
 /// The paths a `use` tree names (`a::{b, c::{d as e}}` -> a::b, a::c::d).
 fn expand_use(tree: &str) -> Vec<String> {
-    let tree = tree.trim();
-    let Some(open) = tree.find('{') else {
-        return vec![tree.split(" as ").next().unwrap_or("").trim().to_string()];
-    };
-    let (prefix, inner) = (&tree[..open], &tree[open + 1..tree.rfind('}').unwrap_or(tree.len())]);
-    let (mut items, mut depth, mut cur) = (Vec::new(), 0, String::new());
-    for c in inner.chars() {
-        match c {
-            '{' => depth += 1,
-            '}' => depth -= 1,
-            _ => {}
-        }
-        if c == ',' && depth == 0 {
-            items.push(std::mem::take(&mut cur));
-        } else {
-            cur.push(c);
-        }
-    }
-    items.push(cur);
-    items
-        .iter()
-        .filter(|i| !i.trim().is_empty())
-        .flat_map(|i| expand_use(i))
-        .map(|p| format!("{prefix}{p}"))
-        .collect()
+    expand_use_keeping_aliases(tree).iter().map(|p| p.split(" as ").next().unwrap_or("").trim().to_string()).collect()
 }
 
 /// Every path a file's code names from the crate root or relative to its own module.
