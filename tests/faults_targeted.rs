@@ -17,6 +17,14 @@ use gpupool::upstream::host::HOST_PAGE;
 use gpupool::share::protocol::GranuleDescriptor;
 use std::collections::HashSet;
 
+/// One test at a time: a receiver's kept imports of this process's own memory go stale
+/// whenever the process releases memory, and a pause wakes every keeper here; a test running
+/// beside another would see both.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A decommit of a free block's pages failing at each page (its unmap, or the release of
 /// its memory after the unmap) gives back the pages before it, and that one where only the
 /// release failed: the pool books exactly those decommitted and the rest backed, a later
@@ -24,6 +32,7 @@ use std::collections::HashSet;
 /// are handed out (a write into every page of them would fault otherwise).
 #[test]
 fn a_failed_decommit_books_exactly_the_pages_it_gave_back() {
+    let _serial = one_at_a_time();
     let (mut p, s) = faulty_paged(PoolKind::Split);
     // A 2 MiB block at the start of a 20 MiB segment: the rest is one free block of
     // `n` whole pages.
@@ -78,6 +87,7 @@ fn a_failed_decommit_books_exactly_the_pages_it_gave_back() {
 /// sets it aside).
 #[test]
 fn a_failed_export_leaves_the_block_usable_and_unexported() {
+    let _serial = one_at_a_time();
     let (mut p, s) = faulty_arena();
     // A small block alone in its granule (the rest of the granule is free memory an export
     // sets aside), and a block over three granules or more.
@@ -121,6 +131,7 @@ fn a_failed_export_leaves_the_block_usable_and_unexported() {
 /// booked. A refused creation is out of memory, so the pool retries granule by granule.
 #[test]
 fn a_failed_chunk_map_leaves_nothing_mapped() {
+    let _serial = one_at_a_time();
     let (mut p, s) = faulty_arena();
     for k in 0..3 {
         fail_only(&s, &["map chunk"], 1, Some(k));
@@ -153,6 +164,7 @@ fn a_failed_chunk_map_leaves_nothing_mapped() {
 /// import works and closes.
 #[test]
 fn a_failed_import_leaves_nothing_mapped_or_reserved() {
+    let _serial = one_at_a_time();
     let (mut p, s) = faulty_arena();
     let b = p.malloc(5 * MIB, 0xA00).unwrap();
     stamp(b, 5 * MIB, 3);
@@ -194,6 +206,7 @@ fn a_failed_import_leaves_nothing_mapped_or_reserved() {
 
 #[test]
 fn a_panic_inside_a_pool_stops_it_and_it_says_why() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::core::*;
     use std::ffi::{c_char, c_void, CStr};
     use std::ptr::null_mut;
@@ -231,6 +244,7 @@ fn a_panic_inside_a_pool_stops_it_and_it_says_why() {
 /// write; the tensor's deleter says so and loses nothing else.
 #[test]
 fn a_failed_close_keeps_its_exporters_hold() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::ipc::{gpupool_ipc_descriptor_fds, gpupool_ipc_export_flags, GPUPOOL_IPC_SHARE_GRANULES};
     use gpupool::ffi::share::{gpupool_ipc_open_dlpack, gpupool_share_held, gpupool_share_hold};
     use gpupool::Status;
@@ -271,11 +285,14 @@ fn a_failed_close_keeps_its_exporters_hold() {
     fail_only(&s, &[], 0, None);
 }
 
-/// The close of a tagged import fails (its unmap): the block stays open, mapped and
-/// counted in its exporter's opens file, so the sender's pause refuses; the close asked
-/// again unmaps it, and the pause goes through.
+/// A tagged import's close keeps its mapping for the next message; the sender's pause asks
+/// for it back, and the receiver's unmap fails then: the mapping stays kept and counted
+/// (the pause returns after its wait, the memory released on the sender's side), and a
+/// later drop unmaps it.
 #[test]
-fn a_failed_close_of_a_tagged_import_keeps_it_open_and_counted() {
+fn a_failed_unmap_of_a_kept_tagged_import_keeps_it_until_a_later_drop() {
+    let _serial = one_at_a_time();
+    use gpupool::ffi::core::gpupool_reclaim;
     use gpupool::ffi::ipc::gpupool_ipc_close;
     use gpupool::ffi::tags::{gpupool_tag_begin, gpupool_tag_end, gpupool_tag_pause, gpupool_tag_resume};
     use gpupool::Status;
@@ -291,13 +308,28 @@ fn a_failed_close_of_a_tagged_import_keeps_it_open_and_counted() {
         let mut n = 0;
         unsafe { gpupool_tag_pause(d, c"closing".as_ptr(), null_mut(), 1, &mut n) }
     };
-    fail_only(&s, &["close"], 1, None);
-    assert_ne!(gpupool_ipc_close(p as *mut std::ffi::c_void, r), Status::Ok, "the unmap failed");
-    fail_only(&s, &[], 0, None);
-    assert_eq!(pause(), Status::Busy, "a block whose close failed is still mapped: {}", common::last_error());
+    let kept = || {
+        let j = common::device_json(r);
+        let at = j.find("\"ipc_imports_kept\":").expect("the figure") + "\"ipc_imports_kept\":".len();
+        j[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap()
+    };
+    assert_eq!(pause(), Status::Busy, "a block open in the receiver: {}", common::last_error());
     assert_eq!(gpupool_ipc_close(p as *mut std::ffi::c_void, r), Status::Ok, "{}", common::last_error());
+    assert_eq!(kept(), 1, "the close keeps the mapping");
+    fail_only(&s, &["close"], 1, None);
+    let t = std::time::Instant::now();
     assert_eq!(pause(), Status::Ok, "{}", common::last_error());
+    assert!(t.elapsed() >= gpupool::share::keepers::KEEPERS_WAIT, "the pause waited for the keeper");
+    fail_only(&s, &[], 0, None);
+    assert_eq!(kept(), 1, "a mapping whose unmap failed stays kept (and counted)");
     let mut n = 0;
+    assert_eq!(unsafe { gpupool_reclaim(r, &mut n) }, Status::Ok, "{}", common::last_error());
+    assert_eq!(kept(), 0, "a later drop unmaps it");
+    assert_eq!(unsafe { gpupool_tag_resume(d, c"closing".as_ptr(), &mut n) }, Status::Ok);
+    // Counted no more: the next pause does not wait.
+    let t = std::time::Instant::now();
+    assert_eq!(pause(), Status::Ok, "{}", common::last_error());
+    assert!(t.elapsed() < gpupool::share::keepers::KEEPERS_WAIT, "the pause waited for a keeper that keeps nothing");
     assert_eq!(unsafe { gpupool_tag_resume(d, c"closing".as_ptr(), &mut n) }, Status::Ok);
     common::free_on(a, d);
 }

@@ -22,6 +22,14 @@ use gpupool::tags::TAG_GRANULE;
 
 /// The environment every test here reads: devices on the host upstream (a device no test
 /// configures gets it from here), before the first call reads the configuration.
+/// One test at a time: a process's kept imports of its own memory go stale whenever it
+/// releases memory (the host upstream counts every granule's release), which a test running
+/// beside another would see as a receiver that let go too early.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn host_env() {
     static ENV: std::sync::Once = std::sync::Once::new();
     ENV.call_once(|| {
@@ -112,6 +120,7 @@ fn holds(p: usize, len: usize, seed: u8) -> bool {
 
 #[test]
 fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its_contents() {
+    let _serial = one_at_a_time();
     let d = 20;
     host(d);
     let untagged = malloc(3 * MIB, d).unwrap();
@@ -171,6 +180,7 @@ fn a_paused_tag_gives_its_memory_back_and_resumes_at_the_same_addresses_with_its
 
 #[test]
 fn stitched_blocks_resume_with_their_aliases() {
+    let _serial = one_at_a_time();
     let d = 21;
     host(d);
     let g = TAG_GRANULE;
@@ -199,6 +209,7 @@ fn stitched_blocks_resume_with_their_aliases() {
 
 #[test]
 fn a_hundred_switches_keep_memory_and_address_space_flat() {
+    let _serial = one_at_a_time();
     let d = 22;
     host(d);
     begin(c"trainer");
@@ -237,6 +248,7 @@ fn a_hundred_switches_keep_memory_and_address_space_flat() {
 
 #[test]
 fn bad_tags_and_strategies_that_cannot_pause_are_refused_with_the_cause() {
+    let _serial = one_at_a_time();
     let d = 23;
     assert!(pause(d, c"never-used", true).unwrap_err().contains("never named"), "{}", last());
     assert_eq!(unsafe { gpupool_tag_begin(std::ptr::null()) }, Status::NullArgument);
@@ -259,6 +271,7 @@ unsafe extern "C" fn a_user_stream() -> isize {
 
 #[test]
 fn cupy_allocations_on_a_user_stream_are_the_tags() {
+    let _serial = one_at_a_time();
     let d = 24;
     host(d);
     unsafe { gpupool_cupy_set_stream_getter(Some(a_user_stream)) };
@@ -277,6 +290,7 @@ fn cupy_allocations_on_a_user_stream_are_the_tags() {
 
 #[test]
 fn a_tag_allocated_first_on_its_device_pauses_when_every_device_is_asked() {
+    let _serial = one_at_a_time();
     // Not configured: the tagged allocation is the device's first call.
     let d = 25;
     host_env();
@@ -297,6 +311,7 @@ fn a_tag_allocated_first_on_its_device_pauses_when_every_device_is_asked() {
 /// sends, device 44 receives (the host upstream maps this same process's memory as another's).
 #[test]
 fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_intact() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_open};
     let (d, r) = (43, 44);
     host(d);
@@ -330,8 +345,20 @@ fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_int
             assert!(holds(p as usize, 5 * MIB, cycle) && holds(w, 5 * MIB, cycle));
         }
         assert_eq!(gpupool_ipc_close(p, r), Status::Ok, "{}", last());
-        assert_eq!(figure_after(r, "{", "ipc_imports_kept"), 0, "a tag's memory is not kept mapped by its receiver");
+        // The receiver keeps the mapping for the next message, which it serves with no
+        // driver call.
+        assert_eq!(figure_after(r, "{", "ipc_imports_kept"), 1, "cycle {cycle}: the receiver keeps the tag's mapping");
+        let (reuses, calls) = (figure_after(r, "{", "ipc_import_reuses"), figure_after(r, "\"driver_calls\"", "total"));
+        let mut again = null_mut();
+        let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut again) };
+        assert_eq!(st, Status::Ok, "{}", last());
+        assert!(holds(again as usize, 5 * MIB, cycle));
+        assert_eq!(figure_after(r, "{", "ipc_import_reuses"), reuses + 1, "cycle {cycle}: the re-send is served from the kept mapping");
+        assert_eq!(figure_after(r, "\"driver_calls\"", "total"), calls, "cycle {cycle}: the re-send made a driver call");
+        assert_eq!(gpupool_ipc_close(again, r), Status::Ok, "{}", last());
         assert!(pause(d, c"weights", true).unwrap() > 0, "cycle {cycle}: a sent tag pauses once its receiver let go");
+        // The pause returned once the receiver dropped its kept mapping of the memory.
+        assert_eq!(figure_after(r, "{", "ipc_imports_kept"), 0, "cycle {cycle}: the receiver still keeps the paused memory");
         // What was sent before the pause names memory given back: refused.
         let st = unsafe { gpupool_ipc_open(desc.as_ptr().cast(), desc.len(), r, std::ptr::null(), 0, &mut p) };
         assert_ne!(st, Status::Ok);
@@ -348,6 +375,7 @@ fn send_receive_close_pause_resume_send_again_keeps_memory_flat_and_contents_int
 
 #[test]
 fn reconfiguring_while_a_tag_is_paused_with_its_blocks_freed_says_to_resume_it() {
+    let _serial = one_at_a_time();
     let d = 42;
     host(d);
     begin(c"asleep");
@@ -370,6 +398,7 @@ fn chunks(d: i32) -> u64 {
 
 #[test]
 fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
+    let _serial = one_at_a_time();
     // What PyTorch's expandable-segment handle describes, so that a receiver on PyTorch's
     // own allocator opens every tagged block (Note [PyTorch's handle formats]). A growth of
     // an odd number of granules past the chunking threshold: untagged it is mapped as
@@ -413,6 +442,7 @@ fn a_tags_memory_is_mapped_in_allocations_of_one_size() {
 
 #[test]
 fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::tags::gpupool_tag_prepare_backup;
     let d = 47;
     host(d);
@@ -451,6 +481,7 @@ fn a_backup_prepared_ahead_serves_the_first_pause_and_stays_until_dropped() {
 /// device at once.
 #[test]
 fn a_pause_counts_every_open_import_and_refuses_on_no_device_when_one_is_open() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::ipc::{gpupool_ipc_close, gpupool_ipc_descriptor_fds, gpupool_ipc_open};
     let (d, e, r) = (48, 49, 50);
     host(d);
@@ -538,6 +569,7 @@ fn receiver_process() {
 
 #[test]
 fn a_receiver_that_exited_without_closing_counts_no_more() {
+    let _serial = one_at_a_time();
     use std::process::{Command, Stdio};
     let d = 51;
     host(d);
@@ -582,6 +614,7 @@ fn a_receiver_that_exited_without_closing_counts_no_more() {
 /// while the tag holds memory and taken once it holds none.
 #[test]
 fn a_tag_placed_as_cuda_ipc_is_segments_that_send_as_cuda_ipc_handles_and_never_pause() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::ipc::gpupool_ipc_export_torch;
     use gpupool::ffi::tags::gpupool_tag_place;
     let d = 26;
@@ -643,6 +676,7 @@ fn a_tag_placed_as_cuda_ipc_is_segments_that_send_as_cuda_ipc_handles_and_never_
 /// out of the tag even from a thread under it.
 #[test]
 fn a_private_pool_begun_under_a_tag_is_the_tags_memory_and_pauses_with_it() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::graph::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
     let d = 27;
     host(d);
@@ -690,6 +724,7 @@ fn a_private_pool_begun_under_a_tag_is_the_tags_memory_and_pauses_with_it() {
 /// back at the resume, without an error.
 #[test]
 fn a_tags_graph_pool_blocks_a_new_place_and_is_released_after_a_pause() {
+    let _serial = one_at_a_time();
     use gpupool::ffi::graph::{gpupool_begin_allocate_to_pool, gpupool_end_allocate_to_pool, gpupool_release_pool};
     use gpupool::ffi::tags::gpupool_tag_place;
     let d = 28;
@@ -724,9 +759,11 @@ fn a_tags_graph_pool_blocks_a_new_place_and_is_released_after_a_pause() {
 
 /// The tensors of one message under a tag lie in the tag's few allocations: a receiver maps
 /// each allocation once while blocks over it are open (Note [Keeping imports mapped]), each
-/// block still counted apart for the sender's pause, and unmaps it at the last close.
+/// block still counted apart for the sender's pause, keeps it after the last close, and
+/// unmaps it when the sender's pause asks.
 #[test]
 fn blocks_of_one_message_share_one_mapping_of_a_tags_allocation_while_open() {
+    let _serial = one_at_a_time();
     let (d, r) = (31, 32);
     host(d);
     host(r);
@@ -755,10 +792,86 @@ fn blocks_of_one_message_share_one_mapping_of_a_tags_allocation_while_open() {
     assert!(why.contains(&format!("{:#x}", blocks[3])), "{why}");
     let unmaps = figure_after(r, "\"driver_calls\"", "mem_unmap");
     common::ipc_close(opened[3], r);
-    assert!(figure_after(r, "\"driver_calls\"", "mem_unmap") > unmaps, "the last close unmapped the allocation");
+    assert_eq!(figure_after(r, "\"driver_calls\"", "mem_unmap"), unmaps, "the last close keeps the mapping for the next message");
     pause(d, c"message", true).unwrap();
+    assert!(figure_after(r, "\"driver_calls\"", "mem_unmap") > unmaps, "the pause had the receiver unmap the allocation");
     resume(d, c"message").unwrap();
     for &b in &blocks {
         free(b, d);
     }
+}
+
+/// The receiver of `a_receiver_in_another_process_gives_a_tags_memory_back_on_its_pause`,
+/// run by it as a process of its own (`--ignored`): opens the descriptor in
+/// `TAGS_TEST_KEEP` (hex) and closes it (its mapping kept for a next message), then writes
+/// its kept mappings to the file `TAGS_TEST_KEPT` names, and again at each line of its input;
+/// exits when its input closes.
+#[test]
+#[ignore]
+fn keeping_receiver_process() {
+    use std::io::BufRead;
+    let (Ok(hex), Ok(out)) = (std::env::var("TAGS_TEST_KEEP"), std::env::var("TAGS_TEST_KEPT")) else { return };
+    let desc: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    host(61);
+    let p = common::ipc_open_by_pid(&desc, 61).unwrap();
+    common::ipc_close(p, 61);
+    let report = || {
+        std::fs::write(format!("{out}.tmp"), figure_after(61, "{", "ipc_imports_kept").to_string()).unwrap();
+        std::fs::rename(format!("{out}.tmp"), &out).unwrap();
+    };
+    report();
+    for _ in std::io::stdin().lock().lines().map_while(|l| l.ok()) {
+        report();
+    }
+}
+
+#[test]
+fn a_receiver_in_another_process_gives_a_tags_memory_back_on_its_pause() {
+    let _serial = one_at_a_time();
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let d = 52;
+    host(d);
+    begin(c"kept-elsewhere");
+    let w = malloc(3 * MIB, d).unwrap();
+    end();
+    fill(w, 3 * MIB, 5);
+    let hex: String = common::ipc_export(w, 1).iter().map(|b| format!("{b:02x}")).collect();
+    let kept = std::env::temp_dir().join(format!("gpupool-tags-kept-{}", std::process::id()));
+    let _ = std::fs::remove_file(&kept);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "keeping_receiver_process", "--ignored", "--test-threads=1"])
+        .env("TAGS_TEST_KEEP", hex)
+        .env("TAGS_TEST_KEPT", &kept)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let read = |child: &mut std::process::Child| -> u64 {
+        let started = std::time::Instant::now();
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&kept) {
+                let _ = std::fs::remove_file(&kept);
+                break text.trim().parse().unwrap();
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("the receiver ended early: {status}");
+            }
+            assert!(started.elapsed().as_secs() < 60, "the receiver did not answer in a minute");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    assert_eq!(read(&mut child), 1, "the receiver keeps the tag's mapping after its close");
+    let t = std::time::Instant::now();
+    assert!(pause(d, c"kept-elsewhere", true).unwrap() >= 3 * MIB);
+    // Ended by the keeper's count reaching zero, not by the wait's end: the receiver dropped
+    // its mapping before the pause returned.
+    assert!(t.elapsed() < gpupool::share::keepers::KEEPERS_WAIT, "the pause waited {:?}", t.elapsed());
+    writeln!(child.stdin.as_mut().unwrap()).unwrap();
+    assert_eq!(read(&mut child), 0, "the receiver still keeps the paused memory");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    resume(d, c"kept-elsewhere").unwrap();
+    assert!(holds(w, 3 * MIB, 5));
+    free(w, d);
 }

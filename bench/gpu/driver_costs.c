@@ -3,10 +3,18 @@
  * cuMemSetAccess to commit; cuMemUnmap + cuMemRelease per page to decommit). Two variants
  * answer whether page mapping could be cheaper: the same range as one physical allocation,
  * and per-page handles kept and mapped again (recycling). Explains the speed side of the
- * decay / vmm trade-off (docs/arena.md). µs per operation. */
+ * decay / vmm trade-off (docs/arena.md). µs per operation.
+ * Sharing: what a send of many allocations pays per allocation, made by one thread or
+ * spread over several (whether the driver runs them side by side): the sender's
+ * cuMemExportToShareableHandle (POSIX descriptor) against cuIpcGetMemHandle of a
+ * cuMemAlloc segment (PyTorch's route), and the receiver's cuMemImportFromShareableHandle +
+ * cuMemMap + cuMemSetAccess of the same descriptors. */
 #include <cuda.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 static double now(void) {
   struct timespec t;
@@ -16,6 +24,82 @@ static double now(void) {
 
 #define CK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { printf("%s failed: %d\n", #x, (int)r_); return 1; } } while (0)
 #define REPS 200
+#define SHARED 512
+
+static CUmemGenericAllocationHandle shared_h[SHARED];
+static int shared_fd[SHARED];
+static CUcontext shared_ctx;
+static CUdeviceptr shared_va;
+static size_t shared_page;
+static CUmemAccessDesc shared_acc;
+struct share_job { int from, to, import; };
+
+/* Export (or import and map) allocations [from, to). */
+static void *share_part(void *arg) {
+  const struct share_job *j = arg;
+  cuCtxSetCurrent(shared_ctx);
+  for (int k = j->from; k < j->to; k++) {
+    if (!j->import) {
+      if (cuMemExportToShareableHandle(&shared_fd[k], shared_h[k], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) != CUDA_SUCCESS) shared_fd[k] = -1;
+    } else {
+      CUmemGenericAllocationHandle h;
+      CUdeviceptr at = shared_va + (size_t)k * shared_page;
+      if (cuMemImportFromShareableHandle(&h, (void *)(long)shared_fd[k], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != CUDA_SUCCESS) continue;
+      cuMemMap(at, shared_page, 0, h, 0);
+      cuMemRelease(h);
+      cuMemSetAccess(at, shared_page, &shared_acc, 1);
+    }
+  }
+  return NULL;
+}
+
+/* Seconds for SHARED exports (or imports) spread over `threads` threads. */
+static double share_round(int threads, int import) {
+  pthread_t t[16];
+  struct share_job j[16];
+  double t0 = now();
+  for (int i = 0; i < threads; i++) {
+    j[i] = (struct share_job){SHARED * i / threads, SHARED * (i + 1) / threads, import};
+    pthread_create(&t[i], NULL, share_part, &j[i]);
+  }
+  for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+  return now() - t0;
+}
+
+static int share_costs(CUdevice dev, const CUmemAllocationProp *base) {
+  CUmemAllocationProp prop = *base;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CK(cuMemGetAllocationGranularity(&shared_page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  shared_acc = (CUmemAccessDesc){prop.location, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CK(cuCtxGetCurrent(&shared_ctx));
+  for (int k = 0; k < SHARED; k++) CK(cuMemCreate(&shared_h[k], shared_page, &prop, 0));
+  CK(cuMemAddressReserve(&shared_va, SHARED * shared_page, shared_page, 0, 0));
+  int counts[] = {1, 4, 8, 16};
+  for (int c = 0; c < 4; c++) {
+    double ex = share_round(counts[c], 0);
+    for (int k = 0; k < SHARED; k++) if (shared_fd[k] < 0) { printf("cuMemExportToShareableHandle failed\n"); return 1; }
+    double im = share_round(counts[c], 1);
+    CK(cuMemUnmap(shared_va, SHARED * shared_page));
+    for (int k = 0; k < SHARED; k++) close(shared_fd[k]);
+    printf("driver share %d allocations of %zu KiB, %d thread(s): export %.1f us each (%.1f ms), import + map + access %.1f us each (%.1f ms)\n",
+           SHARED, shared_page >> 10, counts[c], ex / SHARED * 1e6, ex * 1e3, im / SHARED * 1e6, im * 1e3);
+  }
+  CK(cuMemAddressFree(shared_va, SHARED * shared_page));
+  for (int k = 0; k < SHARED; k++) CK(cuMemRelease(shared_h[k]));
+  double get = 0;
+  for (int i = 0; i < REPS; i++) {
+    CUdeviceptr p;
+    CUipcMemHandle ih;
+    CK(cuMemAlloc(&p, 16u << 20));
+    double t = now();
+    CK(cuIpcGetMemHandle(&ih, p));
+    get += now() - t;
+    CK(cuMemFree(p));
+  }
+  printf("driver cuIpcGetMemHandle of a 16 MiB segment: %.1f us\n", get / REPS * 1e6);
+  (void)dev;
+  return 0;
+}
 
 int main(void) {
   CUdevice dev;
@@ -31,6 +115,7 @@ int main(void) {
   size_t page = 0;
   CK(cuMemGetAllocationGranularity(&page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   CUmemAccessDesc acc = {prop.location, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  if (share_costs(dev, &prop)) return 1;
   size_t sizes[] = {2u << 20, 16u << 20, 64u << 20};
   for (int s = 0; s < 3; s++) {
     size_t size = sizes[s], pages = size / page;

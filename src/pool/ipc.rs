@@ -130,6 +130,12 @@ impl Pool {
         imports::drop_stale(&mut self.imports, self.core.upstream_mut(), everything);
     }
 
+    /// Unmap the idle kept imports that may not serve again (an exporter released memory:
+    /// its pause asks its keepers for it back, `crate::share::keepers`).
+    pub(crate) fn drop_stale_imports(&mut self) {
+        self.drop_kept_imports(false);
+    }
+
     /// Unmap every idle kept import (the pool is about to be replaced).
     pub(crate) fn drop_kept_imports_all(&mut self) {
         self.drop_kept_imports(true);

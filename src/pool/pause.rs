@@ -43,8 +43,9 @@ impl Pool {
         // (the upstream clears them first): a descriptor sent before the pause is refused
         // after it. A receiver that still maps the memory would keep the old allocation
         // alive (the device gets nothing back) and see it, not the resumed contents: gpupool
-        // receivers map a tag's memory only while open (`protocol::FLAG_UNKEPT`) and count
-        // their open imports in this process's opens file, which the pause reads first.
+        // receivers count their open imports of a tag's memory (`protocol::FLAG_PAUSABLE`) in
+        // this process's opens file, which the pause reads first, and drop the mappings they
+        // keep idle when the front end's pause wakes them (`share::keepers`).
         self.close_exports_for_pause(name)?;
         let r = self.pause_closed(name, stream, backup);
         if self.paused.is_none() {

@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use crate::registry;
 use crate::share::protocol::SegmentDescriptor;
-use crate::share::protocol::{GranuleDescriptor, OpenMark, FLAG_UNKEPT};
+use crate::share::protocol::{GranuleDescriptor, OpenMark, FLAG_PAUSABLE};
 use std::ffi::c_int;
 use std::os::fd::AsRawFd;
 
@@ -49,7 +49,7 @@ impl AnyDescriptor {
                     // Memory its exporter may pause: counted as open there, with the opens
                     // file its handover thread sent, from before it is mapped until closed;
                     // the export must still be live once counted (a pause in between ended it).
-                    let mark = match (d.flags & FLAG_UNKEPT != 0, opens) {
+                    let mark = match (d.flags & FLAG_PAUSABLE != 0, opens) {
                         (true, Some(opens)) => match OpenMark::new(opens.as_raw_fd(), d.record.slot, d.pid) {
                             Ok(m) => Some(m),
                             Err(e) if e.to_string().contains(OpenMark::PAUSING) => return Err(e),
@@ -62,6 +62,13 @@ impl AnyDescriptor {
                     }
                     // The mapping keeps the memory: the copies close on return.
                     registry::with_pool(device, |pool| pool.ipc_import_marked(d, Some(&raw), mark))
+                }
+                Ok(ptr) => {
+                    if d.flags & FLAG_PAUSABLE != 0 {
+                        // Kept idle after its close: the exporter's pause asks for it back.
+                        super::keepers::watch();
+                    }
+                    Ok(ptr)
                 }
                 other => other,
             },

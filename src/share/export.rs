@@ -1,9 +1,10 @@
 //! Exporting a live block, whichever device's pool holds it: the descriptor names this
 //! process's handover socket (an importer that may not copy this process's descriptors
 //! asks its handover thread for them), and a tag's block says that its memory may be
-//! paused (its importers then map it only while open).
+//! paused (its importers then count their opens, and give kept mappings back when a
+//! pause asks).
 
-use super::protocol::FLAG_UNKEPT;
+use super::protocol::FLAG_PAUSABLE;
 use super::torch_format::{self, Handle};
 use crate::error::{BadPointer, Error, Result};
 use crate::registry;
@@ -17,7 +18,7 @@ fn not_ours(p: usize) -> Error {
 pub fn export(p: usize, share_granules: bool) -> Result<Vec<u8>> {
     let handover = super::handover::export_tag();
     registry::with_owner_of(p, |pool| {
-        let flags = if registry::is_tag_shard(pool.shard()) { FLAG_UNKEPT } else { 0 };
+        let flags = if registry::is_tag_shard(pool.shard()) { FLAG_PAUSABLE } else { 0 };
         pool.ipc_export_via(p, share_granules, handover, flags)
     })
     .unwrap_or_else(|| Err(not_ours(p)))

@@ -36,12 +36,19 @@
 //! upstream's unimport, which waits for the device first (`CudaVmm::unimport`): that wait
 //! is paid when a run goes, not on every close.
 //!
-//! Memory its exporter may pause (a tag's: `FLAG_UNKEPT`) is never kept idle, so that a
-//! pause gives the device its memory back once the receivers let go: its runs are unmapped
-//! at their last close. While one is open, another block of the same message whose
-//! allocations it maps is served from it (a message's tensors share a tag's few
-//! allocations), each open still counted in the exporter's opens file on its own.
-//!
+//! Memory its exporter may pause (a tag's: `FLAG_PAUSABLE`) is kept idle too, with the
+//! exporter told so: this process claims a keeper entry in the exporter's opens file and
+//! counts its idle runs there (`protocol::Keeper`). A pause first refuses while any block is
+//! open (each open counted in the opens file on its own), then releases the memory, which
+//! moves the release count and so makes every kept run of that exporter stale, wakes the
+//! keepers and waits for their counts to reach zero: this process's watcher
+//! (`share::keepers`) drops its stale runs then, and the device gets the memory back before
+//! the pause returns. Where no entry can be claimed, such a run is unmapped at its last
+//! close, as the exporter cannot ask for it back. While a run is open, another block of the
+//! same message whose allocations it maps is served from it (a message's tensors share a
+//! tag's few allocations), each open still counted on its own, and never at an address
+//! open already (each open's count goes with its own close).
+
 //! Limitations. A kept run holds the exporter's physical memory while the exporter keeps it
 //! too; once the exporter releases any exported granule, every idle run of that exporter
 //! is dropped at the next import or close here (not only the runs over the released
@@ -50,7 +57,7 @@
 //! reused only for descriptors that lie inside it; blocks across allocations kept in
 //! different runs are mapped again.
 
-use crate::share::protocol::{GranuleDescriptor, Exporter, SharedGranule};
+use crate::share::protocol::{Exporter, GranuleDescriptor, Keeper, SharedGranule};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -82,9 +89,24 @@ struct Run {
     users: usize,
     /// When it was last opened (the cache's clock).
     last_use: u64,
-    /// Kept mapped once idle; otherwise (memory its exporter may pause) unmapped when its
-    /// last open closes, and shared only by blocks open at the same time.
+    /// Kept mapped once idle; otherwise unmapped when its last open closes, and shared
+    /// only by blocks open at the same time.
     kept: bool,
+    /// Memory its exporter may pause: each open counted in the exporter's opens file, and
+    /// never served at an address open already.
+    pausable: bool,
+    /// Where a pausable run is kept idle: this process's keeper entry at the exporter, which
+    /// counts the run while it is idle.
+    keeper: Option<Arc<Keeper>>,
+}
+
+impl Run {
+    /// The run went idle (`true`) or is open or gone again: its keeper's count follows.
+    fn count_idle(&self, idle: bool) {
+        if let Some(k) = &self.keeper {
+            k.count(idle);
+        }
+    }
 }
 
 /// The runs and exporters a pool keeps (module docs).
@@ -143,11 +165,11 @@ impl ImportCache {
 
     /// A run of the exporter's opening `serial` that maps `d` as mapped when the exporter's
     /// release count was `releases` (the count now): its address for `d`, opened once more.
-    /// `kept`: runs kept idle may serve; otherwise (memory its exporter may pause) only a run
-    /// open now, mapped for memory of that kind, does, and not where `d`'s block address is
-    /// open already (an export that ended and one that took its place: a close names an
-    /// address, and each open's count in its exporter's opens file must go with its own).
-    pub fn open_kept(&mut self, d: &GranuleDescriptor, releases: u64, serial: Serial, kept: bool) -> Option<usize> {
+    /// Mapped for memory of `d`'s kind (`pausable`: memory its exporter may pause), kept
+    /// idle or open now; a pausable one not where `d`'s block address is open already (an
+    /// export that ended and one that took its place: a close names an address, and each
+    /// open's count in its exporter's opens file must go with its own).
+    pub fn open_kept(&mut self, d: &GranuleDescriptor, releases: u64, serial: Serial, pausable: bool) -> Option<usize> {
         let ex = (d.pid, d.start_time);
         let n = d.granules.len() as u64;
         let found = self
@@ -161,8 +183,9 @@ impl ImportCache {
                 let skip = (d.origin - r.origin) / r.granule;
                 let at = r.base + (d.origin - r.origin) as usize + d.offset as usize;
                 r.releases == releases
-                    && r.kept == kept
-                    && (kept || (r.users > 0 && !self.open.contains_key(&at)))
+                    && r.pausable == pausable
+                    && (r.kept || r.users > 0)
+                    && !(pausable && self.open.contains_key(&at))
                     && r.serial == serial
                     && r.granule == d.granule
                     && (d.origin - r.origin) % r.granule == 0
@@ -177,6 +200,9 @@ impl ImportCache {
         let e = self.open.entry(ptr).or_insert((found, 0));
         e.1 += 1;
         let r = self.runs.get_mut(&e.0).expect("open runs are kept");
+        if r.users == 0 {
+            r.count_idle(false);
+        }
         r.users += 1;
         r.last_use = self.clock;
         Some(ptr)
@@ -184,8 +210,11 @@ impl ImportCache {
 
     /// The upstream mapped `d` at `ptr` (the block's address; its run starts at the
     /// descriptor's first granule), with the exporter's release count `releases` read
-    /// before: an open run, kept idle after its last close where `kept`.
-    pub fn insert(&mut self, d: &GranuleDescriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial, kept: bool) {
+    /// before: an open run, kept idle after its last close where `kept` (a pausable one,
+    /// `pausable`, kept only with a `keeper`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert(&mut self, d: &GranuleDescriptor, ptr: usize, releases: u64, exporter: Arc<Exporter>, serial: Serial, pausable: bool, keeper: Option<Arc<Keeper>>) {
+        let kept = !pausable || keeper.is_some();
         self.clock += 1;
         let ex = (d.pid, d.start_time);
         // The opening just used is the current one (dropping the exporter's last stale run
@@ -202,6 +231,8 @@ impl ImportCache {
             users: 1,
             last_use: self.clock,
             kept,
+            pausable,
+            keeper: if pausable { keeper } else { None },
         };
         self.by_origin.entry((ex, d.origin)).or_default().push(ptr);
         self.runs.insert(ptr, run);
@@ -228,6 +259,9 @@ impl ImportCache {
         }
         let r = self.runs.get_mut(&key).expect("open runs are kept");
         r.users -= 1;
+        if r.users == 0 && r.kept {
+            r.count_idle(true);
+        }
         Some(r.users == 0)
     }
 
@@ -256,6 +290,9 @@ impl ImportCache {
     /// The upstream unmapped run `key`: forgotten, and its exporter too once it has none.
     pub fn dropped(&mut self, key: usize) {
         let Some(r) = self.runs.remove(&key) else { return };
+        if r.users == 0 && r.kept {
+            r.count_idle(false);
+        }
         if let Some(keys) = self.by_origin.get_mut(&(r.exporter, r.origin)) {
             keys.retain(|&k| k != key);
             if keys.is_empty() {

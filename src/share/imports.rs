@@ -6,7 +6,7 @@
 //! the upstream makes the driver calls, this file decides them.
 
 use super::import_cache::ImportCache;
-use super::protocol::{Exporter, FdSource, GranuleDescriptor, OpenMark, FLAG_UNKEPT};
+use super::protocol::{Exporter, FdSource, GranuleDescriptor, OpenMark, FLAG_PAUSABLE};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::Upstream;
 
@@ -62,7 +62,7 @@ pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescrip
         // is not counted (docs/tags.md).
         let mark = match mark {
             Some(m) => Some(m),
-            None if d.flags & FLAG_UNKEPT != 0 => match Exporter::open(d) {
+            None if d.flags & FLAG_PAUSABLE != 0 => match Exporter::open(d) {
                 // Counted, then checked: the export is still live (a pause in between
                 // ended it, and the descriptors passed in name released memory).
                 Ok(e) => match e.mark_open(d.record) {
@@ -87,19 +87,20 @@ pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescrip
     let source = FdSource::fetch_via(exporter.clone(), d)?;
     // Memory its exporter may pause: counted as open in the exporter's opens file from
     // before it is mapped until its close, so that a pause refuses while this process maps
-    // it (and this import is refused while the exporter pauses); mapped only while some
-    // block over it is open (the run goes at the last close), blocks open at the same time
-    // over the same allocations sharing one mapping (a message's tensors).
-    let kept = d.flags & FLAG_UNKEPT == 0;
-    let mark = if kept {
-        None
-    } else {
+    // it (and this import is refused while the exporter pauses); once idle, kept mapped
+    // only where this process is one of the exporter's keepers, whose pause then asks for
+    // it back (Note [Keeping imports mapped]); blocks open at the same time over the same
+    // allocations share one mapping (a message's tensors).
+    let pausable = d.flags & FLAG_PAUSABLE != 0;
+    let mark = if pausable {
         // Counted, then checked: the export is still live (one that ended before the count
         // would not be seen by its exporter's pause, and an open run may serve it without
         // a fetch that checks again).
         let m = exporter.mark_open(d.record)?;
         exporter.still_exports(d.record, &d.granules)?;
         Some(m)
+    } else {
+        None
     };
     // Read before anything is mapped: a release after it moves the count past what the
     // run records, and the run is not trusted again.
@@ -107,11 +108,12 @@ pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescrip
         .releases()
         .ok_or_else(|| Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", d.pid)))?;
     drop_stale(cache, up, false);
-    let ptr = match cache.open_kept(d, releases, serial, kept) {
+    let ptr = match cache.open_kept(d, releases, serial, pausable) {
         Some(ptr) => ptr,
         None => {
             let ptr = up.vmm_import(d, &source)?;
-            cache.insert(d, ptr, releases, exporter, serial, kept);
+            let keeper = if pausable { exporter.keeper() } else { None };
+            cache.insert(d, ptr, releases, exporter, serial, pausable, keeper);
             ptr
         }
     };
@@ -138,8 +140,8 @@ pub fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bo
 /// (CUDA's own IPC).
 pub fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32) -> Result<()> {
     if let Some(key) = cache.last_close_unmaps(ptr) {
-        // Memory its exporter may pause: unmapped at its last close, before that close is
-        // booked and its count drops. Refused, the block stays open (and counted): the
+        // Memory its exporter may pause, kept by no keeper entry: unmapped at its last
+        // close, before that close is booked and its count drops. Refused, the block stays open (and counted): the
         // caller may close it again.
         up.vmm_unimport(key)?;
         cache.close(ptr);

@@ -39,7 +39,9 @@
 //! it fetches: one fetched while its export's token was there is that export's. A freed
 //! block ends its exports before its memory can serve another allocation; a pause ends them
 //! by releasing the memory. Beside the record, the *opens file* counts the imports receivers
-//! hold open of memory the sender may pause (a tag's), so a pause refuses while one is open.
+//! hold open of memory the sender may pause (a tag's), so a pause refuses while one is open,
+//! and lists the receivers that keep idle mappings of it (keepers), which a pause wakes and
+//! waits for to let go.
 //!
 //! Implementation. Everything about sharing lives here, in three layers of its own:
 //! - `protocol/`, below the driver layer: the descriptors' bytes (`granule_descriptor.rs`,
@@ -57,8 +59,10 @@
 //!   (`torch_format.rs`, Note [PyTorch's handle formats]), the handover thread and its
 //!   takers (`handover.rs`, `handover/`), the holds that tell a sender when the frameworks'
 //!   receivers let go (`holds.rs`), spans of another process's memory mapped once for many
-//!   blocks (`spans.rs`), an import handed to a framework (`received.rs`), and imports opened
-//!   while a message unpickles (`ahead.rs`).
+//!   blocks (`spans.rs`), an import handed to a framework (`received.rs`), imports opened
+//!   while a message unpickles (`ahead.rs`), and the keepers' side of a pause: a receiver's
+//!   thread that drops the kept mappings its senders' pauses ask back, and a sender's wait
+//!   for its keepers (`keepers.rs`).
 //!
 //! The rest of the library offers narrow hooks: the pool checks a pointer against its books
 //! and exports a block, and for an import checks it runs and maps that memory kind, then
@@ -74,7 +78,10 @@
 //! Limitations. Sender and receiver are processes of one user (or root) on one host, in one
 //! network namespace where the handover socket is needed. An export ends when its block is
 //! freed or its memory released (a pause): a receiver that still maps the memory keeps the
-//! old allocation alive. A receiver on PyTorch's allocator opens an arena block only where
+//! old allocation alive: one that keeps a block of it open after the sender freed the block
+//! (which ended its export and its count), or a keeper that does not answer the pause's
+//! wake within `keepers::KEEPERS_WAIT`. A sender has 255 keeper entries; a receiver past them
+//! unmaps its idle mappings of that sender's pausable memory at their last close. A receiver on PyTorch's allocator opens an arena block only where
 //! its allocations are of one size, and only with `pidfd_getfd` (not in a container).
 
 pub mod ahead;
@@ -84,6 +91,7 @@ pub mod exports;
 pub mod handover;
 pub mod holds;
 pub mod import_cache;
+pub mod keepers;
 pub mod imports;
 pub mod protocol;
 pub mod received;

@@ -6,7 +6,7 @@
 
 use super::granule_descriptor::GranuleDescriptor;
 use super::identity::{granules_digest, start_time_of, Fd, FileId, SharedGranule};
-use super::open_mark::OpenMark;
+use super::open_mark::{Keeper, OpenMark};
 use super::record::{ExportRecord, RecordRef};
 use crate::error::{Error, Result};
 
@@ -25,6 +25,9 @@ pub struct Exporter {
     record_fd: i32,
     /// The identity of the record's file (a memfd: unique while it exists).
     record_file: FileId,
+    /// This process as a keeper of idle mappings of the exporter's pausable memory, once
+    /// asked (`keeper`): None inside where no entry could be claimed.
+    keeper: std::sync::Mutex<Option<Option<std::sync::Arc<Keeper>>>>,
 }
 
 impl Exporter {
@@ -48,7 +51,7 @@ impl Exporter {
         let record = Fd(record as i32);
         ExportRecord::check(&record, pid, d.start_time)?;
         let record_file = FileId::of(record.raw())?;
-        Ok(Exporter { pid, start_time: d.start_time, pidfd, record, record_fd: d.record.fd, record_file })
+        Ok(Exporter { pid, start_time: d.start_time, pidfd, record, record_fd: d.record.fd, record_file, keeper: Default::default() })
     }
 
     /// Whether the exporter still holds the record this importer opened: an `exec` keeps
@@ -75,6 +78,11 @@ impl Exporter {
 
     /// Count an open import of export `at` in the exporter's opens file (`OpenMark`).
     pub fn mark_open(&self, at: RecordRef) -> Result<OpenMark> {
+        OpenMark::new(self.opens_file()?.raw(), at.slot, self.pid)
+    }
+
+    /// This process's copy of the exporter's opens file.
+    fn opens_file(&self) -> Result<Fd> {
         let theirs = ExportRecord::opens_fd_at(&self.record)
             .ok_or_else(|| Error::InvalidArgument(format!("IPC import: the export record of process {} cannot be read", self.pid)))?;
         // SAFETY: as in `open`; the result is a new descriptor this process owns.
@@ -82,7 +90,20 @@ impl Exporter {
         if mine < 0 {
             return Err(fetch_error(self.pid, &format!("pidfd_getfd of its opens file (descriptor {theirs})")));
         }
-        OpenMark::new(Fd(mine as i32).raw(), at.slot, self.pid)
+        Ok(Fd(mine as i32))
+    }
+
+    /// This process as a keeper of idle mappings of the exporter's pausable memory
+    /// (`opens_file::Keepers`), claimed on first use; None where it cannot be (every entry
+    /// held, or the opens file out of reach): such mappings then go at their last close.
+    pub fn keeper(&self) -> Option<std::sync::Arc<Keeper>> {
+        let mut k = self.keeper.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = k.as_ref() {
+            return k.clone();
+        }
+        let got = self.opens_file().and_then(|f| Keeper::new(f.raw())).ok().flatten().map(std::sync::Arc::new);
+        *k = Some(got.clone());
+        got
     }
 
     /// Whether `d` comes from this exporter (same process, same record).

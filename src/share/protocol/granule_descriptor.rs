@@ -9,9 +9,9 @@ use super::record::RecordRef;
 use crate::error::{Error, Result};
 
 /// A descriptor flag: the block's memory may be paused (it is a tag's), so an importer
-/// unmaps it when closed instead of keeping it for the exporter's next message: a receiver
-/// that let go holds none of the memory a pause gives back.
-pub const FLAG_UNKEPT: u32 = 1;
+/// counts each open import in the exporter's opens file, and keeps the mapping idle only as
+/// one of the exporter's keepers, which its pause asks to let go (`opens_file`).
+pub const FLAG_PAUSABLE: u32 = 1;
 
 /// Which memory a descriptor describes (an importer maps only its own kind).
 pub const KIND_CUDA: u32 = 1;

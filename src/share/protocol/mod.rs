@@ -21,10 +21,10 @@ pub mod segment_descriptor;
 pub use exporter::{check_handed, still_handed, still_the_exporter, Exporter, FdSource};
 pub use fds::{hold_cloexec_window, new_fd_cloexec, raise_fd_limit, set_cloexec};
 pub use granule_descriptor::{
-    GranuleDescriptor, FLAG_UNKEPT, GRANULE_BYTES, HEADER_BYTES, KIND_CUDA, KIND_HOST, MAX_DESCRIPTOR_BYTES, MAX_GRANULES,
+    GranuleDescriptor, FLAG_PAUSABLE, GRANULE_BYTES, HEADER_BYTES, KIND_CUDA, KIND_HOST, MAX_DESCRIPTOR_BYTES, MAX_GRANULES,
 };
 pub use identity::{granules_digest, own_start_time, start_time_of, Fd, FileId, SharedGranule};
-pub use open_mark::OpenMark;
+pub use open_mark::{keepers, Keeper, OpenMark};
 pub use record::{ExportRecord, RecordRef};
 pub use segment_descriptor::{SegmentDescriptor, SEGMENT_DESCRIPTOR_BYTES};
 

@@ -8,8 +8,8 @@
 //! a mapping per import would cost an `mmap` and a `munmap` (a TLB shootdown over every
 //! thread of the process) on each open and close.
 
-use super::record::OPENS_BYTES;
-use super::opens_file::{self, OpensSlot};
+use super::record::{OPENS_BYTES, RECORD_SLOTS};
+use super::opens_file::{self, Keepers, OpensSlot};
 use super::identity::{Fd, FileId};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -22,6 +22,9 @@ struct OpensFile {
     own: Fd,
     /// Slot -> this process's marks on it (the lock is held while any is).
     marks: Mutex<HashMap<u32, u32>>,
+    /// This process's keeper entry (`opens_file::Keepers`), claimed when it first keeps a
+    /// mapping of this exporter's memory idle; held (its lock) while the file is mapped.
+    keeper: Mutex<Option<u32>>,
 }
 
 // SAFETY: the mapping is reached only through atomics and lives as long as the value.
@@ -39,6 +42,11 @@ impl OpensFile {
     fn slot(&self, slot: u32) -> Option<OpensSlot<'_>> {
         // SAFETY: the mapping of the whole file, which lives as long as `self`.
         unsafe { OpensSlot::at(self.base, OPENS_BYTES, slot) }
+    }
+
+    fn keepers(&self) -> Keepers<'_> {
+        // SAFETY: the mapping of the whole file (`OPENS_BYTES` is `file_bytes(RECORD_SLOTS)`).
+        unsafe { Keepers::at(self.base, RECORD_SLOTS) }
     }
 }
 
@@ -79,7 +87,7 @@ fn map(fd: i32) -> Result<Arc<OpensFile>> {
     if base == libc::MAP_FAILED {
         return Err(bad(format!("cannot be mapped: {}", std::io::Error::last_os_error())));
     }
-    let f = Arc::new(OpensFile { base: base.cast(), own, marks: Mutex::new(HashMap::new()) });
+    let f = Arc::new(OpensFile { base: base.cast(), own, marks: Mutex::new(HashMap::new()), keeper: Mutex::new(None) });
     files.insert((file.dev, file.ino), f.clone());
     Ok(f)
 }
@@ -147,4 +155,69 @@ impl Drop for OpenMark {
         }
         release(&self.file, self.slot);
     }
+}
+
+/// This process as a keeper of idle mappings of one exporter's memory, in that exporter's
+/// opens file (`opens_file::Keepers`): the exporter's pause waits for what it counts to
+/// reach zero, and wakes `wait`.
+pub struct Keeper {
+    file: Arc<OpensFile>,
+    entry: u32,
+}
+
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Keeper(entry {})", self.entry)
+    }
+}
+
+impl Keeper {
+    /// This process's keeper entry in the opens file `fd` (this process's descriptor of
+    /// it; the caller closes it), claimed once per file. None where every entry is held.
+    pub fn new(fd: i32) -> Result<Option<Keeper>> {
+        let file = map(fd)?;
+        let entry = {
+            let mut entry = file.keeper.lock().unwrap_or_else(|e| e.into_inner());
+            if entry.is_none() {
+                *entry = file.keepers().claim(file.own.raw());
+            }
+            *entry
+        };
+        Ok(entry.map(|entry| Keeper { file, entry }))
+    }
+
+    /// One more (`true`) or one fewer idle mapping kept of this exporter's memory.
+    pub fn count(&self, more: bool) {
+        self.file.keepers().count(self.entry, more);
+    }
+
+    /// The exporter's wake word now.
+    pub fn wake_word(&self) -> u32 {
+        self.file.keepers().wake_word()
+    }
+
+    /// Sleep until the exporter's wake word moves from `seen`, or `timeout` passes.
+    pub fn wait(&self, seen: u32, timeout: std::time::Duration) {
+        self.file.keepers().wait(seen, timeout)
+    }
+
+    /// Which exporter's file it keeps in (the same while the file is mapped here).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.file) as usize
+    }
+}
+
+/// This process's keepers: one per mapped opens file it has claimed an entry in and still
+/// keeps a mapping of that exporter's memory under (the file is in use beyond this list).
+pub fn keepers() -> Vec<Keeper> {
+    let g = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(files) = g.as_ref() else { return Vec::new() };
+    files
+        .values()
+        .filter(|f| Arc::strong_count(f) > 1)
+        .filter_map(|f| {
+            let entry = (*f.keeper.lock().unwrap_or_else(|e| e.into_inner()))?;
+            Some(Keeper { file: f.clone(), entry })
+        })
+        .collect()
 }

@@ -22,7 +22,7 @@
 //!
 //! Beside it, the *opens file* (a `memfd` sealed against growth and shrinking only): per
 //! slot, how many imports of the export are open now and the pid of the last process that
-//! opened one. An importer of memory its exporter may pause (`protocol::FLAG_UNKEPT`, a tag's)
+//! opened one. An importer of memory its exporter may pause (`protocol::FLAG_PAUSABLE`, a tag's)
 //! adds one while its import is open (`protocol::OpenMark`), so that a pause of that memory
 //! refuses while a receiver still maps it (`ExportRecord::opens`), instead of releasing
 //! memory the receiver keeps alive and sees stale after the resume.
@@ -64,13 +64,13 @@ pub struct ExportRecord {
 // SAFETY: the mapping is only reached through the `RECORD` mutex.
 unsafe impl Send for ExportRecord {}
 
-const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE3");
+const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"GPPEXRE4");
 /// Header words: magic, pid, start time, release count, the opens file's number.
 const HEADER_WORDS: usize = 5;
 const RELEASES_WORD: usize = 3;
 const OPENS_FD_WORD: usize = 4;
 /// Bytes of the opens file: a slot of `opens_file` per record slot.
-pub const OPENS_BYTES: usize = super::opens_file::SLOT_BYTES * RECORD_SLOTS as usize;
+pub const OPENS_BYTES: usize = super::opens_file::file_bytes(RECORD_SLOTS);
 const RECORD_HEADER: usize = 8 * HEADER_WORDS;
 /// Words per slot: token, digest.
 const SLOT_WORDS: usize = 2;
@@ -191,6 +191,37 @@ impl ExportRecord {
         let Some(r) = g.as_ref() else { return };
         for at in r.live_among(ats) {
             r.opens_slot(at.slot).reopen();
+        }
+    }
+
+    /// This process's release count (None: it has no record).
+    pub fn own_releases() -> Option<u64> {
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().filter(|r| r.pid == std::process::id()).map(|r| r.word(RELEASES_WORD).load(Ordering::Acquire))
+    }
+
+    /// This process's opens file, mapped, and its descriptor: the mapping stays while the
+    /// process lives (a record is never dropped, only forgotten by a forked child).
+    fn opens_of_own() -> Option<(*mut u8, i32)> {
+        let g = RECORD.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().filter(|r| r.pid == std::process::id()).map(|r| (r.opens_map, r.opens.raw()))
+    }
+
+    /// Exporter: memory was released; the keepers of its idle mappings wake
+    /// (`opens_file::Keepers`).
+    pub fn wake_keepers() {
+        if let Some((map, _)) = Self::opens_of_own() {
+            // SAFETY: the whole opens file's mapping, which outlives this call.
+            unsafe { opens_file::Keepers::at(map, RECORD_SLOTS) }.wake_all();
+        }
+    }
+
+    /// Exporter: the live keepers that still keep idle mappings, as (pid, mappings).
+    pub fn keeping() -> Vec<(u32, u32)> {
+        match Self::opens_of_own() {
+            // SAFETY: as in `wake_keepers`.
+            Some((map, fd)) => unsafe { opens_file::Keepers::at(map, RECORD_SLOTS) }.keeping(fd),
+            None => Vec::new(),
         }
     }
 

@@ -15,7 +15,7 @@ fn desc() -> GranuleDescriptor {
         size: 3 << 20,
         origin: 0x7f00_0000_0000,
         handover: 0x1234_5678_9abc_def0,
-        flags: FLAG_UNKEPT,
+        flags: FLAG_PAUSABLE,
         granules: vec![
             SharedGranule { fd: 9, offset: 0, file: FileId { dev: 3, ino: 40 } },
             SharedGranule { fd: 12, offset: 0, file: FileId { dev: 3, ino: 41 } },

@@ -1,0 +1,113 @@
+//! This process as a keeper of other processes' pausable memory, and this process's pause
+//! as an exporter waiting for its keepers (Note [Keeping imports mapped]).
+//!
+//! A receiver keeps idle mappings of a sender's tag memory so that the next message over the
+//! same allocations costs no driver call. The sender's pause must get that memory back: it
+//! releases the memory (which makes every kept mapping of it stale), wakes its keepers
+//! through its opens file (`protocol::opens_file::Keepers`) and waits until none keeps an
+//! idle mapping. Here: the receiver's watcher, one thread per process, which sleeps on its
+//! exporters' wake words and drops its stale idle mappings on every device when one moves;
+//! and the sender's wait.
+
+use crate::registry;
+use crate::share::protocol::{keepers, ExportRecord};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long a pause waits for its keepers to drop their idle mappings: a watcher answers in
+/// the time its unmaps take, so only a process that stopped running (a debugger, SIGSTOP)
+/// reaches it.
+pub const KEEPERS_WAIT: Duration = Duration::from_secs(2);
+
+/// The pid whose watcher runs (a forked child starts its own).
+static WATCHING: Mutex<u32> = Mutex::new(0);
+
+/// Start this process's watcher, once: called after an import of pausable memory by pid.
+pub fn watch() {
+    let mut pid = WATCHING.lock().unwrap_or_else(|e| e.into_inner());
+    if *pid == std::process::id() {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("gpupool-keeper".into()).spawn(watcher);
+    match spawned {
+        Ok(_) => *pid = std::process::id(),
+        Err(e) => crate::error::warn(&format!(
+            "starting the thread that gives senders' paused memory back failed ({e}); a sender's pause waits for this \
+             process's next import or close instead"
+        )),
+    }
+}
+
+/// The watcher's loop: wait on the wake word of an exporter this process keeps mappings of
+/// (the first, polling the others), and drop every device's stale idle imports when one
+/// moved. The exporters' releases make the mappings stale; the drop counts them out.
+fn watcher() {
+    // (keeper's file, its wake word when last read)
+    let mut seen: Vec<(usize, u32)> = Vec::new();
+    loop {
+        let now = keepers();
+        let mut moved = false;
+        let mut next = Vec::with_capacity(now.len());
+        for k in &now {
+            let word = k.wake_word();
+            // A keeper not seen before counts as moved: its exporter may have released
+            // before this thread first read its word.
+            if seen.iter().find(|s| s.0 == k.id()).map(|s| s.1) != Some(word) {
+                moved = true;
+            }
+            next.push((k.id(), word));
+        }
+        seen = next;
+        if moved {
+            drop_stale_everywhere();
+            continue;
+        }
+        match now.as_slice() {
+            [] => std::thread::sleep(Duration::from_millis(200)),
+            [k] => k.wait(seen[0].1, Duration::from_millis(500)),
+            [k, ..] => k.wait(seen[0].1, Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Drop the idle imports that may not serve again, on every device.
+fn drop_stale_everywhere() {
+    for device in registry::existing_devices() {
+        let _ = registry::with_existing(device, |p| p.drop_stale_imports());
+    }
+}
+
+/// This process's release count of exported memory, before a pause.
+pub fn releases() -> u64 {
+    ExportRecord::own_releases().unwrap_or(0)
+}
+
+/// After a pause: where it released exported memory (the count moved from `before`), wake
+/// the keepers and wait for them to let go. Returns the keepers still keeping idle mappings
+/// once `KEEPERS_WAIT` has passed, as (pid, mappings), warned about (the memory they keep
+/// stays alive until they drop it; they never serve it again).
+pub fn let_go_since(before: u64) -> Vec<(u32, u32)> {
+    if releases() == before {
+        return Vec::new();
+    }
+    ExportRecord::wake_keepers();
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(20);
+    loop {
+        let keeping = ExportRecord::keeping();
+        if keeping.is_empty() {
+            return keeping;
+        }
+        if start.elapsed() >= KEEPERS_WAIT {
+            crate::error::warn(&format!(
+                "pause: process(es) {} still keep mappings of the paused memory after {} s (a stopped process?); the \
+                 device gets it back when they drop them",
+                keeping.iter().map(|(p, n)| format!("{p} ({n})")).collect::<Vec<_>>().join(", "),
+                KEEPERS_WAIT.as_secs()
+            ));
+            return keeping;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(2));
+    }
+}
