@@ -169,7 +169,7 @@ fn coalescing(kind: PoolKind) {
 fn limits(kind: PoolKind) {
     let mut p = host_pool(kind, 1 << 30);
     p.set_limit(8 * MIB).unwrap();
-    assert_eq!(p.limit(), 8 * MIB);
+    assert_eq!(p.budget().limit(), 8 * MIB);
     let a = p.malloc(3 * MIB, LEGACY).unwrap();
     let b = p.malloc(3 * MIB, LEGACY).unwrap();
     assert!(p.stats().total_bytes as usize <= 8 * MIB);

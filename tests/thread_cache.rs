@@ -47,7 +47,7 @@ fn reclaim(device: i32) {
 
 /// Blocks freed by their users and kept in thread caches.
 fn kept(device: i32) -> usize {
-    gpupool::registry::with_pool(device, |p| Ok(p.kept_blocks())).unwrap()
+    gpupool::registry::with_pool(device, |p| Ok(p.thread_caches().1)).unwrap()
 }
 
 /// Allocate `size` and free it: a size enters the thread cache once it repeats.
@@ -121,7 +121,7 @@ fn a_block_freed_by_another_thread_leaves_the_fast_path() {
     host(d);
     warm(8192, d);
     let a = malloc(8192, d);
-    assert_eq!(gpupool::registry::with_pool(d, |p| Ok(p.thread_cache_count())).unwrap(), 1);
+    assert_eq!(gpupool::registry::with_pool(d, |p| Ok(p.thread_caches().0)).unwrap(), 1);
     assert_eq!(std::thread::spawn(move || free(a, d)).join().unwrap(), Status::Ok);
     assert_eq!(stats(d).used_bytes, 0);
     // The allocating thread may not park it any more: its free is a double free.
@@ -229,7 +229,7 @@ fn exited_threads_caches_are_flushed_and_dropped() {
     let s = stats(d);
     assert_eq!((s.n_allocs, s.n_frees, s.used_bytes), (100, 100, 0));
     assert_eq!(kept(d), 50, "each exited thread left a kept block");
-    let caches = || gpupool::registry::with_pool(d, |p| Ok(p.thread_cache_count())).unwrap();
+    let caches = || gpupool::registry::with_pool(d, |p| Ok(p.thread_caches().0)).unwrap();
     assert_eq!(caches(), 50, "exited threads' caches wait for the next locked operation");
     // The next locked allocation reaps the orphans; their parked blocks go back.
     let a = malloc(100, d);

@@ -90,7 +90,7 @@ fn total_memory(device: i32) -> Result<usize> {
 
 /// `device`'s limit (0: none).
 pub fn limit(device: i32) -> Result<usize> {
-    registry::with_pool(device, |p| Ok(p.limit()))
+    registry::with_pool(device, |p| Ok(p.budget().limit()))
 }
 
 /// A report of `device`, or of every device in use for -1, joined as `join` says (prefix,

@@ -42,14 +42,9 @@ impl Pool {
     }
 
     /// Thread caches registered with this pool (exited threads' until the next locked
-    /// operation reaps them).
-    pub fn thread_cache_count(&self) -> usize {
-        self.caches.count()
-    }
-
-    /// Blocks freed by their users and kept in thread caches (tests, reports).
-    pub fn kept_blocks(&self) -> usize {
-        self.caches.kept().len()
+    /// operation reaps them), and the blocks their users freed that they keep.
+    pub fn thread_caches(&self) -> (usize, usize) {
+        (self.caches.count(), self.caches.kept().len())
     }
 
     /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,

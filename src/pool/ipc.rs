@@ -94,7 +94,7 @@ impl Pool {
 
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
     /// (a pointer that is no live block gets `ipc_export`'s error).
-    pub fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
+    pub(crate) fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
         let Some(l) = self.core.live(ptr).filter(|l| l.private.is_none()) else {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };

@@ -323,10 +323,6 @@ impl Pool {
         Ok(())
     }
 
-    pub fn limit(&self) -> usize {
-        self.limits.limit()
-    }
-
     /// The device's budget (shared by its shards).
     pub fn budget(&self) -> &std::sync::Arc<Budget> {
         self.limits.budget()

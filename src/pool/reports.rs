@@ -166,7 +166,7 @@ impl Pool {
     }
 
     /// Why the configured strategy is not running, if it is not (arena without VMM).
-    pub fn notice(&self) -> Option<&str> {
+    pub(crate) fn notice(&self) -> Option<&str> {
         self.core.notice()
     }
 
