@@ -48,7 +48,7 @@
 //! same message whose allocations it maps is served from it (a message's tensors share a
 //! tag's few allocations), each open still counted on its own, and never at an address
 //! open already (each open's count goes with its own close).
-
+//!
 //! Limitations. A kept run holds the exporter's physical memory while the exporter keeps it
 //! too; once the exporter releases any exported granule, every idle run of that exporter
 //! is dropped at the next import or close here (not only the runs over the released
@@ -101,10 +101,20 @@ struct Run {
 }
 
 impl Run {
-    /// The run went idle (`true`) or is open or gone again: its keeper's count follows.
+    /// The run went idle (`true`) or is open again: its keeper's count follows.
     fn count_idle(&self, idle: bool) {
         if let Some(k) = &self.keeper {
             k.count(idle);
+        }
+    }
+}
+
+impl Drop for Run {
+    /// An idle kept run is counted out however it goes (dropped, or its cache dropped with
+    /// its pool), so that its exporter's pause never waits for it.
+    fn drop(&mut self) {
+        if self.users == 0 && self.kept {
+            self.count_idle(false);
         }
     }
 }
@@ -290,9 +300,6 @@ impl ImportCache {
     /// The upstream unmapped run `key`: forgotten, and its exporter too once it has none.
     pub fn dropped(&mut self, key: usize) {
         let Some(r) = self.runs.remove(&key) else { return };
-        if r.users == 0 && r.kept {
-            r.count_idle(false);
-        }
         if let Some(keys) = self.by_origin.get_mut(&(r.exporter, r.origin)) {
             keys.retain(|&k| k != key);
             if keys.is_empty() {

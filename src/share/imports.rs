@@ -141,8 +141,8 @@ pub fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bo
 pub fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32) -> Result<()> {
     if let Some(key) = cache.last_close_unmaps(ptr) {
         // Memory its exporter may pause, kept by no keeper entry: unmapped at its last
-        // close, before that close is booked and its count drops. Refused, the block stays open (and counted): the
-        // caller may close it again.
+        // close, before that close is booked and its count drops. Refused, the block stays
+        // open (and counted): the caller may close it again.
         up.vmm_unimport(key)?;
         cache.close(ptr);
         cache.dropped(key);

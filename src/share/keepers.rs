@@ -15,14 +15,17 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a pause waits for its keepers to drop their idle mappings: a watcher answers in
-/// the time its unmaps take, so only a process that stopped running (a debugger, SIGSTOP)
-/// reaches it.
+/// the time its unmaps take, and each waits for its device to finish the work queued
+/// before it, so a receiver whose device is busy for longer (or a stopped process, under a
+/// debugger or SIGSTOP) reaches it. The pause then returns, warning: what such a keeper
+/// keeps goes when it drops it.
 pub const KEEPERS_WAIT: Duration = Duration::from_secs(2);
 
-/// The pid whose watcher runs (a forked child starts its own).
+/// The pid whose watcher runs (0: none; a forked child starts its own).
 static WATCHING: Mutex<u32> = Mutex::new(0);
 
-/// Start this process's watcher, once: called after an import of pausable memory by pid.
+/// Start this process's watcher where none runs: called after an import of pausable memory
+/// by pid.
 pub fn watch() {
     let mut pid = WATCHING.lock().unwrap_or_else(|e| e.into_inner());
     if *pid == std::process::id() {
@@ -32,20 +35,38 @@ pub fn watch() {
     match spawned {
         Ok(_) => *pid = std::process::id(),
         Err(e) => crate::error::warn(&format!(
-            "starting the thread that gives senders' paused memory back failed ({e}); a sender's pause waits for this \
-             process's next import or close instead"
+            "starting the thread that gives senders' paused memory back failed ({e}); their pauses wait {} s for this \
+             process, then leave what it keeps mapped to its next import or close",
+            KEEPERS_WAIT.as_secs()
         )),
     }
 }
 
 /// The watcher's loop: wait on the wake word of an exporter this process keeps mappings of
 /// (the first, polling the others), and drop every device's stale idle imports when one
-/// moved. The exporters' releases make the mappings stale; the drop counts them out.
+/// moved. The exporters' releases make the mappings stale; the drop counts them out. Ends
+/// once this process keeps nothing for a while (the next import starts another).
 fn watcher() {
     // (keeper's file, its wake word when last read)
-    let mut seen: Vec<(usize, u32)> = Vec::new();
+    let mut seen: Vec<((u64, u64), u32)> = Vec::new();
+    let mut idle_rounds = 0;
     loop {
         let now = keepers();
+        if now.is_empty() {
+            idle_rounds += 1;
+            if idle_rounds >= 5 {
+                let mut pid = WATCHING.lock().unwrap_or_else(|e| e.into_inner());
+                // Checked again under the lock that `watch` takes after each import: a
+                // keeper made since is seen here, or its import's `watch` starts a watcher.
+                if keepers().is_empty() {
+                    *pid = 0;
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            continue;
+        }
+        idle_rounds = 0;
         let mut moved = false;
         let mut next = Vec::with_capacity(now.len());
         for k in &now {
@@ -62,11 +83,10 @@ fn watcher() {
             drop_stale_everywhere();
             continue;
         }
-        match now.as_slice() {
-            [] => std::thread::sleep(Duration::from_millis(200)),
-            [k] => k.wait(seen[0].1, Duration::from_millis(500)),
-            [k, ..] => k.wait(seen[0].1, Duration::from_millis(5)),
-        }
+        // One exporter (an RL trainer): woken by its futex. Several: the first's futex,
+        // the others polled.
+        let wait = if now.len() == 1 { Duration::from_millis(500) } else { Duration::from_millis(20) };
+        now[0].wait(seen[0].1, wait);
     }
 }
 

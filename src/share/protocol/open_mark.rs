@@ -8,7 +8,7 @@
 //! a mapping per import would cost an `mmap` and a `munmap` (a TLB shootdown over every
 //! thread of the process) on each open and close.
 
-use super::record::{OPENS_BYTES, RECORD_SLOTS};
+use super::record::{OPENS_BYTES, RECORD_SLOTS, SLOTS_BYTES};
 use super::opens_file::{self, Keepers, OpensSlot};
 use super::identity::{Fd, FileId};
 use crate::error::{Error, Result};
@@ -22,9 +22,12 @@ struct OpensFile {
     own: Fd,
     /// Slot -> this process's marks on it (the lock is held while any is).
     marks: Mutex<HashMap<u32, u32>>,
-    /// This process's keeper entry (`opens_file::Keepers`), claimed when it first keeps a
-    /// mapping of this exporter's memory idle; held (its lock) while the file is mapped.
+    /// This process's keeper entry (`opens_file::Keepers`), claimed when it first maps
+    /// memory of this exporter's that may be kept idle; held (its lock) while the file is
+    /// mapped.
     keeper: Mutex<Option<u32>>,
+    /// The file's identity.
+    key: FileKey,
 }
 
 // SAFETY: the mapping is reached only through atomics and lives as long as the value.
@@ -41,7 +44,7 @@ impl Drop for OpensFile {
 impl OpensFile {
     fn slot(&self, slot: u32) -> Option<OpensSlot<'_>> {
         // SAFETY: the mapping of the whole file, which lives as long as `self`.
-        unsafe { OpensSlot::at(self.base, OPENS_BYTES, slot) }
+        unsafe { OpensSlot::at(self.base, SLOTS_BYTES, slot) }
     }
 
     fn keepers(&self) -> Keepers<'_> {
@@ -87,7 +90,7 @@ fn map(fd: i32) -> Result<Arc<OpensFile>> {
     if base == libc::MAP_FAILED {
         return Err(bad(format!("cannot be mapped: {}", std::io::Error::last_os_error())));
     }
-    let f = Arc::new(OpensFile { base: base.cast(), own, marks: Mutex::new(HashMap::new()), keeper: Mutex::new(None) });
+    let f = Arc::new(OpensFile { base: base.cast(), own, marks: Mutex::new(HashMap::new()), keeper: Mutex::new(None), key: (file.dev, file.ino) });
     files.insert((file.dev, file.ino), f.clone());
     Ok(f)
 }
@@ -201,9 +204,10 @@ impl Keeper {
         self.file.keepers().wait(seen, timeout)
     }
 
-    /// Which exporter's file it keeps in (the same while the file is mapped here).
-    pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.file) as usize
+    /// Which exporter's file it keeps in (device and inode: a memfd's are unique while it
+    /// exists).
+    pub fn id(&self) -> (u64, u64) {
+        self.file.key
     }
 }
 

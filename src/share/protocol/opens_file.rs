@@ -24,8 +24,8 @@
 //! on) when it releases exported memory, then `KEEPERS` entries (a keeper's pid in the high
 //! 32 bits, the idle mappings it keeps of this exporter's memory in the low 32 bits), each
 //! held by its keeper through a shared lock on byte `slots + entry`, as the slots are:
-//! - a receiver claims an entry (its lock first, then the word) when it first keeps a
-//!   mapping of this exporter's pausable memory idle, adds one per idle mapping kept and
+//! - a receiver claims an entry (its lock first, then the word) when it first maps this
+//!   exporter's pausable memory to keep it, adds one per idle mapping kept and
 //!   takes it back when the mapping is opened again or dropped, and watches the wake word;
 //! - a pause, once it released the memory (the export record's release count moved, so
 //!   every kept mapping of the exporter is stale), bumps the word, wakes the keepers and

@@ -71,6 +71,9 @@ const RELEASES_WORD: usize = 3;
 const OPENS_FD_WORD: usize = 4;
 /// Bytes of the opens file: a slot of `opens_file` per record slot.
 pub const OPENS_BYTES: usize = super::opens_file::file_bytes(RECORD_SLOTS);
+/// Bytes of its slots, before the keepers: a slot number past them names no slot (a forged
+/// descriptor's must not reach the keepers).
+pub const SLOTS_BYTES: usize = super::opens_file::SLOT_BYTES * RECORD_SLOTS as usize;
 const RECORD_HEADER: usize = 8 * HEADER_WORDS;
 /// Words per slot: token, digest.
 const SLOT_WORDS: usize = 2;
@@ -146,7 +149,7 @@ impl ExportRecord {
 
     fn opens_slot(&self, slot: u32) -> opens_file::OpensSlot<'_> {
         // SAFETY: the mapping of the whole opens file, which lives as long as `self`.
-        unsafe { opens_file::OpensSlot::at(self.opens_map, OPENS_BYTES, slot) }.expect("a record slot has an opens slot")
+        unsafe { opens_file::OpensSlot::at(self.opens_map, SLOTS_BYTES, slot) }.expect("a record slot has an opens slot")
     }
 
     /// The live exports among `ats` (of this process's record).
@@ -366,6 +369,10 @@ impl ExportRecord {
         for slot in r.by_granule.get(&(fd, offset)).cloned().unwrap_or_default() {
             r.clear(slot);
         }
+        // Every mapping a keeper keeps of this process's memory is stale now: its watcher
+        // drops them (a pause also waits for that; any other release does not).
+        // SAFETY: the whole opens file's mapping, which lives as long as the record.
+        unsafe { opens_file::Keepers::at(r.opens_map, RECORD_SLOTS) }.wake_all();
     }
 
     /// An importer's check that `fd` is the record of exporter `pid` started at `start_time`.

@@ -2,6 +2,7 @@
 //! what a descriptor names (pid, file identity, export record).
 
 use super::*;
+use super::record::RECORD_SLOTS;
 
 fn desc() -> GranuleDescriptor {
     GranuleDescriptor {
@@ -226,4 +227,31 @@ fn an_export_that_lists_a_granule_twice_gives_its_slot_back_once() {
     assert!(ExportRecord::is_live(x) && ExportRecord::is_live(y));
     ExportRecord::granule_released(b.fd, b.offset);
     ExportRecord::granule_released(c.fd, c.offset);
+}
+
+#[test]
+fn an_open_mark_past_the_last_slot_is_refused_before_it_reaches_the_keepers() {
+    let mut p = [0i32; 2];
+    // SAFETY: a writable two-int array.
+    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let g = SharedGranule { fd: p[1], offset: 0, file: FileId::of(p[1]).unwrap() };
+    let d = exported(g);
+    match Exporter::open(&d) {
+        Ok(e) => {
+            assert!(e.mark_open(d.record).is_ok(), "a live slot is counted");
+            // The keepers' wake word and entries follow the last slot: a forged slot number
+            // naming them is refused.
+            for slot in [RECORD_SLOTS, RECORD_SLOTS + 1, RECORD_SLOTS + 200] {
+                let forged = RecordRef { slot, ..d.record };
+                let err = e.mark_open(forged).err().expect("a slot past the last one is refused");
+                assert!(err.to_string().contains("outside the opens file"), "{err}");
+            }
+        }
+        Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
+    }
+    // SAFETY: our own pipe.
+    unsafe {
+        libc::close(p[0]);
+        libc::close(p[1]);
+    }
 }
