@@ -25,7 +25,8 @@ pub const KEEPERS_WAIT: Duration = Duration::from_secs(2);
 static WATCHING: Mutex<u32> = Mutex::new(0);
 
 /// Start this process's watcher where none runs: called after an import of pausable memory
-/// by pid.
+/// by pid, by the entry points that import into the registry's pools (`descriptor.rs`), the
+/// pools the watcher drops stale imports in.
 pub fn watch() {
     let mut pid = WATCHING.lock().unwrap_or_else(|e| e.into_inner());
     if *pid == std::process::id() {
@@ -47,6 +48,16 @@ pub fn watch() {
 /// moved. The exporters' releases make the mappings stale; the drop counts them out. Ends
 /// once this process keeps nothing for a while (the next import starts another).
 fn watcher() {
+    // A watcher that panics lets the next import start another.
+    struct Ended;
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                *WATCHING.lock().unwrap_or_else(|e| e.into_inner()) = 0;
+            }
+        }
+    }
+    let _ended = Ended;
     // (keeper's file, its wake word when last read)
     let mut seen: Vec<((u64, u64), u32)> = Vec::new();
     let mut idle_rounds = 0;

@@ -155,16 +155,21 @@ pub fn ipc_close(p: usize, d: i32) {
     assert_eq!(gpupool::ffi::ipc::gpupool_ipc_close(p as *mut std::ffi::c_void, d), gpupool::Status::Ok, "{}", last_error());
 }
 
-/// Whether this process may open pidfds (valgrind and kernels before 5.3 refuse): where it
-/// may not, imports by pid go through the sender's handover socket instead.
+/// Whether this process may open pidfds and copy descriptors through them (valgrind,
+/// kernels before 5.6 and seccomp filters refuse): where it may not, imports by pid go
+/// through the sender's handover socket instead.
 pub fn pidfd_works() -> bool {
-    // SAFETY: a plain syscall; the descriptor it returns is closed here.
+    // SAFETY: plain syscalls; the descriptors they return are closed here.
     unsafe {
         let fd = libc::syscall(libc::SYS_pidfd_open, std::process::id() as libc::c_long, 0);
         if fd < 0 {
             return false;
         }
+        let copy = libc::syscall(libc::SYS_pidfd_getfd, fd, fd, 0);
+        if copy >= 0 {
+            libc::close(copy as i32);
+        }
         libc::close(fd as i32);
+        copy >= 0
     }
-    true
 }
