@@ -20,8 +20,6 @@ const MIB: usize = 1 << 20;
 /// Every allocation under a tag is this size (Note [A tag's granule]).
 use gpupool::tags::TAG_GRANULE;
 
-/// The environment every test here reads: devices on the host upstream (a device no test
-/// configures gets it from here), before the first call reads the configuration.
 /// One test at a time: a process's kept imports of its own memory go stale whenever it
 /// releases memory (the host upstream counts every granule's release), which a test running
 /// beside another would see as a receiver that let go too early.
@@ -29,6 +27,9 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     ONE.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// The environment every test here reads: devices on the host upstream (a device no test
+/// configures gets it from here), before the first call reads the configuration.
 
 fn host_env() {
     static ENV: std::sync::Once = std::sync::Once::new();

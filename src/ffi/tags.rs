@@ -77,8 +77,10 @@ pub extern "C" fn gpupool_tag_end() -> Status {
 /// addresses stay reserved. Until `gpupool_tag_resume`, allocations under the tag are
 /// refused, frees of its blocks wait for the resume and its blocks cannot be exported.
 /// `*out_released` (optional) receives the device bytes given back.
-/// `GPUPOOL_STATUS_BUSY`, with nothing paused, while another process still maps one of the
-/// tag's blocks it imported through gpupool (the error names the blocks and the processes).
+/// `GPUPOOL_STATUS_BUSY`, with nothing paused, while another process has one of the tag's
+/// blocks open that it imported through gpupool (the error names the blocks and the
+/// processes). Receivers that keep closed imports mapped drop them when asked: the pause
+/// waits for them (at most 2 s) before it returns.
 ///
 /// # Safety
 /// `name` must be NULL (rejected) or a NUL-terminated string; `out_released` NULL or writable.

@@ -53,7 +53,8 @@
 //! too; once the exporter releases any exported granule, every idle run of that exporter
 //! is dropped at the next import or close here (not only the runs over the released
 //! granule: the count says that something changed, not what). Until this process imports or
-//! closes again, or empties its cache, memory the exporter released stays alive. A run is
+//! closes again, or empties its cache, memory the exporter released stays alive, unless this
+//! process is one of the exporter's keepers, whose watcher drops them at the release. A run is
 //! reused only for descriptors that lie inside it; blocks across allocations kept in
 //! different runs are mapped again.
 
@@ -134,8 +135,8 @@ pub struct ImportCache {
     clock: u64,
     /// Opens served by a kept run, with no driver call.
     reuses: u64,
-    /// Imports not kept (memory their exporter may pause), each open counted as open in its
-    /// exporter's opens file until closed (`protocol::OpenMark`): address -> a mark per open.
+    /// Open imports of memory their exporter may pause, each open counted in its exporter's
+    /// opens file until closed (`protocol::OpenMark`): address -> a mark per open.
     open_marks: FxHashMap<usize, Vec<crate::share::protocol::OpenMark>>,
 }
 

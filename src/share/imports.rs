@@ -86,8 +86,8 @@ pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescrip
     let (exporter, serial) = cache.exporter(d)?;
     let source = FdSource::fetch_via(exporter.clone(), d)?;
     // Memory its exporter may pause: counted as open in the exporter's opens file from
-    // before it is mapped until its close, so that a pause refuses while this process maps
-    // it (and this import is refused while the exporter pauses); once idle, kept mapped
+    // before it is mapped until its close, so that a pause refuses while this process has
+    // it open (and this import is refused while the exporter pauses); once idle, kept mapped
     // only where this process is one of the exporter's keepers, whose pause then asks for
     // it back (Note [Keeping imports mapped]); blocks open at the same time over the same
     // allocations share one mapping (a message's tensors).

@@ -30,7 +30,9 @@
 //! - a pause, once it released the memory (the export record's release count moved, so
 //!   every kept mapping of the exporter is stale), bumps the word, wakes the keepers and
 //!   waits for every live keeper's count to reach zero: each drops its idle mappings then,
-//!   and the device gets the memory back before the pause returns.
+//!   and the device gets the memory back before the pause returns (after
+//!   `share::keepers::KEEPERS_WAIT` it returns anyway, warning; what a keeper that did not
+//!   answer keeps stays alive until it drops it).
 //!
 //! Limitations: a `fork()` child of a receiver shares the description its locks are held
 //! through, so a receiver that dies while such a child lives still counts until the child

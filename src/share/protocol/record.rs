@@ -24,8 +24,9 @@
 //! slot, how many imports of the export are open now and the pid of the last process that
 //! opened one. An importer of memory its exporter may pause (`protocol::FLAG_PAUSABLE`, a tag's)
 //! adds one while its import is open (`protocol::OpenMark`), so that a pause of that memory
-//! refuses while a receiver still maps it (`ExportRecord::opens`), instead of releasing
-//! memory the receiver keeps alive and sees stale after the resume.
+//! refuses while a receiver has an import of it open (`ExportRecord::opens`), instead of
+//! releasing memory the receiver keeps alive and sees stale after the resume; receivers that
+//! keep closed imports mapped are the opens file's keepers, which the pause asks to let go.
 
 use super::identity::{granules_digest, start_time_of, Fd, SharedGranule};
 use crate::error::{Error, Result};
