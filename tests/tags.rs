@@ -550,20 +550,64 @@ fn a_pause_counts_every_open_import_and_refuses_on_no_device_when_one_is_open() 
     free(on_e, e);
 }
 
+/// A receiver run as a process of its own: this test binary again, running the ignored
+/// test `name` with the descriptor `desc` (hex) in `TAGS_TEST_DESC` and the file it answers
+/// through in `TAGS_TEST_ANSWER`, its input a pipe.
+fn spawn_receiver(name: &str, desc: &[u8], answer: &std::path::Path) -> std::process::Child {
+    use std::process::{Command, Stdio};
+    let _ = std::fs::remove_file(answer);
+    let hex: String = desc.iter().map(|b| format!("{b:02x}")).collect();
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--test-threads=1"])
+        .env("TAGS_TEST_DESC", hex)
+        .env("TAGS_TEST_ANSWER", answer)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// In a receiver: the descriptor and the answer file `spawn_receiver` passed (None when run
+/// as a plain test).
+fn receiver_args() -> Option<(Vec<u8>, String)> {
+    let (Ok(hex), Ok(answer)) = (std::env::var("TAGS_TEST_DESC"), std::env::var("TAGS_TEST_ANSWER")) else { return None };
+    Some(((0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect(), answer))
+}
+
+/// In a receiver: write `text` to the answer file whole (renamed into place).
+fn answer(path: &str, text: &str) {
+    std::fs::write(format!("{path}.tmp"), text).unwrap();
+    std::fs::rename(format!("{path}.tmp"), path).unwrap();
+}
+
+/// The receiver's next answer (the file is taken away once read); a receiver that exits or
+/// takes a minute fails the test.
+fn next_answer(child: &mut std::process::Child, path: &std::path::Path) -> String {
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            let _ = std::fs::remove_file(path);
+            return text.trim().to_string();
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the receiver ended before it answered: {status}");
+        }
+        assert!(started.elapsed().as_secs() < 60, "the receiver did not answer in a minute");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// The receiver of `a_receiver_that_exited_without_closing_counts_no_more`, run by it as a
-/// process of its own (`--ignored`): opens the descriptor in `TAGS_TEST_RECEIVE` (hex),
-/// writes its pid to the file `TAGS_TEST_OPENED` names, and exits when its input closes,
-/// without closing the import.
+/// process of its own (`spawn_receiver`): opens the descriptor, answers its pid, and exits
+/// when its input closes, without closing the import.
 #[test]
 #[ignore]
 fn receiver_process() {
     use std::io::BufRead;
-    let (Ok(hex), Ok(opened)) = (std::env::var("TAGS_TEST_RECEIVE"), std::env::var("TAGS_TEST_OPENED")) else { return };
-    let desc: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    let Some((desc, opened)) = receiver_args() else { return };
     host(60);
     common::ipc_open_by_pid(&desc, 60).unwrap();
-    std::fs::write(format!("{opened}.tmp"), std::process::id().to_string()).unwrap();
-    std::fs::rename(format!("{opened}.tmp"), &opened).unwrap();
+    answer(&opened, &std::process::id().to_string());
     let _ = std::io::stdin().lock().lines().next();
     std::process::exit(0); // the import stays open: the process is gone with it
 }
@@ -571,36 +615,14 @@ fn receiver_process() {
 #[test]
 fn a_receiver_that_exited_without_closing_counts_no_more() {
     let _serial = one_at_a_time();
-    use std::process::{Command, Stdio};
     let d = 51;
     host(d);
     begin(c"left-open");
     let w = malloc(3 * MIB, d).unwrap();
     end();
-    let desc = common::ipc_export(w, 1);
-    let hex: String = desc.iter().map(|b| format!("{b:02x}")).collect();
     let opened = std::env::temp_dir().join(format!("gpupool-tags-opened-{}", std::process::id()));
-    let _ = std::fs::remove_file(&opened);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "receiver_process", "--ignored", "--test-threads=1"])
-        .env("TAGS_TEST_RECEIVE", hex)
-        .env("TAGS_TEST_OPENED", &opened)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    let pid: u32 = loop {
-        if let Ok(text) = std::fs::read_to_string(&opened) {
-            break text.trim().parse().unwrap();
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the receiver ended without opening the block: {status}");
-        }
-        assert!(started.elapsed().as_secs() < 60, "the receiver did not open the block in a minute");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    let _ = std::fs::remove_file(&opened);
+    let mut child = spawn_receiver("receiver_process", &common::ipc_export(w, 1), &opened);
+    let pid: u32 = next_answer(&mut child, &opened).parse().unwrap();
     let why = busy_refusal(d, c"left-open").unwrap_or_else(|| panic!("the receiver maps the block: {}", last()));
     assert!(why.contains(&format!("process {pid}")), "{why}");
     drop(child.stdin.take()); // the receiver exits, its import still open
@@ -803,23 +825,18 @@ fn blocks_of_one_message_share_one_mapping_of_a_tags_allocation_while_open() {
 }
 
 /// The receiver of `a_receiver_in_another_process_gives_a_tags_memory_back_on_its_pause`,
-/// run by it as a process of its own (`--ignored`): opens the descriptor in
-/// `TAGS_TEST_KEEP` (hex) and closes it (its mapping kept for a next message), then writes
-/// its kept mappings to the file `TAGS_TEST_KEPT` names, and again at each line of its input;
-/// exits when its input closes.
+/// run by it as a process of its own (`spawn_receiver`): opens the descriptor and closes it
+/// (its mapping kept for a next message), then answers how many mappings it keeps, and again
+/// at each line of its input; exits when its input closes.
 #[test]
 #[ignore]
 fn keeping_receiver_process() {
     use std::io::BufRead;
-    let (Ok(hex), Ok(out)) = (std::env::var("TAGS_TEST_KEEP"), std::env::var("TAGS_TEST_KEPT")) else { return };
-    let desc: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+    let Some((desc, out)) = receiver_args() else { return };
     host(61);
     let p = common::ipc_open_by_pid(&desc, 61).unwrap();
     common::ipc_close(p, 61);
-    let report = || {
-        std::fs::write(format!("{out}.tmp"), figure_after(61, "{", "ipc_imports_kept").to_string()).unwrap();
-        std::fs::rename(format!("{out}.tmp"), &out).unwrap();
-    };
+    let report = || answer(&out, &figure_after(61, "{", "ipc_imports_kept").to_string());
     report();
     for _ in std::io::stdin().lock().lines().map_while(|l| l.ok()) {
         report();
@@ -830,38 +847,15 @@ fn keeping_receiver_process() {
 fn a_receiver_in_another_process_gives_a_tags_memory_back_on_its_pause() {
     let _serial = one_at_a_time();
     use std::io::Write;
-    use std::process::{Command, Stdio};
     let d = 52;
     host(d);
     begin(c"kept-elsewhere");
     let w = malloc(3 * MIB, d).unwrap();
     end();
     fill(w, 3 * MIB, 5);
-    let hex: String = common::ipc_export(w, 1).iter().map(|b| format!("{b:02x}")).collect();
     let kept = std::env::temp_dir().join(format!("gpupool-tags-kept-{}", std::process::id()));
-    let _ = std::fs::remove_file(&kept);
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "keeping_receiver_process", "--ignored", "--test-threads=1"])
-        .env("TAGS_TEST_KEEP", hex)
-        .env("TAGS_TEST_KEPT", &kept)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let read = |child: &mut std::process::Child| -> u64 {
-        let started = std::time::Instant::now();
-        loop {
-            if let Ok(text) = std::fs::read_to_string(&kept) {
-                let _ = std::fs::remove_file(&kept);
-                break text.trim().parse().unwrap();
-            }
-            if let Some(status) = child.try_wait().unwrap() {
-                panic!("the receiver ended early: {status}");
-            }
-            assert!(started.elapsed().as_secs() < 60, "the receiver did not answer in a minute");
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-    };
+    let mut child = spawn_receiver("keeping_receiver_process", &common::ipc_export(w, 1), &kept);
+    let read = |child: &mut std::process::Child| -> u64 { next_answer(child, &kept).parse().unwrap() };
     assert_eq!(read(&mut child), 1, "the receiver keeps the tag's mapping after its close");
     let t = std::time::Instant::now();
     assert!(pause(d, c"kept-elsewhere", true).unwrap() >= 3 * MIB);

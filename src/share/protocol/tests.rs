@@ -55,6 +55,35 @@ fn a_descriptor_round_trips_and_damage_is_refused() {
     assert!(GranuleDescriptor::decode(&huge.encode()).is_err(), "granule * count past 2^64 is refused, not wrapped");
 }
 
+/// A pipe, closed when dropped: its ends stand in for an exported allocation's descriptor.
+struct Pipe([i32; 2]);
+
+impl Pipe {
+    fn new() -> Pipe {
+        let mut p = [0i32; 2];
+        // SAFETY: a writable two-int array.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        Pipe(p)
+    }
+}
+
+impl std::ops::Index<usize> for Pipe {
+    type Output = i32;
+    fn index(&self, i: usize) -> &i32 {
+        &self.0[i]
+    }
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        // SAFETY: our own pipe's descriptors.
+        unsafe {
+            libc::close(self.0[0]);
+            libc::close(self.0[1]);
+        }
+    }
+}
+
 /// A descriptor of this process sharing `g`, recorded as a live export.
 fn exported(g: SharedGranule) -> GranuleDescriptor {
     let pid = std::process::id();
@@ -64,9 +93,7 @@ fn exported(g: SharedGranule) -> GranuleDescriptor {
 
 #[test]
 fn an_export_no_longer_recorded_is_not_fetched_from() {
-    let mut p = [0i32; 2];
-    // SAFETY: a writable two-int array.
-    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let p = Pipe::new();
     let g = SharedGranule { fd: p[1], offset: 0, file: FileId::of(p[1]).unwrap() };
     let d = exported(g);
     match FdSource::fetch_from(&d) {
@@ -86,11 +113,6 @@ fn an_export_no_longer_recorded_is_not_fetched_from() {
             assert!(FdSource::fetch_from(&wrong).err().is_some_and(|e| e.to_string().contains("not process")));
         }
         Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
-    }
-    // SAFETY: our own pipe.
-    unsafe {
-        libc::close(p[0]);
-        libc::close(p[1]);
     }
 }
 
@@ -139,9 +161,7 @@ fn stale_forged_and_reused_pid_descriptors_are_refused() {
 
 #[test]
 fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
-    let mut p = [0i32; 2];
-    // SAFETY: a writable two-int array.
-    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let p = Pipe::new();
     let pid = std::process::id();
     let shared = |fd: i32| SharedGranule { fd, offset: 0, file: FileId::of(fd).unwrap() };
     let d = exported(shared(p[1]));
@@ -167,11 +187,6 @@ fn fetching_from_this_process_gives_new_descriptors_to_the_same_file() {
     assert_eq!(src.get(1, &shared(p[1])).unwrap().0, p[1], "a given descriptor is the caller's, by position");
     assert!(src.get(1, &shared(p[1])).unwrap().1.is_none(), "and not closed by gpupool");
     assert!(src.get(2, &shared(p[1])).is_err(), "one too few");
-    // SAFETY: our own pipe.
-    unsafe {
-        libc::close(p[0]);
-        libc::close(p[1]);
-    }
 }
 
 #[test]
@@ -231,9 +246,7 @@ fn an_export_that_lists_a_granule_twice_gives_its_slot_back_once() {
 
 #[test]
 fn an_open_mark_past_the_last_slot_is_refused_before_it_reaches_the_keepers() {
-    let mut p = [0i32; 2];
-    // SAFETY: a writable two-int array.
-    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    let p = Pipe::new();
     let g = SharedGranule { fd: p[1], offset: 0, file: FileId::of(p[1]).unwrap() };
     let d = exported(g);
     match Exporter::open(&d) {
@@ -248,10 +261,5 @@ fn an_open_mark_past_the_last_slot_is_refused_before_it_reaches_the_keepers() {
             }
         }
         Err(e) => assert!(e.to_string().contains("pidfd"), "{e}"),
-    }
-    // SAFETY: our own pipe.
-    unsafe {
-        libc::close(p[0]);
-        libc::close(p[1]);
     }
 }
