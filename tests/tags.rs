@@ -30,7 +30,6 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 
 /// The environment every test here reads: devices on the host upstream (a device no test
 /// configures gets it from here), before the first call reads the configuration.
-
 fn host_env() {
     static ENV: std::sync::Once = std::sync::Once::new();
     ENV.call_once(|| {
