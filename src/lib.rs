@@ -21,7 +21,8 @@
 //! - `thread_cache`: the per-thread fast path for same-size reuse on one stream (every
 //!   stream but the per-thread default one), all of it: the thread-local side, the
 //!   attach on a locked allocation, and `state/`, the words a cache shares with its pool
-//!   (a layer below the pool; `pool/attached_caches.rs` is the pool's interface).
+//!   (a layer below the pool; `Pool::attach_thread` and the kept blocks' return in
+//!   `pool/free.rs` are the pool's interface).
 //! - `debug`: leak records and the leak report (`GPUPOOL_DEBUG`).
 //! - `trace`: the CSV event trace (`GPUPOOL_TRACE`); `replay` plays one back.
 //! - `owners`: which device's pool got an address range (lookups without pool locks).

@@ -67,7 +67,7 @@ fn fragmenting_pattern_holds_about_the_live_peak_and_repeats_without_driver_call
     // (at most 2 MiB each side of each): under 5% here.
     assert!(ratio(&a) <= 1.05, "arena holds {:.3}x the live peak", ratio(&a));
     assert!(ratio(&s) > ratio(&a) + 0.2, "the pattern must fragment split ({:.3})", ratio(&s));
-    assert!(arena.arena_counters().unwrap().stitches_made > 0, "the big block was stitched");
+    assert!(arena.arena_figures().unwrap().counters.stitches_made > 0, "the big block was stitched");
     // The steps once more. The first pass began with nothing mapped, so its small blocks
     // took scraps of the large range (`ArenaStrategy::take_spilled`); this one finds the
     // small range mapped and lays them out there, which moves free space once and may
@@ -95,12 +95,12 @@ fn a_request_no_stitch_could_hold_keeps_the_cached_stitches() {
     p.free(blocks[2], 0).unwrap();
     let big = p.malloc(4 * G, 0).unwrap();
     p.free(big, 0).unwrap();
-    let made = p.arena_counters().unwrap();
+    let made = p.arena_figures().unwrap().counters;
     assert_eq!((made.stitches_made, made.stitches_dropped), (1, 0));
     assert!(p.malloc(1 << 46, 0).is_err(), "64 TiB cannot be served");
     // Nor 1.5 GiB on this 1 GiB device (its large range, twice the device, could hold it).
     assert!(matches!(p.malloc(3 << 29, 0), Err(Error::OutOfMemory(_))));
-    let c = p.arena_counters().unwrap();
+    let c = p.arena_figures().unwrap().counters;
     assert_eq!((c.stitches_dropped, c.granules_unmapped), (0, 0), "an impossible request evicted the cached stitch: {c:?}");
     // Nor one larger than any block the arena's address ranges could hold (here the
     // device has 1 GiB and `GPUPOOL_ARENA_VA` is 64 MiB: no release could help it).
@@ -111,7 +111,7 @@ fn a_request_no_stitch_could_hold_keeps_the_cached_stitches() {
     let s = small_va.malloc(4 * G, 0).unwrap();
     small_va.free(s, 0).unwrap();
     assert!(matches!(small_va.malloc(100 * MIB, 0), Err(Error::OutOfMemory(_))));
-    let c = small_va.arena_counters().unwrap();
+    let c = small_va.arena_figures().unwrap().counters;
     assert_eq!((c.stitches_dropped, c.granules_unmapped), (0, 0), "{c:?}");
     for b in [held[1], held[3]] {
         small_va.free(b, 0).unwrap();
@@ -120,7 +120,7 @@ fn a_request_no_stitch_could_hold_keeps_the_cached_stitches() {
     let before = p.driver_calls();
     let again = p.malloc(4 * G, 0).unwrap();
     assert_eq!(p.driver_calls(), before, "the cached stitch served again: {}", p.driver_calls().text());
-    assert_eq!(p.arena_counters().unwrap().stitch_reuses, 1);
+    assert_eq!(p.arena_figures().unwrap().counters.stitch_reuses, 1);
     for b in [again, blocks[1], blocks[3]] {
         p.free(b, 0).unwrap();
     }
@@ -144,7 +144,7 @@ fn with_piece_ends_a_full_stitch_cache_still_serves_from_pieces_where_new_memory
         let big = p.malloc(2 * G, 0).unwrap();
         p.free(big, 0).unwrap();
         assert_eq!((p.malloc(G, 0).unwrap(), p.malloc(G, 0).unwrap()), (s1, s2));
-        assert_eq!(p.arena_counters().unwrap().stitches_made, i + 1);
+        assert_eq!(p.arena_figures().unwrap().counters.stitches_made, i + 1);
     }
     // Free memory: the end of a granule, two whole granules, the start of another.
     let head = p.malloc(5 * MIB / 4, 0).unwrap();
@@ -155,9 +155,9 @@ fn with_piece_ends_a_full_stitch_cache_still_serves_from_pieces_where_new_memory
     p.free(tail, 0).unwrap();
     let held = p.stats().total_bytes as usize;
     p.set_limit(held).unwrap();
-    let before = p.arena_counters().unwrap();
+    let before = p.arena_figures().unwrap().counters;
     let got = p.malloc(25 * MIB / 4, 0).expect("served from pieces and whole free granules, with no new memory");
-    let after = p.arena_counters().unwrap();
+    let after = p.arena_figures().unwrap().counters;
     assert_eq!((after.granules_mapped, after.stitches_dropped, after.stitch_pieces), (before.granules_mapped, before.stitches_dropped + 1, before.stitch_pieces + 2), "{after:?}");
     p.free(got, 0).unwrap();
 }
@@ -174,7 +174,7 @@ fn a_stitch_maps_each_granule_once_and_grants_access_once() {
     let before = p.driver_calls();
     let big = p.malloc(4 * G, 0).unwrap();
     let after = p.driver_calls();
-    assert_eq!(p.arena_counters().unwrap().stitches_made, 1, "served by a stitch");
+    assert_eq!(p.arena_figures().unwrap().counters.stitches_made, 1, "served by a stitch");
     assert_eq!(p.stats().total_bytes as usize, 8 * G, "no new memory");
     assert_eq!(after.mem_map - before.mem_map, 4, "one alias per granule: {}", after.text());
     assert_eq!(after.set_access - before.set_access, 1, "one access grant for the stitch: {}", after.text());
@@ -328,7 +328,7 @@ fn each_range_grows_into_the_others_free_granules_before_mapping_new_memory() {
         stamp(a, 512 * 1024, i);
     }
     assert_eq!(p.stats().total_bytes as usize, 8 * MIB, "6 MiB of small blocks took no new memory");
-    assert_eq!(p.arena_counters().unwrap().granules_lent, 3);
+    assert_eq!(p.arena_figures().unwrap().counters.granules_lent, 3);
     let large = p.malloc(2 * MIB, 0).unwrap(); // the large range's last free granule
     stamp(large, 2 * MIB, 100);
     for &(a, i) in &small {
@@ -341,7 +341,7 @@ fn each_range_grows_into_the_others_free_granules_before_mapping_new_memory() {
     p.free(large, 0).unwrap();
     p.reclaim().unwrap();
     assert_eq!(p.stats().total_bytes, 0, "loans ended and their homes went back");
-    let c = p.arena_counters().unwrap();
+    let c = p.arena_figures().unwrap().counters;
     assert_eq!(c.loans_ended, c.granules_lent);
     p.check_invariants().unwrap();
 
@@ -448,7 +448,7 @@ fn a_loan_whose_alias_cannot_be_removed_is_quarantined_and_retried() {
     // and the books would count a granule less than the device holds.
     // (The loans' aliases cannot be removed either, so they stay too: each counts once.)
     p.reclaim().unwrap();
-    let c = p.arena_counters().unwrap();
+    let c = p.arena_figures().unwrap().counters;
     let lent_now = (c.granules_lent - c.loans_ended) as usize;
     assert_eq!(p.stats().total_bytes as usize, (lent_now + 1) * 2 * MIB, "the stale alias's granule is kept and counted once: {}", p.memory_status());
     p.check_invariants().unwrap();
@@ -499,7 +499,7 @@ fn while_another_shard_grows_a_small_request_maps_new_memory_unless_the_limit_re
         drop(budget.contention().begin()); // a growth that began while the other was under way
         let before = p.driver_calls();
         let big = p.malloc(4 * G, 0).unwrap();
-        (big, p.driver_calls().mem_create - before.mem_create, p.arena_counters().unwrap().stitches_made)
+        (big, p.driver_calls().mem_create - before.mem_create, p.arena_figures().unwrap().counters.stitches_made)
     };
     let (mut p, blocks) = setup(0);
     let (big, created, stitched) = contended_malloc(&mut p);
@@ -523,7 +523,7 @@ fn while_another_shard_grows_a_small_request_maps_new_memory_unless_the_limit_re
     let (mut r, blocks) = setup(0);
     drop(r.budget().contention().begin());
     let big = r.malloc(4 * G, 0).unwrap();
-    assert_eq!(r.arena_counters().unwrap().stitches_made, 1);
+    assert_eq!(r.arena_figures().unwrap().counters.stitches_made, 1);
     for b in [big, blocks[1], blocks[3]] {
         r.free(b, 0).unwrap();
     }

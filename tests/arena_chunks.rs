@@ -37,7 +37,7 @@ fn a_long_growth_is_mapped_in_chunks_which_are_stitched_and_released_whole() {
     let big = p.malloc(400 * MIB, 0).unwrap();
     let d = p.driver_calls();
     assert_eq!(p.stats().total_bytes, mapped, "no new memory");
-    assert_eq!(p.arena_counters().unwrap().stitches_made, 1);
+    assert_eq!(p.arena_figures().unwrap().counters.stitches_made, 1);
     assert_eq!((d.mem_map - before.mem_map, d.set_access - before.set_access), (4, 1), "one alias per chunk: {}", d.text());
     stamp(big, 400 * MIB, 9);
     stamp(b, 2 * MIB, 10);

@@ -136,7 +136,7 @@ fn randomized_run_of(ops: usize, decay_window: usize, capacity: usize, largest: 
     p.reclaim().unwrap();
     assert_eq!(p.stats().total_bytes, 0);
     p.check_invariants().unwrap();
-    let counters = p.arena_counters().unwrap();
+    let counters = p.arena_figures().unwrap().counters;
     let pieces = counters.stitch_pieces;
     assert_eq!(pieces > 0, arena_piece_ends, "{pieces} stitch ends in pieces of granules");
     // The run reached what it is for: stitches made and granules released.

@@ -111,7 +111,7 @@ fn decay_gives_the_arenas_free_granules_back() {
     let (decayed, live2) = churn(&mut decaying, 3000);
     assert_eq!(live, live2, "same sequence");
     assert!(decayed < kept_all, "decay must end with less mapped: {decayed} vs {kept_all} for {live} live");
-    let c = decaying.arena_counters().unwrap();
+    let c = decaying.arena_figures().unwrap().counters;
     assert!(c.granules_unmapped > 0 && decaying.stats().reclaimed_bytes > 0, "{c:?}");
 }
 
@@ -153,7 +153,7 @@ fn what_a_stitched_block_holds_beyond_its_size_is_neither_in_use_nor_releasable(
         p.free(b, 0).unwrap();
     }
     let big = p.malloc(5 * G + G / 2, 0).unwrap();
-    assert_eq!(p.arena_counters().unwrap().stitches_made, 1, "the block is stitched");
+    assert_eq!(p.arena_figures().unwrap().counters.stitches_made, 1, "the block is stitched");
     let st = p.stats();
     assert_eq!(st.used_bytes as usize, 4 * 2 * G + 5 * G + G / 2);
     assert_eq!(st.free_bytes as usize, 2 * G + G / 2, "two free granules and the stitched block's unused half");

@@ -482,7 +482,7 @@ fn an_eviction_that_cannot_wait_for_its_stream_does_not_plan_it_again_forever() 
         p.free(blocks[i], S).unwrap();
     }
     let stitched = p.malloc(8 * MIB, S).unwrap();
-    assert!(p.arena_counters().unwrap().stitches_made >= 1);
+    assert!(p.arena_figures().unwrap().counters.stitches_made >= 1);
     p.free(stitched, S).unwrap();
     p.free(blocks[1], S).unwrap();
     p.begin_allocate_to_pool((1, 1), Filter::Stream(gpupool::stream::StreamKey(0xDEAD))).unwrap();

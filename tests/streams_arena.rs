@@ -80,7 +80,7 @@ fn the_rest_of_a_lent_granule_goes_to_a_third_stream_only_after_waiting() {
     let x = p.malloc(2 * MIB, A).unwrap();
     p.free(x, A).unwrap();
     let s = p.malloc(MIB / 2, B).unwrap();
-    assert_eq!(p.arena_counters().unwrap().granules_lent, 1);
+    assert_eq!(p.arena_figures().unwrap().counters.granules_lent, 1);
     let l = log(&dev);
     let wait = l.iter().position(|x| x.starts_with(&format!("wait {B:#x}"))).unwrap_or_else(|| panic!("{l:?}"));
     let rec = l.iter().rposition(|x| x.starts_with("record") && x.ends_with(&format!("on {B:#x}"))).unwrap_or_else(|| panic!("B recorded after the loan: {l:?}"));

@@ -51,7 +51,8 @@ fn main() {
         let mapped = pool.stats().total_bytes as usize;
         if mapped > peak_mapped {
             peak_mapped = mapped;
-            let u = pool.arena_space_usage().expect("arena");
+            let f = pool.arena_figures().expect("arena");
+            let u = [f.small, f.large];
             println!(
                 "op {i:>8}: {} {:>7.2} MiB -> mapped {:>7.1} MiB (small {:>6.1} mapped, {:>6.1} free; large {:>6.1} mapped, {:>6.1} free) live small {:>6.1} large {:>6.1} peak live {:>6.1}",
                 if op.action == Action::Alloc { "alloc" } else { "free " },

@@ -34,7 +34,7 @@ fn main() {
         }
         let d = p.driver_calls().total() - before;
         if d > 0 {
-            println!("op {i}/{}: alloc {} MiB -> {d} calls (cached {} MiB, largest free {} MiB, {:?})", ops.len(), op.size >> 20, cached >> 20, largest >> 20, p.arena_counters());
+            println!("op {i}/{}: alloc {} MiB -> {d} calls (cached {} MiB, largest free {} MiB, {:?})", ops.len(), op.size >> 20, cached >> 20, largest >> 20, p.arena_figures().map(|f| f.counters));
         }
     }
 }

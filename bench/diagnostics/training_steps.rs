@@ -112,7 +112,7 @@ fn main() {
             (c1.total() - c0.total()) as f64 / steps as f64,
             (c1.memory_calls() - c0.memory_calls()) as f64 / steps as f64
         );
-        if let Some(c) = p.arena_counters() {
+        if let Some(c) = p.arena_figures().map(|f| f.counters) {
             println!("  arena: {c:?}");
         }
         for a in params {

@@ -308,3 +308,42 @@ impl Pool {
         }
     }
 }
+
+/// Blocks coming back from the threads' fast-path caches (`crate::thread_cache`), under the
+/// device lock.
+impl Pool {
+    /// Give every block kept in a thread cache back to the pool (reclaim, limits, growth,
+    /// reconfiguration). `current`: the stream of the operation in progress, if any (its
+    /// kept blocks record their free there; the others' streams may be gone).
+    pub(crate) fn flush_thread_caches(&mut self, current: Option<StreamHandle>) {
+        let mut kept = self.caches.reap();
+        kept.extend(self.caches.take_all_kept(false));
+        for (p, state) in kept {
+            self.release_kept(p, state, current);
+        }
+    }
+
+    /// Free a block taken out of a thread cache: its user freed it already (counted then).
+    /// A CuPy free not yet fenced joins the pool's unfenced frees. `current`: the stream of
+    /// the operation in progress (alive now), if any.
+    pub(crate) fn release_kept(&mut self, ptr: usize, state: WordState, current: Option<StreamHandle>) {
+        let counted = self.rec.c.frees;
+        let _ = match state {
+            WordState::Unfenced => self.free(ptr, FreeOn::Unordered),
+            // Kept only when freed on its allocation stream: free it there, recording only
+            // if that stream is known alive (its user may have destroyed it since the free).
+            _ => match self.core.live(ptr).map(|l| (l.handle, l.block.stream)) {
+                Some((h, key)) => self.free_later(ptr, h, key, false, current),
+                None => self.free(ptr, FreeOn::Stream(crate::stream::STREAM_LEGACY)),
+            },
+        };
+        self.rec.c.frees = counted;
+    }
+
+    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
+    pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
+        let kept = self.caches.kept();
+        let n = kept.len();
+        kept.iter().filter_map(|&p| self.core.live(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
+    }
+}

@@ -33,14 +33,14 @@ use crate::trace::Action;
 use crate::error::{Error, Result};
 use crate::stream::StreamHandle;
 use crate::upstream::Upstream;
-use crate::thread_cache::state::{AttachedCaches, WordState, NO_OWNER};
+use crate::thread_cache::state::{AttachedCaches, ThreadCache, WordState, NO_OWNER};
+use std::sync::Arc;
 use self::core::{Core, Live};
 use limits::Limits;
 pub use limits::within_device;
 use recorder::Recorder;
 
 mod arena;
-mod attached_caches;
 mod budget;
 mod contention;
 mod core;
@@ -108,7 +108,7 @@ impl Pool {
             limits,
             rec: Recorder::new(opts),
             graphs,
-            caches: AttachedCaches::new(attached_caches::thread_caches_wanted(opts, device)),
+            caches: AttachedCaches::new(opts.wants_thread_caches(device)),
             imports: Default::default(),
             exports: Default::default(),
             stopped: None,
@@ -197,6 +197,23 @@ impl Pool {
 
     pub fn owns(&self, ptr: usize) -> bool {
         self.core.is_live(ptr)
+    }
+
+    /// The calling thread's fast-path cache for a locked allocation on `stream`: `current`
+    /// is the (pool id, cache id) the thread already has for this device. Exited threads'
+    /// caches are emptied first. Returns the cache id to pass to `malloc_owned` (with
+    /// `owner_of`), and a new cache for the thread to install, if one was made. `None`: no
+    /// fast path here (disabled, or the per-thread default stream).
+    pub(crate) fn attach_thread(&mut self, current: Option<(u64, u32)>, stream: StreamHandle) -> Option<(u32, Option<Arc<ThreadCache>>)> {
+        if !self.caches.enabled() || stream == crate::stream::STREAM_PER_THREAD {
+            return None; // (the per-thread default stream means another stream on each thread)
+        }
+        if self.caches.has_orphans() {
+            for (p, state) in self.caches.reap() {
+                self.release_kept(p, state, Some(stream));
+            }
+        }
+        self.caches.attach(current)
     }
 
     /// Allocate `size` bytes for use on `stream`. Size 0 gives a null pointer (0).

@@ -9,6 +9,24 @@ use crate::error::Result;
 use crate::stats::{render_json, render_status, ReportContext, Stats, STATS_VERSION};
 
 impl Pool {
+    /// The arena's figures for the reports (`None` for other pools); a device's reports add
+    /// its shards' up.
+    pub fn arena_figures(&self) -> Option<ArenaFigures> {
+        ArenaFigures::of(&self.core)
+    }
+
+    /// The `segments` array's items of this pool's snapshot (`registry::snapshot_json` joins
+    /// a device's pools').
+    pub(crate) fn snapshot_segments(&self) -> String {
+        super::snapshot::segments(&self.core, &self.caches, &self.graphs)
+    }
+
+    /// Thread caches registered with this pool (exited threads' until the next locked
+    /// operation reaps them), and the blocks their users freed that they keep.
+    pub fn thread_caches(&self) -> (usize, usize) {
+        (self.caches.count(), self.caches.kept().len())
+    }
+
     /// Every live allocation, for the leak report.
     pub fn leaks(&self) -> Vec<Leak> {
         let kept = self.caches.kept();

@@ -2,39 +2,8 @@
 //! space, stitches, loans and counters, added up over a device's shards, as JSON and as a
 //! line of the status report.
 
-use crate::pool::Pool;
+use crate::pool::core::Core;
 use crate::strategy::arena::ArenaCounters;
-
-impl Pool {
-    /// The arena's counters, for arena pools.
-    pub fn arena_counters(&self) -> Option<ArenaCounters> {
-        self.core.arena().map(|a| a.counters)
-    }
-
-    /// The arena's (mapped, free) bytes in its small and large ranges, for arena pools.
-    pub fn arena_space_usage(&self) -> Option<[(usize, usize); 2]> {
-        self.core.arena().map(|a| a.space_usage())
-    }
-
-    /// The arena's figures for the reports (`None` for other pools); a device's reports add
-    /// its shards' up.
-    pub fn arena_figures(&self) -> Option<ArenaFigures> {
-        let a = self.core.arena()?;
-        let usage = a.space_usage();
-        Some(ArenaFigures {
-            granule: a.granule(),
-            mapped: a.mapped_bytes(),
-            address_space: a.reserved_address_space(),
-            stitches: a.stitch_count(),
-            chunks: a.chunk_usage(),
-            counters: a.counters,
-            small: usage[0],
-            large: usage[1],
-            memory: self.core.upstream().vmm_memory_kind(),
-            leaked: self.core.arena_leaked(),
-        })
-    }
-}
 
 /// What the reports say of an arena: one pool's figures, or a device's shards added up
 /// (`add`), so a device whose streams allocate on several shards reports all of them.
@@ -62,6 +31,24 @@ pub struct ArenaFigures {
 }
 
 impl ArenaFigures {
+    /// The figures of `core`'s arena (`None` for other pools).
+    pub(in crate::pool) fn of(core: &Core) -> Option<ArenaFigures> {
+        let a = core.arena()?;
+        let usage = a.space_usage();
+        Some(ArenaFigures {
+            granule: a.granule(),
+            mapped: a.mapped_bytes(),
+            address_space: a.reserved_address_space(),
+            stitches: a.stitch_count(),
+            chunks: a.chunk_usage(),
+            counters: a.counters,
+            small: usage[0],
+            large: usage[1],
+            memory: core.upstream().vmm_memory_kind(),
+            leaked: core.arena_leaked(),
+        })
+    }
+
     /// Add another shard's arena.
     pub fn add(&mut self, o: &ArenaFigures) {
         self.granule = self.granule.max(o.granule);

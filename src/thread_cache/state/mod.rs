@@ -1,6 +1,6 @@
 //! The state a thread's cache shares with the pool it is attached to, below the device
-//! pool (which keeps an `AttachedCaches` and offers the operations that need its books,
-//! `pool/attached_caches.rs`): the `ThreadCache` type and its word protocol, the limits of
+//! pool (which keeps an `AttachedCaches` and offers the operations that need its books:
+//! `Pool::attach_thread`, and the kept blocks' return in `pool/free.rs`): the `ThreadCache` type and its word protocol, the limits of
 //! each word set, and which caches one pool has attached (module docs of `thread_cache`).
 //!
 //! The caches' words are shared with their owner threads, which change them without the
@@ -71,7 +71,7 @@ pub struct AttachedCaches {
 
 impl AttachedCaches {
     /// The caches of one pool; `enabled` false: none is ever attached (the pool says when,
-    /// `Pool::thread_caches_wanted`).
+    /// `PoolOptions::wants_thread_caches`).
     pub fn new(enabled: bool) -> Self {
         AttachedCaches {
             enabled,
