@@ -12,6 +12,7 @@ mod figures;
 mod release;
 
 pub use figures::ArenaFigures;
+pub(super) use export::{granule_count as export_granule_count, granules as export_granules};
 
 use super::growth::{Attempt, Grower, Request, Stage};
 use super::Pool;

@@ -1,8 +1,9 @@
 //! The pool's hooks for sharing blocks with other processes (Note [Sharing between
 //! processes]): export a live block as a descriptor, map another process's descriptor,
 //! unmap it again. For an export this file checks the pointer against the pool's books and
-//! picks what goes: an arena block's granules (`arena/export.rs`: `cudaIpcGetMemHandle`
-//! refuses memory of the virtual memory API), or a segment pool's segment handle and
+//! picks what goes: an arena block's granules (`arena/export.rs` lists them, this file
+//! writes the record and guards the block: `cudaIpcGetMemHandle` refuses memory of the
+//! virtual memory API), or a segment pool's segment handle and
 //! offset, through CUDA's own IPC (`crate::share::protocol::segment_descriptor`). For an
 //! import or a close it checks that the pool runs and maps that kind of memory, and hands
 //! its upstream and its kept imports to `crate::share::imports`, which decides the calls.
@@ -16,7 +17,8 @@ use super::{WordState, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::share::protocol::SegmentDescriptor;
 use crate::share::imports;
-use crate::share::protocol::{own_start_time, GranuleDescriptor, OpenMark, KIND_CUDA};
+use crate::share::protocol::{granules_digest, own_start_time, ExportRecord, GranuleDescriptor, OpenMark, KIND_CUDA};
+use super::arena::{export_granule_count as arena_granule_count, export_granules as arena_granules};
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -92,6 +94,60 @@ impl Pool {
         self.arena_export(ptr, size, (addr, block_size), share_granules, (handover, flags))
     }
 
+    /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
+    /// `size` bytes: its granules (`arena/export.rs`), the export record importers check,
+    /// and the guard that keeps the granules to the block.
+    fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool, (handover, flags): (u64, u32)) -> Result<Vec<u8>> {
+        // The granules' shareable handles and the record come before the guard, so a failed
+        // export (a driver call, the record) leaves the arena's books as they were: the
+        // block stays usable and unguarded. A refused guard ends the record.
+        let (first, listed, granules) = arena_granules(&mut self.core, ptr, size)?;
+        // A block exported before with the same granules keeps its export: one record
+        // slot, one descriptor, however often it is sent.
+        let digest = granules_digest(&granules);
+        let reused = self.exports.reusable(addr, digest);
+        let record = match reused {
+            Some(at) => at,
+            None => ExportRecord::add(&granules)?,
+        };
+        // The importer maps whole granules: nothing else may live in the block's (unless
+        // the caller shares granules, as the framework routes do).
+        let guard = |core: &mut super::core::Core| core.arena_mut().expect("an arena pool").guard_export(addr, block_size);
+        let mut guarded = if share_granules { Ok(()) } else { guard(&mut self.core) };
+        if guarded.is_err() {
+            // Blocks freed into thread caches, or not yet fenced, are live in the books:
+            // hand them back and look again.
+            self.flush_thread_caches(None);
+            self.fence_unfenced();
+            self.finish_pending(false);
+            guarded = guard(&mut self.core);
+        }
+        if let Err(why) = guarded {
+            if reused.is_none() {
+                ExportRecord::end(record);
+            }
+            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(format!("IPC export: {why}")) });
+        }
+        if reused.is_none() {
+            self.exports.note(addr, record, digest);
+        }
+        let d = GranuleDescriptor {
+            kind: self.core.upstream().vmm_share_kind(),
+            pid: std::process::id(),
+            start_time: own_start_time(),
+            record,
+            device: self.core.device(),
+            granule: listed as u64,
+            offset: (ptr - first) as u64,
+            size: size as u64,
+            origin: first as u64,
+            handover,
+            flags,
+            granules,
+        };
+        Ok(d.encode())
+    }
+
     /// The length `ipc_export` of the live block at `ptr` would return, exporting nothing
     /// (a pointer that is no live block gets `ipc_export`'s error).
     pub(crate) fn ipc_export_len(&mut self, ptr: usize) -> Result<usize> {
@@ -99,7 +155,7 @@ impl Pool {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };
         let size = l.requested.max(1);
-        Ok(match self.arena_export_granules(ptr, size) {
+        Ok(match arena_granule_count(&self.core, ptr, size) {
             Some(granules) => crate::share::protocol::HEADER_BYTES + crate::share::protocol::GRANULE_BYTES * granules,
             None => crate::share::protocol::SEGMENT_DESCRIPTOR_BYTES,
         })

@@ -1,104 +1,64 @@
-//! The arena's part of exporting a block to another process (`Pool::ipc_export`, which
-//! checks the pointer first): the block's whole allocations, one shareable descriptor per
-//! allocation, and the export record importers check (`crate::share::protocol`,
-//! `crate::share::protocol::record`).
+//! The arena's granules under an exported block (`Pool::ipc_export`, `ipc.rs`, which checks
+//! the pointer, guards the block and writes the record): the block's whole allocations, one
+//! shareable descriptor per allocation, each granule named by its file's identity
+//! (`crate::share::protocol`).
 
-use crate::error::{BadPointer, Error, Result};
-use crate::pool::Pool;
-use crate::share::protocol::ExportRecord;
-use crate::share::protocol::{granules_digest, own_start_time, raise_fd_limit, GranuleDescriptor, FileId, SharedGranule};
+use crate::error::Result;
+use crate::pool::core::Core;
+use crate::share::protocol::{raise_fd_limit, FileId, SharedGranule};
 
-impl Pool {
-    /// The descriptor of the live arena block `(addr, block_size)`, exported at `ptr` for
-    /// `size` bytes (`Pool::ipc_export` gives the rest).
-    pub(in crate::pool) fn arena_export(&mut self, ptr: usize, size: usize, (addr, block_size): (usize, usize), share_granules: bool, (handover, flags): (u64, u32)) -> Result<Vec<u8>> {
-        let g = self.arena_ref().granule();
-        // The granules' shareable handles and the record come before the guard that keeps
-        // the granules to the block, so a failed export (a driver call, the record) leaves
-        // the arena's books as they were: the block stays usable and unguarded. A refused
-        // guard ends the record; a granule's descriptor stays with the upstream until the
-        // granule is released, and serves its next export.
-        // Each exported granule keeps a descriptor open (`crate::share::protocol::fds`).
-        raise_fd_limit();
-        // Whole allocations: the importer maps a chunk only whole.
-        let (first, end) = self.arena_ref().export_extent(ptr, size);
-        // Each granule's file identity goes along, so an importer can tell the exported file
-        // from whatever its number names later (Note [Sharing between processes], "Trust").
-        // (The granules of one allocation share its descriptor: one fstat for them.)
-        let mut last: Option<(i32, FileId)> = None;
-        // Entries of the device's granularity, which importers map in: a granule larger
-        // than that (a tag's, Note [A tag's granule]) is several consecutive ones.
-        let listed = self.listed_granule();
-        let mut granules = Vec::with_capacity((end - first) / listed);
-        for a in (first..end).step_by(g) {
-            let s = self.core.upstream_mut().vmm_export(a)?;
-            let file = match last {
-                Some((fd, file)) if fd == s.fd => file,
-                _ => FileId::of(s.fd)?,
-            };
-            last = Some((s.fd, file));
-            granules.extend((0..g / listed).map(|k| SharedGranule { file, offset: s.offset + (k * listed) as u64, ..s }));
-        }
-        // A block exported before with the same granules keeps its export: one record
-        // slot, one descriptor, however often it is sent.
-        let digest = granules_digest(&granules);
-        let reused = self.exports.reusable(addr, digest);
-        let record = match reused {
-            Some(at) => at,
-            None => ExportRecord::add(&granules)?,
+/// The granules of `core`'s arena under `size` bytes at `ptr`, in entries of the device's
+/// granularity: where they start, the entries' size and the entries. A failure (a driver
+/// call) leaves the books as they were; a granule's descriptor stays with the upstream until
+/// the granule is released and serves its next export.
+pub(in crate::pool) fn granules(core: &mut Core, ptr: usize, size: usize) -> Result<(usize, usize, Vec<SharedGranule>)> {
+    let g = arena_granule(core);
+    // Each exported granule keeps a descriptor open (`crate::share::protocol::fds`).
+    raise_fd_limit();
+    // Whole allocations: the importer maps a chunk only whole.
+    let (first, end) = extent(core, ptr, size);
+    // Each granule's file identity goes along, so an importer can tell the exported file
+    // from whatever its number names later (Note [Sharing between processes], "Trust").
+    // (The granules of one allocation share its descriptor: one fstat for them.)
+    let mut last: Option<(i32, FileId)> = None;
+    // Entries of the device's granularity, which importers map in: a granule larger
+    // than that (a tag's, Note [A tag's granule]) is several consecutive ones.
+    let listed = listed_granule(core);
+    let mut granules = Vec::with_capacity((end - first) / listed);
+    for a in (first..end).step_by(g) {
+        let s = core.upstream_mut().vmm_export(a)?;
+        let file = match last {
+            Some((fd, file)) if fd == s.fd => file,
+            _ => FileId::of(s.fd)?,
         };
-        // The importer maps whole granules: nothing else may live in the block's (unless
-        // the caller shares granules, as the framework routes do).
-        let mut guarded = if share_granules { Ok(()) } else { self.arena().guard_export(addr, block_size) };
-        if guarded.is_err() {
-            // Blocks freed into thread caches, or not yet fenced, are live in the books:
-            // hand them back and look again.
-            self.flush_thread_caches(None);
-            self.fence_unfenced();
-            self.finish_pending(false);
-            guarded = self.arena().guard_export(addr, block_size);
-        }
-        if let Err(why) = guarded {
-            if reused.is_none() {
-                ExportRecord::end(record);
-            }
-            return Err(Error::InvalidPointer { ptr, device: self.core.device(), why: BadPointer::Refused(format!("IPC export: {why}")) });
-        }
-        if reused.is_none() {
-            self.exports.note(addr, record, digest);
-        }
-        let d = GranuleDescriptor {
-            kind: self.core.upstream().vmm_share_kind(),
-            pid: std::process::id(),
-            start_time: own_start_time(),
-            record,
-            device: self.core.device(),
-            granule: listed as u64,
-            offset: (ptr - first) as u64,
-            size: size as u64,
-            origin: first as u64,
-            handover,
-            flags,
-            granules,
-        };
-        Ok(d.encode())
+        last = Some((s.fd, file));
+        granules.extend((0..g / listed).map(|k| SharedGranule { file, offset: s.offset + (k * listed) as u64, ..s }));
     }
+    Ok((first, listed, granules))
+}
 
-    /// How many granules an export of `size` bytes at `ptr` names (`None`: not an arena
-    /// pool, whose export is CUDA's segment handle).
-    pub(in crate::pool) fn arena_export_granules(&self, ptr: usize, size: usize) -> Option<usize> {
-        let a = self.core.arena()?;
-        let (first, end) = a.export_extent(ptr, size);
-        Some((end - first) / self.listed_granule())
-    }
+/// How many entries an export of `size` bytes at `ptr` names (`None`: not an arena pool,
+/// whose export is CUDA's segment handle).
+pub(in crate::pool) fn granule_count(core: &Core, ptr: usize, size: usize) -> Option<usize> {
+    core.arena()?;
+    let (first, end) = extent(core, ptr, size);
+    Some((end - first) / listed_granule(core))
+}
 
-    /// The granule exports list: the device's granularity (the arena's granule where the
-    /// upstream does not say).
-    fn listed_granule(&self) -> usize {
-        let g = self.arena_ref().granule();
-        match self.core.upstream().vmm_device_granule() {
-            d if d == 0 || d > g || g % d != 0 => g,
-            d => d,
-        }
+fn arena_granule(core: &Core) -> usize {
+    core.arena().expect("exports of granules are of arena pools").granule()
+}
+
+fn extent(core: &Core, ptr: usize, size: usize) -> (usize, usize) {
+    core.arena().expect("exports of granules are of arena pools").export_extent(ptr, size)
+}
+
+/// The entries' size: the device's granularity (the arena's granule where the upstream does
+/// not say).
+fn listed_granule(core: &Core) -> usize {
+    let g = arena_granule(core);
+    match core.upstream().vmm_device_granule() {
+        d if d == 0 || d > g || g % d != 0 => g,
+        d => d,
     }
 }
