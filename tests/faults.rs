@@ -157,7 +157,7 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, only: &
             _ => {}
         }
         if kind == PoolKind::Arena {
-            books_agree(&p, &s, i, &imports);
+            books_agree(&mut p, &s, i, &imports);
         } else if pages {
             pages_agree(&p, &s, kind, &format!("operation {i}"));
         }
@@ -187,7 +187,7 @@ fn churn(kind: PoolKind, every: u64, random: u64, seed: u64, ops: usize, only: &
         assert!(lock(&s).decommitted.is_empty(), "{kind:?}: pages decommitted after every segment went back");
     }
     if kind == PoolKind::Arena {
-        books_agree(&p, &s, ops, &imports);
+        books_agree(&mut p, &s, ops, &imports);
         // Each granule whose release failed is reported as leaked, exactly.
         let leaked = p.arena_figures().unwrap().leaked;
         assert_eq!(leaked, leaks as usize * HOST_PAGE, "granules leaked: {leaks} injected, {leaked} bytes reported");

@@ -2,13 +2,16 @@
 //! deferred frees, thread caches' reusable blocks, a device-wide wait where frees no event
 //! covers would otherwise make the pool grow, new segments, releasing some cached memory,
 //! then all of it) and the out-of-memory report. The escalation is one loop (`escalate`)
-//! for every growth path of the main cache: segment pools grow here, the arena through
-//! `arena.rs`. These are `Pool` methods because growth meets every layer: the core's cache
-//! and upstream, the limits' claims, the thread caches' kept blocks, and the graph-pool
-//! layer's word on whether the device may be waited for.
+//! for every growth path of the main cache, both here: segment pools reserve segments
+//! (`SegmentGrowth`), the arena maps windows and stitches (`ArenaGrowth` and the arena's
+//! driver calls below it). These are `Pool` methods because growth meets every layer: the
+//! core's cache and upstream, the limits' claims, the thread caches' kept blocks, and the
+//! graph-pool layer's word on whether the device may be waited for.
 
-use super::arena::ArenaGrowth;
-use super::growth::{Attempt, Grower, Request, Stage};
+
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth, PlanRules};
+use crate::upstream::AliasFail;
+use super::growth::{Attempt, GrowFail, Grower, Request, Stage};
 use super::{Pool, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
@@ -67,6 +70,121 @@ impl Grower for SegmentGrowth {
         let want = if stage == Stage::ReleaseSome { Some(self.preferred) } else { None };
         let _ = pool.release_cached(want);
         Ok(true)
+    }
+}
+
+/// Growth of the arena (`Pool::escalate`): a window of its ranges mapped (new memory, or
+/// the other range's free granules lent), stitches of free granules, spilled small blocks.
+pub(super) struct ArenaGrowth;
+
+impl Grower for ArenaGrowth {
+    fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt> {
+        let Request { rounded, key, stream, .. } = *req;
+        if stage == Stage::AsIs {
+            // Decay trims before planning: a release after it could unmap what the plan
+            // counts on.
+            pool.decay_before_grow(rounded, key, stream);
+        }
+        // Once memory had to be released for this request, new memory is mapped granule by
+        // granule: a chunk partly in use could be neither stitched nor released later.
+        let chunking = stage == Stage::AsIs;
+        // While other shards' growths contend for the driver, small requests get new memory
+        // rather than new stitches (`contention.rs`); not once memory had to be released,
+        // nor where new memory is refused or no window is allowed (below): there a stitch
+        // serves with memory already held.
+        let contended = stage == Stage::AsIs && pool.budget().contention().contended();
+        if let Some(b) = pool.with_arena_gate(key, stream, |a, gate| a.take_spilled_unplanned(rounded, key, gate)) {
+            return Ok(Attempt::Served(b));
+        }
+        // Plan and serve; an eviction (stitch cache full) plans again. One that fails (its
+        // stream's work cannot be waited for now) is not planned again in this growth: the
+        // same stitch would be chosen forever.
+        let mut rules = PlanRules { small_stitches: !contended, ..PlanRules::default() };
+        loop {
+            let plan = pool.with_arena_gate(key, stream, |a, gate| a.plan(rounded, key, rules, gate));
+            let served = match plan {
+                None if !rules.small_stitches => {
+                    rules.small_stitches = true;
+                    continue;
+                }
+                // Piece ends were held back for a full stitch cache (`plan`); where nothing
+                // else serves, they may evict.
+                None if !rules.pieces_when_full && pool.arena_ref().piece_ends() => {
+                    rules.pieces_when_full = true;
+                    continue;
+                }
+                None => return Ok(Attempt::Nothing),
+                Some(Growth::Evict { id }) => {
+                    // Removing the aliases waits for the stream that last freed the stitch;
+                    // when that is this one, its frees are covered first (an event, not a
+                    // device-wide wait). A stitch whose alias removal failed is left broken
+                    // (never chosen again); one whose stream could not be waited for stays
+                    // cached.
+                    if pool.arena_ref().stitch_last_stream(id) == Some(key) {
+                        pool.cover_own_frees(key, stream);
+                    }
+                    if pool.drop_stitch(id).is_err() {
+                        rules.may_evict = false;
+                    }
+                    continue;
+                }
+                Some(Growth::Reuse { id, first, granules }) => Ok(pool.arena().carve_stitch(id, first, granules, rounded, key, true)),
+                Some(Growth::Stitch { base, homes, fresh, take, head, tail }) => {
+                    let budget = pool.budget().clone();
+                    let _calls = budget.contention().begin();
+                    pool.cover_own_frees(key, stream);
+                    pool.make_stitch(base, homes, &fresh, (take, head, tail), req, chunking)
+                }
+                Some(Growth::Window { space, window }) => {
+                    let spilled = if window.targets.is_empty() {
+                        None
+                    } else {
+                        pool.with_arena_gate(key, stream, |a, gate| a.take_spilled(rounded, key, gate))
+                    };
+                    match spilled {
+                        Some(b) => Ok(b),
+                        None => {
+                            // Only a window over unmapped granules makes driver calls.
+                            let budget = (!window.targets.is_empty()).then(|| pool.budget().clone());
+                            let _calls = budget.as_ref().map(|b| b.contention().begin());
+                            if budget.is_some() {
+                                pool.cover_own_frees(key, stream);
+                            }
+                            pool.map_window(&window, key, stream, chunking).map(|()| pool.arena().carve_window(space, &window, key))
+                        }
+                    }
+                }
+            };
+            return match served {
+                Ok(b) => Ok(Attempt::Served(b)),
+                Err(GrowFail::OutOfMemory { .. }) if !rules.small_stitches => {
+                    rules.small_stitches = true;
+                    continue;
+                }
+                // The window taken for a full stitch cache was refused: pieces need less.
+                Err(GrowFail::OutOfMemory { .. }) if !rules.pieces_when_full && pool.arena_ref().piece_ends() => {
+                    rules.pieces_when_full = true;
+                    continue;
+                }
+                Err(GrowFail::OutOfMemory { by_limit }) => Ok(Attempt::Refused { by_limit }),
+                Err(GrowFail::Other(e)) => Err(e),
+            };
+        }
+    }
+
+    fn before_release(&self, pool: &mut Pool, _stage: Stage, _covered: bool) -> bool {
+        // What the stages moved back joins the searchable books, and the cache is tried
+        // before any granule goes back.
+        pool.core.strategy_mut().flush_deferred();
+        true
+    }
+
+    fn release(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<bool> {
+        // The limit or the device refused new memory: free granules this request could not
+        // use (the other space's, edges of the other class) go back, some, then all. Those
+        // it could use were stitched already.
+        let want = if stage == Stage::ReleaseSome { Some(req.rounded) } else { None };
+        Ok(pool.release_cached(want)? > 0)
     }
 }
 
@@ -294,5 +412,229 @@ impl Pool {
             granule: self.arena_granule(),
             address_space_full: None,
         }))
+    }
+}
+
+/// The arena's driver calls: mapping a window or granules, making and dropping stitches.
+impl Pool {
+    /// The arena of an arena pool. The arena's pool side runs only for arena pools
+    /// (`Pool::grow` picks `ArenaGrowth` where `Core::is_arena`; exports and releases ask
+    /// `Core::arena` first).
+    pub(super) fn arena(&mut self) -> &mut ArenaStrategy {
+        self.core.arena_mut().expect("the arena's pool side runs for arena pools only")
+    }
+
+    pub(super) fn arena_ref(&self) -> &ArenaStrategy {
+        self.core.arena().expect("the arena's pool side runs for arena pools only")
+    }
+
+    /// The arena's granule (0 for other pools): what out-of-memory reports name as the
+    /// unit of mapping.
+    pub(super) fn arena_granule(&self) -> usize {
+        self.core.arena().map_or(0, |a| a.granule())
+    }
+
+    /// The bytes of the arena's large range (any block must fit there), for an
+    /// out-of-memory report where no address space was left.
+    pub(super) fn arena_large_range(&self) -> Option<usize> {
+        self.core.arena().map(|a| a.reservations()[1].1)
+    }
+
+    /// Whether `rounded` bytes can never fit this arena: over the device's memory as the
+    /// arena read it at start (no bound where the driver would not say), or over the range
+    /// any block must fit in. False for other pools.
+    pub(super) fn arena_never_fits(&self, rounded: usize) -> bool {
+        let Some(arena) = self.core.arena() else { return false };
+        let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
+        rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)
+    }
+
+    /// Run `f` on the arena with the reuse gate of a request on `stream` (`key`): free
+    /// memory last used on another stream serves it only where the stream tracker makes it
+    /// safe for this one (`StreamTracker::reuse_gate`).
+    fn with_arena_gate<R>(&mut self, key: StreamKey, stream: StreamHandle, f: impl FnOnce(&mut ArenaStrategy, &mut dyn FnMut(StreamKey, usize, usize) -> bool) -> R) -> R {
+        self.core.with_arena_gate(key, stream, f).expect("the arena's pool side runs for arena pools only")
+    }
+
+    /// Whether a growth of `len` may be mapped in chunks: only while the device's reserved
+    /// memory stays within half of what it may hold (its memory, or the limit if lower).
+    /// Why: a chunk partly in use can be neither stitched nor released, so near the limit
+    /// the free memory in chunks could be stranded where granules would serve.
+    fn arena_has_room_for_chunks(&self, len: usize) -> bool {
+        let total = self.arena_ref().device_bytes();
+        let cap = match self.limits.limit() {
+            0 => total,
+            l => l.min(total),
+        };
+        self.limits.budget().reserved() + len <= cap / 2
+    }
+
+    /// Back every unmapped granule of `window`: first with the other range's free granules
+    /// (an alias each, no new memory: `ArenaStrategy::lendable`), then
+    /// with new memory, one call per run of adjacent granules; the books follow each call
+    /// that succeeded.
+    /// `chunking`: whether long runs of new memory may be mapped as chunks (`map_granules`).
+    fn map_window(&mut self, window: &Window, key: StreamKey, stream: StreamHandle, chunking: bool) -> std::result::Result<(), GrowFail> {
+        let mut targets = window.targets.as_slice();
+        if self.core.arena_lend() && !targets.is_empty() {
+            let homes = self.with_arena_gate(key, stream, |a, gate| {
+                a.lendable(a.space_of_addr(window.start), targets.len(), key, gate)
+            });
+            let g = self.arena().granule();
+            // One alias call per run of adjacent targets (one access grant per run). The
+            // homes are free memory their streams allowed to `stream`; aliasing them
+            // disturbs no queued work. A refused run leaves the rest to new memory, and its
+            // aliases made but not yet accessible are removed. One the driver will not
+            // remove either (two failures in a row) is quarantined: booked as allocated so
+            // nothing is placed over it, and its removal retried at the next release (as a
+            // stitch in the same case is booked broken). A quarantined target is no longer
+            // free to map: this request fails with the driver's error, and the next plans
+            // around it.
+            let mut done = 0;
+            let mut stuck = None;
+            for r in adjacent_runs(&targets[..homes.len()], g) {
+                if let Err(f) = self.core.upstream_mut().vmm_alias(&homes[r.clone()], targets[r.start]) {
+                    let mut quarantined = false;
+                    for k in 0..f.made {
+                        let at = targets[r.start] + k * g;
+                        if self.core.upstream_mut().vmm_unalias(at, g).is_err() {
+                            self.arena().quarantine(at, homes[r.start + k], key);
+                            quarantined = true;
+                        }
+                    }
+                    stuck = quarantined.then_some(f.error);
+                    break;
+                }
+                for i in r.clone() {
+                    self.arena().lend(targets[i], homes[i], key);
+                    self.trace(stream, Action::Stitch, targets[i], g);
+                }
+                done = r.end;
+            }
+            // A quarantined alias's home is booked for this stream too (`quarantine`), and
+            // is free memory of it once the alias goes: the same record covers it.
+            let lent = done > 0 || stuck.is_some();
+            targets = &targets[done..];
+            if lent {
+                // The lent granules are booked as free memory of this stream, though the
+                // rest of each (what this request does not use) last served the homes'
+                // streams, which this stream was only made to wait for. Its next record must
+                // come after that wait, or another stream taking the rest on this stream's
+                // event would not wait for them. (In a capture no record may be made: the
+                // stream is left uncovered instead.)
+                if self.capturing(stream, true) {
+                    self.core.on_free_capturing(key, stream);
+                } else {
+                    let _ = self.core.record_now(key, stream);
+                }
+            }
+            if let Some(error) = stuck {
+                return Err(GrowFail::Other(error));
+            }
+        }
+        self.map_granules(targets, key, stream, chunking)
+    }
+
+    /// Map new memory under the unmapped granules `t` (ascending): per run of adjacent
+    /// ones, one call granule by granule, or one per chunk where the run is long
+    /// (`ArenaStrategy::chunk_for`) while `chunking` allows.
+    fn map_granules(&mut self, t: &[usize], key: StreamKey, stream: StreamHandle, chunking: bool) -> std::result::Result<(), GrowFail> {
+        let g = self.arena().granule();
+        let mut pieces = Vec::new();
+        for r in adjacent_runs(t, g) {
+            let (addr, len) = (t[r.start], r.len() * g);
+            let chunk = self.arena().chunk_for(addr, len, chunking);
+            if chunk <= g || !self.arena_has_room_for_chunks(len) {
+                pieces.push((addr, len, false));
+                continue;
+            }
+            // Pieces of equal length, none over `chunk`: no chunk of a granule or two at the
+            // tail, and none over the largest.
+            let k = len.div_ceil(chunk);
+            let piece = (len / g).div_ceil(k) * g;
+            let mut at = addr;
+            while at < addr + len {
+                let l = piece.min(addr + len - at);
+                pieces.push((at, l, l > g));
+                at += l;
+            }
+        }
+        for (addr, len, chunked) in pieces {
+            let Some(got) = self.within_budget(len, |up| if chunked { up.vmm_map_chunk(addr, len) } else { up.vmm_map_new(addr, len) }) else {
+                return Err(GrowFail::OutOfMemory { by_limit: true });
+            };
+            match got {
+                Ok(()) => {
+                    if chunked {
+                        self.arena().mapped_chunk(addr, len, key);
+                    } else {
+                        self.arena().mapped(addr, len, key);
+                    }
+                    self.add_reserved(len);
+                    self.rec.c.upstream_allocs += 1;
+                    self.rec.c.upstream_alloc_bytes += len as u64;
+                    self.trace(stream, Action::UpstreamAlloc, addr, len);
+                }
+                Err(AllocError::OutOfMemory) => return Err(GrowFail::OutOfMemory { by_limit: false }),
+                Err(AllocError::Other(e)) => return Err(GrowFail::Other(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Map `fresh`, alias `homes` side by side at `base` and hand the new stitch out. The
+    /// homes are free memory whose streams the plan made safe for `stream`; nothing is
+    /// unmapped, so no queued work is disturbed. `(take, head, tail)`: as `Growth::Stitch`'s.
+    /// `chunking`: as `map_granules`'s, for the new memory under the stitch.
+    fn make_stitch(&mut self, base: usize, homes: Vec<usize>, fresh: &[usize], (take, head, tail): (usize, usize, bool), req: &Request, chunking: bool) -> std::result::Result<Block, GrowFail> {
+        let Request { rounded: bytes, key, stream, .. } = *req;
+        let g = self.arena().granule();
+        self.map_granules(fresh, key, stream, chunking)?;
+        if let Err(AliasFail { made, error }) = self.core.upstream_mut().vmm_alias(&homes, base) {
+            // Undo the aliases made (whole allocations), one mapping at a time. One the
+            // driver will not remove is booked as a broken stitch over what was aliased, so
+            // its address space is not reused while mapped and the removal is retried later.
+            let made_homes = homes[..made].to_vec();
+            let maps = self.arena().mappings_of(&made_homes);
+            for (i, n) in maps {
+                if self.core.upstream_mut().vmm_unalias(base + i * g, n * g).is_err() {
+                    let id = self.arena().add_stitch(base, made_homes);
+                    self.arena().stitch_broken(id, i);
+                    break;
+                }
+            }
+            return Err(GrowFail::Other(error));
+        }
+        self.trace(stream, Action::Stitch, base, homes.len() * g);
+        let take = take.min(homes.len());
+        let id = self.arena().add_stitch(base, homes);
+        if head > 0 || tail {
+            return Ok(self.arena().carve_pieced_stitch(id, head, tail, bytes, key));
+        }
+        Ok(self.arena().carve_stitch(id, 0, take, bytes, key, false))
+    }
+
+    /// Remove stitch `id`'s aliases and forget it (it is not handed out). The stream its
+    /// block was last freed on is synchronised first: its kernels may still use the alias
+    /// addresses. An alias the driver will not remove leaves the stitch broken (never handed
+    /// out again, its address space kept) and the removal can be retried.
+    pub(super) fn drop_stitch(&mut self, id: u32) -> Result<()> {
+        if let Some(s) = self.arena().stitch_last_stream(id) {
+            let allowed = self.device_sync_allowed();
+            self.core.synchronize_stream(s, allowed)?;
+        }
+        let g = self.arena().granule();
+        let (base, _, done) = self.arena().stitch_range(id);
+        for (off, len) in self.arena().stitch_mappings(id) {
+            if off / g < done {
+                continue;
+            }
+            if let Err(e) = self.core.upstream_mut().vmm_unalias(base + off, len) {
+                self.arena().stitch_broken(id, off / g);
+                return Err(e);
+            }
+        }
+        self.arena().drop_stitch(id);
+        Ok(())
     }
 }

@@ -50,3 +50,10 @@ pub(super) trait Grower {
     /// Release cached memory for `stage`; whether to try the cache again after it.
     fn release(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<bool>;
 }
+
+/// Why a growth failed.
+pub(super) enum GrowFail {
+    /// Not enough memory (device or limit): release or flush, then retry.
+    OutOfMemory { by_limit: bool },
+    Other(crate::error::Error),
+}

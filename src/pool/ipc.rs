@@ -4,9 +4,9 @@
 //! picks what goes: an arena block's granules (`arena/export.rs` lists them, this file
 //! writes the record and guards the block: `cudaIpcGetMemHandle` refuses memory of the
 //! virtual memory API), or a segment pool's segment handle and
-//! offset, through CUDA's own IPC (`crate::share::protocol::segment_descriptor`). For an
-//! import or a close it checks that the pool runs and maps that kind of memory, and hands
-//! its upstream and its kept imports to `crate::share::imports`, which decides the calls.
+//! offset, through CUDA's own IPC (`crate::share::protocol::segment_descriptor`). For
+//! imports it lends its kept imports and its upstream to `crate::share::imports::Importer`,
+//! which decides the calls.
 //!
 //! The contract is CUDA IPC's: the exporter keeps the block allocated while an importer
 //! uses it (a freed block's memory goes to the exporter's next allocation), and the
@@ -16,8 +16,8 @@
 use super::{WordState, Pool, NO_OWNER};
 use crate::error::{BadPointer, Error, Result};
 use crate::share::protocol::SegmentDescriptor;
-use crate::share::imports;
-use crate::share::protocol::{granules_digest, own_start_time, ExportRecord, GranuleDescriptor, OpenMark, KIND_CUDA};
+use crate::share::imports::Importer;
+use crate::share::protocol::{granules_digest, own_start_time, ExportRecord, GranuleDescriptor};
 use super::arena::{export_granule_count as arena_granule_count, export_granules as arena_granules};
 
 impl Pool {
@@ -161,87 +161,11 @@ impl Pool {
         })
     }
 
-    /// Map the block another process exported as `d` (decoded by the caller, before
-    /// this pool's lock); returns where it starts here. `fds`: this process's copies of
-    /// the exporter's descriptors, one per granule in the descriptor's order or each
-    /// exporter number once in the order of its first appearance (`GranuleDescriptor::per_granule`);
-    /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time.
-    ///
-    /// Fetched descriptors go through the cache of kept imports (`crate::share::imports`): a block
-    /// whose memory is still mapped from an earlier message is served with no driver call.
-    pub fn ipc_import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>) -> Result<usize> {
-        self.ipc_import_marked(d, fds, None)
-    }
-
-    /// `ipc_import`, with the mark of an import of memory its exporter may pause where the
-    /// caller has one (taken with the opens file its handover thread sent).
-    pub(crate) fn ipc_import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
-        self.running()?;
-        self.check_kind(d)?;
-        imports::import(&mut self.imports, self.core.upstream_mut(), d, fds, mark)
-    }
-
-    /// Unmap the idle kept imports that may not serve again, or all of them (`everything`).
-    pub(super) fn drop_kept_imports(&mut self, everything: bool) {
-        imports::drop_stale(&mut self.imports, self.core.upstream_mut(), everything);
-    }
-
-    /// Unmap the idle kept imports that may not serve again (an exporter released memory:
-    /// its pause asks its keepers for it back, `crate::share::keepers`).
-    pub(crate) fn drop_stale_imports(&mut self) {
-        self.drop_kept_imports(false);
-    }
-
-    /// Unmap every idle kept import (the pool is about to be replaced).
-    pub(crate) fn drop_kept_imports_all(&mut self) {
-        self.drop_kept_imports(true);
-    }
-
-    /// Idle imports kept mapped for later messages (`crate::share::import_cache`).
-    pub(crate) fn ipc_imports_kept(&self) -> usize {
-        self.imports.idle()
-    }
-
-    /// The checks `ipc_import` makes of `d` and the descriptors `fds` (the memory's kind, a
-    /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
-    /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
-    pub(crate) fn ipc_check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
-        self.running()?;
-        self.check_kind(d)?;
-        imports::check(d, fds)
-    }
-
-    /// The descriptor is of the memory this pool's upstream maps (else: refused, saying so).
-    fn check_kind(&self, d: &GranuleDescriptor) -> Result<()> {
-        let kind = self.core.upstream().vmm_share_kind();
-        if d.kind != kind {
-            let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
-            return Err(Error::InvalidArgument(format!(
-                "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
-                name(d.kind),
-                self.core.device(),
-                self.core.upstream().name(),
-                if kind == 0 { "none" } else { name(kind) }
-            )));
-        }
-        Ok(())
-    }
-
-    /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
-    /// returns where it starts here.
-    pub(crate) fn ipc_import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
-        self.running()?;
-        self.core.upstream_mut().cuda_ipc_open(&d.handle, d.offset as usize)
-    }
-
-    /// Unmap what `ipc_import` returned as `ptr` (that address exactly).
-    pub fn ipc_close(&mut self, ptr: usize) -> Result<()> {
-        let device = self.core.device();
-        imports::close(&mut self.imports, self.core.upstream_mut(), ptr, device)
-    }
-
-    /// How many blocks of other processes this pool has mapped (`ipc_import`).
-    pub fn ipc_imports(&self) -> usize {
-        imports::count(&self.imports, self.core.upstream())
+    /// This pool's imports of other processes' memory, for one call: map, check, close,
+    /// count (`crate::share::imports::Importer`). A stopped pool maps nothing more and still
+    /// unmaps.
+    pub fn importer(&mut self) -> Importer<'_> {
+        let (stopped, device) = (self.running().err(), self.core.device());
+        Importer::new(&mut self.imports, self.core.upstream_mut(), device, stopped)
     }
 }

@@ -309,7 +309,7 @@ impl Pool {
         self.finish_pending(false);
         self.fence_unfenced();
         self.rec.c.reclaims += 1;
-        self.drop_kept_imports(true);
+        self.importer().drop_stale(true);
         let r = self.release_cached(None).map(|_| {
             let pages = self.decommit_free(usize::MAX);
             self.rec.c.reclaimed_bytes += pages as u64;

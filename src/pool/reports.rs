@@ -132,7 +132,7 @@ impl Pool {
             out.push_str(&a.text());
             out.push('\n');
         }
-        let imports = self.ipc_imports();
+        let imports = crate::share::imports::count(&self.imports, self.core.upstream());
         if imports > 0 {
             out.push_str(&format!("  IPC: {imports} block(s) of other processes mapped here (gpupool_ipc_open)\n"));
         }
@@ -170,7 +170,7 @@ impl Pool {
         out.push_str(&format!(",\"private_pools\":{{\"count\":{n},\"reserved_bytes\":{reserved},\"free_bytes\":{free}}}"));
         out.push_str(&format!(
             ",\"ipc_imports\":{},\"ipc_imports_kept\":{},\"ipc_import_reuses\":{},\"ipc_import_address_space\":{}",
-            self.ipc_imports(),
+            crate::share::imports::count(&self.imports, self.core.upstream()),
             self.imports.idle(),
             self.imports.reuses(),
             self.core.upstream().vmm_import_bytes()

@@ -361,7 +361,7 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
     for g in shards.iter_mut() {
         if let Some(p) = g.as_mut() {
             p.flush_thread_caches(None);
-            p.drop_kept_imports_all();
+            p.importer().drop_stale(true);
             if p.live_count() > 0 {
                 let live = p.live_count();
                 return Err(Error::Busy(match p.paused_frees() {
@@ -377,16 +377,15 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
                     None => format!("cannot reconfigure device {device}: {live} allocation(s) are still live; free them first"),
                 }));
             }
-            if p.ipc_imports() > 0 {
+            let (open, kept) = (p.importer().open(), p.importer().kept());
+            if open > 0 {
                 return Err(Error::Busy(format!(
-                    "cannot reconfigure device {device}: {} block(s) of other processes are mapped; gpupool_ipc_close them first",
-                    p.ipc_imports()
+                    "cannot reconfigure device {device}: {open} block(s) of other processes are mapped; gpupool_ipc_close them first"
                 )));
             }
-            if p.ipc_imports_kept() > 0 {
+            if kept > 0 {
                 return Err(Error::Busy(format!(
-                    "cannot reconfigure device {device}: {} kept mapping(s) of other processes' memory could not be unmapped",
-                    p.ipc_imports_kept()
+                    "cannot reconfigure device {device}: {kept} kept mapping(s) of other processes' memory could not be unmapped"
                 )));
             }
         }

@@ -1,12 +1,12 @@
 //! Mapping another process's arena blocks for a device pool, and unmapping them: which
 //! descriptors an import uses (the caller's, or fetched from the exporter), whether it is
 //! counted open for an exporter that may pause the memory, whether a kept mapping serves it
-//! (`import_cache.rs`), and what a close unmaps. The pool checks that it is running and
-//! that the descriptor is of the memory its upstream maps, then hands its upstream here:
-//! the upstream makes the driver calls, this file decides them.
+//! (`import_cache.rs`), and what a close unmaps. A pool lends its cache of kept imports and
+//! its upstream for one call (`Pool::importer` gives an `Importer`): the upstream makes the
+//! driver calls, this file decides them.
 
 use super::import_cache::ImportCache;
-use super::protocol::{Exporter, FdSource, GranuleDescriptor, OpenMark, FLAG_PAUSABLE};
+use super::protocol::{Exporter, FdSource, GranuleDescriptor, OpenMark, SegmentDescriptor, FLAG_PAUSABLE, KIND_CUDA};
 use crate::error::{BadPointer, Error, Result};
 use crate::upstream::Upstream;
 
@@ -33,7 +33,7 @@ pub fn source<'a>(d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<Fd
 
 /// The checks an import makes of `d` and the descriptors `fds` (a descriptor for each
 /// granule, each the file the exporter shared), mapping nothing.
-pub fn check(d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
+fn check(d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
     let source = source(d, Some(fds))?;
     let Some(fds) = source.given() else {
         return Err(Error::Internal("IPC check: descriptors were given, yet none are".into()));
@@ -49,11 +49,97 @@ pub fn check(d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
     Ok(())
 }
 
+/// A device pool's imports of other processes' memory, lent by the pool for one call
+/// (`Pool::importer`): its cache of kept imports and the upstream that maps them.
+pub struct Importer<'a> {
+    cache: &'a mut ImportCache,
+    up: &'a mut dyn Upstream,
+    device: i32,
+    /// Why the pool stopped, if it did: it maps nothing more, and still unmaps.
+    stopped: Option<Error>,
+}
+
+impl<'a> Importer<'a> {
+    /// The imports of `device`'s pool: `cache` and `up` are its, `stopped` why it stopped.
+    pub(crate) fn new(cache: &'a mut ImportCache, up: &'a mut dyn Upstream, device: i32, stopped: Option<Error>) -> Self {
+        Importer { cache, up, device, stopped }
+    }
+
+    /// Map the block another process exported as `d` (decoded by the caller, before the
+    /// pool's lock); returns where it starts here. `fds`: this process's copies of the
+    /// exporter's descriptors, one per granule in the descriptor's order or each exporter
+    /// number once in the order of its first appearance (`GranuleDescriptor::per_granule`);
+    /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time, and a block
+    /// whose memory is still mapped from an earlier message is served with no driver call.
+    /// `mark`: the mark of an import of memory its exporter may pause, where the caller has
+    /// one (taken with the opens file its handover thread sent).
+    pub fn import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+        self.usable(d)?;
+        import(self.cache, &mut *self.up, d, fds, mark)
+    }
+
+    /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
+    /// returns where it starts here.
+    pub fn import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
+        if let Some(e) = &self.stopped {
+            return Err(e.clone());
+        }
+        self.up.cuda_ipc_open(&d.handle, d.offset as usize)
+    }
+
+    /// The checks `import` makes of `d` and the descriptors `fds` (the memory's kind, a
+    /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
+    /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
+    pub fn check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
+        self.usable(d)?;
+        check(d, fds)
+    }
+
+    /// Unmap what `import` returned as `ptr` (that address exactly).
+    pub fn close(&mut self, ptr: usize) -> Result<()> {
+        close(self.cache, &mut *self.up, ptr, self.device)
+    }
+
+    /// Unmap the idle kept imports that may not serve again, or all of them (`everything`).
+    pub fn drop_stale(&mut self, everything: bool) {
+        drop_stale(self.cache, &mut *self.up, everything);
+    }
+
+    /// How many blocks of other processes are mapped (open).
+    pub fn open(&self) -> usize {
+        count(self.cache, &*self.up)
+    }
+
+    /// Idle imports kept mapped for later messages (`import_cache.rs`).
+    pub fn kept(&self) -> usize {
+        self.cache.idle()
+    }
+
+    /// The pool runs, and `d` is of the memory its upstream maps (else: refused, saying so).
+    fn usable(&self, d: &GranuleDescriptor) -> Result<()> {
+        if let Some(e) = &self.stopped {
+            return Err(e.clone());
+        }
+        let kind = self.up.vmm_share_kind();
+        if d.kind != kind {
+            let name = |k| if k == KIND_CUDA { "CUDA device" } else { "host-upstream" };
+            return Err(Error::InvalidArgument(format!(
+                "IPC import: the descriptor is of {} memory; device {}'s upstream ({}) maps {}",
+                name(d.kind),
+                self.device,
+                self.up.name(),
+                if kind == 0 { "none" } else { name(kind) }
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Map `d` through `up`; returns where the block starts here. `fds` given: mapped as they
 /// are, counted open at the exporter (by `mark`, or by pid) where it may pause the memory.
 /// None: the descriptors are fetched, and the cache of kept imports may serve the block
 /// with no driver call.
-pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
     if fds.is_some() {
         let source = source(d, fds)?;
         // Memory its exporter may pause: counted as open there before it is mapped
@@ -126,7 +212,7 @@ pub fn import(cache: &mut ImportCache, up: &mut dyn Upstream, d: &GranuleDescrip
 /// Unmap the idle kept imports that may not serve again (their exporter released memory
 /// or exited, or too many are kept), or all of them (`everything`). A run the upstream
 /// fails to unmap stays kept, to be tried again.
-pub fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bool) {
+fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bool) {
     for key in cache.stale(everything) {
         match up.vmm_unimport(key) {
             Ok(_) => cache.dropped(key),
@@ -138,7 +224,7 @@ pub fn drop_stale(cache: &mut ImportCache, up: &mut dyn Upstream, everything: bo
 /// Unmap what an import on `device` returned as `ptr` (that address exactly): an arena
 /// block's (kept for the exporter's next message where it may serve again), or a segment's
 /// (CUDA's own IPC).
-pub fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32) -> Result<()> {
+fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32) -> Result<()> {
     if let Some(key) = cache.last_close_unmaps(ptr) {
         // Memory its exporter may pause, kept by no keeper entry: unmapped at its last
         // close, before that close is booked and its count drops. Refused, the block stays

@@ -101,7 +101,7 @@ impl Received {
         // known safe can be let go.
         let (close, holds) = unshared.map_err(|error| CloseFailed { error, holds_kept: usize::from(hold.is_some()) })?;
         if let Some(ptr) = close {
-            if let Err(error) = contained("closing an import", || registry::with_pool(self.device, |pool| pool.ipc_close(ptr))) {
+            if let Err(error) = contained("closing an import", || registry::with_pool(self.device, |pool| pool.importer().close(ptr))) {
                 return Err(CloseFailed { error, holds_kept: holds.len() });
             }
         }

@@ -81,7 +81,7 @@ pub fn open_shared(d: &AnyDescriptor, device: c_int, fds: &[c_int], hold: bool) 
     let count = a.granules.len();
     if let Some((k, first)) = covering(map, key, a.granule, hold) {
         // What an import of its own would check (kind, descriptors), though nothing is mapped.
-        registry::with_pool(device, |pool| pool.ipc_check(a, fds))?;
+        registry::with_pool(device, |pool| pool.importer().check(a, fds))?;
         let g = map.get_mut(&k).expect("a covering span is in the map");
         g.refs += 1;
         g.all_held &= hold;

@@ -196,7 +196,7 @@ pub fn open(handle: &[u8], device: c_int) -> Result<(usize, usize)> {
         }
         Parsed::CudaIpc(h) => {
             // PyTorch's own segment: the storage's offset travels apart; the segment opens whole.
-            let base = registry::with_pool(device, |pool| pool.ipc_import_segment(&SegmentDescriptor { pid: 0, device, start_time: 0, handle: h, offset: 0, size: 0 }))?;
+            let base = registry::with_pool(device, |pool| pool.importer().import_segment(&SegmentDescriptor { pid: 0, device, start_time: 0, handle: h, offset: 0, size: 0 }))?;
             Ok((base, base))
         }
         Parsed::Expandable { pid, segment_size, fds } => {
@@ -261,7 +261,7 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
         granules,
     };
     let raw: Vec<c_int> = mine.iter().map(|f| f.as_raw_fd()).collect();
-    registry::with_pool(device, |pool| pool.ipc_import(&d, Some(&raw)))
+    registry::with_pool(device, |pool| pool.importer().import(&d, Some(&raw), None))
 }
 
 #[cfg(test)]

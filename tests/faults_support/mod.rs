@@ -196,13 +196,14 @@ pub fn import_range(q: usize, n: usize) -> usize {
 /// bytes of memory mapped, the pool never asked to map over mapped memory, no failed import
 /// left memory mapped, and the host reserves the arena's ranges and the open imports'
 /// alone (a failed import leaves no range behind).
-pub fn books_agree(p: &Pool, s: &Mutex<Schedule>, i: usize, imports: &Imports) {
+pub fn books_agree(p: &mut Pool, s: &Mutex<Schedule>, i: usize, imports: &Imports) {
     let s = lock(s);
     assert!(s.violations.is_empty(), "operation {i}: {:?}", s.violations);
     let f = p.arena_figures().expect("an arena pool");
     assert_eq!(f.mapped, s.real_home_bytes, "operation {i}: the arena books {} bytes mapped, the host maps {}", f.mapped, s.real_home_bytes);
     assert_eq!(s.imports, imports.len(), "operation {i}: the host maps {} imports, {} are open", s.imports, imports.len());
-    assert_eq!(p.ipc_imports(), imports.len(), "operation {i}: the pool counts {} imports", p.ipc_imports());
+    let open = p.importer().open();
+    assert_eq!(open, imports.len(), "operation {i}: the pool counts {open} imports");
     let want = (3 + imports.len(), f.address_space + imports.iter().map(|&(q, n, ..)| import_range(q, n)).sum::<usize>());
     assert_eq!(s.reserved, want, "operation {i}: the host reserves (ranges, bytes) {:?}, the arena and the open imports {want:?}", s.reserved);
 }
@@ -256,7 +257,7 @@ pub fn export_and_import(p: &mut Pool, s: &Mutex<Schedule>, (a, n, id): (usize, 
             let d = GranuleDescriptor::decode(&bytes).unwrap_or_else(|e| panic!("operation {i}: the descriptor exported does not decode: {e}"));
             let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
             let injected_before = lock(s).injected;
-            match p.ipc_import(&d, Some(&fds)) {
+            match p.importer().import(&d, Some(&fds), None) {
                 Ok(q) => {
                     assert!(intact(q, n, id), "operation {i}: the import of {a:#x} at {q:#x} does not show its bytes");
                     imports.push((q, n, a, id));
@@ -278,7 +279,7 @@ pub fn export_and_import(p: &mut Pool, s: &Mutex<Schedule>, (a, n, id): (usize, 
 pub fn close_import(p: &mut Pool, imports: &mut Imports, j: usize) -> bool {
     let (q, n, _, id) = imports[j];
     check(q, n, id);
-    match p.ipc_close(q) {
+    match p.importer().close(q) {
         Ok(()) => {
             imports.swap_remove(j);
             true
