@@ -2,23 +2,27 @@
 //! resource in adaptors. Each part is a type with one job, in its own file:
 //!
 //! ```text
-//! thread caches (attached_caches.rs)  ->  graph-pool routing (graph_pools.rs)
+//! thread caches (crate::thread_cache)  ->  graph-pool routing (graph_pools.rs)
 //!     ->  limits (limits.rs: budget, decay)  ->  core (core.rs: strategy + upstream
 //!     + stream tracker + live map)  ->  upstream
 //! recording on the side (recorder.rs: counters, trace, leak records)
 //! ```
 //!
 //! `Pool` holds the core and the layers as fields, and of its own only whether it stopped
-//! and whether it is paused (a tag's pool, `pause.rs`). Its operations are where the layers meet, so they are `Pool` methods, grouped
-//! by concern: allocation and the pool's lifetime here; frees (one entry point,
-//! `Pool::free`, told by `FreeOn` what is known of the stream) in `free.rs`; finding memory
-//! and the out-of-memory escalation in `grow.rs`, the arena's driver calls in `arena.rs`;
-//! giving memory back in `release.rs`; private pools in `graph_pools.rs`; the thread caches'
-//! blocks in `attached_caches.rs` (the caches are `crate::thread_cache`'s); exports to other
-//! processes in `ipc.rs` (their books are `crate::share`'s); reports and
-//! snapshots in `reports.rs` and `snapshot.rs`. How a pool is built: `options.rs`; the
-//! budget a device's shards share: `budget.rs`, and whether their growths contend for the
-//! driver: `contention.rs`.
+//! and whether it is paused (a tag's pool, `pause.rs`), with the books of its sharing
+//! (`crate::share`'s types: kept imports, exported blocks). Its operations are where the
+//! layers meet, so they are `Pool` methods, grouped by concern: allocation (and a thread's
+//! cache attaching on it), limits, reclaim and the pool's lifetime here; frees (one entry
+//! point, `Pool::free`, told by `FreeOn` what is known of the stream; the thread caches'
+//! kept blocks coming back) in `free.rs`; finding memory, the out-of-memory escalation and
+//! both growth paths (segments; the arena's windows and stitches) in `grow.rs`, over the
+//! terms in `growth.rs`; giving memory back in `release.rs`; pausing in `pause.rs`; the
+//! routing layer's operations in `graph_pools/routes.rs`; exports to other processes and
+//! the one hook for imports in `ipc.rs`; reports in `reports.rs`. What reads the layers
+//! without the pool is a function of them: a snapshot's segments (`snapshot.rs`), the
+//! arena's figures and an export's granules (`arena/`). How a pool is built: `options.rs`;
+//! the budget a device's shards share: `budget.rs`, and whether their growths contend for
+//! the driver: `contention.rs`.
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the
@@ -83,7 +87,8 @@ pub struct Pool {
     /// Private pools for CUDA graphs, PyTorch graph pools and `MemPool`s, and the routes
     /// to them (`graph_pools.rs`).
     graphs: graph_pools::PrivatePools,
-    /// Threads' fast-path caches for this pool (`attached_caches.rs`, `crate::thread_cache`).
+    /// Threads' fast-path caches for this pool (`crate::thread_cache`; their blocks come
+    /// back through `free.rs`).
     caches: AttachedCaches,
     /// Other processes' memory kept mapped between their messages (`import_cache.rs`).
     imports: crate::share::import_cache::ImportCache,

@@ -1,5 +1,5 @@
 //! The arena's address space, reserved when its pool's core is built: the ranges the
-//! `arena` strategy places blocks in (`pool/arena.rs` makes the driver calls that map them).
+//! `arena` strategy places blocks in (`pool/grow.rs` makes the driver calls that map them).
 
 use crate::pool::options::PoolOptions;
 use crate::strategy::arena::ArenaStrategy;

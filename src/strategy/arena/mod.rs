@@ -20,7 +20,7 @@
 //! - Memory goes back only under pressure (limit, OOM, reclaim, decay), as whole free
 //!   granules, in bulk; stitches over them are dropped first.
 //!
-//! The strategy plans and keeps the books; the pool (`pool/arena.rs`) makes the driver
+//! The strategy plans and keeps the books; the pool (`pool/grow.rs`, `pool/release.rs`) makes the driver
 //! calls, so all of this is testable without a GPU.
 
 mod carve;
@@ -72,7 +72,7 @@ pub struct ArenaCounters {
 
 /// What a growth allows `plan` at its current step: the pool's escalation relaxes them one
 /// by one where the plan found nothing or its driver calls were refused
-/// (`pool/arena.rs`, `ArenaGrowth`).
+/// (`pool/grow.rs`, `ArenaGrowth`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PlanRules {
     /// A full stitch cache may evict a stitch. False once an eviction failed in this growth

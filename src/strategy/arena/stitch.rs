@@ -10,7 +10,7 @@
 //! space, so nothing else gets them; when it is freed they become free there again.
 //!
 //! This file keeps the books (address space for stitches, which home granules each
-//! shows); the pool makes the driver calls (`pool/arena.rs`).
+//! shows); the pool makes the driver calls (`pool/grow.rs`, `pool/release.rs`).
 
 use std::collections::BTreeMap;
 
