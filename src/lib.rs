@@ -12,7 +12,7 @@
 //! - `stream`: stream identity and the cross-stream reuse rule.
 //! - `stats`: counters and the status/JSON reports.
 //! - `pool`: one device's pool (escalation, limits, live-pointer map); `pool/release.rs`
-//!   gives memory back (segments, decommitted pages).
+//!   gives memory back (segments, decommitted pages, the arena's granules).
 //! - `decay`: how much cached memory to keep (the recent in-use peak).
 //! - `pages`: the books of pages decommitted inside segments.
 //! - `registry`: per-device pools, created lazily, in shards with a lock each (user

@@ -79,7 +79,7 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     let dy = gpupool::share::protocol::GranuleDescriptor::decode(&p.ipc_export(y, true).unwrap()).unwrap();
     assert_eq!((dy.offset as usize, dy.granules.len()), (y - a, granules));
     let fds: Vec<i32> = dy.granules.iter().map(|s| s.fd).collect();
-    let at = p.importer().import(&dy, Some(&fds), None).unwrap();
+    let at = p.importer().import(&dy, Some(&fds)).unwrap();
     assert!(intact(at, 4 * MIB, 4), "the import shows y's bytes");
     p.importer().close(at).unwrap();
     p.free(y, 0).unwrap();
@@ -92,7 +92,7 @@ fn a_block_in_a_chunk_exports_the_whole_chunk_and_is_refused_where_others_live_i
     assert!(z >= a + 128 * MIB, "not in the exported chunk");
     // The importer maps the chunk and sees the block's bytes.
     let fds: Vec<i32> = d.granules.iter().map(|s| s.fd).collect();
-    let at = p.importer().import(&d, Some(&fds), None).unwrap();
+    let at = p.importer().import(&d, Some(&fds)).unwrap();
     assert!(intact(at, 4 * MIB, 3), "the import shows the exported bytes");
     p.importer().close(at).unwrap();
     for b in [x, z] {

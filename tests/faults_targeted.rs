@@ -116,7 +116,7 @@ fn a_failed_export_leaves_the_block_usable_and_unexported() {
     let d = GranuleDescriptor::decode(&p.ipc_export(a, false).unwrap()).unwrap();
     assert_ne!(arena_state(&p), before, "an export sets its granules' free memory aside (what the checks above look for)");
     let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
-    let q = p.importer().import(&d, Some(&fds), None).unwrap();
+    let q = p.importer().import(&d, Some(&fds)).unwrap();
     check(q, small, 1);
     p.importer().close(q).unwrap();
     for blk in [a, b] {
@@ -178,24 +178,24 @@ fn a_failed_import_leaves_nothing_mapped_or_reserved() {
     assert!(mapped >= 5 * MIB, "the exporter's own mappings of its file are seen");
     for k in 0..2 * n + 2 {
         fail_only(&s, &["import"], 1, Some(k));
-        let e = p.importer().import(&d, Some(&fds), None).expect_err("the import was made to fail");
+        let e = p.importer().import(&d, Some(&fds)).expect_err("the import was made to fail");
         let g = lock(&s);
         assert!(g.violations.is_empty(), "step {k}: {:?}", g.violations);
         assert_eq!(g.reserved, reserved, "step {k} ({e}): a failed import left address space reserved");
-        assert_eq!((g.imports, p.importer().open()), (0, 0), "step {k} ({e}): a failed import is booked");
+        assert_eq!((g.imports, p.importer().open_count()), (0, 0), "step {k} ({e}): a failed import is booked");
         assert_eq!(mapped_of_file(file), mapped, "step {k} ({e}): a failed import left the exporter's memory mapped");
     }
     let hits = lock(&s).hits.clone();
     let missed: Vec<&&str> = STEPS.iter().filter(|t| t.starts_with("import: ") && **t != "import: close" && !hits.contains_key(**t)).collect();
     assert!(missed.is_empty(), "steps not failed: {missed:?}");
     fail_only(&s, &[], 0, None);
-    let q = p.importer().import(&d, Some(&fds), None).unwrap();
+    let q = p.importer().import(&d, Some(&fds)).unwrap();
     check(q, 5 * MIB, 3);
     assert_eq!(lock(&s).reserved, (reserved.0 + 1, reserved.1 + n * HOST_PAGE));
     // A close that fails leaves the import mapped and booked; the next one closes it.
     fail_only(&s, &["close"], 1, None);
     assert!(p.importer().close(q).is_err());
-    assert_eq!((lock(&s).imports, p.importer().open()), (1, 1));
+    assert_eq!((lock(&s).imports, p.importer().open_count()), (1, 1));
     check(q, 5 * MIB, 3);
     fail_only(&s, &[], 0, None);
     p.importer().close(q).unwrap();

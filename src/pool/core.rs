@@ -59,8 +59,9 @@ struct Pending {
     events: Vec<EventHandle>,
 }
 
-/// A pool's strategy: the arena, which grows by mapping granules and whose growth,
-/// release and export are the pool's arena module's (`arena.rs`), or a strategy that
+/// A pool's strategy: the arena, which grows by mapping granules (the pool's driver calls
+/// for it: growth in `grow.rs`, release in `release.rs`, export in `ipc.rs` and
+/// `arena/export.rs`), or a strategy that
 /// grows by segments. As a `Strategy` both are the same (`Deref`); the arena's own calls
 /// are reached by matching, not by asking a strategy what it is.
 pub(super) enum PoolStrategy {

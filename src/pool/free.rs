@@ -339,11 +339,4 @@ impl Pool {
         };
         self.rec.c.frees = counted;
     }
-
-    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
-    pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
-        let kept = self.caches.kept();
-        let n = kept.len();
-        kept.iter().filter_map(|&p| self.core.live(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
-    }
 }

@@ -2,8 +2,8 @@
 //! a PyTorch graph pool or `MemPool`, or a capture announced from C or CuPy. Its state is
 //! `PrivatePools` (the pools, the routes to them, frees held past a capture, captures
 //! nobody announced), kept here. The layer's operations, which allocations go to the
-//! private pools and their books and memory (allocation, growth, frees, release), are in
-//! `graph_pools/routes.rs`.
+//! private pools and their memory (allocation, growth, frees, release), are in
+//! `graph_pools/operations.rs`.
 //!
 //! Note [Graph pools]
 //!
@@ -32,9 +32,10 @@
 //! - While any route is active the upstream makes its calls in relaxed capture mode, and
 //!   frees on a capturing stream record no event (`StreamTracker::on_free_capturing`).
 //!
-//! Implementation. `PrivatePools` (this file): the pools, their books and memory;
-//! `graph_pools/routes.rs`: the routes, captures nobody announced (CuPy's own
-//! `begin_capture`), frees held past a capture; the entry points: `ffi/graph.rs` (C, CuPy),
+//! Implementation. `PrivatePools` (this file): the pools and their books;
+//! `graph_pools/routes.rs`: the routes; `graph_pools/operations.rs`: routing an allocation,
+//! captures nobody announced (CuPy's own `begin_capture`), frees held past a capture, and
+//! the private pools' memory (allocation, growth, frees, release); the entry points: `ffi/graph.rs` (C, CuPy),
 //! `ffi/torch.rs` (PyTorch's plug-in route) and the allocator class's `beginAllocateToPool`
 //! family (`python/gpupool/csrc/torch_allocator.cpp`). Tests: `tests/graph_pools.rs` (host),
 //! `tests/python/test_graphs.py` and the class's graph and MemPool tests (GPU).
@@ -88,6 +89,7 @@
 //! invalidate that capture (PyTorch captures in global mode by default on the capturing
 //! device).
 
+mod operations;
 mod routes;
 
 pub use routes::{routes_active, Callback, Filter};

@@ -8,16 +8,21 @@
 //! core's cache and upstream, the limits' claims, the thread caches' kept blocks, and the
 //! graph-pool layer's word on whether the device may be waited for.
 
-
-use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth, PlanRules};
-use crate::upstream::AliasFail;
-use super::growth::{Attempt, GrowFail, Grower, Request, Stage};
+use super::growth::{Attempt, Grower, Request, Stage};
 use super::{Pool, UNRECORDED_WAIT_MIN};
 use crate::block::{Block, Segment};
 use crate::error::{Error, OomReport, Result};
+use crate::strategy::arena::{plan::adjacent_runs, plan::Window, ArenaStrategy, Growth, PlanRules};
 use crate::stream::{StreamHandle, StreamKey};
 use crate::trace::Action;
-use crate::upstream::AllocError;
+use crate::upstream::{AliasFail, AllocError};
+
+/// Why a growth failed.
+enum GrowFail {
+    /// Not enough memory (device or limit): release or flush, then retry.
+    OutOfMemory { by_limit: bool },
+    Other(Error),
+}
 
 /// Growth of the segment pools: a new segment of the strategy's `preferred` size, else
 /// one of just the request.
@@ -75,7 +80,7 @@ impl Grower for SegmentGrowth {
 
 /// Growth of the arena (`Pool::escalate`): a window of its ranges mapped (new memory, or
 /// the other range's free granules lent), stitches of free granules, spilled small blocks.
-pub(super) struct ArenaGrowth;
+struct ArenaGrowth;
 
 impl Grower for ArenaGrowth {
     fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt> {
@@ -258,7 +263,7 @@ impl Pool {
 
     /// Serve the request with new memory, escalating when the upstream or the limit
     /// refuses (`escalate`): a new segment carved for it, or, in the arena, a mapped window
-    /// (`arena.rs`). `retake`: between stages, try the cache again (false when the cached
+    /// (`ArenaGrowth`, below). `retake`: between stages, try the cache again (false when the cached
     /// candidate is known not to fit).
     pub(super) fn grow(&mut self, size: usize, rounded: usize, key: StreamKey, stream: StreamHandle, retake: bool) -> Result<Block> {
         let req = Request { size, rounded, key, stream };
@@ -436,14 +441,14 @@ impl Pool {
 
     /// The bytes of the arena's large range (any block must fit there), for an
     /// out-of-memory report where no address space was left.
-    pub(super) fn arena_large_range(&self) -> Option<usize> {
+    fn arena_large_range(&self) -> Option<usize> {
         self.core.arena().map(|a| a.reservations()[1].1)
     }
 
     /// Whether `rounded` bytes can never fit this arena: over the device's memory as the
     /// arena read it at start (no bound where the driver would not say), or over the range
     /// any block must fit in. False for other pools.
-    pub(super) fn arena_never_fits(&self, rounded: usize) -> bool {
+    fn arena_never_fits(&self, rounded: usize) -> bool {
         let Some(arena) = self.core.arena() else { return false };
         let device = Some(arena.device_bytes()).filter(|&d| d > arena.granule());
         rounded > arena.largest_possible_block() || device.is_some_and(|d| rounded > d)

@@ -1,5 +1,5 @@
-//! The terms of growth, which the escalation (`grow.rs`) and each growth path (segment
-//! pools in `grow.rs`, the arena in `arena.rs`) share: a request the cache could not serve,
+//! The terms of growth, which the escalation and each growth path (segment pools, the
+//! arena; all in `grow.rs`) share: a request the cache could not serve,
 //! the escalation's stages, what an attempt came to, and the part a growth path plays.
 
 use super::Pool;
@@ -38,7 +38,7 @@ pub(super) enum Attempt {
 
 /// A growth path's part in the escalation (`Pool::escalate`): how it serves a request once
 /// with new memory, and how it gives cached memory back between stages. Segment pools
-/// reserve segments (`SegmentGrowth`); the arena maps windows (`ArenaGrowth`, `arena.rs`).
+/// reserve segments (`SegmentGrowth`); the arena maps windows (`ArenaGrowth`); both in `grow.rs`.
 pub(super) trait Grower {
     /// Serve `req` with new memory at `stage`.
     fn serve(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<Attempt>;
@@ -49,11 +49,4 @@ pub(super) trait Grower {
     fn before_release(&self, pool: &mut Pool, stage: Stage, covered: bool) -> bool;
     /// Release cached memory for `stage`; whether to try the cache again after it.
     fn release(&self, pool: &mut Pool, req: &Request, stage: Stage) -> Result<bool>;
-}
-
-/// Why a growth failed.
-pub(super) enum GrowFail {
-    /// Not enough memory (device or limit): release or flush, then retry.
-    OutOfMemory { by_limit: bool },
-    Other(crate::error::Error),
 }

@@ -1,9 +1,9 @@
 //! The pool's hooks for sharing blocks with other processes (Note [Sharing between
 //! processes]): export a live block as a descriptor, map another process's descriptor,
 //! unmap it again. For an export this file checks the pointer against the pool's books and
-//! picks what goes: an arena block's granules (`arena/export.rs` lists them, this file
-//! writes the record and guards the block: `cudaIpcGetMemHandle` refuses memory of the
-//! virtual memory API), or a segment pool's segment handle and
+//! picks what goes: an arena block's granules, since `cudaIpcGetMemHandle` refuses memory
+//! of the virtual memory API (`arena/export.rs` lists them, this file writes the record
+//! and guards the block), or a segment pool's segment handle and
 //! offset, through CUDA's own IPC (`crate::share::protocol::segment_descriptor`). For
 //! imports it lends its kept imports and its upstream to `crate::share::imports::Importer`,
 //! which decides the calls.
@@ -18,7 +18,7 @@ use crate::error::{BadPointer, Error, Result};
 use crate::share::protocol::SegmentDescriptor;
 use crate::share::imports::Importer;
 use crate::share::protocol::{granules_digest, own_start_time, ExportRecord, GranuleDescriptor};
-use super::arena::{export_granule_count as arena_granule_count, export_granules as arena_granules};
+use super::arena::export;
 
 impl Pool {
     /// The descriptor of the live block at `ptr` (its start, as allocated).
@@ -101,7 +101,7 @@ impl Pool {
         // The granules' shareable handles and the record come before the guard, so a failed
         // export (a driver call, the record) leaves the arena's books as they were: the
         // block stays usable and unguarded. A refused guard ends the record.
-        let (first, listed, granules) = arena_granules(&mut self.core, ptr, size)?;
+        let (first, listed, granules) = export::granules(&mut self.core, ptr, size)?;
         // A block exported before with the same granules keeps its export: one record
         // slot, one descriptor, however often it is sent.
         let digest = granules_digest(&granules);
@@ -112,15 +112,14 @@ impl Pool {
         };
         // The importer maps whole granules: nothing else may live in the block's (unless
         // the caller shares granules, as the framework routes do).
-        let guard = |core: &mut super::core::Core| core.arena_mut().expect("an arena pool").guard_export(addr, block_size);
-        let mut guarded = if share_granules { Ok(()) } else { guard(&mut self.core) };
+        let mut guarded = if share_granules { Ok(()) } else { self.arena().guard_export(addr, block_size) };
         if guarded.is_err() {
             // Blocks freed into thread caches, or not yet fenced, are live in the books:
             // hand them back and look again.
             self.flush_thread_caches(None);
             self.fence_unfenced();
             self.finish_pending(false);
-            guarded = guard(&mut self.core);
+            guarded = self.arena().guard_export(addr, block_size);
         }
         if let Err(why) = guarded {
             if reused.is_none() {
@@ -155,7 +154,7 @@ impl Pool {
             return self.ipc_export(ptr, false).map(|d| d.len());
         };
         let size = l.requested.max(1);
-        Ok(match arena_granule_count(&self.core, ptr, size) {
+        Ok(match export::granule_count(&self.core, ptr, size) {
             Some(granules) => crate::share::protocol::HEADER_BYTES + crate::share::protocol::GRANULE_BYTES * granules,
             None => crate::share::protocol::SEGMENT_DESCRIPTOR_BYTES,
         })

@@ -17,10 +17,10 @@
 //! kept blocks coming back) in `free.rs`; finding memory, the out-of-memory escalation and
 //! both growth paths (segments; the arena's windows and stitches) in `grow.rs`, over the
 //! terms in `growth.rs`; giving memory back in `release.rs`; pausing in `pause.rs`; the
-//! routing layer's operations in `graph_pools/routes.rs`; exports to other processes and
-//! the one hook for imports in `ipc.rs`; reports in `reports.rs`. What reads the layers
-//! without the pool is a function of them: a snapshot's segments (`snapshot.rs`), the
-//! arena's figures and an export's granules (`arena/`). How a pool is built: `options.rs`;
+//! routing layer's operations in `graph_pools/operations.rs`; exports to other processes
+//! and the one hook for imports in `ipc.rs`; reports in `reports.rs`. What needs a layer or
+//! two alone is a function of them: a snapshot's segments (`snapshot.rs`), and of the core,
+//! the arena's figures and an export's granules with their driver calls (`arena/`). How a pool is built: `options.rs`;
 //! the budget a device's shards share: `budget.rs`, and whether their growths contend for
 //! the driver: `contention.rs`.
 //!
@@ -92,8 +92,8 @@ pub struct Pool {
     caches: AttachedCaches,
     /// Other processes' memory kept mapped between their messages (`import_cache.rs`).
     imports: crate::share::import_cache::ImportCache,
-    /// Where this pool's exported blocks' exports are recorded (`arena/export.rs`), ended
-    /// when a block is freed (`free.rs`).
+    /// Where this pool's exported blocks' exports are recorded (`ipc.rs`), ended when a
+    /// block is freed (`free.rs`).
     exports: crate::share::exports::BlockExports,
     /// Why this pool stopped, if it did: a panic interrupted one of its operations, so its
     /// books may be wrong and it hands out nothing more (`crate::registry` sets it).
@@ -314,7 +314,7 @@ impl Pool {
         self.finish_pending(false);
         self.fence_unfenced();
         self.rec.c.reclaims += 1;
-        self.importer().drop_stale(true);
+        self.importer().drop_all();
         let r = self.release_cached(None).map(|_| {
             let pages = self.decommit_free(usize::MAX);
             self.rec.c.reclaimed_bytes += pages as u64;

@@ -58,10 +58,10 @@ pub struct PoolOptions {
 }
 
 impl PoolOptions {
-    /// Whether a pool built with these options for `device` attaches thread caches: where `opts` asks
-    /// for them and nothing needs every operation to reach the pool (debug records, a trace,
-    /// `none`), never in the unsafe test mode (whose point is a pool that reuses at once, the
-    /// way the cache never does), and never for a caller's upstream (no device).
+    /// Whether a pool built with these options for `device` attaches thread caches: where
+    /// they ask for them and nothing needs every operation to reach the pool (debug records,
+    /// a trace, `none`), never in the unsafe test mode (whose point is a pool that reuses at
+    /// once, the way the cache never does), and never for a caller's upstream (no device).
     pub(super) fn wants_thread_caches(&self, device: i32) -> bool {
         self.thread_cache
             && self.debug == 0

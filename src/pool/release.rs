@@ -208,7 +208,7 @@ impl Pool {
 impl Pool {
     /// Give back whole free granules in `order` until `want` bytes went (`None`: all).
     /// Each run's stream is synchronised first. Returns the bytes released.
-    pub(in crate::pool) fn arena_release(&mut self, want: Option<usize>, order: ReleaseOrder) -> usize {
+    fn arena_release(&mut self, want: Option<usize>, order: ReleaseOrder) -> usize {
         if self.paused.is_some() {
             return 0; // its memory is given back already, and its books stay as they are
         }
@@ -346,7 +346,7 @@ impl Pool {
     }
 
     /// Pool teardown: give the address space back when nothing in it is live any more.
-    pub(in crate::pool) fn arena_teardown(&mut self) {
+    pub(super) fn arena_teardown(&mut self) {
         let Some(a) = self.core.arena() else { return };
         if a.mapped_bytes() != 0 {
             return; // live blocks keep their memory and addresses until the process ends

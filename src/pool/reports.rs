@@ -1,5 +1,6 @@
 //! What the pool tells: statistics, the status report and its JSON, leaks, the segment of a
-//! block, and the full consistency scan the tests run after every operation.
+//! block, the arena's figures, a snapshot's segments, the thread caches' counts and what
+//! they keep, and the full consistency scan the tests run after every operation.
 
 use super::arena::ArenaFigures;
 use super::Pool;
@@ -25,6 +26,13 @@ impl Pool {
     /// operation reaps them), and the blocks their users freed that they keep.
     pub fn thread_caches(&self) -> (usize, usize) {
         (self.caches.count(), self.caches.kept().len())
+    }
+
+    /// Count, bytes and requested bytes of the blocks kept (freed) in thread caches.
+    pub(super) fn kept_bytes(&self) -> (usize, usize, usize) {
+        let kept = self.caches.kept();
+        let n = kept.len();
+        kept.iter().filter_map(|&p| self.core.live(p)).fold((n, 0, 0), |a, l| (a.0, a.1 + l.block.size, a.2 + l.requested))
     }
 
     /// Every live allocation, for the leak report.

@@ -361,7 +361,7 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
     for g in shards.iter_mut() {
         if let Some(p) = g.as_mut() {
             p.flush_thread_caches(None);
-            p.importer().drop_stale(true);
+            p.importer().drop_all();
             if p.live_count() > 0 {
                 let live = p.live_count();
                 return Err(Error::Busy(match p.paused_frees() {
@@ -377,7 +377,8 @@ fn ensure_idle(shards: &mut [MutexGuard<'static, Option<Pool>>], device: i32) ->
                     None => format!("cannot reconfigure device {device}: {live} allocation(s) are still live; free them first"),
                 }));
             }
-            let (open, kept) = (p.importer().open(), p.importer().kept());
+            let importer = p.importer();
+            let (open, kept) = (importer.open_count(), importer.kept());
             if open > 0 {
                 return Err(Error::Busy(format!(
                     "cannot reconfigure device {device}: {open} block(s) of other processes are mapped; gpupool_ipc_close them first"

@@ -40,7 +40,7 @@ impl AnyDescriptor {
             }
         }
         match self {
-            AnyDescriptor::Arena(d) if fds.is_none() => match registry::with_pool(device, |pool| pool.importer().import(d, None, None)) {
+            AnyDescriptor::Arena(d) if fds.is_none() => match registry::with_pool(device, |pool| pool.importer().import(d, None)) {
                 // No right to copy the exporter's descriptors (a container, Yama): its
                 // handover thread hands them over instead, checked against its record.
                 Err(Error::FetchRefused { detail, .. }) => {
@@ -61,7 +61,7 @@ impl AnyDescriptor {
                         crate::share::protocol::still_handed(d, &record)?;
                     }
                     // The mapping keeps the memory: the copies close on return.
-                    registry::with_pool(device, |pool| pool.importer().import(d, Some(&raw), mark))
+                    registry::with_pool(device, |pool| pool.importer().import_marked(d, Some(&raw), mark))
                 }
                 Ok(ptr) => {
                     if d.flags & FLAG_PAUSABLE != 0 {
@@ -72,7 +72,7 @@ impl AnyDescriptor {
                 }
                 other => other,
             },
-            AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.importer().import(d, fds, None)),
+            AnyDescriptor::Arena(d) => registry::with_pool(device, |pool| pool.importer().import(d, fds)),
             AnyDescriptor::Segment(d) => registry::with_pool(device, |pool| pool.importer().import_segment(d)),
         }
     }

@@ -21,7 +21,7 @@
 //!   same allocations until one is released (the exporter closes a granule's descriptor
 //!   only after counting its release), so an unchanged count means unchanged memory.
 //!
-//! Implementation. The cache sits between the pool's import entry (`ipc.rs`) and the
+//! Implementation. The cache sits between the import entry (`imports.rs`'s `Importer`) and the
 //! upstream's `vmm_import` / `vmm_unimport`, for descriptors whose file descriptors are
 //! fetched from the exporter (`pidfd_getfd`), where its record can be read; descriptors
 //! passed in by the caller are mapped and unmapped as before. It keeps the exporters it

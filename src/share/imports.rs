@@ -13,7 +13,7 @@ use crate::upstream::Upstream;
 /// This process's copies of the exporter's descriptors for `d`: `fds` (one per granule, or
 /// each exporter number once in the order the descriptor first names it), or, with none
 /// given, fetched from the exporter one at a time.
-pub fn source<'a>(d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
+fn source<'a>(d: &'a GranuleDescriptor, fds: Option<&'a [i32]>) -> Result<FdSource<'a>> {
     Ok(match fds {
         Some(f) => match d.per_granule(f) {
             Some(given) => FdSource::Given(given),
@@ -55,14 +55,16 @@ pub struct Importer<'a> {
     cache: &'a mut ImportCache,
     up: &'a mut dyn Upstream,
     device: i32,
-    /// Why the pool stopped, if it did: it maps nothing more, and still unmaps.
-    stopped: Option<Error>,
+    /// The error a stopped pool's imports and checks return (`None`: the pool runs): it
+    /// maps nothing more, and still unmaps.
+    refusal: Option<Error>,
 }
 
 impl<'a> Importer<'a> {
-    /// The imports of `device`'s pool: `cache` and `up` are its, `stopped` why it stopped.
-    pub(crate) fn new(cache: &'a mut ImportCache, up: &'a mut dyn Upstream, device: i32, stopped: Option<Error>) -> Self {
-        Importer { cache, up, device, stopped }
+    /// The imports of `device`'s pool: `cache` and `up` are its; `refusal`: what its imports
+    /// return where it stopped.
+    pub(crate) fn new(cache: &'a mut ImportCache, up: &'a mut dyn Upstream, device: i32, refusal: Option<Error>) -> Self {
+        Importer { cache, up, device, refusal }
     }
 
     /// Map the block another process exported as `d` (decoded by the caller, before the
@@ -71,17 +73,21 @@ impl<'a> Importer<'a> {
     /// number once in the order of its first appearance (`GranuleDescriptor::per_granule`);
     /// `None` fetches them from the exporter (`pidfd_getfd`), one at a time, and a block
     /// whose memory is still mapped from an earlier message is served with no driver call.
-    /// `mark`: the mark of an import of memory its exporter may pause, where the caller has
-    /// one (taken with the opens file its handover thread sent).
-    pub fn import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
+    pub fn import(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>) -> Result<usize> {
+        self.import_marked(d, fds, None)
+    }
+
+    /// `import`, with the mark of an import of memory its exporter may pause where the
+    /// caller has one (taken with the opens file its handover thread sent).
+    pub(crate) fn import_marked(&mut self, d: &GranuleDescriptor, fds: Option<&[i32]>, mark: Option<OpenMark>) -> Result<usize> {
         self.usable(d)?;
         import(self.cache, &mut *self.up, d, fds, mark)
     }
 
     /// Map the segment pool's block another process exported as `d` (CUDA's own IPC);
     /// returns where it starts here.
-    pub fn import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
-        if let Some(e) = &self.stopped {
+    pub(crate) fn import_segment(&mut self, d: &SegmentDescriptor) -> Result<usize> {
+        if let Some(e) = &self.refusal {
             return Err(e.clone());
         }
         self.up.cuda_ipc_open(&d.handle, d.offset as usize)
@@ -90,7 +96,7 @@ impl<'a> Importer<'a> {
     /// The checks `import` makes of `d` and the descriptors `fds` (the memory's kind, a
     /// descriptor for each granule, each the file the exporter shared), mapping nothing: for
     /// a block shown through an import already made (`gpupool_ipc_open_dlpack`).
-    pub fn check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
+    pub(crate) fn check(&self, d: &GranuleDescriptor, fds: &[i32]) -> Result<()> {
         self.usable(d)?;
         check(d, fds)
     }
@@ -100,24 +106,30 @@ impl<'a> Importer<'a> {
         close(self.cache, &mut *self.up, ptr, self.device)
     }
 
-    /// Unmap the idle kept imports that may not serve again, or all of them (`everything`).
-    pub fn drop_stale(&mut self, everything: bool) {
-        drop_stale(self.cache, &mut *self.up, everything);
+    /// Unmap the idle kept imports that may not serve again (an exporter released memory:
+    /// its pause asks its keepers for it back, `keepers.rs`).
+    pub(crate) fn drop_stale(&mut self) {
+        drop_stale(self.cache, &mut *self.up, false);
+    }
+
+    /// Unmap every idle kept import (reclaim; the pool is about to be replaced).
+    pub(crate) fn drop_all(&mut self) {
+        drop_stale(self.cache, &mut *self.up, true);
     }
 
     /// How many blocks of other processes are mapped (open).
-    pub fn open(&self) -> usize {
+    pub fn open_count(&self) -> usize {
         count(self.cache, &*self.up)
     }
 
     /// Idle imports kept mapped for later messages (`import_cache.rs`).
-    pub fn kept(&self) -> usize {
+    pub(crate) fn kept(&self) -> usize {
         self.cache.idle()
     }
 
     /// The pool runs, and `d` is of the memory its upstream maps (else: refused, saying so).
     fn usable(&self, d: &GranuleDescriptor) -> Result<()> {
-        if let Some(e) = &self.stopped {
+        if let Some(e) = &self.refusal {
             return Err(e.clone());
         }
         let kind = self.up.vmm_share_kind();
@@ -267,7 +279,7 @@ fn close(cache: &mut ImportCache, up: &mut dyn Upstream, ptr: usize, device: i32
 }
 
 /// How many blocks of other processes are mapped through `up` and `cache`.
-pub fn count(cache: &ImportCache, up: &dyn Upstream) -> usize {
+pub(crate) fn count(cache: &ImportCache, up: &dyn Upstream) -> usize {
     // The upstream's imports count the cache's runs, which count once per open block.
     (up.vmm_imports() + cache.opens() + up.cuda_ipc_imports()).saturating_sub(cache.runs())
 }

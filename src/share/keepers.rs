@@ -104,7 +104,7 @@ fn watcher() {
 /// Drop the idle imports that may not serve again, on every device.
 fn drop_stale_everywhere() {
     for device in registry::existing_devices() {
-        let _ = registry::with_existing(device, |p| p.importer().drop_stale(false));
+        let _ = registry::with_existing(device, |p| p.importer().drop_stale());
     }
 }
 

@@ -64,10 +64,10 @@
 //!   thread that drops the kept mappings its senders' pauses ask back, and a sender's wait
 //!   for its keepers (`keepers.rs`).
 //!
-//! The rest of the library offers narrow hooks: the pool checks a pointer against its books
-//! and exports a block, and for an import checks it runs and maps that memory kind, then
-//! hands its upstream and books to `imports.rs` (`pool/ipc.rs`, the arena's export
-//! `pool/arena/export.rs`); the
+//! The rest of the library offers narrow hooks: the pool checks a pointer against its books,
+//! exports a block and writes its record (`pool/ipc.rs`; an arena block's granules:
+//! `pool/arena/export.rs`), and for imports lends its kept imports, its upstream and
+//! whether it stopped to `imports.rs`'s `Importer` (`Pool::importer`); the
 //! arena strategy sets an exported block's granules aside (`strategy/arena/export.rs`)
 //! and never touches the record; the upstreams make the driver calls (`upstream/ipc.rs`,
 //! `upstream/cuda/address_space/import.rs`, `upstream/cuda/ipc_handles.rs`) and count each

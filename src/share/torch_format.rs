@@ -261,7 +261,7 @@ fn open_expandable(pid: u32, segment_size: u64, theirs: &[i32], device: c_int) -
         granules,
     };
     let raw: Vec<c_int> = mine.iter().map(|f| f.as_raw_fd()).collect();
-    registry::with_pool(device, |pool| pool.importer().import(&d, Some(&raw), None))
+    registry::with_pool(device, |pool| pool.importer().import(&d, Some(&raw)))
 }
 
 #[cfg(test)]

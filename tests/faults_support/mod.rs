@@ -202,7 +202,7 @@ pub fn books_agree(p: &mut Pool, s: &Mutex<Schedule>, i: usize, imports: &Import
     let f = p.arena_figures().expect("an arena pool");
     assert_eq!(f.mapped, s.real_home_bytes, "operation {i}: the arena books {} bytes mapped, the host maps {}", f.mapped, s.real_home_bytes);
     assert_eq!(s.imports, imports.len(), "operation {i}: the host maps {} imports, {} are open", s.imports, imports.len());
-    let open = p.importer().open();
+    let open = p.importer().open_count();
     assert_eq!(open, imports.len(), "operation {i}: the pool counts {open} imports");
     let want = (3 + imports.len(), f.address_space + imports.iter().map(|&(q, n, ..)| import_range(q, n)).sum::<usize>());
     assert_eq!(s.reserved, want, "operation {i}: the host reserves (ranges, bytes) {:?}, the arena and the open imports {want:?}", s.reserved);
@@ -257,7 +257,7 @@ pub fn export_and_import(p: &mut Pool, s: &Mutex<Schedule>, (a, n, id): (usize, 
             let d = GranuleDescriptor::decode(&bytes).unwrap_or_else(|e| panic!("operation {i}: the descriptor exported does not decode: {e}"));
             let fds: Vec<i32> = d.granules.iter().map(|g| g.fd).collect();
             let injected_before = lock(s).injected;
-            match p.importer().import(&d, Some(&fds), None) {
+            match p.importer().import(&d, Some(&fds)) {
                 Ok(q) => {
                     assert!(intact(q, n, id), "operation {i}: the import of {a:#x} at {q:#x} does not show its bytes");
                     imports.push((q, n, a, id));

@@ -1,7 +1,8 @@
 //! The state a thread's cache shares with the pool it is attached to, below the device
 //! pool (which keeps an `AttachedCaches` and offers the operations that need its books:
-//! `Pool::attach_thread`, and the kept blocks' return in `pool/free.rs`): the `ThreadCache` type and its word protocol, the limits of
-//! each word set, and which caches one pool has attached (module docs of `thread_cache`).
+//! `Pool::attach_thread`, and the kept blocks' return in `pool/free.rs`): the `ThreadCache`
+//! type and its word protocol, the limits of each word set, and which caches one pool has
+//! attached (module docs of `thread_cache`).
 //!
 //! The caches' words are shared with their owner threads, which change them without the
 //! pool's lock, so every read from the pool's side is a snapshot and every change a
