@@ -106,6 +106,7 @@ impl Placement {
 }
 
 /// `registry::shard_for(device, stream)`, remembered for the thread's next call.
+#[inline]
 pub fn route(device: i32, stream: usize) -> Result<usize> {
     let epoch = registry::placement_epoch();
     let last = PLACEMENT.try_with(Cell::get).unwrap_or(Placement::NONE);
