@@ -13,7 +13,7 @@ use super::{FreeOn, Pool};
 use crate::error::{Error, Result};
 use crate::stream::{StreamHandle, STREAM_LEGACY};
 use crate::upstream::AllocError;
-use crate::share::protocol::ExportRecord;
+use crate::share::exports::BlockExports;
 
 /// A paused pool's state.
 pub(super) struct Paused {
@@ -46,11 +46,11 @@ impl Pool {
         // receivers count their open imports of a tag's memory (`protocol::FLAG_PAUSABLE`) in
         // this process's opens file, which the pause reads first, and drop the mappings they
         // keep idle when the front end's pause wakes them (`share::keepers`).
-        self.close_exports_for_pause(name)?;
+        self.exports.close_for_pause(name)?;
         let r = self.pause_closed(name, stream, backup);
         if self.paused.is_none() {
             // Nothing was released: imports of its exports may open again.
-            self.reopen_exports();
+            self.exports.reopen();
         }
         r
     }
@@ -76,39 +76,10 @@ impl Pool {
         r.map(|b| b + given_back)
     }
 
-    /// Before a pause: every export of this pool's blocks marked closing in this process's
-    /// opens file, so that no import of them opens meanwhile; refused (naming the blocks and
-    /// the processes), with nothing changed, while another process still has one open
-    /// through gpupool (`share::protocol::opens_file`; a receiver that exited counts no more).
-    /// Receivers on PyTorch's own allocator keep no count: they are not seen here.
-    pub(crate) fn close_exports_for_pause(&mut self, name: &str) -> Result<()> {
-        let exports = self.exports.all();
-        let ats: Vec<_> = exports.iter().map(|e| e.1).collect();
-        let Err(open) = ExportRecord::close_for_pause(&ats) else { return Ok(()) };
-        let mut held: Vec<(usize, u32, u32)> =
-            open.iter().filter_map(|&(at, n, pid)| exports.iter().find(|e| e.1 == at).map(|e| (e.0, n, pid))).collect();
-        held.sort_unstable();
-        held.dedup_by_key(|h| h.0);
-        let mut pids: Vec<u32> = held.iter().map(|h| h.2).filter(|&p| p != 0).collect();
-        pids.sort_unstable();
-        pids.dedup();
-        let shown: Vec<String> = held.iter().take(8).map(|(a, n, pid)| format!("{a:#x} ({n} open, last by process {pid})")).collect();
-        Err(Error::Busy(format!(
-            "pause `{name}`: {} of its blocks are still mapped by the process(es) they were sent to ({}): {}{}; pausing \
-             now would give the device nothing back and leave the receivers reading memory the resume no longer \
-             updates. Have the receivers let go first (drop every tensor made from the blocks; PyTorch's sender then \
-             runs torch.cuda.ipc_collect()), then pause again",
-            held.len(),
-            pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", "),
-            shown.join(", "),
-            if held.len() > shown.len() { ", ..." } else { "" }
-        )))
-    }
-
-    /// Imports of this pool's exports may open again (a pause that did not go ahead, or a
-    /// resume).
-    pub(crate) fn reopen_exports(&mut self) {
-        ExportRecord::reopen(&self.exports.records());
+    /// This pool's exported blocks' exports (`crate::share::exports`): a pause closes them
+    /// first, across a tag's devices (`registry::tags`).
+    pub(crate) fn exports(&self) -> &BlockExports {
+        &self.exports
     }
 
     /// Map this pool's memory again at the same addresses and restore its backup (module
@@ -136,7 +107,7 @@ impl Pool {
         }
         let p = self.paused.take().expect("checked above");
         // Exports the pause did not end (a pause that failed midway) may be opened again.
-        self.reopen_exports();
+        self.exports.reopen();
         // Their memory is back and no queued work uses it (the pause waited, the resume's
         // copies finished): freed on the legacy stream, which every stream may follow.
         for ptr in p.frees {

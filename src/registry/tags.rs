@@ -122,7 +122,7 @@ pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result
         let mut closed = Vec::new();
         let checked = each_tag_pool(device, name, |p| {
             if !p.is_paused() {
-                p.close_exports_for_pause(name)?;
+                p.exports().close_for_pause(name)?;
                 closed.push(p.device());
             }
             Ok(0)
@@ -130,7 +130,7 @@ pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result
         if let Err(e) = checked {
             for d in closed {
                 let _ = each_tag_pool(d, name, |p| {
-                    p.reopen_exports();
+                    p.exports().reopen();
                     Ok(0)
                 });
             }
@@ -142,7 +142,7 @@ pub fn pause_tag(device: i32, name: &str, stream: usize, backup: bool) -> Result
         // The devices not paused take imports of the tag's blocks again.
         let _ = each_tag_pool(device, name, |p| {
             if !p.is_paused() {
-                p.reopen_exports();
+                p.exports().reopen();
             }
             Ok(0)
         });

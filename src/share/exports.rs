@@ -1,6 +1,7 @@
 //! The exports of one pool's live blocks (`BlockExports`): where each exported block's
 //! exports are recorded in this process's export record, with the digest of the granule
-//! list each shares. The pool keeps one; the strategy that placed the block knows nothing
+//! list each shares, and a pause's closing of them (refused, naming the receivers, while
+//! one has them open). The pool keeps one; the strategy that placed the block knows nothing
 //! of it (it only sets the block's granules aside, `guard_export`).
 //!
 //! Why per block: a block sent again (weights pushed every step) reuses its export, so its
@@ -8,6 +9,7 @@
 //! block ends its exports before its memory can serve another allocation, so a descriptor
 //! of it can no longer map that memory.
 
+use crate::error::{Error, Result};
 use crate::share::protocol::{ExportRecord, RecordRef};
 use rustc_hash::FxHashMap;
 
@@ -51,5 +53,40 @@ impl BlockExports {
     /// Where every booked export is recorded.
     pub fn records(&self) -> Vec<RecordRef> {
         self.by_block.values().flatten().map(|&(at, _)| at).collect()
+    }
+
+    /// Before a pause: every export of the pool's blocks marked closing in this process's
+    /// opens file, so that no import of them opens meanwhile; refused (naming the blocks and
+    /// the processes), with nothing changed, while another process still has one open
+    /// through gpupool (`share::protocol::opens_file`; a receiver that exited counts no more).
+    /// Receivers on PyTorch's own allocator keep no count: they are not seen here.
+    pub fn close_for_pause(&self, name: &str) -> Result<()> {
+        let exports = self.all();
+        let ats: Vec<_> = exports.iter().map(|e| e.1).collect();
+        let Err(open) = ExportRecord::close_for_pause(&ats) else { return Ok(()) };
+        let mut held: Vec<(usize, u32, u32)> =
+            open.iter().filter_map(|&(at, n, pid)| exports.iter().find(|e| e.1 == at).map(|e| (e.0, n, pid))).collect();
+        held.sort_unstable();
+        held.dedup_by_key(|h| h.0);
+        let mut pids: Vec<u32> = held.iter().map(|h| h.2).filter(|&p| p != 0).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        let shown: Vec<String> = held.iter().take(8).map(|(a, n, pid)| format!("{a:#x} ({n} open, last by process {pid})")).collect();
+        Err(Error::Busy(format!(
+            "pause `{name}`: {} of its blocks are still mapped by the process(es) they were sent to ({}): {}{}; pausing \
+             now would give the device nothing back and leave the receivers reading memory the resume no longer \
+             updates. Have the receivers let go first (drop every tensor made from the blocks; PyTorch's sender then \
+             runs torch.cuda.ipc_collect()), then pause again",
+            held.len(),
+            pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", "),
+            shown.join(", "),
+            if held.len() > shown.len() { ", ..." } else { "" }
+        )))
+    }
+
+    /// Imports of these exports may open again (a pause that did not go ahead, or a
+    /// resume).
+    pub fn reopen(&self) {
+        ExportRecord::reopen(&self.records());
     }
 }
