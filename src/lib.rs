@@ -6,7 +6,8 @@
 //! - `config`: the only reader of environment variables.
 //! - `block`: blocks, segments, split/merge rules.
 //! - `strategy`: caching policies (`split`, `binned`, `none`, `arena`: the virtual-memory
-//!   arena, whose driver calls live in `pool/grow.rs` and `pool/release.rs`).
+//!   arena, whose driver calls live in `pool/grow.rs`, `pool/release.rs` and, for
+//!   exports, `pool/arena/export.rs`).
 //! - `upstream`: where raw memory comes from (`host`, CUDA `device`/`vmm`/`managed`/`async`/`pinned`),
 //!   the virtual memory API the arena maps with, and the count of driver calls by kind.
 //! - `stream`: stream identity and the cross-stream reuse rule.

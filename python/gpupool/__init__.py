@@ -74,9 +74,12 @@ class Stats(ctypes.Structure):
 
 
 def _signatures():
-    """(name, restype, argtypes) of every C function this package calls, as
+    """(name, restype, argtypes) of every C function this package calls through ctypes, as
     include/gpupool.h, gpupool_share.h and gpupool_plugin.h declare them
-    (tests/python/test_signatures.py checks each against the headers)."""
+    (tests/python/test_signatures.py checks each against the headers). Not here:
+    `gpupool_cupy_set_oom_error`, which no header declares (CuPy's error type is a Python
+    object; `gpupool.cupy` declares it), and the functions whose addresses go to the
+    frameworks rather than being called (`gpupool_cupy_malloc`, `gpupool_torch_*`)."""
     c_int, c_size, vp, cp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p
     return [
         ("gpupool_malloc", c_int, [ctypes.POINTER(vp), c_size, c_int, vp]),

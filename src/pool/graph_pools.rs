@@ -35,8 +35,9 @@
 //! Implementation. `PrivatePools` (this file): the pools and their books;
 //! `graph_pools/routes.rs`: the routes; `graph_pools/operations.rs`: routing an allocation,
 //! captures nobody announced (CuPy's own `begin_capture`), frees held past a capture, and
-//! the private pools' memory (allocation, growth, frees, release); the entry points: `ffi/graph.rs` (C, CuPy),
-//! `ffi/torch.rs` (PyTorch's plug-in route) and the allocator class's `beginAllocateToPool`
+//! the private pools' memory (allocation, growth, frees, release); the entry points:
+//! `ffi/graph.rs` (C, CuPy), `ffi/torch.rs` (PyTorch's plug-in route) and the allocator
+//! class's `beginAllocateToPool`
 //! family (`python/gpupool/csrc/torch_allocator.cpp`). Tests: `tests/graph_pools.rs` (host),
 //! `tests/python/test_graphs.py` and the class's graph and MemPool tests (GPU).
 //!

@@ -20,9 +20,9 @@
 //! routing layer's operations in `graph_pools/operations.rs`; exports to other processes
 //! and the one hook for imports in `ipc.rs`; reports in `reports.rs`. What needs a layer or
 //! two alone is a function of them: a snapshot's segments (`snapshot.rs`), and of the core,
-//! the arena's figures and an export's granules with their driver calls (`arena/`). How a pool is built: `options.rs`;
-//! the budget a device's shards share: `budget.rs`, and whether their growths contend for
-//! the driver: `contention.rs`.
+//! the arena's figures and an export's granules with their driver calls (`arena/`). How a
+//! pool is built: `options.rs`; the budget a device's shards share: `budget.rs`, and whether
+//! their growths contend for the driver: `contention.rs`.
 //!
 //! Escalation when a request finds no cached block (PyTorch's order):
 //! take cached → flush deferred frees and retry → grow (preferred segment size, then the

@@ -162,6 +162,11 @@ def receive(inq, outq, gpupool_receiver):
         msg = inq.get()
         if msg == "stop":
             return
+        if msg == "kept":
+            # What this process keeps mapped of other processes' memory.
+            j = __import__("gpupool").stats_json(0)
+            outq.put((j["ipc_imports_kept"], j["ipc_import_address_space"]))
+            continue
         if msg == "drop":
             # The rollout engine lets go of the weights it kept.
             held = None
@@ -183,6 +188,7 @@ def receive(inq, outq, gpupool_receiver):
 
 if __name__ == "__main__":
     receiver, cycles = sys.argv[1], int(sys.argv[2])
+    assert cycles >= 3, "the baseline is taken at the third cycle"
     import gpupool
     gpupool.torch.install(compiled=True)
     ctx = mp.get_context("spawn")
@@ -197,11 +203,10 @@ if __name__ == "__main__":
             w.fill_(float(cycle * 3 + i))
         expected = [float(w.double().sum()) for w in ws]
         if cycle == 2:
-            # Paused with nothing sent since the last pause: what the device has free when
-            # no receiver keeps the weights alive. Taken after two sends: by then each
-            # process's own memory has reached what a cycle needs (the receiver's second
-            # copy is made while its first is alive, which its pool keeps cached after),
-            # so later cycles differ from it only by what a receiver keeps of the weights.
+            # Paused with nothing sent since the last pause: what the device has free.
+            # Taken after two sends: by then each process's own memory has reached what a
+            # cycle needs (the receiver's second copy is made while its first is alive,
+            # which its pool keeps cached after), so that later cycles compare with it.
             gpupool.pause("weights")
             free_unsent = torch.cuda.mem_get_info()[0]
             gpupool.resume("weights")
@@ -212,6 +217,12 @@ if __name__ == "__main__":
         released = gpupool.pause("weights")
         assert released > 0, released
         free_seen.append(torch.cuda.mem_get_info()[0])
+        if receiver == "gpupool":
+            # The pause asked the receiver for the memory it kept mapped between messages,
+            # and returned once it was dropped (a receiver that kept it would hold the old
+            # allocation alive, and the device would get nothing back).
+            inq.put("kept")
+            assert outq.get(timeout=120) == (0, 0), ("kept mappings after the pause", cycle)
         gpupool.resume("weights")
         for i, w in enumerate(ws):
             assert float(w.double().sum()) == expected[i], ("contents after resume", cycle)
@@ -243,8 +254,8 @@ if __name__ == "__main__":
           "below unsent MiB", (free_unsent - min(free_seen[2:])) >> 20, flush=True)
     assert spread <= 64 << 20, free_seen
     if receiver == "gpupool":
-        # Each pause got the weights' memory back from the receiver too (a gpupool receiver
-        # keeps its mappings between messages and drops them when the pause asks).
+        # Each pause got the weights' memory back from the receiver too: the device has as
+        # much free as when nothing had been sent since the last pause.
         assert min(free_seen[2:]) >= free_unsent - (64 << 20), (free_unsent, free_seen)
 '''
 

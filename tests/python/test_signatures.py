@@ -1,9 +1,13 @@
 """The Python package's ctypes declarations against the C headers (runs everywhere, CI
-included; no library is loaded): every function the package declares is declared in
-include/ with the same number and types of arguments and the same result, and
-`gpupool.Stats` has `struct gpupool_stats`'s fields in order. A header changed without the
-package (or the reverse) fails here instead of passing wrong arguments at run time."""
+included; no library is loaded): every function the package calls through ctypes is in its
+table (`gpupool._signatures`), declared in include/ with the same number of arguments and
+each passed as the header's type is, with the same result, and `gpupool.Stats` has
+`struct gpupool_stats`'s fields in order. A header changed without the package (or the
+reverse) fails here instead of passing wrong arguments at run time. The comparison is of
+what crosses the call on Linux (ctypes' own types: `size_t` and `uint64_t` are one type
+there, as are `char *` and `const char *`)."""
 import ctypes
+import pathlib
 import re
 import sys
 
@@ -45,11 +49,36 @@ def parse(code):
                 part = ""
                 if p in ("", "void"):
                     continue
-                # A function pointer is passed as an address; otherwise the name goes.
-                params.append("void *" if "(*" in p else re.sub(r"\b\w+$", "", p).strip())
+                # A function pointer is passed as an address; otherwise a name, if any, goes.
+                params.append("void *" if "(*" in p else _unnamed(p))
             else:
                 part += ch
         out.append((" ".join(m.group(1).split()), m.group(2), params))
+    return out
+
+
+def _type(c):
+    """`c` with one spelling: no `const`, one space before each `*`."""
+    stars = re.sub(r"\s*\*\s*", "*", " ".join(c.replace("const ", "").split()))
+    return re.sub(r"(?<=[^\s*])\*", " *", stars).strip()
+
+
+def _unnamed(p):
+    """The type of parameter `p`, its name (if it has one) left out."""
+    t = _type(p)
+    if t.endswith("*") or t in SCALARS:
+        return t
+    return re.sub(r"\b\w+$", "", t).strip()
+
+
+def raw_declarations():
+    """{name: [parameter text as written]} of every gpupool_ function in include/ (whether
+    a pointer is `const`)."""
+    out = {}
+    for h in HEADERS:
+        code = _code((ROOT / "include" / h).read_text())
+        for m in re.finditer(r"\b(gpupool_\w+)\s*\(([^;]*?)\)\s*;", code):
+            out[m.group(1)] = [" ".join(p.split()) for p in m.group(2).split(",")]
     return out
 
 
@@ -58,44 +87,66 @@ def declarations():
     return {name: (ret, params) for h in HEADERS for ret, name, params in parse(_code((ROOT / "include" / h).read_text()))}
 
 
+SCALARS = {
+    "void": None,
+    "int": ctypes.c_int,
+    "unsigned": ctypes.c_uint,
+    "unsigned int": ctypes.c_uint,
+    "enum gpupool_status": ctypes.c_int,
+    "size_t": ctypes.c_size_t,
+    "ptrdiff_t": ctypes.c_ssize_t,
+    "uint32_t": ctypes.c_uint32,
+    "uint64_t": ctypes.c_uint64,
+    "int64_t": ctypes.c_int64,
+    "double": ctypes.c_double,
+}
+
+
 def ctype_of(c, stats):
     """The ctypes type a C type is passed as (None: `void`)."""
-    c = " ".join(c.replace("const ", "").split())
+    c = _type(c)
     if c.endswith("*"):
         inner = c[:-1].strip()
-        if inner in ("char",):
+        if inner == "char":
             return ctypes.c_char_p
         if inner == "void":
             return ctypes.c_void_p
         return ctypes.POINTER(ctype_of(inner, stats))
-    return {
-        "void": None,
-        "int": ctypes.c_int,
-        "enum gpupool_status": ctypes.c_int,
-        "size_t": ctypes.c_size_t,
-        "uint32_t": ctypes.c_uint32,
-        "uint64_t": ctypes.c_uint64,
-        "int64_t": ctypes.c_int64,
-        "double": ctypes.c_double,
-        "struct gpupool_stats": stats,
-    }[c]
+    if c == "struct gpupool_stats":
+        return stats
+    return SCALARS[c]
 
 
 def test_the_parser_reads_a_declaration():
     # What the checks below rest on: a multi-line declaration with pointers of two levels, and
     # one taking a function pointer.
     code = _code("/* x */ enum gpupool_status gpupool_f(int **out,\n  const char *name); // y\n"
-                 "void gpupool_g(ptrdiff_t (*getter)(void));")
-    assert parse(code) == [("enum gpupool_status", "gpupool_f", ["int **", "const char *"]),
-                           ("void", "gpupool_g", ["void *"])]
+                 "void gpupool_g(ptrdiff_t (*getter)(void));\nint gpupool_h(void*, size_t, const void *p);")
+    assert parse(code) == [("enum gpupool_status", "gpupool_f", ["int **", "char *"]),
+                           ("void", "gpupool_g", ["void *"]),
+                           ("int", "gpupool_h", ["void *", "size_t", "void *"])]
     assert ctype_of("int **", None) is ctypes.POINTER(ctypes.POINTER(ctypes.c_int))
     assert ctype_of("const char *", None) is ctypes.c_char_p
+
+
+def test_every_function_the_package_calls_is_in_its_table():
+    gp = _gpupool()
+    table = {name for name, _, _ in gp._signatures()}
+    package = pathlib.Path(gp.__file__).parent
+    called = set()
+    for f in package.glob("*.py"):
+        # Attribute calls on the loaded library (`lib().gpupool_x(`, `L.gpupool_x(`).
+        called |= set(re.findall(r"\.(gpupool_\w+)\(", f.read_text()))
+    assert len(called) > 30, sorted(called)
+    assert called <= table, sorted(called - table)
 
 
 def test_every_function_the_package_declares_matches_its_header():
     gp = _gpupool()
     declared = declarations()
+    raw = raw_declarations()
     assert len(declared) > 50, sorted(declared)
+    assert len(gp._signatures()) > 50
     wrong = []
     for name, res, args in gp._signatures():
         if name not in declared:
@@ -112,7 +163,7 @@ def test_every_function_the_package_declares_matches_its_header():
         for i, (got, want, c) in enumerate(zip(args, want_args, params)):
             # Bytes the C side only reads (a descriptor) go in as `bytes`: c_char_p passes the
             # buffer's address, embedded zeros included, as c_void_p would.
-            if got is ctypes.c_char_p and " ".join(c.split()) == "const void *":
+            if got is ctypes.c_char_p and c == "void *" and "const" in raw[name][i]:
                 continue
             if got is not want:
                 wrong.append(f"{name}: argument {i} is {got} in Python, {c} ({want}) in the header")

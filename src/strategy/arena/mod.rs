@@ -20,8 +20,8 @@
 //! - Memory goes back only under pressure (limit, OOM, reclaim, decay), as whole free
 //!   granules, in bulk; stitches over them are dropped first.
 //!
-//! The strategy plans and keeps the books; the pool (`pool/grow.rs`, `pool/release.rs`)
-//! makes the driver calls, so all of this is testable without a GPU.
+//! The strategy plans and keeps the books; the pool (`pool/grow.rs`, `pool/release.rs`,
+//! `pool/arena/export.rs`) makes the driver calls, so all of this is testable without a GPU.
 
 mod carve;
 mod chunks;
