@@ -262,7 +262,7 @@ fn churn_on_own_streams(d: i32, pool: &CStr) {
 
 #[test]
 fn a_thread_that_remembers_its_streams_shard_follows_a_reconfigured_device() {
-    // The front end remembers the shard of its thread's last stream (`thread_cache::route`);
+    // The front end remembers the shard of its thread's last stream (`thread_cache::shard_for`);
     // a device remade with another shard count must not get allocations on a shard that no
     // longer exists. Same thread, same stream throughout.
     let d = 48;

@@ -154,7 +154,7 @@ pub fn allocate<R>(device: i32, shard: usize, stream: usize, mut attempt: impl F
 /// locked allocation that attaches the thread's cache to the pool (making one the first
 /// time) and, where the thread's sizes repeat, lets the cache remember the new block.
 fn malloc_kind(device: i32, size: usize, stream: usize, kind: WordSet) -> Result<usize> {
-    let shard = thread_cache::route(device, stream)?;
+    let shard = thread_cache::shard_for(device, stream)?;
     if let Some(p) = thread_cache::reuse(device, shard, kind, size, stream) {
         return Ok(p);
     }
@@ -184,7 +184,7 @@ fn empty(device: i32, stream: usize) -> Result<usize> {
         let shard = registry::shard_for(device, stream)?;
         return allocate(device, shard, stream, |pool| pool.malloc(0, stream));
     }
-    thread_cache::route(device, stream)?;
+    thread_cache::shard_for(device, stream)?;
     Ok(0)
 }
 

@@ -23,7 +23,7 @@
 //! - reports add the shards up (`reports.rs`).
 //!
 //! Files: this one holds the slots, their locks and the device's life (creation,
-//! `configure`, `install`, limits); `route.rs` which shard a call goes to; `streams.rs` the
+//! `configure`, `install`, limits); `which_shard.rs` which shard a call goes to; `streams.rs` the
 //! stream placements; `reports.rs` the device-wide reports.
 //!
 //! What it costs: memory cached on one stream's shard serves only that shard until memory
@@ -41,14 +41,14 @@
 
 mod private_pools;
 mod reports;
-mod route;
+mod which_shard;
 mod streams;
 mod tags;
 
 pub use reports::{memory_status, reset_peaks, snapshot_json, stats, stats_json};
 pub use tags::{pause_tag, place_tag, resume_tag, tag_backup_drop, tag_backup_prepare, tag_paused_bytes, tag_shard};
 pub use private_pools::{begin_route, create_private_pool, empty_private_pool, end_route, private_pool_uses, release_private_pool, routed_tag_shards};
-pub use route::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
+pub use which_shard::{counted_twice, lock_holder, placement_epoch, pool_made, release_other_shards, shard_for, shard_placed, worth_other_shards};
 
 use crate::config::{Config, PoolKind, UpstreamKind, MAX_STREAM_SHARDS};
 use crate::error::{Error, Result};
@@ -109,10 +109,10 @@ struct DevicePools {
 
 impl DevicePools {
     /// Set the device's stream-shard count; answers of `shard_for` remembered before are
-    /// stale from now on (`route::placement_epoch`).
+    /// stale from now on (`which_shard::placement_epoch`).
     fn set_stream_shards(&self, n: usize) {
         self.stream_shards.store(n, Ordering::Release);
-        route::placements_changed();
+        which_shard::placements_changed();
     }
 }
 

@@ -238,7 +238,7 @@ impl StreamShards {
             if a.allocs.compare_exchange(was, was.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 a.last_stream.store(handle, Ordering::Release); // arriving is no alternation
                 self.shards[e].store(to as u32, Ordering::Release);
-                super::route::placements_changed();
+                super::which_shard::placements_changed();
                 return;
             }
         }

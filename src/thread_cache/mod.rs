@@ -107,7 +107,7 @@ impl Placement {
 
 /// `registry::shard_for(device, stream)`, remembered for the thread's next call.
 #[inline]
-pub fn route(device: i32, stream: usize) -> Result<usize> {
+pub fn shard_for(device: i32, stream: usize) -> Result<usize> {
     let epoch = registry::placement_epoch();
     let last = PLACEMENT.try_with(Cell::get).unwrap_or(Placement::NONE);
     // `Placement::NONE` names device -1: a bad device id must reach the registry's check.

@@ -56,13 +56,13 @@ fn a_stream_sharing_its_shard_moves_to_the_idle_one() {
     std::thread::sleep(IDLE_WINDOW);
     take_turns(&t, &l, [a, x], MOVE_AFTER / 2 - 1, n, &mut turn);
     assert_eq!((t.shard_of(a, n), t.shard_of(x, n)), (1, 1), "fewer alternations move nothing");
-    let epoch = super::super::route::placement_epoch();
+    let epoch = super::super::which_shard::placement_epoch();
     take_turns(&t, &l, [a, x], 1, n, &mut turn);
     let mut now = [t.shard_of(a, n), t.shard_of(x, n)];
     now.sort();
     assert_eq!(now, [1, 4], "one of the two moved, to the one idle shard");
-    // Threads that remembered the old placement ask again (`thread_cache::route`).
-    assert_ne!(super::super::route::placement_epoch(), epoch, "a move changes the placement epoch");
+    // Threads that remembered the old placement ask again (`thread_cache::shard_for`).
+    assert_ne!(super::super::which_shard::placement_epoch(), epoch, "a move changes the placement epoch");
     assert_eq!((t.shard_of(b, n), t.shard_of(c, n)), (2, 3));
     // Apart, they no longer alternate: nothing moves again.
     for _ in 0..4 * MOVE_AFTER {
