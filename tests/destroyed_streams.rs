@@ -354,7 +354,7 @@ fn a_segment_with_a_dead_streams_block_is_not_handed_out_while_no_wait_may_be_ma
 }
 
 #[test]
-fn passthrough_on_a_stream_ordered_upstream_queues_releases_on_the_live_stream() {
+fn none_on_a_stream_ordered_upstream_queues_releases_on_the_live_stream() {
     let d = 47;
     let streams = install_as(d, PoolKind::None, true);
     for _ in 0..10 {

@@ -175,7 +175,7 @@ impl Pool {
             self.exports.end_block(block.addr);
         }
         match self.core.strategy_mut().put(block) {
-            // Not cached (passthrough): straight back. A stream-ordered upstream orders the
+            // Not cached (`none`): straight back. A stream-ordered upstream orders the
             // release on the freeing stream; any other first waits for that stream's work
             // (cuMemFree happens to synchronise by itself, cuMemUnmap does not).
             Some(seg) => {

@@ -7,7 +7,7 @@
 pub mod arena;
 pub mod binned;
 pub mod bins;
-pub mod passthrough;
+pub mod none;
 pub mod slab;
 pub mod split;
 
@@ -112,6 +112,6 @@ pub fn build(kind: PoolKind) -> Box<dyn Strategy> {
     match kind {
         PoolKind::Split | PoolKind::Arena => Box::new(split::SplitStrategy::new()),
         PoolKind::Binned => Box::new(binned::BinnedStrategy::new()),
-        PoolKind::None => Box::new(passthrough::Passthrough::new()),
+        PoolKind::None => Box::new(none::NoneStrategy::new()),
     }
 }

@@ -6,15 +6,15 @@ use crate::block::{round_up, Block, Segment, MIN_ALIGN};
 use crate::upstream::stream_id::StreamKey;
 
 #[derive(Default)]
-pub struct Passthrough;
+pub struct NoneStrategy;
 
-impl Passthrough {
+impl NoneStrategy {
     pub fn new() -> Self {
-        Passthrough
+        NoneStrategy
     }
 }
 
-impl Strategy for Passthrough {
+impl Strategy for NoneStrategy {
     fn name(&self) -> &'static str {
         "none"
     }
